@@ -1,0 +1,89 @@
+"""The `dsfuse` torch.compile backend.
+
+Registered through the `torch_dynamo_backends` entry point, so `backend="dsfuse"` works without
+importing dsfuse. It runs Inductor with the dsfuse pass manager installed as the post-grad custom
+pass; with every pass disabled it is plain Inductor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from . import report as _report
+from .config import BackendConfig, DsfuseConfigError, resolve_config
+from .pass_manager import DsfusePassManager, sources_digest
+
+TRAINING_NOTE = (
+    "graph needs gradients: dsfuse passes rewrite inference graphs only "
+    "(run under torch.no_grad() or torch.inference_mode()); compiled as plain Inductor"
+)
+CACHED_NOTE = "served from Inductor's FX graph cache; sites restored from dsfuse's record of that compile"
+
+
+def _needs_grad(example_inputs: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+    )
+
+
+def _inductor_patches(cfg: BackendConfig, dynamic: bool | None) -> dict[str, Any]:
+    patches: dict[str, Any] = {}
+    if cfg.mode not in (None, "default"):
+        patches.update(torch._inductor.list_mode_options(cfg.mode, dynamic))
+    patches.update(cfg.inductor_options)
+    if "post_grad_custom_post_pass" in patches:
+        raise DsfuseConfigError(
+            "options['inductor'] may not set post_grad_custom_post_pass: dsfuse installs its own pass there"
+        )
+    return patches
+
+
+def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig) -> str:
+    described = [
+        (tuple(str(s) for s in t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
+        for t in example_inputs
+    ]
+    text = json.dumps([gm.code, described, cfg.enabled, sorted(map(str, cfg.inductor_options.items())), cfg.mode])
+    return hashlib.sha256((text + sources_digest()).encode()).hexdigest()
+
+
+_SITE_RECORDS: dict[str, tuple[list[_report.Site], list[_report.NearMiss]]] = {}
+
+
+def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                   options: Mapping[str, Any] | None = None, mode: str | None = None) -> Callable:
+    """Compile a Dynamo graph with Inductor plus the enabled dsfuse passes."""
+    from torch._inductor.compile_fx import compile_fx
+
+    cfg = resolve_config(options, mode)
+    patches = _inductor_patches(cfg, dynamic=None)
+    note = ""
+    manager = None
+    if cfg.enabled and _needs_grad(example_inputs):
+        note = TRAINING_NOTE
+    elif cfg.enabled:
+        manager = DsfusePassManager(cfg.enabled)
+        patches["post_grad_custom_post_pass"] = manager
+    graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note)
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if manager is not None:
+        key = _record_key(gm, example_inputs, cfg)
+        if manager.ran:
+            _SITE_RECORDS[key] = (manager.sites, manager.near_misses)
+        elif key in _SITE_RECORDS:
+            _report.annotate_graph(graph_index, CACHED_NOTE)
+            sites, misses = _SITE_RECORDS[key]
+            manager.sites, manager.near_misses = sites, misses
+        else:
+            _report.annotate_graph(
+                graph_index, "served from Inductor's FX graph cache compiled by another process: sites not counted"
+            )
+        for site in manager.sites:
+            _report.record_site(_report.Site(**{**site.__dict__, "graph": graph_index}))
+        for miss in manager.near_misses:
+            _report.record_near_miss(_report.NearMiss(**{**miss.__dict__, "graph": graph_index}))
+    return compiled

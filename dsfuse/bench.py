@@ -1,0 +1,195 @@
+"""Benchmarks: eager, Inductor and dsfuse side by side in one process.
+
+    python -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192
+    python -m dsfuse.bench model --preset tiny --seq 32 --device cpu      # smoke run
+
+Every configuration is checked before it is timed: dsfuse with all passes off must reproduce Inductor
+bit for bit, and every compiled model is compared with eager. Times are medians of
+`triton.testing.do_bench` (CUDA) or of wall-clock repeats (CPU); an out-of-memory configuration is
+reported as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+
+import dsfuse
+from dsfuse.config import PASS_NAMES
+
+CONFIGS: dict[str, tuple[str | None, dict | None]] = {
+    "eager": (None, None),
+    "inductor": ("inductor", None),
+    "dsfuse-off": ("dsfuse", {"disable": list(PASS_NAMES)}),
+    "dsfuse": ("dsfuse", None),
+}
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def environment() -> dict:
+    import triton
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
+           "python": platform.python_version(), "device": "cpu"}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def time_ms(fn: Callable[[], object], device: str, rep_ms: int) -> float:
+    if device.startswith("cuda"):
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=max(rep_ms // 4, 25), rep=rep_ms, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def _compiled(model, backend: str | None, options: dict | None):
+    if backend is None:
+        return model
+    torch._dynamo.reset()
+    return torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
+
+
+def bench_model(args) -> dict:
+    from dsfuse.models.presets import build_hf_model
+
+    dtype = getattr(torch, args.dtype)
+    cuda = args.device.startswith("cuda")
+    model = build_hf_model(args.preset, dtype=dtype, device=args.device, attn_implementation=args.attn)
+    results = {"env": environment(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch, "runs": []}
+    print(f"# {results['env']} preset={args.preset} dtype={args.dtype} batch={args.batch}", flush=True)
+    for seq in args.seq:
+        ids = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=args.device,
+                            generator=torch.Generator(args.device).manual_seed(seq))
+        outputs: dict[str, torch.Tensor] = {}
+        for name in args.configs:
+            backend, options = CONFIGS[name]
+            row = {"seq": seq, "config": name}
+            try:
+                fn = _compiled(model, backend, options)
+                dsfuse.reset_report()
+                if cuda:
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                with torch.no_grad():
+                    start = time.perf_counter()
+                    logits = fn(ids).logits
+                    if cuda:
+                        torch.cuda.synchronize()
+                    row["first_call_s"] = round(time.perf_counter() - start, 2)
+                    if cuda:
+                        row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+                    row["ms"] = time_ms(lambda: fn(ids), args.device, args.rep_ms)
+                    if name == "inductor":
+                        row["deterministic"] = bool(torch.equal(fn(ids).logits, logits))
+                row["tok_per_s"] = args.batch * seq / row["ms"] * 1e3
+                if backend == "dsfuse":
+                    row["rewritten"] = dsfuse.report().counts if name != "dsfuse-off" else {}
+                outputs[name] = logits.float()
+                del logits
+            except torch.OutOfMemoryError:
+                row["ms"] = None
+                row["error"] = "out of memory"
+            except Exception as err:  # a broken configuration is reported, the others still run
+                row["ms"] = None
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            results["runs"].append(row)
+            print(json.dumps(row), flush=True)
+        _check_parity(outputs, seq, results)
+        outputs.clear()
+        if cuda:
+            torch.cuda.empty_cache()
+    _print_table(results)
+    return results
+
+
+def _check_parity(outputs: dict[str, torch.Tensor], seq: int, results: dict) -> None:
+    reference = outputs.get("eager")
+    for row in results["runs"]:
+        if row["seq"] != seq or row["config"] not in outputs:
+            continue
+        out = outputs[row["config"]]
+        if reference is not None:
+            row["rel_l2_vs_eager"] = ((out - reference).norm() / reference.norm()).item()
+        if row["config"] == "dsfuse-off" and "inductor" in outputs:
+            row["bitwise_equal_to_inductor"] = bool(torch.equal(out, outputs["inductor"]))
+
+
+def _print_table(results: dict) -> None:
+    base = {(r["seq"]): r["ms"] for r in results["runs"] if r["config"] == "inductor" and r.get("ms")}
+    print(f"\n{'S':>6} {'config':<11} {'ms':>9} {'tok/s':>10} {'vs Inductor':>11} {'peak GiB':>9} {'rel_l2 eager':>12}  notes")
+    for r in results["runs"]:
+        ms = r.get("ms")
+        ratio = f"{base[r['seq']] / ms:.2f}x" if ms and r["seq"] in base else "-"
+        notes = r.get("error", "")
+        if "deterministic" in r:
+            notes += f"run twice bitwise equal: {r['deterministic']}"
+        if "bitwise_equal_to_inductor" in r:
+            notes += f"bitwise==inductor: {r['bitwise_equal_to_inductor']}"
+        if r.get("rewritten"):
+            notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items() if v)
+        print(f"{r['seq']:>6} {r['config']:<11} {ms if ms is None else round(ms, 2)!s:>9} "
+              f"{round(r['tok_per_s']) if ms else '-'!s:>10} {ratio:>11} {r.get('peak_extra_gib', '-')!s:>9} "
+              f"{r.get('rel_l2_vs_eager', float('nan')):>12.3e}  {notes}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    model = sub.add_parser("model", help="whole-model prefill: eager / Inductor / dsfuse")
+    model.add_argument("--preset", default="v32-real-2l")
+    model.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
+    model.add_argument("--batch", type=int, default=1)
+    model.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    model.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    model.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    model.add_argument("--rep-ms", type=int, default=1000)
+    model.add_argument("--json", default=None, help="write results here")
+    args = parser.parse_args(argv)
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; valid: {', '.join(CONFIGS)}")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    results = bench_model(args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

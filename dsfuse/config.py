@@ -1,0 +1,90 @@
+"""Backend options: which passes run, and what else is forwarded to Inductor.
+
+Options come from `torch.compile(..., options={...})` and from the environment variables
+`DSFUSE_ENABLE` / `DSFUSE_DISABLE` (comma lists). Every name is checked: a typo raises instead of
+silently running a different ablation than the one asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+PASS_NAMES: tuple[str, ...] = ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts")
+
+OPTION_NAMES: tuple[str, ...] = ("enable", "disable", "inductor", "mode")
+
+ENV_ENABLE = "DSFUSE_ENABLE"
+ENV_DISABLE = "DSFUSE_DISABLE"
+
+
+class DsfuseConfigError(ValueError):
+    """A backend option, pass name or environment variable that dsfuse does not know."""
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """The resolved configuration for one compilation."""
+
+    enabled: tuple[str, ...]
+    inductor_options: Mapping[str, Any] = field(default_factory=dict)
+    mode: str | None = None
+
+    def is_enabled(self, name: str) -> bool:
+        return name in self.enabled
+
+
+def _as_names(value: Any, source: str) -> list[str]:
+    if isinstance(value, str):
+        names = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, Iterable):
+        names = list(value)
+    else:
+        raise DsfuseConfigError(f"{source} must be a list of pass names or a comma-separated string, got {value!r}")
+    for name in names:
+        if not isinstance(name, str) or name not in PASS_NAMES:
+            raise DsfuseConfigError(
+                f"unknown dsfuse pass {name!r} in {source}; valid pass names: {', '.join(PASS_NAMES)}"
+            )
+    return names
+
+
+def resolve_config(options: Mapping[str, Any] | None = None, mode: str | None = None,
+                   environ: Mapping[str, str] | None = None) -> BackendConfig:
+    """Combine `options` with the environment into the set of passes to run.
+
+    `enable` keeps only the named passes, `disable` removes the named ones; both may come from the
+    options dict or the environment, and all of them apply (the most restrictive result wins).
+    """
+    options = dict(options or {})
+    environ = os.environ if environ is None else environ
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise DsfuseConfigError(
+            f"unknown dsfuse option(s) {', '.join(map(repr, unknown))}; valid options: {', '.join(OPTION_NAMES)}"
+        )
+    enabled = list(PASS_NAMES)
+    for source, value in (
+        ("options['enable']", options.get("enable")),
+        (ENV_ENABLE, environ.get(ENV_ENABLE)),
+    ):
+        if value is not None:
+            keep = set(_as_names(value, source))
+            enabled = [name for name in enabled if name in keep]
+    for source, value in (
+        ("options['disable']", options.get("disable")),
+        (ENV_DISABLE, environ.get(ENV_DISABLE)),
+    ):
+        if value is not None:
+            drop = set(_as_names(value, source))
+            enabled = [name for name in enabled if name not in drop]
+    inductor_options = options.get("inductor") or {}
+    if not isinstance(inductor_options, Mapping):
+        raise DsfuseConfigError(f"options['inductor'] must be a dict of Inductor config values, got {inductor_options!r}")
+    mode = options.get("mode", mode)
+    if mode not in (None, "default", "max-autotune", "max-autotune-no-cudagraphs", "reduce-overhead"):
+        raise DsfuseConfigError(
+            f"unknown mode {mode!r}; valid modes: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"
+        )
+    return BackendConfig(enabled=tuple(enabled), inductor_options=dict(inductor_options), mode=mode)

@@ -1,0 +1,67 @@
+"""Runs the enabled dsfuse passes over Inductor's post-grad graph.
+
+Inductor calls the manager as its `post_grad_custom_post_pass`. Its `uuid()` goes into the FX graph
+cache key, so it hashes the enabled set together with the sources of every pass and kernel: toggling
+a flag or editing a kernel can never be answered with a graph compiled for another configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import report as _report
+from .config import PASS_NAMES
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+
+
+def _source_files() -> list[Path]:
+    from dsfuse import kernels, passes
+
+    roots = [PACKAGE_ROOT, Path(passes.__file__).parent, Path(kernels.__file__).parent]
+    return sorted(path for root in roots for path in root.glob("*.py"))
+
+
+def sources_digest() -> str:
+    """A hash of every source file that decides what a compiled graph contains."""
+    digest = hashlib.sha256()
+    for path in _source_files():
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+class DsfusePassManager(CustomGraphPass):
+    """Applies the enabled passes in dependency order and records what each one did."""
+
+    def __init__(self, enabled: tuple[str, ...]):
+        unknown = [name for name in enabled if name not in PASS_NAMES]
+        if unknown:
+            raise ValueError(f"unknown dsfuse pass(es) {unknown}; valid pass names: {', '.join(PASS_NAMES)}")
+        self.enabled = tuple(name for name in PASS_NAMES if name in enabled)
+        self.sites: list[_report.Site] = []
+        self.near_misses: list[_report.NearMiss] = []
+        self.ran = False
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from dsfuse.passes import RUN_ORDER, PassContext, run_pass
+
+        self.ran = True
+        graph_index = _report.current_graph()
+        for name in RUN_ORDER:
+            if name in self.enabled:
+                ctx = PassContext(name=name, graph_index=graph_index)
+                run_pass(name, graph, ctx)
+                self.sites.extend(ctx.sites)
+                self.near_misses.extend(ctx.near_misses)
+        graph.eliminate_dead_code()
+        graph.lint()
+
+    def uuid(self) -> str:
+        return hashlib.sha256(
+            f"dsfuse|{','.join(self.enabled)}|{torch.__version__}|{sources_digest()}".encode()
+        ).hexdigest()

@@ -1,0 +1,133 @@
+"""What dsfuse rewrote, and why it left near-misses alone.
+
+Every compilation appends to one process-wide record; `reset_report()` clears it and `report()`
+returns a snapshot, so a user can compile, run, and then read what happened.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+
+from .config import PASS_NAMES
+
+log = logging.getLogger("dsfuse")
+
+
+@dataclass(frozen=True)
+class Site:
+    """One subgraph replaced by a fused op."""
+
+    pass_name: str
+    graph: int
+    anchor: str
+    op: str
+    inputs: tuple[str, ...]
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class NearMiss:
+    """A candidate a pass found and did not rewrite, with the reason."""
+
+    pass_name: str
+    graph: int
+    anchor: str
+    reason: str
+
+
+@dataclass
+class GraphRecord:
+    """One graph dsfuse compiled, with the passes that ran over it."""
+
+    index: int
+    nodes: int
+    enabled: tuple[str, ...]
+    note: str = ""
+
+
+@dataclass
+class Report:
+    """Everything compiled since the last `reset_report()`."""
+
+    graphs: list[GraphRecord] = field(default_factory=list)
+    sites: list[Site] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        counts = {name: 0 for name in PASS_NAMES}
+        for site in self.sites:
+            counts[site.pass_name] += 1
+        return counts
+
+    def __str__(self) -> str:
+        lines = [f"dsfuse report: {len(self.graphs)} graph(s) compiled"]
+        enabled = sorted({name for g in self.graphs for name in g.enabled}, key=PASS_NAMES.index)
+        width = max(len(name) for name in PASS_NAMES)
+        lines.append(f"  {'pass':<{width}}  {'rewritten':>9}  {'near-misses':>11}  state")
+        misses = {name: 0 for name in PASS_NAMES}
+        for miss in self.near_misses:
+            misses[miss.pass_name] += 1
+        from dsfuse.passes import implemented
+
+        for name in PASS_NAMES:
+            state = "enabled" if name in enabled else ("disabled" if self.graphs else "-")
+            if not implemented(name):
+                state += " (matcher not implemented yet: matches nothing)"
+            lines.append(f"  {name:<{width}}  {self.counts[name]:>9}  {misses[name]:>11}  {state}")
+        for graph in self.graphs:
+            if graph.note:
+                lines.append(f"  graph {graph.index}: {graph.note}")
+        if self.sites:
+            lines.append("rewritten sites:")
+            for site in self.sites:
+                lines.append(f"  [{site.pass_name}] graph {site.graph} at {site.anchor} -> {site.op}"
+                             f" ({', '.join(site.inputs)}){' ' + site.detail if site.detail else ''}")
+        if self.near_misses:
+            lines.append("not rewritten:")
+            for miss in self.near_misses:
+                lines.append(f"  [{miss.pass_name}] graph {miss.graph} at {miss.anchor}: {miss.reason}")
+        return "\n".join(lines)
+
+
+_REPORT = Report()
+
+
+def reset_report() -> None:
+    """Forget everything recorded so far."""
+    global _REPORT
+    _REPORT = Report()
+
+
+def report() -> Report:
+    """A snapshot of what was compiled since the last `reset_report()`."""
+    return copy.deepcopy(_REPORT)
+
+
+def start_graph(nodes: int, enabled: tuple[str, ...], note: str = "") -> int:
+    index = len(_REPORT.graphs)
+    _REPORT.graphs.append(GraphRecord(index=index, nodes=nodes, enabled=enabled, note=note))
+    if note:
+        log.info("graph %d: %s", index, note)
+    return index
+
+
+def current_graph() -> int:
+    return len(_REPORT.graphs) - 1
+
+
+def record_site(site: Site) -> None:
+    _REPORT.sites.append(site)
+    log.info("[%s] graph %d: rewrote %s into %s", site.pass_name, site.graph, site.anchor, site.op)
+
+
+def record_near_miss(miss: NearMiss) -> None:
+    _REPORT.near_misses.append(miss)
+    log.info("[%s] graph %d: left %s alone: %s", miss.pass_name, miss.graph, miss.anchor, miss.reason)
+
+
+def annotate_graph(index: int, note: str) -> None:
+    graph = _REPORT.graphs[index]
+    graph.note = f"{graph.note}; {note}" if graph.note else note

@@ -1,0 +1,38 @@
+"""dsfuse graph passes: one module per fused family, applied to Inductor's post-grad graph."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from dsfuse.config import PASS_NAMES
+
+from .context import PassContext
+
+# Indices produced by the indexer feed sparse attention, so the indexer is rewritten first; the
+# norm/rope glue goes last because the other families only read its outputs.
+RUN_ORDER: tuple[str, ...] = ("indexer_topk", "sparse_attention", "moe_experts", "norm_rope_quant")
+assert sorted(RUN_ORDER) == sorted(PASS_NAMES)
+
+
+def pass_module(name: str) -> ModuleType:
+    if name not in PASS_NAMES:
+        raise ValueError(f"unknown dsfuse pass {name!r}; valid pass names: {', '.join(PASS_NAMES)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def implemented(name: str) -> bool:
+    """Whether the family's matcher has landed; until then the pass matches nothing."""
+    return pass_module(name).IMPLEMENTED
+
+
+def run_pass(name: str, graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """Run one pass over `graph`, recording sites and near-misses in `ctx`."""
+    module = pass_module(name)
+    if module.IMPLEMENTED:
+        module.run(graph, ctx)
+
+
+__all__ = ["PassContext", "RUN_ORDER", "implemented", "pass_module", "run_pass"]

@@ -1,0 +1,41 @@
+"""What a pass reports while it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dsfuse.report import NearMiss, Site
+
+
+class NoMatch(Exception):
+    """Raised by a matcher to stop at a candidate; `reported` says whether users should hear why.
+
+    A candidate that already shows its family's signature (say, a top-k over head-weighted relu
+    scores) is a near-miss worth reporting; a top-k elsewhere in the model is not.
+    """
+
+    def __init__(self, reason: str, reported: bool = True):
+        super().__init__(reason)
+        self.reason = reason
+        self.reported = reported
+
+
+@dataclass
+class PassContext:
+    name: str
+    graph_index: int = -1
+    sites: list[Site] = field(default_factory=list)
+    near_misses: list[NearMiss] = field(default_factory=list)
+
+    def site(self, anchor: torch.fx.Node | str, op: str, inputs: list[torch.fx.Node], detail: str = "") -> None:
+        from .graph_utils import describe
+
+        self.sites.append(Site(
+            pass_name=self.name, graph=self.graph_index, anchor=str(anchor), op=op,
+            inputs=tuple(describe(n) for n in inputs if n is not None), detail=detail,
+        ))
+
+    def near_miss(self, anchor: torch.fx.Node | str, reason: str) -> None:
+        self.near_misses.append(NearMiss(pass_name=self.name, graph=self.graph_index, anchor=str(anchor), reason=reason))

@@ -1,0 +1,108 @@
+"""Helpers shared by the passes: reading fake-tensor metadata, walking through layout-only ops,
+proving size relations symbolically, and splicing a fused op into the graph."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+LAYOUT_OPS = VIEW_OPS | {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
+                         aten.clone.default, aten.contiguous.default}
+CONVERT = prims.convert_element_type.default
+
+
+def val(node: Any) -> Any:
+    """The fake value Inductor attached to a node (or the constant itself)."""
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("val")
+    return node
+
+
+def tensor_val(node: Any) -> torch.Tensor | None:
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def shape(node: Any) -> tuple:
+    v = tensor_val(node)
+    return tuple(v.shape) if v is not None else ()
+
+
+def dtype(node: Any) -> torch.dtype | None:
+    v = tensor_val(node)
+    return v.dtype if v is not None else None
+
+
+def describe(node: Any) -> str:
+    v = tensor_val(node)
+    if v is None:
+        return str(node)
+    dims = "x".join(str(s) for s in v.shape)
+    return f"{node}:{str(v.dtype).replace('torch.', '')}[{dims}]"
+
+
+def same_size(a: Any, b: Any) -> bool:
+    """True only when a == b is proven for every value of the graph's symbols (no new guard)."""
+    return statically_known_true(a == b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else a == b
+
+
+def same_shape(a: Iterable, b: Iterable) -> bool:
+    a, b = tuple(a), tuple(b)
+    return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
+
+
+def is_op(node: Any, *targets: Any) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def strip(node: Any, targets: set, stop: Callable[[torch.fx.Node], bool] | None = None) -> Any:
+    """Follow first arguments through ops in `targets` (layout-only ops, say)."""
+    while is_op(node, *targets) and not (stop and stop(node)):
+        node = node.args[0]
+    return node
+
+
+def upcast_source(node: Any) -> Any:
+    """The tensor before an exact widening cast (bf16/fp16/fp8 -> fp32), or `node` itself.
+
+    A tensor-core dot of the narrow values with fp32 accumulation reproduces the fp32 product of the
+    upcast values exactly per product, so fused kernels read the narrow source.
+    """
+    if is_op(node, CONVERT) and node.args[1] == torch.float32:
+        src = node.args[0]
+        if dtype(src) in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32):
+            return src
+    return node
+
+
+def scalar_arg(node: Any) -> float | None:
+    if isinstance(node, (int, float)) and not isinstance(node, bool):
+        return float(node)
+    return None
+
+
+def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    """Insert `target(*args)` before `before`, with its fake value computed from the inputs' fake values."""
+    kwargs = kwargs or {}
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args, kwargs)
+    flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.fx.Node)]
+    fake_args = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
+    fake_mode = detect_fake_mode([n.meta["val"] for n in flat if isinstance(n.meta.get("val"), torch.Tensor)])
+    if fake_mode is None:
+        raise RuntimeError(f"no fake mode found on the inputs of {target}")
+    with fake_mode:
+        node.meta["val"] = target(*fake_args[0], **fake_args[1])
+    return node

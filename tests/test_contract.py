@@ -1,0 +1,113 @@
+"""The public contract of design.md: backend by name, pass names, options, env vars, errors, report."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsfuse
+from dsfuse.config import resolve_config
+
+
+def _run_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_backend_by_name_without_import():
+    out = _run_python(
+        "import sys, torch\n"
+        "f = torch.compile(lambda x: x * 2 + 1, backend='dsfuse')\n"
+        "print(f(torch.arange(3.)).tolist(), 'dsfuse' in sys.modules)\n"
+    )
+    assert out.strip() == "[1.0, 3.0, 5.0] True"
+
+
+def test_import_does_not_register_backend_itself():
+    out = _run_python(
+        "import dsfuse\n"
+        "from torch._dynamo.backends.registry import _COMPILER_FNS\n"
+        "print('dsfuse' in _COMPILER_FNS)\n"
+        "import torch\n"
+        "print('dsfuse' in torch._dynamo.list_backends())\n"
+    )
+    assert out.split() == ["False", "True"]
+
+
+def test_pass_names():
+    assert {"norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts"} <= set(dsfuse.PASS_NAMES)
+
+
+@pytest.mark.parametrize(
+    "options, environ, expected",
+    [
+        ({}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts")),
+        ({"disable": ["moe_experts"]}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention")),
+        ({"enable": ["indexer_topk"]}, {}, ("indexer_topk",)),
+        ({"enable": "indexer_topk,moe_experts", "disable": ["moe_experts"]}, {}, ("indexer_topk",)),
+        ({}, {"DSFUSE_DISABLE": "indexer_topk, sparse_attention"}, ("norm_rope_quant", "moe_experts")),
+        ({}, {"DSFUSE_ENABLE": "sparse_attention"}, ("sparse_attention",)),
+        ({"disable": list(dsfuse.PASS_NAMES)}, {}, ()),
+    ],
+)
+def test_enable_disable(options, environ, expected):
+    assert resolve_config(options, environ=environ).enabled == expected
+
+
+@pytest.mark.parametrize(
+    "options, environ, bad",
+    [
+        ({"disable": ["indexer"]}, {}, "'indexer'"),
+        ({"enable": ["moe"]}, {}, "'moe'"),
+        ({}, {"DSFUSE_DISABLE": "norm_rope"}, "'norm_rope'"),
+        ({"enabel": ["moe_experts"]}, {}, "'enabel'"),
+    ],
+)
+def test_unknown_names_raise_and_list_valid_ones(options, environ, bad):
+    with pytest.raises(dsfuse.DsfuseConfigError) as err:
+        resolve_config(options, environ=environ)
+    message = str(err.value)
+    assert bad in message
+    valid = dsfuse.OPTION_NAMES if bad == "'enabel'" else dsfuse.PASS_NAMES
+    assert all(name in message for name in valid)
+
+
+def test_unknown_pass_raises_through_torch_compile():
+    f = torch.compile(lambda x: x + 1, backend="dsfuse", options={"disable": ["no_such_pass"]})
+    with pytest.raises(Exception, match="no_such_pass.*indexer_topk"):
+        f(torch.ones(2))
+
+
+def test_env_flags_reach_the_backend(monkeypatch):
+    monkeypatch.setenv("DSFUSE_DISABLE", "moe_experts")
+    torch.compile(lambda x: x.relu(), backend="dsfuse")(torch.randn(4))
+    assert dsfuse.report().graphs[0].enabled == ("norm_rope_quant", "indexer_topk", "sparse_attention")
+
+
+def test_inductor_options_pass_through_and_mode_is_checked():
+    f = torch.compile(lambda x: x.sin(), backend="dsfuse", options={"inductor": {"max_autotune": False}})
+    assert torch.allclose(f(torch.ones(3)), torch.ones(3).sin())
+    with pytest.raises(dsfuse.DsfuseConfigError, match="unknown mode 'fastest'"):
+        resolve_config({"mode": "fastest"})
+
+
+def test_report_has_all_keys_and_reads_well():
+    torch.compile(lambda x: x.relu() + 1, backend="dsfuse")(torch.randn(8))
+    rep = dsfuse.report()
+    assert rep.counts == {name: 0 for name in dsfuse.PASS_NAMES}
+    text = str(rep)
+    assert text.startswith("dsfuse report: 1 graph(s) compiled")
+    for name in dsfuse.PASS_NAMES:
+        assert name in text
+    dsfuse.reset_report()
+    assert dsfuse.report().graphs == [] and dsfuse.report().counts["indexer_topk"] == 0
+
+
+def test_training_graphs_are_left_to_inductor():
+    lin = torch.nn.Linear(4, 4)
+    out = torch.compile(lin, backend="dsfuse")(torch.randn(2, 4))
+    out.sum().backward()
+    assert "inference graphs only" in dsfuse.report().graphs[0].note
+    assert lin.weight.grad is not None
