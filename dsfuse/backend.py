@@ -7,8 +7,11 @@ pass; with every pass disabled it is plain Inductor.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -22,6 +25,7 @@ TRAINING_NOTE = (
     "(run under torch.no_grad() or torch.inference_mode()); compiled as plain Inductor"
 )
 CACHED_NOTE = "served from Inductor's FX graph cache; sites restored from dsfuse's record of that compile"
+UNRECORDED_NOTE = "served from Inductor's FX graph cache without a dsfuse record of that compile: sites not counted"
 
 
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:
@@ -51,7 +55,31 @@ def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: Ba
     return hashlib.sha256((text + sources_digest()).encode()).hexdigest()
 
 
-_SITE_RECORDS: dict[str, tuple[list[_report.Site], list[_report.NearMiss]]] = {}
+def _records_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "dsfuse_sites"
+
+
+def _save_records(key: str, manager: DsfusePassManager) -> None:
+    """Keep what the passes did beside Inductor's cache, so a later cache hit can report it."""
+    path = _records_dir() / f"{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"sites": [dataclasses.asdict(s) for s in manager.sites],
+            "near_misses": [dataclasses.asdict(m) for m in manager.near_misses]}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def _load_records(key: str) -> tuple[list[_report.Site], list[_report.NearMiss]] | None:
+    path = _records_dir() / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    sites = [_report.Site(**{**s, "inputs": tuple(s["inputs"])}) for s in data["sites"]]
+    return sites, [_report.NearMiss(**m) for m in data["near_misses"]]
 
 
 def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
@@ -73,15 +101,12 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     if manager is not None:
         key = _record_key(gm, example_inputs, cfg)
         if manager.ran:
-            _SITE_RECORDS[key] = (manager.sites, manager.near_misses)
-        elif key in _SITE_RECORDS:
+            _save_records(key, manager)
+        elif (records := _load_records(key)) is not None:
             _report.annotate_graph(graph_index, CACHED_NOTE)
-            sites, misses = _SITE_RECORDS[key]
-            manager.sites, manager.near_misses = sites, misses
+            manager.sites, manager.near_misses = records
         else:
-            _report.annotate_graph(
-                graph_index, "served from Inductor's FX graph cache compiled by another process: sites not counted"
-            )
+            _report.annotate_graph(graph_index, UNRECORDED_NOTE)
         for site in manager.sites:
             _report.record_site(_report.Site(**{**site.__dict__, "graph": graph_index}))
         for miss in manager.near_misses:

@@ -1,0 +1,56 @@
+"""The FX graph cache never serves a graph compiled under another ablation."""
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor import config as inductor_config
+
+import dsfuse
+from dsfuse.pass_manager import DsfusePassManager
+
+
+def indexer(q, k, w, mask):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * 0.25)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~mask, float("-inf"))
+    return index.topk(3, dim=-1).indices
+
+
+def _inputs():
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(1, 6, 2, 8, generator=gen), torch.randn(1, 6, 8, generator=gen),
+            torch.randn(1, 6, 2, generator=gen), torch.ones(6, 6, dtype=torch.bool).tril()[None])
+
+
+def _compile_and_run(options):
+    torch._dynamo.reset()
+    dsfuse.reset_report()
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    out = torch.compile(indexer, backend="dsfuse", options=options)(*_inputs())
+    return (out, dsfuse.report(), counters["inductor"]["fxgraph_cache_hit"] - hits,
+            counters["inductor"]["fxgraph_cache_miss"] - misses)
+
+
+def test_toggling_a_pass_never_serves_a_stale_graph(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        _, on, hit, miss = _compile_and_run({"enable": ["indexer_topk"]})
+        assert (hit, miss) == (0, 1) and on.counts["indexer_topk"] == 1
+
+        _, off, hit, miss = _compile_and_run({"disable": ["indexer_topk"]})
+        assert (hit, miss) == (0, 1), "a different enabled set must not hit the cached fused graph"
+        assert off.counts["indexer_topk"] == 0
+
+        _, again, hit, miss = _compile_and_run({"enable": ["indexer_topk"]})
+        assert (hit, miss) == (1, 0)
+        assert again.counts["indexer_topk"] == 1, "sites are restored for a graph served from the cache"
+        assert "served from Inductor's FX graph cache" in again.graphs[0].note
+
+
+def test_uuid_covers_enabled_set_and_sources(monkeypatch):
+    a, b = DsfusePassManager(("indexer_topk",)), DsfusePassManager(("indexer_topk", "moe_experts"))
+    assert a.uuid() != b.uuid()
+    assert a.uuid() == DsfusePassManager(("indexer_topk",)).uuid()
+    import dsfuse.pass_manager as pm
+
+    monkeypatch.setattr(pm, "sources_digest", lambda: "edited-kernel-source")
+    assert DsfusePassManager(("indexer_topk",)).uuid() != a.uuid()
