@@ -1,0 +1,44 @@
+"""The report's text is what users read: pinned with expecttest (EXPECTTEST_ACCEPT=1 to update)."""
+
+import expecttest
+import torch
+import torch.nn.functional as F
+
+import dsfuse
+
+
+def indexer(q, k, w, mask):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * 0.25)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~mask, float("-inf"))
+    return index.topk(3, dim=-1).indices
+
+
+def smallest(q, k, w):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)))
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).topk(3, dim=-1, largest=False).indices
+
+
+class ReportText(expecttest.TestCase):
+    def setUp(self):
+        torch._dynamo.reset()
+        dsfuse.reset_report()
+
+    def test_rewritten_and_near_miss(self):
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float32).to(torch.bfloat16)
+        k = torch.randn(1, 6, 8, generator=gen).to(torch.bfloat16)
+        w = torch.randn(1, 6, 2, generator=gen)
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        torch.compile(indexer, backend="dsfuse", options={"disable": ["moe_experts"]})(q, k, w, mask)
+        torch.compile(smallest, backend="dsfuse", options={"disable": ["moe_experts"]})(q, k, w)
+        self.assertExpectedInline(str(dsfuse.report()), """\
+dsfuse report: 2 graph(s) compiled
+  pass              rewritten  near-misses  state
+  norm_rope_quant           0            0  enabled (matcher not implemented yet: matches nothing)
+  indexer_topk              1            1  enabled
+  sparse_attention          0            0  enabled (matcher not implemented yet: matches nothing)
+  moe_experts               0            0  disabled (matcher not implemented yet: matches nothing)
+rewritten sites:
+  [indexer_topk] graph 0 at topk -> dsfuse.indexer_topk (arg0_1:bfloat16[1x6x2x8], arg1_1:bfloat16[1x6x8], arg2_1:float32[1x6x2], arg3_1:bool[1x6x6]) bool mask, k=3, scale=0.25
+not rewritten:
+  [indexer_topk] graph 1 at topk: top-k of the smallest scores""")
