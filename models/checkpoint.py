@@ -1,0 +1,325 @@
+"""Random checkpoints on disk and a validating loader (config.json + safetensors only, never pickle).
+
+Validation reads only `config.json` and the safetensors headers, and compares every tensor's name, shape and
+dtype with a meta-device skeleton of the model, so a bad checkpoint fails with the file and key named before any
+weight is copied or any kernel runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from dsfuse.models.official import DsfuseDeepseekConfig, DsfuseDeepseekForCausalLM, OWN_PRESETS, build_own_model
+from dsfuse.models.presets import PRESETS, build_hf_model, keep_fp32_modules
+
+CONFIG_NAME = "config.json"
+SINGLE_WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+MODEL_TYPE_TO_KIND = {"deepseek_v32": "hf", "dsfuse_deepseek": "own"}
+KINDS = ("hf", "own")
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file and, where known, the key."""
+
+
+# --- writing ----------------------------------------------------------------------------------------------------
+
+
+def _resolve_kind(preset_or_config: Any, kind: str | None) -> str:
+    if isinstance(preset_or_config, DsfuseDeepseekConfig):
+        inferred = "own"
+    elif isinstance(preset_or_config, str):
+        inferred = "own" if preset_or_config in OWN_PRESETS else "hf" if preset_or_config in PRESETS else None
+        if inferred is None:
+            valid = sorted(PRESETS) + sorted(OWN_PRESETS)
+            raise ValueError(f"unknown preset {preset_or_config!r}; valid presets: {', '.join(valid)}")
+    else:
+        inferred = "hf"
+    if kind is None:
+        return inferred
+    if kind not in KINDS:
+        raise ValueError(f"unknown checkpoint kind {kind!r}; valid: {', '.join(KINDS)}")
+    if kind != inferred:
+        raise ValueError(f"{preset_or_config!r} is a {inferred!r} model, but kind={kind!r} was asked for")
+    return kind
+
+
+def _shard(state: dict[str, torch.Tensor], max_shard_bytes: int | None) -> list[dict[str, torch.Tensor]]:
+    if max_shard_bytes is None:
+        return [state]
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    used = 0
+    for key, tensor in state.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append({})
+            used = 0
+        shards[-1][key] = tensor
+        used += size
+    return shards
+
+
+def save_model(model: torch.nn.Module, directory: str | os.PathLike, *, max_shard_bytes: int | None = None) -> Path:
+    """Write `config.json` and the state dict as safetensors: one `model.safetensors`, or HF-style shards plus
+    `model.safetensors.index.json` when `max_shard_bytes` splits it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(directory / CONFIG_NAME)
+    state = {key: value.detach().to("cpu").contiguous().clone() for key, value in model.state_dict().items()}
+    shards = _shard(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], directory / SINGLE_WEIGHTS_NAME, metadata={"format": "pt"})
+        return directory
+    weight_map = {}
+    for number, shard in enumerate(shards, start=1):
+        name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, directory / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return directory
+
+
+def write_random_checkpoint(
+    preset_or_config: Any,
+    directory: str | os.PathLike,
+    *,
+    kind: str | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Build a random model (`kind="hf"`: `DeepseekV32ForCausalLM`, `"own"`: `DsfuseDeepseekForCausalLM`) from a
+    preset name or config and save it to `directory`. The kind is inferred from the preset or config when omitted."""
+    kind = _resolve_kind(preset_or_config, kind)
+    if kind == "hf":
+        model = build_hf_model(preset_or_config, dtype=dtype, device=device, seed=seed)
+    else:
+        model = build_own_model(preset_or_config, dtype=dtype, device=device, seed=seed)
+    return save_model(model, directory, max_shard_bytes=max_shard_bytes)
+
+
+# --- reading and validation -------------------------------------------------------------------------------------
+
+
+def read_config_json(directory: str | os.PathLike, expected_model_type: str | None = None) -> dict[str, Any]:
+    """Parse `directory/config.json` into a dict, or raise `CheckpointError` naming the file and the problem."""
+    path = Path(directory) / CONFIG_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (a checkpoint directory needs config.json)")
+    try:
+        data = json.loads(path.read_text())
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{path}: not UTF-8 text ({error})") from None
+    except json.JSONDecodeError as error:
+        raise CheckpointError(
+            f"{path}: malformed JSON: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    model_type = data.get("model_type")
+    if model_type not in MODEL_TYPE_TO_KIND:
+        raise CheckpointError(
+            f"{path}: key 'model_type' is {model_type!r}; supported: {', '.join(sorted(MODEL_TYPE_TO_KIND))}"
+        )
+    if expected_model_type is not None and model_type != expected_model_type:
+        raise CheckpointError(f"{path}: key 'model_type' is {model_type!r}, expected {expected_model_type!r}")
+    return data
+
+
+def config_from_dir(directory: str | os.PathLike):
+    """`(kind, config)` from `config.json`; wrong field types or impossible values raise `CheckpointError`."""
+    path = Path(directory) / CONFIG_NAME
+    data = read_config_json(directory)
+    kind = MODEL_TYPE_TO_KIND[data["model_type"]]
+    if kind == "hf":
+        from transformers import DeepseekV32Config as config_class
+    else:
+        config_class = DsfuseDeepseekConfig
+    try:
+        config = config_class.from_dict(data)
+    except Exception as error:  # strict-dataclass and __post_init__ errors come in several types
+        raise CheckpointError(f"{path}: invalid config: {error}") from None
+    for key, value in data.items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0 and not key.endswith("token_id"):
+            raise CheckpointError(f"{path}: key {key!r} is negative ({value})")
+    return kind, config
+
+
+def _model_class(kind: str):
+    if kind == "own":
+        return DsfuseDeepseekForCausalLM
+    from transformers import DeepseekV32ForCausalLM
+
+    return DeepseekV32ForCausalLM
+
+
+def _instantiate(kind: str, config, dtype: torch.dtype):
+    model_class = _model_class(kind)
+    if kind == "hf":
+        return keep_fp32_modules(model_class._from_config(config, dtype=dtype))
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        return model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def expected_tensors(kind: str, config, source: str | os.PathLike = CONFIG_NAME) -> dict[str, tuple]:
+    """Every state-dict key of the model `config` describes, as key → (shape, dtype), from a meta-device skeleton.
+    `source` names the config file in errors."""
+    try:
+        with torch.device("meta"):
+            skeleton = _instantiate(kind, config, _config_dtype(config))
+    except Exception as error:
+        raise CheckpointError(f"{source}: cannot build the model this config describes: {error}") from None
+    return {key: (tuple(value.shape), value.dtype) for key, value in skeleton.state_dict().items()}
+
+
+def safetensors_files(directory: str | os.PathLike) -> dict[str, Path]:
+    """Map each tensor key to the safetensors file holding it, from the index or the single weights file.
+
+    Pickle weights are refused; an index that names a missing shard, or a file that is not safetensors, raises.
+    """
+    directory = Path(directory)
+    index_path = directory / INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("'weight_map' is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise CheckpointError(f"{index_path}: malformed index: {error}") from None
+        files = {}
+        for key, name in weight_map.items():
+            shard = directory / str(name)
+            if not shard.is_file():
+                raise CheckpointError(f"{index_path}: key {key!r} points to missing file {shard.name!r}")
+            files[key] = shard
+        return files
+    candidates = sorted(directory.glob("*.safetensors"))
+    if not candidates:
+        pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        found = f"; found pickle files {pickles}, which are never loaded" if pickles else ""
+        raise CheckpointError(f"{directory}: no safetensors weights ({SINGLE_WEIGHTS_NAME} or {INDEX_NAME}){found}")
+    files = {}
+    for path in candidates:
+        for key in _header_keys(path):
+            if key in files:
+                raise CheckpointError(f"{path}: key {key!r} also stored in {files[key].name}")
+            files[key] = path
+    return files
+
+
+def _header_keys(path: Path) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except Exception as error:
+        raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
+
+
+def validate_checkpoint(directory: str | os.PathLike):
+    """Check config.json and every tensor's presence, shape and dtype from headers alone. Returns
+    `(kind, config, key → file)`; raises `CheckpointError` naming the file and key of the first problem."""
+    directory = Path(directory)
+    kind, config = config_from_dir(directory)
+    expected = expected_tensors(kind, config, directory / CONFIG_NAME)
+    files = safetensors_files(directory)
+
+    missing = [key for key in expected if key not in files]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}{more}")
+    unexpected = [key for key in files if key not in expected]
+    if unexpected:
+        raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r} for {kind!r} model")
+
+    by_file: dict[Path, list[str]] = {}
+    for key, path in files.items():
+        by_file.setdefault(path, []).append(key)
+    for path, keys in by_file.items():
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                present = set(handle.keys())
+                for key in keys:
+                    if key not in present:
+                        raise CheckpointError(f"{path}: missing tensor {key!r} (listed in {INDEX_NAME})")
+                    tensor_slice = handle.get_slice(key)
+                    shape = tuple(tensor_slice.get_shape())
+                    stored = tensor_slice.get_dtype()
+                    want_shape, want_dtype = expected[key]
+                    if shape != want_shape:
+                        raise CheckpointError(f"{path}: tensor {key!r} has shape {shape}, expected {want_shape}")
+                    if stored != SAFETENSORS_DTYPES.get(want_dtype):
+                        raise CheckpointError(
+                            f"{path}: tensor {key!r} has dtype {stored}, expected {SAFETENSORS_DTYPES.get(want_dtype)}"
+                        )
+        except CheckpointError:
+            raise
+        except Exception as error:
+            raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
+    return kind, config, files
+
+
+def load_checkpoint(
+    directory: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+    experts_implementation: str = "grouped_mm",
+):
+    """Validate `directory`, then build the model on `device` without random init and copy the weights in.
+
+    `dtype` casts floating weights (the router stays fp32); by default the checkpoint's own dtype is kept. The
+    implementation arguments only apply to `kind="hf"` checkpoints.
+    """
+    from transformers.initialization import no_init_weights
+
+    kind, config, files = validate_checkpoint(directory)
+    if kind == "hf":
+        config._attn_implementation = attn_implementation
+        config._experts_implementation = experts_implementation
+    dtype = dtype or _config_dtype(config)
+    with no_init_weights(), torch.device(device):
+        model = _instantiate(kind, config, dtype)
+    for path in sorted(set(files.values())):
+        model.load_state_dict(load_file(str(path), device=str(device)), strict=False)
+    config.dtype = dtype
+    return model.eval()

@@ -1,0 +1,229 @@
+"""Named configurations of `transformers.DeepseekV32ForCausalLM` and deterministic random builders.
+
+The passes are developed against the unmodified HF model, so these builders only choose sizes and the
+attention / experts implementation; they never patch the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Small enough to build and run in well under a second on a laptop CPU, yet with S > index_topk
+    # reachable in tests (index_topk=8) so the sparse mask really drops keys.
+    "tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"],
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        index_n_heads=4,
+        index_head_dim=32,
+        index_topk=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=512,
+        rope_parameters=dict(_DEFAULT_ROPE),
+    ),
+    # Real DeepSeek V3.2 layer dimensions, two layers (one dense, one MoE): about 14 B parameters.
+    # Plain (non-YaRN) RoPE: the passes do not depend on the frequency schedule.
+    "v32-real-2l": dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=2,
+        mlp_layer_types=["dense", "sparse"],
+        first_k_dense_replace=1,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=2048,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        routed_scaling_factor=2.5,
+        max_position_embeddings=163840,
+        rope_parameters=dict(_DEFAULT_ROPE),
+    ),
+}
+
+ROUTER_FP32_TENSORS = ("e_score_correction_bias", "gate.weight")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
+
+
+def preset_kwargs(preset: str, registry: Mapping[str, Mapping[str, Any]] = PRESETS) -> dict[str, Any]:
+    """A deep copy of a preset's config kwargs; unknown names raise with the list of valid ones."""
+    if preset not in registry:
+        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(registry))}")
+    return json.loads(json.dumps(registry[preset]))
+
+
+def _check_choice(kind: str, value: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {kind} {value!r}; valid: {', '.join(valid)}")
+
+
+def hf_config(
+    preset: str = "tiny",
+    *,
+    attn_implementation: str = "sdpa",
+    experts_implementation: str = "grouped_mm",
+    **overrides: Any,
+):
+    """A `DeepseekV32Config` for `preset`, with `overrides` applied on top of the preset's kwargs.
+
+    The attention and experts implementations are recorded on the config (`_attn_implementation`,
+    `_experts_implementation`): HF's `@use_experts_implementation` experts read the latter at every forward.
+    """
+    from transformers import DeepseekV32Config
+
+    _check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    _check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
+    kwargs = preset_kwargs(preset)
+    kwargs.update(overrides)
+    if "num_hidden_layers" in overrides and "mlp_layer_types" not in overrides:
+        # The preset's explicit layer list would no longer match: rebuild it from first_k_dense_replace.
+        kwargs.pop("mlp_layer_types", None)
+    return DeepseekV32Config(
+        **kwargs,
+        attn_implementation=attn_implementation,
+        experts_implementation=experts_implementation,
+    )
+
+
+def seeded_build(build, *, seed: int, device: torch.device | str, dtype: torch.dtype):
+    """Run `build()` with a private RNG seeded by `seed`, on `device` and with `dtype` as default dtype.
+
+    Building directly on the target device keeps the 14 B preset from spending minutes initialising on the CPU;
+    forking the RNG keeps the caller's random stream untouched.
+    """
+    device = torch.device(device)
+    rng_devices = [device] if device.type == "cuda" else []
+    previous_dtype = torch.get_default_dtype()
+    with torch.random.fork_rng(devices=rng_devices):
+        torch.manual_seed(seed)
+        try:
+            torch.set_default_dtype(dtype)
+            with torch.device(device):
+                return build()
+        finally:
+            torch.set_default_dtype(previous_dtype)
+
+
+def keep_fp32_modules(model: torch.nn.Module) -> torch.nn.Module:
+    """Store the tensors HF lists in `_keep_in_fp32_modules_strict` (router weight, correction bias) in fp32.
+
+    transformers 5.24 already creates them in fp32; older 5.x releases (5.17 on the GPU machine) follow the model
+    dtype and lack the list, so this makes the stored dtypes (and checkpoints) the same on every version.
+    """
+    patterns = {*ROUTER_FP32_TENSORS, *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and tensor.dtype != torch.float32 and any(p in name for p in patterns):
+            tensor.data = tensor.data.float()
+    return model
+
+
+def build_hf_model(
+    preset: str | Any = "tiny",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+    experts_implementation: str = "grouped_mm",
+    seed: int = 0,
+    **overrides: Any,
+):
+    """A randomly initialised `DeepseekV32ForCausalLM` in eval mode; the same seed gives the same weights.
+
+    `preset` is a `PRESETS` name (with `overrides` applied) or a ready `DeepseekV32Config`. The router weight and
+    `e_score_correction_bias` stay fp32 whatever `dtype` is, as transformers 5.24 keeps them (`keep_fp32_modules`).
+    """
+    from transformers import DeepseekV32ForCausalLM
+
+    if isinstance(preset, str):
+        config = hf_config(
+            preset, attn_implementation=attn_implementation, experts_implementation=experts_implementation, **overrides
+        )
+    else:
+        _check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
+        config = copy.deepcopy(preset)
+    model = seeded_build(
+        lambda: DeepseekV32ForCausalLM._from_config(
+            config,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            experts_implementation=experts_implementation,
+        ),
+        seed=seed,
+        device=device,
+        dtype=dtype,
+    )
+    return keep_fp32_modules(model).eval()
+
+
+def build_hf_model_from_dir(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+    experts_implementation: str = "grouped_mm",
+):
+    """Load a local `DeepseekV32ForCausalLM` directory (config.json + safetensors) through transformers.
+
+    `config.json` and every tensor's name, shape and dtype are validated from the headers first (see
+    `dsfuse.models.checkpoint.validate_checkpoint`), so a bad directory fails with the file and key named; the
+    weights must use the in-memory key layout (fused `experts.gate_up_proj`), as `write_random_checkpoint` writes.
+    Pickle weights are never read (`use_safetensors=True`).
+    """
+    from transformers import DeepseekV32ForCausalLM
+
+    from dsfuse.models.checkpoint import read_config_json, validate_checkpoint
+
+    _check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    _check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
+    path = Path(path)
+    read_config_json(path, expected_model_type="deepseek_v32")
+    validate_checkpoint(path)
+    model = DeepseekV32ForCausalLM.from_pretrained(
+        path,
+        local_files_only=True,
+        use_safetensors=True,
+        dtype=dtype if dtype is not None else "auto",
+        attn_implementation=attn_implementation,
+        experts_implementation=experts_implementation,
+    )
+    return keep_fp32_modules(model).to(device).eval()
