@@ -1,0 +1,670 @@
+"""Sparse attention over indexer-selected keys (DeepSeek V3.2 / V4 style).
+
+Two custom ops, each with a plain-PyTorch reference (the CPU implementation and the
+numerics contract) and a Triton CUDA path:
+
+* ``dsfuse::sparse_mla_attention`` -- absorbed MLA / MQA form: every head of a query
+  attends to the same ``K`` latent rows ``kv[idx]`` (which are also the values) plus
+  their rope part ``pe[idx]``.  The kernel stacks heads into the MMA M dimension and
+  reads the selected rows straight from the cache by index (no gathered copy).
+* ``dsfuse::sparse_attention_masked`` -- what HF ``DeepseekV32Attention`` computes:
+  the top-k indices are scattered into a mask, combined with the causal/padding mask,
+  and dense SDPA runs over all ``T`` keys with per-head K/V.  The kernel turns the
+  indices into a per-query bitmap, skips key tiles that no query of a block selected,
+  and decides selection per element in-kernel.
+
+Index tensors are never trusted: the kernels treat any index outside ``[0, T)`` as
+"no key"; the reference paths raise for indices ``>= T`` or ``< -1``.
+"""
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """Kernels take arbitrary outer strides but want unit stride in the last dim."""
+    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to tf32 on the GPU."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ---------------------------------------------------------------------------
+# Op 1: absorbed MLA sparse attention (shared keys across heads)
+# ---------------------------------------------------------------------------
+
+
+def _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink):
+    if q_nope.dim() != 4 or q_pe.dim() != 4:
+        raise ValueError(
+            f"sparse_mla_attention: q_nope and q_pe must be [B,S,H,D], got {tuple(q_nope.shape)} and {tuple(q_pe.shape)}"
+        )
+    if kv.dim() != 3 or pe.dim() != 3:
+        raise ValueError(
+            f"sparse_mla_attention: kv and pe must be [B,T,D], got {tuple(kv.shape)} and {tuple(pe.shape)}"
+        )
+    if idx.dim() != 3:
+        raise ValueError(f"sparse_mla_attention: idx must be [B,S,K], got {tuple(idx.shape)}")
+    B, S, H, Dc = q_nope.shape
+    Dr = q_pe.shape[-1]
+    if tuple(q_pe.shape[:3]) != (B, S, H):
+        raise ValueError(f"sparse_mla_attention: q_pe {tuple(q_pe.shape)} does not match q_nope {tuple(q_nope.shape)}")
+    T = kv.shape[1]
+    if tuple(kv.shape) != (B, T, Dc):
+        raise ValueError(f"sparse_mla_attention: kv must be [B={B}, T, Dc={Dc}], got {tuple(kv.shape)}")
+    if tuple(pe.shape) != (B, T, Dr):
+        raise ValueError(f"sparse_mla_attention: pe must be [B={B}, T={T}, Dr={Dr}], got {tuple(pe.shape)}")
+    if idx.shape[0] != B or idx.shape[1] != S or idx.shape[2] < 1:
+        raise ValueError(f"sparse_mla_attention: idx must be [B={B}, S={S}, K>=1], got {tuple(idx.shape)}")
+    if q_nope.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"sparse_mla_attention: q_nope dtype {q_nope.dtype} not in {_FLOAT_DTYPES}")
+    for name, t in (("q_pe", q_pe), ("kv", kv), ("pe", pe)):
+        if t.dtype != q_nope.dtype:
+            raise TypeError(f"sparse_mla_attention: {name} dtype {t.dtype} differs from q_nope dtype {q_nope.dtype}")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"sparse_mla_attention: idx dtype must be int32 or int64, got {idx.dtype}")
+    if not math.isfinite(scale):
+        raise ValueError(f"sparse_mla_attention: scale must be finite, got {scale}")
+    tensors = [q_pe, kv, pe, idx]
+    if sink is not None:
+        if sink.dtype != torch.float32 or tuple(sink.shape) != (H,):
+            raise ValueError(f"sparse_mla_attention: sink must be fp32 [H={H}], got {sink.dtype} {tuple(sink.shape)}")
+        tensors.append(sink)
+    for t in tensors:
+        if t.device != q_nope.device:
+            raise ValueError(f"sparse_mla_attention: all inputs must be on {q_nope.device}, found {t.device}")
+
+
+def _check_index_range(idx: torch.Tensor, T: int, allow_minus_one: bool, op: str) -> None:
+    """Reference-path range check (syncs the host; the CUDA path never calls this)."""
+    low = -1 if allow_minus_one else 0
+    if idx.numel() and bool(((idx < low) | (idx >= T)).any()):
+        bad = idx[(idx < low) | (idx >= T)][0].item()
+        raise IndexError(f"{op}: index {bad} outside [{low}, {T})")
+
+
+def sparse_mla_attention_reference(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    pe: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    sink: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The gather form of the official code: fp32 scores and softmax, probabilities cast
+    to q's dtype, then P @ kv[idx].  Duplicate indices count twice; -1 means no key."""
+    _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink)
+    _check_index_range(idx, kv.shape[1], True, "sparse_mla_attention")
+    return sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale, sink)
+
+
+def sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale, sink=None):
+    """The reference math without checks (what benchmarks hand to torch.compile)."""
+    B, H = q_nope.shape[0], q_nope.shape[2]
+    valid = idx >= 0
+    rows = idx.long().clamp_min(0)
+    batch = torch.arange(B, device=idx.device).view(B, 1, 1)
+    kv_sel = kv[batch, rows]  # [B,S,K,Dc]
+    pe_sel = pe[batch, rows]  # [B,S,K,Dr]
+    scores = torch.matmul(q_nope.float(), kv_sel.float().transpose(-1, -2))
+    scores = scores + torch.matmul(q_pe.float(), pe_sel.float().transpose(-1, -2))
+    scores = (scores * scale).masked_fill(~valid[:, :, None, :], float("-inf"))  # [B,S,H,K]
+    if sink is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True)
+        row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+        weights = torch.exp(scores - row_max)
+        denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink.view(1, 1, H, 1) - row_max)
+        probs = weights / denom
+    return torch.matmul(probs.to(q_nope.dtype), kv_sel)
+
+
+@triton.jit(do_not_specialize=["S"])
+def _sparse_mla_kernel(
+    q_nope_ptr, q_pe_ptr, kv_ptr, pe_ptr, idx_ptr, sink_ptr, out_ptr,
+    stride_qn_b, stride_qn_s, stride_qn_h,
+    stride_qp_b, stride_qp_s, stride_qp_h,
+    stride_kv_b, stride_kv_t,
+    stride_pe_b, stride_pe_t,
+    stride_idx_b, stride_idx_s,
+    stride_o_b, stride_o_s, stride_o_h,
+    S, H, T, K, scale_log2e,
+    DC: tl.constexpr, DR: tl.constexpr, DC_P: tl.constexpr, DR_P: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: one query, BLOCK_H heads, BLOCK_DV output columns.  Heads sit on the
+    MMA M dimension; each selected key row is loaded once per program and serves as K
+    (scores) and V (output); online softmax in the log2 domain."""
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = pid_bs // S
+    s = pid_bs % S
+    b64 = b.to(tl.int64)
+    s64 = s.to(tl.int64)
+
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_c = tl.arange(0, DC_P)
+    offs_r = tl.arange(0, DR_P)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    h_ok = offs_h < H
+    c_ok = offs_c < DC
+    r_ok = offs_r < DR
+    v_ok = offs_v < DC
+
+    qn_base = q_nope_ptr + b64 * stride_qn_b + s64 * stride_qn_s
+    qp_base = q_pe_ptr + b64 * stride_qp_b + s64 * stride_qp_s
+    q_nope = tl.load(qn_base + offs_h[:, None] * stride_qn_h + offs_c[None, :],
+                     mask=h_ok[:, None] & c_ok[None, :], other=0.0)
+    q_pe = tl.load(qp_base + offs_h[:, None] * stride_qp_h + offs_r[None, :],
+                   mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+
+    kv_base = kv_ptr + b64 * stride_kv_b
+    pe_base = pe_ptr + b64 * stride_pe_b
+    idx_base = idx_ptr + b64 * stride_idx_b + s64 * stride_idx_s
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(0, K, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        ids = tl.load(idx_base + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+        valid = (ids >= 0) & (ids < T)
+        rows = tl.where(valid, ids, 0)
+        if DC == DC_P:
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & c_ok[None, :]
+        if DR == DR_P:
+            pe_mask = valid[:, None]
+        else:
+            pe_mask = valid[:, None] & r_ok[None, :]
+        kv_tile = tl.load(kv_base + rows[:, None] * stride_kv_t + offs_c[None, :], mask=kv_mask, other=0.0)
+        pe_tile = tl.load(pe_base + rows[:, None] * stride_pe_t + offs_r[None, :], mask=pe_mask, other=0.0)
+        qk = tl.dot(q_nope, tl.trans(kv_tile), input_precision=DOT_PRECISION)
+        qk = tl.dot(q_pe, tl.trans(pe_tile), qk, input_precision=DOT_PRECISION)
+        qk = tl.where(valid[None, :], qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if BLOCK_DV == DC_P:
+            v_tile = kv_tile
+        else:
+            v_tile = tl.load(kv_base + rows[:, None] * stride_kv_t + offs_v[None, :],
+                             mask=valid[:, None] & v_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    denom = l_i
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+        denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
+    out = acc / denom[:, None]
+    o_base = out_ptr + b64 * stride_o_b + s64 * stride_o_s
+    tl.store(o_base + offs_h[:, None] * stride_o_h + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & v_ok[None, :])
+
+
+def sparse_mla_default_config(S: int, H: int, Dc: int) -> dict:
+    """Launch parameters from the H200 sweep in benchmarks/sparse_attention_gpu.py (2026-11-29):
+    64 heads x 64 keys, whole Dc per program, 8 warps, 2 stages was fastest for prefill and
+    decode; 4 warps spill the [64, 512] fp32 accumulator, splitting Dc repeats q.k."""
+    block_h = max(16, min(64, triton.next_power_of_2(H)))
+    dc_p = triton.next_power_of_2(Dc)
+    return {"block_h": block_h, "block_n": 64, "block_dv": max(16, dc_p),
+            "num_warps": 8 if block_h * dc_p >= 64 * 256 else 4, "num_stages": 2}
+
+
+def sparse_mla_attention_triton(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    pe: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    sink: Optional[torch.Tensor] = None,
+    *,
+    block_h: Optional[int] = None,
+    block_n: Optional[int] = None,
+    block_dv: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Launch the fused kernel (CUDA, or CPU tensors under TRITON_INTERPRET).  No host
+    sync, output shape depends only on input shapes."""
+    _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink)
+    B, S, H, Dc = q_nope.shape
+    Dr = q_pe.shape[-1]
+    T, K = kv.shape[1], idx.shape[-1]
+    q_nope, q_pe, kv, pe, idx = (_last_dim_contiguous(t) for t in (q_nope, q_pe, kv, pe, idx))
+    cfg = sparse_mla_default_config(S, H, Dc)
+    for key, val in (("block_h", block_h), ("block_n", block_n), ("block_dv", block_dv),
+                     ("num_warps", num_warps), ("num_stages", num_stages)):
+        if val is not None:
+            cfg[key] = val
+    dc_p = triton.next_power_of_2(Dc)
+    dr_p = max(16, triton.next_power_of_2(Dr))
+    out = torch.empty((B, S, H, Dc), dtype=q_nope.dtype, device=q_nope.device)
+    if out.numel() == 0:
+        return out
+    grid = (B * S, triton.cdiv(H, cfg["block_h"]), triton.cdiv(dc_p, cfg["block_dv"]))
+    sink_arg = sink if sink is not None else q_nope  # never read when HAS_SINK is False
+    _sparse_mla_kernel[grid](
+        q_nope, q_pe, kv, pe, idx, sink_arg, out,
+        q_nope.stride(0), q_nope.stride(1), q_nope.stride(2),
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
+        kv.stride(0), kv.stride(1),
+        pe.stride(0), pe.stride(1),
+        idx.stride(0), idx.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        S, H, T, K, float(scale) * LOG2E,
+        DC=Dc, DR=Dr, DC_P=max(16, dc_p), DR_P=dr_p,
+        BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_DV=cfg["block_dv"],
+        HAS_SINK=sink is not None, DOT_PRECISION=_dot_precision(q_nope.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+@torch.library.custom_op("dsfuse::sparse_mla_attention", mutates_args=())
+def sparse_mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv: torch.Tensor,
+    pe: torch.Tensor,
+    idx: torch.Tensor,
+    scale: float,
+    sink: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Absorbed-MLA sparse attention; the default (CPU) implementation is the reference."""
+    return sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, scale, sink)
+
+
+@sparse_mla_attention.register_fake
+def _sparse_mla_attention_fake(q_nope, q_pe, kv, pe, idx, scale, sink=None):
+    _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink)
+    return q_nope.new_empty(q_nope.shape)
+
+
+@sparse_mla_attention.register_kernel("cuda")
+def _sparse_mla_attention_cuda(q_nope, q_pe, kv, pe, idx, scale, sink=None):
+    return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale, sink)
+
+
+# ---------------------------------------------------------------------------
+# Op 2: HF scatter-mask sparse attention (per-head K/V)
+# ---------------------------------------------------------------------------
+
+_MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
+
+
+def _check_masked_inputs(q, k, v, idx, attn_mask, scale):
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            "sparse_attention_masked: q, k, v must be [B,H,S,D], [B,H,T,D], [B,H,T,Dv], got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    B, H, S, D = q.shape
+    T = k.shape[2]
+    if tuple(k.shape) != (B, H, T, D):
+        raise ValueError(f"sparse_attention_masked: k must be [B={B}, H={H}, T, D={D}], got {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != (B, H, T):
+        raise ValueError(f"sparse_attention_masked: v must be [B={B}, H={H}, T={T}, Dv], got {tuple(v.shape)}")
+    if idx.dim() != 3 or idx.shape[0] != B or idx.shape[1] != S or idx.shape[2] < 1:
+        raise ValueError(f"sparse_attention_masked: idx must be [B={B}, S={S}, K>=1], got {tuple(idx.shape)}")
+    if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"sparse_attention_masked: q, k, v must share one of {_FLOAT_DTYPES}, got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"sparse_attention_masked: idx dtype must be int32 or int64, got {idx.dtype}")
+    if not math.isfinite(scale):
+        raise ValueError(f"sparse_attention_masked: scale must be finite, got {scale}")
+    tensors = [k, v, idx]
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+            raise TypeError(f"sparse_attention_masked: attn_mask must be bool or floating, got {attn_mask.dtype}")
+        try:
+            broadcast = tuple(torch.broadcast_shapes(tuple(attn_mask.shape), (B, H, S, T)))
+        except RuntimeError:
+            broadcast = None
+        if broadcast != (B, H, S, T):
+            raise ValueError(
+                f"sparse_attention_masked: attn_mask {tuple(attn_mask.shape)} does not broadcast to {(B, H, S, T)}"
+            )
+        tensors.append(attn_mask)
+    for t in tensors:
+        if t.device != q.device:
+            raise ValueError(f"sparse_attention_masked: all inputs must be on {q.device}, found {t.device}")
+
+
+def sparse_attention_masked_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Exactly the HF graph: scatter the indices into a "not selected" mask, combine it with
+    the attention mask (bool: AND; additive: fill with finfo(dtype).min), then SDPA.
+    ``causal`` adds the bottom-right aligned causal mask (key t allowed iff t <= s + T - S)."""
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale)
+    _check_index_range(idx, k.shape[2], False, "sparse_attention_masked")
+    return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal)
+
+
+def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False):
+    """The reference math without checks (what benchmarks hand to torch.compile)."""
+    B, S, T = q.shape[0], q.shape[2], k.shape[2]
+    index_mask = torch.ones((B, S, T), dtype=torch.bool, device=q.device).scatter(-1, idx.long(), False)
+    index_mask = index_mask.unsqueeze(1)  # [B,1,S,T], True = not selected
+    if causal:
+        future = torch.ones((S, T), dtype=torch.bool, device=q.device).triu(T - S + 1)
+        index_mask = index_mask | future
+    if attn_mask is None:
+        combined = ~index_mask
+    elif attn_mask.dtype == torch.bool:
+        combined = attn_mask & ~index_mask
+    else:
+        combined = attn_mask.masked_fill(index_mask, torch.finfo(q.dtype).min)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=combined, scale=scale)
+
+
+@triton.jit
+def _selection_bitmap_kernel(idx_ptr, bits_ptr, mask_ptr, stride_idx_b, stride_idx_s,
+                             stride_m_b, stride_m_s, stride_m_t, S, T, K, W,
+                             BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr):
+    """bits[b, s, t // 32] |= 1 << (t % 32) for every selected t; duplicates set one bit.
+    With CAUSAL, future keys (t > s + T - S) are dropped here, and with HAS_MASK a
+    head-independent boolean mask [B,S,T] is ANDed in here (read only at the K selected keys),
+    so the attention kernel needs no causal test and no mask read of its own."""
+    pid_bs = tl.program_id(0)
+    b = pid_bs // S
+    s = pid_bs % S
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ids = tl.load(idx_ptr + b.to(tl.int64) * stride_idx_b + s.to(tl.int64) * stride_idx_s + offs,
+                  mask=offs < K, other=-1)
+    ok = (ids >= 0) & (ids < T)
+    if CAUSAL:
+        ok = ok & (ids <= s + T - S)
+    if HAS_MASK:
+        allowed = tl.load(mask_ptr + b.to(tl.int64) * stride_m_b + s.to(tl.int64) * stride_m_s
+                          + tl.where(ok, ids, 0).to(tl.int64) * stride_m_t, mask=ok, other=0)
+        ok = ok & (allowed != 0)
+    ids = tl.where(ok, ids, 0).to(tl.int32)
+    word = tl.full([BLOCK_K], 1, tl.int32) << (ids & 31)
+    tl.atomic_or(bits_ptr + pid_bs.to(tl.int64) * W + (ids >> 5), word, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _active_tiles_kernel(bits_ptr, list_ptr, count_ptr, S, W, NUM_QB, NUM_TILES,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_CHUNK: tl.constexpr):
+    """For one (batch, query block): the key tiles in which any query of the block selected
+    a key, compacted in ascending order."""
+    pid = tl.program_id(0)
+    b = pid // NUM_QB
+    qb = pid % NUM_QB
+    WPT: tl.constexpr = BLOCK_N // 32
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < S
+    row_base = bits_ptr + (b.to(tl.int64) * S + offs_m) * W
+    offs_w = tl.arange(0, TILE_CHUNK * WPT)
+    count = tl.zeros([], tl.int32)
+    for start in range(0, NUM_TILES, TILE_CHUNK):
+        w = start * WPT + offs_w
+        words = tl.load(row_base[:, None] + w[None, :], mask=m_ok[:, None] & (w < W)[None, :], other=0)
+        per_word = tl.max((words != 0).to(tl.int32), 0)  # [TILE_CHUNK * WPT]
+        active = tl.max(tl.reshape(per_word, [TILE_CHUNK, WPT]), 1) > 0
+        tiles = start + tl.arange(0, TILE_CHUNK)
+        active = active & (tiles < NUM_TILES)
+        slots = count + tl.cumsum(active.to(tl.int32), 0) - 1
+        tl.store(list_ptr + pid.to(tl.int64) * NUM_TILES + slots, tiles, mask=active)
+        count += tl.sum(active.to(tl.int32), 0)
+    tl.store(count_ptr + pid, count)
+
+
+@triton.jit
+def _sparse_masked_attention_kernel(
+    q_ptr, k_ptr, v_ptr, bits_ptr, list_ptr, count_ptr, mask_ptr, vmean_ptr, out_ptr,
+    stride_q_b, stride_q_h, stride_q_s,
+    stride_k_b, stride_k_h, stride_k_t,
+    stride_v_b, stride_v_h, stride_v_t,
+    stride_m_b, stride_m_h, stride_m_s, stride_m_t,
+    stride_o_b, stride_o_h, stride_o_s,
+    H, S, T, W, NUM_QB, NUM_TILES, scale, fill_min,
+    D: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Flash attention over the active key tiles of one (query block, batch, head).  The head
+    dim is split into a power-of-two part DA and a tail DB (192 = 128 + 64) so no MMA work is
+    wasted on padding.  Selection (causal limit included) comes from the bitmap; the attention
+    mask, if any, is read per tile.  Bits past T are never set, so tile tails need no test."""
+    qb = NUM_QB - 1 - tl.program_id(0)  # longest (latest) query blocks first under causal masks
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    offs_m = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < S
+    offs_da = tl.arange(0, DA)
+    offs_v = tl.arange(0, DV_P)
+    v_ok = offs_v < DV
+
+    q_base = q_ptr + b64 * stride_q_b + h64 * stride_q_h
+    k_base = k_ptr + b64 * stride_k_b + h64 * stride_k_h
+    v_base = v_ptr + b64 * stride_v_b + h64 * stride_v_h
+    if DA > D:  # head dims below 16 are padded up to the smallest MMA width
+        q_a_mask = m_ok[:, None] & (offs_da < D)[None, :]
+    else:
+        q_a_mask = m_ok[:, None]
+    q_a = tl.load(q_base + offs_m[:, None] * stride_q_s + offs_da[None, :], mask=q_a_mask, other=0.0)
+    if DB > 0:
+        offs_db = DA + tl.arange(0, DB)
+        db_ok = offs_db < D
+        q_b = tl.load(q_base + offs_m[:, None] * stride_q_s + offs_db[None, :],
+                      mask=m_ok[:, None] & db_ok[None, :], other=0.0)
+    bits_rows = bits_ptr + (b64 * S + offs_m) * W
+    mask_base = mask_ptr + b64 * stride_m_b + h64 * stride_m_h
+
+    tile_list = list_ptr + (b64 * NUM_QB + qb) * NUM_TILES
+    n_active = tl.load(count_ptr + b * NUM_QB + qb)
+
+    WORDS_PER_TILE: tl.constexpr = BLOCK_N // 32
+    offs_local = tl.arange(0, BLOCK_N)
+    bit_shift = 31 - (offs_local & 31)
+    scale_log2e = scale * 1.4426950408889634
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
+    for i in range(0, n_active):
+        tile = tl.load(tile_list + i)
+        offs_n = tile * BLOCK_N + offs_local
+        n_ok = offs_n < T
+        if DA > D:
+            k_a_mask = n_ok[:, None] & (offs_da < D)[None, :]
+        else:
+            k_a_mask = n_ok[:, None]
+        k_a = tl.load(k_base + offs_n[:, None] * stride_k_t + offs_da[None, :], mask=k_a_mask, other=0.0)
+        qk = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
+        if DB > 0:
+            k_b = tl.load(k_base + offs_n[:, None] * stride_k_t + offs_db[None, :],
+                          mask=n_ok[:, None] & db_ok[None, :], other=0.0)
+            qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=DOT_PRECISION)
+        words = tl.load(bits_rows + tile * WORDS_PER_TILE, mask=m_ok, other=0)[:, None]
+        for j in tl.static_range(1, WORDS_PER_TILE):
+            word_j = tl.load(bits_rows + (tile * WORDS_PER_TILE + j), mask=m_ok, other=0)
+            words = tl.where((offs_local >> 5 == j)[None, :], word_j[:, None], words)
+        allowed = (words << bit_shift[None, :]) < 0  # bit (t % 32) moved to the sign bit
+        if MASK_KIND == 1:
+            mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
+                            mask=m_ok[:, None] & n_ok[None, :], other=0)
+            allowed = allowed & (mvals != 0)
+        if MASK_KIND == 2:
+            mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
+                            mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            # finfo.min * log2(e) overflows to -inf for bf16/fp32: masked keys then weigh exactly 0.
+            x = tl.where(allowed, (qk * scale + mvals) * 1.4426950408889634, fill_min * 1.4426950408889634)
+            x = tl.where(n_ok[None, :], x, float("-inf"))
+        else:
+            x = tl.where(allowed, qk * scale_log2e, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(x - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_tile = tl.load(v_base + offs_n[:, None] * stride_v_t + offs_v[None, :],
+                         mask=n_ok[:, None] & v_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # l_i == 0 only when no key got weight (a NaN score keeps l_i NaN, and the output NaN).
+    fully_masked = l_i == 0.0
+    safe_l = tl.where(fully_masked, 1.0, l_i)
+    if MASK_KIND == 2:
+        # Every key at finfo.min: SDPA's softmax is uniform over all T keys.
+        vmean = tl.load(vmean_ptr + (b64 * H + h64) * DV + offs_v, mask=v_ok, other=0.0)
+        out = tl.where(fully_masked[:, None], vmean[None, :], acc / safe_l[:, None])
+    else:
+        # No allowed key: SDPA returns zeros for an all-False boolean row.
+        out = tl.where(fully_masked[:, None], 0.0, acc / safe_l[:, None])
+    o_base = out_ptr + b64 * stride_o_b + h64 * stride_o_h
+    tl.store(o_base + offs_m[:, None] * stride_o_s + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & v_ok[None, :])
+
+
+def _split_head_dim(D: int):
+    """D = DA + tail with DA a power of two >= 16; tail padded to a power of two (0 if none)."""
+    da = max(16, 1 << (D.bit_length() - 1))
+    tail = D - da
+    return da, (max(16, triton.next_power_of_2(tail)) if tail > 0 else 0)
+
+
+def sparse_masked_default_config() -> dict:
+    """Launch parameters from the H200 sweep in benchmarks/sparse_attention_gpu.py (2026-11-29,
+    D=192, Dv=128): 64 queries x 64 keys, 4 warps, 3 stages was fastest (8.27 ms against
+    9.06 ms for 128 x 64 with 8 warps)."""
+    return {"block_m": 64, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+def sparse_attention_masked_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    causal: bool = False,
+    *,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+) -> torch.Tensor:
+    """Build the selection bitmap and active-tile lists, then run the attention kernel.
+    Scratch is O(B*S*T/8) bytes for the bitmap plus O(B*S/BLOCK_M*T/BLOCK_N) for the lists."""
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale)
+    B, H, S, D = q.shape
+    T, Dv, K = k.shape[2], v.shape[3], idx.shape[2]
+    q, k, v, idx = (_last_dim_contiguous(t) for t in (q, k, v, idx))
+    cfg = sparse_masked_default_config()
+    for key, val in (("block_m", block_m), ("block_n", block_n), ("num_warps", num_warps),
+                     ("num_stages", num_stages)):
+        if val is not None:
+            cfg[key] = val
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    if bn % 32:
+        raise ValueError(f"sparse_attention_masked: block_n must be a multiple of 32, got {bn}")
+    out = torch.empty((B, H, S, Dv), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    num_qb, num_tiles = triton.cdiv(S, bm), triton.cdiv(T, bn)
+    words = num_tiles * (bn // 32)  # rows padded to whole key tiles: no word index past a row
+    bits = torch.zeros((B, S, words), dtype=torch.int32, device=q.device)
+    mask_kind, mask_arg, mstrides = _MASK_NONE, bits, (0, 0, 0, 0)
+    bitmap_mask, bitmap_mstrides = bits, (0, 0, 0)
+    if attn_mask is not None:
+        expanded = attn_mask.expand(B, H, S, T)
+        if attn_mask.dtype == torch.bool and (H == 1 or expanded.stride(1) == 0):
+            # The HF case ([B,1,S,T]): selection AND mask is the same for every head.
+            bitmap_mask = expanded[:, 0].view(torch.uint8)
+            bitmap_mstrides = tuple(bitmap_mask.stride())
+        else:
+            mask_kind = _MASK_BOOL if attn_mask.dtype == torch.bool else _MASK_ADD
+            mask_arg = expanded.view(torch.uint8) if attn_mask.dtype == torch.bool else expanded
+            mstrides = tuple(mask_arg.stride())
+    block_k = min(1024, triton.next_power_of_2(K))
+    _selection_bitmap_kernel[(B * S, triton.cdiv(K, block_k))](
+        idx, bits, bitmap_mask, idx.stride(0), idx.stride(1), *bitmap_mstrides, S, T, K, words,
+        BLOCK_K=block_k, CAUSAL=causal, HAS_MASK=bitmap_mask is not bits)
+    tile_list = torch.empty((B, num_qb, num_tiles), dtype=torch.int32, device=q.device)
+    tile_count = torch.empty((B, num_qb), dtype=torch.int32, device=q.device)
+    _active_tiles_kernel[(B * num_qb,)](
+        bits, tile_list, tile_count, S, words, num_qb, num_tiles,
+        BLOCK_M=bm, BLOCK_N=bn, TILE_CHUNK=min(32, triton.next_power_of_2(num_tiles)))
+
+    if mask_kind == _MASK_ADD:
+        vmean = v.float().mean(dim=2)  # [B,H,Dv]
+    else:
+        vmean = out  # never read
+    da, db = _split_head_dim(D)
+    _sparse_masked_attention_kernel[(num_qb, B * H)](
+        q, k, v, bits, tile_list, tile_count, mask_arg, vmean, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        *mstrides,
+        out.stride(0), out.stride(1), out.stride(2),
+        H, S, T, words, num_qb, num_tiles, float(scale), torch.finfo(q.dtype).min,
+        D=D, DV=Dv, DA=da, DB=db, DV_P=max(16, triton.next_power_of_2(Dv)),
+        BLOCK_M=bm, BLOCK_N=bn, MASK_KIND=mask_kind,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+@torch.library.custom_op("dsfuse::sparse_attention_masked", mutates_args=())
+def sparse_attention_masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    idx: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    causal: bool = False,
+) -> torch.Tensor:
+    """HF scatter-mask sparse attention; the default (CPU) implementation is the reference."""
+    return sparse_attention_masked_reference(q, k, v, idx, attn_mask, scale, causal)
+
+
+@sparse_attention_masked.register_fake
+def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False):
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale)
+    return q.new_empty((*q.shape[:3], v.shape[-1]))
+
+
+@sparse_attention_masked.register_kernel("cuda")
+def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False):
+    return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal)

@@ -1,0 +1,425 @@
+"""Sparse-attention custom ops: Triton kernels (interpreter on CPU) against the references,
+the references against the HF / official source math, opcheck, and input validation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dsfuse.kernels import sparse_attention as sa
+
+# The interpreter evaluates in numpy, which warns on the intended 0/0 (rows without keys) and
+# finfo.min * log2(e) (= -inf) of additive masks.
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning",
+                                        "ignore:overflow encountered:RuntimeWarning")
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# The interpreter's bf16 tl.dot is broken; fp16 exercises the same half-precision path.
+HALF = torch.float16
+
+
+def _mla_inputs(B, S, H, Dc, Dr, T, K, dtype, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q_nope = torch.randn(B, S, H, Dc, generator=g).to(dtype)
+    q_pe = torch.randn(B, S, H, Dr, generator=g).to(dtype)
+    kv = torch.randn(B, T, Dc, generator=g).to(dtype)
+    pe = torch.randn(B, T, Dr, generator=g).to(dtype)
+    idx = torch.randint(0, T, (B, S, K), generator=g)
+    sink = torch.randn(H, generator=g)
+    return [t.to(device) for t in (q_nope, q_pe, kv, pe, idx, sink)]
+
+
+def _rel_err(out, ref):
+    both_nan = out.isnan() & ref.isnan()
+    assert torch.equal(out.isnan(), ref.isnan()), "NaN pattern differs"
+    diff = (out.float() - ref.float()).masked_fill(both_nan, 0).abs().max()
+    scale = ref.float().masked_fill(both_nan, 0).abs().max().clamp_min(1e-6)
+    return (diff / scale).item()
+
+
+# --------------------------------------------------------------------------- op 1
+
+
+MLA_SHAPES = [
+    # B, S, H, Dc, Dr, T, K
+    (1, 1, 4, 32, 16, 20, 1),
+    (2, 3, 16, 32, 16, 64, 7),
+    (1, 17, 6, 32, 16, 100, 32),
+    (2, 5, 5, 16, 16, 33, 13),
+    (1, 2, 3, 8, 4, 12, 5),  # latent and rope dims below the smallest MMA width
+]
+
+
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_mla_kernel_matches_reference_fp32(shape, with_sink):
+    B, S, H, Dc, Dr, T, K = shape
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(B, S, H, Dc, Dr, T, K, torch.float32)
+    idx[..., ::3] = -1  # "no key" entries
+    if K > 1:
+        idx[..., 1] = idx[..., 0].clamp_min(0)  # duplicates
+    sink = sink if with_sink else None
+    out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.17, sink)
+    ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.17, sink)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("block_h,block_n,block_dv", [(16, 16, 32), (16, 32, 16)])
+def test_mla_kernel_launch_variants(block_h, block_n, block_dv):
+    """Head blocks smaller than H, key tails, and the output split across programs."""
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(2, 3, 20, 32, 16, 50, 21, torch.float32)
+    out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.2, sink,
+                                         block_h=block_h, block_n=block_n, block_dv=block_dv)
+    ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.2, sink)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_mla_kernel_half_precision(with_sink):
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(2, 4, 8, 32, 16, 48, 19, HALF)
+    sink = sink if with_sink else None
+    out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.15, sink)
+    ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.15, sink)
+    exact = sa.sparse_mla_attention_reference(*(t.float() for t in (q_nope, q_pe, kv, pe)), idx, 0.15, sink)
+    assert out.dtype == HALF
+    # Online softmax rounds unnormalised probabilities to half: same order as the reference's rounding.
+    assert _rel_err(out, ref) <= 4e-3
+    assert _rel_err(out, exact) <= 2 * max(_rel_err(ref, exact), 2e-3)
+
+
+def test_mla_row_without_keys_nan_without_sink_zero_with_sink():
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(1, 3, 4, 32, 16, 20, 5, torch.float32)
+    idx[0, 1] = -1
+    for s in (None, sink):
+        out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.3, s)
+        ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.3, s)
+        if s is None:
+            assert out[0, 1].isnan().all() and ref[0, 1].isnan().all()
+        else:
+            assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+            assert torch.equal(ref[0, 1], torch.zeros_like(ref[0, 1]))
+        assert torch.isfinite(out[0, [0, 2]]).all()
+
+
+def test_mla_kernel_treats_out_of_range_indices_as_no_key():
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(2, 3, 4, 32, 16, 20, 6, torch.float32)
+    bad = idx.clone()
+    bad[0, 0, 0] = 20
+    bad[1, 2, 3] = 10**6
+    bad[1, 0, 1] = -7
+    cleaned = bad.masked_fill((bad < 0) | (bad >= 20), -1)
+    out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, bad, 0.3, sink)
+    ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, cleaned, 0.3, sink)
+    assert _rel_err(out, ref) <= 1e-5
+    with pytest.raises(IndexError, match="outside"):
+        sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, bad, 0.3, sink)
+
+
+def test_mla_reference_counts_duplicates_twice_and_matches_official_math():
+    """Official gather code: softmax over the K gathered scores, duplicates included."""
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(1, 2, 3, 16, 16, 10, 4, torch.float32)
+    idx[0, 0] = torch.tensor([2, 2, 5, -1])
+    out = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.5, sink)
+    rows = [2, 2, 5]
+    scores = (q_nope[0, 0] @ kv[0, rows].T + q_pe[0, 0] @ pe[0, rows].T) * 0.5  # [H,3]
+    weights = torch.exp(scores)
+    probs = weights / (weights.sum(-1, keepdim=True) + torch.exp(sink)[:, None])
+    expected = probs @ kv[0, rows]
+    torch.testing.assert_close(out[0, 0], expected, rtol=1e-5, atol=1e-6)
+    kernel = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.5, sink)
+    torch.testing.assert_close(kernel[0, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_mla_sink_is_not_folded_into_the_max():
+    """A sink far above every score must still leave exp(score - max) in the numerator."""
+    q_nope, q_pe, kv, pe, idx, _ = _mla_inputs(1, 1, 4, 16, 16, 12, 3, torch.float32)
+    sink = torch.full((4,), 30.0, device=q_nope.device)
+    out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.01, sink)
+    ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.01, sink)
+    assert ref.abs().max() > 0
+    assert _rel_err(out, ref) <= 1e-5
+
+
+def test_mla_op_dispatches_and_opcheck():
+    args = _mla_inputs(1, 3, 4, 16, 16, 20, 5, torch.float32, device="cpu")
+    q_nope, q_pe, kv, pe, idx, sink = args
+    out = torch.ops.dsfuse.sparse_mla_attention(q_nope, q_pe, kv, pe, idx, 0.25, sink)
+    torch.testing.assert_close(out, sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.25, sink))
+    torch.library.opcheck(torch.ops.dsfuse.sparse_mla_attention.default, (q_nope, q_pe, kv, pe, idx, 0.25, sink))
+    torch.library.opcheck(torch.ops.dsfuse.sparse_mla_attention.default,
+                          (q_nope, q_pe, kv, pe, idx.int(), 0.25, None))
+
+
+def test_mla_bad_inputs_raise():
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(1, 2, 4, 16, 16, 20, 5, torch.float32, device="cpu")
+    op = torch.ops.dsfuse.sparse_mla_attention
+    with pytest.raises(ValueError, match="q_nope and q_pe"):
+        op(q_nope[0], q_pe, kv, pe, idx, 1.0, None)
+    with pytest.raises(ValueError, match="kv must be"):
+        op(q_nope, q_pe, kv[..., :8], pe, idx, 1.0, None)
+    with pytest.raises(TypeError, match="differs"):
+        op(q_nope, q_pe, kv.double(), pe, idx, 1.0, None)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        op(q_nope, q_pe, kv, pe, idx.float(), 1.0, None)
+    with pytest.raises(ValueError, match="sink"):
+        op(q_nope, q_pe, kv, pe, idx, 1.0, sink[:2])
+    with pytest.raises(ValueError, match="K>=1"):
+        op(q_nope, q_pe, kv, pe, idx[..., :0], 1.0, None)
+    with pytest.raises(ValueError, match="finite"):
+        op(q_nope, q_pe, kv, pe, idx, math.nan, None)
+    with pytest.raises(IndexError, match="outside"):
+        op(q_nope, q_pe, kv, pe, idx.masked_fill(idx == idx[0, 0, 0], -2), 1.0, None)
+
+
+# --------------------------------------------------------------------------- op 2
+
+
+def _masked_inputs(B, H, S, T, D, Dv, K, dtype, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g).to(dtype)
+    k = torch.randn(B, H, T, D, generator=g).to(dtype)
+    v = torch.randn(B, H, T, Dv, generator=g).to(dtype)
+    # Like the indexer's top-k over causally masked scores: the first K keys of a random order
+    # in which the query's causal keys come first.
+    offset = T - S
+    scores = torch.rand(B, S, T, generator=g)
+    future = torch.arange(T)[None, :] > (torch.arange(S)[:, None] + offset)
+    scores = scores.masked_fill(future, -1.0)
+    idx = scores.topk(K, dim=-1).indices
+    return [t.to(device) for t in (q, k, v, idx)]
+
+
+def _causal_bool(B, S, T, device=DEVICE):
+    mask = torch.ones(S, T, dtype=torch.bool).tril(T - S)
+    return mask[None, None].expand(B, 1, S, T).contiguous().to(device)
+
+
+MASKED_SHAPES = [
+    # B, H, S, T, D, Dv, K
+    (1, 4, 1, 20, 32, 16, 5),
+    (2, 3, 17, 40, 32, 16, 9),
+    (1, 2, 9, 100, 48, 32, 32),
+    (2, 2, 33, 70, 16, 16, 1),
+    (1, 3, 5, 30, 8, 4, 6),  # head dims below the smallest MMA width
+]
+
+
+@pytest.mark.parametrize("shape", MASKED_SHAPES)
+@pytest.mark.parametrize("mask_kind", ["none", "causal_flag", "bool", "bool_broadcast", "bool_per_head", "additive"])
+def test_masked_kernel_matches_reference_fp32(shape, mask_kind):
+    B, H, S, T, D, Dv, K = shape
+    q, k, v, idx = _masked_inputs(B, H, S, T, D, Dv, K, torch.float32)
+    idx[..., -1] = idx[..., 0]  # a duplicate: HF's scatter selects the key once
+    causal, mask = False, None
+    if mask_kind == "causal_flag":
+        causal = True
+    elif mask_kind == "bool":
+        mask = _causal_bool(B, S, T)
+    elif mask_kind == "bool_broadcast":
+        mask = torch.ones(S, T, dtype=torch.bool).tril(T - S).to(q.device)
+    elif mask_kind == "bool_per_head":  # read per tile in the attention kernel, not folded into the bitmap
+        mask = _causal_bool(B, S, T).repeat(1, H, 1, 1)
+        mask[:, -1, :, 0] = False
+    elif mask_kind == "additive":
+        mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~_causal_bool(B, S, T),
+                                                                   torch.finfo(torch.float32).min)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.21, causal)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.21, causal)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("block_m,block_n", [(16, 32), (32, 64)])
+def test_masked_kernel_tile_variants(block_m, block_n):
+    q, k, v, idx = _masked_inputs(2, 2, 37, 37, 24, 16, 7, torch.float32)
+    mask = _causal_bool(2, 37, 37)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3, True, block_m=block_m, block_n=block_n)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3, True)
+    assert _rel_err(out, ref) <= 1e-5
+
+
+def test_masked_fully_masked_rows_match_sdpa():
+    """Bool: SDPA returns zeros for an all-False row.  Additive (finfo.min everywhere): SDPA's
+    softmax is uniform over all T keys, i.e. the mean of V over all keys."""
+    B, H, S, T = 2, 3, 6, 40
+    q, k, v, idx = _masked_inputs(B, H, S, T, 32, 16, 4, torch.float32)
+    bool_mask = _causal_bool(B, S, T)
+    bool_mask[1, :, 2] = False  # a padded query row
+    bool_mask[0, :, :, :] &= torch.arange(T, device=q.device) >= 38  # row 0..: only keys 38,39 allowed
+    add_mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+    for mask in (bool_mask, bool_mask.expand(B, H, S, T).clone(), add_mask):
+        out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3)
+        ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3)
+        assert _rel_err(out, ref) <= 1e-5
+    out_bool = sa.sparse_attention_masked_triton(q, k, v, idx, bool_mask, 0.3)
+    assert torch.equal(out_bool[1, :, 2], torch.zeros_like(out_bool[1, :, 2]))
+    out_add = sa.sparse_attention_masked_triton(q, k, v, idx, add_mask, 0.3)
+    torch.testing.assert_close(out_add[1, :, 2], v[1].mean(dim=1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "causal_flag"])
+def test_masked_kernel_half_precision(mask_kind):
+    B, H, S, T = 2, 3, 17, 50
+    q, k, v, idx = _masked_inputs(B, H, S, T, 32, 16, 11, HALF)
+    causal = mask_kind == "causal_flag"
+    mask = None
+    if mask_kind == "bool":
+        mask = _causal_bool(B, S, T)
+    elif mask_kind == "additive":
+        mask = torch.zeros(B, 1, S, T, dtype=HALF, device=q.device).masked_fill(~_causal_bool(B, S, T),
+                                                                                torch.finfo(HALF).min)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.2, causal)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.2, causal)
+    assert out.dtype == HALF
+    assert _rel_err(out, ref) <= 4e-3
+
+
+def _hf_eager_sparse_attention(q, k, v, idx, attn_mask, scale):
+    """HF DeepseekV32Attention with the eager interface: scatter mask, softmax in fp32, cast, P @ V."""
+    B, H, S, _ = q.shape
+    index_mask = torch.ones((B, S, k.shape[2]), dtype=torch.bool, device=q.device).scatter(-1, idx.long(), False)
+    combined = attn_mask.masked_fill(index_mask.unsqueeze(1), torch.finfo(q.dtype).min)
+    weights = torch.matmul(q, k.transpose(2, 3)) * scale + combined
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
+def test_masked_reference_matches_hf_eager_at_bf16_level():
+    q, k, v, idx = _masked_inputs(1, 4, 12, 30, 32, 16, 6, torch.bfloat16, device="cpu")
+    mask = torch.zeros(1, 1, 12, 30, dtype=torch.bfloat16).masked_fill(
+        ~_causal_bool(1, 12, 30, device="cpu"), torch.finfo(torch.bfloat16).min)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.18)
+    eager = _hf_eager_sparse_attention(q, k, v, idx, mask, 0.18)
+    exact = sa.sparse_attention_masked_reference(q.float(), k.float(), v.float(), idx, mask.float(), 0.18)
+    assert _rel_err(ref, exact) <= 1e-2
+    assert _rel_err(eager, exact) <= 1e-2
+    assert _rel_err(ref, eager) <= 2e-2
+
+
+@pytest.mark.parametrize("causal,with_mask", [(False, False), (True, False), (False, True)])
+def test_selection_bitmap_sets_each_selected_key_once(causal, with_mask):
+    """Two query rows (S=2, T=70): the causal limit of row s is key s + 68; the mask (when
+    given) forbids key 33 for row 0 and key 1 for row 1."""
+    idx = torch.tensor([[[0, 31, 32, 33, 33, 69, 5], [69, 68, 70, -1, 1, 1, 1]]], device=DEVICE)
+    bits = torch.zeros((1, 2, 3), dtype=torch.int32, device=DEVICE)
+    mask = torch.ones((1, 2, 70), dtype=torch.bool, device=DEVICE)
+    mask[0, 0, 33] = False
+    mask[0, 1, 1] = False
+    mask = mask.view(torch.uint8)
+    sa._selection_bitmap_kernel[(2, 1)](idx, bits, mask, idx.stride(0), idx.stride(1), *mask.stride(),
+                                        2, 70, 7, 3, BLOCK_K=8, CAUSAL=causal, HAS_MASK=with_mask)
+    row0 = [(1 << 0) | (1 << 31) | (1 << 5), (1 << 0) | (0 if with_mask else 1 << 1), 0 if causal else 1 << 5]
+    row1 = [0 if with_mask else 1 << 1, 0, (1 << 5) | (1 << 4)]
+    got = [w & 0xFFFFFFFF for w in bits.view(-1).tolist()]
+    assert got == row0 + row1
+
+
+def test_masked_kernel_ignores_out_of_range_indices():
+    q, k, v, idx = _masked_inputs(1, 2, 5, 20, 16, 16, 4, torch.float32)
+    bad = idx.clone()
+    bad[0, 1, 0] = 20
+    bad[0, 3, 2] = -5
+    out = sa.sparse_attention_masked_triton(q, k, v, bad, None, 0.3, True)
+    # Out-of-range entries select nothing: same as repeating a valid entry of that row.
+    cleaned = bad.clone()
+    cleaned[0, 1, 0] = cleaned[0, 1, 1]
+    cleaned[0, 3, 2] = cleaned[0, 3, 0]
+    ref = sa.sparse_attention_masked_reference(q, k, v, cleaned, None, 0.3, True)
+    assert _rel_err(out, ref) <= 1e-5
+    with pytest.raises(IndexError, match="outside"):
+        sa.sparse_attention_masked_reference(q, k, v, bad, None, 0.3, True)
+
+
+@pytest.mark.parametrize("mask_kind", ["causal_flag", "additive"])
+def test_masked_kernel_propagates_nan_like_sdpa(mask_kind):
+    q, k, v, idx = _masked_inputs(1, 2, 6, 20, 16, 16, 4, torch.float32)
+    q[0, 1, 3, 5] = float("nan")
+    mask = None
+    if mask_kind == "additive":
+        mask = torch.zeros(1, 1, 6, 20, device=q.device).masked_fill(~_causal_bool(1, 6, 20),
+                                                                    torch.finfo(torch.float32).min)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3, mask is None)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3, mask is None)
+    assert ref[0, 1, 3].isnan().all()
+    assert _rel_err(out, ref) <= 1e-5
+
+
+def test_mla_kernel_propagates_nan():
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(1, 3, 4, 16, 16, 20, 5, torch.float32)
+    q_nope[0, 1, 2, 0] = float("nan")
+    for s in (None, sink):
+        out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.3, s)
+        ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.3, s)
+        assert ref[0, 1, 2].isnan().all()
+        assert _rel_err(out, ref) <= 1e-5
+
+
+def test_masked_op_dispatches_and_opcheck():
+    q, k, v, idx = _masked_inputs(1, 2, 5, 12, 16, 8, 3, torch.float32, device="cpu")
+    bool_mask = _causal_bool(1, 5, 12, device="cpu")
+    add_mask = torch.zeros(1, 1, 5, 12).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+    op = torch.ops.dsfuse.sparse_attention_masked
+    out = op(q, k, v, idx, bool_mask, 0.25, False)
+    torch.testing.assert_close(out, sa.sparse_attention_masked_reference(q, k, v, idx, bool_mask, 0.25))
+    for mask, causal in ((bool_mask, False), (add_mask, False), (None, True)):
+        torch.library.opcheck(op.default, (q, k, v, idx, mask, 0.25, causal))
+
+
+def test_masked_bad_inputs_raise():
+    q, k, v, idx = _masked_inputs(1, 2, 5, 12, 16, 8, 3, torch.float32, device="cpu")
+    op = torch.ops.dsfuse.sparse_attention_masked
+    with pytest.raises(ValueError, match="k must be"):
+        op(q, k[:, :1], v, idx, None, 1.0, False)
+    with pytest.raises(TypeError, match="share one of"):
+        op(q, k.half(), v, idx, None, 1.0, False)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        op(q, k, v, idx, torch.ones(5, 13, dtype=torch.bool), 1.0, False)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        op(q, k, v, idx, torch.ones(2, 1, 5, 12, dtype=torch.bool), 1.0, False)
+    with pytest.raises(TypeError, match="bool or floating"):
+        op(q, k, v, idx, torch.ones(5, 12, dtype=torch.int32), 1.0, False)
+    with pytest.raises(IndexError, match="outside"):
+        op(q, k, v, idx.masked_fill(idx == idx[0, 0, 0], -1), None, 1.0, False)
+    with pytest.raises(ValueError, match="K>=1"):
+        op(q, k, v, idx[..., :0], None, 1.0, False)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_mla_gpu_bf16_real_head_dims_and_cuda_graph():
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(2, 8, 128, 512, 64, 3000, 300, torch.bfloat16, device="cuda")
+    idx[:, :, ::7] = -1
+    for s in (None, sink):
+        out = torch.ops.dsfuse.sparse_mla_attention(q_nope, q_pe, kv, pe, idx, 0.04, s)
+        ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.04, s)
+        assert _rel_err(out, ref) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsfuse.sparse_mla_attention(q_nope, q_pe, kv, pe, idx, 0.04, sink)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_kind", ["causal_flag", "bool", "additive"])
+def test_masked_gpu_bf16_real_head_dims_and_cuda_graph(mask_kind):
+    B, H, S, T = 1, 4, 300, 300
+    q, k, v, idx = _masked_inputs(B, H, S, T, 192, 128, 64, torch.bfloat16, device="cuda")
+    causal = mask_kind == "causal_flag"
+    mask = None if causal else _causal_bool(B, S, T, device="cuda")
+    if mask_kind == "additive":
+        mask = torch.zeros(B, 1, S, T, dtype=torch.bfloat16, device="cuda").masked_fill(
+            ~mask, torch.finfo(torch.bfloat16).min)
+    out = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 192 ** -0.5, causal)
+    assert _rel_err(out, ref) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, out)
