@@ -73,6 +73,35 @@ def time_ms(fn: Callable[[], object], device: str, rep_ms: int) -> float:
     return statistics.median(times)
 
 
+def _device_us(event, self_only: bool) -> float:
+    for name in (("self_device_time_total", "self_cuda_time_total") if self_only
+                 else ("device_time_total", "cuda_time_total")):
+        if hasattr(event, name):
+            return float(getattr(event, name))
+    return 0.0
+
+
+def profile_stages(fn: Callable[[], object], top: int = 12) -> dict:
+    """GPU time of one call by kernel, and the share of each dsfuse fused op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = list(prof.key_averages())
+    kernels = [(e.key, _device_us(e, True)) for e in events if _device_us(e, True) > 0]
+    total = sum(us for _, us in kernels)
+    fused = {e.key: _device_us(e, False) for e in events if e.key.startswith("dsfuse::")}
+    return {
+        "gpu_ms": total / 1e3,
+        "dsfuse_ops_ms": {k: v / 1e3 for k, v in fused.items()},
+        "dsfuse_ops_share": {k: v / total for k, v in fused.items()} if total else {},
+        "top_kernels_ms": [(k[:80], us / 1e3) for k, us in sorted(kernels, key=lambda kv: -kv[1])[:top]],
+    }
+
+
 def _compiled(model, backend: str | None, options: dict | None):
     if backend is None:
         return model
@@ -115,6 +144,9 @@ def bench_model(args) -> dict:
                     if name == "inductor":
                         row["deterministic"] = bool(torch.equal(fn(ids).logits, logits))
                 row["tok_per_s"] = args.batch * seq / row["ms"] * 1e3
+                if args.profile and cuda:
+                    with torch.no_grad():
+                        row["profile"] = profile_stages(lambda: fn(ids))
                 if backend == "dsfuse":
                     row["rewritten"] = dsfuse.report().counts if name != "dsfuse-off" else {}
                 outputs[name] = logits.float()
@@ -126,7 +158,13 @@ def bench_model(args) -> dict:
                 row["ms"] = None
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
             results["runs"].append(row)
-            print(json.dumps(row), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+            if "profile" in row:
+                prof = row["profile"]
+                shares = ", ".join(f"{k} {v:.1%}" for k, v in prof["dsfuse_ops_share"].items())
+                print(f"  profile: {prof['gpu_ms']:.2f} ms GPU; fused ops: {shares or 'none'}", flush=True)
+                for kernel, ms in prof["top_kernels_ms"][:8]:
+                    print(f"    {ms:8.3f} ms  {kernel}", flush=True)
         _check_parity(outputs, seq, results)
         outputs.clear()
         if cuda:
@@ -178,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     model.add_argument("--rep-ms", type=int, default=1000)
     model.add_argument("--json", default=None, help="write results here")
+    model.add_argument("--profile", action="store_true", help="add a per-kernel GPU-time breakdown of one call")
     args = parser.parse_args(argv)
     args.configs = [c for c in args.configs.split(",") if c]
     unknown = [c for c in args.configs if c not in CONFIGS]

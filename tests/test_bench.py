@@ -1,0 +1,19 @@
+"""`python -m dsfuse.bench model` on the tiny preset: the CPU smoke run of the benchmark tool."""
+
+import json
+
+from dsfuse.bench import main
+
+
+def test_model_bench_tiny_cpu(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["model", "--preset", "tiny", "--seq", "16", "--device", "cpu", "--configs", "eager,inductor,dsfuse-off",
+                 "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert results["env"]["device"] == "cpu" and results["preset"] == "tiny"
+    rows = {r["config"]: r for r in results["runs"]}
+    assert set(rows) == {"eager", "inductor", "dsfuse-off"}
+    assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
+    assert rows["dsfuse-off"]["bitwise_equal_to_inductor"] is True
+    assert rows["inductor"]["rel_l2_vs_eager"] < 1e-5
+    assert "vs Inductor" in capsys.readouterr().out
