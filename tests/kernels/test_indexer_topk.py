@@ -1,0 +1,234 @@
+"""indexer_topk: reference math, custom op registration, and the Triton path (interpreter on CPU)."""
+
+import pytest
+import torch
+from dsfuse.kernels.indexer_topk import (
+    flops,
+    indexer_topk,
+    indexer_topk_reference,
+    indexer_topk_triton,
+)
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+# The interpreter's bf16 dot is wrong; fp16 takes its place there (both are exact products in fp32).
+HALF = torch.bfloat16 if ON_GPU else torch.float16
+
+
+def masked_index_scores(q, k, weights, k_scale, mask, softmax_scale):
+    """The [B, S, T] fp32 scores the top-k is taken over (the reference's own intermediate)."""
+    scores = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * softmax_scale)
+    index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    if k_scale is not None:
+        index = index * k_scale.unsqueeze(1)
+    if mask is not None:
+        index = index.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else index + mask
+    return index
+
+
+def assert_exact_topk(out, q, k, weights, k_scale, mask, softmax_scale, topk):
+    """Indices in range, distinct per row, and their scores equal the reference's top-k scores."""
+    index = masked_index_scores(q, k, weights, k_scale, mask, softmax_scale).cpu()
+    B, S, T = index.shape
+    width = min(topk, T)
+    out = out.cpu()
+    assert out.dtype == torch.int32
+    assert tuple(out.shape) == (B, S, width)
+    if out.numel() == 0:
+        return
+    assert int(out.min()) >= 0 and int(out.max()) < T
+    sorted_idx = out.sort(dim=-1).values
+    assert not bool((sorted_idx.diff(dim=-1) == 0).any()), "duplicate indices in a row"
+    got = torch.gather(index, -1, out.long()).sort(dim=-1).values
+    want = index.topk(width, dim=-1).values.sort(dim=-1).values
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def causal_mask(B, S, T):
+    offset = T - S
+    allowed = torch.arange(T)[None, :] <= torch.arange(S)[:, None] + offset
+    return allowed[None].expand(B, S, T)
+
+
+def make_inputs(B, S, T, H, D, dtype=HALF, seed=0, with_k_scale=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g)
+    k = torch.randn(B, T, D, generator=g)
+    if dtype == torch.float8_e4m3fn:
+        q, k = q * 4, k * 4
+    weights = torch.randn(B, S, H, generator=g)
+    k_scale = (torch.rand(B, T, generator=g) + 0.5) if with_k_scale else None
+    to = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    return to(q.to(dtype)), to(k.to(dtype)), to(weights), to(k_scale)
+
+
+# ------------------------------------------------------------------------------------------ reference
+def test_reference_matches_hand_built_loops():
+    q, k, w, ks = make_inputs(2, 3, 11, 3, 8, dtype=torch.float32, with_k_scale=True)
+    q, k, w, ks = q.cpu(), k.cpu(), w.cpu(), ks.cpu()
+    mask = causal_mask(2, 3, 11).clone()
+    mask[1, :, :2] = False
+    scale = 0.3
+    index = torch.empty(2, 3, 11)
+    for b in range(2):
+        for s in range(3):
+            for t in range(11):
+                total = 0.0
+                for h in range(3):
+                    total += float(w[b, s, h]) * max(float(q[b, s, h] @ k[b, t]) * scale, 0.0)
+                total *= float(ks[b, t])
+                index[b, s, t] = total if mask[b, s, t] else float("-inf")
+    out = indexer_topk_reference(q, k, w, ks, mask, scale, 4)
+    assert out.dtype == torch.int32 and tuple(out.shape) == (2, 3, 4)
+    torch.testing.assert_close(torch.gather(index, -1, out.long()), index.topk(4, dim=-1).values)
+
+
+def test_reference_additive_mask_and_width_clamp():
+    q, k, w, _ = make_inputs(1, 4, 6, 2, 8, dtype=torch.float32)
+    q, k, w = q.cpu(), k.cpu(), w.cpu()
+    additive = torch.zeros(4, 6)
+    additive[:, 0] = float("-inf")
+    out = indexer_topk_reference(q, k, w, None, additive, 1.0, 10)
+    assert tuple(out.shape) == (1, 4, 6)
+    # the -inf key ranks last in every row
+    assert bool((out[..., -1] == 0).all())
+
+
+# ------------------------------------------------------------------------------------------ custom op
+def test_opcheck_custom_op():
+    q, k, w, ks = make_inputs(1, 5, 24, 4, 16, dtype=torch.float32, with_k_scale=True)
+    mask = causal_mask(1, 5, 24).to(DEVICE)
+    torch.library.opcheck(indexer_topk, (q, k, w, ks, mask, 0.25, 8))
+    torch.library.opcheck(indexer_topk, (q, k, w, None, None, 0.25, 40))
+
+
+def test_fake_output_width_is_symbolic_min():
+    def fn(q, k, w):
+        return torch.ops.dsfuse.indexer_topk(q, k, w, None, None, 0.5, 8)
+
+    compiled = torch.compile(fn, backend="eager", dynamic=True, fullgraph=True)
+    for T in (5, 12, 20):
+        q, k, w, _ = make_inputs(1, 3, T, 2, 16, dtype=torch.float32)
+        out = compiled(q, k, w)
+        assert tuple(out.shape) == (1, 3, min(8, T))
+        assert_exact_topk(out, q, k, w, None, None, 0.5, 8)
+
+
+@pytest.mark.parametrize(
+    "mutate, error",
+    [
+        (lambda a: a.update(q=a["q"][0]), ValueError),
+        (lambda a: a.update(k=a["k"][:, :, :8]), ValueError),
+        (lambda a: a.update(k=a["k"].float()), TypeError),
+        (lambda a: a.update(weights=a["weights"].half()), TypeError),
+        (lambda a: a.update(weights=a["weights"][:, :, :2]), ValueError),
+        (lambda a: a.update(k_scale=a["weights"][:, 0]), ValueError),
+        (lambda a: a.update(mask=torch.ones(3, 5, 7, dtype=torch.bool)), ValueError),
+        (lambda a: a.update(mask=torch.ones(5, 20, dtype=torch.int32)), TypeError),
+        (lambda a: a.update(topk=0), ValueError),
+    ],
+)
+def test_bad_input_raises(mutate, error):
+    q, k, w, _ = make_inputs(1, 5, 20, 4, 16)
+    args = dict(q=q, k=k, weights=w, k_scale=None, mask=None, softmax_scale=0.5, topk=4)
+    mutate(args)
+    with pytest.raises(error):
+        indexer_topk(**args)
+    with pytest.raises(error):
+        indexer_topk_triton(**args)
+
+
+# ------------------------------------------------------------------------------------------ Triton path
+def padded_causal_additive(B, S, T, pad):
+    allowed = causal_mask(B, S, T).clone()
+    for b, p in enumerate(pad):
+        allowed[b, :, :p] = False
+    return torch.zeros(B, S, T).masked_fill(~allowed, float("-inf"))
+
+
+CASES = {
+    "causal_bool_tiny": dict(B=1, S=5, T=40, H=4, D=32, topk=8, mask="causal"),
+    "causal_prefill_no_cache": dict(B=1, S=40, T=40, H=4, D=32, topk=16, mask="causal"),
+    "padding_additive": dict(B=2, S=17, T=100, H=4, D=32, topk=16, mask="padded_additive"),
+    "no_mask_odd_heads_dim": dict(B=1, S=9, T=200, H=3, D=24, topk=64, mask=None),
+    "topk_above_T": dict(B=2, S=6, T=40, H=4, D=32, topk=64, mask="causal"),
+    "fp8_with_k_scale": dict(B=1, S=33, T=150, H=4, D=32, topk=16, mask="causal", dtype=torch.float8_e4m3fn,
+                             with_k_scale=True),
+    "fp32_exact_dot": dict(B=1, S=7, T=64, H=4, D=16, topk=8, mask="causal", dtype=torch.float32),
+    "split_keys_atomic_counts": dict(B=2, S=3, T=130, H=4, D=32, topk=8, mask="causal", config={"splits": 3}),
+    "repair_underflow": dict(B=1, S=6, T=90, H=4, D=32, topk=8, mask="causal", threshold=float("inf")),
+    "repair_overflow": dict(B=1, S=6, T=90, H=4, D=32, topk=8, mask="causal", threshold=float("-inf"),
+                            candidate_capacity=16),
+    "additive_finite_min_mask": dict(B=1, S=9, T=60, H=4, D=32, topk=8, mask="finite_min"),
+    "fp8_tensor_cores_flag": dict(B=1, S=5, T=70, H=4, D=32, topk=8, mask="causal", dtype=torch.float8_e4m3fn,
+                                  fp8_tensor_cores=True),
+    "long_rows_chunked_ranges": dict(B=1, S=2, T=9000, H=4, D=16, topk=8, mask="padded_additive", pad=[8500]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_matches_reference(name):
+    case = dict(CASES[name])
+    B, S, T, H, D, topk = (case.pop(x) for x in ("B", "S", "T", "H", "D", "topk"))
+    kind = case.pop("mask")
+    pad = case.pop("pad", [0, 7])
+    q, k, w, ks = make_inputs(B, S, T, H, D, dtype=case.pop("dtype", HALF),
+                              with_k_scale=case.pop("with_k_scale", False))
+    mask = {
+        None: lambda: None,
+        "causal": lambda: causal_mask(B, S, T),
+        "padded_additive": lambda: padded_causal_additive(B, S, T, pad=pad),
+        "finite_min": lambda: torch.zeros(B, S, T).masked_fill(~causal_mask(B, S, T), torch.finfo(torch.float32).min),
+    }[kind]()
+    mask = None if mask is None else mask.to(DEVICE)
+    if "threshold" in case:
+        case["threshold"] = torch.full((B, S), case["threshold"], device=DEVICE)
+    scale = D ** -0.5
+    out = indexer_topk_triton(q, k, w, ks, mask, scale, topk, **case)
+    assert_exact_topk(out, q, k, w, ks, mask, scale, topk)
+
+
+def test_triton_nan_scores_are_selected_first():
+    B, S, T, H, D = 1, 6, 48, 4, 32
+    q, k, w, _ = make_inputs(B, S, T, H, D)
+    k[0, 3] = float("nan")  # visible to every row
+    k[0, 47] = float("nan")  # masked for all but the last row
+    mask = causal_mask(B, S, T).to(DEVICE)
+    out = indexer_topk_triton(q, k, w, None, mask, 0.2, 8)
+    assert bool((out == 3).any(dim=-1).all())
+    assert bool((out[0, -1] == 47).any())
+    assert_exact_topk(out, q, k, w, None, mask, 0.2, 8)
+
+
+def test_triton_expanded_and_broadcast_masks_and_strided_inputs():
+    B, S, T, H, D = 2, 7, 56, 4, 32
+    q, k, w, _ = make_inputs(B, S, T, H, D)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B,S,H,D] view with H-major storage
+    k_strided = torch.cat([k, k], dim=-1)[..., :D]  # row stride 2*D
+    four_d = causal_mask(1, S, T)[:, None].to(DEVICE)  # [1,1,S,T] like HF's attention_mask
+    expanded = four_d.expand(B, 1, S, T)[:, 0, :, :]  # zero batch stride
+    for mask in (expanded, causal_mask(1, S, T)[0].to(DEVICE)):
+        out = indexer_topk_triton(q_strided, k_strided, w, None, mask, 0.2, 8)
+        assert_exact_topk(out, q, k, w, None, mask.expand(B, S, T), 0.2, 8)
+
+
+def test_triton_empty_sequence():
+    q, k, w, _ = make_inputs(1, 0, 30, 4, 32)
+    out = indexer_topk_triton(q, k, w, None, None, 0.2, 8)
+    assert tuple(out.shape) == (1, 0, 8) and out.dtype == torch.int32
+
+
+def test_flops_counts_causal_pairs():
+    assert flops(1, 3, 5, 2, 4, causal_offset=2) == 2 * 2 * 4 * (3 + 4 + 5)
+    assert flops(2, 3, 5, 2, 4) == 2 * 2 * 4 * 15 * 2
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cuda_op_matches_reference_at_model_shape(dtype):
+    B, S, T, H, D, topk = 1, 256, 4096, 64, 128, 2048
+    q, k, w, ks = make_inputs(B, S, T, H, D, dtype=dtype, with_k_scale=dtype == torch.float8_e4m3fn)
+    mask = causal_mask(B, S, T).to(DEVICE)
+    out = torch.ops.dsfuse.indexer_topk(q, k, w, ks, mask, D ** -0.5, topk)
+    assert_exact_topk(out, q, k, w, ks, mask, D ** -0.5, topk)
