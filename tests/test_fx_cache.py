@@ -12,7 +12,7 @@ from dsfuse.pass_manager import DsfusePassManager
 def indexer(q, k, w, mask):
     scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * 0.25)
     index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~mask, float("-inf"))
-    return index.topk(3, dim=-1).indices
+    return index.topk(3, dim=-1, sorted=False).indices
 
 
 def _inputs():
@@ -47,10 +47,10 @@ def test_toggling_a_pass_never_serves_a_stale_graph(tmp_path, monkeypatch):
 
 
 def test_uuid_covers_enabled_set_and_sources(monkeypatch):
-    a, b = DsfusePassManager(("indexer_topk",)), DsfusePassManager(("indexer_topk", "moe_experts"))
-    assert a.uuid() != b.uuid()
-    assert a.uuid() == DsfusePassManager(("indexer_topk",)).uuid()
+    a, b = DsfusePassManager(("indexer_topk",)).uuid(), DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
+    assert a != b
+    assert a == DsfusePassManager(("indexer_topk",)).uuid()
     import dsfuse.pass_manager as pm
 
     monkeypatch.setattr(pm, "sources_digest", lambda: "edited-kernel-source")
-    assert DsfusePassManager(("indexer_topk",)).uuid() != a.uuid()
+    assert DsfusePassManager(("indexer_topk",)).uuid() != a
