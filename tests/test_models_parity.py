@@ -105,3 +105,16 @@ def test_hf_decode_step_with_cache_is_rewritten_and_matches():
         out = torch.compile(model, backend="dsfuse")(step, cache=compiled_cache, use_cache=True).logits
     assert dsfuse.report().counts["indexer_topk"] == model.config.num_hidden_layers
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_new_sequence_lengths_do_not_recompile():
+    model = build_hf_model("tiny")
+    compiled = torch.compile(model, backend="dsfuse")
+    with torch.no_grad():
+        for seq in (20, 24, 28):
+            ids = torch.randint(0, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    # The first length compiles a static graph; the second marks the length dynamic; the third reuses it.
+    assert len(rep.graphs) == 2, str(rep)
+    assert rep.counts["indexer_topk"] == 2 * model.config.num_hidden_layers
