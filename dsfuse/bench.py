@@ -34,6 +34,21 @@ CONFIGS: dict[str, tuple[str | None, dict | None]] = {
 }
 
 
+def resolve_configs(names: list[str]) -> dict[str, tuple[str | None, dict | None]]:
+    """`CONFIGS` entries plus ablations: `only:PASS` runs one pass alone, `no:PASS` all but one."""
+    resolved = {}
+    for name in names:
+        kind, _, pass_name = name.partition(":")
+        if name in CONFIGS:
+            resolved[name] = CONFIGS[name]
+        elif kind in ("only", "no") and pass_name in PASS_NAMES:
+            resolved[name] = ("dsfuse", {"enable" if kind == "only" else "disable": [pass_name]})
+        else:
+            raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}, only:PASS, no:PASS "
+                             f"with PASS in {', '.join(PASS_NAMES)}")
+    return resolved
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -121,8 +136,7 @@ def bench_model(args) -> dict:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=args.device,
                             generator=torch.Generator(args.device).manual_seed(seq))
         outputs: dict[str, torch.Tensor] = {}
-        for name in args.configs:
-            backend, options = CONFIGS[name]
+        for name, (backend, options) in args.configs.items():
             row = {"seq": seq, "config": name}
             try:
                 fn = _compiled(model, backend, options)
@@ -148,7 +162,7 @@ def bench_model(args) -> dict:
                     with torch.no_grad():
                         row["profile"] = profile_stages(lambda: fn(ids))
                 if backend == "dsfuse":
-                    row["rewritten"] = dsfuse.report().counts if name != "dsfuse-off" else {}
+                    row["rewritten"] = dsfuse.report().counts
                 outputs[name] = logits.float()
                 del logits
             except torch.OutOfMemoryError:
@@ -213,15 +227,16 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     model.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    model.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
+    model.add_argument("--configs", default=",".join(CONFIGS),
+                       help=f"comma list of {', '.join(CONFIGS)}, only:PASS (one pass alone), no:PASS (all but one)")
     model.add_argument("--rep-ms", type=int, default=1000)
     model.add_argument("--json", default=None, help="write results here")
     model.add_argument("--profile", action="store_true", help="add a per-kernel GPU-time breakdown of one call")
     args = parser.parse_args(argv)
-    args.configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in args.configs if c not in CONFIGS]
-    if unknown:
-        parser.error(f"unknown config(s) {unknown}; valid: {', '.join(CONFIGS)}")
+    try:
+        args.configs = resolve_configs([c for c in args.configs.split(",") if c])
+    except ValueError as err:
+        parser.error(str(err))
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     results = bench_model(args)
     if args.json:
