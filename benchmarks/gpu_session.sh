@@ -15,6 +15,7 @@ git rev-parse --short HEAD 2>/dev/null || true
 
 timeout 100 python3 -P -m pytest -q -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
 timeout 220 python3 -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192 --rep-ms 500 --profile \
+  --configs eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention \
   --json "$OUT/model.json" 2>&1 | grep -v -i warn | tee "$OUT/model_log.txt"
 timeout 90 python3 -P benchmarks/indexer_topk_gpu.py 2>&1 | tail -9 | tee "$OUT/indexer_log.txt"
 timeout 90 python3 -P benchmarks/sparse_attention_gpu.py 2>&1 | tail -12 | tee "$OUT/sparse_log.txt"
