@@ -1,8 +1,714 @@
-"""`sparse_attention`: Top-k mask or `kv[idx]` gather followed by attention -> attention that reads K/V rows by index.
+"""`sparse_attention`: attention restricted to indexer-selected keys, rewritten into one fused op.
 
-The matcher for this family has not landed yet: the pass is registered (so flags, the report and the
-cache key already know it) and matches nothing; the report says so.
+Two source forms:
+
+* HF `DeepseekV32Attention` (eager / SDPA interfaces). The anchor is the selection mask
+  `full(True, [B,S,T]).scatter(-1, idx, False)`. Walking forward: it is combined with the attention
+  mask (`mask & ~sel` for bool masks, `where(sel, finfo.min, mask)` for additive ones), turned into a
+  bias (`where(keep, 0, -inf)` for bool) and consumed either by the decomposed attention
+  `softmax(scale * q @ k^T + bias) @ v` (eager, or Inductor's CPU SDPA math with its "safe softmax")
+  or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}_attention`, `..._flash_attention_for_cpu`).
+  The whole chain from the scatter to the attention output becomes `dsfuse::sparse_attention_masked`,
+  which gets the original attention mask and applies the selection itself; a bool mask built only
+  from query/key positions (`key <= query + T - S`, no padding) is replaced by `causal=True`.
+* dsfuse's own absorbed-MLA model. The anchor is the gather `kv[arange(B)[:,None,None], idx.clamp(min=0)]`
+  used both as keys and as values; with `pe[...]` gathered by the same indices, `-1` picks masked to
+  -inf, an fp32 softmax (optionally with a sink column) and P @ kv_rows, it becomes
+  `dsfuse::sparse_mla_attention`.
+
+Every contraction is checked by following labelled dims (`dims.py`), so a product over the wrong
+axis is never fused. A scatter or gather without the family's signature is skipped silently; one
+that has it but cannot be rewritten is reported with the reason.
 """
 
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
+
+from .context import NoMatch, PassContext
+from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
+from .graph_utils import CONVERT, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg, shape
+
 NAME = "sparse_attention"
-IMPLEMENTED = False
+IMPLEMENTED = True
+
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+WHERE = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+# Fused SDPA ops and the name of their mask argument (flash takes none, so never carries a selection).
+FUSED_SDPA = {
+    aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+}
+
+
+def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    for node in list(graph.nodes):
+        if is_op(node, aten.scatter.value):
+            matcher, rewrite = _match_masked, _rewrite_masked
+        elif is_op(node, aten.index.Tensor):
+            matcher, rewrite = _match_mla, _rewrite_mla
+        else:
+            continue
+        try:
+            match = matcher(node)
+        except NoMatch as miss:
+            if miss.reported:
+                ctx.near_miss(node, miss.reason)
+            continue
+        rewrite(graph, node, match, ctx)
+
+
+# ---------------------------------------------------------------------------
+# Small structural helpers
+# ---------------------------------------------------------------------------
+
+
+def _const(node) -> float | bool | None:
+    """A python scalar, or the value of a `full([], c)` / `scalar_tensor(c)` node."""
+    if isinstance(node, (bool, int, float)):
+        return node
+    if is_op(node, aten.full.default) and len(shape(node)) == 0:
+        return node.args[1]
+    if is_op(node, aten.scalar_tensor.default):
+        return node.args[0]
+    return None
+
+
+def _fill(node) -> float | bool | None:
+    """The value of a `full(shape, c)` node of any shape, or a constant."""
+    if is_op(node, aten.full.default):
+        return node.args[1]
+    return _const(node)
+
+
+def _is_neg_inf(value) -> bool:
+    return isinstance(value, float) and math.isinf(value) and value < 0
+
+
+def _scale_factor(node) -> float | None:
+    """The constant factor of `x * c`, `c * x` or `x / c`, else None."""
+    if is_op(node, aten.mul.Tensor, aten.mul.Scalar):
+        a, b = node.args[:2]
+        if scalar_arg(b) is not None and isinstance(a, torch.fx.Node):
+            return scalar_arg(b)
+        if scalar_arg(a) is not None and isinstance(b, torch.fx.Node):
+            return scalar_arg(a)
+    if is_op(node, aten.div.Tensor, aten.div.Scalar) and scalar_arg(node.args[1]) not in (None, 0.0):
+        return 1.0 / scalar_arg(node.args[1])
+    return None
+
+
+def _scaled_input(node):
+    a, b = node.args[:2]
+    return a if isinstance(a, torch.fx.Node) else b
+
+
+def _is_float_cast(node) -> bool:
+    return is_op(node, CONVERT) and node.args[1] in ATTENTION_DTYPES
+
+
+def _is_widening(node) -> bool:
+    src = dtype(node.args[0])
+    return src is not None and src.is_floating_point and node.args[1] in (torch.float32, src)
+
+
+def _chain_back(node, narrowing: bool = False) -> list[torch.fx.Node]:
+    """[leaf, ..., node]: walk back through layout ops, constant scalings and widening float casts
+    (narrowing ones too if asked: a tensor read before a rounding cast is not the tensor used)."""
+    chain = [node]
+    while True:
+        if is_op(node, *LAYOUT_TARGETS) or _is_float_cast(node) and (narrowing or _is_widening(node)):
+            node = node.args[0]
+        elif _scale_factor(node) is not None:
+            node = _scaled_input(node)
+        else:
+            return chain[::-1]
+        chain.append(node)
+
+
+def _pick(chain: list[torch.fx.Node], want: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """The earliest node of `chain` whose shape is `want`, and the ops after it."""
+    for i, node in enumerate(chain):
+        if same_shape(shape(node), want):
+            return node, chain[i + 1:]
+    return None
+
+
+def _scale_of(ops: list[torch.fx.Node]) -> float:
+    scale = 1.0
+    for op in ops:
+        factor = _scale_factor(op)
+        if factor is not None:
+            scale *= factor
+    return scale
+
+
+def _through(labels: Labels | None, ops: list[torch.fx.Node]) -> Labels | None:
+    """Follow labels through layout ops; casts and constant scalings keep them."""
+    for op in ops:
+        if labels is None:
+            return None
+        if _is_float_cast(op) or _scale_factor(op) is not None:
+            continue
+        labels = apply_op(labels, op)
+    return labels
+
+
+def _expected(letters: str, sizes: tuple) -> list[tuple[str, ...]]:
+    return names([((n, size),) for n, size in zip(letters, sizes)])
+
+
+def _bias_passthrough(node) -> bool:
+    """Ops a bias may pass on its way into a fused SDPA op: layout ops, casts, and the memory-efficient
+    kernel's alignment padding (pad at the end, slice back from 0), which keep every element in place."""
+    if is_op(node, *LAYOUT_TARGETS, CONVERT):
+        return True
+    if is_op(node, aten.constant_pad_nd.default):
+        return all(before == 0 for before in node.args[1][::2])
+    if is_op(node, aten.slice.Tensor):
+        start = node.args[2] if len(node.args) > 2 else 0
+        step = node.args[4] if len(node.args) > 4 else 1
+        return start in (0, None) and step == 1
+    return False
+
+
+def _single_user_chain(node, passthrough) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """Follow single users through ops in `passthrough` (a set of targets or a predicate):
+    (last node, its single user or None if shared)."""
+    passes = passthrough if callable(passthrough) else (lambda n: is_op(n, *passthrough))
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return node, None
+        if not passes(users[0]):
+            return node, users[0]
+        node = users[0]
+
+
+def _last_dim(node, dims_arg) -> bool:
+    rank = len(shape(node))
+    dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
+    return len(dims) == 1 and dims[0] % rank == rank - 1
+
+
+def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
+    """Whether `cond` is `~any(~(x == -inf), dim=-1, keepdim=True)`, with `check` the `x == -inf`."""
+    if not is_op(cond, aten.logical_not.default, aten.bitwise_not.default):
+        return False
+    row_any = cond.args[0]
+    if not (is_op(row_any, aten.any.dim) and row_any.args[1] in (-1, len(shape(check)) - 1)):
+        return False
+    inner = row_any.args[0]
+    return is_op(inner, aten.logical_not.default, aten.bitwise_not.default) and inner.args[0] is check
+
+
+def _broadcasts_to(small: tuple, target: tuple) -> bool:
+    """Proven (no guard) that a tensor of shape `small` broadcasts to `target`."""
+    if len(small) > len(target):
+        return False
+    return all(same_size(a, 1) or same_size(a, b) for a, b in zip(small[::-1], target[::-1]))
+
+
+def _softmax_parts(x: torch.fx.Node) -> dict | None:
+    """Recognise Inductor's decomposed softmax over the last dim of `x` (optionally upcast first):
+    amax / sub / exp / sum / div, and the SDPA math's `where(row all -inf, 0, probs)` around it."""
+    source = x
+    users = list(x.users)
+    if len(users) == 1 and is_op(users[0], CONVERT) and users[0].args[1] == torch.float32:
+        x = users[0]
+        users = list(x.users)
+    subs = [u for u in users if is_op(u, aten.sub.Tensor) and u.args[0] is x]
+    amaxes = [u for u in users if is_op(u, aten.amax.default) and _last_dim(x, u.args[1])]
+    if len(subs) != 1 or len(amaxes) != 1 or subs[0].args[1] is not amaxes[0]:
+        return None
+    exp = only_user(subs[0])
+    if not is_op(exp, aten.exp.default) or len(exp.users) != 2:
+        return None
+    sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and _last_dim(exp, u.args[1])]
+    divs = [u for u in exp.users if is_op(u, aten.div.Tensor) and u.args[0] is exp]
+    if len(sums) != 1 or len(divs) != 1 or divs[0].args[1] is not sums[0]:
+        return None
+    probs, safe = divs[0], False
+    expected_users = {subs[0], amaxes[0]}
+    checks = [u for u in users if is_op(u, aten.eq.Scalar) and _is_neg_inf(u.args[1])]
+    user = only_user(probs)
+    if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and _fill(user.args[1]) == 0 \
+            and _rows_all_neg_inf(user.args[0], checks[0]):
+        probs, safe = user, True
+        expected_users |= set(checks)
+    if set(users) != expected_users:
+        raise NoMatch("the attention scores are also used outside the softmax")
+    return dict(input=source, probs=probs, safe=safe)
+
+
+def _schema_args(node: torch.fx.Node) -> dict:
+    schema = node.target._schema
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        else:
+            out[arg.name] = node.kwargs.get(arg.name, arg.default_value)
+    return out
+
+
+def _index_source(index) -> torch.fx.Node:
+    """The index tensor before integer casts (the indexer's int32 output or topk's int64)."""
+    while is_op(index, CONVERT) and dtype(index.args[0]) in INDEX_DTYPES:
+        index = index.args[0]
+    return index
+
+
+# ---------------------------------------------------------------------------
+# HF form: scatter mask + dense attention over all keys
+# ---------------------------------------------------------------------------
+
+
+def _combined_mask(scatter: torch.fx.Node) -> dict:
+    """Follow the selection mask into its combination with the attention mask."""
+    sel, user = _single_user_chain(scatter, LAYOUT_TARGETS)
+    if user is None:
+        raise NoMatch("the selection mask is also used outside the attention mask")
+    if is_op(user, aten.bitwise_not.default, aten.logical_not.default):
+        inverted = user
+        user = only_user(inverted)
+        if not is_op(user, aten.bitwise_and.Tensor, aten.logical_and.default) or inverted not in user.args:
+            raise NoMatch("the inverted selection mask is not ANDed with the attention mask")
+        other = user.args[0] if user.args[1] is inverted else user.args[1]
+        if dtype(other) != torch.bool:
+            raise NoMatch(f"the selection is ANDed with a {dtype(other)} mask, not a bool one")
+        return dict(kind="bool", combined=user, attn_mask=other, fill=None)
+    if is_op(user, *WHERE) and user.args[0] is sel:
+        fill, other = _const(user.args[1]), user.args[2]
+        if not isinstance(other, torch.fx.Node) or not isinstance(fill, float):
+            raise NoMatch("the selection mask fills a constant, not an attention mask")
+        return dict(kind="additive", combined=user, attn_mask=other, fill=fill)
+    raise NoMatch(f"the selection mask is combined with the attention mask through {user.target}")
+
+
+def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(consumer, the input of it that carries the mask): an `add` to scores or a fused SDPA op."""
+    node, user = _single_user_chain(comb["combined"], LAYOUT_TARGETS | {CONVERT})
+    if user is None:
+        raise NoMatch("the combined attention mask is also used elsewhere")
+    if comb["kind"] == "bool":
+        if is_op(user, aten.logical_not.default, aten.bitwise_not.default):
+            flipped = only_user(user)
+            if not (is_op(flipped, *WHERE) and flipped.args[0] is user
+                    and _is_neg_inf(_const(flipped.args[1])) and _const(flipped.args[2]) == 0):
+                raise NoMatch("the combined bool mask is not turned into a -inf bias")
+            user = flipped
+        elif is_op(user, *WHERE):
+            if not (user.args[0] is node and _const(user.args[1]) == 0 and _is_neg_inf(_const(user.args[2]))):
+                raise NoMatch("the combined bool mask is not turned into a -inf bias")
+        elif user.target not in FUSED_SDPA:
+            raise NoMatch(f"the combined bool mask is consumed by {user.target}")
+        if is_op(user, *WHERE):
+            node, user = _single_user_chain(user, _bias_passthrough)
+            if user is None:
+                raise NoMatch("the attention bias is also used elsewhere")
+    if is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA:
+        return user, node
+    raise NoMatch(f"the combined attention mask is consumed by {user.target}, not by attention")
+
+
+def _positions(node) -> tuple | None:
+    """(length, first position, dim) for `iota(n) + c` unsqueezed to a rank-4 tensor that is 1 except in `dim`."""
+    dims = shape(node)
+    while is_op(node, aten.unsqueeze.default):
+        node = node.args[0]
+    offset = 0
+    if is_op(node, aten.add.Tensor) and isinstance(node.args[1], (int, torch.SymInt)):
+        node, offset = node.args[0], node.args[1]
+    if not is_op(node, torch.ops.prims.iota.default) or node.kwargs.get("step", 1) != 1 or len(dims) != 4:
+        return None
+    wide = [i for i, size in enumerate(dims) if not same_size(size, 1)]
+    if len(wide) > 1:
+        return None
+    length = node.args[0]
+    return length, node.kwargs.get("start", 0) + offset, wide[0] if wide else None
+
+
+def _plain_causal(mask: torch.fx.Node, S, T) -> bool:
+    """Whether the bool `mask` is provably `key <= query + T - S` (bottom-right causal) and nothing else:
+    built from two position ranges, no padding input."""
+    node = mask
+    while is_op(node, aten.expand.default):
+        node = node.args[0]
+    while is_op(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+        consts = [i for i, a in enumerate(node.args) if is_op(a, aten.full.default) and a.args[1] is True]
+        if not consts:
+            return False
+        node = node.args[1 - consts[0]]
+    if is_op(node, aten.le.Tensor):
+        keys, queries = node.args
+    elif is_op(node, aten.ge.Tensor):
+        queries, keys = node.args
+    else:
+        return False
+    k_pos, q_pos = _positions(keys), _positions(queries)
+    if k_pos is None or q_pos is None or k_pos[2] not in (3, None) or q_pos[2] not in (2, None):
+        return False
+    return same_size(k_pos[0], T) and same_size(q_pos[0], S) and same_size(q_pos[1] - k_pos[1], T - S)
+
+
+def _match_masked(scatter: torch.fx.Node) -> dict:
+    base, dim, index, value = scatter.args[:4]
+    if not (is_op(base, aten.full.default) and base.args[1] is True and dtype(base) == torch.bool
+            and value is False and len(shape(base)) == 3 and dim in (-1, 2)):
+        raise NoMatch("not a scatter of False into an all-True [B, S, T] mask", reported=False)
+    idx = _index_source(index)
+    if dtype(idx) not in INDEX_DTYPES or len(shape(idx)) != 3:
+        raise NoMatch("the selection indices are not an integer [B, S, K] tensor", reported=False)
+
+    comb = _combined_mask(scatter)
+    consumer, bias = _bias_consumer(comb)
+    if consumer.target in FUSED_SDPA:
+        att = _fused_attention(consumer, bias)
+    else:
+        att = _decomposed_attention(consumer, bias, comb)
+    q = att["q"]
+    B, H, S, _ = shape(q)
+    T = shape(att["k"])[2]
+    if not same_shape(shape(base), (B, S, T)) or not same_shape(shape(idx)[:2], (B, S)):
+        raise NoMatch(f"selection mask {shape(base)} does not match attention over q {shape(q)}, k {shape(att['k'])}")
+    if dtype(q) not in ATTENTION_DTYPES or dtype(att["k"]) != dtype(q) or dtype(att["v"]) != dtype(q):
+        raise NoMatch(f"q/k/v dtypes {dtype(q)}/{dtype(att['k'])}/{dtype(att['v'])} not supported by the fused op")
+    if comb["kind"] == "additive":
+        if comb["fill"] != torch.finfo(dtype(q)).min:
+            raise NoMatch(f"unselected keys are filled with {comb['fill']}, not finfo({dtype(q)}).min")
+        if not dtype(comb["attn_mask"]).is_floating_point:
+            raise NoMatch(f"additive attention mask has dtype {dtype(comb['attn_mask'])}")
+    if not _broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
+        raise NoMatch(f"attention mask {shape(comb['attn_mask'])} does not broadcast to [B, H, S, T]")
+    if not _selection_in_place(scatter, bias, B, S, T):
+        raise NoMatch("the selection mask is not laid out as [B, 1, S, T] where it meets the scores")
+    causal = comb["kind"] == "bool" and _plain_causal(comb["attn_mask"], S, T)
+    return dict(att, idx=idx, comb=comb, causal=causal)
+
+
+def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) -> bool:
+    """Whether the selection reaches the attention's mask input as `[B, *, S, T]`, position by position.
+
+    The path from the scatter to `bias` is a chain of single users (checked while matching); layout
+    ops on it are followed with labelled dims, elementwise ops (the combination, the bias `where`,
+    casts, the efficient kernel's end padding) keep positions, so a permuted selection is caught.
+    """
+    labels, node = leaf_labels(scatter, "bst"), scatter
+    while node is not bias and labels is not None:
+        node = next(iter(node.users))
+        if is_op(node, *LAYOUT_TARGETS):
+            labels = apply_op(labels, node)
+        elif len(shape(node)) > len(labels):
+            labels = [()] * (len(shape(node)) - len(labels)) + labels
+    if labels is None or len(labels) != 4:
+        return False
+    got, want = names(labels), _expected("bhst", (B, 1, S, T))
+    return got[0] == want[0] and got[1] in ((), ("*",)) and got[2:] == want[2:]
+
+
+def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -> dict:
+    """softmax(scale * q @ k^T + bias) @ v, written with bmm and a decomposed softmax."""
+    scores = add.args[0] if add.args[1] is bias else add.args[1]
+    if not isinstance(scores, torch.fx.Node) or len(shape(add)) != 4:
+        raise NoMatch("the attention mask is added to something other than [B, H, S, T] scores")
+    soft = _softmax_parts(add)
+    if soft is None:
+        raise NoMatch("the masked scores do not feed a softmax over the keys")
+    if comb["kind"] == "bool" and not soft["safe"]:
+        raise NoMatch("plain softmax over a -inf bias gives NaN for fully masked rows; the fused op returns 0")
+    probs_end, pv = _single_user_chain(soft["probs"], LAYOUT_TARGETS | {CONVERT})
+    if pv is None:
+        raise NoMatch("the attention probabilities are also used elsewhere")
+    if not is_op(pv, aten.bmm.default) or pv.args[0] is not probs_end:
+        raise NoMatch(f"the attention probabilities pass through {pv.target} before P @ V (dropout?)")
+    prob_ops = _chain_back(probs_end, narrowing=True)
+    if soft["probs"] not in prob_ops:
+        raise NoMatch("the attention probabilities are not reshaped straight into P @ V")
+    prob_ops = prob_ops[prob_ops.index(soft["probs"]) + 1:]
+
+    score_chain = _chain_back(scores)
+    qk = score_chain[0]
+    if not is_op(qk, aten.bmm.default):
+        raise NoMatch("the masked scores are not a q @ k^T product")
+    B, H, S, T = shape(add)
+    D = shape(qk.args[0])[-1]
+    Dv = shape(pv)[-1]
+    q_pick = _pick(_chain_back(qk.args[0]), (B, H, S, D))
+    k_pick = _pick(_chain_back(qk.args[1]), (B, H, T, D))
+    v_pick = _pick(_chain_back(pv.args[1]), (B, H, T, Dv))
+    if q_pick is None or k_pick is None or v_pick is None:
+        raise NoMatch("q, k or v is not a [B, H, *, D] tensor")
+    (q, q_ops), (k, k_ops), (v, v_ops) = q_pick, k_pick, v_pick
+
+    out, out_ops = pv, []
+    while not same_shape(shape(out), (B, H, S, Dv)):
+        nxt = only_user(out)
+        if nxt is None or not is_op(nxt, *LAYOUT_TARGETS):
+            raise NoMatch("the attention output is not viewed back to [B, H, S, Dv]")
+        out_ops.append(nxt)
+        out = nxt
+    cast = only_user(out)
+    if is_op(cast, CONVERT) and cast.args[1] == dtype(q):
+        out = cast
+
+    q_l = _through(leaf_labels(q, "bhsd"), q_ops)
+    k_l = _through(leaf_labels(k, "bhtd"), k_ops)
+    qk_l = bmm_labels(q_l, k_l) if q_l and k_l else None
+    if qk_l is None or names([contracted(q_l, k_l)]) != _expected("d", (D,)):
+        raise NoMatch("the score product is not q[b,h,s,:] . k[b,h,t,:]")
+    s_l = _through(qk_l, score_chain[1:])
+    if s_l is None or names(s_l) != _expected("bhst", (B, H, S, T)):
+        raise NoMatch("the scores are not laid out as [B, H, S, T] where the mask is added")
+    p_l = _through(s_l, prob_ops)
+    v_l = _through(leaf_labels(v, "bhtv"), v_ops)
+    pv_l = bmm_labels(p_l, v_l) if p_l and v_l else None
+    if pv_l is None or names([contracted(p_l, v_l)]) != _expected("t", (T,)):
+        raise NoMatch("the output product is not P[b,h,s,:] . v[b,h,:,e]")
+    o_l = _through(pv_l, out_ops)
+    if o_l is None or names(o_l) != _expected("bhsv", (B, H, S, Dv)):
+        raise NoMatch("the attention output is not [B, H, S, Dv]")
+    scale = _scale_of(q_ops) * _scale_of(k_ops) * _scale_of(score_chain[1:])
+    return dict(q=q, k=k, v=v, scale=scale, out=out, form="decomposed " + ("SDPA" if soft["safe"] else "softmax"))
+
+
+def _fused_attention(op: torch.fx.Node, bias: torch.fx.Node) -> dict:
+    """A fused SDPA op whose mask argument carries the combined selection."""
+    args = _schema_args(op)
+    mask_name = FUSED_SDPA[op.target]
+    if args.get(mask_name) is not bias:
+        raise NoMatch(f"the selection reaches {op.target} through an argument other than {mask_name}")
+    if args.get("dropout_p", 0.0) != 0.0:
+        raise NoMatch(f"attention dropout p={args['dropout_p']} > 0")
+    if args.get("is_causal", False):
+        raise NoMatch("is_causal=True together with an explicit mask")
+    q, k, v = args["query"], args["key"], args["value"]
+    if len(shape(q)) != 4 or len(shape(k)) != 4 or len(shape(v)) != 4:
+        raise NoMatch("q, k, v are not 4-d [B, H, S, D]")
+    B, H, _, D = shape(q)
+    T = shape(k)[2]
+    if not same_shape(shape(k), (B, H, T, D)) or not same_shape(shape(v)[:3], (B, H, T)):
+        raise NoMatch(f"cannot prove k {shape(k)} and v {shape(v)} share q's batch and heads {shape(q)} and one key "
+                      "length (grouped heads, or unrelated dynamic sizes)")
+    scale = args.get("scale")
+    if scale is None:
+        if not isinstance(D, int):
+            raise NoMatch("default scale over a symbolic head dim")
+        scale = D ** -0.5
+    getters = list(op.users)
+    outs = [g for g in getters if g.target is operator.getitem and g.args[1] == 0]
+    if len(outs) != 1 or any(g.users for g in getters if g not in outs):
+        raise NoMatch("the fused attention's auxiliary outputs (log-sum-exp) are used")
+    return dict(q=q, k=k, v=v, scale=float(scale), out=outs[0], form=str(op.target).split(".")[-2], fused_sdpa=op)
+
+
+def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    out, comb = m["out"], m["comb"]
+    # A provably plain causal mask is applied in-kernel from positions instead of being read.
+    attn_mask = None if m["causal"] else comb["attn_mask"]
+    fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
+                        (m["q"], m["k"], m["v"], m["idx"], attn_mask, m["scale"], m["causal"]))
+    if dtype(out) != dtype(fused):
+        fused = insert_call(graph, out, CONVERT, (fused, dtype(out)))
+    out.replace_all_uses_with(fused)
+    sdpa = m.get("fused_sdpa")
+    if sdpa is not None:
+        # Random-seeded SDPA ops count as impure, so dead-code elimination would keep them alive.
+        for getter in list(sdpa.users):
+            graph.erase_node(getter)
+        graph.erase_node(sdpa)
+    mask_kind = "causal (from positions)" if m["causal"] else f"{comb['kind']} mask"
+    ctx.site(scatter, "dsfuse.sparse_attention_masked", [m["q"], m["k"], m["v"], m["idx"], attn_mask],
+             detail=f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}")
+
+
+# ---------------------------------------------------------------------------
+# Own model: absorbed MLA over gathered latent rows
+# ---------------------------------------------------------------------------
+
+
+def _gather_rows(node: torch.fx.Node) -> tuple | None:
+    """(source [B,T,C], idx [B,S,K]) for `src[arange(B)[:,None,None], idx.clamp(min=0)]`, else None."""
+    src, indices = node.args[:2]
+    if len(indices) != 2 or any(i is None for i in indices) or len(shape(src)) != 3:
+        return None
+    batch, safe = indices
+    leaf = batch
+    while is_op(leaf, *LAYOUT_TARGETS):
+        leaf = leaf.args[0]
+    if not (is_op(leaf, torch.ops.prims.iota.default) and leaf.kwargs.get("start", 0) == 0
+            and leaf.kwargs.get("step", 1) == 1 and same_shape(shape(batch), (shape(src)[0], 1, 1))):
+        return None
+    if not is_op(safe, aten.clamp_min.default, aten.clamp.default) or safe.args[1] != 0:
+        return None
+    if len(safe.args) > 2 and safe.args[2] is not None:
+        return None
+    idx = safe.args[0]
+    if len(shape(idx)) != 3 or dtype(idx) not in INDEX_DTYPES:
+        return None
+    return src, idx, safe
+
+
+def _product(a, a_names, a_ops, b, b_names, b_ops, over: str, size) -> Labels | None:
+    """Labels of `bmm(a', b')` where a', b' are `a`, `b` after their layout ops, or None unless the
+    product contracts exactly the dim `over`."""
+    a_l, b_l = _through(leaf_labels(a, a_names), a_ops), _through(leaf_labels(b, b_names), b_ops)
+    out = bmm_labels(a_l, b_l) if a_l and b_l else None
+    if out is None or names([contracted(a_l, b_l)]) != _expected(over, (size,)):
+        return None
+    return out
+
+
+def _bmms_using(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, list[torch.fx.Node]]]:
+    """(bmm, operand position, layout ops from `node` to it) for every bmm fed by `node`."""
+    found, stack = [], [(node, [])]
+    while stack:
+        cur, ops = stack.pop()
+        for user in cur.users:
+            if is_op(user, aten.bmm.default):
+                found.append((user, user.args.index(cur), ops))
+            elif is_op(user, *LAYOUT_TARGETS) or _is_float_cast(user):
+                stack.append((user, ops + [user]))
+            else:
+                found.append((user, -1, ops))
+    return found
+
+
+def _match_mla(index: torch.fx.Node) -> dict:
+    gather = _gather_rows(index)
+    if gather is None:
+        raise NoMatch("not a per-batch row gather", reported=False)
+    kv, idx, safe = gather
+    uses = _bmms_using(index)
+    products = [u for u in uses if u[1] >= 0]
+    if len(products) != 2 or len(uses) != 2:
+        raise NoMatch("gathered rows are not used as both keys and values", reported=False)
+    # The same rows serve as keys (score product) and values (output product): an MLA sparse attention.
+    by_order = sorted(products, key=lambda u: list(index.graph.nodes).index(u[0]))
+    (qk, qk_pos, kv_ops_k), (pv, pv_pos, kv_ops_v) = by_order
+    if qk_pos != 1 or pv_pos != 1:
+        raise NoMatch("gathered rows are not the right-hand operand of the score and output products")
+    B, T, C = shape(kv)
+    _, S, K = shape(idx)
+
+    probs_end = _chain_back(pv.args[0], narrowing=True)
+    sliced = [probs_end[0]] if is_op(probs_end[0], aten.slice.Tensor) else []
+    if sliced:
+        probs_end = _chain_back(sliced[0].args[0], narrowing=True) + probs_end
+    div = probs_end[0]
+    sink = None
+    x = None
+    if is_op(div, aten.div.Tensor) and is_op(div.args[0], aten.exp.default):
+        sub = div.args[0].args[0]
+        x = sub.args[0] if is_op(sub, aten.sub.Tensor) else None
+    soft = _softmax_parts(x) if x is not None else None
+    if soft is None or soft["probs"] is not div:
+        raise NoMatch("the output product's weights are not a softmax")
+    scores = soft["input"]
+    H = shape(scores)[2]
+    if is_op(scores, aten.cat.default):
+        parts, cat_dim = scores.args[0], scores.args[1] if len(scores.args) > 1 else 0
+        if len(parts) != 2 or cat_dim % 4 != 3 or len(sliced) != 1 or sliced[0].args[1] % 4 != 3 \
+                or sliced[0].args[2] not in (0, None) or sliced[0].args[3] not in (-1, K):
+            raise NoMatch("softmax over concatenated scores that is not a trailing sink column")
+        scores, sink_col = parts
+        sink_leaf = sink_col
+        while is_op(sink_leaf, *LAYOUT_TARGETS):
+            sink_leaf = sink_leaf.args[0]
+        if not same_shape(shape(sink_leaf), (H,)) or dtype(sink_leaf) != torch.float32:
+            raise NoMatch(f"sink column {shape(sink_col)} is not an fp32 per-head [H] value broadcast")
+        sink = sink_leaf
+    elif sliced:
+        raise NoMatch("the softmax output is sliced")
+    if dtype(scores) != torch.float32:
+        raise NoMatch(f"softmax over {dtype(scores)} scores, not fp32")
+
+    masked = scores
+    if not (is_op(masked, aten.where.self) and _is_neg_inf(_const(masked.args[1]))):
+        raise NoMatch("the scores are not masked with -inf where the index is -1")
+    cond = masked.args[0]
+    while is_op(cond, *LAYOUT_TARGETS):
+        cond = cond.args[0]
+    if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
+        raise NoMatch("the score mask is not `idx < 0` of the gather's indices")
+    score_chain = _chain_back(masked.args[2])
+    summed = score_chain[0]
+    if not is_op(summed, aten.add.Tensor) or not all(isinstance(a, torch.fx.Node) for a in summed.args):
+        raise NoMatch("the scores are not the sum of a latent and a rope product")
+    nope_bmm = pe_bmm = None
+    for part in summed.args:
+        chain = _chain_back(part)
+        if is_op(chain[0], aten.bmm.default):
+            if chain[0] is qk:
+                nope_bmm = (chain[0], chain[1:])
+            else:
+                pe_bmm = (chain[0], chain[1:])
+    if nope_bmm is None or pe_bmm is None:
+        raise NoMatch("the scores are not the sum of a latent and a rope product")
+    pe_chain = _chain_back(pe_bmm[0].args[1])
+    pe_index = pe_chain[0]
+    pe_gather = _gather_rows(pe_index) if is_op(pe_index, aten.index.Tensor) else None
+    if pe_gather is None or pe_gather[2] is not safe:
+        raise NoMatch("the rope product does not read rows gathered with the same indices")
+    pe, _, _ = pe_gather
+    R = shape(pe)[2]
+
+    q_pick = _pick(_chain_back(qk.args[0]), (B, S, H, C))
+    qpe_pick = _pick(_chain_back(pe_bmm[0].args[0]), (B, S, H, R))
+    if q_pick is None or qpe_pick is None:
+        raise NoMatch("q_nope / q_pe are not [B, S, H, D] tensors")
+    (q_nope, q_ops), (q_pe, qpe_ops) = q_pick, qpe_pick
+
+    want = _expected("bshk", (B, S, H, K))
+    nope_l = _product(q_nope, "bshc", q_ops, index, "bskc", kv_ops_k, "c", C)
+    pe_ops = pe_chain[1:]
+    pe_l = _product(q_pe, "bshr", qpe_ops, pe_index, "bskr", pe_ops, "r", R)
+    nope_l = _through(_through(nope_l, nope_bmm[1]), score_chain[1:])
+    pe_l = _through(_through(pe_l, pe_bmm[1]), score_chain[1:])
+    if nope_l is None or pe_l is None or names(nope_l) != want or names(pe_l) != want:
+        raise NoMatch("the score products are not q[b,s,h,:] . rows[b,s,k,:] over [B, S, H, K]")
+    p_ops = probs_end[probs_end.index(div) + 1:] if div in probs_end else []
+    p_l = _through([((n, size),) if not same_size(size, 1) else () for n, size in zip("bshk", (B, S, H, K))],
+                   [op for op in p_ops if not is_op(op, aten.slice.Tensor)])
+    v_l = _through(leaf_labels(index, "bskc"), kv_ops_v)
+    o_l = bmm_labels(p_l, v_l) if p_l and v_l else None
+    if o_l is None or names([contracted(p_l, v_l)]) != _expected("k", (K,)):
+        raise NoMatch("the output product is not P[b,s,h,:] . rows[b,s,:,c]")
+    out, out_ops = pv, []
+    while not same_shape(shape(out), (B, S, H, C)):
+        nxt = only_user(out)
+        if nxt is None or not is_op(nxt, *LAYOUT_TARGETS):
+            raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
+        out_ops.append(nxt)
+        out = nxt
+    o_l = _through(o_l, out_ops)
+    if o_l is None or names(o_l) != _expected("bshc", (B, S, H, C)):
+        raise NoMatch("the attention output is not [B, S, H, C]")
+
+    prob_cast = [op for op in p_ops if is_op(op, CONVERT)]
+    if dtype(q_nope) not in ATTENTION_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
+        raise NoMatch(f"q/kv/pe dtypes {dtype(q_nope)}/{dtype(q_pe)}/{dtype(kv)}/{dtype(pe)} not supported")
+    if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):
+        raise NoMatch(f"probabilities are multiplied with the values in {dtype(pv)}, not {dtype(q_nope)}")
+    nope_scale = _scale_of(q_ops) * _scale_of(kv_ops_k) * _scale_of(nope_bmm[1])
+    pe_scale = _scale_of(qpe_ops) * _scale_of(pe_ops) * _scale_of(pe_bmm[1])
+    if not math.isclose(nope_scale, pe_scale, rel_tol=1e-6):
+        raise NoMatch("the latent and rope scores are scaled differently")
+    scale = nope_scale * _scale_of(score_chain[1:])
+    return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=sink, scale=scale, out=out)
+
+
+def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    out = m["out"]
+    fused = insert_call(graph, out, torch.ops.dsfuse.sparse_mla_attention.default,
+                        (m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["scale"], m["sink"]))
+    out.replace_all_uses_with(fused)
+    ctx.site(index, "dsfuse.sparse_mla_attention", [m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["sink"]],
+             detail=f"K={shape(m['idx'])[2]}, scale={m['scale']:.6g}{', sink' if m['sink'] is not None else ''}")
