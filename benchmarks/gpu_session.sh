@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# One H200 session: GPU tests, whole-model benchmark with a profile, kernel benchmarks, graph dumps.
-# Usage on the device machine, from the repo root: bash benchmarks/gpu_session.sh  (writes into $OUT)
+# One H200 session: GPU tests, whole-model benchmarks with a profile, kernel benchmarks, a graph dump.
+# From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
+# Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
 set -uo pipefail
 export OUT=${OUT:-/tmp/dsfuse_out}
 mkdir -p "$OUT"
+LOG="$OUT/session_log.txt"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -1
-nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader
-git rev-parse --short HEAD 2>/dev/null || true
+step() {  # step SECONDS TITLE COMMAND...
+  local limit=$1 title=$2; shift 2
+  echo "=== $title ($(date -u +%H:%M:%S))" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" | tail -"${TAIL:-40}" | tee -a "$LOG"
+}
+nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
-timeout 100 python3 -P -m pytest -q -m gpu tests 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
-timeout 220 python3 -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192 --rep-ms 500 --profile \
-  --configs eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention \
-  --json "$OUT/model.json" 2>&1 | grep -v -i warn | tee "$OUT/model_log.txt"
-timeout 90 python3 -P benchmarks/indexer_topk_gpu.py 2>&1 | tail -9 | tee "$OUT/indexer_log.txt"
-timeout 90 python3 -P benchmarks/sparse_attention_gpu.py 2>&1 | tail -12 | tee "$OUT/sparse_log.txt"
-timeout 60 python3 -P benchmarks/dump_post_grad.py --out "$OUT" 2>&1 | tail -1
+TAIL=15 step 100 "GPU tests" python3 -P -m pytest -q -m gpu tests
+TAIL=80 step 220 "model prefill S=2048/8192" python3 -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192 \
+  --rep-ms 500 --profile --configs eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention \
+  --json "$OUT/model.json"
+TAIL=20 step 90 "model prefill S=32768 (dsfuse only)" python3 -m dsfuse.bench model --preset v32-real-2l --seq 32768 \
+  --rep-ms 300 --profile --configs dsfuse --json "$OUT/model_32k.json"
+TAIL=8 step 90 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
+TAIL=12 step 90 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
+for family in moe_experts norm_rope_quant; do
+  if [ -f "benchmarks/${family}_gpu.py" ]; then TAIL=12 step 60 "$family kernels" python3 -P "benchmarks/${family}_gpu.py"; fi
+done
+step 60 "post-grad graph dump" python3 -P benchmarks/dump_post_grad.py --out "$OUT"
