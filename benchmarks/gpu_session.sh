@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200 session: GPU tests, whole-model benchmarks with a profile, kernel benchmarks, a graph dump.
+# One H200 session: GPU tests, whole-model and family benchmarks with a profile, kernel benchmarks.
 # From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
 # Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
 set -uo pipefail
@@ -23,11 +23,11 @@ TAIL=15 step 100 "GPU tests" python3 -P -m pytest -q -m gpu tests
 TAIL=80 step 220 "model prefill S=2048/8192" python3 -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192 \
   --rep-ms 500 --profile --configs eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention \
   --json "$OUT/model.json"
+TAIL=14 step 120 "families at real shapes" python3 -m dsfuse.bench families --json "$OUT/families.json"
 TAIL=20 step 90 "model prefill S=32768 (dsfuse only)" python3 -m dsfuse.bench model --preset v32-real-2l --seq 32768 \
   --rep-ms 300 --profile --configs dsfuse --json "$OUT/model_32k.json"
-TAIL=8 step 90 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
-TAIL=12 step 90 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
+TAIL=8 step 75 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
+TAIL=12 step 75 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
 for family in moe_experts norm_rope_quant; do
   if [ -f "benchmarks/${family}_gpu.py" ]; then TAIL=12 step 60 "$family kernels" python3 -P "benchmarks/${family}_gpu.py"; fi
 done
-step 60 "post-grad graph dump" python3 -P benchmarks/dump_post_grad.py --out "$OUT"

@@ -187,6 +187,67 @@ def bench_model(args) -> dict:
     return results
 
 
+def matmul_peak_tflops(device: str) -> float | None:
+    """bf16 8192^3 matmul rate measured now: the ceiling the families are compared with."""
+    if not device.startswith("cuda"):
+        return None
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, device, 300)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def _agreement(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    if out.dtype == torch.bool:
+        return {"agreement": (out == ref).float().mean().item()}
+    out, ref = out.float(), ref.float()
+    return {"rel_l2": ((out - ref).norm() / ref.norm()).item()}
+
+
+def bench_families(args) -> dict:
+    from dsfuse.families import families
+
+    dtype = getattr(torch, args.dtype)
+    results = {"env": environment(), "size": args.size, "dtype": args.dtype, "rows": []}
+    peak = matmul_peak_tflops(args.device)
+    results["bf16_matmul_tflops"] = peak
+    print(f"# {results['env']} size={args.size} bf16 matmul peak={peak and round(peak)} TFLOP/s", flush=True)
+    for family in families(args.size, args.device, dtype):
+        inputs = family.make_inputs()
+        reference = family.fn(*inputs)
+        for name, (backend, options) in args.configs.items():
+            row = {"family": family.name, "shape": family.shape, "config": name}
+            try:
+                fn = _compiled(family.fn, backend, options)
+                dsfuse.reset_report()
+                with torch.no_grad():
+                    out = fn(*inputs)
+                    row["ms"] = time_ms(lambda: fn(*inputs), args.device, args.rep_ms)
+                row["tflops"] = family.flops / row["ms"] / 1e9
+                if peak:
+                    row["pct_peak"] = 100 * row["tflops"] / peak
+                row.update(_agreement(out, reference))
+                if backend == "dsfuse":
+                    row["rewritten"] = dsfuse.report().counts[family.pass_name]
+            except Exception as err:  # a broken configuration is reported, the others still run
+                row["ms"] = None
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    base = {r["family"]: r["ms"] for r in results["rows"] if r["config"] == "inductor" and r.get("ms")}
+    print(f"\n{'family':<34} {'shape':<30} {'config':<11} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7} {'vs Ind.':>7}  check")
+    for r in results["rows"]:
+        ms = r.get("ms")
+        check = r.get("error") or (f"agree {r['agreement']:.4f}" if "agreement" in r else f"rel_l2 {r.get('rel_l2', float('nan')):.2e}")
+        if "rewritten" in r:
+            check += f", rewritten {r['rewritten']}"
+        ratio = f"{base[r['family']] / ms:.2f}x" if ms and r["family"] in base else "-"
+        print(f"{r['family']:<34} {r['shape']:<30} {r['config']:<11} {round(ms, 3) if ms else '-'!s:>9} "
+              f"{round(r['tflops']) if ms else '-'!s:>8} {round(r['pct_peak'], 1) if 'pct_peak' in r else '-'!s:>7} "
+              f"{ratio:>7}  {check}")
+    return results
+
+
 def _check_parity(outputs: dict[str, torch.Tensor], seq: int, results: dict) -> None:
     reference = outputs.get("eager")
     for row in results["runs"]:
@@ -232,7 +293,23 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--rep-ms", type=int, default=1000)
     model.add_argument("--json", default=None, help="write results here")
     model.add_argument("--profile", action="store_true", help="add a per-kernel GPU-time breakdown of one call")
+    fam = sub.add_parser("families", help="each fused family's source subgraph: eager / Inductor / dsfuse")
+    fam.add_argument("--size", default=None, choices=("real", "tiny"), help="default: real on CUDA, tiny on CPU")
+    fam.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    fam.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    fam.add_argument("--configs", default="eager,inductor,dsfuse")
+    fam.add_argument("--rep-ms", type=int, default=300)
+    fam.add_argument("--json", default=None, help="write results here")
     args = parser.parse_args(argv)
+    if args.command == "families":
+        args.size = args.size or ("real" if args.device.startswith("cuda") else "tiny")
+        args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+        args.configs = resolve_configs([c for c in args.configs.split(",") if c])
+        results = bench_families(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+        return 0
     try:
         args.configs = resolve_configs([c for c in args.configs.split(",") if c])
     except ValueError as err:

@@ -26,3 +26,13 @@ def test_unknown_config_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["model", "--preset", "tiny", "--device", "cpu", "--configs", "only:indexer"])
     assert "unknown config 'only:indexer'" in capsys.readouterr().err
+
+
+def test_families_tiny_cpu_rewrites_each_family(tmp_path):
+    out = tmp_path / "families.json"
+    assert main(["families", "--device", "cpu", "--configs", "eager,dsfuse", "--rep-ms", "5", "--json", str(out)]) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["config"] == "dsfuse"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["rewritten"] == 1, row
+        assert row.get("agreement", 1.0) == 1.0 and row.get("rel_l2", 0.0) < 1e-5, row
