@@ -87,7 +87,10 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """Compile a Dynamo graph with Inductor plus the enabled dsfuse passes."""
     from torch._inductor.compile_fx import compile_fx
 
+    from dsfuse.kernels import register_all
+
     cfg = resolve_config(options, mode)
+    register_all()
     patches = _inductor_patches(cfg, dynamic=None)
     note = ""
     manager = None
