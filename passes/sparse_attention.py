@@ -28,6 +28,8 @@ import operator
 
 import torch
 
+import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
+
 import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
 
 from .context import NoMatch, PassContext
@@ -38,6 +40,8 @@ NAME = "sparse_attention"
 IMPLEMENTED = True
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Inductor rewrites amax / sub / exp / sum into this on CUDA before dsfuse's passes run.
+PREPARE_SOFTMAX_ONLINE = torch.ops.prims.prepare_softmax_online.default
 INDEX_DTYPES = (torch.int32, torch.int64)
 WHERE = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 # Fused SDPA ops and the name of their mask argument (flash takes none, so never carries a selection).
@@ -90,6 +94,20 @@ def _fill(node) -> float | bool | None:
 
 def _is_neg_inf(value) -> bool:
     return isinstance(value, float) and math.isinf(value) and value < 0
+
+
+# A finite bias this negative masks a key exactly (exp underflows to 0) except in a row where every
+# key is masked: the cuDNN path of SDPA turns bool masks into such a bias (-65536 in bf16).
+FINITE_MASK_BIAS = -1e4
+
+
+def _masking_bias(value) -> str | None:
+    """'inf' for a -inf bias, 'finite' for a large finite negative one, None otherwise."""
+    if _is_neg_inf(value):
+        return "inf"
+    if isinstance(value, float) and value <= FINITE_MASK_BIAS:
+        return "finite"
+    return None
 
 
 def _scale_factor(node) -> float | None:
@@ -218,25 +236,41 @@ def _broadcasts_to(small: tuple, target: tuple) -> bool:
 
 def _softmax_parts(x: torch.fx.Node) -> dict | None:
     """Recognise Inductor's decomposed softmax over the last dim of `x` (optionally upcast first):
-    amax / sub / exp / sum / div, and the SDPA math's `where(row all -inf, 0, probs)` around it."""
+    amax / sub / exp / sum / div, or on CUDA the online form (`prepare_softmax_online` giving max and
+    sum, then sub / exp / div), and the SDPA math's `where(row all -inf, 0, probs)` around it."""
     source = x
     users = list(x.users)
     if len(users) == 1 and is_op(users[0], CONVERT) and users[0].args[1] == torch.float32:
         x = users[0]
         users = list(x.users)
-    subs = [u for u in users if is_op(u, aten.sub.Tensor) and u.args[0] is x]
-    amaxes = [u for u in users if is_op(u, aten.amax.default) and _last_dim(x, u.args[1])]
-    if len(subs) != 1 or len(amaxes) != 1 or subs[0].args[1] is not amaxes[0]:
+    stats = [u for u in users if is_op(u, aten.amax.default, PREPARE_SOFTMAX_ONLINE) and _last_dim(x, u.args[1])]
+    if len(stats) != 1:
+        return None
+    if is_op(stats[0], PREPARE_SOFTMAX_ONLINE):
+        getters = {u.args[1]: u for u in stats[0].users if u.target is operator.getitem}
+        if set(getters) != {0, 1}:
+            return None
+        row_max, row_sum = getters[0], getters[1]
+    else:
+        row_max, row_sum = stats[0], None
+    subs = [u for u in users if is_op(u, aten.sub.Tensor) and u.args[0] is x and u.args[1] is row_max]
+    if len(subs) != 1:
         return None
     exp = only_user(subs[0])
-    if not is_op(exp, aten.exp.default) or len(exp.users) != 2:
+    if not is_op(exp, aten.exp.default):
         return None
-    sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and _last_dim(exp, u.args[1])]
-    divs = [u for u in exp.users if is_op(u, aten.div.Tensor) and u.args[0] is exp]
-    if len(sums) != 1 or len(divs) != 1 or divs[0].args[1] is not sums[0]:
+    if row_sum is None:
+        if len(exp.users) != 2:
+            return None
+        sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and _last_dim(exp, u.args[1])]
+        if len(sums) != 1:
+            return None
+        row_sum = sums[0]
+    divs = [u for u in exp.users if is_op(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is row_sum]
+    if len(divs) != 1 or len(exp.users) != (1 if is_op(stats[0], PREPARE_SOFTMAX_ONLINE) else 2):
         return None
     probs, safe = divs[0], False
-    expected_users = {subs[0], amaxes[0]}
+    expected_users = {subs[0], stats[0]}
     checks = [u for u in users if is_op(u, aten.eq.Scalar) and _is_neg_inf(u.args[1])]
     user = only_user(probs)
     if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and _fill(user.args[1]) == 0 \
@@ -302,12 +336,14 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         if is_op(user, aten.logical_not.default, aten.bitwise_not.default):
             flipped = only_user(user)
             if not (is_op(flipped, *WHERE) and flipped.args[0] is user
-                    and _is_neg_inf(_const(flipped.args[1])) and _const(flipped.args[2]) == 0):
+                    and _masking_bias(_const(flipped.args[1])) and _const(flipped.args[2]) == 0):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
+            comb["bias"] = _masking_bias(_const(flipped.args[1]))
             user = flipped
         elif is_op(user, *WHERE):
-            if not (user.args[0] is node and _const(user.args[1]) == 0 and _is_neg_inf(_const(user.args[2]))):
+            if not (user.args[0] is node and _const(user.args[1]) == 0 and _masking_bias(_const(user.args[2]))):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
+            comb["bias"] = _masking_bias(_const(user.args[2]))
         elif user.target not in FUSED_SDPA:
             raise NoMatch(f"the combined bool mask is consumed by {user.target}")
         if is_op(user, *WHERE):
@@ -391,6 +427,9 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
     if not _selection_in_place(scatter, bias, B, S, T):
         raise NoMatch("the selection mask is not laid out as [B, 1, S, T] where it meets the scores")
     causal = comb["kind"] == "bool" and _plain_causal(comb["attn_mask"], S, T)
+    if comb.get("bias") == "finite" and not causal:
+        raise NoMatch("the bool mask becomes a finite bias (cuDNN SDPA), which averages all keys in a fully masked "
+                      "row where the fused op returns 0; only a plain causal mask (no fully masked row) is fused")
     return dict(att, idx=idx, comb=comb, causal=causal)
 
 
@@ -422,7 +461,7 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     soft = _softmax_parts(add)
     if soft is None:
         raise NoMatch("the masked scores do not feed a softmax over the keys")
-    if comb["kind"] == "bool" and not soft["safe"]:
+    if comb["kind"] == "bool" and not soft["safe"] and comb.get("bias") != "finite":
         raise NoMatch("plain softmax over a -inf bias gives NaN for fully masked rows; the fused op returns 0")
     probs_end, pv = _single_user_chain(soft["probs"], LAYOUT_TARGETS | {CONVERT})
     if pv is None:

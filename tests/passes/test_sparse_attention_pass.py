@@ -3,6 +3,7 @@ and like dsfuse's own absorbed-MLA gather: what matches, what is reported, what 
 dynamic lengths, switching the pass off, and (structurally, on meta tensors) the CUDA fused-SDPA forms."""
 
 import math
+import operator
 
 import pytest
 import torch
@@ -310,6 +311,46 @@ def test_structural_cuda_fused_sdpa_forms(fn, mask_kind):
     torch.testing.assert_close(out, sparse_attention_masked_reference(q, k, v, idx, mask, scale))
 
 
+def _cudnn_bool(q, k, v, idx, keep):
+    """What AOT autograd records for CUDA SDPA taking the cuDNN path with HF's bool mask (seen on an H200,
+    torch 2.11): the combined mask becomes a *finite* bias `where(mask, 0, -65536)` in q's dtype."""
+    index_mask = torch.full((B, S, S), True, dtype=torch.bool, device=q.device).scatter(-1, idx, False).unsqueeze(1)
+    bias = torch.where(keep & ~index_mask, torch.full((), 0.0, dtype=q.dtype, device=q.device),
+                       torch.full((), -65536.0, dtype=q.dtype, device=q.device))
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, scale=SCALE)[0]
+
+
+def _position_causal(q):
+    """HF's causal mask as Inductor records it: key positions <= query positions, from iotas."""
+    rows = torch.ops.prims.iota(S, start=0, step=1, dtype=torch.int64, device=q.device, requires_grad=False)
+    cols = torch.ops.prims.iota(S, start=0, step=1, dtype=torch.int64, device=q.device, requires_grad=False)
+    return (cols[None, None, None, :] <= rows[None, None, :, None]).expand(B, 1, S, S)
+
+
+def test_structural_cudnn_finite_bias_with_causal_mask_is_fused():
+    q, k, v, idx, _ = _data()
+    gm = make_fx(lambda q, k, v, idx: _cudnn_bool(q, k, v, idx, _position_causal(q)), tracing_mode="fake")(
+        *(t.to("meta") for t in (q, k, v, idx)))
+    ctx = PassContext(name="sparse_attention")
+    run_pass("sparse_attention", gm.graph, ctx)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert ctx.near_misses == [] and len(ctx.sites) == 1, ctx.near_misses
+    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.dsfuse.sparse_attention_masked.default)
+    assert fused.args[4] is None and fused.args[6] is True  # attn_mask=None, causal=True
+    causal = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
+    torch.testing.assert_close(gm(q, k, v, idx), sparse_attention_masked_reference(q, k, v, idx, causal, SCALE))
+
+
+def test_structural_cudnn_finite_bias_with_padding_is_a_near_miss():
+    q, k, v, idx, keep = _data()
+    gm = make_fx(_cudnn_bool, tracing_mode="fake")(*(t.to("meta") for t in (q, k, v, idx, keep)))
+    ctx = PassContext(name="sparse_attention")
+    run_pass("sparse_attention", gm.graph, ctx)
+    assert ctx.sites == [] and len(ctx.near_misses) == 1
+    assert ctx.near_misses[0].reason.startswith("the bool mask becomes a finite bias (cuDNN SDPA)")
+
+
 def test_structural_fused_sdpa_with_dropout_is_a_near_miss():
     q, k, v, idx, mask = _data()
 
@@ -403,3 +444,50 @@ def test_own_mla_mask_from_other_indices_is_a_near_miss():
         _compile(other_mask)(*args)
     assert _sites() == []
     assert _misses() == ["the score mask is not `idx < 0` of the gather's indices"]
+
+
+# ---------------------------------------------------------------------------
+# CUDA's online softmax: Inductor rewrites amax / sub / exp / sum into `prepare_softmax_online` on
+# CUDA before dsfuse's passes run. The same rewrite is applied here on CPU graphs.
+# ---------------------------------------------------------------------------
+
+
+ONLINE_REWRITES = []
+
+
+def _to_online_softmax(graph: torch.fx.Graph) -> None:
+    aten = torch.ops.aten
+    for amax in [n for n in graph.nodes if n.target is aten.amax.default]:
+        x = amax.args[0]
+        sums = [s for u in amax.users if u.target is aten.sub.Tensor for e in u.users
+                if e.target is aten.exp.default for s in e.users if s.target is aten.sum.dim_IntList]
+        if len(sums) != 1:
+            continue
+        with graph.inserting_before(amax):
+            online = graph.call_function(torch.ops.prims.prepare_softmax_online.default, (x, amax.args[1][0]))
+            row_max = graph.call_function(operator.getitem, (online, 0))
+            row_sum = graph.call_function(operator.getitem, (online, 1))
+        online.meta["val"] = (amax.meta["val"], sums[0].meta["val"])
+        row_max.meta["val"], row_sum.meta["val"] = amax.meta["val"], sums[0].meta["val"]
+        amax.replace_all_uses_with(row_max)
+        sums[0].replace_all_uses_with(row_sum)
+        graph.erase_node(sums[0])
+        graph.erase_node(amax)
+        ONLINE_REWRITES.append(online)
+
+
+@pytest.mark.parametrize("family", ["sparse attention (HF mask + SDPA)", "sparse MLA (gather, absorbed)"])
+def test_online_softmax_form_is_matched(family):
+    import torch._inductor.inductor_prims  # noqa: F401
+
+    from dsfuse.families import families
+
+    fam = next(f for f in families("tiny", "cpu", torch.float32) if f.name == family)
+    inputs = fam.make_inputs()
+    options = {"enable": ["sparse_attention"], "inductor": {"post_grad_custom_pre_pass": _to_online_softmax}}
+    ONLINE_REWRITES.clear()
+    out = torch.compile(fam.fn, backend="dsfuse", options=options)(*inputs)
+    assert ONLINE_REWRITES, "the graph had no softmax to put in the online form"
+    rep = dsfuse.report()
+    assert rep.counts["sparse_attention"] == 1, str(rep)
+    torch.testing.assert_close(out, fam.fn(*inputs), rtol=1e-5, atol=1e-5)
