@@ -106,7 +106,9 @@ def profile_stages(fn: Callable[[], object], top: int = 12) -> dict:
         fn()
         torch.cuda.synchronize()
     events = list(prof.key_averages())
-    kernels = [(e.key, _device_us(e, True)) for e in events if _device_us(e, True) > 0]
+    # Only device-side events are kernels: an operator's own self device time repeats its kernels'.
+    kernels = [(e.key, _device_us(e, True)) for e in events
+               if e.device_type != torch.autograd.DeviceType.CPU and _device_us(e, True) > 0]
     total = sum(us for _, us in kernels)
     fused = {e.key: _device_us(e, False) for e in events if e.key.startswith("dsfuse::")}
     return {
