@@ -70,12 +70,12 @@ class Report:
         misses = {name: 0 for name in PASS_NAMES}
         for miss in self.near_misses:
             misses[miss.pass_name] += 1
-        from dsfuse.passes import implemented
+        from dsfuse.passes import implemented, not_ready_reason
 
         for name in PASS_NAMES:
             state = "enabled" if name in enabled else ("disabled" if self.graphs else "-")
             if not implemented(name):
-                state += " (matcher not implemented yet: matches nothing)"
+                state += f" ({not_ready_reason(name)})"
             lines.append(f"  {name:<{width}}  {self.counts[name]:>9}  {misses[name]:>11}  {state}")
         for graph in self.graphs:
             if graph.note:

@@ -24,8 +24,13 @@ def pass_module(name: str) -> ModuleType:
 
 
 def implemented(name: str) -> bool:
-    """Whether the family's matcher has landed; until then the pass matches nothing."""
+    """Whether the family's matcher is on; until then the pass matches nothing."""
     return pass_module(name).IMPLEMENTED
+
+
+def not_ready_reason(name: str) -> str:
+    """Why a pass that is not on matches nothing, as the report says it."""
+    return getattr(pass_module(name), "NOT_READY", "matcher not implemented yet: matches nothing")
 
 
 def run_pass(name: str, graph: torch.fx.Graph, ctx: PassContext) -> None:
@@ -35,4 +40,4 @@ def run_pass(name: str, graph: torch.fx.Graph, ctx: PassContext) -> None:
         module.run(graph, ctx)
 
 
-__all__ = ["PassContext", "RUN_ORDER", "implemented", "pass_module", "run_pass"]
+__all__ = ["PassContext", "RUN_ORDER", "implemented", "not_ready_reason", "pass_module", "run_pass"]

@@ -1,8 +1,317 @@
-"""`norm_rope_quant`: RMSNorm / LayerNorm + RoPE + fp8 quantisation glue -> one launch per side.
+"""`norm_rope_quant`: RMSNorm of one part of a projection output and RoPE of the other part, both from
+the same `split`, rewritten into one `dsfuse::rmsnorm_rope` call.
 
-The matcher for this family has not landed yet: the pass is registered (so flags, the report and the
-cache key already know it) and matches nothing; the report says so.
+The anchor is `split_with_sizes(proj, [C_norm, C_rope], -1)` (HF `DeepseekV32Attention.forward`:
+`kv_pass, k_rot = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim])`). Its first part must
+be an RMSNorm in one of two roundings:
+
+    HF:        weight * (xf * rsqrt(mean(xf^2, -1) + eps)).to(dtype)        (product in x's dtype)
+    official:  ((xf * rsqrt(mean(xf^2, -1) + eps)) * weight.float()).to(dtype)
+
+and its second part (through views) a RoPE in one of two forms, each matched on its own structure:
+
+    interleaved (`apply_rotary_pos_emb_interleave`):
+        cat([even*c - odd*s, odd*c + even*s], -1),  even/odd = r[..., 0::2] / r[..., 1::2],
+        c/s = unsqueeze(cos/sin[..., :C_rope/2])
+    half-split (`apply_rotary_pos_emb`):
+        r*cos + cat([-r[..., h:], r[..., :h]], -1)*sin
+
+A split whose first part is not an RMSNorm is not this family and is skipped silently; one that is,
+but whose other part is no RoPE this pass knows, is reported with the reason.
 """
 
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope)
+
+from .context import NoMatch, PassContext
+from .graph_utils import (
+    CONVERT,
+    VIEW_OPS,
+    aten,
+    dtype,
+    insert_call,
+    is_op,
+    same_shape,
+    same_size,
+    scalar_arg,
+    shape,
+    val,
+)
+
 NAME = "norm_rope_quant"
+# The matcher and its kernel are complete, but on the H200 (2026-11-29, triton 3.6) the kernel's bf16
+# RoPE differed from HF's rounding by one ulp on about a quarter of the elements, and a rewrite must
+# keep the source's rounding. Off until the CUDA kernel is bit-exact; tests switch it on explicitly.
 IMPLEMENTED = False
+NOT_READY = ("off: the CUDA kernel's bf16 RoPE is not yet bit-exact with HF's rounding "
+             "(1-ulp differences measured on the H200)")
+
+NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+END = 9223372036854775807  # how a slice to the end appears in the graph
+
+
+def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    for node in list(graph.nodes):
+        if not is_op(node, aten.split_with_sizes.default):
+            continue
+        try:
+            match = _match(node)
+        except NoMatch as miss:
+            if miss.reported:
+                ctx.near_miss(node, miss.reason)
+            continue
+        _rewrite(graph, node, match, ctx)
+
+
+def _getitems(split: torch.fx.Node) -> dict[int, torch.fx.Node]:
+    return {u.args[1]: u for u in split.users if u.target is operator.getitem}
+
+
+def _is_last_dim(node: torch.fx.Node, dim) -> bool:
+    rank = len(shape(node))
+    return dim in (-1, rank - 1)
+
+
+def _match(split: torch.fx.Node) -> dict:
+    proj, sizes = split.args[0], split.args[1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if len(sizes) != 2 or not _is_last_dim(proj, dim) or dtype(proj) not in NORM_DTYPES:
+        raise NoMatch("not a two-way split of the last dim", reported=False)
+    parts = _getitems(split)
+    if 0 not in parts or 1 not in parts:
+        raise NoMatch("split part unused", reported=False)
+    norm = _match_rmsnorm(parts[0], dtype(proj))
+    rope = _match_rope(parts[1], dtype(proj))
+    return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
+
+
+def _users(node: torch.fx.Node, *targets) -> list[torch.fx.Node]:
+    return [u for u in node.users if is_op(u, *targets)]
+
+
+def _other(node: torch.fx.Node, known: torch.fx.Node):
+    a, b = node.args[0], node.args[1]
+    return b if a is known else a if b is known else None
+
+
+def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+    """The RMSNorm of `part`: its final node, weight, eps and rounding (`weight_in_fp32`)."""
+    xf = part
+    if x_dtype != torch.float32:
+        casts = [u for u in _users(part, CONVERT) if u.args[1] == torch.float32]
+        if len(casts) != 1:
+            raise NoMatch("no fp32 upcast", reported=False)
+        xf = casts[0]
+    squares = [u for u in _users(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
+    if len(squares) != 1:
+        raise NoMatch("no square", reported=False)
+    mean = _only(squares[0], aten.mean.dim)
+    if mean is None or list(mean.args[1]) not in ([-1], [len(shape(xf)) - 1]) or not (
+            len(mean.args) > 2 and mean.args[2]):
+        raise NoMatch("no mean over the last dim", reported=False)
+    add = _only(mean, aten.add.Tensor)
+    rsqrt = _only(add, aten.rsqrt.default) if add is not None else None
+    if rsqrt is None:
+        raise NoMatch("no rsqrt(mean + eps)", reported=False)
+    eps = scalar_arg(add.args[1])
+    if eps is None:
+        raise NoMatch(f"RMSNorm: eps {add.args[1]} is a graph input, not a constant")
+    scaled = [u for u in _users(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
+    if len(scaled) != 1:
+        raise NoMatch("RMSNorm: x * rsqrt(...) not found")
+    h = scaled[0]
+    c_norm = shape(part)[-1]
+    if x_dtype == torch.float32:
+        out, weight = _weight_mul(h, c_norm, torch.float32)
+        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": True}
+    narrowed = [u for u in _users(h, CONVERT) if u.args[1] == x_dtype]
+    if len(narrowed) == 1 and len(h.users) == 1:
+        out, weight = _weight_mul(narrowed[0], c_norm, x_dtype)
+        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": False}
+    out32, weight = _weight_mul(h, c_norm, torch.float32)
+    final = _only(out32, CONVERT)
+    if final is None or final.args[1] != x_dtype:
+        raise NoMatch("RMSNorm: the fp32 weight product is not cast back to the input dtype")
+    if is_op(weight, CONVERT) and weight.args[1] == torch.float32:
+        weight = weight.args[0]
+    return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True}
+
+
+def _only(node: torch.fx.Node, target) -> torch.fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 and is_op(users[0], target) else None
+
+
+def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
+    muls = _users(h, aten.mul.Tensor)
+    if len(muls) != 1 or len(h.users) != 1:
+        raise NoMatch("RMSNorm: normalised value is not multiplied by a weight (or has other users)")
+    weight = _other(muls[0], h)
+    if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 or not same_size(shape(weight)[0], c_norm):
+        raise NoMatch(f"RMSNorm: weight {weight} is not a 1-D [{c_norm}] tensor")
+    if dtype(weight) != weight_dtype:
+        raise NoMatch(f"RMSNorm: weight dtype {dtype(weight)} differs from the product's {weight_dtype}")
+    return muls[0], weight
+
+
+def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
+    """The single view chain below `node` (HF views k_rot as [B, 1, S, C_rope])."""
+    while len(node.users) == 1 and is_op(next(iter(node.users)), *VIEW_OPS, aten.unsqueeze.default):
+        node = next(iter(node.users))
+    return node
+
+
+def _slice(node: torch.fx.Node, src: torch.fx.Node, start, end, step=1) -> bool:
+    if not is_op(node, aten.slice.Tensor) or node.args[0] is not src or not _is_last_dim(src, node.args[1]):
+        return False
+    args = [val(a) for a in node.args[2:]] + [None] * (3 - len(node.args[2:]))
+    got_start, got_end, got_step = args[0] or 0, args[1] if args[1] is not None else END, args[2] or 1
+    full = shape(src)[-1]
+    return (same_size(got_start, start) and got_step == step
+            and (got_end == end or same_size(got_end, end) or (end == END and same_size(got_end, full))))
+
+
+def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+    rot = _strip_views(part)
+    width = shape(rot)[-1]
+    if not same_size(width % 2, 0):
+        raise NoMatch(f"RoPE width {width} is not provably even")
+    half = width // 2
+    slices = _users(rot, aten.slice.Tensor)
+    even = [s for s in slices if _slice(s, rot, 0, END, 2)]
+    odd = [s for s in slices if _slice(s, rot, 1, END, 2)]
+    if len(even) == 1 and len(odd) == 1:
+        return _match_interleaved(rot, even[0], odd[0], half, x_dtype)
+    lo = [s for s in slices if _slice(s, rot, 0, half)]
+    hi = [s for s in slices if _slice(s, rot, half, END)]
+    if len(lo) == 1 and len(hi) == 1:
+        return _match_half_split(rot, lo[0], hi[0], half, x_dtype)
+    raise NoMatch("RMSNorm beside a split part that is not RoPE'd in a known form")
+
+
+def _product(a: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
+    """Users `a * f` of `a`: (mul node, f)."""
+    return [(u, _other(u, a)) for u in _users(a, aten.mul.Tensor) if _other(u, a) is not None and _other(u, a) is not a]
+
+
+def _cos_source(factor: torch.fx.Node, rot: torch.fx.Node, half, width, x_dtype) -> tuple:
+    """`factor` = unsqueeze(table[..., :half], dim): (table, dim), the full-width table HF sliced."""
+    node, dim = factor, None
+    if is_op(node, aten.unsqueeze.default):
+        node, dim = node.args[0], node.args[1]
+    if not (is_op(node, aten.slice.Tensor) and _slice(node, node.args[0], 0, half)):
+        raise NoMatch(f"RoPE: {factor} is not unsqueeze(cos/sin[..., :{half}])")
+    table = node.args[0]
+    _check_table(table, factor, rot, width, x_dtype)
+    return table, dim
+
+
+def _check_table(table, factor, rot, width, x_dtype) -> None:
+    """The table must be in x's dtype and `factor` (its broadcast form) must broadcast to `rot`'s rows
+    without reaching across the last dim."""
+    if dtype(table) != x_dtype:
+        raise NoMatch(f"RoPE: cos/sin dtype {dtype(table)} differs from the input's {x_dtype}")
+    if not same_size(shape(table)[-1], width):
+        raise NoMatch(f"RoPE: cos/sin width {shape(table)[-1]} is not the rotated width {width}")
+    lead, rows = shape(factor)[:-1], shape(rot)[:-1]
+    if len(lead) != len(rows) or not all(same_size(a, b) or same_size(a, 1) for a, b in zip(lead, rows)):
+        raise NoMatch(f"RoPE: cos/sin rows {lead} do not broadcast to the rotated part's {rows}")
+
+
+def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
+    width = shape(rot)[-1]
+    for sub in [u for m, _ in _product(even) for u in _users(m, aten.sub.Tensor) if u.args[0] is m]:
+        even_c, odd_s = sub.args
+        c = _other(even_c, even)
+        if not (is_op(odd_s, aten.mul.Tensor) and _other(odd_s, odd) is not None):
+            continue
+        s = _other(odd_s, odd)
+        cats = _users(sub, aten.cat.default)
+        for cat in cats:
+            items, cat_dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
+            if len(items) != 2 or items[0] is not sub or not _is_last_dim(cat, cat_dim):
+                continue
+            add = items[1]
+            if not is_op(add, aten.add.Tensor):
+                continue
+            terms = set(add.args)
+            want_odd_c = [m for m, f in _product(odd) if f is c]
+            want_even_s = [m for m, f in _product(even) if f is s]
+            if any(m in terms for m in want_odd_c) and any(m in terms for m in want_even_s):
+                cos = _cos_source(c, rot, half, width, x_dtype)
+                sin = _cos_source(s, rot, half, width, x_dtype)
+                return {"rope_out": cat, "cos": cos, "sin": sin, "interleaved": True, "rot": rot}
+    raise NoMatch("interleaved RoPE: even*cos - odd*sin, odd*cos + even*sin not found")
+
+
+def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
+    width = shape(rot)[-1]
+    neg = _only(hi, aten.neg.default)
+    if neg is None:
+        raise NoMatch("half-split RoPE: no -x[..., h:]")
+    rotated = [c for c in _users(neg, aten.cat.default) if list(c.args[0]) == [neg, lo]
+               and _is_last_dim(c, c.args[1] if len(c.args) > 1 else 0)]
+    if len(rotated) != 1:
+        raise NoMatch("half-split RoPE: no cat(-x2, x1)")
+    for m_sin, sin in _product(rotated[0]):
+        for add in _users(m_sin, aten.add.Tensor):
+            m_cos = _other(add, m_sin)
+            if is_op(m_cos, aten.mul.Tensor) and _other(m_cos, rot) is not None:
+                cos = _other(m_cos, rot)
+                for table in (cos, sin):
+                    _check_table(table, table, rot, width, x_dtype)
+                return {"rope_out": add, "cos": (cos, None), "sin": (sin, None), "interleaved": False, "rot": rot}
+    raise NoMatch("half-split RoPE: x*cos + rotate_half(x)*sin not found")
+
+
+def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    before = m["rope_out"] if _position(graph, m["rope_out"]) > _position(graph, m["norm_out"]) else m["norm_out"]
+    width = shape(m["proj"])[-1]
+    x = insert_call(graph, before, aten.reshape.default, (m["proj"], [-1, width]))
+    cos = _rows_of(graph, before, m["cos"], m["rot"])
+    sin = _rows_of(graph, before, m["sin"], m["rot"])
+    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default,
+                        (x, m["weight"], m["eps"], cos, sin, m["interleaved"], m["weight_in_fp32"]))
+    normed = insert_call(graph, before, operator.getitem, (fused, 0))
+    roped = insert_call(graph, before, operator.getitem, (fused, 1))
+    proj_lead = [_size(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
+    rot_shape = [_size(graph, before, m["rot"], d) for d in range(len(shape(m["rot"])))]
+    for out, flat, sizes in ((m["norm_out"], normed, proj_lead + [m["c_norm"]]), (m["rope_out"], roped, rot_shape)):
+        restored = insert_call(graph, before, aten.reshape.default, (flat, sizes))
+        out.replace_all_uses_with(restored)
+    stable_topological_sort(graph)  # the earlier output's users may sit before the fused call
+    graph.eliminate_dead_code()
+    form = "interleaved" if m["interleaved"] else "half-split"
+    rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
+    ctx.site(split, "dsfuse.rmsnorm_rope", [m["proj"], m["weight"], m["cos"][0], m["sin"][0]],
+             detail=f"RMSNorm {m['c_norm']} ({rounding}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}")
+
+
+def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
+    """The cos/sin table as [T, C_rope], one row per row of the rotated part (broadcast dims expanded)."""
+    table, dim = table_dim
+    if dim is not None:
+        table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
+    if not same_shape(shape(table), shape(rot)):
+        sizes = [_size(graph, before, rot, d) for d in range(len(shape(rot)))]
+        table = insert_call(graph, before, aten.expand.default, (table, sizes))
+    return insert_call(graph, before, aten.reshape.default, (table, [-1, shape(rot)[-1]]))
+
+
+def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int):
+    """A size as an int, or as a `sym_size` node when it is symbolic (never specialised)."""
+    size = shape(node)[dim]
+    return size if isinstance(size, int) else insert_call(graph, before, aten.sym_size.int, (node, dim))
+
+
+def _position(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
+    for i, n in enumerate(graph.nodes):
+        if n is node:
+            return i
+    raise ValueError(f"{node} not in graph")
