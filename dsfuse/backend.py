@@ -46,12 +46,13 @@ def _inductor_patches(cfg: BackendConfig, dynamic: bool | None) -> dict[str, Any
     return patches
 
 
-def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig) -> str:
+def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig,
+                active: tuple[str, ...]) -> str:
     described = [
         (tuple(str(s) for s in t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
         for t in example_inputs
     ]
-    text = json.dumps([gm.code, described, cfg.enabled, sorted(map(str, cfg.inductor_options.items())), cfg.mode])
+    text = json.dumps([gm.code, described, active, sorted(map(str, cfg.inductor_options.items())), cfg.mode])
     return hashlib.sha256((text + sources_digest()).encode()).hexdigest()
 
 
@@ -102,7 +103,7 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note)
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
     if manager is not None:
-        key = _record_key(gm, example_inputs, cfg)
+        key = _record_key(gm, example_inputs, cfg, manager.active)
         if manager.ran:
             _save_records(key, manager)
         elif (records := _load_records(key)) is not None:

@@ -42,7 +42,11 @@ class DsfusePassManager(CustomGraphPass):
         unknown = [name for name in enabled if name not in PASS_NAMES]
         if unknown:
             raise ValueError(f"unknown dsfuse pass(es) {unknown}; valid pass names: {', '.join(PASS_NAMES)}")
+        from dsfuse.passes import implemented
+
         self.enabled = tuple(name for name in PASS_NAMES if name in enabled)
+        # What actually runs: a pass that is off matches nothing whatever the flags say.
+        self.active = tuple(name for name in self.enabled if implemented(name))
         self.sites: list[_report.Site] = []
         self.near_misses: list[_report.NearMiss] = []
         self.ran = False
@@ -63,5 +67,5 @@ class DsfusePassManager(CustomGraphPass):
 
     def uuid(self) -> str:
         return hashlib.sha256(
-            f"dsfuse|{','.join(self.enabled)}|{torch.__version__}|{sources_digest()}".encode()
+            f"dsfuse|{','.join(self.active)}|{torch.__version__}|{sources_digest()}".encode()
         ).hexdigest()

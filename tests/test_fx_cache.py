@@ -47,10 +47,19 @@ def test_toggling_a_pass_never_serves_a_stale_graph(tmp_path, monkeypatch):
 
 
 def test_uuid_covers_enabled_set_and_sources(monkeypatch):
-    a, b = DsfusePassManager(("indexer_topk",)).uuid(), DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
+    a, b = DsfusePassManager(("indexer_topk",)).uuid(), DsfusePassManager(("indexer_topk", "sparse_attention")).uuid()
     assert a != b
     assert a == DsfusePassManager(("indexer_topk",)).uuid()
     import dsfuse.pass_manager as pm
 
     monkeypatch.setattr(pm, "sources_digest", lambda: "edited-kernel-source")
     assert DsfusePassManager(("indexer_topk",)).uuid() != a
+
+
+def test_uuid_follows_what_runs_not_the_flags(monkeypatch):
+    """A pass that is off rewrites nothing, so flags naming it must not split the cache; switching it on must."""
+    import dsfuse.passes.moe_experts as moe
+
+    assert DsfusePassManager(("indexer_topk",)).uuid() == DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
+    monkeypatch.setattr(moe, "IMPLEMENTED", True)
+    assert DsfusePassManager(("indexer_topk",)).uuid() != DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
