@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
@@ -39,3 +40,18 @@ class PassContext:
 
     def near_miss(self, anchor: torch.fx.Node | str, reason: str) -> None:
         self.near_misses.append(NearMiss(pass_name=self.name, graph=self.graph_index, anchor=str(anchor), reason=reason))
+
+
+def rewrite_anchored(graph: torch.fx.Graph, ctx: PassContext, targets: tuple, match: Callable[[torch.fx.Node], Any],
+                     rewrite: Callable[[torch.fx.Graph, torch.fx.Node, Any, PassContext], None]) -> None:
+    """Try `match` at every node calling one of `targets`; rewrite what matches, report reported misses."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        try:
+            found = match(node)
+        except NoMatch as miss:
+            if miss.reported:
+                ctx.near_miss(node, miss.reason)
+            continue
+        rewrite(graph, node, found, ctx)

@@ -25,7 +25,7 @@ import torch
 
 import dsfuse.kernels.indexer_topk  # noqa: F401  (registers torch.ops.dsfuse.indexer_topk)
 
-from .context import NoMatch, PassContext
+from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names,
                    normalise)
 from .graph_utils import (CONVERT, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg,
@@ -38,16 +38,7 @@ SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3f
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    for node in list(graph.nodes):
-        if not is_op(node, aten.topk.default):
-            continue
-        try:
-            match = _match(node)
-        except NoMatch as miss:
-            if miss.reported:
-                ctx.near_miss(node, miss.reason)
-            continue
-        _rewrite(graph, node, match, ctx)
+    rewrite_anchored(graph, ctx, (aten.topk.default,), _match, _rewrite)
 
 
 def _topk_params(node: torch.fx.Node) -> tuple:

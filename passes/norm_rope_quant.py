@@ -29,7 +29,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope)
 
-from .context import NoMatch, PassContext
+from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
     CONVERT,
     VIEW_OPS,
@@ -57,17 +57,7 @@ END = 9223372036854775807  # how a slice to the end appears in the graph
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    for node in list(graph.nodes):
-        if not is_op(node, aten.split_with_sizes.default):
-            continue
-        try:
-            match = _match(node)
-        except NoMatch as miss:
-            if miss.reported:
-                ctx.near_miss(node, miss.reason)
-            continue
-        _rewrite(graph, node, match, ctx)
-
+    rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match, _rewrite)
 
 def _getitems(split: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return {u.args[1]: u for u in split.users if u.target is operator.getitem}

@@ -32,7 +32,7 @@ import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_soft
 
 import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
 
-from .context import NoMatch, PassContext
+from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
 from .graph_utils import CONVERT, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg, shape
 
@@ -53,20 +53,8 @@ FUSED_SDPA = {
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    for node in list(graph.nodes):
-        if is_op(node, aten.scatter.value):
-            matcher, rewrite = _match_masked, _rewrite_masked
-        elif is_op(node, aten.index.Tensor):
-            matcher, rewrite = _match_mla, _rewrite_mla
-        else:
-            continue
-        try:
-            match = matcher(node)
-        except NoMatch as miss:
-            if miss.reported:
-                ctx.near_miss(node, miss.reason)
-            continue
-        rewrite(graph, node, match, ctx)
+    rewrite_anchored(graph, ctx, (aten.scatter.value,), _match_masked, _rewrite_masked)
+    rewrite_anchored(graph, ctx, (aten.index.Tensor,), _match_mla, _rewrite_mla)
 
 
 # ---------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def test_hf_tiny_eager_fp32_with_plain_topk(monkeypatch):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_own_tiny_bf16_mla_counts_and_parity():
+def test_own_tiny_bf16_counts_and_parity():
+    """dsfuse's own official-style model: the fp8 indexer and the kv[idx] MLA attention, once per layer."""
     from dsfuse.models.official import build_own_model
 
     model = build_own_model("own-tiny", dtype=torch.bfloat16)
@@ -69,7 +70,9 @@ def test_own_tiny_bf16_mla_counts_and_parity():
     expected, inductor, out = run(None), run("inductor"), run("dsfuse")
     rep = dsfuse.report()
     assert rep.counts["sparse_attention"] == model.config.num_hidden_layers, str(rep)
+    assert rep.counts["indexer_topk"] == model.config.num_hidden_layers, str(rep)
     assert all(s.op == "dsfuse.sparse_mla_attention" for s in _sparse_sites())
+    assert all("fp8 k_scale" in s.detail for s in rep.sites if s.pass_name == "indexer_topk")
     inductor_err = ((inductor - expected).norm() / expected.norm()).item()
     dsfuse_err = ((out - expected).norm() / expected.norm()).item()
     assert dsfuse_err <= max(2e-2, 1.25 * inductor_err), (dsfuse_err, inductor_err)
