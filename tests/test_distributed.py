@@ -31,3 +31,17 @@ def test_sharded_model_parity(checkpoint, tmp_path, world, ep):
     assert data["world"] == world
     assert all(error < 1e-5 for error in data["errors"]), data
     assert data["counts"]["indexer_topk"] == 2 and data["counts"]["sparse_attention"] == 2, data
+
+
+def test_distributed_prefill_benchmark_runs_on_cpu(checkpoint, tmp_path):
+    out = tmp_path / "ep.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "distributed_prefill.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--checkpoint", str(checkpoint), "--seq", "16", "--ep", "--configs", "eager,dsfuse", "--repeats", "2",
+           "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"eager", "dsfuse"} and all(r["ms"] > 0 and r["world"] == 2 and r["ep"] for r in rows.values())
+    assert rows["dsfuse"]["rewritten"]["indexer_topk"] == 2 and rows["dsfuse"]["rewritten"]["sparse_attention"] == 2
+    assert "tok/s/device" in done.stdout
