@@ -2,6 +2,8 @@
 
     python -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192
     python -m dsfuse.bench model --preset tiny --seq 32 --device cpu      # smoke run
+    python -m dsfuse.bench model --profile --json r.json --markdown r.md  # keep the results
+    python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, time by stage
 
 Every configuration is checked before it is timed: dsfuse with all passes off must reproduce Inductor
 bit for bit, and every compiled model is compared with eager. Times are medians of
@@ -24,6 +26,7 @@ from typing import Callable
 import torch
 
 import dsfuse
+from dsfuse.bench_report import families_markdown, model_markdown, plot_model, progress
 from dsfuse.config import PASS_NAMES
 
 CONFIGS: dict[str, tuple[str | None, dict | None]] = {
@@ -134,11 +137,13 @@ def bench_model(args) -> dict:
     model = build_hf_model(args.preset, dtype=dtype, device=args.device, attn_implementation=args.attn)
     results = {"env": environment(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch, "runs": []}
     print(f"# {results['env']} preset={args.preset} dtype={args.dtype} batch={args.batch}", flush=True)
+    bar = progress(len(args.seq) * len(args.configs), f"{args.preset} prefill")
     for seq in args.seq:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=args.device,
                             generator=torch.Generator(args.device).manual_seed(seq))
         outputs: dict[str, torch.Tensor] = {}
         for name, (backend, options) in args.configs.items():
+            bar.set_postfix_str(f"S={seq} {name}")
             row = {"seq": seq, "config": name}
             try:
                 fn = _compiled(model, backend, options)
@@ -181,10 +186,12 @@ def bench_model(args) -> dict:
                 print(f"  profile: {prof['gpu_ms']:.2f} ms GPU; fused ops: {shares or 'none'}", flush=True)
                 for kernel, ms in prof["top_kernels_ms"][:8]:
                     print(f"    {ms:8.3f} ms  {kernel}", flush=True)
+            bar.update()
         _check_parity(outputs, seq, results)
         outputs.clear()
         if cuda:
             torch.cuda.empty_cache()
+    bar.close()
     _print_table(results)
     return results
 
@@ -214,10 +221,13 @@ def bench_families(args) -> dict:
     peak = matmul_peak_tflops(args.device)
     results["bf16_matmul_tflops"] = peak
     print(f"# {results['env']} size={args.size} bf16 matmul peak={peak and round(peak)} TFLOP/s", flush=True)
-    for family in families(args.size, args.device, dtype):
+    all_families = families(args.size, args.device, dtype)
+    bar = progress(len(all_families) * len(args.configs), "families")
+    for family in all_families:
         inputs = family.make_inputs()
         reference = family.fn(*inputs)
         for name, (backend, options) in args.configs.items():
+            bar.set_postfix_str(f"{family.name} {name}")
             row = {"family": family.name, "shape": family.shape, "config": name}
             try:
                 fn = _compiled(family.fn, backend, options)
@@ -236,6 +246,8 @@ def bench_families(args) -> dict:
                 row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
+            bar.update()
+    bar.close()
     base = {r["family"]: r["ms"] for r in results["rows"] if r["config"] == "inductor" and r.get("ms")}
     print(f"\n{'family':<34} {'shape':<30} {'config':<11} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7} {'vs Ind.':>7}  check")
     for r in results["rows"]:
@@ -294,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                        help=f"comma list of {', '.join(CONFIGS)}, only:PASS (one pass alone), no:PASS (all but one)")
     model.add_argument("--rep-ms", type=int, default=1000)
     model.add_argument("--json", default=None, help="write results here")
+    model.add_argument("--markdown", default=None, help="write a Markdown table here (and time by stage with --profile)")
     model.add_argument("--profile", action="store_true", help="add a per-kernel GPU-time breakdown of one call")
     fam = sub.add_parser("families", help="each fused family's source subgraph: eager / Inductor / dsfuse")
     fam.add_argument("--size", default=None, choices=("real", "tiny"), help="default: real on CUDA, tiny on CPU")
@@ -302,15 +315,26 @@ def main(argv: list[str] | None = None) -> int:
     fam.add_argument("--configs", default="eager,inductor,dsfuse")
     fam.add_argument("--rep-ms", type=int, default=300)
     fam.add_argument("--json", default=None, help="write results here")
+    fam.add_argument("--markdown", default=None, help="write a Markdown table here")
+    plot = sub.add_parser("plot", help="figure from a `model --json` file: speedup vs S, GPU time by stage (matplotlib)")
+    plot.add_argument("results", help="JSON written by `model --json`")
+    plot.add_argument("--out", required=True, help="image to write, e.g. bench.png")
     args = parser.parse_args(argv)
+    if args.command == "plot":
+        with open(args.results) as f:
+            results = json.load(f)
+        try:
+            plot_model(results, args.out)
+        except ValueError as err:
+            parser.error(f"{args.results}: {err}")
+        print(f"wrote {args.out}")
+        return 0
     if args.command == "families":
         args.size = args.size or ("real" if args.device.startswith("cuda") else "tiny")
         args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
         args.configs = resolve_configs([c for c in args.configs.split(",") if c])
         results = bench_families(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
+        _write(results, args.json, args.markdown, families_markdown)
         return 0
     try:
         args.configs = resolve_configs([c for c in args.configs.split(",") if c])
@@ -318,10 +342,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     results = bench_model(args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+    _write(results, args.json, args.markdown, model_markdown)
     return 0
+
+
+def _write(results: dict, json_path: str | None, markdown_path: str | None, to_markdown) -> None:
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=2)
+    if markdown_path:
+        with open(markdown_path, "w") as f:
+            f.write(to_markdown(results))
 
 
 if __name__ == "__main__":
