@@ -1,9 +1,9 @@
-"""Helpers shared by the passes: reading fake-tensor metadata, walking through layout-only ops,
-proving size relations symbolically, and splicing a fused op into the graph."""
+"""Helpers shared by the passes: reading fake-tensor metadata, proving size relations symbolically,
+and splicing a fused op into the graph (walking through layout ops lives in `dims.py`)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch._guards import detect_fake_mode
@@ -13,8 +13,6 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-LAYOUT_OPS = VIEW_OPS | {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-                         aten.clone.default, aten.contiguous.default}
 CONVERT = prims.convert_element_type.default
 
 
@@ -60,26 +58,6 @@ def same_shape(a: Iterable, b: Iterable) -> bool:
 
 def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def strip(node: Any, targets: set, stop: Callable[[torch.fx.Node], bool] | None = None) -> Any:
-    """Follow first arguments through ops in `targets` (layout-only ops, say)."""
-    while is_op(node, *targets) and not (stop and stop(node)):
-        node = node.args[0]
-    return node
-
-
-def upcast_source(node: Any) -> Any:
-    """The tensor before an exact widening cast (bf16/fp16/fp8 -> fp32), or `node` itself.
-
-    A tensor-core dot of the narrow values with fp32 accumulation reproduces the fp32 product of the
-    upcast values exactly per product, so fused kernels read the narrow source.
-    """
-    if is_op(node, CONVERT) and node.args[1] == torch.float32:
-        src = node.args[0]
-        if dtype(src) in (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32):
-            return src
-    return node
 
 
 def scalar_arg(node: Any) -> float | None:
