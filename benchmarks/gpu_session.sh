@@ -2,6 +2,7 @@
 # One H200 session: GPU tests, whole-model and family benchmarks with a profile, kernel benchmarks.
 # From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
 # Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
+# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm) runs a subset.
 set -uo pipefail
 export OUT=${OUT:-/tmp/dsfuse_out}
 mkdir -p "$OUT"
@@ -12,6 +13,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -1
+STEPS=${STEPS:-tests model families model32k decode ablate indexer sparse moe norm}
+wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step SECONDS TITLE COMMAND...
   local limit=$1 title=$2; shift 2
   echo "=== $title ($(date -u +%H:%M:%S))" | tee -a "$LOG"
@@ -19,15 +22,21 @@ step() {  # step SECONDS TITLE COMMAND...
 }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
-TAIL=15 step 100 "GPU tests" python3 -P -m pytest -q -m gpu tests/kernels
-TAIL=80 step 220 "model prefill S=2048/8192" python3 -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192 \
-  --rep-ms 500 --profile --configs eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention \
+wanted tests && TAIL=15 step 100 "GPU tests" python3 -P -m pytest -q -m gpu tests/kernels
+wanted model && TAIL=80 step 220 "model prefill S=2048/8192" python3 -m dsfuse.bench model --preset v32-real-2l \
+  --seq 2048 8192 --rep-ms 500 --profile \
+  --configs ${MODEL_CONFIGS:-eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention} \
   --json "$OUT/model.json"
-TAIL=14 step 120 "families at real shapes" python3 -m dsfuse.bench families --json "$OUT/families.json"
-TAIL=20 step 90 "model prefill S=32768 (dsfuse only)" python3 -m dsfuse.bench model --preset v32-real-2l --seq 32768 \
-  --rep-ms 300 --profile --configs dsfuse --json "$OUT/model_32k.json"
-TAIL=8 step 75 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
-TAIL=12 step 75 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
-for family in moe_experts norm_rope_quant; do
-  if [ -f "benchmarks/${family}_gpu.py" ]; then TAIL=12 step 60 "$family kernels" python3 -P "benchmarks/${family}_gpu.py"; fi
-done
+wanted families && TAIL=14 step 120 "families at real shapes" python3 -m dsfuse.bench families \
+  --json "$OUT/families.json"
+wanted model32k && TAIL=20 step 90 "model prefill S=32768 (dsfuse only)" python3 -m dsfuse.bench model \
+  --preset v32-real-2l --seq 32768 --rep-ms 300 --profile --configs dsfuse --json "$OUT/model_32k.json"
+wanted decode && TAIL=30 step 300 "model decode with a KV cache" python3 -m dsfuse.bench model --preset v32-real-2l \
+  --mode decode --decode-batch 1 8 --context 8192 32768 --json "$OUT/decode.json"
+wanted ablate && TAIL=40 step 240 "ablation S=8192" python3 -m dsfuse.bench ablate --preset v32-real-2l --seq 8192 \
+  --json "$OUT/ablate.json"
+wanted indexer && TAIL=12 step 90 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
+wanted sparse && TAIL=12 step 75 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
+wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
+wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/norm_rope_quant_gpu.py
+true
