@@ -33,9 +33,14 @@ def hf_indexer(q, k, w, mask, topk: int, scale: float):
     return torch.ones_like(mask).scatter(-1, idx.long(), False)
 
 
-def hf_sparse_attention(q, k, v, idx, causal, scale: float):
-    """`DeepseekV32Attention`'s selection mask + SDPA over all keys."""
-    index_mask = torch.ones_like(causal[:, 0]).scatter(-1, idx.long(), False).unsqueeze(1)
+def hf_sparse_attention(q, k, v, idx, scale: float):
+    """`DeepseekV32Attention`'s selection mask + SDPA over all keys, with the causal mask built from positions
+    as transformers' `sdpa_mask` builds it for an unpadded batch."""
+    B, _, S, _ = q.shape
+    T = k.shape[2]
+    queries = torch.arange(S, device=q.device)[None, None, :, None] + (T - S)
+    causal = torch.arange(T, device=q.device)[None, None, None, :] <= queries
+    index_mask = torch.ones((B, S, T), dtype=torch.bool, device=q.device).scatter(-1, idx.long(), False).unsqueeze(1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal & ~index_mask, scale=scale)
 
 
@@ -88,9 +93,9 @@ def families(size: str, device: str, dtype: torch.dtype) -> list[Family]:
     dq, dv = (192, 128) if size == "real" else (24, 16)
     attention = Family(
         "sparse attention (HF mask + SDPA)", "sparse_attention", f"S{S2} T{T2} H{H2} k{K2} D{dq}/{dv}",
-        lambda q, k, v, idx, c: hf_sparse_attention(q, k, v, idx, c, dq**-0.5),
+        lambda q, k, v, idx: hf_sparse_attention(q, k, v, idx, dq**-0.5),
         lambda: (randn(B2, H2, S2, dq), randn(B2, H2, T2, dq), randn(B2, H2, T2, dv),
-                 _random_topk(B2, S2, T2, K2, device, gen), _causal(B2, S2, T2, device)[:, None]),
+                 _random_topk(B2, S2, T2, K2, device, gen)),
         2.0 * B2 * S2 * K2 * H2 * (dq + dv))
 
     B3, S3, T3, H3, K3 = shapes["mla"]

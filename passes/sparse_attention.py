@@ -346,11 +346,14 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
 def _positions(node) -> tuple | None:
     """(length, first position, dim) for `iota(n) + c` unsqueezed to a rank-4 tensor that is 1 except in `dim`."""
     dims = shape(node)
-    while is_op(node, aten.unsqueeze.default):
-        node = node.args[0]
     offset = 0
-    if is_op(node, aten.add.Tensor) and isinstance(node.args[1], (int, torch.SymInt)):
-        node, offset = node.args[0], node.args[1]
+    while True:
+        if is_op(node, aten.unsqueeze.default):
+            node = node.args[0]
+        elif is_op(node, aten.add.Tensor) and isinstance(node.args[1], (int, torch.SymInt)):
+            node, offset = node.args[0], offset + node.args[1]
+        else:
+            break
     if not is_op(node, torch.ops.prims.iota.default) or node.kwargs.get("step", 1) != 1 or len(dims) != 4:
         return None
     wide = [i for i, size in enumerate(dims) if not same_size(size, 1)]

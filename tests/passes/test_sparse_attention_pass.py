@@ -127,6 +127,27 @@ def test_position_built_causal_mask_is_applied_in_kernel():
     torch.testing.assert_close(padded, expected_padded, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("shift, causal", [(4, True), (3, False)])
+def test_causal_offset_added_after_unsqueeze(shift, causal):
+    """Queries at `arange(S) + (T - S)` (the offset added after the unsqueezes, as `families` writes it) are
+    causal; any other shift is a mask to read, never mistaken for causal."""
+    T = S + 4
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H, S, D, generator=gen)
+    k, v = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, T, D, generator=gen)
+    idx = torch.stack([torch.stack([torch.randperm(T, generator=gen)[:K] for _ in range(S)]) for _ in range(B)])
+
+    def shifted_causal(q, k, v, idx):
+        queries = torch.arange(S)[None, None, :, None] + shift
+        return hf_sdpa(q, k, v, idx, torch.arange(T)[None, None, None, :] <= queries)
+
+    with torch.no_grad():
+        out = _compile(shifted_causal)(q, k, v, idx)
+    kind = "causal (from positions)" if causal else "bool mask"
+    assert [s.detail.split(", ")[1] for s in _sites()] == [kind], str(dsfuse.report())
+    torch.testing.assert_close(out, shifted_causal(q, k, v, idx), rtol=1e-5, atol=1e-5)
+
+
 def test_indices_from_plain_topk():
     q, k, v, _, mask = _data(dv=8)
 
