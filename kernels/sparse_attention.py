@@ -1,6 +1,6 @@
 """Sparse attention over indexer-selected keys (DeepSeek V3.2 / V4 style).
 
-Two custom ops, each with a plain-PyTorch reference (the CPU implementation and the
+Three custom ops, each with a plain-PyTorch reference (the CPU implementation and the
 numerics contract) and a Triton CUDA path:
 
 * ``dsfuse::sparse_mla_attention`` -- absorbed MLA / MQA form: every head of a query
@@ -12,6 +12,9 @@ numerics contract) and a Triton CUDA path:
   and dense SDPA runs over all ``T`` keys with per-head K/V.  The kernel turns the
   indices into a per-query bitmap, skips key tiles that no query of a block selected,
   and decides selection per element in-kernel.
+* ``dsfuse::absorbed_mla_attention`` -- the same HF attention read from its latent cache
+  in absorbed form (``kv_b_proj`` folded into the query and the output), for decode, where
+  HF would expand all ``T`` cached latents at every step; it runs the first op's kernel.
 
 Index tensors are never trusted: the kernels treat any index outside ``[0, T)`` as
 "no key"; the reference paths raise for indices ``>= T`` or ``< -1``.
@@ -668,3 +671,124 @@ def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False):
 @sparse_attention_masked.register_kernel("cuda")
 def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False):
     return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal)
+
+
+# ---------------------------------------------------------------------------
+# Op 3: HF latent-cache attention in absorbed form (decode)
+# ---------------------------------------------------------------------------
+
+
+def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal):
+    op = "absorbed_mla_attention"
+    if q.dim() != 4 or latent.dim() != 4 or rope.dim() != 4:
+        raise ValueError(f"{op}: q must be [B,H,S,D] and latent/rope [B,1,T,C]/[B,1,T,R], got "
+                         f"{tuple(q.shape)}, {tuple(latent.shape)}, {tuple(rope.shape)}")
+    B, H, S, D = q.shape
+    _, one, T, C = latent.shape
+    R = D - nope_dim
+    if one != 1 or tuple(rope.shape) != (B, 1, T, R) or latent.shape[0] != B:
+        raise ValueError(f"{op}: latent {tuple(latent.shape)} and rope {tuple(rope.shape)} must be [B={B}, 1, T, C] "
+                         f"and [B, 1, T, R={R}]")
+    if not 0 < nope_dim < D:
+        raise ValueError(f"{op}: nope_dim {nope_dim} must split the query head dim {D}")
+    if kv_b_weight.dim() != 2 or kv_b_weight.shape[1] != C or kv_b_weight.shape[0] % H \
+            or kv_b_weight.shape[0] // H <= nope_dim:
+        raise ValueError(f"{op}: kv_b_weight must be [H*(nope+v), C={C}] with H={H}, got {tuple(kv_b_weight.shape)}")
+    if tuple(idx.shape[:2]) != (B, S) or idx.dim() != 3 or idx.shape[2] < 1:
+        raise ValueError(f"{op}: idx must be [B={B}, S={S}, K>=1], got {tuple(idx.shape)}")
+    if idx.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{op}: idx dtype must be int32 or int64, got {idx.dtype}")
+    if q.dtype not in _FLOAT_DTYPES or {latent.dtype, rope.dtype, kv_b_weight.dtype} != {q.dtype}:
+        raise TypeError(f"{op}: q, latent, rope and kv_b_weight must share one float dtype, got {q.dtype}, "
+                        f"{latent.dtype}, {rope.dtype}, {kv_b_weight.dtype}")
+    if attn_mask is not None:
+        if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1:
+            raise ValueError(f"{op}: attn_mask must be a bool [B|1, 1, S|1, T] mask, got {attn_mask.dtype} "
+                             f"{tuple(attn_mask.shape)}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (B, 1, S, T))
+        except RuntimeError:
+            raise ValueError(f"{op}: attn_mask {tuple(attn_mask.shape)} does not broadcast to {(B, 1, S, T)}") from None
+    if not math.isfinite(scale):
+        raise ValueError(f"{op}: scale must be finite, got {scale}")
+    for t in (latent, rope, kv_b_weight, idx) + ((attn_mask,) if attn_mask is not None else ()):
+        if t.device != q.device:
+            raise ValueError(f"{op}: all inputs must be on {q.device}, found {t.device}")
+
+
+def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int, causal: bool) -> torch.Tensor:
+    """The keys HF's scatter mask lets through: each selected index once, allowed by the bool mask (and, with
+    `causal`, at most `s + T - S`); everything else (repeats, masked keys, indices outside [0, T)) becomes -1."""
+    keys = idx.long()
+    limit = T
+    if causal:
+        S = idx.shape[1]
+        limit = torch.arange(T - S + 1, T + 1, device=idx.device).view(1, S, 1)
+    keys = torch.where((keys >= 0) & (keys < limit), keys, -1)
+    if attn_mask is not None:
+        B, S = idx.shape[:2]
+        allowed = attn_mask.expand(B, 1, S, T)[:, 0].gather(-1, keys.clamp_min(0))
+        keys = torch.where(allowed, keys, -1)
+    keys = keys.sort(dim=-1).values
+    repeat = torch.cat([torch.zeros_like(keys[..., :1], dtype=torch.bool), keys[..., 1:] == keys[..., :-1]], dim=-1)
+    return keys.masked_fill(repeat, -1)
+
+
+def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal, attend):
+    B, H, S, D = q.shape
+    T, C = latent.shape[2], latent.shape[3]
+    heads = kv_b_weight.view(H, -1, C)
+    w_key, w_value = heads[:, :nope_dim], heads[:, nope_dim:]
+    q_nope, q_rope = q.split([nope_dim, D - nope_dim], dim=-1)
+    q_latent = torch.einsum("bhsd,hdc->bshc", q_nope.float(), w_key.float()).to(q.dtype)
+    keys = _distinct_allowed_keys(idx, attn_mask, T, causal)
+    out_latent = attend(q_latent, q_rope.transpose(1, 2), latent.reshape(B, T, C), rope.reshape(B, T, -1), keys, scale)
+    out = torch.einsum("bshc,hec->bhse", out_latent.float(), w_value.float()).to(q.dtype)
+    has_key = (keys >= 0).any(dim=-1)[:, None, :, None]
+    return torch.where(has_key, out, torch.zeros_like(out)).contiguous()
+
+
+def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False):
+    """What HF `DeepseekV32Attention` computes from its latent cache, in absorbed form.
+
+    HF expands every cached latent through `kv_b_proj` (`k_nope | v` per head), appends the shared
+    rope key, and attends over the keys its scatter mask selects. Folding `kv_b_proj` into the query
+    (`q_nope @ W_k`) and the output (`(P @ latent) @ W_v^T`) gives the same sums in another order, with
+    work proportional to the K selected keys instead of the T cached ones. Roundings that differ from
+    HF: the absorbed query and the latent output are rounded to q's dtype (HF rounds the expanded K
+    and V instead); exact up to summation order in fp32. `causal` adds the bottom-right aligned causal
+    mask (key t allowed iff t <= s + T - S). Rows with no allowed key return 0 (SDPA's bool-mask result).
+    """
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
+    _check_index_range(idx, latent.shape[2], False, "absorbed_mla_attention")
+    return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
+                               sparse_mla_attention_math)
+
+
+@torch.library.custom_op("dsfuse::absorbed_mla_attention", mutates_args=())
+def absorbed_mla_attention(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    rope: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    idx: torch.Tensor,
+    attn_mask: Optional[torch.Tensor],
+    scale: float,
+    nope_dim: int,
+    causal: bool = False,
+) -> torch.Tensor:
+    """HF latent-cache sparse attention in absorbed form; the default (CPU) implementation is the reference."""
+    return absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
+
+
+@absorbed_mla_attention.register_fake
+def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False):
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
+    H = q.shape[1]
+    return q.new_empty((*q.shape[:3], kv_b_weight.shape[0] // H - nope_dim))
+
+
+@absorbed_mla_attention.register_kernel("cuda")
+def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False):
+    return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
+                               sparse_mla_attention_triton)

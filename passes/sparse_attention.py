@@ -34,7 +34,7 @@ import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfus
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import CONVERT, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg, shape
+from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg, shape
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -43,6 +43,9 @@ ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Inductor rewrites amax / sub / exp / sum into this on CUDA before dsfuse's passes run.
 PREPARE_SOFTMAX_ONLINE = torch.ops.prims.prepare_softmax_online.default
 INDEX_DTYPES = (torch.int32, torch.int64)
+# Up to this many queries per step (decode, speculative steps) attention over HF's latent cache is rewritten
+# into the absorbed form: it does O(K) work per query instead of expanding all T cached latents each step.
+ABSORB_MAX_QUERIES = 64
 WHERE = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 # Fused SDPA ops and the name of their mask argument (flash takes none, so never carries a selection).
 FUSED_SDPA = {
@@ -421,7 +424,93 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
     if comb.get("bias") == "finite" and not causal:
         raise NoMatch("the bool mask becomes a finite bias (cuDNN SDPA), which averages all keys in a fully masked "
                       "row where the fused op returns 0; only a plain causal mask (no fully masked row) is fused")
-    return dict(att, idx=idx, comb=comb, causal=causal)
+    found = dict(att, idx=idx, comb=comb, causal=causal)
+    if isinstance(S, int) and S <= ABSORB_MAX_QUERIES:
+        try:
+            found["absorbed"] = _latent_cache_source(found)
+        except NoMatch as why:
+            if why.reported:
+                found["absorb_refused"] = why.reason
+    return found
+
+
+def _copied_into(scatter: torch.fx.Node, start: int, end: int | None) -> torch.fx.Node | None:
+    """The source of `slice_scatter(base, copy(slice(base), src), -1, start, end)` (`end=None`: to the
+    end of the dim), else None."""
+    if not is_op(scatter, aten.slice_scatter.default):
+        return None
+    _, src, dim, lo, hi = (list(scatter.args) + [0, None, None])[:5]
+    to_end = hi is None or isinstance(hi, int) and hi >= 2**62
+    if dim not in (-1, 3) or (lo or 0) != start or (to_end if end is not None else not to_end) \
+            or (end is not None and hi != end):
+        return None
+    return src.args[1] if is_op(src, aten.copy.default) else src
+
+
+def _key_parts(k: torch.fx.Node, D: int) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(per-head nope part, shared rope part) of a key built as HF `expand_kv` does: two slice copies
+    into an empty tensor (or a `cat` on the last dim)."""
+    if is_op(k, aten.cat.default) and len(k.args[0]) == 2 and (k.args[1] if len(k.args) > 1 else 0) in (-1, 3):
+        return k.args[0][0], k.args[0][1]
+    outer = k
+    if not is_op(outer, aten.slice_scatter.default) or not is_op(outer.args[0], aten.slice_scatter.default):
+        raise NoMatch("keys are not written as [nope | rope] slices", reported=False)
+    inner = outer.args[0]
+    nope_dim = inner.args[4] if len(inner.args) > 4 else None
+    if not isinstance(nope_dim, int) or not 0 < nope_dim < D:
+        raise NoMatch("keys are not written as [nope | rope] slices", reported=False)
+    nope, rope = _copied_into(inner, 0, nope_dim), _copied_into(outer, nope_dim, None)
+    if nope is None or rope is None or not is_op(inner.args[0], aten.empty.memory_format):
+        raise NoMatch("keys are not written as [nope | rope] slices of a fresh tensor", reported=False)
+    return nope, rope
+
+
+def _latent_cache_source(m: dict) -> dict:
+    """`kv_b_proj(latent)` split into per-head k_nope and v, and a rope key shared by all heads: the
+    attention can read the latent cache directly in absorbed form."""
+    q, k, v = m["q"], m["k"], m["v"]
+    B, H, S, D = shape(q)
+    T = shape(k)[2]
+    nope, rope_keys = _key_parts(k, D)
+    if m["comb"]["kind"] != "bool" and not m["causal"]:
+        raise NoMatch("additive attention mask")
+    if not m["causal"] and not same_size(shape(m["comb"]["attn_mask"])[1], 1):
+        raise NoMatch("per-head attention mask")
+    if not (is_op(nope, operator.getitem) and nope.args[1] == 0 and is_op(v, operator.getitem) and v.args[1] == 1
+            and nope.args[0] is v.args[0] and is_op(nope.args[0], aten.split_with_sizes.default)):
+        raise NoMatch("k_nope and v are not the two parts of one projection")
+    split = nope.args[0]
+    nope_dim, v_dim = split.args[1]
+    if (split.args[2] if len(split.args) > 2 else 0) not in (-1, 3) or shape(nope)[-1] != nope_dim:
+        raise NoMatch("k_nope and v are not split on the head dim")
+    heads = split.args[0]
+    if not (is_op(heads, aten.permute.default) and list(heads.args[1]) == [0, 2, 1, 3]):
+        raise NoMatch("the projection is not transposed to [B, H, T, nope + v]")
+    node = heads.args[0]
+    if not same_shape(shape(node), (B, T, H, nope_dim + v_dim)):
+        raise NoMatch(f"the projection is not viewed as [B, T, H, nope + v], got {shape(node)}")
+    while is_op(node, *VIEW_OPS):
+        node = node.args[0]
+    if not is_op(node, aten.mm.default) or not same_shape(shape(node), (B * T, H * (nope_dim + v_dim))):
+        raise NoMatch("the per-head keys and values are not one latent @ kv_b_proj.T product")
+    flat, weight_t = node.args
+    if not (is_op(weight_t, aten.permute.default) and list(weight_t.args[1]) == [1, 0]):
+        raise NoMatch("kv_b_proj's weight is not used transposed")
+    weight = weight_t.args[0]
+    C = shape(weight)[1]
+    latent = flat
+    while is_op(latent, *VIEW_OPS) and not same_shape(shape(latent), (B, 1, T, C)):
+        latent = latent.args[0]
+    if not same_shape(shape(latent), (B, 1, T, C)):
+        raise NoMatch(f"the latents are not viewed as [B, 1, T, C], got {shape(latent)}")
+    if not is_op(rope_keys, aten.expand.default):
+        raise NoMatch("the rope key is not one tensor expanded over the heads")
+    rope = rope_keys.args[0]
+    if not same_shape(shape(rope), (B, 1, T, D - nope_dim)):
+        raise NoMatch(f"the shared rope key is not [B, 1, T, {D - nope_dim}], got {shape(rope)}")
+    if len({dtype(q), dtype(latent), dtype(rope), dtype(weight)}) != 1:
+        raise NoMatch("q, latent cache, rope key and kv_b_proj weight dtypes differ")
+    return dict(latent=latent, rope=rope, weight=weight, nope_dim=nope_dim)
 
 
 def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) -> bool:
@@ -543,8 +632,14 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     out, comb = m["out"], m["comb"]
     # A provably plain causal mask is applied in-kernel from positions instead of being read.
     attn_mask = None if m["causal"] else comb["attn_mask"]
-    fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
-                        (m["q"], m["k"], m["v"], m["idx"], attn_mask, m["scale"], m["causal"]))
+    absorbed = m.get("absorbed")
+    if absorbed is not None:
+        args = (m["q"], absorbed["latent"], absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
+                absorbed["nope_dim"], m["causal"])
+        fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
+    else:
+        fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
+                            (m["q"], m["k"], m["v"], m["idx"], attn_mask, m["scale"], m["causal"]))
     if dtype(out) != dtype(fused):
         fused = insert_call(graph, out, CONVERT, (fused, dtype(out)))
     out.replace_all_uses_with(fused)
@@ -555,8 +650,14 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
             graph.erase_node(getter)
         graph.erase_node(sdpa)
     mask_kind = "causal (from positions)" if m["causal"] else f"{comb['kind']} mask"
-    ctx.site(scatter, "dsfuse.sparse_attention_masked", [m["q"], m["k"], m["v"], m["idx"], attn_mask],
-             detail=f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}")
+    detail = f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}"
+    if absorbed is not None:
+        ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],
+                 absorbed["weight"], m["idx"], attn_mask], detail="absorbed from the latent cache, " + detail)
+        return
+    if "absorb_refused" in m:
+        detail += f"; not absorbed: {m['absorb_refused']}"
+    ctx.site(scatter, "dsfuse.sparse_attention_masked", [m["q"], m["k"], m["v"], m["idx"], attn_mask], detail=detail)
 
 
 # ---------------------------------------------------------------------------

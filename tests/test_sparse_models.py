@@ -1,17 +1,19 @@
 """`sparse_attention` on the tiny real models: one rewrite per layer, indices from the fused indexer or
-from a plain top-k, and parity with eager (four model compiles in all)."""
+from a plain top-k, absorbed reads of the latent cache in decode, and parity with eager."""
 
+import pytest
 import torch
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model
+from dsfuse.passes.sparse_attention import ABSORB_MAX_QUERIES
 
 SEQ = 20  # > index_topk (8), so the selection really drops keys
 
 
-def _hf_inputs(model):
-    ids = torch.randint(0, model.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    mask = torch.ones(2, SEQ, dtype=torch.long)
+def _hf_inputs(model, seq=SEQ):
+    ids = torch.randint(0, model.config.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, seq, dtype=torch.long)
     mask[1, :3] = 0  # left padding on the second row
     return ids, mask
 
@@ -20,9 +22,13 @@ def _sparse_sites():
     return [s for s in dsfuse.report().sites if s.pass_name == "sparse_attention"]
 
 
-def test_hf_tiny_sdpa_fp32_uses_fused_indexer_indices():
+@pytest.mark.parametrize("seq, op", [(SEQ, "dsfuse.absorbed_mla_attention"),
+                                     (ABSORB_MAX_QUERIES + 8, "dsfuse.sparse_attention_masked")])
+def test_hf_tiny_sdpa_fp32_uses_fused_indexer_indices(seq, op):
+    """Up to ABSORB_MAX_QUERIES static queries read the latents in absorbed form, longer ones the per-head
+    keys; the left padding's bool mask goes with both."""
     model = build_hf_model("tiny", attn_implementation="sdpa")
-    ids, mask = _hf_inputs(model)
+    ids, mask = _hf_inputs(model, seq)
     with torch.no_grad():
         expected = model(input_ids=ids, attention_mask=mask).logits
         out = torch.compile(model, backend="dsfuse")(input_ids=ids, attention_mask=mask).logits
@@ -30,11 +36,38 @@ def test_hf_tiny_sdpa_fp32_uses_fused_indexer_indices():
     layers = model.config.num_hidden_layers
     assert rep.counts["indexer_topk"] == layers and rep.counts["sparse_attention"] == layers, str(rep)
     assert [m for m in rep.near_misses if m.pass_name == "sparse_attention"] == [], str(rep)
+    index_input = 4 if op == "dsfuse.absorbed_mla_attention" else 3
     for site in _sparse_sites():
-        assert site.op == "dsfuse.sparse_attention_masked"
-        assert site.detail.startswith("decomposed SDPA, bool mask, K=8"), site.detail
-        assert site.inputs[3].startswith("indexer_topk") and ":int32[2x20x8]" in site.inputs[3], site.inputs
+        assert site.op == op
+        assert "decomposed SDPA, bool mask, K=8" in site.detail, site.detail
+        assert site.inputs[index_input].startswith("indexer_topk"), site.inputs
+        assert f":int32[2x{seq}x8]" in site.inputs[index_input], site.inputs
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_tiny_decode_reads_the_latent_cache_absorbed():
+    """Decode steps with a KV cache: HF would expand all cached latents through kv_b_proj at every step;
+    dsfuse attends over the selected latents in absorbed form, also once the cache length is dynamic."""
+    from transformers import DynamicCache
+
+    model = build_hf_model("tiny", attn_implementation="sdpa")
+    ids, _ = _hf_inputs(model, SEQ)
+    compiled = torch.compile(model, backend="dsfuse")
+    eager_cache, fused_cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, past_key_values=eager_cache, use_cache=True)
+        model(ids, past_key_values=fused_cache, use_cache=True)
+        token = ids[:, -1:]
+        for _ in range(3):
+            expected = model(token, past_key_values=eager_cache, use_cache=True).logits
+            out = compiled(token, past_key_values=fused_cache, use_cache=True).logits
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+            token = expected.argmax(-1)
+    rep = dsfuse.report()
+    layers = model.config.num_hidden_layers
+    assert len(rep.graphs) == 2, str(rep)  # the second length marks the cache length dynamic; the third reuses it
+    assert rep.counts["sparse_attention"] == 2 * layers, str(rep)
+    assert {s.op for s in _sparse_sites()} == {"dsfuse.absorbed_mla_attention"}, str(rep)
 
 
 def test_hf_tiny_eager_fp32_with_plain_topk(monkeypatch):

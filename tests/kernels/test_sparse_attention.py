@@ -385,6 +385,92 @@ def test_masked_bad_inputs_raise():
         op(q, k, v, idx[..., :0], None, 1.0, False)
 
 
+# --------------------------------------------------------------------------- absorbed (HF latent cache)
+
+NOPE, ROPE, VDIM, LATENT = 16, 8, 12, 32
+
+
+def _absorbed_inputs(B, H, S, T, K, dtype, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, NOPE + ROPE, generator=g).to(dtype)
+    latent = torch.randn(B, 1, T, LATENT, generator=g).to(dtype)
+    rope = torch.randn(B, 1, T, ROPE, generator=g).to(dtype)
+    weight = (torch.randn(H * (NOPE + VDIM), LATENT, generator=g) / LATENT**0.5).to(dtype)
+    idx = torch.stack([torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(S)]) for _ in range(B)])
+    return [t.to(device) for t in (q, latent, rope, weight, idx)]
+
+
+def _hf_latent_attention(q, latent, rope, weight, idx, attn_mask, scale):
+    """HF `DeepseekV32Attention` from its latent cache: expand through kv_b_proj, scatter mask, SDPA."""
+    B, H, S, _ = q.shape
+    T = latent.shape[2]
+    kv = F.linear(latent, weight).view(B, T, H, NOPE + VDIM).transpose(1, 2)
+    k_nope, v = kv.split([NOPE, VDIM], dim=-1)
+    k = torch.cat([k_nope, rope.expand(-1, H, -1, -1)], dim=-1)
+    unselected = torch.ones(B, S, T, dtype=torch.bool).scatter(-1, idx.long(), False).unsqueeze(1)
+    keep = ~unselected if attn_mask is None else attn_mask & ~unselected
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "causal"])
+def test_absorbed_reference_is_hf_latent_attention_fp32(mask_kind):
+    B, S, T = 2, 3, 40
+    q, latent, rope, weight, idx = _absorbed_inputs(B, 3, S, T, 9, torch.float32, device="cpu")
+    idx[0, 1, :3] = idx[0, 1, 3]  # repeated indices select a key once, as HF's scatter does
+    mask, hf_mask = None, None
+    if mask_kind == "padding":
+        mask = torch.ones(B, 1, 1, T, dtype=torch.bool)
+        mask[1, ..., :25] = False  # left padding of batch 1
+        mask[1, ..., 30:] = False
+        idx[1, 0] = torch.arange(9)  # this query sees no allowed key at all: SDPA's bool result is 0
+        hf_mask = mask
+    if mask_kind == "causal":
+        idx[:, :, 0] = T - 1  # the last key is in the future of every query but the last one
+        hf_mask = torch.ones(S, T, dtype=torch.bool).tril(T - S)[None, None]
+    out = sa.absorbed_mla_attention_reference(q, latent, rope, weight, idx, mask, 0.3, NOPE, mask_kind == "causal")
+    expected = _hf_latent_attention(q, latent, rope, weight, idx, hf_mask, 0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    if mask_kind == "padding":
+        assert out[1, :, 0].abs().max() == 0
+
+
+def test_absorbed_bf16_error_is_hf_bf16_error():
+    """The absorbed form rounds the absorbed query and the latent output where HF rounds the expanded K
+    and V: one rounding each, so its bf16 error against fp32 matches HF's own bf16 error."""
+    q, latent, rope, weight, idx = _absorbed_inputs(2, 8, 1, 300, 64, torch.float32, device="cpu")
+    expected = _hf_latent_attention(q, latent, rope, weight, idx, None, 0.2)
+    half = [t.bfloat16() for t in (q, latent, rope, weight)]
+    hf_err = _rel_err(_hf_latent_attention(*half, idx, None, 0.2).float(), expected)
+    absorbed_err = _rel_err(sa.absorbed_mla_attention_reference(*half, idx, None, 0.2, NOPE).float(), expected)
+    assert absorbed_err <= 1.5 * hf_err, (absorbed_err, hf_err)
+
+
+def test_absorbed_kernel_path_half_precision():
+    q, latent, rope, weight, idx = _absorbed_inputs(2, 4, 1, 64, 16, HALF)
+    out = sa._absorbed_attention(q, latent, rope, weight, idx, None, 0.2, NOPE, False,
+                                 sa.sparse_mla_attention_triton)
+    ref = sa.absorbed_mla_attention_reference(*(t.cpu() for t in (q, latent, rope, weight, idx)), None, 0.2, NOPE)
+    hf = _hf_latent_attention(*(t.cpu().float() for t in (q, latent, rope, weight)), idx.cpu(), None, 0.2)
+    assert _rel_err(out.cpu(), ref) <= 2e-3
+    assert _rel_err(ref, hf) <= 2e-3
+
+
+def test_absorbed_op_opcheck_and_bad_inputs():
+    q, latent, rope, weight, idx = _absorbed_inputs(1, 2, 1, 20, 4, torch.float32, device="cpu")
+    mask = torch.ones(1, 1, 1, 20, dtype=torch.bool)
+    op = torch.ops.dsfuse.absorbed_mla_attention.default
+    torch.library.opcheck(op, (q, latent, rope, weight, idx, mask, 0.25, NOPE))
+    torch.library.opcheck(op, (q, latent, rope, weight, idx, None, 0.25, NOPE))
+    with pytest.raises(ValueError, match="attn_mask"):
+        op(q, latent, rope, weight, idx, torch.ones(1, 2, 1, 20, dtype=torch.bool), 0.25, NOPE)
+    with pytest.raises(ValueError, match="kv_b_weight"):
+        op(q, latent, rope, weight[:-1], idx, None, 0.25, NOPE)
+    with pytest.raises(TypeError, match="dtype"):
+        op(q, latent.double(), rope, weight, idx, None, 0.25, NOPE)
+    with pytest.raises(IndexError, match="outside"):
+        op(q, latent, rope, weight, idx + 20, None, 0.25, NOPE)
+
+
 # --------------------------------------------------------------------------- GPU
 
 
@@ -420,6 +506,26 @@ def test_masked_gpu_bf16_real_head_dims_and_cuda_graph(mask_kind):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, out)
+
+
+@pytest.mark.gpu
+def test_absorbed_gpu_bf16_real_dims_and_cuda_graph():
+    B, H, T, K, C = 2, 128, 3000, 512, 512
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, H, 1, 192, generator=g).to("cuda", torch.bfloat16)
+    latent = torch.randn(B, 1, T, C, generator=g).to("cuda", torch.bfloat16)
+    rope = torch.randn(B, 1, T, 64, generator=g).to("cuda", torch.bfloat16)
+    weight = (torch.randn(H * 256, C, generator=g) / C**0.5).to("cuda", torch.bfloat16)
+    idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B)])[:, None].to("cuda", torch.int32)
+    out = torch.ops.dsfuse.absorbed_mla_attention(q, latent, rope, weight, idx, None, 192**-0.5, 128)
+    ref = sa.absorbed_mla_attention_reference(q, latent, rope, weight, idx, None, 192**-0.5, 128)
+    assert _rel_err(out, ref) <= 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsfuse.absorbed_mla_attention(q, latent, rope, weight, idx, None, 192**-0.5, 128)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, out)
