@@ -62,21 +62,17 @@ def measure_ceilings():
     return mm_tflops, copy_tbps
 
 
-MLA_SWEEP = [
-    dict(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2),
-    dict(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=3),
+MLA_SWEEP = [  # the three best of the first H200 sweep (2026-11-29)
     dict(block_h=64, block_n=64, block_dv=512, num_warps=8, num_stages=2),
-    dict(block_h=64, block_n=64, block_dv=512, num_warps=8, num_stages=1),
+    dict(block_h=64, block_n=32, block_dv=512, num_warps=8, num_stages=2),
     dict(block_h=64, block_n=128, block_dv=512, num_warps=8, num_stages=1),
-    dict(block_h=64, block_n=16, block_dv=512, num_warps=8, num_stages=4),
-    dict(block_h=64, block_n=32, block_dv=256, num_warps=8, num_stages=2),
-    dict(block_h=64, block_n=32, block_dv=512, num_warps=4, num_stages=2),
-    dict(block_h=32, block_n=32, block_dv=512, num_warps=4, num_stages=3),
-    dict(block_h=128, block_n=32, block_dv=256, num_warps=8, num_stages=2),
 ]
+# Few-query decode: how many programs share one query's selected keys.
+SPLIT_SWEEP = [dict(block_h=64, block_n=64, block_dv=512, num_warps=8, num_stages=2, num_splits=n)
+               for n in (1, 4, 8, 16, 32)]
 
 
-def mla_case(name, B, S, H, T, K, mm_tflops, copy_tbps, with_inductor=True):
+def mla_case(name, B, S, H, T, K, mm_tflops, copy_tbps, with_inductor=True, sweep=MLA_SWEEP):
     Dc, Dr = 512, 64
     log(f"{name}: B{B} S{S} H{H} T{T} K{K}")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -98,7 +94,7 @@ def mla_case(name, B, S, H, T, K, mm_tflops, copy_tbps, with_inductor=True):
     ref = sa.sparse_mla_attention_math(*args)
     torch.cuda.synchronize()
     best = None
-    for cfg in MLA_SWEEP:
+    for cfg in sweep:
         entry = dict(cfg)
         try:
             out = sa.sparse_mla_attention_triton(*args, **cfg)
@@ -129,7 +125,8 @@ def mla_case(name, B, S, H, T, K, mm_tflops, copy_tbps, with_inductor=True):
     if best is not None:
         case["best"] = best
         ROWS.append((name, "dsfuse (best swept)", best["ms"], best["tflops"],
-                     f"h{best['block_h']} n{best['block_n']} dv{best['block_dv']} w{best['num_warps']} s{best['num_stages']}"))
+                     f"h{best['block_h']} n{best['block_n']} dv{best['block_dv']} w{best['num_warps']} "
+                     f"s{best['num_stages']} splits {best.get('num_splits', 'auto')}"))
     save()
 
     eager_ms = bench(lambda: sa.sparse_mla_attention_math(*args), rep=50)
@@ -278,6 +275,8 @@ def main():
     sections = [
         lambda: mla_case("mla_prefill", 1, 4096, 128, 65536, 2048, mm_tflops, copy_tbps),
         lambda: mla_case("mla_decode", 64, 1, 128, 32768, 2048, mm_tflops, copy_tbps),
+        lambda: mla_case("mla_decode_b1", 1, 1, 128, 32768, 2048, mm_tflops, copy_tbps, False, SPLIT_SWEEP),
+        lambda: mla_case("mla_decode_b8", 8, 1, 128, 32768, 2048, mm_tflops, copy_tbps, False, SPLIT_SWEEP),
         lambda: masked_case("masked_prefill", 1, 8192, 128, 8192, 2048, mm_tflops),
         lambda: official_baseline("mla_prefill", 1, 4096, 128, 65536, 2048),
     ]

@@ -137,24 +137,28 @@ def sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale, sink=None):
 
 @triton.jit(do_not_specialize=["S"])
 def _sparse_mla_kernel(
-    q_nope_ptr, q_pe_ptr, kv_ptr, pe_ptr, idx_ptr, sink_ptr, out_ptr,
+    q_nope_ptr, q_pe_ptr, kv_ptr, pe_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stats_ptr,
     stride_qn_b, stride_qn_s, stride_qn_h,
     stride_qp_b, stride_qp_s, stride_qp_h,
     stride_kv_b, stride_kv_t,
     stride_pe_b, stride_pe_t,
     stride_idx_b, stride_idx_s,
     stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, K, scale_log2e,
+    S, H, T, K, scale_log2e, split_len,
     DC: tl.constexpr, DR: tl.constexpr, DC_P: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
 ):
-    """One program: one query, BLOCK_H heads, BLOCK_DV output columns.  Heads sit on the
-    MMA M dimension; each selected key row is loaded once per program and serves as K
-    (scores) and V (output); online softmax in the log2 domain."""
-    pid_bs = tl.program_id(0)
+    """One program: one query, BLOCK_H heads, BLOCK_DV output columns, and one of NUM_SPLITS
+    ranges of the selected keys.  Heads sit on the MMA M dimension; each selected key row is
+    loaded once per program and serves as K (scores) and V (output); online softmax in the log2
+    domain.  With several splits (decode: few queries would leave most SMs idle) each program
+    stores its unnormalised fp32 partial output and (max, sum) for `_mla_split_combine_kernel`."""
+    pid_bss = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
+    pid_bs = pid_bss // NUM_SPLITS
+    split = pid_bss % NUM_SPLITS
     b = pid_bs // S
     s = pid_bs % S
     b64 = b.to(tl.int64)
@@ -183,9 +187,11 @@ def _sparse_mla_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in range(0, K, BLOCK_N):
+    key_lo = split * split_len
+    key_hi = tl.minimum(key_lo + split_len, K)
+    for start in range(key_lo, key_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        ids = tl.load(idx_base + offs_n, mask=offs_n < K, other=-1).to(tl.int64)
+        ids = tl.load(idx_base + offs_n, mask=offs_n < key_hi, other=-1).to(tl.int64)
         valid = (ids >= 0) & (ids < T)
         rows = tl.where(valid, ids, 0)
         if DC == DC_P:
@@ -215,13 +221,61 @@ def _sparse_mla_kernel(
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    denom = l_i
+    if NUM_SPLITS > 1:
+        row = pid_bss.to(tl.int64) * H + offs_h  # [B*S, NUM_SPLITS, H] rows
+        tl.store(part_ptr + row[:, None] * DC + offs_v[None, :], acc, mask=h_ok[:, None] & v_ok[None, :])
+        if pid_v == 0:
+            tl.store(stats_ptr + row * 2, m_i, mask=h_ok)
+            tl.store(stats_ptr + row * 2 + 1, l_i, mask=h_ok)
+    else:
+        denom = l_i
+        if HAS_SINK:
+            sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
+        out = acc / denom[:, None]
+        o_base = out_ptr + b64 * stride_o_b + s64 * stride_o_s
+        tl.store(o_base + offs_h[:, None] * stride_o_h + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=h_ok[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _mla_split_combine_kernel(
+    part_ptr, stats_ptr, sink_ptr, out_ptr,
+    stride_o_b, stride_o_s, stride_o_h,
+    S, H,
+    DC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    """Merge the splits of one query: rescale each partial output to the common max, divide by the
+    total sum (plus the sink), round once to the output dtype."""
+    pid_bs = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_v = tl.program_id(2)
+    b = (pid_bs // S).to(tl.int64)
+    s = (pid_bs % S).to(tl.int64)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_v = pid_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    h_ok = offs_h < H
+    v_ok = offs_v < DC
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for split in range(NUM_SPLITS):
+        row = (pid_bs.to(tl.int64) * NUM_SPLITS + split) * H + offs_h
+        m = tl.maximum(m, tl.load(stats_ptr + row * 2, mask=h_ok, other=float("-inf")))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for split in range(NUM_SPLITS):
+        row = (pid_bs.to(tl.int64) * NUM_SPLITS + split) * H + offs_h
+        weight = tl.exp2(tl.load(stats_ptr + row * 2, mask=h_ok, other=float("-inf")) - m_use)
+        denom += weight * tl.load(stats_ptr + row * 2 + 1, mask=h_ok, other=0.0)
+        part = tl.load(part_ptr + row[:, None] * DC + offs_v[None, :], mask=h_ok[:, None] & v_ok[None, :], other=0.0)
+        acc += weight[:, None] * part
     if HAS_SINK:
         sink = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
-        m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
         denom = denom + tl.exp2(sink * 1.4426950408889634 - m_use)
     out = acc / denom[:, None]
-    o_base = out_ptr + b64 * stride_o_b + s64 * stride_o_s
+    o_base = out_ptr + b * stride_o_b + s * stride_o_s
     tl.store(o_base + offs_h[:, None] * stride_o_h + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & v_ok[None, :])
 
@@ -234,6 +288,15 @@ def sparse_mla_default_config(S: int, H: int, Dc: int) -> dict:
     dc_p = triton.next_power_of_2(Dc)
     return {"block_h": block_h, "block_n": 64, "block_dv": max(16, dc_p),
             "num_warps": 8 if block_h * dc_p >= 64 * 256 else 4, "num_stages": 2}
+
+
+def sparse_mla_num_splits(queries: int, head_blocks: int, K: int, block_n: int, sms: int = 132) -> int:
+    """Key splits per query so that few queries (decode) still give every SM a program: none once the
+    queries alone fill half the SMs, else up to one split per 128 selected keys."""
+    programs = queries * head_blocks
+    if 2 * programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(K, max(128, block_n)), triton.cdiv(sms, programs)))
 
 
 def sparse_mla_attention_triton(
@@ -250,6 +313,7 @@ def sparse_mla_attention_triton(
     block_dv: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    num_splits: Optional[int] = None,
 ) -> torch.Tensor:
     """Launch the fused kernel (CUDA, or CPU tensors under TRITON_INTERPRET).  No host
     sync, output shape depends only on input shapes."""
@@ -268,22 +332,40 @@ def sparse_mla_attention_triton(
     out = torch.empty((B, S, H, Dc), dtype=q_nope.dtype, device=q_nope.device)
     if out.numel() == 0:
         return out
-    grid = (B * S, triton.cdiv(H, cfg["block_h"]), triton.cdiv(dc_p, cfg["block_dv"]))
+    head_blocks = triton.cdiv(H, cfg["block_h"])
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 132
+        num_splits = sparse_mla_num_splits(B * S, head_blocks, K, cfg["block_n"], sms)
+    split_len = triton.cdiv(triton.cdiv(K, num_splits), cfg["block_n"]) * cfg["block_n"]
+    num_splits = triton.cdiv(K, split_len)
+    if num_splits > 1:
+        part = torch.empty((B * S * num_splits * H, Dc), dtype=torch.float32, device=out.device)
+        stats = torch.empty((B * S * num_splits * H, 2), dtype=torch.float32, device=out.device)
+    else:
+        part = stats = out  # never touched with one split
+    grid = (B * S * num_splits, head_blocks, triton.cdiv(dc_p, cfg["block_dv"]))
     sink_arg = sink if sink is not None else q_nope  # never read when HAS_SINK is False
     _sparse_mla_kernel[grid](
-        q_nope, q_pe, kv, pe, idx, sink_arg, out,
+        q_nope, q_pe, kv, pe, idx, sink_arg, out, part, stats,
         q_nope.stride(0), q_nope.stride(1), q_nope.stride(2),
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), kv.stride(1),
         pe.stride(0), pe.stride(1),
         idx.stride(0), idx.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, K, float(scale) * LOG2E,
+        S, H, T, K, float(scale) * LOG2E, split_len,
         DC=Dc, DR=Dr, DC_P=max(16, dc_p), DR_P=dr_p,
         BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_DV=cfg["block_dv"],
-        HAS_SINK=sink is not None, DOT_PRECISION=_dot_precision(q_nope.dtype),
+        HAS_SINK=sink is not None, DOT_PRECISION=_dot_precision(q_nope.dtype), NUM_SPLITS=num_splits,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if num_splits > 1:
+        combine_dv = min(128, max(16, dc_p))
+        _mla_split_combine_kernel[(B * S, head_blocks, triton.cdiv(dc_p, combine_dv))](
+            part, stats, sink_arg, out, out.stride(0), out.stride(1), out.stride(2), S, H,
+            DC=Dc, BLOCK_H=cfg["block_h"], BLOCK_DV=combine_dv, NUM_SPLITS=num_splits, HAS_SINK=sink is not None,
+            num_warps=4,
+        )
     return out
 
 

@@ -76,6 +76,22 @@ def test_mla_kernel_launch_variants(block_h, block_n, block_dv):
     assert _rel_err(out, ref) <= 1e-5
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("with_sink", [False, True])
+def test_mla_kernel_key_splits(num_splits, with_sink):
+    """Decode splits the selected keys across programs and merges them: same result for any split count,
+    including splits whose keys are all -1 and a row with no key at all."""
+    q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(1, 2, 20, 32, 16, 300, 90, torch.float32)
+    idx[0, 0, :40] = -1  # the first splits of this row have no key
+    idx[0, 1] = -1  # no key at all: NaN without a sink, 0 with one
+    sink = sink if with_sink else None
+    out = sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.2, sink, block_h=16, block_n=16,
+                                         num_splits=num_splits)
+    ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.2, sink)
+    assert _rel_err(out, ref) <= 1e-5
+    assert sa.sparse_mla_num_splits(1, 2, 2048, 64) == 16 and sa.sparse_mla_num_splits(64, 2, 2048, 64) == 1
+
+
 @pytest.mark.parametrize("with_sink", [False, True])
 def test_mla_kernel_half_precision(with_sink):
     q_nope, q_pe, kv, pe, idx, sink = _mla_inputs(2, 4, 8, 32, 16, 48, 19, HALF)
