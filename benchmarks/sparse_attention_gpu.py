@@ -199,6 +199,12 @@ def masked_case(name, B, S, H, T, K, mm_tflops):
                      f"m{best['block_m']} n{best['block_n']} w{best['num_warps']} s{best['num_stages']}"))
     default_ms = bench(lambda: torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, None, scale, True))
     ROWS.append((name, "dsfuse causal flag (default)", default_ms, flops_causal / default_ms / 1e9, ""))
+    # In the HF model V is a strided view: kv_b_proj's [B*T, H*(128+128)] output split per head.
+    v_hf = torch.empty(B, T, H, 2 * Dv, device="cuda", dtype=torch.bfloat16)[..., Dv:].transpose(1, 2)
+    v_hf.copy_(v)
+    hf_layout_ms = bench(lambda: torch.ops.dsfuse.sparse_attention_masked(q, k, v_hf, idx, None, scale, True))
+    case["default_hf_v_layout_ms"] = hf_layout_ms
+    ROWS.append((name, "dsfuse causal flag, HF's V view", hf_layout_ms, flops_causal / hf_layout_ms / 1e9, ""))
     out_mask = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, scale, False)
     case["bool_mask_rel_err"] = rel_err(out_mask, ref)
     mask_ms = bench(lambda: torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, scale, False))
