@@ -1,12 +1,21 @@
-"""H200 check + benchmark of the fused indexer top-k against eager and Inductor, in one process.
+"""H200 check + benchmark of the fused indexer top-k: exactness, whole-op time, per-kernel breakdown.
 
-Checks the Triton op against the reference at real shapes (fresh random data), then times with
-`triton.testing.do_bench` (median): the reference eagerly, under `torch.compile` (default), and the
-fused op (a small config sweep; the default config is what users get). Prints a table (ms, TFLOP/s
-counting causal FLOPs, % of a bf16 matmul measured in the same run) and writes
-`$OUT/indexer_topk.json` when `OUT` is set.
+One process, <= 90 s. For each shape: the default op (autotuned filter kernel) is checked against the
+reference (bad rows = rows whose selected scores differ from the reference top-k scores), timed
+(`do_bench` median, and under a CUDA graph for decode), and split into its kernels with the profiler:
+row ranges, sample pass, threshold, filter, select, repair. A few variants of the filter kernel run with
+the tiles the autotuner picked, to separate its costs:
+
+  store_append  candidates written by `tl.store` (layout conversions through shared memory)
+  tree_head_sum head sum by `tl.sum` instead of the FFMA chain
+  no_append     the filter kernel without its candidate writes (scores + epilogue + counts only;
+                the op's output is garbage then, so only its filter-kernel time is reported)
+  fused_select  the select run by each filter program on its own rows (no select launch)
+
+Prints a compact table (the last lines) and writes `$OUT/indexer_topk.json`.
 """
 
+import functools
 import json
 import os
 import time
@@ -14,85 +23,73 @@ import traceback
 
 import torch
 import triton
-from dsfuse.kernels.indexer_topk import (
-    default_config,
-    flops,
-    indexer_topk_reference,
-    indexer_topk_triton,
-    tuned_configs,
-)
+from dsfuse.kernels.indexer_topk import flops, indexer_topk_triton, tuned_configs
 from triton.testing import do_bench, do_bench_cudagraph
 
 START = time.time()
-COMPILE_BUDGET_S = 230  # skip torch.compile timings once this much wall time has passed
+BUDGET_S = 70  # variants still pending past this wall time are skipped (and listed in the JSON)
 DEV = "cuda"
 RESULTS = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shapes": []}
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shapes": [], "skipped": [], "errors": []}
+KERNELS = {"_row_range_kernel": "ranges", "_sample_threshold_kernel": "threshold", "_score_filter_kernel": "filter",
+           "_select_kernel": "select", "_repair_kernel": "repair"}
 
 
-def median_ms(fn, rep=200):
-    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+def elapsed():
+    return time.time() - START
 
 
 def save():
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        with open(os.path.join(out_dir, "indexer_topk.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "indexer_topk.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+
+
+def median_ms(fn, rep=100):
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def bf16_peak_tflops():
     a = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device=DEV, dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ b)
-    return 2 * 8192 ** 3 / ms / 1e9
+    return 2 * 8192 ** 3 / median_ms(lambda: a @ b) / 1e9
 
 
-def make_case(B, S, T, H, D, fp8, seed):
+def make_case(B, S, T, H, D, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    q = torch.randn(B, S, H, D, device=DEV, generator=g)
-    k = torch.randn(B, T, D, device=DEV, generator=g)
+    q = torch.randn(B, S, H, D, device=DEV, generator=g).bfloat16()
+    k = torch.randn(B, T, D, device=DEV, generator=g).bfloat16()
     weights = torch.randn(B, S, H, device=DEV, generator=g) * H ** -0.5
-    if fp8:
-        q, k = (q * 8).to(torch.float8_e4m3fn), (k * 8).to(torch.float8_e4m3fn)
-        k_scale = torch.rand(B, T, device=DEV, generator=g) + 0.5
-    else:
-        q, k, k_scale = q.bfloat16(), k.bfloat16(), None
     causal = torch.arange(T, device=DEV)[None, :] <= torch.arange(S, device=DEV)[:, None] + (T - S)
     mask = causal[None, None].expand(B, 1, S, T)[:, 0]  # HF passes attention_mask[:, 0] of a [B,1,S,T] mask
-    return q, k, weights, k_scale, mask, D ** -0.5
+    return q, k, weights, mask, D ** -0.5
 
 
-def check_exact(out, q, k, weights, k_scale, mask, scale, topk, rows_per_chunk=256):
-    """Per row: indices in range, distinct, and their reference scores equal the reference top-k scores."""
+def bad_rows(out, q, k, weights, mask, scale, topk, rows_per_chunk=256):
+    """Rows with an index out of range, a duplicate, or selected scores != the reference top-k scores."""
     B, S = q.shape[:2]
     T = k.shape[1]
     width = min(topk, T)
-    worst, bad_rows = 0.0, 0
     assert out.shape == (B, S, width) and out.dtype == torch.int32
+    bad = 0
     for s0 in range(0, S, rows_per_chunk):
         s1 = min(S, s0 + rows_per_chunk)
         scores = torch.relu(torch.matmul(q[:, s0:s1].float(), k.float().transpose(-1, -2).unsqueeze(1)) * scale)
         index = torch.matmul(weights[:, s0:s1].unsqueeze(-2), scores).squeeze(-2)
         del scores
-        if k_scale is not None:
-            index = index * k_scale.unsqueeze(1)
         index = index.masked_fill(~mask[:, s0:s1], float("-inf"))
         got_idx = out[:, s0:s1].long()
         in_range = (got_idx >= 0) & (got_idx < T)
         dup = (got_idx.sort(dim=-1).values.diff(dim=-1) == 0).any(dim=-1)
         got = torch.gather(index, -1, got_idx.clamp(0, T - 1)).sort(dim=-1).values
         want = index.topk(width, dim=-1).values.sort(dim=-1).values
-        diff = (got - want).abs().nan_to_num(0.0)
         tol = 1e-5 + 1e-5 * want.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0)
-        row_bad = (~in_range).any(dim=-1) | dup | (diff > tol).any(dim=-1)
-        bad_rows += int(row_bad.sum())
-        worst = max(worst, float(diff.max()))
-    return bad_rows, worst
+        diff = (got - want).abs().nan_to_num(0.0)
+        bad += int(((~in_range).any(dim=-1) | dup | (diff > tol).any(dim=-1)).sum())
+    return bad
 
 
-def kernel_breakdown_us(fn, iters=5):
-    """GPU time per kernel name (microseconds per call), from the profiler."""
+def kernel_us(fn, iters=5):
+    """GPU microseconds per call for each of the op's kernels (same-named launches summed)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -102,129 +99,136 @@ def kernel_breakdown_us(fn, iters=5):
     totals = {}
     for evt in prof.key_averages():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
-            totals[evt.key[:60]] = round(evt.device_time_total / iters, 1)
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+            name = next((short for full, short in KERNELS.items() if full in evt.key), "other")
+            totals[name] = round(totals.get(name, 0.0) + evt.device_time_total / iters, 1)
+    return totals
 
 
-def run_shape(label, B, S, T, H, D, topk, fp8, peak, sweep, seed):
-    q, k, weights, k_scale, mask, scale = make_case(B, S, T, H, D, fp8, seed)
-    work = flops(B, S, T, H, D, causal_offset=T - S)
-    row = {"label": label, "B": B, "S": S, "T": T, "H": H, "D": D, "topk": topk, "dtype": "fp8_e4m3" if fp8 else "bf16",
-           "causal_gflop": work / 1e9, "default_config": default_config(B, S, T, H, D, topk, q.dtype, q.device)}
+def breakdown(q, k, weights, mask, scale, topk, cfg, thr):
+    """Per-kernel µs; the filter and sample passes share a kernel name, so the filter kernel alone is
+    timed with the sampled thresholds passed in, and the sample pass is the difference."""
+    full = kernel_us(lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg))
+    fixed = kernel_us(lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg, threshold=thr))
+    out = dict(full)
+    out["filter"] = fixed.get("filter", 0.0)
+    out["sample_pass"] = round(full.get("filter", 0.0) - out["filter"], 1)
+    return out
 
-    stats = {}
-    fallback = None
+
+def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True, graph=False, filter_only=False):
+    if elapsed() > BUDGET_S:
+        RESULTS["skipped"].append(f"{row['label']}: {name}")
+        return None
+    rec = {"config": cfg}
     try:
-        out = indexer_topk_triton(q, k, weights, k_scale, mask, scale, topk, stats=stats)
+        stats = {}
+        out = indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg, stats=stats)
         torch.cuda.synchronize()
-    except Exception:  # the autotuned launch failed: measure the fixed default config instead, and say so
+        if check:
+            rec["bad_rows"] = bad_rows(out, q, k, weights, mask, scale, topk)
+            rec["repaired_rows"] = int(stats["repaired"].sum())
+            rec["mean_candidates"] = round(float(stats["candidates"].float().mean()), 1)
+        thr = stats["threshold"].reshape(q.shape[0], q.shape[1]).clone()
+        if not filter_only:
+            rec["ms"] = median_ms(lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg))
+            rec["tflops"] = row["causal_gflop"] / rec["ms"]
+            rec["pct_of_bf16_peak"] = 100 * rec["tflops"] / RESULTS["bf16_matmul_8192_tflops"]
+        if graph:
+            rec["graph_ms"] = do_bench_cudagraph(
+                lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg), rep=100,
+                return_mode="median")
+        rec["kernels_us"] = breakdown(q, k, weights, mask, scale, topk, cfg, thr)
+        if filter_only:
+            rec = {key: rec[key] for key in ("config", "kernels_us")}
+    except Exception as e:  # a variant that fails (compile, resources) is reported, not fatal
         traceback.print_exc()
-        fallback = sweep[0] if sweep else {"num_warps": 8}
-        row["autotune_failed_used_config"] = fallback
-        out = indexer_topk_triton(q, k, weights, k_scale, mask, scale, topk, stats=stats, config=fallback)
-        torch.cuda.synchronize()
-    row["repaired_rows"] = int(stats["repaired"].sum())
-    row["mean_candidates"] = float(stats["candidates"].float().mean())
-    row["bad_rows"], row["max_score_diff"] = check_exact(out, q, k, weights, k_scale, mask, scale, topk)
+        rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    row["variants"][name] = rec
+    save()
+    return rec
 
-    def ours(cfg=None):
-        return lambda: indexer_topk_triton(q, k, weights, k_scale, mask, scale, topk, config=cfg or fallback)
 
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    ours()()
-    torch.cuda.synchronize()
-    row["fused_peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+def prepare_shape(label, B, S, T, H, D, topk, seed, graph):
+    """Inputs of a shape and its default run; the row carries the tiles the autotuner picked."""
+    q, k, weights, mask, scale = make_case(B, S, T, H, D, seed)
+    row = {"label": label, "B": B, "S": S, "T": T, "H": H, "D": D, "topk": topk, "dtype": "bf16",
+           "causal_gflop": flops(B, S, T, H, D, causal_offset=T - S) / 1e9, "variants": {}, "picked_tiles": None}
+    RESULTS["shapes"].append(row)
+    # the default, or (if it fails to compile or run) the older filter variants, still autotuned
+    for name, base in (("default", {}), ("default_tree", {"head_sum": "tree"}),
+                       ("default_store_tree", {"append": "store", "head_sum": "tree"})):
+        before = tuned_configs()
+        default = run_variant(row, name, q, k, weights, mask, scale, topk, base or None, graph=graph)
+        row["autotune"] = {key: v for key, v in tuned_configs().items() if before.get(key) != v}
+        if default is None or "error" not in default:
+            break
+    if default is not None and "error" not in default:
+        row["picked_tiles"] = next(
+            (v for key, v in row["autotune"].items() if not key.startswith("last timings")), None)
+    return row, (q, k, weights, mask, scale, topk), graph
 
-    row["fused_ms"] = median_ms(ours())
-    row["tuned_configs"] = tuned_configs()
-    row["kernel_breakdown_us"] = kernel_breakdown_us(ours())
-    row["fused_cudagraph_ms"] = do_bench_cudagraph(ours(), rep=100, return_mode="median")
-    row["sweep"] = []
-    for cfg in sweep:
-        try:
-            ms = median_ms(ours(cfg))
-        except Exception as e:  # a config that does not fit (shared memory) is reported, not fatal
-            ms = None
-            cfg = {**cfg, "error": type(e).__name__}
-        row["sweep"].append({"config": cfg, "ms": ms})
-    thr = stats["threshold"].reshape(B, S).clone()  # the sampled thresholds, given: the op minus sampling
-    row["fused_fixed_threshold_ms"] = median_ms(
-        lambda: indexer_topk_triton(q, k, weights, k_scale, mask, scale, topk, threshold=thr, config=fallback))
 
-    if fp8:  # fp8 straight into the tensor cores: faster, but Hopper's fp8 MMA accumulates imprecisely
-        fast = indexer_topk_triton(q, k, weights, k_scale, mask, scale, topk, fp8_tensor_cores=True)
-        row["fp8_tensor_cores_bad_rows"], row["fp8_tensor_cores_max_score_diff"] = check_exact(
-            fast, q, k, weights, k_scale, mask, scale, topk)
-        row["fp8_tensor_cores_ms"] = median_ms(
-            lambda: indexer_topk_triton(q, k, weights, k_scale, mask, scale, topk, fp8_tensor_cores=True))
+def run_variants(prepared, variants):
+    """Filter-kernel variants at the tiles the autotuner picked for the default."""
+    row, args, graph = prepared
+    for name, extra in variants:
+        if row["picked_tiles"] is None:
+            RESULTS["skipped"].append(f"{row['label']}: {name} (no tuned default)")
+            continue
+        run_variant(row, name, *args, {**row["picked_tiles"], **extra}, graph=graph,
+                    check=extra.get("append") != "none", filter_only=extra.get("append") == "none")
 
-    ref_rep = 300 if work > 1e12 else 100
-    row["eager_ms"] = median_ms(lambda: indexer_topk_reference(q, k, weights, k_scale, mask, scale, topk), rep=ref_rep)
-    row["_inputs"] = (q, k, weights, k_scale, mask, scale, topk)
-    for key in ("fused_ms", "fused_cudagraph_ms", "eager_ms"):
-        row[key.replace("_ms", "_tflops")] = work / row[key] / 1e9
-    row["fused_pct_of_bf16_peak"] = 100 * work / row["fused_ms"] / 1e9 / peak
-    return row
+
+def fmt_field(rec, key, spec):
+    return format(rec[key], spec) if key in rec else "-"
 
 
 def main():
-    peak = bf16_peak_tflops()
-    RESULTS["bf16_matmul_8192_tflops"] = peak
-    print(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", flush=True)
-    prefill_sweep = [{"block_q": 4, "block_t": 128, "num_warps": 8, "num_stages": 3}]  # untuned, for reference
-    decode_sweep = [{"splits": 64, "block_q": 1, "block_t": 128, "num_warps": 4, "num_stages": 4}]
-    shapes = [
-        ("prefill S4096 T32768 bf16", 1, 4096, 32768, 64, 128, 2048, False, prefill_sweep),
-        ("prefill S4096 T32768 fp8", 1, 4096, 32768, 64, 128, 2048, True, prefill_sweep),
-        ("prefill S2048 T16384 bf16", 1, 2048, 16384, 64, 128, 2048, False, prefill_sweep),
-        ("decode B8 S1 T131072 bf16", 8, 1, 131072, 64, 128, 2048, False, decode_sweep),
+    RESULTS["bf16_matmul_8192_tflops"] = bf16_peak_tflops()
+    shapes = {  # label: (B, S, T, H, D, topk, seed, CUDA-graph timing too)
+        "prefill S4096 T32768": (1, 4096, 32768, 64, 128, 2048, 1, False),
+        "decode B8 S1 T131072": (8, 1, 131072, 64, 128, 2048, 2, True),
+        "prefill S2048 T16384": (1, 2048, 16384, 64, 128, 2048, 3, False),
+    }
+    plan = [  # in priority order: whatever is left at BUDGET_S is skipped
+        ("prefill S4096 T32768", [("fused_select", {"fuse_select": True}), ("store_append", {"append": "store"}),
+                                  ("no_append", {"append": "none"})]),
+        ("decode B8 S1 T131072", [("store_append", {"append": "store"})]),
+        ("prefill S4096 T32768", [("tree_head_sum", {"head_sum": "tree"})]),
+        ("prefill S2048 T16384", []),
     ]
-    rows = []
-    for i, (label, *dims, sweep) in enumerate(shapes):
+    prepared = {}
+    for label, variants in plan:
         try:
-            row = run_shape(label, *dims, peak=peak, sweep=sweep, seed=i + 1)
-        except Exception:  # report and go on: one broken shape must not hide the others
+            if label not in prepared:
+                if elapsed() > BUDGET_S:
+                    RESULTS["skipped"].append(label)
+                    continue
+                prepared[label] = prepare_shape(label, *shapes[label])
+            run_variants(prepared[label], variants)
+        except Exception:  # one broken shape must not hide the others
             traceback.print_exc()
-            RESULTS.setdefault("errors", []).append(label)
-            continue
-        rows.append(row)
-        RESULTS["shapes"].append({k: v for k, v in row.items() if not k.startswith("_")})
+            RESULTS["errors"].append(label)
         save()
-        print(f"{label}: fused {row['fused_ms']:.3f} ms ({row['fused_pct_of_bf16_peak']:.0f}% of bf16 peak), "
-              f"graph {row['fused_cudagraph_ms']:.3f}, fixed-thr {row['fused_fixed_threshold_ms']:.3f}, eager "
-              f"{row['eager_ms']:.2f}; bad rows {row['bad_rows']}, repaired {row['repaired_rows']}, "
-              f"mean cand {row['mean_candidates']:.0f}, extra {row['fused_peak_extra_mib']:.0f} MiB, "
-              f"kernels(us) {row['kernel_breakdown_us']}, "
-              f"sweep {[(s['config'], None if s['ms'] is None else round(s['ms'], 3)) for s in row['sweep']]}",
-              flush=True)
-
-    for row, saved in zip(rows, RESULTS["shapes"]):
-        if time.time() - START > COMPILE_BUDGET_S:
-            saved["inductor_ms"] = None
-            continue
-        compiled = torch.compile(indexer_topk_reference)
-        args = row.pop("_inputs")
-        compiled(*args)
-        saved["inductor_ms"] = median_ms(lambda compiled=compiled, args=args: compiled(*args), rep=300)
-        saved["inductor_tflops"] = saved["causal_gflop"] / saved["inductor_ms"]
-        torch._dynamo.reset()
-        save()
-
-    print(f"\n{'shape':30s} {'eager ms':>9s} {'inductor ms':>11s} {'fused ms':>9s} {'graph ms':>9s} "
-          f"{'TFLOP/s':>8s} {'% peak':>7s} {'x inductor':>10s}")
-    for r in RESULTS["shapes"]:
-        ind = r.get("inductor_ms")
-        print(f"{r['label']:30s} {r['eager_ms']:9.3f} {('%11.3f' % ind) if ind else '    skipped':>11s} "
-              f"{r['fused_ms']:9.3f} {r['fused_cudagraph_ms']:9.3f} {r['fused_tflops']:8.0f} "
-              f"{r['fused_pct_of_bf16_peak']:7.1f} {('%10.2f' % (ind / r['fused_ms'])) if ind else '':>10s}")
-    by_label = {r["label"]: r for r in RESULTS["shapes"]}
-    bf, f8 = by_label.get(shapes[0][0]), by_label.get(shapes[1][0])
-    RESULTS["fp8_speedup_over_bf16"] = bf["fused_ms"] / f8["fused_ms"] if bf and f8 else None
     RESULTS["decode_bytes_floor_ms"] = 8 * 131072 * 128 * 2 / 4.2e12 * 1e3
-    print(f"fp8 / bf16 speedup: {RESULTS['fp8_speedup_over_bf16']}; decode floor "
-          f"{RESULTS['decode_bytes_floor_ms']:.3f} ms; total wall {time.time() - START:.0f} s")
+    RESULTS["wall_s"] = round(elapsed(), 1)
     save()
+
+    print(f"bf16 peak {RESULTS['bf16_matmul_8192_tflops']:.0f} TFLOP/s; wall {RESULTS['wall_s']} s; "
+          f"skipped {RESULTS['skipped']}; errors {RESULTS['errors']}")
+    cols = ("ranges", "sample_pass", "threshold", "filter", "select", "repair")
+    print(f"{'shape / variant':36s} {'ms':>7s} {'graph':>6s} {'%peak':>5s} {'bad':>4s} {'rep':>4s} "
+          + " ".join(f"{c[:7]:>7s}" for c in cols))
+    for row in RESULTS["shapes"]:
+        for name, rec in row["variants"].items():
+            if rec is None or "error" in rec:
+                print(f"{row['label'] + ' ' + name:36s} ERROR {rec and rec.get('error', '')[:80]}")
+                continue
+            us = rec.get("kernels_us", {})
+            fmt = functools.partial(fmt_field, rec)
+            print(f"{row['label'][:22] + ' ' + name:36s} {fmt('ms', '7.3f'):>7s} {fmt('graph_ms', '6.3f'):>6s} "
+                  f"{fmt('pct_of_bf16_peak', '5.1f'):>5s} {fmt('bad_rows', 'd'):>4s} {fmt('repaired_rows', 'd'):>4s} "
+                  + " ".join(f"{us.get(c, 0.0):7.0f}" for c in cols))
 
 
 if __name__ == "__main__":

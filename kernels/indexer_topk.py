@@ -13,11 +13,13 @@ CUDA path, never materialising [B,S,H,T] nor [B,S,T]:
   2. threshold: the scoring kernel in dense mode over a strided key sample ([B,S,T/step]), whose
      r-th largest value per row estimates the score that ~2k keys of the full row reach.
   3. `_score_filter_kernel`: tensor-core scores with keys on the MMA M dimension and (query, head)
-     pairs on N (the head sum is then a reduction along accumulator rows), appending every key whose
-     score is >= the row threshold to a per-row candidate buffer of CAP entries.
+     pairs on N (the head sum is then a reduction along accumulator rows, one FFMA chain per thread
+     for 64 heads), appending every key whose score is >= the row threshold to a per-row candidate
+     buffer of CAP entries (inline-PTX stores on CUDA: no layout conversions). Rows whose mask is
+     exactly their unmasked range ("plain": causal, padding) read no mask at all.
   4. `_select_kernel`: per row, the certificate "count >= k and no overflow" (or "every unmasked key
      is a candidate, and enough keys lie outside the row's unmasked range to fill the rest"), then
-     an exact 32-step radix (bitwise) select of the k-th largest key over the candidates.
+     an exact radix (bitwise, at most 32 steps) select of the k-th largest key over the candidates.
   5. `_repair_kernel`: rows whose certificate failed are rescored in full into a per-program scratch
      row and selected exactly there. The sample only decides speed, never the answer.
 """
@@ -33,6 +35,11 @@ INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3f
 
 # B*max(S,64)*T below this runs the default config: tuning would cost more than it saves
 AUTOTUNE_MIN_WORK = 1 << 22
+
+# how the filter kernel writes candidates; "none" is for benchmarks only (the output is garbage)
+APPEND_MODES = {"store": 0, "asm": 1, "none": 2}
+# config keys that fix the filter kernel's tiles (and so switch its autotuning off)
+TILE_KEYS = {"block_q", "block_t", "splits", "num_warps", "num_stages"}
 
 MASK_NONE = 0
 MASK_BOOL = 1
@@ -107,15 +114,85 @@ def _validate(q, k, weights, k_scale, mask, topk):
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _fma_halves(r, w, acc):
+    """acc + r0*w0 + r1*w1 over the two halves of the last (size 2) dim, in that order."""
+    r0, r1 = tl.split(r)
+    w0, w1 = tl.split(w)
+    acc = acc + r0 * w0
+    return acc + r1 * w1
+
+
+@triton.jit
+def _fma_quarters(r, w, acc):
+    r0, r1 = tl.split(r)
+    w0, w1 = tl.split(w)
+    return _fma_halves(r1, w1, _fma_halves(r0, w0, acc))
+
+
+@triton.jit
+def _fma_eighths(r, w, acc):
+    r0, r1 = tl.split(r)
+    w0, w1 = tl.split(w)
+    return _fma_quarters(r1, w1, _fma_quarters(r0, w0, acc))
+
+
+@triton.jit
+def _fma_sixteenths(r, w, acc):
+    r0, r1 = tl.split(r)
+    w0, w1 = tl.split(w)
+    return _fma_eighths(r1, w1, _fma_eighths(r0, w0, acc))
+
+
+@triton.jit
+def _head_sum_64(r, w, BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """sum_h r[:, q*64 + h] * w[q*64 + h] for 64 heads, as one FFMA chain per thread.
+
+    `tl.sum` reduces a thread's 16 values as a tree (8 FMUL + 8 FFMA + 7 FADD per output); a chain is
+    16 FFMA. Head bits 1-2 of a wgmma accumulator live on the 4 lanes of a quad, the other four
+    bits in registers: split those four register bits off one by one (free, no data movement) and
+    leave the lane bits for the final `tl.sum` (two shuffles). Measured offline (sm_90 SASS): 56
+    fewer instructions per 64x256 tile."""
+    shape: tl.constexpr = [BLOCK_T, BLOCK_Q, 2, 2, 2, 4, 2]
+    order: tl.constexpr = (0, 1, 5, 2, 3, 4, 6)  # [keys, queries, lane bits, h5, h4, h3, h0]
+    r = tl.permute(tl.reshape(r, shape), order)
+    w = tl.permute(tl.reshape(tl.broadcast_to(w[None, :], [BLOCK_T, BLOCK_Q * 64]), shape), order)
+    part = _fma_sixteenths(r, w, tl.zeros([BLOCK_T, BLOCK_Q, 4], dtype=tl.float32))
+    return tl.sum(part, axis=2)
+
+
+@triton.jit
+def _load_mask_tile(mask_ptr, mask_base, t, t_ok, rows64, row_ok, sms, smt, MASK_KIND: tl.constexpr):
+    """The [len(t), len(rows64)] mask tile (bool as uint8, or additive); zeros when there is no mask."""
+    if MASK_KIND == 1:
+        m = tl.load(mask_ptr + mask_base + rows64[None, :] * sms + t[:, None] * smt,
+                    mask=t_ok[:, None] & row_ok[None, :], other=0)
+    elif MASK_KIND == 2:
+        m = tl.load(mask_ptr + mask_base + rows64[None, :] * sms + t[:, None] * smt,
+                    mask=t_ok[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+    else:
+        m = tl.zeros([t.shape[0], rows64.shape[0]], dtype=tl.int8)
+    return m
+
+
+@triton.jit
 def _score_tile(
     k_ptr, ks_ptr, mask_ptr, k_base, ks_base, mask_base,
-    t, t_ok, rows64, row_ok, d, d_ok, qT, w, softmax_scale,
+    t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, softmax_scale,
     skt, skd, skst, sms, smt,
     BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, HP: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    FP8_AS_FP16: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr, RANGE_MASK: tl.constexpr,
 ):
-    """Scores of BLOCK_T keys against BLOCK_Q queries: [BLOCK_T, BLOCK_Q] fp32, mask applied."""
+    """Scores of BLOCK_T keys against BLOCK_Q queries: [BLOCK_T, BLOCK_Q] fp32, mask applied.
+
+    The mask tile is loaded after the MMA on purpose: loaded first (or a tile ahead), it no longer
+    anchors the scores' layout, and the scan/stores fall back to a replicated layout with cross-warp
+    scans (sm_90 SASS: 683 instead of 478 instructions and 8 instead of 2 barriers per tile).
+
+    HEAD_CHAIN (HP == 64 only) sums the heads with `_head_sum_64`, else with `tl.sum`. Only rows in
+    row_load read their mask; with RANGE_MASK, a `plain` row's mask is known from its unmasked range
+    [first, last] (all keys inside it unmasked and neutral), so causal or padding masks cost no loads:
+    the load stays in the code, predicated off, because it anchors the layout (see above)."""
     if EVEN_D:
         kt = tl.load(k_ptr + k_base + t[:, None] * skt + d[None, :] * skd, mask=t_ok[:, None], other=0.0)
     else:
@@ -127,21 +204,27 @@ def _score_tile(
         acc = tl.dot(kt, qT, input_precision="ieee")
     else:
         acc = tl.dot(kt, qT)
-    if FOLD_SCALE:
-        x = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
+    if not FOLD_SCALE:
+        acc = acc * softmax_scale
+    r = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    if HEAD_CHAIN:
+        sc = _head_sum_64(r, w, BLOCK_T, BLOCK_Q)
     else:
-        x = tl.maximum(acc * softmax_scale, 0.0, propagate_nan=tl.PropagateNan.ALL) * w[None, :]
-    sc = tl.sum(tl.reshape(x, [BLOCK_T, BLOCK_Q, HP]), axis=2)
+        sc = tl.sum(tl.reshape(r * w[None, :], [BLOCK_T, BLOCK_Q, HP]), axis=2)
     if HAS_KSCALE:
         sc = sc * tl.load(ks_ptr + ks_base + t * skst, mask=t_ok, other=0.0)[:, None]
-    if MASK_KIND == 1:
-        m = tl.load(mask_ptr + mask_base + rows64[None, :] * sms + t[:, None] * smt,
-                    mask=t_ok[:, None] & row_ok[None, :], other=0)
-        sc = tl.where(m != 0, sc, float("-inf"))
-    if MASK_KIND == 2:
-        m = tl.load(mask_ptr + mask_base + rows64[None, :] * sms + t[:, None] * smt,
-                    mask=t_ok[:, None] & row_ok[None, :], other=0.0)
-        sc = sc + m.to(tl.float32)
+    m = _load_mask_tile(mask_ptr, mask_base, t, t_ok, rows64, row_load, sms, smt, MASK_KIND)
+    if RANGE_MASK:
+        inside = (t[:, None] >= first[None, :]) & (t[:, None] <= last[None, :])
+        if MASK_KIND == 1:
+            sc = tl.where(tl.where(plain[None, :], inside, m != 0), sc, float("-inf"))
+        if MASK_KIND == 2:  # -inf added, not assigned: NaN + -inf stays NaN as in the reference
+            sc = tl.where(plain[None, :], tl.where(inside, sc, sc + float("-inf")), sc + m)
+    else:
+        if MASK_KIND == 1:
+            sc = tl.where(m != 0, sc, float("-inf"))
+        if MASK_KIND == 2:
+            sc = sc + m
     return sc
 
 
@@ -168,18 +251,46 @@ def _load_query_block(q_ptr, w_ptr, b, s0, S, H, D, sqb, sqs, sqh, sqd, swb, sws
 
 
 @triton.jit
+def _store_pair_asm(score_ptrs, idx_ptrs, score, idx, keep):
+    """Predicated scattered stores of (score, index) pairs, as inline PTX.
+
+    `tl.store` of a scattered pointer tensor makes Triton's coalesce pass move pointers, values and mask
+    into its own blocked layout: four `convert_layout`s through shared memory and eight more CTA barriers
+    per key tile. An elementwise asm op is not a memory op to that pass, so the stores stay in the
+    layout the scores are computed in."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.ne.s32 p, $5, 0;
+        @p st.global.b32 [$1], $3;
+        @p st.global.b32 [$2], $4;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,l,r,r,r",
+        [score_ptrs, idx_ptrs, score.to(tl.int32, bitcast=True), idx, keep.to(tl.int32)],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _score_filter_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, range_ptr, thr_ptr,
     cand_score_ptr, cand_idx_ptr, count_ptr, dense_ptr,
     S, T, H, D, softmax_scale,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
-    CAP, tune_bucket,
+    CAP, tune_bucket, out_ptr, fail_ptr, K_OUT,
     HP: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr, HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, USE_RANGES: tl.constexpr,
     DENSE: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    FP8_AS_FP16: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr, APPEND: tl.constexpr, T_ALIGN: tl.constexpr, HEAD_CHAIN: tl.constexpr,
+    FUSE_SELECT: tl.constexpr, CAP_P: tl.constexpr,
 ):
-    """One query block x one split of its key range: dense scores (sample pass) or candidates >= threshold."""
+    """One query block x one split of its key range: dense scores (sample pass) or candidates >= threshold.
+
+    APPEND picks how candidates are written: 0 `tl.store`, 1 inline-PTX stores in the layout the scores
+    already have, 2 not at all (counts only; a benchmark of the kernel minus its append, wrong output).
+    T_ALIGN is a power of two dividing T: when BLOCK_T divides it, key tiles need no bounds mask.
+    FUSE_SELECT (SPLITS == 1, CAP == CAP_P) runs `_select_row` on the program's own rows after its key
+    loop: no select launch, and that ALU-bound tail overlaps the MMA of the SM's other CTA."""
     num_qblocks = tl.num_programs(0)
     qblk = num_qblocks - 1 - tl.program_id(0)  # causal: the longest rows first, for a short tail
     b = tl.program_id(1).to(tl.int64)
@@ -196,13 +307,19 @@ def _score_filter_kernel(
     d_ok = d < D
 
     if USE_RANGES:
-        first = T - tl.load(range_ptr + flat_rows * 2, mask=row_ok, other=0)
-        last = tl.load(range_ptr + flat_rows * 2 + 1, mask=row_ok, other=0) - 1
+        first = T - tl.load(range_ptr + flat_rows * 3, mask=row_ok, other=0)
+        last = tl.load(range_ptr + flat_rows * 3 + 1, mask=row_ok, other=0) - 1
+        n_neutral = tl.load(range_ptr + flat_rows * 3 + 2, mask=row_ok, other=0)
+        plain = n_neutral == tl.maximum(last - first + 1, 0)
         t_lo = tl.min(first, axis=0)
         t_hi = tl.max(last, axis=0) + 1
     else:
+        first = tl.zeros([BLOCK_Q], dtype=tl.int32)
+        last = first + T - 1
+        plain = tl.zeros([BLOCK_Q], dtype=tl.int1)
         t_lo = tl.zeros([], dtype=tl.int32)
         t_hi = tl.zeros([], dtype=tl.int32) + T
+    row_load = row_ok & ~plain
     tile_lo = t_lo // BLOCK_T
     tile_hi = tl.where(t_hi > t_lo, (t_hi + BLOCK_T - 1) // BLOCK_T, tile_lo)
     per_split = (tile_hi - tile_lo + SPLITS - 1) // SPLITS
@@ -214,12 +331,15 @@ def _score_filter_kernel(
     count = tl.zeros([BLOCK_Q], dtype=tl.int32)
     for tile in range(my_lo, my_hi):
         t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = t < T
+        if T_ALIGN % BLOCK_T == 0:  # tiles never cross T (the tile range ends at cdiv(T, BLOCK_T))
+            t_ok = tl.full([BLOCK_T], 1, tl.int1)
+        else:
+            t_ok = t < T
         sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
-                         t, t_ok, rows64, row_ok, d, d_ok, qT, w, softmax_scale,
+                         t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, softmax_scale,
                          skt, skd, skst, sms, smt,
                          BLOCK_T, BLOCK_Q, HP, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
-                         FP8_AS_FP16)
+                         FP8_AS_FP16, HEAD_CHAIN, USE_RANGES)
         in_bounds = t_ok[:, None] & row_ok[None, :]
         if DENSE:
             tl.store(dense_ptr + flat_rows[None, :] * T + t[:, None], sc, mask=in_bounds)
@@ -235,39 +355,60 @@ def _score_filter_kernel(
                 pos = base[None, :] + rank
             dst = flat_rows[None, :] * CAP + pos
             room = keep & (pos < CAP)
-            tl.store(cand_score_ptr + dst, sc, mask=room)
-            tl.store(cand_idx_ptr + dst, t[:, None] + tl.zeros([BLOCK_T, BLOCK_Q], dtype=tl.int32), mask=room)
+            idx = t[:, None] + tl.zeros([BLOCK_T, BLOCK_Q], dtype=tl.int32)
+            if APPEND == 0:
+                tl.store(cand_score_ptr + dst, sc, mask=room)
+                tl.store(cand_idx_ptr + dst, idx, mask=room)
+            if APPEND == 1:
+                _store_pair_asm(cand_score_ptr + dst, cand_idx_ptr + dst, sc, idx, room)
     if (not DENSE) and SPLITS == 1:
         tl.store(count_ptr + flat_rows, count, mask=row_ok)
+        if FUSE_SELECT:
+            tl.debug_barrier()  # every thread's candidate stores are visible to the whole CTA past this
+            qi = tl.arange(0, BLOCK_Q)
+            for r in range(BLOCK_Q):
+                if s0 + r < S:
+                    pick = qi == r
+                    _select_row(b * S + s0 + r, tl.sum(tl.where(pick, count, 0), axis=0),
+                                tl.sum(tl.where(pick, thr, 0.0), axis=0), tl.sum(tl.where(pick, first, 0), axis=0),
+                                tl.sum(tl.where(pick, last, 0), axis=0), cand_score_ptr, cand_idx_ptr, out_ptr,
+                                fail_ptr, T, K_OUT, CAP_P, 256)
 
 
 @triton.jit
 def _row_range_kernel(mask_ptr, range_ptr, S, T, smb, sms, smt, keys_per_program,
                       MASK_KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """First and last unmasked key of a query row, over one chunk of its keys.
+    """First and last unmasked key of a query row, and its count of neutral keys (bool True or additive
+    exactly 0), over one chunk of its keys.
 
-    Stored as (T - first, last + 1) with atomic max into zeros, so a fully masked row reads back
-    first = T, last = -1, and the buffer needs only a memset."""
+    Stored as (T - first, last + 1, n_neutral) with atomics into zeros, so a fully masked row reads
+    back first = T, last = -1, and the buffer needs only a memset. A row whose neutral count equals
+    last - first + 1 is "plain": its mask is exactly the range test first <= t <= last."""
     row = tl.program_id(0).to(tl.int64)
     b = row // S
     s = row % S
     t_begin = tl.program_id(1) * keys_per_program
     t_end = tl.minimum(t_begin + keys_per_program, T)
-    first = tl.full([], 0, tl.int32) + T
-    last = tl.full([], -1, tl.int32)
+    first = tl.zeros([BLOCK], dtype=tl.int32) + T  # elementwise while scanning: one reduction at the end
+    last = tl.zeros([BLOCK], dtype=tl.int32) - 1
+    n_neutral = tl.zeros([BLOCK], dtype=tl.int32)
     for t0 in range(t_begin, t_end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         ok = t < t_end
         if MASK_KIND == 1:
             m = tl.load(mask_ptr + b * smb + s * sms + t * smt, mask=ok, other=0)
             valid = ok & (m != 0)
+            neutral = valid
         else:
             m = tl.load(mask_ptr + b * smb + s * sms + t * smt, mask=ok, other=float("-inf")).to(tl.float32)
             valid = ok & (m != float("-inf"))
-        first = tl.minimum(first, tl.min(tl.where(valid, t, T), axis=0))
-        last = tl.maximum(last, tl.max(tl.where(valid, t, -1), axis=0))
-    tl.atomic_max(range_ptr + row * 2, T - first)
-    tl.atomic_max(range_ptr + row * 2 + 1, last + 1)
+            neutral = ok & (m == 0.0)
+        first = tl.minimum(first, tl.where(valid, t, T))
+        last = tl.maximum(last, tl.where(valid, t, -1))
+        n_neutral += neutral.to(tl.int32)
+    tl.atomic_max(range_ptr + row * 3, T - tl.min(first, axis=0))
+    tl.atomic_max(range_ptr + row * 3 + 1, tl.max(last, axis=0) + 1)
+    tl.atomic_add(range_ptr + row * 3 + 2, tl.sum(n_neutral, axis=0))
 
 
 @triton.jit
@@ -280,49 +421,71 @@ def _order_key(sc):
 
 
 @triton.jit
-def _kth_largest_key(key, k):
-    """Largest v with #(key >= v) >= k, by deciding one bit per step from the top (32 steps)."""
+def _kth_largest_key(key, k, STOP_AT_K: tl.constexpr):
+    """A v with #(key >= v) >= k (key 0 marks an empty slot; needs 1 <= k <= #non-empty), deciding one
+    bit per step from the top, each step a CTA-wide count.
+
+    Bits above the highest bit where the smallest and largest keys differ are common to every key
+    and copied without counting (about the 9 sign and exponent bits of similar scores). Without
+    STOP_AT_K the result is the largest such v, the k-th largest key itself. With it, the search
+    stops as soon as exactly k keys are >= v: then "all keys > v, plus the first k - #(key > v) keys
+    equal to v" (the caller's tie rule) still selects exactly the top k, in about half the steps."""
+    one = tl.full([], 1, tl.uint32)
+    lo = tl.min(tl.where(key != 0, key, tl.full([], 0xFFFFFFFF, tl.uint32)), axis=0)
+    diff = lo ^ tl.max(key, axis=0)
     kth = tl.zeros([], dtype=tl.uint32)
-    for bit_rank in range(32):
-        trial = kth | (tl.full([], 1, tl.uint32) << (31 - bit_rank))
+    bit = 31
+    while (bit >= 0) & (((diff >> tl.maximum(bit, 0)) & one) == 0):  # no shift by -1 once bit < 0
+        kth = kth | (lo & (one << bit))
+        bit -= 1
+    n_at = tl.sum((key != 0).to(tl.int32), axis=0)  # keys >= kth: all non-empty ones
+    if not STOP_AT_K:
+        n_at = n_at + 1  # never equal to k: search every remaining bit
+    while (bit >= 0) & (n_at != k):
+        trial = kth | (one << bit)
         n_ge = tl.sum((key >= trial).to(tl.int32), axis=0)
-        kth = tl.where(n_ge >= k, trial, kth)
+        if n_ge >= k:
+            kth = trial
+            if STOP_AT_K:
+                n_at = n_ge
+        bit -= 1
     return kth
 
 
 @triton.jit
 def _sample_threshold_kernel(sample_ptr, thr_ptr, n_sample, rank, CHUNK: tl.constexpr):
-    """Per row, the rank-th largest sampled score (exact, bitwise search): the filter threshold."""
+    """Per row, the rank-th largest sampled score (exact, bitwise search): the filter threshold.
+
+    A row of at most CHUNK samples is loaded once and searched in registers; longer rows are
+    re-read in chunks on each of the 32 steps."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, CHUNK)
-    kth = tl.zeros([], dtype=tl.uint32)
-    for bit_rank in range(32):
-        trial = kth | (tl.full([], 1, tl.uint32) << (31 - bit_rank))
-        n_ge = tl.zeros([], dtype=tl.int32)
-        for t0 in range(0, n_sample, CHUNK):
-            ok = t0 + c < n_sample
-            sc = tl.load(sample_ptr + row * n_sample + t0 + c, mask=ok, other=0.0)
-            key = tl.where(ok, _order_key(sc), tl.zeros([CHUNK], dtype=tl.uint32))
-            n_ge += tl.sum((key >= trial).to(tl.int32), axis=0)
-        kth = tl.where(n_ge >= rank, trial, kth)
+    if n_sample <= CHUNK:
+        ok = c < n_sample
+        sc = tl.load(sample_ptr + row * n_sample + c, mask=ok, other=0.0)
+        kth = _kth_largest_key(tl.where(ok, _order_key(sc), tl.zeros([CHUNK], dtype=tl.uint32)), rank, False)
+    else:
+        kth = tl.zeros([], dtype=tl.uint32)
+        for bit_rank in range(32):
+            trial = kth | (tl.full([], 1, tl.uint32) << (31 - bit_rank))
+            n_ge = tl.zeros([], dtype=tl.int32)
+            for t0 in range(0, n_sample, CHUNK):
+                ok = t0 + c < n_sample
+                sc = tl.load(sample_ptr + row * n_sample + t0 + c, mask=ok, other=0.0)
+                key = tl.where(ok, _order_key(sc), tl.zeros([CHUNK], dtype=tl.uint32))
+                n_ge += tl.sum((key >= trial).to(tl.int32), axis=0)
+            kth = tl.where(n_ge >= rank, trial, kth)
     key32 = (kth ^ tl.full([], 0x80000000, tl.uint32)).to(tl.int32, bitcast=True)
     bits = key32 ^ ((key32 >> 31) & 0x7FFFFFFF)  # the signed order map is its own inverse
     tl.store(thr_ptr + row, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
-def _select_kernel(cand_score_ptr, cand_idx_ptr, count_ptr, thr_ptr, range_ptr, out_ptr, fail_ptr,
-                   T, K_OUT, CAP_P: tl.constexpr, HAS_RANGES: tl.constexpr, FILL_BLOCK: tl.constexpr):
-    """Certificate check and exact top-k over one row's candidates; flags the row for repair otherwise."""
-    row = tl.program_id(0).to(tl.int64)
-    count = tl.load(count_ptr + row)
-    thr = tl.load(thr_ptr + row)
-    if HAS_RANGES:
-        first = T - tl.load(range_ptr + row * 2)
-        last = tl.load(range_ptr + row * 2 + 1) - 1
-    else:
-        first = tl.full([], 0, tl.int32)
-        last = tl.full([], 0, tl.int32) + T - 1
+def _select_row(row, count, thr, first, last, cand_score_ptr, cand_idx_ptr, out_ptr, fail_ptr, T, K_OUT,
+                CAP_P: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    """Certificate check and exact top-k over one row's candidates; flags the row for repair otherwise.
+
+    count: the row's candidates; thr: its filter threshold; [first, last]: its unmasked key range."""
     outside = tl.where(last >= first, first + (T - 1 - last), T)
     fits = count <= CAP_P
     fast = fits & (count >= K_OUT)
@@ -333,7 +496,7 @@ def _select_kernel(cand_score_ptr, cand_idx_ptr, count_ptr, thr_ptr, range_ptr, 
     if fast:
         sc = tl.load(cand_score_ptr + row * CAP_P + i, mask=ok, other=0.0)
         key = tl.where(ok, _order_key(sc), tl.zeros([CAP_P], dtype=tl.uint32))
-        kth = _kth_largest_key(key, K_OUT)
+        kth = _kth_largest_key(key, K_OUT, True)
         gt = key > kth
         n_gt = tl.sum(gt.to(tl.int32), axis=0)
         eq = key == kth
@@ -357,13 +520,28 @@ def _select_kernel(cand_score_ptr, cand_idx_ptr, count_ptr, thr_ptr, range_ptr, 
 
 
 @triton.jit
+def _select_kernel(cand_score_ptr, cand_idx_ptr, count_ptr, thr_ptr, range_ptr, out_ptr, fail_ptr,
+                   T, K_OUT, CAP_P: tl.constexpr, HAS_RANGES: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    """One program per row: `_select_row`."""
+    row = tl.program_id(0).to(tl.int64)
+    if HAS_RANGES:
+        first = T - tl.load(range_ptr + row * 3)
+        last = tl.load(range_ptr + row * 3 + 1) - 1
+    else:
+        first = tl.full([], 0, tl.int32)
+        last = tl.full([], 0, tl.int32) + T - 1
+    _select_row(row, tl.load(count_ptr + row), tl.load(thr_ptr + row), first, last, cand_score_ptr, cand_idx_ptr,
+                out_ptr, fail_ptr, T, K_OUT, CAP_P, FILL_BLOCK)
+
+
+@triton.jit
 def _repair_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, fail_ptr, scratch_ptr, out_ptr,
     S, T, H, D, softmax_scale, n_rows, K_OUT,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
     HP: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
-    FP8_AS_FP16: tl.constexpr,
+    FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr,
 ):
     """Exact path for rows whose certificate failed: full row scores in scratch, bitwise select."""
     pid = tl.program_id(0)
@@ -387,10 +565,10 @@ def _repair_kernel(
                 t = t0 + tl.arange(0, BLOCK_T)
                 t_ok = t < T
                 sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
-                                 t, t_ok, rows64, row_ok, d, d_ok, qT, w, softmax_scale,
+                                 t, t_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, softmax_scale,
                                  skt, skd, skst, sms, smt,
                                  BLOCK_T, BLOCK_Q, HP, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
-                         FP8_AS_FP16)
+                                 FP8_AS_FP16, HEAD_CHAIN, False)
                 sc = tl.sum(tl.where(row_ok[None, :], sc, 0.0), axis=1)
                 tl.store(scratch + t, sc, mask=t_ok)
             tl.debug_barrier()
@@ -432,6 +610,11 @@ def _num_sms(device):
     return 2
 
 
+def _pow2_dividing(n, cap=256):
+    """The largest power of two (at most cap) that divides n."""
+    return min(cap, n & -n) if n > 0 else cap
+
+
 def default_config(B, S, T, H, D, topk, dtype, device):
     """Tile sizes: N = BLOCK_Q*HP ~ 256 for prefill, one query per block (split along T) for decode."""
     HP = triton.next_power_of_2(H)
@@ -454,6 +637,9 @@ def default_config(B, S, T, H, D, topk, dtype, device):
         "num_warps": 8 if wide else 4,
         "num_stages": 3 if wide else 4,
         "sample_target_rank": 64,
+        "append": "asm" if on_gpu else "store",
+        "head_sum": "chain",
+        "fuse_select": False,
     }
     if dtype == torch.float32 and on_gpu:  # 4-byte operands: smaller key tiles to fit shared memory
         cfg.update(block_t=64, num_warps=4, num_stages=2)
@@ -473,15 +659,16 @@ _AUTOTUNED = {}
 def _autotuned_score_filter(block_qs):
     """The filter kernel autotuned per (S, T) bucket over a few tile shapes (CUDA only).
 
-    One CTA of 8 warps with a 128x256 accumulator, or two CTAs per SM of 4 warps each (64-key tiles),
-    which lets one CTA's epilogue overlap the other's MMA. Tuning runs on the first call of a bucket,
-    so the first call must not be inside a CUDA graph capture."""
+    One CTA of 8 warps with a 128x256 accumulator, or several CTAs per SM of 4 warps each (64-key
+    tiles), which lets one CTA's epilogue overlap another's MMA: two with N = 256 (2 or 3 K stages:
+    3 fills the 228 KB of shared memory exactly) or three with N = 128 (~165 registers). Tuning runs on
+    the first call of a bucket, so the first call must not be inside a CUDA graph capture."""
     if block_qs not in _AUTOTUNED:
         if block_qs == (1,):
             shapes = [(1, 128, 4, 4), (1, 64, 4, 6), (1, 128, 8, 3)]
         else:
             wide, narrow = block_qs[0], block_qs[-1]
-            shapes = [(wide, 128, 8, 3), (wide, 64, 4, 2), (narrow, 64, 4, 3), (narrow, 128, 8, 3)]
+            shapes = [(wide, 128, 8, 3), (wide, 64, 4, 2), (wide, 64, 4, 3), (narrow, 64, 4, 2)]
         configs = [triton.Config({"BLOCK_Q": bq, "BLOCK_T": bt}, num_warps=w, num_stages=st) for bq, bt, w, st in shapes]
         unique = list({str(c): c for c in configs}.values())
         _AUTOTUNED[block_qs] = triton.autotune(configs=unique, key=["tune_bucket"], reset_to_zero=["count_ptr"])(
@@ -490,11 +677,13 @@ def _autotuned_score_filter(block_qs):
 
 
 def tuned_configs():
-    """Best filter-kernel config per autotune key so far, and the last tuning's timings (for reports)."""
+    """Best filter-kernel tiles per autotune key so far, as `config` dicts (pass one back to fix the
+    tiles), and the last tuning's timings (for reports)."""
     report = {}
     for tuner in _AUTOTUNED.values():
         for key, cfg in tuner.cache.items():
-            report[str(key)] = str(cfg)
+            report[str(key)] = {"block_q": cfg.kwargs["BLOCK_Q"], "block_t": cfg.kwargs["BLOCK_T"],
+                                "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         timings = getattr(tuner, "configs_timings", None)
         if timings:
             report[f"last timings {id(tuner)}"] = {str(c): t for c, t in timings.items()}
@@ -528,6 +717,10 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     up to ~0.5 %, so the selected set can differ from the reference near the k-th score).
     `stats`, when given, receives device tensors (no host sync): per-row repair flags ("repaired"),
     candidate counts ("candidates") and filter thresholds ("threshold").
+    `config` overrides `default_config` keys. Tile keys (TILE_KEYS) switch the filter kernel's
+    autotuning off; "append" ("asm" | "store" | "none": benchmark only, wrong output),
+    "head_sum" ("chain" | "tree") and "fuse_select" (select inside the filter kernel, when its key
+    range is not split) pick filter-kernel variants and keep autotuning on.
     """
     _validate(q, k, weights, k_scale, mask, topk)
     B, S, H, D = q.shape
@@ -544,6 +737,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     block_q, block_t, splits = cfg["block_q"], cfg["block_t"], cfg["splits"]
     exact_fp32 = q.dtype == torch.float32
     fp8_as_fp16 = q.dtype == torch.float8_e4m3fn and not fp8_tensor_cores
+    head_chain = HP == 64 and not exact_fp32 and cfg["head_sum"] == "chain"
     n_rows = B * S
     dev = q.device
 
@@ -556,7 +750,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
 
     ranges = None
     if mask_kind != MASK_NONE:
-        ranges = torch.zeros((n_rows, 2), dtype=torch.int32, device=dev)
+        ranges = torch.zeros((n_rows, 3), dtype=torch.int32, device=dev)  # see _row_range_kernel
         chunks = max(triton.cdiv(T, 8192), min(triton.cdiv(T, 2048), triton.cdiv(4 * _num_sms(dev), n_rows)))
         keys_per_program = triton.cdiv(T, chunks)
         _row_range_kernel[(n_rows, chunks)](mask3, ranges, S, T, smb, sms, smt, keys_per_program,
@@ -569,7 +763,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     qblocks = triton.cdiv(S, block_q)
     common = dict(HP=HP, DP=DP, BLOCK_Q=block_q, BLOCK_T=block_t, HAS_KSCALE=k_scale is not None,
                   MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP, FOLD_SCALE=fold_scale,
-                  FP8_AS_FP16=fp8_as_fp16,
+                  FP8_AS_FP16=fp8_as_fp16, APPEND=APPEND_MODES[cfg["append"]], HEAD_CHAIN=head_chain,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     if threshold is not None:
@@ -587,8 +781,10 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         sample_splits = max(1, min(splits, triton.cdiv(n_sample, block_t)))
         _score_filter_kernel[(qblocks, B, sample_splits)](
             q, k, weights, ks_arg, mask_arg, ranges_arg, out, out, out, out, sample,
-            S, n_sample, H, D, softmax_scale, *sample_strides, 0, 0,
-            SPLITS=sample_splits, USE_RANGES=False, DENSE=True, **common)
+            S, n_sample, H, D, softmax_scale, *sample_strides, 0, 0, out, out, 0,
+            SPLITS=sample_splits, USE_RANGES=False, DENSE=True, T_ALIGN=_pow2_dividing(n_sample),
+            FUSE_SELECT=False, CAP_P=16,
+            **{**common, "APPEND": 0})  # APPEND is unused in dense mode: one compiled sample pass for all
         thr = torch.empty((n_rows,), dtype=torch.float32, device=dev)
         chunk = min(4096, triton.next_power_of_2(n_sample))
         _sample_threshold_kernel[(n_rows,)](sample, thr, n_sample, rank, CHUNK=chunk,
@@ -600,23 +796,30 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         count = torch.empty((n_rows,), dtype=torch.int32, device=dev)
     else:
         count = torch.zeros((n_rows,), dtype=torch.int32, device=dev)
+    fail = torch.empty((n_rows,), dtype=torch.int32, device=dev)
+    fuse_select = bool(cfg["fuse_select"]) and splits == 1
     filter_args = (q, k, weights, ks_arg, mask_arg, ranges_arg, thr, cand_score, cand_idx, count, out,
                    S, T, H, D, softmax_scale, *strides, cap)
+    select_args = (out, fail, width)
     filter_flags = dict(HP=HP, DP=DP, SPLITS=splits, HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind,
                         USE_RANGES=ranges is not None, DENSE=False, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
-                        FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16)
-    if dev.type == "cuda" and not config and B * max(S, 64) * T >= AUTOTUNE_MIN_WORK:
+                        FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, APPEND=common["APPEND"], HEAD_CHAIN=head_chain,
+                        T_ALIGN=_pow2_dividing(T), FUSE_SELECT=fuse_select, CAP_P=cap)
+    fixed_tiles = bool(set(config or {}) & TILE_KEYS)
+    if dev.type == "cuda" and not fixed_tiles and B * max(S, 64) * T >= AUTOTUNE_MIN_WORK:
         tuned = _autotuned_score_filter(_block_q_choices(S, HP))
-        bucket = (triton.next_power_of_2(S) << 8) + int(math.log2(triton.next_power_of_2(T)))
-        tuned[lambda meta: (triton.cdiv(S, meta["BLOCK_Q"]), B, splits)](*filter_args, bucket, **filter_flags)
+        variant = (common["APPEND"] * 2 + int(head_chain)) * 2 + int(fuse_select)  # tuned separately
+        bucket = ((triton.next_power_of_2(S) << 8) + int(math.log2(triton.next_power_of_2(T)))) * 16 + variant
+        tuned[lambda meta: (triton.cdiv(S, meta["BLOCK_Q"]), B, splits)](*filter_args, bucket, *select_args,
+                                                                         **filter_flags)
     else:
-        _score_filter_kernel[(qblocks, B, splits)](*filter_args, 0, **common, **{
+        _score_filter_kernel[(qblocks, B, splits)](*filter_args, 0, *select_args, **common, **{
             k_: v for k_, v in filter_flags.items() if k_ not in common})
 
-    fail = torch.empty((n_rows,), dtype=torch.int32, device=dev)
-    _select_kernel[(n_rows,)](cand_score, cand_idx, count, thr, ranges_arg, out, fail, T, width,
-                              CAP_P=cap, HAS_RANGES=ranges is not None, FILL_BLOCK=256,
-                              num_warps=8 if cap >= 4096 else 4)
+    if not fuse_select:
+        _select_kernel[(n_rows,)](cand_score, cand_idx, count, thr, ranges_arg, out, fail, T, width,
+                                  CAP_P=cap, HAS_RANGES=ranges is not None, FILL_BLOCK=256,
+                                  num_warps=8 if cap >= 4096 else 4)
 
     if stats is not None:
         stats["repaired"] = fail
@@ -629,7 +832,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         S, T, H, D, softmax_scale, n_rows, width, *strides,
         HP=HP, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), CHUNK=1024,
         HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
-        FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, num_warps=4)
+        FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
     return out
 
 

@@ -146,6 +146,15 @@ def padded_causal_additive(B, S, T, pad):
     return torch.zeros(B, S, T).masked_fill(~allowed, float("-inf"))
 
 
+def causal_with_holes(B, S, T):
+    """Causal, plus masked keys inside the visible range of even rows: those rows are not "plain"
+    (their mask is not a range test), odd rows are, so one query block mixes both."""
+    t = torch.arange(T)[None, :]
+    s = torch.arange(S)[:, None]
+    holes = (t % 5 == 2) & (s % 2 == 0)
+    return causal_mask(B, S, T) & ~holes[None]
+
+
 CASES = {
     "causal_bool_tiny": dict(B=1, S=5, T=40, H=4, D=32, topk=8, mask="causal"),
     "causal_prefill_no_cache": dict(B=1, S=40, T=40, H=4, D=32, topk=16, mask="causal"),
@@ -163,6 +172,16 @@ CASES = {
     "fp8_tensor_cores_flag": dict(B=1, S=5, T=70, H=4, D=32, topk=8, mask="causal", dtype=torch.float8_e4m3fn,
                                   fp8_tensor_cores=True),
     "long_rows_chunked_ranges": dict(B=1, S=2, T=9000, H=4, D=16, topk=8, mask="padded_additive", pad=[8500]),
+    "bool_mask_holes_in_some_rows": dict(B=1, S=9, T=70, H=4, D=32, topk=8, mask="holes_bool"),
+    "additive_mask_holes_in_some_rows": dict(B=1, S=9, T=70, H=4, D=32, topk=8, mask="holes_additive"),
+    "fused_select_padding": dict(B=2, S=9, T=100, H=4, D=32, topk=16, mask="padded_additive",
+                                 config={"fuse_select": True}),
+    "fused_select_fill_topk_above_T": dict(B=2, S=6, T=40, H=4, D=32, topk=64, mask="causal",
+                                           config={"fuse_select": True}),
+    "fused_select_repair_overflow": dict(B=1, S=6, T=90, H=4, D=32, topk=8, mask="causal", threshold=float("-inf"),
+                                         candidate_capacity=16, config={"fuse_select": True}),
+    "heads_64_chained_head_sum": dict(B=1, S=5, T=96, H=64, D=16, topk=8, mask="causal"),
+    "heads_64_tree_head_sum": dict(B=1, S=5, T=96, H=64, D=16, topk=8, mask="causal", config={"head_sum": "tree"}),
 }
 
 
@@ -179,6 +198,8 @@ def test_triton_matches_reference(name):
         "causal": lambda: causal_mask(B, S, T),
         "padded_additive": lambda: padded_causal_additive(B, S, T, pad=pad),
         "finite_min": lambda: torch.zeros(B, S, T).masked_fill(~causal_mask(B, S, T), torch.finfo(torch.float32).min),
+        "holes_bool": lambda: causal_with_holes(B, S, T),
+        "holes_additive": lambda: torch.zeros(B, S, T).masked_fill(~causal_with_holes(B, S, T), float("-inf")),
     }[kind]()
     mask = None if mask is None else mask.to(DEVICE)
     if "threshold" in case:
@@ -198,6 +219,20 @@ def test_triton_nan_scores_are_selected_first():
     assert bool((out == 3).any(dim=-1).all())
     assert bool((out[0, -1] == 47).any())
     assert_exact_topk(out, q, k, w, None, mask, 0.2, 8)
+
+
+def test_triton_many_tied_scores():
+    """Integer-valued scores: long runs of equal keys at the k-th place (the select's tie rule and its
+    early stop), and keys sharing their high bits (the select's common-prefix shortcut)."""
+    B, S, T, H, D, topk = 1, 6, 80, 4, 16, 24
+    q, k, w, _ = make_inputs(B, S, T, H, D)
+    q, k, w = q.sign(), k.sign(), torch.ones_like(w)
+    mask = causal_mask(B, S, T).to(DEVICE)
+    out = indexer_topk_triton(q, k, w, None, mask, 1.0, topk)
+    assert_exact_topk(out, q, k, w, None, mask, 1.0, topk)
+    q = torch.zeros_like(q)  # every score 0: all candidate keys equal, no bit left to search
+    out = indexer_topk_triton(q, k, w, None, mask, 1.0, topk)
+    assert_exact_topk(out, q, k, w, None, mask, 1.0, topk)
 
 
 def test_triton_expanded_and_broadcast_masks_and_strided_inputs():
@@ -232,3 +267,17 @@ def test_cuda_op_matches_reference_at_model_shape(dtype):
     mask = causal_mask(B, S, T).to(DEVICE)
     out = torch.ops.dsfuse.indexer_topk(q, k, w, ks, mask, D ** -0.5, topk)
     assert_exact_topk(out, q, k, w, ks, mask, D ** -0.5, topk)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{"append": "store", "head_sum": "tree"},
+                                    {"append": "asm", "block_q": 2, "block_t": 64, "num_warps": 4, "num_stages": 2},
+                                    {"fuse_select": True, "block_q": 4, "block_t": 64, "num_warps": 4, "num_stages": 2}])
+def test_cuda_filter_variants_match_reference(config):
+    """The non-default candidate writers / head sums / tiles / fused select stay exact (the default is
+    tested above)."""
+    B, S, T, H, D, topk = 1, 256, 4096, 64, 128, 2048
+    q, k, w, _ = make_inputs(B, S, T, H, D)
+    mask = causal_mask(B, S, T).to(DEVICE)
+    out = indexer_topk_triton(q, k, w, None, mask, D ** -0.5, topk, config=config)
+    assert_exact_topk(out, q, k, w, None, mask, D ** -0.5, topk)
