@@ -1,27 +1,58 @@
-"""H200 benchmark of `dsfuse::moe_experts_fp4`: correctness at the real layer shape (T=4096, 32 local experts,
-H=7168, I=2048, top-8; fresh random FP4 weights from `quantize_fp4`) against the reference, then do_bench medians of
-the reference (per-expert loop) in eager, the own model's `DsfuseFp4Experts` (the source subgraph: dequantised
-stack + `torch._grouped_mm`) in eager and under `torch.compile`, and the Triton kernel, at T=4096 and T=64.
-A short launch-config sweep runs last if time is left. Prints a table; writes $OUT/moe_experts.json when OUT is
-set (rewritten after every section, so a run cut short still reports what it measured). Budget: under 60 s."""
+"""H200 benchmark of `dsfuse::moe_experts_fp4` and `dsfuse::moe_experts_bf16` at the real layer shape (32 local
+experts, H=7168, I=2048, top-8, bf16 activations; T=4096 prefill and T=64 decode).
+
+In order, saving JSON after every step (a run cut short still reports what it measured):
+1. the inline-PTX bf16 FP4 decode bit for bit against `dequantize_fp4` (all 256 bytes x 256 exponents);
+2. per path and T: correctness of the Triton op against its reference and the eager source module, then the
+   do_bench median of the op with its default tiles (`moe_default_config`);
+3. the Inductor baselines of the same math in the same process (`torch.compile` of the own model's
+   `DsfuseFp4Experts` for FP4; of an HF-style module running transformers' `grouped_mm_experts_forward` for
+   plain bf16 weights);
+4. the eager references and a sweep of at most 6 tile configs per case while the time budget lasts (each step is
+   skipped once the elapsed time passes its guard, so the run ends within ~110 s even with cold compiles).
+Reports ms, TFLOP/s, GB/s of weight bytes and % of the floor (anchors.md: FP4 T4096 3.64 ms MMA, T64 0.18 ms
+bytes; bf16 T4096 3.71 ms MMA, T64 0.67 ms bytes). Writes $OUT/moe_experts.json. Budget: under 120 s.
+Run: `OUT=<dir> python benchmarks/moe_experts_gpu.py`.
+"""
 
 import json
 import os
 import time
 
 import torch
+import torch.nn.functional as F
 from dsfuse.kernels import moe_experts as moe
-from dsfuse.models.official import DsfuseDeepseekConfig, DsfuseFp4Experts, quantize_fp4
+from dsfuse.models.official import (
+    DsfuseDeepseekConfig,
+    DsfuseFp4Experts,
+    dequantize_fp4,
+    quantize_fp4,
+)
 from triton.testing import do_bench
 
 NUM_EXPERTS, HIDDEN, INTER, TOP_K = 32, 7168, 2048, 8
-TOKEN_COUNTS = (4096, 64)
-BUDGET_S = 52
+TOKEN_COUNTS = (64, 4096)
+BUDGET_S = 105
 START = time.time()
+FLOOR_MS = {("fp4", 4096): 3.64, ("fp4", 64): 0.18, ("bf16", 4096): 3.71, ("bf16", 64): 0.67}
+INDUCTOR_ANCHOR_MS = {("fp4", 4096): 6.59, ("fp4", 64): 2.53, ("bf16", 4096): 5.94, ("bf16", 64): 1.33}
+TARGET_MS = {("fp4", 4096): 4.7, ("fp4", 64): 0.63, ("bf16", 4096): 4.9, ("bf16", 64): 0.83}
+SWEEPS = {
+    ("fp4", 4096): [{"block_m": 128, "num_stages": 4}, {"block_k": 128, "num_stages": 2},
+                    {"block_m": 128, "block_k": 128, "num_stages": 3}, {"decode_asm": False}],
+    ("fp4", 64): [{"block_k": 128, "num_stages": 4}, {"block_m": 16}, {"num_stages": 4},
+                  {"block_n1": 64, "block_n2": 64, "num_warps": 4}, {"decode_asm": False}, {"triton_routing": False}],
+    ("bf16", 4096): [{"block_m": 128, "num_stages": 4}, {"num_stages": 4},
+                     {"block_m": 128, "block_n1": 256, "block_n2": 256}],
+    ("bf16", 64): [{"block_m": 16}, {"block_k": 64, "num_stages": 8}, {"block_n1": 64, "block_n2": 64, "num_warps": 4},
+                   {"triton_routing": False}],
+}
 RESULTS = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": None,
            "shape": {"experts": NUM_EXPERTS, "hidden": HIDDEN, "inter": INTER, "top_k": TOP_K},
-           "anchors_ms": {"inductor_T4096": 6.59, "floor_T4096": 3.64, "inductor_T64": 2.53, "floor_T64": 0.18},
-           "correctness": {}, "timings": {}, "sweep": {}}
+           "floor_ms": {f"{p}_T{t}": v for (p, t), v in FLOOR_MS.items()},
+           "inductor_anchor_ms": {f"{p}_T{t}": v for (p, t), v in INDUCTOR_ANCHOR_MS.items()},
+           "target_ms": {f"{p}_T{t}": v for (p, t), v in TARGET_MS.items()},
+           "decode_check": None, "correctness": {}, "timings": {}, "sweep": {}}
 
 
 def elapsed():
@@ -33,14 +64,12 @@ def log(msg):
 
 
 def save():
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "moe_experts.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), "moe_experts.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
 
 
-def bench(fn, rep=60):
-    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+def bench(fn, rep=40):
+    return do_bench(fn, warmup=5, rep=rep, return_mode="median")
 
 
 def rel_err(out, ref):
@@ -48,7 +77,7 @@ def rel_err(out, ref):
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-def make_weights():
+def make_fp4_weights():
     """FP4 weights quantised one expert at a time (quantize_fp4 needs ~40 bytes of temporaries per element)."""
     w13_packed = torch.empty(NUM_EXPERTS, 2 * INTER, HIDDEN // 2, dtype=torch.uint8, device="cuda")
     w13_scale = torch.empty(NUM_EXPERTS, 2 * INTER, HIDDEN // 32, dtype=torch.uint8, device="cuda")
@@ -68,7 +97,7 @@ def make_routing(T, seed):
     return x, ids, weights / weights.sum(-1, keepdim=True)
 
 
-def source_module(weights):
+def fp4_source_module(weights):
     config = DsfuseDeepseekConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, n_routed_experts=NUM_EXPERTS,
                                   n_group=1, topk_group=1, num_experts_per_tok=TOP_K, expert_gemm="grouped_mm")
     with torch.device("cuda"):
@@ -78,68 +107,152 @@ def source_module(weights):
     return experts
 
 
+class HFGroupedMMExperts(torch.nn.Module):
+    """The attributes transformers' `grouped_mm_experts_forward` reads, around plain bf16 weights."""
+
+    def __init__(self, gate_up, down):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = torch.nn.Parameter(down, requires_grad=False)
+        self.num_experts = gate_up.shape[0]
+        self.has_gate, self.has_bias, self.is_transposed = True, False, False
+        self._is_expert_parallel, self.has_post_expert_norm = False, False
+        self.act_fn = F.silu
+
+    def _apply_gate(self, gate_up_out):
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return self.act_fn(gate) * up
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def record(key, name, ms, flops, weight_bytes, floor_ms):
+    entry = {"ms": ms, "tflops": flops / ms / 1e9, "weight_gb_per_s": weight_bytes / ms / 1e6,
+             "pct_of_floor": 100.0 * floor_ms / ms}
+    RESULTS["timings"].setdefault(key, {})[name] = entry
+    log(f"{key} {name}: {ms:.3f} ms ({entry['tflops']:.0f} TFLOP/s, {entry['weight_gb_per_s']:.0f} GB/s weights, "
+        f"{entry['pct_of_floor']:.0f}% of floor)")
+    save()
+
+
+def timed(key, name, fn, flops, weight_bytes, floor_ms, rep=40):
+    try:
+        record(key, name, bench(fn, rep=rep), flops, weight_bytes, floor_ms)
+    except Exception as exc:  # noqa: BLE001 -- a failing provider must not hide the others
+        RESULTS["timings"].setdefault(key, {})[name] = {"error": repr(exc)[:800]}
+        log(f"{key} {name}: FAILED {exc!r}"[:400])
+        save()
+
+
+def decode_check():
+    packed = torch.arange(256, dtype=torch.uint8, device="cuda").repeat_interleave(256)
+    scales = torch.arange(256, dtype=torch.uint8, device="cuda").repeat(256)
+    ref = dequantize_fp4(packed.view(-1, 1).expand(-1, 16).contiguous(), scales.view(-1, 1), torch.bfloat16)[:, :2]
+    nan = ref.isnan()
+    result = {}
+    for name, bf16 in (("fp32_decode", False), ("bf16_ptx_decode", True)):
+        try:
+            out = moe.fp4_decode_triton(packed, scales, bf16=bf16).to(torch.bfloat16)
+            same = torch.equal(out.isnan(), nan) and torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+            result[name] = {"bit_exact": bool(same), "mismatches": int(((out.view(torch.int16) != ref.view(torch.int16))
+                                                                        & ~nan).sum())}
+        except Exception as exc:  # noqa: BLE001
+            result[name] = {"error": repr(exc)[:800]}
+    RESULTS["decode_check"] = result
+    log(f"decode check {result}")
+    save()
+
+
+def run_case(path, T, op, ref_fn, baseline, weight_bytes, args):
+    key = f"{path}_T{T}"
+    flops = 6 * T * TOP_K * HIDDEN * INTER
+    floor = FLOOR_MS[(path, T)]
+    try:
+        out = op(*args)
+        ref = ref_fn(*args)
+        check = {"rel_err_vs_reference": rel_err(out, ref), "finite": bool(torch.isfinite(out).all())}
+        if baseline is not None:
+            check["rel_err_vs_eager_source"] = rel_err(out, baseline(*args[:3]))
+        RESULTS["correctness"][key] = check
+        del out, ref
+    except Exception as exc:  # noqa: BLE001 -- keep measuring the baselines; the error goes into the JSON
+        RESULTS["correctness"][key] = {"error": repr(exc)[:2000]}
+    log(f"{key} correctness {RESULTS['correctness'][key]}")
+    save()
+    timed(key, "dsfuse default", lambda: op(*args), flops, weight_bytes, floor)
+    return key, flops, floor
+
+
+def sweep(path, T, op, args, key, flops, weight_bytes, floor):
+    base = moe.moe_default_config(T * TOP_K, NUM_EXPERTS, fp4=path == "fp4")
+    RESULTS["sweep"].setdefault(key, {"default": base, "variants": []})
+    for variant in SWEEPS[(path, T)][:6]:
+        if elapsed() > BUDGET_S - 10:
+            log(f"{key}: out of time, sweep stops")
+            break
+        cfg = {**base, **variant}
+        entry = {"variant": variant}
+        try:
+            entry["ms"] = bench(lambda c=cfg: op(*args, config=c), rep=25)
+            entry["pct_of_floor"] = 100.0 * floor / entry["ms"]
+            entry["tflops"] = flops / entry["ms"] / 1e9
+        except Exception as exc:  # noqa: BLE001 -- a config that fails to compile or run is reported
+            entry["error"] = repr(exc)[:500]
+        RESULTS["sweep"][key]["variants"].append(entry)
+        log(f"sweep {key} {variant}: {entry.get('ms', entry.get('error'))}")
+        save()
+
+
 def main():
     RESULTS["device"] = torch.cuda.get_device_name()
     RESULTS["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
-    weights = make_weights()
-    packed_bytes = sum(t.numel() for t in weights)
-    experts = source_module(weights)
-    compiled = torch.compile(experts, dynamic=False)
-    log(f"weights ready: {packed_bytes / 1e9:.3f} GB packed")
-    rows = []
+    decode_check()
+    fp4_weights = make_fp4_weights()
+    fp4_bytes = sum(t.numel() for t in fp4_weights)
+    gate_up = (torch.randn(NUM_EXPERTS, 2 * INTER, HIDDEN, device="cuda") * 0.02).to(torch.bfloat16)
+    down = (torch.randn(NUM_EXPERTS, HIDDEN, INTER, device="cuda") * 0.02).to(torch.bfloat16)
+    bf16_bytes = (gate_up.numel() + down.numel()) * 2
+    log(f"weights ready: FP4 {fp4_bytes / 1e9:.3f} GB packed, bf16 {bf16_bytes / 1e9:.3f} GB")
+    fp4_module = fp4_source_module(fp4_weights)
+    hf_module = HFGroupedMMExperts(gate_up, down)
+    cases = []  # (path, T, op, reference, eager source module, args, weight bytes)
     for T in TOKEN_COUNTS:
         x, ids, w = make_routing(T, seed=T)
-        args = (x, ids, w, *weights)
-        flops = 6 * T * TOP_K * HIDDEN * INTER
-        ref = moe.moe_experts_reference(*args)
-        source = experts(x, ids, w)
-        try:
-            out = moe.moe_experts_fp4_triton(*args)
-            RESULTS["correctness"][f"T{T}"] = {"rel_err_vs_reference": rel_err(out, ref),
-                                              "rel_err_vs_source_module": rel_err(out, source),
-                                              "reference_vs_source_module": rel_err(ref, source),
-                                              "finite": bool(torch.isfinite(out).all())}
-        except Exception as exc:  # noqa: BLE001 -- keep measuring the baselines; the error goes into the JSON
-            RESULTS["correctness"][f"T{T}"] = {"error": repr(exc)[:2000]}
-        log(f"T={T} correctness {RESULTS['correctness'][f'T{T}']}")
-        save()
-        providers = [("dsfuse triton", lambda a=args: moe.moe_experts_fp4_triton(*a)),
-                     ("reference eager", lambda a=args: moe.moe_experts_reference(*a)),
-                     ("source module eager", lambda a=args[:3]: experts(*a))]
-        if elapsed() < 30 or T == TOKEN_COUNTS[0]:
-            providers.append(("source module torch.compile", lambda a=args[:3]: compiled(*a)))
-        for name, fn in providers:
-            try:
-                ms = bench(fn, rep=60 if name == "dsfuse triton" else 30)
-            except Exception as exc:  # noqa: BLE001 -- a failing provider must not hide the others
-                RESULTS["timings"].setdefault(f"T{T}", {})[name] = {"error": repr(exc)[:500]}
-                log(f"T={T} {name}: FAILED {exc!r}"[:300])
-                continue
-            entry = {"ms": ms, "tflops": flops / ms / 1e9, "packed_weight_gb_per_s": packed_bytes / ms / 1e6}
-            RESULTS["timings"].setdefault(f"T{T}", {})[name] = entry
-            rows.append((T, name, entry))
-            log(f"T={T} {name}: {ms:.3f} ms")
-            save()
-    for T in TOKEN_COUNTS:
-        x, ids, w = make_routing(T, seed=T)
-        base = moe.moe_default_config(T * TOP_K, NUM_EXPERTS)
-        if T > 64:  # BLOCK_M 256 halves the FP4 decode work per MMA flop
-            variants = [{"block_m": 256, "block_n1": 32}, {"block_k": 128, "block_n1": 32}, {"block_n2": 128},
-                        {"num_stages": 4}]
-        else:  # memory-bound: more, smaller programs; or fewer warps
-            variants = [{"block_n1": 32, "block_n2": 32}, {"num_warps": 4}, {"block_m": 16}]
-        for variant in variants:
-            if elapsed() > BUDGET_S - 8:
-                break
-            cfg = {**base, **variant}
-            ms = bench(lambda a=(x, ids, w, *weights), c=cfg: moe.moe_experts_fp4_triton(*a, config=c), rep=40)
-            RESULTS["sweep"].setdefault(f"T{T}", []).append({"config": cfg, "ms": ms})
-            log(f"sweep T={T} {variant}: {ms:.3f} ms")
-            save()
-    print(f"\n{'T':>5} {'provider':<28} {'ms':>8} {'TFLOP/s':>8} {'GB/s packed':>12}")
-    for T, name, e in rows:
-        print(f"{T:>5} {name:<28} {e['ms']:8.3f} {e['tflops']:8.1f} {e['packed_weight_gb_per_s']:12.0f}")
-    print("anchors: T4096 Inductor 6.59 ms, floor 3.64 ms; T64 Inductor 2.53 ms, bytes floor 0.18 ms")
+        cases.append(("fp4", T, moe.moe_experts_fp4_triton, moe.moe_experts_reference, fp4_module,
+                      (x, ids, w, *fp4_weights), fp4_bytes))
+        cases.append(("bf16", T, moe.moe_experts_bf16_triton, moe.moe_experts_bf16_reference, hf_module,
+                      (x, ids, w, gate_up, down), bf16_bytes))
+    for path, T, op, ref_fn, module, args, weight_bytes in cases:  # the dsfuse numbers first
+        run_case(path, T, op, ref_fn, module, weight_bytes, args)
+    compiled = {"fp4": torch.compile(fp4_module, dynamic=False), "bf16": torch.compile(hf_module, dynamic=False)}
+    names = {"fp4": "inductor (own-model FP4 module)", "bf16": "inductor (HF grouped_mm forward)"}
+    for path, T, op, ref_fn, module, args, weight_bytes in cases:  # then the baselines, while time lasts
+        if elapsed() > BUDGET_S - 35:  # one cold Inductor compile can take ~20-30 s
+            log(f"{path}_T{T}: out of time, Inductor baseline skipped")
+            continue
+        timed(f"{path}_T{T}", names[path], lambda m=compiled[path], a=args[:3]: m(*a),
+              6 * T * TOP_K * HIDDEN * INTER, weight_bytes, FLOOR_MS[(path, T)])
+    for path, T, op, ref_fn, module, args, weight_bytes in cases:
+        if elapsed() < BUDGET_S - 40:
+            timed(f"{path}_T{T}", "reference eager", lambda f=ref_fn, a=args: f(*a), 6 * T * TOP_K * HIDDEN * INTER,
+                  weight_bytes, FLOOR_MS[(path, T)], rep=20)
+    order = {("fp4", 4096): 0, ("fp4", 64): 1, ("bf16", 4096): 2, ("bf16", 64): 3}
+    for path, T, op, ref_fn, module, args, weight_bytes in sorted(cases, key=lambda c: order[(c[0], c[1])]):
+        sweep(path, T, op, args, f"{path}_T{T}", 6 * T * TOP_K * HIDDEN * INTER, weight_bytes, FLOOR_MS[(path, T)])
+    print(f"\n{'case':<11} {'provider':<34} {'ms':>8} {'TFLOP/s':>8} {'GB/s w':>8} {'% floor':>8}")
+    for key, providers in RESULTS["timings"].items():
+        for name, e in providers.items():
+            if "ms" in e:
+                print(f"{key:<11} {name:<34} {e['ms']:8.3f} {e['tflops']:8.0f} {e['weight_gb_per_s']:8.0f} "
+                      f"{e['pct_of_floor']:8.0f}")
+    for key, s in RESULTS["sweep"].items():
+        for v in s["variants"]:
+            print(f"{key:<11} sweep {json.dumps(v['variant']):<50} {v.get('ms', float('nan')):8.3f}")
+    print("targets (ms):", {f"{p}_T{t}": v for (p, t), v in TARGET_MS.items()})
+    log("done")
     save()
 
 

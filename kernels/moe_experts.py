@@ -1,19 +1,29 @@
-"""Routed SwiGLU experts with FP4 weights (E2M1 nibbles + E8M0 per-32 scales), DeepSeek V3.2 / V4 style.
+"""Routed SwiGLU experts, DeepSeek V3.2 / V4 style: FP4 weights (E2M1 nibbles + E8M0 per-32 scales) or plain weights.
 
-One custom op, `dsfuse::moe_experts_fp4`, with a plain-PyTorch reference (the CPU implementation and the numerics
-contract: the math of `dsfuse.models.official.DsfuseFp4Experts.forward`) and a Triton CUDA path that never builds a
-dequantised weight stack:
+Two custom ops share one Triton pipeline, switched by a constexpr weight format:
 
-1. routing (torch ops, no host sync): slots whose expert is local are sorted by expert; a per-expert padded tile
-   schedule of fixed length `T*k // BLOCK_M + E` is built with `cumsum` / `searchsorted`;
-2. grouped GEMM 1: each program decodes FP4 gate and up rows of one expert in registers, runs two `tl.dot`s on the
-   gathered token rows and applies SwiGLU in the epilogue, writing the activation `[slots, I]` in x's dtype;
-3. grouped GEMM 2: decodes the down projection the same way and writes each slot's output times its router weight;
-4. combine: each token sums its k slot outputs in fp32 in slot order (deterministic, no atomics), reading only the
-   slots whose expert is local (expert parallelism: other ranks own the rest), and casts once.
+- `dsfuse::moe_experts_fp4`: the own model's `DsfuseFp4Experts` (FP4 weights decoded in registers, never a
+  dequantised stack; router weight cast to x's dtype and the product rounded, as that module does);
+- `dsfuse::moe_experts_bf16`: transformers' `grouped_mm_experts_forward` (weights in x's dtype, `F.linear` layout;
+  router-weight product with torch type promotion, as HF computes it).
 
-Weights are `[E, N, K//2]` uint8 (low nibble = even element) with scales `[E, N, K//32]` uint8, as `quantize_fp4`
-writes them. Expert ids are global; `local_expert_offset` says which `E` of them this rank holds.
+Each has a plain-PyTorch reference (its CPU implementation and numerics contract). The Triton path:
+
+1. routing (no host sync): slots whose expert is local are sorted by expert (stably) and a per-expert padded tile
+   schedule of fixed length `T*k // BLOCK_M + E` is built: one Triton program (counting sort) for decode-sized
+   batches, torch ops (`sort`, `cumsum`, `searchsorted`) for large ones;
+2. grouped GEMM 1, "swap AB": weight rows are the MMA's M dimension and tokens its N dimension
+   (`acc[rows, tokens] = W @ x^T`), so a decoded FP4 tile can feed the tensor cores straight from registers and a
+   handful of tokens per expert (decode) still fills the MMA. One tile holds matching gate and up rows; the
+   epilogue applies SwiGLU and writes the activation `[slots, I]` in x's dtype;
+3. grouped GEMM 2, same layout, writes each slot's down-projection output (rounded to x's dtype);
+4. combine: each token sums its k slots in fp32 in slot order (deterministic, no atomics), applying the router
+   weight with the op's rounding and reading only slots whose expert is local (expert parallelism), cast once.
+
+FP4 tiles are decoded in registers once per K step: with bf16 activations on CUDA by integer ops and two exact
+`mul.rn.bf16x2` per byte (inline PTX), otherwise exactly through fp32; both bit-exact with `dequantize_fp4`.
+FP4 weights are `[E, N, K//2]` uint8 (low nibble = even element) with scales `[E, N, K//32]` uint8, as
+`quantize_fp4` writes them. Expert ids are global; `local_expert_offset` says which `E` of them this rank holds.
 """
 
 from __future__ import annotations
@@ -25,47 +35,61 @@ from dsfuse.models.official import FP4_BLOCK_SIZE, dequantize_fp4
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference
+# Input checks and references
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_routing(op, x, expert_ids, expert_weights, local_expert_offset):
+    """x, ids and router weights of either op; raises with the offending argument's name."""
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [T, H], got {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: x dtype {x.dtype} not in {_FLOAT_DTYPES}")
+    T = x.shape[0]
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.shape[1] < 1:
+        raise ValueError(f"{op}: expert_ids must be [T={T}, k>=1], got {tuple(expert_ids.shape)}")
+    if expert_ids.dtype not in _INDEX_DTYPES:
+        raise TypeError(f"{op}: expert_ids must be int32 or int64, got {expert_ids.dtype}")
+    if expert_weights.shape != expert_ids.shape:
+        raise ValueError(
+            f"{op}: expert_weights {tuple(expert_weights.shape)} must match expert_ids {tuple(expert_ids.shape)}"
+        )
+    if expert_weights.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{op}: expert_weights dtype {expert_weights.dtype} not in {_FLOAT_DTYPES}")
+    if local_expert_offset < 0:
+        raise ValueError(f"{op}: local_expert_offset must be >= 0, got {local_expert_offset}")
+
+
+def _check_devices(op, x, named_tensors):
+    for name, t in named_tensors:
+        if t.device != x.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, x is on {x.device}")
 
 
 def _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset):
-    """Shapes, dtypes and devices; raises with the offending argument's name."""
-    if x.dim() != 2:
-        raise ValueError(f"moe_experts_fp4: x must be [T, H], got {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"moe_experts_fp4: x dtype {x.dtype} not in {_FLOAT_DTYPES}")
-    T, H = x.shape
-    if expert_ids.dim() != 2 or expert_ids.shape[0] != T or expert_ids.shape[1] < 1:
-        raise ValueError(f"moe_experts_fp4: expert_ids must be [T={T}, k>=1], got {tuple(expert_ids.shape)}")
-    if expert_ids.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"moe_experts_fp4: expert_ids must be int32 or int64, got {expert_ids.dtype}")
-    if expert_weights.shape != expert_ids.shape:
-        raise ValueError(
-            f"moe_experts_fp4: expert_weights {tuple(expert_weights.shape)} must match expert_ids "
-            f"{tuple(expert_ids.shape)}"
-        )
-    if expert_weights.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"moe_experts_fp4: expert_weights dtype {expert_weights.dtype} not in {_FLOAT_DTYPES}")
+    """FP4 op: shapes, dtypes and devices; raises with the offending argument's name."""
+    op = "moe_experts_fp4"
+    _check_routing(op, x, expert_ids, expert_weights, local_expert_offset)
+    H = x.shape[1]
     for name, t in (("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed),
                     ("w2_scale", w2_scale)):
         if t.dtype != torch.uint8:
-            raise TypeError(f"moe_experts_fp4: {name} must be uint8, got {t.dtype}")
+            raise TypeError(f"{op}: {name} must be uint8, got {t.dtype}")
         if t.dim() != 3:
-            raise ValueError(f"moe_experts_fp4: {name} must be 3-D, got {tuple(t.shape)}")
+            raise ValueError(f"{op}: {name} must be 3-D, got {tuple(t.shape)}")
     E = w13_packed.shape[0]
     if E < 1:
-        raise ValueError("moe_experts_fp4: need at least one local expert")
+        raise ValueError(f"{op}: need at least one local expert")
     if H % FP4_BLOCK_SIZE:
-        raise ValueError(f"moe_experts_fp4: hidden size {H} is not a multiple of the FP4 block size {FP4_BLOCK_SIZE}")
+        raise ValueError(f"{op}: hidden size {H} is not a multiple of the FP4 block size {FP4_BLOCK_SIZE}")
     two_i = w13_packed.shape[1]
     if two_i % 2 or (two_i // 2) % FP4_BLOCK_SIZE or two_i == 0:
         raise ValueError(
-            f"moe_experts_fp4: w13_packed dim 1 must be 2*I with I a positive multiple of {FP4_BLOCK_SIZE}, "
-            f"got {two_i}"
+            f"{op}: w13_packed dim 1 must be 2*I with I a positive multiple of {FP4_BLOCK_SIZE}, got {two_i}"
         )
     inter = two_i // 2
     expected = {
@@ -76,13 +100,40 @@ def _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packe
     }
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:
-            raise ValueError(f"moe_experts_fp4: {name} must be {shape} for x {tuple(x.shape)}, got {tuple(t.shape)}")
-    for name, t in (("expert_ids", expert_ids), ("expert_weights", expert_weights), ("w13_packed", w13_packed),
-                    ("w13_scale", w13_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
-        if t.device != x.device:
-            raise ValueError(f"moe_experts_fp4: {name} is on {t.device}, x is on {x.device}")
-    if local_expert_offset < 0:
-        raise ValueError(f"moe_experts_fp4: local_expert_offset must be >= 0, got {local_expert_offset}")
+            raise ValueError(f"{op}: {name} must be {shape} for x {tuple(x.shape)}, got {tuple(t.shape)}")
+    _check_devices(op, x, (("expert_ids", expert_ids), ("expert_weights", expert_weights),
+                           ("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed),
+                           ("w2_scale", w2_scale)))
+
+
+def _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset):
+    """Plain-weight op: `gate_up [E, 2I, H]`, `down [E, H, I]`, both in x's dtype."""
+    op = "moe_experts_bf16"
+    _check_routing(op, x, expert_ids, expert_weights, local_expert_offset)
+    H = x.shape[1]
+    for name, t in (("gate_up", gate_up), ("down", down)):
+        if t.dim() != 3:
+            raise ValueError(f"{op}: {name} must be 3-D, got {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise TypeError(f"{op}: {name} dtype {t.dtype} must match x dtype {x.dtype}")
+    E, two_i = gate_up.shape[:2]
+    if E < 1:
+        raise ValueError(f"{op}: need at least one local expert")
+    if two_i % 2 or two_i == 0:
+        raise ValueError(f"{op}: gate_up dim 1 must be 2*I with I >= 1, got {two_i}")
+    inter = two_i // 2
+    if tuple(gate_up.shape) != (E, 2 * inter, H):
+        raise ValueError(f"{op}: gate_up must be {(E, 2 * inter, H)} for x {tuple(x.shape)}, got "
+                         f"{tuple(gate_up.shape)}")
+    if tuple(down.shape) != (E, H, inter):
+        raise ValueError(f"{op}: down must be {(E, H, inter)} for x {tuple(x.shape)}, got {tuple(down.shape)}")
+    _check_devices(op, x, (("expert_ids", expert_ids), ("expert_weights", expert_weights), ("gate_up", gate_up),
+                           ("down", down)))
+
+
+def _check_ids_non_negative(op, expert_ids):
+    if expert_ids.numel() and int(expert_ids.min()) < 0:
+        raise ValueError(f"{op}: expert ids must be >= 0, got {int(expert_ids.min())}")
 
 
 def moe_experts_reference(
@@ -102,8 +153,7 @@ def moe_experts_reference(
     must be in `[0, num_global_experts)`: negative ids raise.
     """
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
-    if expert_ids.numel() and int(expert_ids.min()) < 0:
-        raise ValueError(f"moe_experts_fp4: expert ids must be >= 0, got {int(expert_ids.min())}")
+    _check_ids_non_negative("moe_experts_fp4", expert_ids)
     T, top_k = expert_ids.shape
     num_experts = w13_packed.shape[0]
     inter = w13_packed.shape[1] // 2
@@ -124,62 +174,201 @@ def moe_experts_reference(
     return slot_out.view(T, top_k, -1).sum(dim=1).to(x.dtype)
 
 
+def moe_experts_bf16_reference(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    local_expert_offset: int = 0,
+) -> torch.Tensor:
+    """transformers' `grouped_mm_experts_forward` math (SiLU gate), one local expert at a time.
+
+    Per slot, in x's dtype: `gate, up = (x @ gate_up^T).chunk(2)`, `silu(gate) * up`, `@ down^T`; then
+    `out * router_weight` with torch type promotion (fp32 router weights give an fp32, unrounded product), summed
+    over the k slots with `view(T, k, H).sum(1)` and cast to x's dtype, as HF does. Slots of non-local experts add
+    nothing and are never read. Negative ids raise.
+    """
+    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    _check_ids_non_negative("moe_experts_bf16", expert_ids)
+    T, top_k = expert_ids.shape
+    num_experts = gate_up.shape[0]
+    local_ids = expert_ids.reshape(-1).long() - local_expert_offset
+    flat_weights = expert_weights.reshape(-1)
+    product_dtype = torch.promote_types(x.dtype, expert_weights.dtype)
+    weighted = torch.zeros(T * top_k, x.shape[1], dtype=product_dtype, device=x.device)
+    for expert in range(num_experts):
+        slots = (local_ids == expert).nonzero().squeeze(1)
+        if slots.numel() == 0:
+            continue
+        proj = x[slots // top_k] @ gate_up[expert].t()
+        gate, up = proj.chunk(2, dim=-1)
+        activated = torch.nn.functional.silu(gate) * up
+        weighted[slots] = (activated @ down[expert].t()) * flat_weights[slots].unsqueeze(-1)
+    return weighted.view(T, top_k, -1).sum(dim=1).to(x.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # FP4 decode (shared by both GEMMs and tested on its own)
 # ---------------------------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def fp4_decode(nibble, scale_byte):
-    """E2M1 nibble (int32, 0..15) times 2^(scale_byte - 127) as fp32, exactly as `dequantize_fp4` rounds it.
-
-    The nibble moved into an fp16 (sign to bit 15, the 3 magnitude bits to bits 9-11) encodes `value * 2^-14`
-    exactly (codes 0/1 land on fp16 zero/subnormal, the sign gives -0), so the only arithmetic is an exact widening
-    and fp32 multiplies by powers of two; the scale is built from bits: byte 0 is the subnormal 2^-127, byte 255
-    is NaN. Plain fp32 multiplies keep subnormals on the GPU (Triton applies FTZ to libdevice calls only).
-    """
-    half_bits = (((nibble & 8) << 12) | ((nibble & 7) << 9)).to(tl.int16)
-    value = half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+def e8m0_to_float(scale_byte):
+    """E8M0 byte -> fp32 `2^(byte - 127)` built from bits: byte 0 is the subnormal 2^-127, byte 255 is NaN."""
     scale_int = scale_byte.to(tl.int32)
     scale_bits = tl.where(scale_int == 0, 0x00400000, scale_int << 23)
     scale_bits = tl.where(scale_int == 255, 0x7FC00000, scale_bits)
-    return value * scale_bits.to(tl.float32, bitcast=True)
+    return scale_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _fp4_decode_table_kernel(packed_ptr, scale_ptr, out_ptr, N, BLOCK: tl.constexpr):
-    """Decodes `N` bytes with one scale byte each into `[N, 2]` fp32 (low nibble first): the decode under test."""
+def e2m1_to_float(nibble):
+    """E2M1 code (int32, 0..15; higher bits must be zero) -> its value as fp32, exactly.
+
+    Sign to fp16 bit 15, the 3 magnitude bits to bits 9-11: that fp16 is `value * 2^-14` exactly (codes 0/1 land
+    on zero/subnormal, the sign gives -0); widening is exact and so is `* 2^14`.
+    """
+    half_bits = (((nibble & 8) << 12) | ((nibble & 7) << 9)).to(tl.int16)
+    return half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
+def fp4_decode(nibble, scale_byte):
+    """E2M1 nibble times 2^(scale_byte - 127) as fp32, exactly as `dequantize_fp4` rounds it.
+
+    Both factors are exact and the product of an E2M1 value and a power of two is exactly representable (or
+    overflows to inf exactly as the reference does); plain fp32 multiplies keep subnormals on the GPU (Triton
+    applies FTZ to libdevice calls only). No `exp2`: `ex2.approx` flushes subnormals.
+    """
+    return e2m1_to_float(nibble) * e8m0_to_float(scale_byte)
+
+
+@triton.jit
+def e8m0_to_bf16_factor_pairs(scale_byte):
+    """E8M0 byte S -> two bf16 powers of two with `f1 * f2 = 2^(S - 1)`, each replicated into both halves of an int32
+    (a bf16x2 operand): f1 = 2^(min(S, 128) - 1) and f2 = 2^(max(S, 128) - 128) are both representable, and
+    S = 255 gives f2 = NaN. See `fp4_decode_bf16_pair` for why `(value * 2^-126) * f1 * f2` is exact."""
+    scale_int = scale_byte.to(tl.int32)
+    f1 = (tl.minimum(scale_int, 128) + 126) << 7
+    f2 = tl.where(scale_int == 255, 0x7FC0, (tl.maximum(scale_int, 128) - 1) << 7)
+    return f1 | (f1 << 16), f2 | (f2 << 16)
+
+
+@triton.jit
+def fp4_decode_bf16_pair(byte, f1_pair, f2_pair):
+    """Both weights of a packed byte (int32, 0..255) as bf16, low nibble first, exactly `dequantize_fp4(...,
+    bfloat16)`: integer ops and two packed bf16 multiplies per byte, no float conversions (CUDA only, inline PTX).
+
+    One 32-bit word holds both codes as bf16 `value * 2^-126`: each code's sign goes to its half's bit 15 and its
+    3 magnitude bits to bits 6-8 (the exponent's two low bits and the top mantissa bit), so codes 0/1 land on zero
+    and the subnormal 2^-127 and the rest on normal numbers. Multiplying the byte by `2^6 + 2^18` (`2^12 + 2^24`
+    for the signs) places two non-overlapping copies, a mask keeps each half's bits. Then `* f1 * f2` (from
+    `e8m0_to_bf16_factor_pairs`): both products are exact powers-of-two scalings, `mul.rn.bf16x2` keeps
+    subnormals (S = 0 gives `value * 2^-127`) and overflows to inf where the fp32 reference does.
+    """
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 w, s;
+        mul.lo.u32 w, $2, 0x40040;
+        and.b32 w, w, 0x01C001C0;
+        mul.lo.u32 s, $2, 0x1001000;
+        and.b32 s, s, 0x80008000;
+        or.b32 w, w, s;
+        mul.rn.bf16x2 w, w, $3;
+        mul.rn.bf16x2 w, w, $4;
+        mov.b32 {$0, $1}, w;
+        }""",
+        constraints="=h,=h,r,r,r",
+        args=[byte, f1_pair, f2_pair],
+        dtype=(tl.int16, tl.int16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _fp4_decode_table_kernel(packed_ptr, scale_ptr, out_ptr, N, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    """Decodes `N` bytes with one scale byte each into `[N, 2]` fp32 (low nibble first) with the fp32 decode or,
+    with `BF16` (CUDA only), the bf16 decode the GEMMs use for bf16 activations (widened exactly to fp32)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     byte = tl.load(packed_ptr + offs, mask=mask, other=0).to(tl.int32)
     scale = tl.load(scale_ptr + offs, mask=mask, other=127)
-    tl.store(out_ptr + 2 * offs, fp4_decode(byte & 15, scale), mask=mask)
-    tl.store(out_ptr + 2 * offs + 1, fp4_decode(byte >> 4, scale), mask=mask)
+    if BF16:
+        f1, f2 = e8m0_to_bf16_factor_pairs(scale)
+        lo, hi = fp4_decode_bf16_pair(byte, f1, f2)
+        lo = lo.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        hi = hi.to(tl.bfloat16, bitcast=True).to(tl.float32)
+    else:
+        lo, hi = fp4_decode(byte & 15, scale), fp4_decode(byte >> 4, scale)
+    tl.store(out_ptr + 2 * offs, lo, mask=mask)
+    tl.store(out_ptr + 2 * offs + 1, hi, mask=mask)
 
 
-def fp4_decode_triton(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`packed [N]` uint8 with one E8M0 byte per packed byte -> `[N, 2]` fp32 through `fp4_decode`."""
+def fp4_decode_triton(packed: torch.Tensor, scales: torch.Tensor, bf16: bool = False) -> torch.Tensor:
+    """`packed [N]` uint8 with one E8M0 byte per packed byte -> `[N, 2]` fp32 through `fp4_decode` (or, with
+    `bf16`, CUDA only, through `fp4_decode_bf16_pair`)."""
     packed, scales = packed.contiguous(), scales.contiguous()
     out = torch.empty(packed.numel(), 2, dtype=torch.float32, device=packed.device)
     block = 256
-    _fp4_decode_table_kernel[(triton.cdiv(packed.numel(), block),)](packed, scales, out, packed.numel(), BLOCK=block)
+    _fp4_decode_table_kernel[(triton.cdiv(packed.numel(), block),)](packed, scales, out, packed.numel(), BLOCK=block,
+                                                                    BF16=bf16)
     return out
 
 
 @triton.jit
-def _load_fp4_tile(packed_row_ptr, scale_row_ptr, stride_pn, stride_sn, offs_n, n_mask, k0, K,
-                   HALF_BK: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """Decode `[BN, BK]` weights of one expert as two `[BK/2, BN]` operands: even and odd K columns."""
-    offs_byte = k0 // 2 + tl.arange(0, HALF_BK)
-    byte_mask = n_mask[:, None] & (offs_byte[None, :] < K // 2)
-    packed = tl.load(packed_row_ptr + offs_n[:, None] * stride_pn + offs_byte[None, :], mask=byte_mask, other=0)
-    # Byte j holds elements 2j and 2j+1, both in scale block 2j // 32 = j // 16.
-    scales = tl.load(scale_row_ptr + offs_n[:, None] * stride_sn + offs_byte[None, :] // 16, mask=byte_mask,
-                     other=127)
-    packed = packed.to(tl.int32)
-    even = fp4_decode(packed & 15, scales).to(DOT_DTYPE)
-    odd = fp4_decode(packed >> 4, scales).to(DOT_DTYPE)
-    return tl.trans(even), tl.trans(odd)
+def _per_byte(block_values, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`[BN, BK/32]` per-block values -> `[BN, BK/2]` per packed byte (byte j holds elements 2j, 2j+1: block j // 16)."""
+    return tl.reshape(tl.broadcast_to(block_values[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
+
+
+@triton.jit
+def _scale_tile(s_ptr, rows, row_mask, k0, K, stride_sn, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
+    """The `[BN, BK/32]` E8M0 bytes of a K step (zeros when the weights are not FP4).
+
+    Loaded one K step ahead by the GEMM loops: with a few bytes per thread Triton does not stream this load
+    through `cp.async`, so in-step it would be a synchronous global load (full latency) every K step.
+    """
+    if FP4:
+        offs_block = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        mask = row_mask[:, None] & (offs_block[None, :] < K // 32)
+        return tl.load(s_ptr + rows[:, None] * stride_sn + offs_block[None, :], mask=mask, other=127)
+    else:
+        return tl.zeros((rows.shape[0], BLOCK_K // 32), dtype=tl.uint8)
+
+
+@triton.jit
+def _weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
+                 BLOCK_K: tl.constexpr, FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """`[len(rows), BLOCK_K]` weights of one expert in the dot dtype (K columns from `k0`).
+
+    FP4: one load of the packed bytes `[BN, BK/2]`; the step's scales `[BN, BK/32]` (`_scale_tile`) are turned into
+    factors once per 32 elements and broadcast, both nibbles are decoded and interleaved back into K order. bf16 on
+    CUDA (`DECODE_ASM`) decodes with integer ops and two exact bf16x2 multiplies (`fp4_decode_bf16_pair`); other
+    dtypes and the interpreter go through fp32 (`fp4_decode`), rounded once.
+    Otherwise a plain load of the weights, already in x's dtype.
+    """
+    if FP4:
+        offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        byte_mask = row_mask[:, None] & (offs_byte[None, :] < K // 2)
+        packed = tl.load(w_ptr + rows[:, None] * stride_wn + offs_byte[None, :], mask=byte_mask, other=0)
+        packed = packed.to(tl.int32)
+        if DECODE_ASM:
+            f1, f2 = e8m0_to_bf16_factor_pairs(scale)
+            even, odd = fp4_decode_bf16_pair(packed, _per_byte(f1, rows.shape[0], BLOCK_K),
+                                             _per_byte(f2, rows.shape[0], BLOCK_K))
+            even = even.to(tl.bfloat16, bitcast=True)
+            odd = odd.to(tl.bfloat16, bitcast=True)
+        else:
+            scale = _per_byte(e8m0_to_float(scale), rows.shape[0], BLOCK_K)
+            even = (e2m1_to_float(packed & 15) * scale).to(DOT_DTYPE)
+            odd = (e2m1_to_float(packed >> 4) * scale).to(DOT_DTYPE)
+        return tl.interleave(even, odd)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask = row_mask[:, None] & (offs_k[None, :] < K)
+        return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,10 +382,13 @@ def _gate_up_swiglu_kernel(
     w_ptr, s_ptr, act_ptr,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_am,
     H, INTER, TOP_K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One M tile of one expert x one N block of I: gate and up accumulate side by side, SwiGLU in the epilogue."""
-    num_n_blocks = tl.cdiv(INTER, BLOCK_N)
+    """One M tile of one expert x `BLOCK_N/2` columns of I: a `[BLOCK_N, BLOCK_K]` weight tile holds the gate rows
+    (first half) and the matching up rows (second half); `acc[rows, tokens]`, SwiGLU in the epilogue."""
+    HALF_N: tl.constexpr = BLOCK_N // 2
+    num_n_blocks = tl.cdiv(INTER, HALF_N)
     tile = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
     row_start = tl.load(tile_row_start_ptr + tile)
@@ -208,46 +400,44 @@ def _gate_up_swiglu_kernel(
     offs_m = row_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < row_end
     slot = tl.load(sorted_slot_ptr + offs_m, mask=m_mask, other=0)
-    token = (slot // TOP_K).to(tl.int64)
-    offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < INTER
-    half = tl.arange(0, BLOCK_K // 2)
+    x_rows = x_ptr + (slot // TOP_K).to(tl.int64)[:, None] * stride_xt
+    offs_r = tl.arange(0, BLOCK_N)
+    col = n_block * HALF_N + offs_r % HALF_N
+    w_rows = col + (offs_r // HALF_N) * INTER
+    w_mask = col < INTER
     w_expert = w_ptr + expert * stride_we
     s_expert = s_ptr + expert * stride_se
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    scale = _scale_tile(s_expert, w_rows, w_mask, 0, H, stride_sn, BLOCK_K, FP4)
     for k0 in range(0, H, BLOCK_K):
-        cols = k0 + 2 * half
-        a_mask = m_mask[:, None] & (cols[None, :] < H)
-        a_row = x_ptr + token[:, None] * stride_xt + cols[None, :]
-        a_even = tl.load(a_row, mask=a_mask, other=0.0)
-        a_odd = tl.load(a_row + 1, mask=a_mask, other=0.0)
-        g_even, g_odd = _load_fp4_tile(w_expert, s_expert, stride_wn, stride_sn, offs_n, n_mask, k0, H,
-                                       BLOCK_K // 2, dot_dtype)
-        acc_gate = tl.dot(a_even, g_even, acc_gate, input_precision=DOT_PRECISION)
-        acc_gate = tl.dot(a_odd, g_odd, acc_gate, input_precision=DOT_PRECISION)
-        u_even, u_odd = _load_fp4_tile(w_expert, s_expert, stride_wn, stride_sn, offs_n + INTER, n_mask, k0, H,
-                                       BLOCK_K // 2, dot_dtype)
-        acc_up = tl.dot(a_even, u_even, acc_up, input_precision=DOT_PRECISION)
-        acc_up = tl.dot(a_odd, u_odd, acc_up, input_precision=DOT_PRECISION)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < H), other=0.0)
+        next_scale = _scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, H, stride_sn, BLOCK_K, FP4)
+        w_tile = _weight_tile(w_expert, scale, w_rows, w_mask, k0, H, stride_wn, BLOCK_K, FP4, DECODE_ASM,
+                              dot_dtype)
+        scale = next_scale
+        acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=DOT_PRECISION)
     # Round as the source does: each GEMM output, silu and the product are all in x's dtype.
-    gate = acc_gate.to(dot_dtype).to(tl.float32)
-    up = acc_up.to(dot_dtype).to(tl.float32)
+    gate, up = tl.split(tl.permute(tl.reshape(acc.to(dot_dtype), (2, HALF_N, BLOCK_M)), (2, 1, 0)))
+    gate = gate.to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dot_dtype).to(tl.float32)
-    act = (silu * up).to(dot_dtype)
-    tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_n[None, :], act,
-             mask=m_mask[:, None] & n_mask[None, :])
+    act = (silu * up.to(tl.float32)).to(dot_dtype)
+    out_col = n_block * HALF_N + tl.arange(0, HALF_N)
+    tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + out_col[None, :], act,
+             mask=m_mask[:, None] & (out_col[None, :] < INTER))
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, sorted_slot_ptr, weight_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
+    act_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
     w_ptr, s_ptr, slot_out_ptr,
     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     H, INTER,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
+    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One M tile of one expert x one N block of H; writes `out * router_weight` (both rounded to x's dtype)."""
+    """One M tile of one expert x `BLOCK_N` columns of H: `acc[rows, tokens]`, stored (rounded to x's dtype) to each
+    slot's own row of `slot_out`; the router weight is applied by the combine."""
     num_n_blocks = tl.cdiv(H, BLOCK_N)
     tile = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
@@ -259,35 +449,36 @@ def _down_kernel(
     dot_dtype = act_ptr.dtype.element_ty
     offs_m = row_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < row_end
+    a_rows = act_ptr + offs_m[:, None].to(tl.int64) * stride_am
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    half = tl.arange(0, BLOCK_K // 2)
     w_expert = w_ptr + expert * stride_we
     s_expert = s_ptr + expert * stride_se
-    a_base = act_ptr + offs_m[:, None].to(tl.int64) * stride_am
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    scale = _scale_tile(s_expert, offs_n, n_mask, 0, INTER, stride_sn, BLOCK_K, FP4)
     for k0 in range(0, INTER, BLOCK_K):
-        cols = k0 + 2 * half
-        a_mask = m_mask[:, None] & (cols[None, :] < INTER)
-        a_even = tl.load(a_base + cols[None, :], mask=a_mask, other=0.0)
-        a_odd = tl.load(a_base + cols[None, :] + 1, mask=a_mask, other=0.0)
-        b_even, b_odd = _load_fp4_tile(w_expert, s_expert, stride_wn, stride_sn, offs_n, n_mask, k0, INTER,
-                                       BLOCK_K // 2, dot_dtype)
-        acc = tl.dot(a_even, b_even, acc, input_precision=DOT_PRECISION)
-        acc = tl.dot(a_odd, b_odd, acc, input_precision=DOT_PRECISION)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a_tile = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
+        next_scale = _scale_tile(s_expert, offs_n, n_mask, k0 + BLOCK_K, INTER, stride_sn, BLOCK_K, FP4)
+        w_tile = _weight_tile(w_expert, scale, offs_n, n_mask, k0, INTER, stride_wn, BLOCK_K, FP4, DECODE_ASM,
+                              dot_dtype)
+        scale = next_scale
+        acc = tl.dot(w_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
     slot = tl.load(sorted_slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    router = tl.load(weight_ptr + slot, mask=m_mask, other=0.0).to(dot_dtype).to(tl.float32)
-    out = (acc.to(dot_dtype).to(tl.float32) * router[:, None]).to(dot_dtype)
-    tl.store(slot_out_ptr + slot[:, None] * stride_om + offs_n[None, :], out,
-             mask=m_mask[:, None] & n_mask[None, :])
+    out = tl.trans(acc.to(dot_dtype))
+    tl.store(slot_out_ptr + slot[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _combine_kernel(
-    slot_out_ptr, expert_ids_ptr, out_ptr, stride_om, stride_ot, H, TOP_K, LOCAL_LO, LOCAL_HI,
-    BLOCK_H: tl.constexpr,
+    slot_out_ptr, expert_ids_ptr, router_ptr, out_ptr, stride_om, stride_ot, H, TOP_K, LOCAL_LO, LOCAL_HI,
+    BLOCK_H: tl.constexpr, ROUTER_DTYPE: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
 ):
-    """Token t = sum over its slots j = 0..k-1, in that order, of the local slots' outputs, in fp32."""
+    """Token t = sum over its slots j = 0..k-1, in that order and in fp32, of `round(out * round(router))`.
+
+    The router weight is first rounded to `ROUTER_DTYPE` and the product to `PRODUCT_DTYPE` (FP4 op: both x's
+    dtype; HF op: the router's own dtype and the promoted dtype). Non-local slots are skipped unread.
+    """
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
@@ -295,10 +486,11 @@ def _combine_kernel(
     for j in range(TOP_K):
         slot = token * TOP_K + j
         expert = tl.load(expert_ids_ptr + slot).to(tl.int64)
-        is_local = ((expert >= LOCAL_LO) & (expert < LOCAL_HI)).to(tl.int32)
-        row_mask = h_mask & ((offs_h * 0 + is_local) != 0)
-        row = tl.load(slot_out_ptr + slot * stride_om + offs_h, mask=row_mask, other=0.0)
-        total += row.to(tl.float32)
+        is_local = (expert >= LOCAL_LO) & (expert < LOCAL_HI)
+        if is_local:
+            router = tl.load(router_ptr + slot).to(ROUTER_DTYPE).to(tl.float32)
+            row = tl.load(slot_out_ptr + slot * stride_om + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+            total += (row * router).to(PRODUCT_DTYPE).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_mask)
 
 
@@ -307,13 +499,22 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def moe_default_config(num_slots: int, num_experts: int) -> dict:
-    """Tile sizes from static shapes only: BLOCK_M covers 1.5x the mean rows per expert (up to 128), so that with
-    few tokens nearly every expert needs one tile and its weights are decoded once (decode is ALU-bound)."""
+def moe_default_config(num_slots: int, num_experts: int, fp4: bool = True) -> dict:
+    """Tile sizes from static shapes only (slots = T*k, local experts, weight format).
+
+    BLOCK_M (tokens: the MMA's N dimension) covers 1.5x the mean rows per expert, from 16 up to 256: at decode
+    nearly every expert needs one tile, so each weight is read and decoded once; at prefill a 256-token tile halves
+    the FP4 decode work per MMA flop against 128. BLOCK_N 128 weight rows = two warpgroups of 64 with 8 warps, so
+    no warpgroup decodes another's rows. FP4 decode tiles use BLOCK_K 64 with 6 stages: 63 registers (sm_90,
+    triton 3.9), so four CTAs share an SM and hide each other's load and wgmma latency (BLOCK_K 128 needs 138
+    registers: one CTA per SM). Prefill tiles are the largest that compile without spills.
+    """
     rows_per_expert = max(1, -(-3 * num_slots // (2 * num_experts)))
-    block_m = min(128, max(16, triton.next_power_of_2(rows_per_expert)))
-    # BLOCK_K 64 with 8 warps: the largest tiles that compile for sm_90 without register spills (ptxas, triton 3.9).
-    return {"block_m": block_m, "block_n1": 64, "block_n2": 64, "block_k": 64, "num_warps": 8, "num_stages": 3}
+    block_m = min(256, max(16, triton.next_power_of_2(rows_per_expert)))
+    config = {"block_m": block_m, "block_n1": 128, "block_n2": 128, "num_warps": 8}
+    if block_m <= 64:  # bandwidth-bound decode: deep pipelines keep weight bytes in flight
+        return {**config, "block_k": 64, "num_stages": 6} if fp4 else {**config, "block_k": 128, "num_stages": 4}
+    return {**config, "block_k": 64, "num_stages": 4 if block_m == 128 else 3}
 
 
 def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int):
@@ -343,9 +544,143 @@ def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert
     return (sorted_slot, row_start.to(torch.int32), row_end.to(torch.int32), expert.to(torch.int32))
 
 
+@triton.jit
+def _routing_keys(ids_ptr, offs, N, LOCAL_LO, NUM_EXPERTS, E_PAD: tl.constexpr):
+    """Per slot its local expert, `NUM_EXPERTS` for another rank's, `E_PAD` (matches no bucket) past the end."""
+    local = tl.load(ids_ptr + offs, mask=offs < N, other=0).to(tl.int64) - LOCAL_LO
+    key = tl.where((local >= 0) & (local < NUM_EXPERTS), local, NUM_EXPERTS).to(tl.int32)
+    return tl.where(offs < N, key, E_PAD)
+
+
+@triton.jit
+def _routing_kernel(
+    ids_ptr, rank_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
+    N, LOCAL_LO, NUM_EXPERTS, MAX_TILES,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """`build_tile_schedule` in one program (one launch instead of ~35 small torch ops): a stable counting sort.
+
+    Pass 1 walks the slots in order, chunk by chunk: a one-hot `[CHUNK, E_PAD]` of the bucket and its running
+    cumsum give each slot its rank within its bucket (the bucket counts carry over chunks). Bucket starts are the
+    exclusive cumsum of the counts (other ranks' bucket `NUM_EXPERTS` last); pass 2 scatters each slot to
+    `start + rank`. The tile list then follows from the per-expert tile counts as in the torch version.
+    """
+    buckets = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        onehot = (_routing_keys(ids_ptr, offs, N, LOCAL_LO, NUM_EXPERTS, E_PAD)[:, None] == buckets[None, :])
+        onehot = onehot.to(tl.int32)
+        rank = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + counts[None, :]), axis=1)
+        tl.store(rank_ptr + offs, rank, mask=offs < N)
+        counts += tl.sum(onehot, axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    for c0 in range(0, N, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        onehot = (_routing_keys(ids_ptr, offs, N, LOCAL_LO, NUM_EXPERTS, E_PAD)[:, None] == buckets[None, :])
+        position = tl.sum(onehot.to(tl.int32) * starts[None, :], axis=1) + tl.load(rank_ptr + offs, mask=offs < N)
+        tl.store(sorted_slot_ptr + position, offs, mask=offs < N)
+    is_expert = buckets < NUM_EXPERTS
+    local_counts = tl.where(is_expert, counts, 0)
+    tiles = (local_counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(tiles, axis=0)
+    tile_begin = tile_end - tiles
+    for t0 in range(0, MAX_TILES, CHUNK):
+        tile = t0 + tl.arange(0, CHUNK)
+        expert = tl.sum(((tile_end[None, :] <= tile[:, None]) & is_expert[None, :]).to(tl.int32), axis=1)
+        used = expert < NUM_EXPERTS
+        expert = tl.minimum(expert, NUM_EXPERTS - 1)
+        pick = (buckets[None, :] == expert[:, None]).to(tl.int32)
+        start = tl.sum(pick * starts[None, :], axis=1)
+        row_start = start + (tile - tl.sum(pick * tile_begin[None, :], axis=1)) * BLOCK_M
+        row_end = tl.where(used, start + tl.sum(pick * local_counts[None, :], axis=1), 0)
+        tl.store(tile_row_start_ptr + tile, row_start, mask=tile < MAX_TILES)
+        tl.store(tile_row_end_ptr + tile, row_end, mask=tile < MAX_TILES)
+        tl.store(tile_expert_ptr + tile, expert, mask=tile < MAX_TILES)
+
+
+def build_tile_schedule_triton(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int):
+    """Same outputs as `build_tile_schedule` (identical sorted order and used tiles) from one Triton launch."""
+    flat = expert_ids.reshape(-1)
+    n = flat.numel()
+    max_tiles = n // block_m + num_experts
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    sorted_slot = torch.empty(n, dtype=torch.int32, device=flat.device)
+    rank = torch.empty(n, dtype=torch.int32, device=flat.device)
+    row_start, row_end, tile_expert = (torch.empty(max_tiles, dtype=torch.int32, device=flat.device)
+                                       for _ in range(3))
+    # Chunks of 2048 one-hot entries: 16 registers per [CHUNK, E_PAD] tensor with 4 warps (8192 spilled on 3.6).
+    _routing_kernel[(1,)](flat, rank, sorted_slot, row_start, row_end, tile_expert, n, local_expert_offset,
+                          num_experts, max_tiles, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 2048 // e_pad),
+                          num_warps=4)
+    return sorted_slot, row_start, row_end, tile_expert
+
+
+# The inline-PTX bf16 decode for bf16 activations on CUDA (`fp4_decode_bf16_pair`); False falls back to the fp32 decode.
+FP4_DECODE_PTX = True
+
+# One program walks all slots: worth it while the ~35 launches of the torch version dominate (decode sizes).
+TRITON_ROUTING_MAX_SLOTS = 8192
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not silently drop to tf32 on the GPU."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_scale, local_expert_offset, inter,
+                        fp4, router_dtype, product_dtype, config):
+    """Shared launcher of both ops; `w13_scale`/`w2_scale` are ignored (any tensor) when `fp4` is False."""
+    T, H = x.shape
+    top_k = expert_ids.shape[1]
+    num_experts = w13.shape[0]
+    cfg = moe_default_config(T * top_k, num_experts, fp4)
+    cfg.update(config or {})
+    if cfg["block_k"] % 64 or cfg["block_n1"] % 2:
+        raise ValueError(f"moe_experts: block_k must be a multiple of 64 and block_n1 even, got {cfg}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if T == 0:
+        return out
+    x = _contiguous_last(x)
+    expert_ids = expert_ids.contiguous()
+    router = expert_weights.contiguous().reshape(-1)
+    w13, w13_scale, w2, w2_scale = (_contiguous_last(t) for t in (w13, w13_scale, w2, w2_scale))
+    block_m = cfg["block_m"]
+    use_triton_routing = cfg.get("triton_routing", T * top_k <= TRITON_ROUTING_MAX_SLOTS)
+    schedule = build_tile_schedule_triton if use_triton_routing else build_tile_schedule
+    sorted_slot, row_start, row_end, tile_expert = schedule(expert_ids, num_experts, local_expert_offset, block_m)
+    num_tiles = row_start.numel()
+    precision = _dot_precision(x.dtype)
+    decode_asm = fp4 and x.is_cuda and x.dtype == torch.bfloat16 and cfg.get("decode_asm", FP4_DECODE_PTX)
+    act = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
+    _gate_up_swiglu_kernel[(num_tiles * triton.cdiv(inter, cfg["block_n1"] // 2),)](
+        x, sorted_slot, row_start, row_end, tile_expert, w13, w13_scale, act,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        act.stride(0), H, inter, top_k,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n1"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
+        DOT_PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    slot_out = torch.empty(T * top_k, H, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_tiles * triton.cdiv(H, cfg["block_n2"]),)](
+        act, sorted_slot, row_start, row_end, tile_expert, w2, w2_scale, slot_out,
+        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        slot_out.stride(0), H, inter,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n2"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
+        DOT_PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(T, triton.cdiv(H, block_h))](
+        slot_out, expert_ids, router, out, slot_out.stride(0), out.stride(0), H, top_k,
+        local_expert_offset, local_expert_offset + num_experts, BLOCK_H=block_h,
+        ROUTER_DTYPE=_TL_DTYPES[router_dtype], PRODUCT_DTYPE=_TL_DTYPES[product_dtype],
+    )
+    return out
 
 
 def moe_experts_fp4_triton(
@@ -366,51 +701,29 @@ def moe_experts_fp4_triton(
     are not range-checked here (that would sync): out-of-range ids count as non-local and are never dereferenced.
     """
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
-    T, H = x.shape
-    top_k = expert_ids.shape[1]
-    num_experts, two_i = w13_packed.shape[:2]
-    inter = two_i // 2
-    cfg = moe_default_config(T * top_k, num_experts)
-    cfg.update(config or {})
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if T == 0:
-        return out
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    expert_ids = expert_ids.contiguous()
-    weights = expert_weights.contiguous().reshape(-1)
-    w13_packed, w13_scale, w2_packed, w2_scale = (t if t.stride(-1) == 1 else t.contiguous()
-                                                  for t in (w13_packed, w13_scale, w2_packed, w2_scale))
-    block_m = cfg["block_m"]
-    sorted_slot, row_start, row_end, tile_expert = build_tile_schedule(expert_ids, num_experts,
-                                                                       local_expert_offset, block_m)
-    num_tiles = row_start.numel()
-    precision = _dot_precision(x.dtype)
-    act = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
-    _gate_up_swiglu_kernel[(num_tiles * triton.cdiv(inter, cfg["block_n1"]),)](
-        x, sorted_slot, row_start, row_end, tile_expert, w13_packed, w13_scale, act,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        act.stride(0), H, inter, top_k,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n1"], BLOCK_K=cfg["block_k"], DOT_PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    slot_out = torch.empty(T * top_k, H, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tiles * triton.cdiv(H, cfg["block_n2"]),)](
-        act, sorted_slot, weights, row_start, row_end, tile_expert, w2_packed, w2_scale, slot_out,
-        act.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        slot_out.stride(0), H, inter,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n2"], BLOCK_K=cfg["block_k"], DOT_PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
-        slot_out, expert_ids, out, slot_out.stride(0), out.stride(0), H, top_k,
-        local_expert_offset, local_expert_offset + num_experts, BLOCK_H=block_h,
-    )
-    return out
+    return _moe_experts_triton(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
+                               local_expert_offset, w13_packed.shape[1] // 2, True, x.dtype, x.dtype, config)
+
+
+def moe_experts_bf16_triton(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    local_expert_offset: int = 0,
+    *,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """The same pipeline on plain weights (x's dtype), with HF's router-weight promotion in the combine."""
+    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    product_dtype = torch.promote_types(x.dtype, expert_weights.dtype)
+    return _moe_experts_triton(x, expert_ids, expert_weights, gate_up, gate_up, down, down, local_expert_offset,
+                               gate_up.shape[1] // 2, False, expert_weights.dtype, product_dtype, config)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Custom op
+# Custom ops
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -442,3 +755,27 @@ def _moe_experts_fp4_cuda(x, expert_ids, expert_weights, w13_packed, w13_scale, 
                           local_expert_offset=0):
     return moe_experts_fp4_triton(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
                                   local_expert_offset)
+
+
+@torch.library.custom_op("dsfuse::moe_experts_bf16", mutates_args=())
+def moe_experts_bf16(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    local_expert_offset: int = 0,
+) -> torch.Tensor:
+    """HF `grouped_mm`-style routed experts on plain weights; the default (CPU) implementation is the reference."""
+    return moe_experts_bf16_reference(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+
+
+@moe_experts_bf16.register_fake
+def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0):
+    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    return x.new_empty(x.shape)
+
+
+@moe_experts_bf16.register_kernel("cuda")
+def _moe_experts_bf16_cuda(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0):
+    return moe_experts_bf16_triton(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)

@@ -1,8 +1,13 @@
-"""FP4 routed-experts custom op: the FP4 decode bit for bit, the Triton path (interpreter on CPU) against the
-reference, the reference against the own model's experts, expert parallelism, determinism, opcheck, bad input."""
+"""Routed-experts custom ops: the FP4 decode bit for bit, the Triton paths (interpreter on CPU) against their
+references, the FP4 reference against the own model's experts, the plain-weight reference against transformers'
+`grouped_mm_experts_forward` (a literal copy of its math and the installed function), expert parallelism,
+determinism, opcheck, bad input."""
+
+import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 from dsfuse.kernels import moe_experts as moe
 from dsfuse.models.official import (
     DsfuseDeepseekConfig,
@@ -58,6 +63,38 @@ def test_fp4_decode_bit_exact_all_bytes_all_scales():
         ref_cast = dequantize_fp4(packed.cpu().view(-1, 1).expand(-1, 16).contiguous(), scales.cpu().view(-1, 1),
                                   dtype)[:, :2]
         assert torch.equal(decoded.to(dtype).view(torch.int16)[~nan], ref_cast.view(torch.int16)[~nan])
+
+
+def _bf16_from_bits(bits):
+    """int64 tensor of 16-bit patterns -> bf16 tensor with those bits."""
+    return (bits - ((bits & 0x8000) << 1)).to(torch.int16).view(torch.bfloat16)
+
+
+def test_bf16_decode_recipe_bit_exact_all_bytes_all_scales():
+    """The integer/bf16 steps of `fp4_decode_bf16_pair` (inline PTX, CUDA only), replayed with torch ops on the CPU:
+    word = both codes as bf16 `value * 2^-126`, then `* f1 * f2` in bf16 (exact products, subnormals kept)."""
+    packed, scales = (t.long() for t in _all_bytes_by_all_scales("cpu"))
+    word = ((packed * 0x40040) & 0x01C001C0) | ((packed * 0x1001000) & 0x80008000)
+    f1 = _bf16_from_bits((scales.clamp(max=128) + 126) << 7)
+    f2 = _bf16_from_bits(torch.where(scales == 255, 0x7FC0, (scales.clamp(min=128) - 1) << 7))
+    decoded = torch.stack([_bf16_from_bits(word & 0xFFFF) * f1 * f2, _bf16_from_bits(word >> 16) * f1 * f2], 1)
+    ref = dequantize_fp4(packed.to(torch.uint8).view(-1, 1).expand(-1, 16).contiguous(),
+                         scales.to(torch.uint8).view(-1, 1), torch.bfloat16)[:, :2]
+    nan = ref.isnan()
+    assert torch.equal(decoded.isnan(), nan)
+    assert torch.equal(decoded.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_decode_bit_exact_all_bytes_all_scales():
+    """The inline-PTX bf16 decode the GEMMs use for bf16 activations, on the device."""
+    packed, scales = _all_bytes_by_all_scales("cuda")
+    decoded = moe.fp4_decode_triton(packed, scales, bf16=True).cpu().to(torch.bfloat16)
+    ref = dequantize_fp4(packed.cpu().view(-1, 1).expand(-1, 16).contiguous(), scales.cpu().view(-1, 1),
+                         torch.bfloat16)[:, :2]
+    nan = ref.isnan()
+    assert torch.equal(decoded.isnan(), nan)
+    assert torch.equal(decoded.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
 
 
 @pytest.mark.parametrize("T,k", [(1, 1), (5, 4), (37, 6)])
@@ -131,6 +168,21 @@ def test_tile_schedule_covers_each_local_slot_once():
     assert sorted(covered) == local
 
 
+@pytest.mark.parametrize("T,k,num_experts,offset,block_m", [(37, 6, 8, 0, 16), (300, 8, 16, 8, 16), (1, 1, 1, 0, 16),
+                                                             (90, 8, 200, 0, 64)])
+def test_triton_routing_matches_torch_schedule(T, k, num_experts, offset, block_m):
+    """One-launch routing kernel: the same stable order, and the same used tiles (idle ones have end 0)."""
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, 2 * num_experts + offset, (T, k), generator=g)
+    ids[: T // 2, 0] = offset  # a crowded expert
+    torch_order, torch_start, torch_end, torch_expert = moe.build_tile_schedule(ids, num_experts, offset, block_m)
+    order, start, end, expert = moe.build_tile_schedule_triton(ids.to(DEVICE), num_experts, offset, block_m)
+    used = torch_end > torch_start
+    assert torch.equal(order.cpu(), torch_order)
+    assert torch.equal(end.cpu(), torch_end)
+    assert torch.equal(start.cpu()[used], torch_start[used]) and torch.equal(expert.cpu()[used], torch_expert[used])
+
+
 def test_op_cpu_is_reference_and_opcheck():
     args = [a.cpu() for a in _inputs(5, 4, dtype=torch.float32)]
     out = torch.ops.dsfuse.moe_experts_fp4(*args, 0)
@@ -177,3 +229,149 @@ def test_gpu_cuda_graph_capture_replays():
     ids.copy_(torch.roll(ids, 1, dims=0))
     graph.replay()
     assert _rel_err(out, moe.moe_experts_reference(x, ids, weights, *packed)) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plain-weight op (transformers' grouped_mm experts)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bf16_inputs(T, k, num_experts=8, dtype=HALF, router_dtype=torch.float32, seed=0, expert_ids=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, HIDDEN, generator=g).to(dtype)
+    if expert_ids is None:
+        expert_ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g).to(router_dtype)
+    gate_up = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(num_experts, HIDDEN, INTER, generator=g) * 0.1).to(dtype)
+    return [t.to(DEVICE) for t in (x, expert_ids, weights, gate_up, down)]
+
+
+def _hf_grouped_mm_literal(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0):
+    """transformers' `grouped_mm_experts_forward` step by step, with its expert-parallel sentinels (ids mapped to
+    local, non-local ones to `E`) and a per-group matmul in place of `grouped_mm`."""
+    num_experts = gate_up.shape[0]
+    T, top_k = expert_ids.shape
+    local = expert_ids.long() - local_expert_offset
+    local = torch.where((local >= 0) & (local < num_experts), local, num_experts)
+    sample_weights = expert_weights.reshape(-1)
+    expert_ids_g, perm = torch.sort(local.reshape(-1), stable=True)
+    selected = x[perm // top_k]
+    sample_weights_g = sample_weights[perm]
+    counts = torch.histc(expert_ids_g.float(), bins=num_experts, min=0, max=num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32).tolist()
+    sentinel = (expert_ids_g >= num_experts).unsqueeze(-1)
+    selected = selected.masked_fill(sentinel, 0.0)
+
+    def grouped_linear(inp, weight):
+        out = torch.zeros(inp.shape[0], weight.shape[1], dtype=inp.dtype)
+        for e, (lo, hi) in enumerate(zip([0] + offsets[:-1], offsets)):
+            out[lo:hi] = inp[lo:hi] @ weight[e].t()
+        return out
+
+    proj = grouped_linear(selected, gate_up).masked_fill(sentinel, 0.0)
+    gate, up = proj.chunk(2, dim=-1)
+    proj = grouped_linear(F.silu(gate) * up, down).masked_fill(sentinel, 0.0)
+    weighted = proj * sample_weights_g.unsqueeze(-1)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel())
+    return weighted[inv_perm].view(T, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+@pytest.mark.parametrize("T,k", [(1, 1), (5, 4), (37, 6)])
+def test_bf16_op_matches_hf_literal(T, k):
+    args = _bf16_inputs(T, k, seed=T)
+    cpu = [a.cpu() for a in args]
+    ref = moe.moe_experts_bf16_reference(*cpu)
+    assert torch.equal(ref, _hf_grouped_mm_literal(*cpu))
+    out = moe.moe_experts_bf16_triton(*args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert _rel_err(out, ref.to(out.device)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype,router_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                (torch.float16, torch.float32), (torch.float32, torch.float32)])
+def test_bf16_reference_is_bit_exact_with_installed_hf_function(dtype, router_dtype):
+    """The installed transformers function itself (its CPU `grouped_mm`), every rounding included."""
+    moe_integration = pytest.importorskip("transformers.integrations.moe")
+    x, ids, weights, gate_up, down = [a.cpu() for a in _bf16_inputs(37, 6, dtype=dtype, router_dtype=router_dtype)]
+    module = types.SimpleNamespace(num_experts=gate_up.shape[0], has_gate=True, has_bias=False, gate_up_proj=gate_up,
+                                   down_proj=down, is_transposed=False, act_fn=F.silu, _is_expert_parallel=False,
+                                   has_post_expert_norm=False)
+    module._apply_gate = lambda proj: moe_integration._default_apply_gate(module, proj)
+    expected = moe_integration.grouped_mm_experts_forward(module, x, ids, weights)
+    assert torch.equal(moe.moe_experts_bf16_reference(x, ids, weights, gate_up, down), expected)
+
+
+def test_bf16_router_rounding_follows_type_promotion():
+    """bf16 router weights round the product to bf16, fp32 ones keep it in fp32: the Triton combine does the same."""
+    x, ids, weights, gate_up, down = _bf16_inputs(5, 4, dtype=torch.float32)
+    for router_dtype in (torch.float16, torch.float32):
+        args = (x.to(HALF), ids, weights.to(router_dtype), gate_up.to(HALF), down.to(HALF))
+        ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args])
+        assert torch.equal(ref, _hf_grouped_mm_literal(*[a.cpu() for a in args]))
+        assert _rel_err(moe.moe_experts_bf16_triton(*args), ref.to(DEVICE)) < 1e-2
+
+
+def test_bf16_unused_experts_one_hot_and_non_local():
+    """Experts without tokens, all slots on one expert, and a rank holding global experts 8..11 where non-local
+    slots carry NaN router weights and tokens without a local slot NaN rows: nothing of them may leak."""
+    sparse_ids = torch.tensor([[0, 1], [1, 0], [0, 1]])
+    one_expert = torch.full((6, 3), 5)
+    for ids in (sparse_ids, one_expert):
+        args = _bf16_inputs(ids.shape[0], ids.shape[1], expert_ids=ids)
+        out = moe.moe_experts_bf16_triton(*args, config={"block_m": 16})
+        ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args])
+        assert torch.equal(ref, _hf_grouped_mm_literal(*[a.cpu() for a in args]))
+        assert _rel_err(out, ref.to(out.device)) < 1e-2
+    x, _, weights, gate_up, down = _bf16_inputs(6, 3, num_experts=4)
+    ids = torch.tensor([[8, 1, 11], [0, 2, 3], [9, 10, 8], [15, 20, 9], [11, 0, 100], [4, 5, 6]], device=DEVICE)
+    non_local = (ids < 8) | (ids >= 12)
+    x = x.masked_fill(non_local.all(dim=1, keepdim=True), float("nan"))
+    finite_weights = weights
+    weights = weights.masked_fill(non_local, float("nan"))
+    out = moe.moe_experts_bf16_triton(x, ids, weights, gate_up, down, local_expert_offset=8)
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in (x, ids, weights, gate_up, down)], local_expert_offset=8)
+    # HF itself multiplies its zeroed sentinel rows by the router weight, so it gets finite weights here.
+    hf = _hf_grouped_mm_literal(*[a.cpu() for a in (x, ids, finite_weights, gate_up, down)], local_expert_offset=8)
+    assert torch.isfinite(out).all() and torch.equal(ref, hf)
+    assert (ref[non_local.all(dim=1).cpu()] == 0).all()
+    assert _rel_err(out, ref.to(out.device)) < 1e-2
+
+
+def test_bf16_op_cpu_is_reference_and_opcheck():
+    args = [a.cpu() for a in _bf16_inputs(5, 4, dtype=torch.float32)]
+    out = torch.ops.dsfuse.moe_experts_bf16(*args, 0)
+    assert torch.equal(out, moe.moe_experts_bf16_reference(*args))
+    torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*args, 0))
+    torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*args, 3))
+
+
+def test_bf16_bad_input_raises():
+    x, ids, weights, gate_up, down = [a.cpu() for a in _bf16_inputs(3, 2)]
+    op = torch.ops.dsfuse.moe_experts_bf16
+    with pytest.raises(ValueError, match="expert ids must be >= 0"):
+        op(x, ids - 5, weights, gate_up, down)
+    with pytest.raises(TypeError, match="gate_up dtype"):
+        op(x, ids, weights, gate_up.float(), down)
+    with pytest.raises(ValueError, match="down must be"):
+        op(x, ids, weights, gate_up, down[:, :, :8])
+    with pytest.raises(ValueError, match="gate_up must be"):
+        op(x[:, :32], ids, weights, gate_up, down)
+    with pytest.raises(ValueError, match="local_expert_offset"):
+        op(x, ids, weights, gate_up, down, -1)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_weight_op_tails_and_opcheck():
+    """bf16 plain weights on the GPU through the custom op, K and N tails, decode and prefill tile sizes."""
+    for T in (3, 300):
+        g = torch.Generator().manual_seed(T)
+        x = torch.randn(T, 1056, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.stack([torch.randperm(16, generator=g)[:8] for _ in range(T)]).cuda()
+        weights = torch.rand(T, 8, generator=g).cuda()
+        gate_up = (torch.randn(16, 2 * 160, 1056, generator=g) * 0.05).to(torch.bfloat16).cuda()
+        down = (torch.randn(16, 1056, 160, generator=g) * 0.05).to(torch.bfloat16).cuda()
+        args = (x, ids, weights, gate_up, down)
+        assert _rel_err(torch.ops.dsfuse.moe_experts_bf16(*args, 0), moe.moe_experts_bf16_reference(*args)) < 1e-2
+    torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*args, 0))
