@@ -1,4 +1,5 @@
-"""Fused RMSNorm + RoPE on one row slice of a projection output (`torch.ops.dsfuse.rmsnorm_rope`).
+"""Fused RMSNorm + RoPE on one row slice of a projection output (`torch.ops.dsfuse.rmsnorm_rope`), and
+RoPE of one split part concatenated back with the other (`torch.ops.dsfuse.rope_cat`).
 
 Math (HF `DeepseekV32Attention.forward`, kv side: `kv_a_layernorm(kv_pass)` and the RoPE of `k_rot`,
 both halves of one `split` of `kv_a_proj_with_mqa`'s output):
@@ -15,9 +16,20 @@ both halves of one `split` of `kv_a_proj_with_mqa`'s output):
 form reads only their first half, exactly as HF slices them; the half-split form reads every column.
 The interleaved output is HF's layout: rotated even lanes, then rotated odd lanes (not re-interleaved).
 
+`rope_cat(x, cos, sin, rope_start, interleaved)` (the main query: `cat((q_pass, rope(q_rot)))`; the
+indexer: `cat([rope(q_rot), q_pass])`, half-split) reads a strided 4-D x (e.g. `q_b_proj`'s output viewed
+per head and transposed) and writes the concatenation, contiguous, in one pass.
+
 Rounding: each bf16/fp16 op is computed in fp32 and rounded to x.dtype, which is what torch does for
 each elementwise op; products of two bf16/fp16 values are exact in fp32, so this is bit-exact. The
 mean's summation order may differ from torch's (allowed by the numerics rules).
+
+The kernel is compiled with `enable_fp_fusion=False` (`COMPILE_OPTIONS`). With fusion on (Triton's
+default), LLVM narrows `round(fp32(a) * fp32(c))` to a bf16 multiply (harmless: correctly rounded) and
+the NVPTX backend then contracts `a*c - round(b*s)` into one `fma.rn.bf16`, which skips the rounding of
+`a*c` that torch performs: on the H200 that was a 1-ulp difference on ~23 % of the roped elements.
+Without fusion every multiply, add and subtract is emitted as a separate `.rn` instruction (checked in
+the sm_90 PTX by the tests), so no rounding step can be folded away.
 """
 
 from typing import Optional
@@ -28,6 +40,8 @@ import triton.language as tl
 from dsfuse.kernels.triton_support import interpreting
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# No mul+add contraction: torch rounds every elementwise op, an FMA would skip the product's rounding.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 # --------------------------------------------------------------------------------------------
@@ -45,16 +59,25 @@ def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in
     rot = x[:, c_norm:]
     if cos is None:
         return normed, rot.new_empty((x.shape[0], 0))
+    return normed, rope_reference(rot, cos, sin, interleaved)
+
+
+def rope_reference(rot, cos, sin, interleaved):
+    """HF's RoPE of `rot` (last dim) with `[..., C_rope]` cos/sin broadcast to it, op by op."""
+    half = rot.shape[-1] // 2
     if interleaved:
-        half = cos.shape[-1] // 2
-        c, s = cos[:, :half], sin[:, :half]
-        r1, r2 = rot[:, 0::2], rot[:, 1::2]
-        roped = torch.cat([r1 * c - r2 * s, r2 * c + r1 * s], dim=-1)
-    else:
-        half = rot.shape[-1] // 2
-        rotated_half = torch.cat((-rot[:, half:], rot[:, :half]), dim=-1)
-        roped = rot * cos + rotated_half * sin
-    return normed, roped
+        c, s = cos[..., :half], sin[..., :half]
+        r1, r2 = rot[..., 0::2], rot[..., 1::2]
+        return torch.cat([r1 * c - r2 * s, r2 * c + r1 * s], dim=-1)
+    rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return rot * cos + rotated_half * sin
+
+
+def rope_cat_reference(x, cos, sin, rope_start, interleaved):
+    """`cat` of x's column parts in their order, the part [rope_start, rope_start + C_rope) RoPE'd."""
+    end = rope_start + cos.shape[-1]
+    roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved)
+    return torch.cat([x[..., :rope_start], roped, x[..., end:]], dim=-1)
 
 
 def _validate(x, norm_weight, eps, cos, sin):
@@ -100,8 +123,31 @@ def _check_weight_dtype(x, norm_weight, weight_in_fp32):
                         "a different weight dtype would promote the output")
 
 
+def _validate_rope_cat(x, cos, sin, rope_start):
+    if x.dim() != 4:
+        raise ValueError(f"rope_cat: x must be 4-D [A0, A1, A2, D], got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"rope_cat: x dtype {x.dtype} not in {INPUT_DTYPES}")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError("rope_cat: x's last dim must be contiguous")
+    c_rope = cos.shape[-1]
+    if c_rope < 2 or c_rope % 2:
+        raise ValueError(f"rope_cat: rope width {c_rope} must be even and positive")
+    if not 0 <= rope_start <= x.shape[-1] - c_rope:
+        raise ValueError(f"rope_cat: rope columns [{rope_start}, {rope_start + c_rope}) outside x's {x.shape[-1]}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if tuple(t.shape) != (*x.shape[:-1], c_rope):
+            raise ValueError(f"rope_cat: {name} must be {(*x.shape[:-1], c_rope)}, got {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise TypeError(f"rope_cat: {name} dtype {t.dtype} != x dtype {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"rope_cat: {name} on {t.device}, x on {x.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"rope_cat: {name}'s last dim must be contiguous")
+
+
 # --------------------------------------------------------------------------------------------
-# Triton kernel
+# Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _round_to(v, dtype, MANUAL_BF16_RNE: tl.constexpr):
@@ -145,44 +191,90 @@ def _rmsnorm_rope_kernel(
              mask=ok)
 
     if HAS_ROPE:
-        j = tl.arange(0, BLOCK_H)
-        hok = row_ok[:, None] & (j < HALF)[None, :]
-        rope_base = x_ptr + rows64[:, None] * sx + C_NORM
-        if INTERLEAVED:
-            a = tl.load(rope_base + 2 * j[None, :], mask=hok, other=0.0).to(tl.float32)
-            b = tl.load(rope_base + 2 * j[None, :] + 1, mask=hok, other=0.0).to(tl.float32)
-            c_lo = tl.load(cos_ptr + rows64[:, None] * scos + j[None, :], mask=hok, other=0.0).to(tl.float32)
-            s_lo = tl.load(sin_ptr + rows64[:, None] * ssin + j[None, :], mask=hok, other=0.0).to(tl.float32)
-            c_hi = c_lo
-            s_hi = s_lo
-        else:
-            a = tl.load(rope_base + j[None, :], mask=hok, other=0.0).to(tl.float32)
-            b = tl.load(rope_base + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
-            c_lo = tl.load(cos_ptr + rows64[:, None] * scos + j[None, :], mask=hok, other=0.0).to(tl.float32)
-            s_lo = tl.load(sin_ptr + rows64[:, None] * ssin + j[None, :], mask=hok, other=0.0).to(tl.float32)
-            c_hi = tl.load(cos_ptr + rows64[:, None] * scos + HALF + j[None, :], mask=hok,
-                           other=0.0).to(tl.float32)
-            s_hi = tl.load(sin_ptr + rows64[:, None] * ssin + HALF + j[None, :], mask=hok,
-                           other=0.0).to(tl.float32)
-        # each product and each sum rounded to the input dtype, as torch's elementwise ops do
-        ac = _round_to(a * c_lo, dtype, MANUAL_BF16_RNE)
-        bs = _round_to(b * s_lo, dtype, MANUAL_BF16_RNE)
-        bc = _round_to(b * c_hi, dtype, MANUAL_BF16_RNE)
-        as_ = _round_to(a * s_hi, dtype, MANUAL_BF16_RNE)
-        lo = _round_to(ac - bs, dtype, MANUAL_BF16_RNE).to(dtype)
-        hi = _round_to(bc + as_, dtype, MANUAL_BF16_RNE).to(dtype)
-        out_base = roped_ptr + rows64[:, None] * srope
-        tl.store(out_base + j[None, :], lo, mask=hok)
-        tl.store(out_base + HALF + j[None, :], hi, mask=hok)
+        _rope_rows(x_ptr + rows64[:, None] * sx + C_NORM, cos_ptr + rows64[:, None] * scos,
+                   sin_ptr + rows64[:, None] * ssin, roped_ptr + rows64[:, None] * srope, row_ok, HALF,
+                   BLOCK_H, INTERLEAVED, MANUAL_BF16_RNE)
 
 
-def default_rows(c_norm):
-    """Rows per program: enough that a program moves a few KiB, at most 8."""
-    return max(1, min(8, 4096 // triton.next_power_of_2(c_norm)))
+@triton.jit
+def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, BLOCK_H: tl.constexpr,
+               INTERLEAVED: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """RoPE of 2*HALF columns for a [ROWS, 1] block of row pointers (x and the output at the first rotated
+    column, cos / sin at their row start), in HF's op order and output layout."""
+    dtype = out_rows.dtype.element_ty
+    j = tl.arange(0, BLOCK_H)
+    hok = row_ok[:, None] & (j < HALF)[None, :]
+    if INTERLEAVED:
+        # the pairs as one contiguous [ROWS, BLOCK_H, 2] load (vectorised), split into even / odd lanes
+        lane = tl.arange(0, 2)
+        pairs = tl.load(x_rows[:, :, None] + 2 * j[None, :, None] + lane[None, None, :],
+                        mask=hok[:, :, None] & (lane < 2)[None, None, :], other=0.0)
+        a, b = tl.split(pairs)
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        c_lo = tl.load(cos_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        s_lo = tl.load(sin_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        c_hi = c_lo
+        s_hi = s_lo
+    else:
+        a = tl.load(x_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        b = tl.load(x_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        c_lo = tl.load(cos_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        s_lo = tl.load(sin_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        c_hi = tl.load(cos_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        s_hi = tl.load(sin_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
+    # each product and each sum rounded to the input dtype, as torch's elementwise ops do
+    ac = _round_to(a * c_lo, dtype, MANUAL_BF16_RNE)
+    bs = _round_to(b * s_lo, dtype, MANUAL_BF16_RNE)
+    bc = _round_to(b * c_hi, dtype, MANUAL_BF16_RNE)
+    as_ = _round_to(a * s_hi, dtype, MANUAL_BF16_RNE)
+    lo = _round_to(ac - bs, dtype, MANUAL_BF16_RNE).to(dtype)
+    hi = _round_to(bc + as_, dtype, MANUAL_BF16_RNE).to(dtype)
+    tl.store(out_rows + j[None, :], lo, mask=hok)
+    tl.store(out_rows + HALF + j[None, :], hi, mask=hok)
 
 
-def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None):
-    """Triton launcher (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); one launch, no host sync."""
+@triton.jit
+def _rope_cat_kernel(
+    x_ptr, cos_ptr, sin_ptr, out_ptr,
+    N, A1, A2, D, R0, HALF,
+    sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
+    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    INTERLEAVED: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+):
+    """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program: the columns outside
+    [R0, R0 + 2*HALF) copied, those inside RoPE'd, into a contiguous output."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    r = rows.to(tl.int64)
+    i2 = r % A2
+    i1 = (r // A2) % A1
+    i0 = r // A2 // A1
+    x_rows = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
+    out_rows = out_ptr + r * D
+    cols = tl.arange(0, BLOCK_D)
+    kept = (cols < D) & ((cols < R0) | (cols >= R0 + 2 * HALF))
+    ok = row_ok[:, None] & kept[None, :]
+    tl.store(out_rows[:, None] + cols[None, :], tl.load(x_rows[:, None] + cols[None, :], mask=ok), mask=ok)
+    _rope_rows(x_rows[:, None] + R0, cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None],
+               sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None], out_rows[:, None] + R0, row_ok, HALF,
+               BLOCK_H, INTERLEAVED, MANUAL_BF16_RNE)
+
+
+def default_rows(width):
+    """Rows per program for a row tile of `width` columns: a program moves a few KiB, at most 8 rows."""
+    return max(1, min(8, 4096 // triton.next_power_of_2(width)))
+
+
+def default_num_warps(width, rows):
+    """Warps per program: 4 up to a 4096-element tile, else 8."""
+    return 4 if triton.next_power_of_2(width) * rows <= 4096 else 8
+
+
+def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None,
+                        num_warps=None):
+    """Triton launcher (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); one launch, no host sync.
+    `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them)."""
     _validate(x, norm_weight, eps, cos, sin)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
@@ -205,12 +297,32 @@ def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
         ROWS=rows, BLOCK_N=block_n, BLOCK_H=triton.next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
-        num_warps=4 if block_n * rows <= 4096 else 8)
+        num_warps=num_warps or default_num_warps(c_norm, rows), **COMPILE_OPTIONS)
     return normed, roped
 
 
+def rope_cat_triton(x, cos, sin, rope_start, interleaved, rows_per_program=None, num_warps=None):
+    """Triton launcher of `rope_cat` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+    _validate_rope_cat(x, cos, sin, rope_start)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
+    if n_rows == 0:
+        return out
+    width = x.shape[3]
+    rows = rows_per_program or default_rows(width)
+    half = cos.shape[-1] // 2
+    _rope_cat_kernel[(triton.cdiv(n_rows, rows),)](
+        x, cos, sin, out,
+        n_rows, x.shape[1], x.shape[2], width, rope_start, half,
+        *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
+        ROWS=rows, BLOCK_D=triton.next_power_of_2(width), BLOCK_H=triton.next_power_of_2(half),
+        INTERLEAVED=bool(interleaved), MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+        num_warps=num_warps or default_num_warps(width, rows), **COMPILE_OPTIONS)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
-# Custom op
+# Custom ops
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsfuse::rmsnorm_rope", mutates_args=())
 def rmsnorm_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: Optional[torch.Tensor],
@@ -237,6 +349,27 @@ def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
     return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32)
 
 
+@torch.library.custom_op("dsfuse::rope_cat", mutates_args=())
+def rope_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_start: int,
+             interleaved: bool) -> torch.Tensor:
+    """x ([A0, A1, A2, D], any strides but a contiguous last dim) with columns [rope_start, rope_start +
+    C_rope) RoPE'd and the rest copied, contiguous: HF's `cat` of a split's parts after the RoPE of one.
+    cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0). Reference math on CPU."""
+    _validate_rope_cat(x, cos, sin, rope_start)
+    return rope_cat_reference(x, cos, sin, rope_start, interleaved).contiguous()
+
+
+@rope_cat.register_fake
+def _rope_cat_fake(x, cos, sin, rope_start, interleaved):
+    _validate_rope_cat(x, cos, sin, rope_start)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@rope_cat.register_kernel("cuda")
+def _rope_cat_cuda(x, cos, sin, rope_start, interleaved):
+    return rope_cat_triton(x, cos, sin, rope_start, interleaved)
+
+
 def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     """HBM traffic: read x, cos, sin (full tables; the interleaved form needs only their first halves) and
     the weight, write both outputs."""
@@ -244,4 +377,6 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     return T * (c_norm + c_rope) * itemsize * 2 + 2 * T * c_rope * cos_itemsize + c_norm * itemsize
 
 
-__all__ = ["bytes_moved", "default_rows", "rmsnorm_rope", "rmsnorm_rope_reference", "rmsnorm_rope_triton"]
+__all__ = ["COMPILE_OPTIONS", "bytes_moved", "default_num_warps", "default_rows", "rmsnorm_rope",
+           "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_reference", "rope_cat_triton",
+           "rope_reference"]

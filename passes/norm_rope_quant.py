@@ -16,8 +16,16 @@ and its second part (through views) a RoPE in one of two forms, each matched on 
     half-split (`apply_rotary_pos_emb`):
         r*cos + cat([-r[..., h:], r[..., :h]], -1)*sin
 
-A split whose first part is not an RMSNorm is not this family and is skipped silently; one that is,
-but whose other part is no RoPE this pass knows, is reported with the reason.
+A split whose first part is an RMSNorm but whose other part is no RoPE this pass knows is reported with
+the reason. Two more site kinds, each into one launch:
+
+- `dsfuse::rope_cat`: a two-way last-dim split whose one part goes through a RoPE (either form, same
+  structural matchers) and is `cat`'ed back with the other part in the split's order: HF's main query
+  (`cat((q_pass, rope(q_rot)))`, interleaved, on `q_b_proj`'s output viewed per head and transposed)
+  and the indexer's query and key (`cat([rope(rot), pass])`, half-split). Other splits are skipped
+  silently.
+- `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
+  `addmm`, `bmm`): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
 """
 
 from __future__ import annotations
@@ -45,19 +53,38 @@ from .graph_utils import (
 )
 
 NAME = "norm_rope_quant"
-# The matcher and its kernel are complete, but on the H200 (2026-11-29, triton 3.6) the kernel's bf16
-# RoPE differed from HF's rounding by one ulp on about a quarter of the elements, and a rewrite must
-# keep the source's rounding. Off until the CUDA kernel is bit-exact; tests switch it on explicitly.
-IMPLEMENTED = False
-NOT_READY = ("off: the CUDA kernel's bf16 RoPE is not yet bit-exact with HF's rounding "
-             "(1-ulp differences measured on the H200)")
+# On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
+# H200 on 2026-11-29 were `fma.rn.bf16` contractions; see kernels/norm_rope_quant.py).
+IMPLEMENTED = True
 
 NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 END = 9223372036854775807  # how a slice to the end appears in the graph
+PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match, _rewrite)
+    # splits first (kv: norm + rope; q and indexer: rope + cat), then norms left on a projection output (q_a)
+    rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match_split, _rewrite_split)
+    rewrite_anchored(graph, ctx, (aten.pow.Tensor_Scalar,), _match_projection_norm, _rewrite_projection_norm)
+
+
+def _match_split(split: torch.fx.Node) -> dict:
+    """Part 0 an RMSNorm: the kv side (`rmsnorm_rope`). Otherwise one part RoPE'd and concatenated back
+    with the other in the split's order: the main query or the indexer (`rope_cat`)."""
+    parts = _getitems(split)
+    if 0 in parts and _starts_rmsnorm(parts[0]):
+        return {"kind": "norm_rope", **_match(split)}
+    return {"kind": "rope_cat", **_match_rope_cat(split)}
+
+
+def _rewrite_split(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    (_rewrite if m["kind"] == "norm_rope" else _rewrite_rope_cat)(graph, split, m, ctx)
+
+
+def _starts_rmsnorm(part: torch.fx.Node) -> bool:
+    """Whether `part` is upcast (or fp32) and squared: the head of an RMSNorm (the rest is then checked)."""
+    heads = [part] + [u for u in _users(part, CONVERT) if u.args[1] == torch.float32]
+    return any(u.args[1] == 2 for h in heads for u in _users(h, aten.pow.Tensor_Scalar))
 
 def _getitems(split: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return {u.args[1]: u for u in split.users if u.target is operator.getitem}
@@ -284,14 +311,21 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
 
 
 def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
-    """The cos/sin table as [T, C_rope], one row per row of the rotated part (broadcast dims expanded)."""
+    """The cos/sin table as [T, C_rope], one row per row of the rotated part."""
+    table = _broadcast_to_rows(graph, before, table_dim, rot)
+    return insert_call(graph, before, aten.reshape.default, (table, [-1, shape(rot)[-1]]))
+
+
+def _broadcast_to_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple,
+                       rot: torch.fx.Node) -> torch.fx.Node:
+    """The cos/sin table in the rotated part's shape (HF's unsqueeze, then broadcast dims expanded)."""
     table, dim = table_dim
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
     if not same_shape(shape(table), shape(rot)):
         sizes = [_size(graph, before, rot, d) for d in range(len(shape(rot)))]
         table = insert_call(graph, before, aten.expand.default, (table, sizes))
-    return insert_call(graph, before, aten.reshape.default, (table, [-1, shape(rot)[-1]]))
+    return table
 
 
 def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int):
@@ -305,3 +339,98 @@ def _position(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
         if n is node:
             return i
     raise ValueError(f"{node} not in graph")
+
+
+def _match_rope_cat(split: torch.fx.Node) -> dict:
+    """`cat` of a two-way last-dim split's parts, in order, after one part went through a RoPE."""
+    x, sizes = split.args[0], split.args[1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if len(sizes) != 2 or not _is_last_dim(x, dim) or dtype(x) not in NORM_DTYPES or len(shape(x)) > 4:
+        raise NoMatch("not a two-way split of the last dim", reported=False)
+    parts = _getitems(split)
+    if sorted(parts) != [0, 1]:
+        raise NoMatch("split part unused", reported=False)
+    for rope_index in (0, 1):
+        rot, kept = parts[rope_index], parts[1 - rope_index]
+        if not _users(rot, aten.slice.Tensor):
+            continue
+        try:
+            rope = _match_rope(rot, dtype(x))
+        except NoMatch:
+            continue
+        if rope["rot"] is not rot:
+            continue  # a viewed part (the kv side's k_rot) is not concatenated back here
+        order = [rope["rope_out"], kept] if rope_index == 0 else [kept, rope["rope_out"]]
+        cat = _only(rope["rope_out"], aten.cat.default)
+        if cat is None or list(cat.args[0]) != order or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+            raise NoMatch("RoPE of a split part not concatenated back with the other part in order")
+        for node in (x, rope["cos"][0], rope["sin"][0]):
+            if not _last_dim_contiguous(node):
+                raise NoMatch(f"RoPE + cat: {node}'s last dim is not contiguous")
+        return {"x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0], "c_rope": sizes[rope_index],
+                **rope}
+    raise NoMatch("no RoPE on either part", reported=False)
+
+
+def _last_dim_contiguous(node: torch.fx.Node) -> bool:
+    """The kernel reads rows with unit column stride (true of projection outputs and HF's cos/sin)."""
+    value = val(node)
+    return isinstance(value, torch.Tensor) and (value.shape[-1] == 1 or value.stride()[-1] == 1)
+
+
+def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    cat = m["cat"]
+    pad = 4 - len(shape(m["x"]))
+    x = m["x"]
+    for _ in range(pad):
+        x = insert_call(graph, cat, aten.unsqueeze.default, (x, 0))
+    tables = []
+    for table_dim in (m["cos"], m["sin"]):
+        table = _broadcast_to_rows(graph, cat, table_dim, m["rot"])
+        for _ in range(pad):
+            table = insert_call(graph, cat, aten.unsqueeze.default, (table, 0))
+        tables.append(table)
+    fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
+                        (x, tables[0], tables[1], m["rope_start"], m["interleaved"]))
+    sizes = [_size(graph, cat, m["x"], d) for d in range(len(shape(m["x"])))]
+    cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
+    graph.eliminate_dead_code()
+    form = "interleaved" if m["interleaved"] else "half-split"
+    where = "first" if m["rope_start"] == 0 else "last"
+    ctx.site(split, "dsfuse.rope_cat", [m["x"], m["cos"][0], m["sin"][0]],
+             detail=f"{form} RoPE {m['c_rope']} of the {where} part, concatenated in place")
+
+
+def _match_projection_norm(square: torch.fx.Node) -> dict:
+    """An RMSNorm of a projection's output on its own (HF `q_a_layernorm(q_a_proj(x))`); norms of
+    residual sums (the decoder's input/post-attention norms) are not this family."""
+    if square.args[1] != 2:
+        raise NoMatch("not a square", reported=False)
+    xf = square.args[0]
+    part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
+    if dtype(part) not in NORM_DTYPES or (part is not xf and dtype(part) == torch.float32):
+        raise NoMatch("not an RMSNorm input", reported=False)
+    source = part
+    while is_op(source, *VIEW_OPS):
+        source = source.args[0]
+    if not is_op(source, *PROJECTIONS) or not shape(part):
+        raise NoMatch("input is not a projection output", reported=False)
+    try:
+        return {"part": part, **_match_rmsnorm(part, dtype(part))}
+    except NoMatch as miss:
+        raise NoMatch(miss.reason, reported=False) from None
+
+
+def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    part, out = m["part"], m["norm_out"]
+    c_norm = shape(part)[-1]
+    x = insert_call(graph, out, aten.reshape.default, (part, [-1, c_norm]))
+    fused = insert_call(graph, out, torch.ops.dsfuse.rmsnorm_rope.default,
+                        (x, m["weight"], m["eps"], None, None, True, m["weight_in_fp32"]))
+    normed = insert_call(graph, out, operator.getitem, (fused, 0))
+    sizes = [_size(graph, out, part, d) for d in range(len(shape(part)))]
+    out.replace_all_uses_with(insert_call(graph, out, aten.reshape.default, (normed, sizes)))
+    graph.eliminate_dead_code()
+    rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
+    ctx.site(square, "dsfuse.rmsnorm_rope", [part, m["weight"]],
+             detail=f"RMSNorm {c_norm} ({rounding}) of a projection output, eps={m['eps']:g}, no RoPE")

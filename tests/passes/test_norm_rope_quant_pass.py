@@ -1,5 +1,6 @@
-"""`norm_rope_quant` on small graphs written like HF's MLA kv side and on the HF tiny model: what
-matches, in which RoPE form and rounding, and that the compiled result equals eager bit for bit."""
+"""`norm_rope_quant` on small graphs written like HF's MLA kv side, main query and indexer query, and on the
+HF tiny model: what matches, in which RoPE form and rounding, and that the compiled result equals eager
+bit for bit."""
 
 import pytest
 import torch
@@ -47,14 +48,6 @@ def _hf_args(dtype=torch.bfloat16):
     norm = DeepseekV32RMSNorm(C_NORM, 1e-6).to(dtype).requires_grad_(False)
     norm.weight.copy_(weight)
     return proj, norm, cos, sin
-
-
-@pytest.fixture(autouse=True)
-def matcher_on(monkeypatch):
-    """The pass ships switched off (its CUDA kernel is not yet bit-exact); these tests check the matcher."""
-    import dsfuse.passes.norm_rope_quant as family
-
-    monkeypatch.setattr(family, "IMPLEMENTED", True)
 
 
 def _compiled(fn):
@@ -150,17 +143,79 @@ def test_hf_tiny_model_one_site_per_layer_and_parity():
         got = torch.compile(model, backend="dsfuse", options={"enable": ["norm_rope_quant"]})(ids).logits
     rep = dsfuse.report()
     layers = model.config.num_hidden_layers
-    assert rep.counts["norm_rope_quant"] == layers, str(rep)
-    assert all("interleaved" in d and "HF rounding" in d for d in _site_details())
+    # per layer: kv norm + rope, q_a norm, the main query's rope + cat, the indexer's q and k rope + cat
+    assert rep.counts["norm_rope_quant"] == 5 * layers and not rep.near_misses, str(rep)
+    details = _site_details()
+    kinds = {
+        "kv": [d for d in details if d.startswith("RMSNorm") and "+ interleaved RoPE" in d and "HF rounding" in d],
+        "q_a": [d for d in details if d.startswith("RMSNorm") and "projection output" in d],
+        "query": [d for d in details if d.startswith("interleaved RoPE") and "last part" in d],
+        "indexer": [d for d in details if d.startswith("half-split RoPE") and "first part" in d],
+    }
+    assert {k: len(v) for k, v in kinds.items()} == {"kv": layers, "q_a": layers, "query": layers,
+                                                      "indexer": 2 * layers}, details
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_shipped_off_and_the_report_says_why(monkeypatch):
-    import dsfuse.passes.norm_rope_quant as family
+def test_on_by_default():
+    """The kernels are compiled without FP contraction, so the pass ships on: no `enable` option needed."""
+    args = _hf_args()
+    with torch.no_grad():
+        got = torch.compile(lambda *a: hf_kv_side(*a, interleaved=True), backend="dsfuse")(*args)
+    assert dsfuse.report().counts["norm_rope_quant"] == 1, str(dsfuse.report())
+    for g, w in zip(got, hf_kv_side(*args, interleaved=True)):
+        assert torch.equal(g, w)
 
-    monkeypatch.setattr(family, "IMPLEMENTED", False)
-    with torch._inductor.config.patch(fx_graph_cache=False):  # the flag is patched, not in the sources
-        _compiled(lambda *a: hf_kv_side(*a, interleaved=True))(*_hf_args())
+
+H, D_PASS = 3, 16
+
+
+def hf_query_and_indexer(q_proj, cos, sin):
+    """The main query (`q_b_proj` viewed per head, transposed, split [pass, rot], interleaved RoPE, `cat`
+    back) and the indexer's query (viewed per head, split [rot, pass], half-split RoPE, `cat` back)."""
+    q = q_proj.view(B, S, H, D_PASS + C_ROPE).transpose(1, 2)
+    q_pass, q_rot = torch.split(q, [D_PASS, C_ROPE], dim=-1)
+    q_rot, _ = apply_rotary_pos_emb_interleave(q_rot, q_rot, cos, sin)
+    query = torch.cat((q_pass, q_rot), dim=-1)
+    iq = q_proj.view(B, S, H, D_PASS + C_ROPE)
+    iq_rot, iq_pass = torch.split(iq, [C_ROPE, D_PASS], dim=-1)
+    iq_rot, _ = apply_rotary_pos_emb(iq_rot, iq_rot, cos, sin, unsqueeze_dim=2)
+    return query * 2, torch.cat([iq_rot, iq_pass], dim=-1) + 1
+
+
+def test_query_rope_cat_each_form_as_itself_and_equal_to_eager():
+    _, _, cos, sin = _data()
+    q_proj = torch.randn(B, S, H * (D_PASS + C_ROPE), generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    got = _compiled(hf_query_and_indexer)(q_proj, cos, sin)
+    want = hf_query_and_indexer(q_proj, cos, sin)
     rep = dsfuse.report()
-    assert rep.counts["norm_rope_quant"] == 0
-    assert "not yet bit-exact" in str(rep)
+    assert rep.counts["norm_rope_quant"] == 2 and not rep.near_misses, str(rep)
+    details = sorted(_site_details())
+    assert details[0].startswith("half-split") and "first part" in details[0], details
+    assert details[1].startswith("interleaved") and "last part" in details[1], details
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    # the other form's result differs on these inputs, so a form mix-up could not pass the equality above
+    q = q_proj.view(B, S, H, D_PASS + C_ROPE).transpose(1, 2)
+    other, _ = apply_rotary_pos_emb(q[..., D_PASS:], q[..., D_PASS:], cos, sin)
+    assert not torch.equal(got[0][..., D_PASS:], other * 2)
+
+
+def test_norm_of_a_projection_output_only():
+    """q_a_layernorm(q_a_proj(x)) is rewritten (no RoPE); the residual stream's norm is not this family."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(B, S, C_NORM, generator=g).to(torch.bfloat16)
+    proj = torch.nn.Linear(C_NORM, C_NORM, bias=False).to(torch.bfloat16).requires_grad_(False)
+    q_a_norm = DeepseekV32RMSNorm(C_NORM, 1e-6).to(torch.bfloat16).requires_grad_(False)
+    input_norm = DeepseekV32RMSNorm(C_NORM, 1e-6).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        q_a_norm.weight.copy_(1 + 0.3 * torch.randn(C_NORM, generator=g))
+
+    def block(hidden, residual):
+        return q_a_norm(proj(hidden)), input_norm(hidden + residual)
+
+    got = _compiled(block)(hidden, hidden * 0.5)[0]
+    rep = dsfuse.report()
+    assert rep.counts["norm_rope_quant"] == 1 and not rep.near_misses, str(rep)
+    assert "projection output" in _site_details()[0] and "no RoPE" in _site_details()[0]
+    assert torch.equal(got, block(hidden, hidden * 0.5)[0])
