@@ -22,7 +22,7 @@ step() {  # step SECONDS TITLE COMMAND...
 }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
-wanted tests && TAIL=15 step 100 "GPU tests" python3 -P -m pytest -q -m gpu tests/kernels
+wanted tests && TAIL=15 step 150 "GPU tests" python3 -P -m pytest -q -m gpu tests/kernels
 wanted model && TAIL=80 step 220 "model prefill S=2048/8192" python3 -m dsfuse.bench model --preset v32-real-2l \
   --seq 2048 8192 --rep-ms 500 --profile \
   --configs ${MODEL_CONFIGS:-eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention} \
