@@ -36,7 +36,7 @@ wanted decode && TAIL=30 step 300 "model decode with a KV cache" python3 -m dsfu
 wanted ablate && TAIL=40 step 240 "ablation S=8192" python3 -m dsfuse.bench ablate --preset v32-real-2l --seq 8192 \
   --json "$OUT/ablate.json"
 wanted indexer && TAIL=12 step 90 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
-wanted sparse && TAIL=12 step 75 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
+wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
 wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
 wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/norm_rope_quant_gpu.py
 true
