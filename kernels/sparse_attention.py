@@ -291,12 +291,13 @@ def sparse_mla_default_config(S: int, H: int, Dc: int) -> dict:
 
 
 def sparse_mla_num_splits(queries: int, head_blocks: int, K: int, block_n: int, sms: int = 132) -> int:
-    """Key splits per query so that few queries (decode) still give every SM a program: none once the
-    queries alone fill half the SMs, else up to one split per 128 selected keys."""
+    """Key splits per query so that few queries (decode) still spread over the SMs: none once the queries
+    alone fill half of them, else up to one split per 256 selected keys (H200, 2026-11-29, K=2048: 8 splits
+    beat 16 and 32 at batch 8; at batch 1 the timings were launch-bound)."""
     programs = queries * head_blocks
     if 2 * programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(K, max(128, block_n)), triton.cdiv(sms, programs)))
+    return max(1, min(triton.cdiv(K, max(256, block_n)), triton.cdiv(sms, programs)))
 
 
 def sparse_mla_attention_triton(

@@ -89,7 +89,7 @@ def test_mla_kernel_key_splits(num_splits, with_sink):
                                          num_splits=num_splits)
     ref = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.2, sink)
     assert _rel_err(out, ref) <= 1e-5
-    assert sa.sparse_mla_num_splits(1, 2, 2048, 64) == 16 and sa.sparse_mla_num_splits(64, 2, 2048, 64) == 1
+    assert sa.sparse_mla_num_splits(1, 2, 2048, 64) == 8 and sa.sparse_mla_num_splits(64, 2, 2048, 64) == 1
 
 
 @pytest.mark.parametrize("with_sink", [False, True])
