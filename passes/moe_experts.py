@@ -1,8 +1,857 @@
-"""`moe_experts`: FP4 dequant -> grouped GEMM -> SwiGLU -> grouped GEMM -> combine -> one expert pipeline.
+"""`moe_experts`: routed SwiGLU experts (route -> expert GEMM -> SwiGLU -> expert GEMM -> weight -> combine)
+rewritten into one `dsfuse::moe_experts_bf16` or `dsfuse::moe_experts_fp4` call.
 
-The matcher for this family has not landed yet: the pass is registered (so flags, the report and the
-cache key already know it) and matches nothing; the report says so.
+The anchor is an expert GEMM: `aten._grouped_mm` or transformers' `grouped_mm_fallback` (its CPU/fp32 stand-in)
+over expert-sorted rows, or a `bmm` of per-slot gathered expert weights `W[ids]`. From the first GEMM of a block:
+
+    slots      s = t*k + j of `ids [T,k]`, visited in `perm = sort(ids.flatten())` order (grouped, own model) or
+               in place (HF batched_mm); rows `x[perm // k]` or `x.repeat_interleave(k)`
+    offsets    `cumsum(histc(sorted_ids, bins=E, min=0, max=E-1))` (grouped)
+    gate       `split(h, I)` -> `silu(gate) * up` in x's dtype (SiLU checked by evaluating the gate's ops)
+    weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first)
+    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched) or
+               `zeros(T, H).index_add_(0, perm // k, out)` (own model)
+
+Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; weights decoded in the graph from FP4
+(E2M1 nibbles + E8M0 per-32 scales) become `moe_experts_fp4` on the packed bytes. The decode is recognised by
+what it computes, not by its spelling: each nibble branch, the value table and the scale transform are evaluated
+on all 256 byte values and compared with the format (LUT gather, `exp2`, `ldexp` and `pow` all pass).
+
+transformers' expert-parallel path (`_is_expert_parallel`) gives local ids with the sentinel `E` for other
+ranks' slots and masks those rows to 0 (grouped) or clamps the ids and zeroes their weights (batched); the fused
+ops skip every id outside `[0, E)`, so it maps to `local_expert_offset=0` on the local ids.
+
+A bmm that does not gather expert weights, and the second GEMM of a block, are skipped silently; a first expert
+GEMM that cannot be rewritten is reported with the reason. transformers' eager experts loop never reaches a
+graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users see why nothing fused.
 """
 
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_*)
+
+from .context import NoMatch, PassContext, rewrite_anchored
+from .dims import follow, leaf_labels, leaf_of_rank, names, normalise
+from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, shape
+
 NAME = "moe_experts"
-IMPLEMENTED = False
+IMPLEMENTED = True
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+SORTS = (aten.sort.default, aten.sort.stable)
+TRANSPOSE_OPS = (aten.permute.default, aten.transpose.int)
+SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+# Layout ops that keep row-major element order (a decoded value's flat position is its position in the weight).
+ORDER_KEEPING = VIEW_OPS | {aten.unsqueeze.default, aten.clone.default, aten.contiguous.default} | set(SQUEEZES)
+BROADCASTING = {aten.expand.default}
+LIFT = aten.lift_fresh_copy.default
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_BLOCK = 32
+
+EAGER_LOOP_REASON = (
+    "transformers' eager experts loop: the loop over the experts hit (`nonzero()`) breaks the graph, so the expert "
+    "GEMMs run one expert at a time outside any compiled graph and there is no whole block to fuse (use "
+    "experts_implementation='grouped_mm' or 'batched_mm')")
+
+
+def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    rewrite_anchored(graph, ctx, _gemm_targets(), _match, _rewrite)
+    _report_eager_loops(graph, ctx)
+
+
+def _grouped_targets() -> tuple:
+    targets = [aten._grouped_mm.default]
+    try:
+        targets.append(torch.ops.transformers.grouped_mm_fallback.default)
+    except (AttributeError, RuntimeError):
+        pass  # transformers' MoE integration not imported: no fallback op can be in the graph
+    return tuple(targets)
+
+
+def _gemm_targets() -> tuple:
+    return _grouped_targets() + (aten.bmm.default,)
+
+
+# ---------------------------------------------------------------------------
+# Evaluating a node as an elementwise function of one tensor
+# ---------------------------------------------------------------------------
+
+
+class _Opaque(Exception):
+    """The node is not an elementwise function of the chosen leaf and constants."""
+
+
+def _constant_table(node) -> torch.Tensor:
+    """A small 1-D constant baked into the graph (`torch.tensor([...])` in forward)."""
+    if is_op(node, LIFT):
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
+        raise _Opaque
+    value = node.graph.owning_module
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or value.numel() > 4096:
+        raise _Opaque
+    return value.detach().cpu()
+
+
+def _is_pointwise(node: torch.fx.Node) -> bool:
+    target = node.target
+    return target is CONVERT or (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+
+
+def evaluate(node, leaf: torch.fx.Node, probe: torch.Tensor, known: dict | None = None,
+             layout=ORDER_KEEPING) -> torch.Tensor | None:
+    """`node`'s value as an elementwise function of `leaf`, at the values `probe` (1-D), or None.
+
+    Layout ops in `layout` are taken as identity (each element keeps its value), pointwise ops are run on the
+    probe, `full`/scalars are constants and `table[i]` reads a graph constant; anything else (another input, a
+    reduction, a permute) makes the node something other than an elementwise function of `leaf`.
+    """
+    memo = dict(known or {})
+    memo[leaf] = probe
+
+    def ev(n):
+        if isinstance(n, (list, tuple)):
+            return type(n)(ev(a) for a in n)
+        if isinstance(n, dict):
+            return {key: ev(v) for key, v in n.items()}
+        if not isinstance(n, torch.fx.Node):
+            return n
+        if n not in memo:
+            memo[n] = _evaluate_node(n, ev, layout)
+        return memo[n]
+
+    try:
+        with torch.no_grad():
+            return ev(node)
+    except (_Opaque, RuntimeError, TypeError, IndexError, ValueError):
+        return None
+
+
+def _evaluate_node(n: torch.fx.Node, ev, layout) -> torch.Tensor:
+    if n.op != "call_function":
+        raise _Opaque
+    if is_op(n, aten.full.default):
+        return torch.tensor(n.args[1], dtype=dtype(n))
+    if is_op(n, aten.scalar_tensor.default):
+        return torch.tensor(n.args[0], dtype=dtype(n))
+    if n.target in layout:
+        return ev(n.args[0])
+    if is_op(n, aten.index.Tensor):
+        indices = n.args[1]
+        if len(indices) != 1 or indices[0] is None:
+            raise _Opaque
+        return _constant_table(n.args[0])[ev(indices[0]).long()]
+    if _is_pointwise(n):
+        # Two probe-valued operands line up element by element only where the graph does not broadcast them.
+        operands = [a for a in n.all_input_nodes if ev(a).dim() > 0]
+        if len(operands) > 1 and not all(same_shape(shape(a), shape(n)) for a in operands):
+            raise _Opaque
+        return n.target(*ev(n.args), **ev(dict(n.kwargs)))
+    raise _Opaque
+
+
+def _roots(node, depth: int = 24) -> set:
+    """The tensors `node` is computed from through pointwise and layout ops (constants excluded)."""
+    found, stack, seen = set(), [(node, 0)], set()
+    while stack:
+        n, d = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if is_op(n, aten.full.default, aten.scalar_tensor.default, LIFT) or n.op == "get_attr":
+            continue
+        if n.op == "call_function" and d < depth and (
+                _is_pointwise(n) or n.target in ORDER_KEEPING | BROADCASTING | {aten.cat.default, aten.index.Tensor}):
+            args = n.args[1] if is_op(n, aten.index.Tensor) else n.args
+            for a in torch.utils._pytree.tree_leaves((args, dict(n.kwargs))):
+                stack.append((a, d + 1))
+        else:
+            found.add(n)
+    return found
+
+
+def _path_ops(start: torch.fx.Node, end: torch.fx.Node) -> set:
+    """Targets of the ancestors of `end` reached without passing through `start` (`end` excluded)."""
+    between, stack, seen = set(), [end], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n is start:
+            continue
+        seen.add(n)
+        if n is not end:
+            between.add(n.target)
+        stack.extend(a for a in n.all_input_nodes)
+    return between
+
+
+# ---------------------------------------------------------------------------
+# FP4 decode
+# ---------------------------------------------------------------------------
+
+BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+
+
+def _e8m0(bytes_: torch.Tensor) -> torch.Tensor:
+    powers = torch.exp2(bytes_.float() - 127)
+    return torch.where(bytes_ == 255, torch.full_like(powers, float("nan")), powers)
+
+
+def _same_values(got: torch.Tensor | None, want: torch.Tensor) -> bool:
+    if got is None or got.shape != want.shape or not got.is_floating_point():
+        return False
+    got = got.float()
+    return bool(((got == want) | (got.isnan() & want.isnan())).all())
+
+
+@dataclass
+class Fp4Weights:
+    packed: torch.fx.Node
+    scale: torch.fx.Node
+    dtype: torch.dtype
+
+
+def _fp4_decode(weight: torch.fx.Node) -> Fp4Weights | str | None:
+    """The FP4 bytes `weight [E, N, K]` is decoded from, a reason if it is decoded from bytes in a form the
+    fused op does not compute, or None if it is not computed from bytes at all."""
+    node = weight
+    while is_op(node, CONVERT) or is_op(node, *ORDER_KEEPING):
+        node = node.args[0]
+    if is_op(node, aten.cat.default):
+        return _fp4_chunks(weight, node)
+    mul = node
+    if not is_op(mul, aten.mul.Tensor) or not all(isinstance(a, torch.fx.Node) for a in mul.args):
+        return _bytes_reason(weight)
+    reason = None
+    for values, scales in (mul.args, mul.args[::-1]):
+        found = _decoded_pair(weight, mul, values, scales)
+        if isinstance(found, Fp4Weights):
+            return found
+        reason = reason or found
+    return _bytes_reason(weight, reason)
+
+
+def _bytes_reason(weight, reason: str | None = None) -> str | None:
+    if not any(dtype(r) == torch.uint8 for r in _roots(weight)):
+        return None
+    return reason or "the expert weights are decoded from bytes, but not as E2M1 nibbles times E8M0 per-32 scales"
+
+
+def _decoded_pair(weight, mul, values, scales) -> Fp4Weights | str | None:
+    scale_roots = _roots(scales)
+    interleave = _interleave_of(values)
+    if interleave is None or len(scale_roots) != 1:
+        return None
+    cat, packed = interleave
+    (scale,) = scale_roots
+    if dtype(packed) != torch.uint8 or dtype(scale) != torch.uint8:
+        return None
+    p_shape, s_shape, m_shape = shape(packed), shape(scale), shape(mul)
+    if len(p_shape) != 3 or len(s_shape) != 3 or len(m_shape) != 4:
+        return "the FP4 decode is not laid out as [E, N, K/32, 32] value blocks times [E, N, K/32, 1] scales"
+    K = 2 * p_shape[2]
+    if not (same_shape(s_shape[:2], p_shape[:2]) and same_size(s_shape[2] * FP4_BLOCK, K)
+            and same_shape(m_shape, (*s_shape, FP4_BLOCK)) and same_shape(shape(values), m_shape)
+            and same_shape(shape(scales), (*s_shape, 1)) and same_shape(shape(weight), (*p_shape[:2], K))):
+        return "the FP4 scales do not cover blocks of 32 consecutive weights of one row"
+    if dtype(mul) != torch.float32:
+        return f"the FP4 decode multiplies in {dtype(mul)}, not exactly in fp32"
+    # The evaluations below take only order-keeping layout ops, so neither side is rearranged or broadcast.
+    if not _path_ops(mul, weight) <= ORDER_KEEPING | {CONVERT}:
+        return "the scaled FP4 values are rearranged before use"
+    low = evaluate(cat.args[0][0], packed, BYTES, layout=ORDER_KEEPING)
+    high = evaluate(cat.args[0][1], packed, BYTES, layout=ORDER_KEEPING)
+    table = torch.tensor(E2M1_VALUES)
+    nibble_values = [evaluate(values, cat, branch, layout=ORDER_KEEPING) if branch is not None else None
+                     for branch in (low, high)]
+    if not (_same_values(nibble_values[0], table[(BYTES & 15).long()])
+            and _same_values(nibble_values[1], table[(BYTES >> 4).long()])):
+        return ("the FP4 nibbles do not decode to E2M1 values with the low nibble first (checked on all 256 "
+                "bytes)")
+    if not _same_values(evaluate(scales, scale, BYTES, layout=ORDER_KEEPING), _e8m0(BYTES)):
+        return "the scale bytes do not decode as E8M0 (2^(s-127), 255 = NaN; checked on all 256 bytes)"
+    return Fp4Weights(packed=packed, scale=scale, dtype=dtype(weight))
+
+
+def _interleave_of(values) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(cat, packed) for values computed from `cat([f(packed)[..., None], g(packed)[..., None]], -1)`."""
+    node, stack, seen = None, [values], set()
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if is_op(n, aten.cat.default):
+            if node is not None:
+                return None
+            node = n
+            continue
+        if n.op == "call_function" and (_is_pointwise(n) or n.target in ORDER_KEEPING):
+            stack.extend(n.all_input_nodes)
+        elif is_op(n, aten.index.Tensor):
+            stack.extend(i for i in n.args[1] if isinstance(i, torch.fx.Node))
+    if node is None:
+        return None
+    parts = node.args[0]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if len(parts) != 2 or dim % len(shape(node)) != len(shape(node)) - 1 or not same_size(shape(node)[-1], 2):
+        return None
+    roots = _roots(parts[0]) | _roots(parts[1])
+    if len(roots) != 1:
+        return None
+    (packed,) = roots
+    if not all(same_shape(shape(p), (*shape(packed), 1)) for p in parts):
+        return None
+    return node, packed
+
+
+def _fp4_chunks(weight, cat) -> Fp4Weights | str | None:
+    """A stack decoded a few experts at a time: `cat([decode(P_i, S_i) ...])` over `P.split(c)`, `S.split(c)`."""
+    parts = cat.args[0]
+    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    if dim != 0:
+        return _bytes_reason(weight)
+    decoded = [_fp4_decode(part) for part in parts]
+    if not all(isinstance(d, Fp4Weights) for d in decoded):
+        reasons = [d for d in decoded if isinstance(d, str)]
+        return reasons[0] if reasons else _bytes_reason(weight)
+    sources = []
+    for pick in ("packed", "scale"):
+        chunks = [getattr(d, pick) for d in decoded]
+        if not all(c.target is operator.getitem and is_op(c.args[0], aten.split.Tensor) for c in chunks):
+            return "the FP4 stack is decoded in pieces that are not consecutive splits of one packed tensor"
+        split = chunks[0].args[0]
+        split_dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if split_dim != 0 or any(c.args[0] is not split or c.args[1] != i for i, c in enumerate(chunks)) \
+                or len(split.users) != len(chunks):
+            return "the FP4 stack is decoded in pieces that are not consecutive splits of one packed tensor"
+        sources.append(split.args[0])
+    if len({d.dtype for d in decoded}) != 1:
+        return "the FP4 pieces are decoded to different dtypes"
+    return Fp4Weights(packed=sources[0], scale=sources[1], dtype=decoded[0].dtype)
+
+
+# ---------------------------------------------------------------------------
+# Expert GEMMs
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class ExpertGemm:
+    """One expert GEMM: `rows [S, K]` times expert `weight [E, N, K]` (per expert, `F.linear` layout)."""
+
+    kind: str  # "grouped" or "batched"
+    rows: torch.fx.Node | None = None
+    weight: torch.fx.Node | None = None
+    route: torch.fx.Node | None = None  # grouped: offsets; batched: the per-slot expert ids
+    out: torch.fx.Node | None = None  # [S, N]
+    problem: str = ""
+
+
+def _transposed(node) -> torch.fx.Node | None:
+    """`w` for `w.transpose(1, 2)` / `w.permute(0, 2, 1)` of a 3-D `w`, else None."""
+    if is_op(node, aten.permute.default) and list(node.args[1]) in ([0, 2, 1], [0, -1, -2], [-3, -1, -2]):
+        return node.args[0]
+    if is_op(node, aten.transpose.int) and sorted(d % 3 for d in node.args[1:3]) == [1, 2]:
+        return node.args[0]
+    return None
+
+
+def _weight_gather(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(W [E, ...], ids [S]) for `W[ids]`."""
+    if not is_op(node, aten.index.Tensor) or len(shape(node.args[0])) != 3:
+        return None
+    indices = node.args[1]
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) or len(shape(indices[0])) != 1 \
+            or dtype(indices[0]) not in INDEX_DTYPES:
+        return None
+    return node.args[0], indices[0]
+
+
+def _squeezed(node, dim: int) -> torch.fx.Node | None:
+    user = only_user(node)
+    if is_op(user, aten.squeeze.dim) and user.args[1] % 3 == dim:
+        return user
+    if is_op(user, aten.squeeze.dims) and [d % 3 for d in user.args[1]] == [dim]:
+        return user
+    return None
+
+
+def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
+    """Recognise an expert GEMM at `node`; None for a bmm that does not gather expert weights."""
+    if node.target in _grouped_targets():
+        args = dict(zip(("rows", "mat2", "offs", "bias", "out_dtype"), node.args))
+        args.update(node.kwargs)
+        gemm = ExpertGemm(kind="grouped", rows=args["rows"], route=args.get("offs"), out=node)
+        if args.get("bias") is not None or args.get("out_dtype") not in (None, dtype(node)):
+            gemm.problem = "the grouped GEMM has a bias or an output dtype of its own"
+        elif gemm.route is None or len(shape(gemm.rows)) != 2:
+            gemm.problem = "the grouped GEMM is not over 2-D rows with group offsets"
+        else:
+            gemm.weight = _transposed(args["mat2"])
+            if gemm.weight is None:
+                gemm.problem = ("the expert weights are stored [E, K, N] (is_transposed); the fused ops take "
+                                "[E, N, K] as F.linear does")
+        return gemm
+    a, b = node.args[:2]
+    gather = _weight_gather(a)
+    if gather is not None and is_op(b, aten.unsqueeze.default) and b.args[1] % 3 == 2:
+        return ExpertGemm(kind="batched", rows=b.args[0], weight=gather[0], route=gather[1],
+                          out=_squeezed(node, 2))
+    gather = _weight_gather(_transposed(b)) if _transposed(b) is not None else None
+    if gather is not None and is_op(a, aten.unsqueeze.default) and a.args[1] % 3 == 1:
+        return ExpertGemm(kind="batched", rows=a.args[0], weight=gather[0], route=gather[1],
+                          out=_squeezed(node, 1))
+    if _weight_gather(b) is not None and is_op(a, aten.unsqueeze.default):
+        return ExpertGemm(kind="batched", rows=a.args[0], problem=(
+            "the expert weights are stored [E, K, N] (is_transposed); the fused ops take [E, N, K] as F.linear does"))
+    return None
+
+
+def _after_expert_gemm(rows: torch.fx.Node) -> bool:
+    """Whether `rows` is computed from another expert GEMM's output (the second GEMM of a block)."""
+    stack, seen = [(rows, 0)], set()
+    while stack:
+        n, depth = stack.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or depth > 12:
+            continue
+        seen.add(n)
+        if n.op != "call_function":
+            continue
+        if n.target in _gemm_targets():
+            if _expert_gemm(n) is not None:
+                return True
+        elif _is_pointwise(n) or n.target in ORDER_KEEPING | {operator.getitem, aten.split.Tensor,
+                                                                aten.split_with_sizes.default, aten.slice.Tensor}:
+            stack.extend((a, depth + 1) for a in n.all_input_nodes)
+    return False
+
+
+# ---------------------------------------------------------------------------
+# The block
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Block:
+    x: torch.fx.Node
+    ids: torch.fx.Node
+    weights: torch.fx.Node
+    weights_cast: torch.dtype | None
+    gate_up: torch.fx.Node
+    down: torch.fx.Node
+    out: torch.fx.Node
+    kind: str
+    combine: str
+    top_k: int
+    expert_parallel: bool = False
+    fp4: tuple[Fp4Weights, Fp4Weights] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _flattened(node) -> torch.fx.Node | None:
+    """`t` for `t.reshape(-1)` of a 2-D `t`."""
+    if is_op(node, *VIEW_OPS) and len(shape(node)) == 1 and len(shape(node.args[0])) == 2:
+        return node.args[0]
+    return None
+
+
+def _floordiv(node, by: int) -> torch.fx.Node | None:
+    if is_op(node, aten.div.Tensor_mode) and node.kwargs.get("rounding_mode") == "floor" and node.args[1] == by:
+        return node.args[0]
+    if is_op(node, aten.floor_divide.Scalar, aten.floor_divide.default) and node.args[1] == by:
+        return node.args[0]
+    return None
+
+
+def _scalar_value(node):
+    if isinstance(node, (int, float, bool)):
+        return node
+    if is_op(node, aten.full.default) and all(same_size(s, 1) for s in shape(node)):
+        return node.args[1]
+    if is_op(node, aten.scalar_tensor.default):
+        return node.args[0]
+    return None
+
+
+def _sentinel_masked(node, ids: torch.fx.Node, num_experts, unsqueezed: bool) -> torch.fx.Node | None:
+    """`t` for `t.masked_fill(ids >= E, 0)` (with `ids` unsqueezed to a column if asked), else None."""
+    if not is_op(node, aten.where.self) or _scalar_value(node.args[1]) != 0:
+        return None
+    cond = node.args[0]
+    if unsqueezed:
+        if not (is_op(cond, aten.unsqueeze.default) and cond.args[1] in (-1, 1)):
+            return None
+        cond = cond.args[0]
+    if is_op(cond, aten.ge.Scalar) and cond.args[0] is ids and cond.args[1] == num_experts:
+        return node.args[2]
+    if is_op(cond, aten.gt.Scalar) and cond.args[0] is ids and cond.args[1] == num_experts - 1:
+        return node.args[2]
+    return None
+
+
+def _clamped_ids(node, num_experts) -> torch.fx.Node | None:
+    """`ids` for `ids.clamp(0, E - 1)` in any of its spellings."""
+    if is_op(node, aten.clamp.default) and node.args[1:3] == (0, num_experts - 1):
+        return node.args[0]
+    if is_op(node, aten.clamp_max.default) and node.args[1] == num_experts - 1:
+        inner = node.args[0]
+        if is_op(inner, aten.clamp_min.default) and inner.args[1] == 0:
+            return inner.args[0]
+    return None
+
+
+def _routing(g1: ExpertGemm, num_experts) -> dict:
+    """Slot order and the expert ids: `order` is the sort permutation or None for slots in place."""
+    if g1.kind == "grouped":
+        offsets = g1.route
+        if not (is_op(offsets, aten.cumsum.default) and offsets.args[1] in (0, -1)):
+            raise NoMatch("the group offsets are not a cumulative sum of per-expert counts")
+        counts = offsets.args[0]
+        if not is_op(counts, aten.histc.default):
+            raise NoMatch("the per-expert counts are not a histogram of the sorted expert ids")
+        params = dict(zip(("input", "bins", "min", "max"), counts.args))
+        params.update(counts.kwargs)
+        if (params.get("bins", 100), params.get("min", 0), params.get("max", 0)) != (num_experts, 0, num_experts - 1):
+            raise NoMatch(f"the expert histogram is not bins={num_experts} over [0, {num_experts - 1}]")
+        sorted_ids = params["input"]
+        while is_op(sorted_ids, CONVERT):
+            sorted_ids = sorted_ids.args[0]
+    else:
+        sorted_ids = g1.route
+        clamped = _clamped_ids(sorted_ids, num_experts)
+        if clamped is not None:
+            flat = _flattened(clamped)
+            if flat is None:
+                raise NoMatch("the clamped expert ids are not the router's [T, k] ids flattened")
+            return {"ids": flat, "flat": clamped, "order": None, "sorted": None, "sentinel": sorted_ids}
+        if _flattened(sorted_ids) is not None:
+            return {"ids": _flattened(sorted_ids), "flat": sorted_ids, "order": None, "sorted": None, "sentinel": None}
+    if not (sorted_ids.target is operator.getitem and sorted_ids.args[1] == 0 and is_op(sorted_ids.args[0], *SORTS)):
+        raise NoMatch("the expert GEMM's groups do not come from sorting the flattened expert ids")
+    sort = sorted_ids.args[0]
+    params = dict(zip(("self", "stable", "dim", "descending") if sort.target is aten.sort.stable
+                      else ("self", "dim", "descending"), sort.args))
+    params.update(sort.kwargs)
+    if params.get("descending", False) or params.get("dim", -1) not in (0, -1):
+        raise NoMatch("the expert ids are not sorted ascending")
+    ids = _flattened(params["self"])
+    if ids is None:
+        raise NoMatch("the sorted expert ids are not the router's [T, k] ids flattened")
+    perms = [u for u in sort.users if u.target is operator.getitem and u.args[1] == 1]
+    if len(perms) != 1:
+        raise NoMatch("the sort permutation is not used to gather the token rows")
+    return {"ids": ids, "flat": params["self"], "order": perms[0], "sorted": sorted_ids, "sentinel": None}
+
+
+def _token_rows(g1: ExpertGemm, route: dict, top_k: int, num_experts) -> tuple[torch.fx.Node, bool]:
+    """(x [T, H], whether sentinel rows are masked) for the first GEMM's rows."""
+    rows = g1.rows
+    if is_op(rows, CONVERT):
+        raise NoMatch(f"the token rows are cast from {dtype(rows.args[0])} to the weights' {dtype(rows)} "
+                      "before the expert GEMM")
+    masked = False
+    if route["order"] is not None:
+        unmasked = _sentinel_masked(rows, route["sorted"], num_experts, unsqueezed=True)
+        if unmasked is not None:
+            rows, masked = unmasked, True
+        if not is_op(rows, aten.index.Tensor) or len(rows.args[1]) != 1 or len(shape(rows.args[0])) != 2:
+            raise NoMatch("the expert GEMM's rows are not token rows gathered in sorted slot order")
+        if _floordiv(rows.args[1][0], top_k) is not route["order"]:
+            raise NoMatch("the gathered rows are not x[perm // k] for the expert sort's permutation")
+        return rows.args[0], masked
+    leaf, ops = leaf_of_rank(rows, 2)
+    labels = follow(leaf_labels(leaf, "th"), ops) if len(shape(leaf)) == 2 else None
+    if labels is None or dtype(leaf) != dtype(rows) or names(labels) != [("t", "*"), ("h",)] \
+            or not same_size(normalise(labels)[0][1][1], top_k):
+        raise NoMatch("the expert GEMM's rows are not each token repeated k times in slot order")
+    return leaf, masked
+
+
+def _silu_side(side: torch.fx.Node, gate: torch.fx.Node) -> bool:
+    """Whether `side` computes silu(gate) elementwise (checked by evaluating it on sample values)."""
+    gate_dtype = dtype(gate)
+    probe = torch.linspace(-8.0, 8.0, 161).to(gate_dtype)
+    got = evaluate(side, gate, probe, layout=ORDER_KEEPING)
+    if got is None or not got.is_floating_point():
+        return False
+    want = F.silu(probe.float())
+    tol = 1e-5 if got.dtype == torch.float32 else 1e-2
+    return bool(torch.allclose(got.float(), want, rtol=tol, atol=tol))
+
+
+def _swiglu(out1: torch.fx.Node, inter) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(act, gate) for `gate, up = out1.chunk(2, -1); act = silu(gate) * up`."""
+    split = only_user(out1)
+    if not (is_op(split, aten.split.Tensor) and split.args[1] == inter
+            and (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 1)):
+        raise NoMatch("the first expert GEMM's output is not split into gate and up halves")
+    halves = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    if set(halves) != {0, 1} or len(halves[1].users) != 1:
+        raise NoMatch("the gate/up halves are used outside the SwiGLU")
+    gate, up = halves[0], halves[1]
+    act = only_user(up)
+    if not is_op(act, aten.mul.Tensor):
+        raise NoMatch("the up half is not multiplied by the gate activation (or is cast first)")
+    side = act.args[0] if act.args[1] is up else act.args[1]
+    if not isinstance(side, torch.fx.Node) or _roots(side) != {gate}:
+        raise NoMatch("the up half is not multiplied by a function of the gate half")
+    if not _silu_side(side, gate):
+        raise NoMatch("the gate activation is not SiLU (the fused ops compute silu(gate) * up)")
+    if dtype(side) != dtype(up) or dtype(act) != dtype(up):
+        raise NoMatch(f"SwiGLU is computed in {dtype(act)}, not rounded to the GEMM dtype {dtype(up)}")
+    return act, gate
+
+
+def _second_gemm(act: torch.fx.Node, g1: ExpertGemm) -> ExpertGemm:
+    candidates = list(act.users) + [u for user in act.users if is_op(user, aten.unsqueeze.default)
+                                    for u in user.users]
+    for user in candidates:
+        if user.target in _gemm_targets():
+            g2 = _expert_gemm(user)
+            if g2 is not None and g2.kind == g1.kind and g2.rows is act:
+                if g2.problem:
+                    raise NoMatch(g2.problem)
+                if g2.route is not g1.route:
+                    raise NoMatch("the two expert GEMMs are grouped by different routings")
+                return g2
+    raise NoMatch("the SwiGLU activation does not feed a second expert GEMM")
+
+
+def _slot_weights(sw: torch.fx.Node, route: dict, num_experts) -> tuple[torch.fx.Node, torch.dtype | None]:
+    """(router weights [T, k], the dtype they are cast to first or None) for the per-slot weight column."""
+    cast = None
+    node = sw
+    while is_op(node, CONVERT, aten.unsqueeze.default):
+        if is_op(node, aten.unsqueeze.default) and node.args[1] not in (-1, 1):
+            break
+        if is_op(node, CONVERT):
+            if cast is not None:
+                raise NoMatch("the router weights are cast twice")
+            cast = node.args[1]
+        node = node.args[0]
+    if not same_size(shape(sw)[-1], 1) or len(shape(sw)) != 2:
+        raise NoMatch("the expert outputs are not scaled by one router weight per slot")
+    if route["order"] is not None:
+        if not (is_op(node, aten.index.Tensor) and len(node.args[1]) == 1 and node.args[1][0] is route["order"]):
+            raise NoMatch("the router weights are not gathered in the expert sort's order")
+        node = node.args[0]
+    elif route["sentinel"] is not None:
+        unmasked = _sentinel_masked(node, route["flat"], num_experts, unsqueezed=False)
+        if unmasked is None:
+            raise NoMatch("clamped expert ids without zeroed router weights at the sentinel slots")
+        node = unmasked
+    weights = _flattened(node)
+    if weights is None:
+        raise NoMatch("the per-slot router weights are not the router's [T, k] weights flattened")
+    return weights, cast
+
+
+def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch.fx.Node, str]:
+    """(the block's output node, the combine's name)."""
+    T, H = shape(x)
+    user = only_user(weighted)
+    if route["order"] is not None and _is_accumulate(user):
+        zeros, dim, index, source, alpha = _accumulate_args(user)
+        if dim != 0 or source is not weighted or alpha != 1 or _floordiv(index, top_k) is not route["order"]:
+            raise NoMatch("the index_add_ does not add each slot's output to its own token")
+        if not (is_op(zeros, aten.full.default) and zeros.args[1] == 0 and same_shape(shape(zeros), (T, H))):
+            raise NoMatch("the index_add_ accumulates into something other than zeros [T, H]")
+        return user, "index_add"
+    node, combine = weighted, "sum"
+    if route["order"] is not None:
+        inverse = user.args[1][0] if is_op(user, aten.index.Tensor) and len(user.args[1]) == 1 else None
+        if not (is_op(inverse, aten.index_put.default) and _is_inverse_permutation(inverse, route["order"])):
+            raise NoMatch("the weighted expert outputs are not put back in slot order (inverse permutation)")
+        node, combine = user, "inverse permutation + sum"
+    view = only_user(node)
+    if not (is_op(view, *VIEW_OPS) and same_shape(shape(view), (T, top_k, H))):
+        raise NoMatch("the weighted slot outputs are not viewed as [T, k, H]")
+    total = only_user(view)
+    if not (is_op(total, aten.sum.dim_IntList) and [d % 3 for d in total.args[1]] == [1]
+            and not (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False))
+            and total.kwargs.get("dtype") is None):
+        raise NoMatch("each token's k slot outputs are not summed")
+    out = total
+    cast = only_user(total)
+    if is_op(cast, CONVERT):
+        out = cast
+    return out, combine
+
+
+def _is_accumulate(node) -> bool:
+    """`index_add(base, 0, index, src)` or its decomposition `index_put(base, [index], src, accumulate=True)`."""
+    if is_op(node, aten.index_add.default):
+        return True
+    return is_op(node, aten.index_put.default) and (node.args[3] if len(node.args) > 3
+                                                     else node.kwargs.get("accumulate", False))
+
+
+def _accumulate_args(node) -> tuple:
+    """(base, dim, index, source, alpha) of an `_is_accumulate` node."""
+    if is_op(node, aten.index_add.default):
+        alpha = node.args[4] if len(node.args) > 4 else node.kwargs.get("alpha", 1)
+        return (*node.args[:4], alpha)
+    base, indices, source = node.args[:3]
+    if len(indices) != 1 or indices[0] is None:
+        return base, None, None, source, 1
+    return base, 0, indices[0], source, 1
+
+
+def _is_inverse_permutation(node, perm) -> bool:
+    base, indices, values = node.args[:3]
+    accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+    if accumulate or len(indices) != 1 or indices[0] is not perm:
+        return False
+    if not (is_op(base, aten.empty.memory_format, aten.empty_like.default, aten.full.default, aten.zeros.default)
+            and is_op(values, torch.ops.prims.iota.default)):
+        return False
+    return (values.kwargs.get("start", 0) == 0 and values.kwargs.get("step", 1) == 1
+            and same_shape(shape(values), shape(perm)))
+
+
+def _match(anchor: torch.fx.Node) -> Block:
+    g1 = _expert_gemm(anchor)
+    if g1 is None:
+        raise NoMatch("not an expert GEMM", reported=False)
+    if g1.rows is not None and _after_expert_gemm(g1.rows):
+        raise NoMatch("the second GEMM of an expert block", reported=False)
+    if g1.problem:
+        raise NoMatch(g1.problem)
+    if g1.out is None:
+        raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
+    E, two_i, H = shape(g1.weight)
+    if not isinstance(two_i, int) or two_i % 2:
+        raise NoMatch(f"the first expert GEMM's output width {two_i} is not 2*I")
+    inter = two_i // 2
+
+    route = _routing(g1, E)
+    ids = route["ids"]
+    T, top_k = shape(ids)
+    if not isinstance(top_k, int):
+        raise NoMatch("the number of experts per token is not a constant")
+    x, masked = _token_rows(g1, route, top_k, E)
+    if not same_shape(shape(x), (T, H)):
+        raise NoMatch(f"token rows {shape(x)} and expert ids {shape(ids)} do not share T, or H is not {H}")
+    if dtype(ids) not in INDEX_DTYPES or dtype(x) not in FLOAT_DTYPES:
+        raise NoMatch(f"expert ids {dtype(ids)} / activations {dtype(x)} not supported by the fused ops")
+
+    out1 = g1.out
+    if masked:
+        sentinel_users = [u for u in out1.users if _sentinel_masked(u, route["sorted"], E, True) is out1]
+        if len(sentinel_users) != 1 or len(out1.users) != 1:
+            raise NoMatch("expert-parallel: the first GEMM's sentinel rows are not masked to zero")
+        out1 = sentinel_users[0]
+    act, _ = _swiglu(out1, inter)
+    g2 = _second_gemm(act, g1)
+    if g2.out is None:
+        raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
+    if not same_shape(shape(g2.weight), (E, H, inter)):
+        raise NoMatch(f"down-projection weights {shape(g2.weight)} are not [E, H, I] = {(E, H, inter)}")
+    out2 = g2.out
+    if masked:
+        user = only_user(out2)
+        if _sentinel_masked(user, route["sorted"], E, True) is not out2:
+            raise NoMatch("expert-parallel: the second GEMM's sentinel rows are not masked to zero")
+        out2 = user
+    weighted = only_user(out2)
+    if not is_op(weighted, aten.mul.Tensor) or out2 not in weighted.args:
+        raise NoMatch("the expert outputs are not multiplied by the router weights")
+    sw = weighted.args[1] if weighted.args[0] is out2 else weighted.args[0]
+    if not isinstance(sw, torch.fx.Node):
+        raise NoMatch("the expert outputs are scaled by a constant, not by router weights")
+    weights, cast = _slot_weights(sw, route, E)
+    if not same_shape(shape(weights), (T, top_k)) or dtype(weights) not in FLOAT_DTYPES:
+        raise NoMatch(f"router weights {shape(weights)} {dtype(weights)} are not a float [T, k] tensor")
+    out, combine = _combine(weighted, route, x, top_k)
+    if dtype(out) != dtype(x) or not same_shape(shape(out), (T, H)):
+        raise NoMatch(f"the block's output is {dtype(out)}, not the activations' {dtype(x)}")
+
+    block = Block(x=x, ids=ids, weights=weights, weights_cast=cast, gate_up=g1.weight, down=g2.weight, out=out,
+                  kind=g1.kind, combine=combine, top_k=top_k,
+                  expert_parallel=masked or route["sentinel"] is not None)
+    decoded = (_fp4_decode(g1.weight), _fp4_decode(g2.weight))
+    if all(isinstance(d, Fp4Weights) for d in decoded):
+        if any(d.dtype != dtype(x) for d in decoded):
+            raise NoMatch("the FP4 weights are decoded to a dtype other than the activations'")
+        if dtype(weighted) != dtype(x):
+            raise NoMatch(f"the router-weight product is {dtype(weighted)}; moe_experts_fp4 rounds it to "
+                          f"{dtype(x)}")
+        block.fp4 = (decoded[0], decoded[1])
+        return block
+    if any(isinstance(d, Fp4Weights) for d in decoded):
+        raise NoMatch("only one of the two expert weight stacks is an FP4 decode")
+    block.notes = [d for d in decoded if isinstance(d, str)]
+    if dtype(g1.weight) != dtype(x) or dtype(g2.weight) != dtype(x):
+        raise NoMatch(f"expert weights {dtype(g1.weight)}/{dtype(g2.weight)} differ from the activations' "
+                      f"{dtype(x)}")
+    return block
+
+
+def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassContext) -> None:
+    out = m.out
+    weights = m.weights
+    if m.fp4 is not None:
+        w13, w2 = m.fp4
+        args = (m.x, m.ids, weights, w13.packed, w13.scale, w2.packed, w2.scale, 0)
+        op, target = "dsfuse.moe_experts_fp4", torch.ops.dsfuse.moe_experts_fp4.default
+    else:
+        if m.weights_cast is not None and m.weights_cast != dtype(weights):
+            weights = insert_call(graph, out, CONVERT, (weights, m.weights_cast))
+        args = (m.x, m.ids, weights, m.gate_up, m.down, 0)
+        op, target = "dsfuse.moe_experts_bf16", torch.ops.dsfuse.moe_experts_bf16.default
+    fused = insert_call(graph, out, target, args)
+    out.replace_all_uses_with(fused)
+    E = shape(m.gate_up)[0] if m.fp4 is None else shape(m.fp4[0].packed)[0]
+    detail = f"{m.kind} GEMMs, {m.combine}, E={E}, k={m.top_k}"
+    if m.expert_parallel:
+        detail += ", expert-parallel sentinel slots skipped"
+    ctx.site(anchor, op, [a for a in args if isinstance(a, torch.fx.Node)], detail=detail)
+    for note in m.notes:
+        ctx.near_miss(anchor, f"{note}: fused with the decoded weight stack (moe_experts_bf16), not from the bytes")
+
+
+# ---------------------------------------------------------------------------
+# transformers' eager experts loop
+# ---------------------------------------------------------------------------
+
+
+def _report_eager_loops(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """Report the expert-mask graph of the eager loop: `one_hot(ids, E + 1)` summed to "experts hit" that
+    leaves the graph for `nonzero()`."""
+    for node in graph.nodes:
+        if not is_op(node, aten.eq.Tensor):
+            continue
+        column, classes = node.args
+        if not (is_op(column, aten.unsqueeze.default) and column.args[1] == -1 and is_op(classes,
+                torch.ops.prims.iota.default) and len(shape(column.args[0])) == 2
+                and dtype(column.args[0]) in INDEX_DTYPES):
+            continue
+        if _hit_mask_leaves_graph(node):
+            ctx.near_miss(node, EAGER_LOOP_REASON)
+
+
+def _hit_mask_leaves_graph(one_hot: torch.fx.Node) -> bool:
+    stack, seen = [one_hot], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        for user in n.users:
+            if is_op(user, CONVERT, *TRANSPOSE_OPS):
+                stack.append(user)
+            elif is_op(user, aten.sum.dim_IntList):
+                hit = only_user(user)
+                if is_op(hit, aten.gt.Scalar) and hit.args[1] == 0 and any(u.op == "output" for u in hit.users):
+                    return True
+    return False

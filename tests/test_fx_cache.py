@@ -60,6 +60,7 @@ def test_uuid_follows_what_runs_not_the_flags(monkeypatch):
     """A pass that is off rewrites nothing, so flags naming it must not split the cache; switching it on must."""
     import dsfuse.passes.moe_experts as moe
 
+    monkeypatch.setattr(moe, "IMPLEMENTED", False)
     assert DsfusePassManager(("indexer_topk",)).uuid() == DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
     monkeypatch.setattr(moe, "IMPLEMENTED", True)
     assert DsfusePassManager(("indexer_topk",)).uuid() != DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
