@@ -3,18 +3,30 @@
     python -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192
     python -m dsfuse.bench model --preset tiny --seq 32 --device cpu      # smoke run
     python -m dsfuse.bench model --profile --json r.json --markdown r.md  # keep the results
-    python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, time by stage
+    python -m dsfuse.bench model --mode decode --decode-batch 1 8 --context 8192 32768
+    python -m dsfuse.bench ablate --seq 8192 --json a.json --markdown a.md  # each pass off, each pass alone
+    python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, decode, time by stage
 
 Every configuration is checked before it is timed: dsfuse with all passes off must reproduce Inductor
 bit for bit, and every compiled model is compared with eager. Times are medians of
 `triton.testing.do_bench` (CUDA) or of wall-clock repeats (CPU); an out-of-memory configuration is
 reported as such.
+
+Decode (`--mode decode`): each configuration fills a KV cache of T context tokens with its own prefill
+(`--prefill-cache same`; a configuration that runs out of memory there decodes from a cache that dsfuse
+filled, and the row says so), or every configuration decodes from the one dsfuse-filled cache
+(`--prefill-cache dsfuse`, quicker: one prefill per batch and context). A timed step decodes one token per
+sequence at position T: HF's `DynamicCache` grows by `torch.cat`, so the cache's tensors are put back before
+every step and each step sees exactly T cached tokens. The cache length is marked dynamic, so one compiled
+decode graph serves every length; the graphs compiled while the cache really grows (`--growing-steps`
+appended tokens) are counted and printed, so a recompile per step cannot hide.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import platform
 import statistics
@@ -26,7 +38,8 @@ from typing import Callable
 import torch
 
 import dsfuse
-from dsfuse.bench_report import families_markdown, model_markdown, plot_model, progress
+from dsfuse.bench_report import (ablation_markdown, ablation_summary, decode_notes, families_markdown, model_markdown,
+                                 plot_model, progress)
 from dsfuse.config import PASS_NAMES
 
 CONFIGS: dict[str, tuple[str | None, dict | None]] = {
@@ -129,14 +142,39 @@ def _compiled(model, backend: str | None, options: dict | None):
     return torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
 
 
+def _error_text(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+
+
+def _free_device_memory(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
 def bench_model(args) -> dict:
+    """`model`: prefill (`--mode prefill`), decode with a KV cache (`--mode decode`) or both, one model build."""
     from dsfuse.models.presets import build_hf_model
 
+    started = time.perf_counter()
     dtype = getattr(torch, args.dtype)
-    cuda = args.device.startswith("cuda")
     model = build_hf_model(args.preset, dtype=dtype, device=args.device, attn_implementation=args.attn)
-    results = {"env": environment(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch, "runs": []}
-    print(f"# {results['env']} preset={args.preset} dtype={args.dtype} batch={args.batch}", flush=True)
+    results = {"env": environment(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch,
+               "mode": args.mode, "runs": []}
+    print(f"# {results['env']} preset={args.preset} dtype={args.dtype} mode={args.mode}", flush=True)
+    if args.mode in ("prefill", "both"):
+        _bench_prefill(model, args, results)
+    if args.mode in ("decode", "both"):
+        results.update(decode=[], decode_batches=args.decode_batch, contexts=args.context,
+                       prefill_cache=args.prefill_cache, growing_steps=args.growing_steps)
+        _bench_decode(model, args, results)
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    print(f"# {args.command} finished in {results['wall_s']} s", flush=True)
+    return results
+
+
+def _bench_prefill(model, args, results: dict) -> None:
+    cuda = args.device.startswith("cuda")
     bar = progress(len(args.seq) * len(args.configs), f"{args.preset} prefill")
     for seq in args.seq:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=args.device,
@@ -149,8 +187,7 @@ def bench_model(args) -> dict:
                 fn = _compiled(model, backend, options)
                 dsfuse.reset_report()
                 if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
+                    _free_device_memory(cuda)
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
                 with torch.no_grad():
@@ -177,23 +214,293 @@ def bench_model(args) -> dict:
                 row["error"] = "out of memory"
             except Exception as err:  # a broken configuration is reported, the others still run
                 row["ms"] = None
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+                row["error"] = _error_text(err)
             results["runs"].append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
-            if "profile" in row:
-                prof = row["profile"]
-                shares = ", ".join(f"{k} {v:.1%}" for k, v in prof["dsfuse_ops_share"].items())
-                print(f"  profile: {prof['gpu_ms']:.2f} ms GPU; fused ops: {shares or 'none'}", flush=True)
-                for kernel, ms in prof["top_kernels_ms"][:8]:
-                    print(f"    {ms:8.3f} ms  {kernel}", flush=True)
+            _print_row(row)
             bar.update()
         _check_parity(outputs, seq, results)
         outputs.clear()
-        if cuda:
-            torch.cuda.empty_cache()
+        _free_device_memory(cuda)
     bar.close()
     _print_table(results)
+
+
+def _print_row(row: dict) -> None:
+    print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+    if "profile" in row:
+        prof = row["profile"]
+        shares = ", ".join(f"{k} {v:.1%}" for k, v in prof["dsfuse_ops_share"].items())
+        print(f"  profile: {prof['gpu_ms']:.2f} ms GPU; fused ops: {shares or 'none'}", flush=True)
+        for kernel, ms in prof["top_kernels_ms"][:8]:
+            print(f"    {ms:8.3f} ms  {kernel}", flush=True)
+
+
+# The configuration that fills the KV cache for configurations whose own prefill runs out of memory
+# (and for every configuration under `--prefill-cache dsfuse`): the only one whose memory is linear in T.
+FALLBACK_PREFILL = "dsfuse"
+
+_CACHE_FIELDS = ("keys", "values", "indexer_keys")  # per layer: latent K, rotary K, V3.2 indexer keys
+
+
+def _cache_argument(model) -> str:
+    """transformers 5.24 calls the cache argument `cache` (`past_key_values` is its deprecated alias)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _graph_count() -> int:
+    """Dynamo graphs compiled so far in this process (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class FilledCache:
+    """A `DynamicCache` filled with T context tokens, and its tensors so it can be put back to exactly T.
+
+    HF's dynamic cache layers grow by `torch.cat` and never write into their tensors, so keeping references to
+    the per-layer tensors (latent keys, rotary keys and the indexer's own key cache) is a complete snapshot.
+    """
+
+    def __init__(self, cache, prefill_by: str, prefill_s: float):
+        self.cache, self.prefill_by, self.prefill_s = cache, prefill_by, prefill_s
+        self.tensors = [{field: getattr(layer, field) for field in _CACHE_FIELDS
+                         if isinstance(getattr(layer, field, None), torch.Tensor)} for layer in cache.layers]
+        self.length = cache.get_seq_length()
+        self.reference: torch.Tensor | None = None  # eager logits of the first decode step, once computed
+        self.reference_tried = False
+
+    def restore(self) -> None:
+        for layer, saved in zip(self.cache.layers, self.tensors):
+            for field, tensor in saved.items():
+                setattr(layer, field, tensor)
+
+    def mark_length_dynamic(self) -> None:
+        """One compiled decode graph for every cache length, instead of one per length."""
+        for saved in self.tensors:
+            for tensor in saved.values():
+                torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2)
+
+
+def _prefill(fn, model, batch: int, context: int, prefill_by: str, device: str) -> FilledCache:
+    """Run the T context tokens through `fn` once, keeping only the last position's logits."""
+    from transformers import DynamicCache
+
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device,
+                        generator=torch.Generator(device).manual_seed(context + batch))
+    torch._dynamo.maybe_mark_dynamic(ids, 1)  # one prefill graph for every context length
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn(ids, use_cache=True, logits_to_keep=1, **{_cache_argument(model): cache})
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    filled = FilledCache(cache, prefill_by, round(time.perf_counter() - start, 2))
+    if filled.length != context:
+        raise RuntimeError(f"prefill left {filled.length} tokens in the cache, expected {context}")
+    return filled
+
+
+class _DecodeCaches:
+    """The fallback caches by (batch, context), each filled once per run, and eager reference logits."""
+
+    def __init__(self, model, args):
+        self.model, self.args = model, args
+        self.fallback: dict[tuple[int, int], FilledCache] = {}
+        self.prefiller = None
+
+    def fallback_cache(self, batch: int, context: int, fn=None) -> FilledCache:
+        """The cache `FALLBACK_PREFILL` fills (through `fn` when that is already this configuration)."""
+        key = (batch, context)
+        if key not in self.fallback:
+            if fn is None:
+                if self.prefiller is None:
+                    backend, options = CONFIGS[FALLBACK_PREFILL]
+                    self.prefiller = self.model if backend is None else torch.compile(
+                        self.model, backend=backend, **({"options": options} if options else {}))
+                fn = self.prefiller
+            self.fallback[key] = _prefill(fn, self.model, batch, context, FALLBACK_PREFILL, self.args.device)
+        return self.fallback[key]
+
+    def reference(self, filled: FilledCache, tokens, positions) -> torch.Tensor | None:
+        """Eager logits of the first decode step from `filled` (None where eager runs out of memory)."""
+        if not filled.reference_tried:
+            filled.reference_tried = True
+            try:
+                filled.restore()
+                with torch.no_grad():
+                    logits = self.model(tokens, position_ids=positions, use_cache=True,
+                                        **{_cache_argument(self.model): filled.cache}).logits
+                filled.reference = logits.float()
+            except torch.OutOfMemoryError:
+                _free_device_memory(self.args.device.startswith("cuda"))
+            finally:
+                filled.restore()
+        return filled.reference
+
+
+def _decode_cache(caches: _DecodeCaches, fn, name: str, backend, options, batch: int, context: int,
+                  row: dict) -> FilledCache:
+    """This configuration's own filled cache, or the fallback one where it cannot fill one (noted in `row`)."""
+    args = caches.args
+    is_fallback_config = (backend, options) == CONFIGS[FALLBACK_PREFILL]
+    if args.prefill_cache == FALLBACK_PREFILL or is_fallback_config:
+        return caches.fallback_cache(batch, context, fn if is_fallback_config else None)
+    try:
+        return _prefill(fn, caches.model, batch, context, name, args.device)
+    except torch.OutOfMemoryError:
+        row["prefill_error"] = f"{name} prefill out of memory"
+    _free_device_memory(args.device.startswith("cuda"))
+    return caches.fallback_cache(batch, context)
+
+
+# Per configuration, decode compiles prefill graphs (its own and the fallback's, per batch size) and a decode graph
+# per batch size; with several batch sizes that passes Dynamo's default limit of 8 graphs per function, past which
+# Dynamo would silently run the model eagerly.
+DECODE_RECOMPILE_LIMIT = 64
+
+
+def _bench_decode(model, args, results: dict) -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # older torch
+    with config.patch({name: max(DECODE_RECOMPILE_LIMIT, getattr(config, name))}):
+        _bench_decode_configs(model, args, results)
+
+
+def _bench_decode_configs(model, args, results: dict) -> None:
+    cuda = args.device.startswith("cuda")
+    cache_argument = _cache_argument(model)
+    caches = _DecodeCaches(model, args)
+    shapes = [(batch, context) for batch in args.decode_batch for context in args.context]
+    bar = progress(len(shapes) * len(args.configs), f"{args.preset} decode")
+    for name, (backend, options) in args.configs.items():
+        fn = _compiled(model, backend, options)
+        for batch, context in shapes:
+            bar.set_postfix_str(f"B={batch} T={context} {name}")
+            row = {"batch": batch, "context": context, "config": name}
+            filled = None
+            try:
+                filled = _decode_cache(caches, fn, name, backend, options, batch, context, row)
+                row["prefill_by"], row["prefill_s"] = filled.prefill_by, filled.prefill_s
+                sites_before = dsfuse.report().counts
+                _time_decode(fn, filled, caches, cache_argument, args, row, compiled=backend is not None)
+                if backend == "dsfuse" and row.get("graphs_first_call"):
+                    # sites in the decode graph compiled for this row (prefills compiled meanwhile excluded)
+                    row["rewritten"] = {pass_name: count - sites_before[pass_name]
+                                        for pass_name, count in dsfuse.report().counts.items()}
+            except torch.OutOfMemoryError:
+                row["ms"] = None
+                row["error"] = "out of memory" + (" in the prefill" if filled is None else "")
+            except Exception as err:  # a broken configuration is reported, the others still run
+                row["ms"] = None
+                row["error"] = _error_text(err)
+            finally:
+                if filled is not None:
+                    filled.restore()
+            del filled
+            _free_device_memory(cuda)
+            results["decode"].append(row)
+            _print_row(row)
+            bar.update()
+    bar.close()
+    _print_decode_table(results)
+
+
+def _time_decode(fn, filled: FilledCache, caches: _DecodeCaches, cache_argument: str, args, row: dict,
+                 compiled: bool) -> None:
+    """First call, `--growing-steps` appended tokens (counting recompiles), then steps timed at length T."""
+    cuda = args.device.startswith("cuda")
+    batch, context = row["batch"], row["context"]
+    tokens = torch.randint(0, caches.model.config.vocab_size, (batch, 1), device=args.device,
+                           generator=torch.Generator(args.device).manual_seed(batch * context + 1))
+    positions = torch.full((batch, 1), context, device=args.device, dtype=torch.long)
+    filled.mark_length_dynamic()
+
+    def step(offset: int = 0):
+        return fn(tokens, position_ids=positions + offset, use_cache=True, **{cache_argument: filled.cache})
+
+    def timed_step():
+        filled.restore()
+        return step()
+
+    if cuda:
+        _free_device_memory(cuda)
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    graphs = _graph_count()
+    with torch.no_grad():
+        start = time.perf_counter()
+        logits = timed_step().logits.float()
+        if cuda:
+            torch.cuda.synchronize()
+        row["first_call_s"] = round(time.perf_counter() - start, 2)
+        counts = {"graphs_first_call": _graph_count() - graphs}
+        graphs = _graph_count()
+        for offset in range(1, args.growing_steps + 1):
+            step(offset)
+        counts["recompiles_growing"] = _graph_count() - graphs
+        graphs = _graph_count()
+        row["ms"] = time_ms(timed_step, args.device, args.rep_ms)
+        counts["recompiles_timed"] = _graph_count() - graphs
+        if compiled:
+            row.update(counts)
+        if cuda:
+            row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+        if args.profile and cuda:
+            row["profile"] = profile_stages(timed_step)
+    row["tok_per_s"] = batch / row["ms"] * 1e3
+    filled.restore()
+    if not compiled:
+        filled.reference, filled.reference_tried = logits, True
+    reference = caches.reference(filled, tokens, positions)
+    if reference is not None:
+        row["rel_l2_vs_eager"] = ((logits - reference).norm() / reference.norm()).item()
+
+
+def _print_decode_table(results: dict) -> None:
+    base = {(r["batch"], r["context"]): r["ms"] for r in results["decode"] if r["config"] == "inductor" and r.get("ms")}
+    print(f"\ndecode: ms per step (one new token per sequence), cache put back to T before each step; "
+          f"recompiles counted over {results['growing_steps']} appended tokens")
+    print(f"{'B':>3} {'T':>6} {'config':<11} {'prefill by':<11} {'ms/step':>9} {'tok/s':>9} {'vs Ind.':>8} "
+          f"{'peak GiB':>9} {'recompiles':>10} {'rel_l2 eager':>12}  notes")
+    for r in results["decode"]:
+        ms = r.get("ms")
+        key = (r["batch"], r["context"])
+        ratio = f"{base[key] / ms:.2f}x" if ms and key in base else "-"
+        notes = decode_notes(r, results["growing_steps"])
+        print(f"{r['batch']:>3} {r['context']:>6} {r['config']:<11} {r.get('prefill_by', '-'):<11} "
+              f"{'-' if ms is None else round(ms, 3)!s:>9} {'-' if ms is None else round(r['tok_per_s'], 1)!s:>9} "
+              f"{ratio:>8} {r.get('peak_extra_gib', '-')!s:>9} {r.get('recompiles_growing', '-')!s:>10} "
+              f"{r.get('rel_l2_vs_eager', float('nan')):>12.3e}  {notes}")
+
+
+def ablation_configs(passes: list[str]) -> list[str]:
+    """Eager (the parity reference), Inductor, all passes on, each pass off in turn, each pass alone."""
+    return ["eager", "inductor", "dsfuse", *(f"no:{name}" for name in passes), *(f"only:{name}" for name in passes)]
+
+
+def bench_ablate(args) -> dict:
+    """`ablate`: the `model` prefill over `ablation_configs`, plus the per-pass contribution table."""
+    args.mode = "prefill"
+    args.configs = resolve_configs(ablation_configs(args.passes))
+    results = bench_model(args)
+    results["kind"] = "ablate"
+    results["passes"] = list(args.passes)
+    results["ablation"] = ablation_summary(results)
+    _print_ablation(results)
     return results
+
+
+def _print_ablation(results: dict) -> None:
+    print(f"\n{'S':>6} {'pass':<17} {'sites':>5} {'alone ms':>9} {'alone vs Ind.':>13} {'without ms':>10} "
+          f"{'all on / without':>16}")
+    for r in results["ablation"]:
+        print(f"{r['seq']:>6} {r['pass']:<17} {'-' if r['sites'] is None else r['sites']!s:>5} "
+              f"{_number(r['alone_ms'], '.3f'):>9} {_number(r['alone_vs_inductor'], '.2f', 'x'):>13} "
+              f"{_number(r['without_ms'], '.3f'):>10} {_number(r['all_vs_without'], '.2f', 'x'):>16}")
+
+
+def _number(value, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else format(value, spec) + suffix
 
 
 def matmul_peak_tflops(device: str) -> float | None:
@@ -276,7 +583,9 @@ def _check_parity(outputs: dict[str, torch.Tensor], seq: int, results: dict) -> 
 
 def _print_table(results: dict) -> None:
     base = {(r["seq"]): r["ms"] for r in results["runs"] if r["config"] == "inductor" and r.get("ms")}
-    print(f"\n{'S':>6} {'config':<11} {'ms':>9} {'tok/s':>10} {'vs Inductor':>11} {'peak GiB':>9} {'rel_l2 eager':>12}  notes")
+    width = max([11, *(len(r["config"]) for r in results["runs"])])
+    print(f"\n{'S':>6} {'config':<{width}} {'ms':>9} {'tok/s':>10} {'vs Inductor':>11} {'peak GiB':>9} "
+          f"{'rel_l2 eager':>12}  notes")
     for r in results["runs"]:
         ms = r.get("ms")
         ratio = f"{base[r['seq']] / ms:.2f}x" if ms and r["seq"] in base else "-"
@@ -287,27 +596,46 @@ def _print_table(results: dict) -> None:
             notes += f"bitwise==inductor: {r['bitwise_equal_to_inductor']}"
         if r.get("rewritten"):
             notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items() if v)
-        print(f"{r['seq']:>6} {r['config']:<11} {ms if ms is None else round(ms, 2)!s:>9} "
+        print(f"{r['seq']:>6} {r['config']:<{width}} {ms if ms is None else round(ms, 2)!s:>9} "
               f"{round(r['tok_per_s']) if ms else '-'!s:>10} {ratio:>11} {r.get('peak_extra_gib', '-')!s:>9} "
               f"{r.get('rel_l2_vs_eager', float('nan')):>12.3e}  {notes}")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, seq_default: list[int]) -> None:
+    parser.add_argument("--preset", default="v32-real-2l")
+    parser.add_argument("--seq", type=int, nargs="+", default=seq_default, help="prefill sequence lengths")
+    parser.add_argument("--batch", type=int, default=1, help="prefill batch")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rep-ms", type=int, default=1000)
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--markdown", default=None, help="write Markdown tables here")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    model = sub.add_parser("model", help="whole-model prefill: eager / Inductor / dsfuse")
-    model.add_argument("--preset", default="v32-real-2l")
-    model.add_argument("--seq", type=int, nargs="+", default=[2048, 8192])
-    model.add_argument("--batch", type=int, default=1)
-    model.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
-    model.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
-    model.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    model = sub.add_parser("model", help="whole model, prefill and/or decode with a KV cache: "
+                                         "eager / Inductor / dsfuse")
+    _add_model_arguments(model, [2048, 8192])
     model.add_argument("--configs", default=",".join(CONFIGS),
                        help=f"comma list of {', '.join(CONFIGS)}, only:PASS (one pass alone), no:PASS (all but one)")
-    model.add_argument("--rep-ms", type=int, default=1000)
-    model.add_argument("--json", default=None, help="write results here")
-    model.add_argument("--markdown", default=None, help="write a Markdown table here (and time by stage with --profile)")
     model.add_argument("--profile", action="store_true", help="add a per-kernel GPU-time breakdown of one call")
+    model.add_argument("--mode", default="prefill", choices=("prefill", "decode", "both"))
+    model.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    model.add_argument("--context", type=int, nargs="+", default=[8192, 32768], help="decode context lengths T")
+    model.add_argument("--prefill-cache", default="same", choices=("same", FALLBACK_PREFILL),
+                       help=f"who fills the decode cache: each configuration itself (falling back to "
+                            f"{FALLBACK_PREFILL} where it runs out of memory), or {FALLBACK_PREFILL} for all")
+    model.add_argument("--growing-steps", type=int, default=2,
+                       help="decode steps that really append to the cache, to count recompiles")
+    ablate = sub.add_parser("ablate", help="prefill with each pass off in turn and each pass alone: "
+                                           "per-pass contribution and GPU time by stage")
+    _add_model_arguments(ablate, [8192])
+    ablate.add_argument("--passes", default=",".join(PASS_NAMES), help="comma list of the passes to ablate")
+    ablate.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="per-kernel GPU-time breakdown of each configuration (CUDA only)")
     fam = sub.add_parser("families", help="each fused family's source subgraph: eager / Inductor / dsfuse")
     fam.add_argument("--size", default=None, choices=("real", "tiny"), help="default: real on CUDA, tiny on CPU")
     fam.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
@@ -316,8 +644,8 @@ def main(argv: list[str] | None = None) -> int:
     fam.add_argument("--rep-ms", type=int, default=300)
     fam.add_argument("--json", default=None, help="write results here")
     fam.add_argument("--markdown", default=None, help="write a Markdown table here")
-    plot = sub.add_parser("plot", help="figure from a `model --json` file: speedup vs S, GPU time by stage (matplotlib)")
-    plot.add_argument("results", help="JSON written by `model --json`")
+    plot = sub.add_parser("plot", help="figure from a `model` or `ablate` --json file (matplotlib)")
+    plot.add_argument("results", help="JSON written by `model --json` or `ablate --json`")
     plot.add_argument("--out", required=True, help="image to write, e.g. bench.png")
     args = parser.parse_args(argv)
     if args.command == "plot":
@@ -336,11 +664,19 @@ def main(argv: list[str] | None = None) -> int:
         results = bench_families(args)
         _write(results, args.json, args.markdown, families_markdown)
         return 0
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.command == "ablate":
+        args.passes = [name for name in args.passes.split(",") if name]
+        unknown = [name for name in args.passes if name not in PASS_NAMES]
+        if unknown or not args.passes:
+            parser.error(f"--passes: unknown or no pass names {unknown}; valid: {', '.join(PASS_NAMES)}")
+        results = bench_ablate(args)
+        _write(results, args.json, args.markdown, ablation_markdown)
+        return 0
     try:
         args.configs = resolve_configs([c for c in args.configs.split(",") if c])
     except ValueError as err:
         parser.error(str(err))
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     results = bench_model(args)
     _write(results, args.json, args.markdown, model_markdown)
     return 0

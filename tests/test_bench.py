@@ -1,4 +1,4 @@
-"""`python -m dsfuse.bench model` on the tiny preset: the CPU smoke run of the benchmark tool."""
+"""`python -m dsfuse.bench` on the tiny preset: CPU smoke runs of prefill, decode, ablate and families, and its reports."""
 
 import io
 import json
@@ -6,19 +6,22 @@ import sys
 
 import pytest
 
+from dsfuse import PASS_NAMES
 from dsfuse.bench import main
 
 
 def test_model_bench_tiny_cpu(tmp_path, capsys):
+    """Prefill: eager, Inductor and dsfuse with every pass off (`only:PASS` / `no:PASS` run in the ablate test)."""
     out = tmp_path / "bench.json"
     markdown = tmp_path / "bench.md"
-    assert main(["model", "--preset", "tiny", "--seq", "16", "--device", "cpu", "--configs", "eager,inductor,dsfuse-off,only:indexer_topk",
+    assert main(["model", "--preset", "tiny", "--seq", "16", "--device", "cpu", "--configs", "eager,inductor,dsfuse-off",
                  "--json", str(out), "--markdown", str(markdown)]) == 0
     results = json.loads(out.read_text())
-    assert results["env"]["device"] == "cpu" and results["preset"] == "tiny"
+    assert results["env"]["device"] == "cpu" and results["preset"] == "tiny" and results["mode"] == "prefill"
+    assert "decode" not in results and results["wall_s"] > 0
     rows = {r["config"]: r for r in results["runs"]}
-    assert set(rows) == {"eager", "inductor", "dsfuse-off", "only:indexer_topk"}
-    assert rows["only:indexer_topk"]["rewritten"]["indexer_topk"] == 2 and rows["dsfuse-off"]["rewritten"]["indexer_topk"] == 0
+    assert set(rows) == {"eager", "inductor", "dsfuse-off"}
+    assert all(count == 0 for count in rows["dsfuse-off"]["rewritten"].values())
     assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
     assert rows["dsfuse-off"]["bitwise_equal_to_inductor"] is True
     assert rows["inductor"]["rel_l2_vs_eager"] < 1e-5
@@ -28,11 +31,10 @@ def test_model_bench_tiny_cpu(tmp_path, capsys):
     assert lines[2].startswith("date ") and "device cpu" in lines[2] and "torch " in lines[2]
     header = next(i for i, line in enumerate(lines) if line.startswith("| S | config | ms |"))
     table = [line.split(" | ") for line in lines[header + 2:] if line.startswith("| ")]
-    assert [(cells[0], cells[1]) for cells in table] == [
-        ("| 16", "eager"), ("| 16", "inductor"), ("| 16", "dsfuse-off"), ("| 16", "only:indexer_topk")]
+    assert [(cells[0], cells[1]) for cells in table] == [("| 16", "eager"), ("| 16", "inductor"), ("| 16", "dsfuse-off")]
     assert table[1][4] == "1.00x"
-    assert "bitwise==inductor: True" in table[2][-1] and "indexer_topk=2" in table[3][-1]
-    assert "Time by stage" not in markdown.read_text()
+    assert "bitwise==inductor: True" in table[2][-1]
+    assert "Time by stage" not in markdown.read_text() and "Decode" not in markdown.read_text()
 
 
 def test_unknown_config_is_refused(capsys):
@@ -156,3 +158,161 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
     with progress(4, "no tqdm") as bar:
         bar.update()
     assert silent.getvalue() == ""
+
+
+def test_filled_cache_puts_the_context_back():
+    """A decode step from a restored cache is the last position of a full forward over the T+1 tokens."""
+    import torch
+
+    from dsfuse.bench import FilledCache, _prefill
+    from dsfuse.models.presets import build_hf_model
+
+    model = build_hf_model("tiny")
+    filled = _prefill(model, model, 2, 12, "eager", "cpu")
+    layer = filled.cache.layers[0]
+    assert filled.length == 12 and set(filled.tensors[0]) == {"keys", "values", "indexer_keys"}
+    assert layer.indexer_keys.shape[1] == 12
+    tokens = torch.tensor([[3], [7]])
+    positions = torch.full((2, 1), 12)
+    with torch.no_grad():
+        first = model(tokens, cache=filled.cache, position_ids=positions, use_cache=True).logits
+        assert filled.cache.get_seq_length() == 13 and layer.indexer_keys.shape[1] == 13
+        filled.restore()
+        assert filled.cache.get_seq_length() == 12 and layer.indexer_keys.shape[1] == 12
+        again = model(tokens, cache=filled.cache, position_ids=positions, use_cache=True).logits
+        ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator("cpu").manual_seed(12 + 2))
+        full = model(torch.cat([ids, tokens], dim=1)).logits[:, -1:]
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, full, rtol=1e-4, atol=1e-4)
+    assert isinstance(filled, FilledCache)
+
+
+def test_decode_tiny_cpu_counts_recompiles_and_falls_back_on_oom(tmp_path, monkeypatch, capsys):
+    """dsfuse's own prefill "runs out of memory", so it decodes from the fallback cache (eager here, so the
+    test compiles one graph: the dynamic-length decode graph, which must serve the appended steps too)."""
+    import torch
+
+    from dsfuse import bench
+
+    real_prefill = bench._prefill
+
+    def prefill_without_memory_for_dsfuse(fn, model, batch, context, prefill_by, device):
+        if prefill_by == "dsfuse":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_prefill(fn, model, batch, context, prefill_by, device)
+
+    monkeypatch.setattr(bench, "FALLBACK_PREFILL", "eager")
+    monkeypatch.setattr(bench, "_prefill", prefill_without_memory_for_dsfuse)
+    out, markdown = tmp_path / "decode.json", tmp_path / "decode.md"
+    assert main(["model", "--preset", "tiny", "--mode", "decode", "--decode-batch", "2", "--context", "16",
+                 "--configs", "eager,dsfuse", "--device", "cpu", "--growing-steps", "2", "--json", str(out),
+                 "--markdown", str(markdown)]) == 0
+    results = json.loads(out.read_text())
+    assert results["runs"] == [] and results["growing_steps"] == 2 and results["prefill_cache"] == "same"
+    rows = {r["config"]: r for r in results["decode"]}
+    assert set(rows) == {"eager", "dsfuse"}
+    eager, fused = rows["eager"], rows["dsfuse"]
+    assert eager["prefill_by"] == "eager" and "prefill_error" not in eager and eager["rel_l2_vs_eager"] == 0.0
+    assert "graphs_first_call" not in eager and "recompiles_growing" not in eager
+    assert fused["prefill_by"] == "eager" and fused["prefill_error"] == "dsfuse prefill out of memory"
+    assert fused["graphs_first_call"] == 1 and fused["recompiles_growing"] == 0 and fused["recompiles_timed"] == 0
+    assert fused["rewritten"]["indexer_topk"] == 2 and fused["rewritten"]["sparse_attention"] == 2
+    assert fused["rel_l2_vs_eager"] < 1e-5
+    for row in rows.values():
+        assert row["batch"] == 2 and row["context"] == 16 and row["ms"] > 0
+        assert row["tok_per_s"] == pytest.approx(2e3 / row["ms"])
+    assert "recompiles" in capsys.readouterr().out
+    text = markdown.read_text()
+    assert text.startswith("# dsfuse model benchmark: preset tiny, float32, decode, batch 2\n")
+    assert "## Decode with a KV cache" in text and "| S | config |" not in text
+    assert "| 2 | 16 | dsfuse | eager |" in text and "dsfuse prefill out of memory" in text
+
+
+def test_decode_out_of_memory_is_a_row_not_a_crash(tmp_path, monkeypatch):
+    import torch
+
+    from dsfuse import bench
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(bench, "_time_decode", no_memory)
+    out = tmp_path / "decode.json"
+    assert main(["model", "--preset", "tiny", "--mode", "decode", "--decode-batch", "1", "--context", "8",
+                 "--configs", "eager", "--device", "cpu", "--json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["decode"]
+    assert row["ms"] is None and row["error"] == "out of memory" and row["prefill_by"] == "eager"
+
+
+def test_ablate_tiny_cpu(tmp_path, capsys):
+    out, markdown = tmp_path / "ablate.json", tmp_path / "ablate.md"
+    assert main(["ablate", "--preset", "tiny", "--seq", "16", "--passes", "indexer_topk", "--device", "cpu",
+                 "--json", str(out), "--markdown", str(markdown)]) == 0
+    results = json.loads(out.read_text())
+    assert results["kind"] == "ablate" and results["passes"] == ["indexer_topk"]
+    rows = {r["config"]: r for r in results["runs"]}
+    assert list(rows) == ["eager", "inductor", "dsfuse", "no:indexer_topk", "only:indexer_topk"]
+    assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
+    assert all(r["rel_l2_vs_eager"] < 1e-5 for r in rows.values())
+    assert rows["no:indexer_topk"]["rewritten"]["indexer_topk"] == 0
+    assert rows["no:indexer_topk"]["rewritten"]["sparse_attention"] == 2
+    assert rows["only:indexer_topk"]["rewritten"] == {name: 2 if name == "indexer_topk" else 0 for name in PASS_NAMES}
+    [summary] = results["ablation"]
+    assert summary["pass"] == "indexer_topk" and summary["sites"] == 2 and summary["seq"] == 16
+    assert summary["alone_vs_inductor"] == pytest.approx(rows["inductor"]["ms"] / rows["only:indexer_topk"]["ms"])
+    assert summary["all_vs_without"] == pytest.approx(rows["no:indexer_topk"]["ms"] / rows["dsfuse"]["ms"])
+    assert "all on / without" in capsys.readouterr().out
+    text = markdown.read_text()
+    assert text.startswith("# dsfuse ablation: preset tiny, float32, batch 1\n")
+    assert "## Per-pass contribution" in text and "| 16 | indexer_topk | 2 |" in text
+    configurations = text.split("## All configurations")[1]
+    assert "| 16 | only:indexer_topk |" in configurations and "indexer_topk=2" in configurations
+
+
+def _hand_made_decode_results() -> dict:
+    """Decode rows at B1 and B8: Inductor recompiles at every appended step, eager runs out of memory at B8."""
+    decode = [
+        {"batch": 1, "context": 8192, "config": "eager", "prefill_by": "eager", "ms": 50.0, "tok_per_s": 20.0,
+         "recompiles_growing": 0, "rel_l2_vs_eager": 0.0},
+        {"batch": 1, "context": 8192, "config": "inductor", "prefill_by": "inductor", "ms": 4.0, "tok_per_s": 250.0,
+         "recompiles_growing": 2, "recompiles_timed": 0, "rel_l2_vs_eager": 0.01},
+        {"batch": 1, "context": 8192, "config": "dsfuse", "prefill_by": "dsfuse", "ms": 2.0, "tok_per_s": 500.0,
+         "recompiles_growing": 0, "rewritten": {"indexer_topk": 2, "moe_experts": 0}},
+        {"batch": 8, "context": 8192, "config": "eager", "prefill_by": "dsfuse", "ms": None, "error": "out of memory",
+         "prefill_error": "eager prefill out of memory"},
+        {"batch": 8, "context": 8192, "config": "dsfuse", "prefill_by": "dsfuse", "ms": 2.5, "tok_per_s": 3200.0,
+         "recompiles_growing": 0,
+         "profile": {"gpu_ms": 2.2, "dsfuse_ops_ms": {"dsfuse::indexer_topk": 0.2},
+                     "dsfuse_ops_share": {"dsfuse::indexer_topk": 0.2 / 2.2},
+                     "top_kernels_ms": [["sm90_gemm_bf16", 1.5], ["indexer_topk_kernel", 0.2]]}},
+    ]
+    return {"env": {"device": "NVIDIA H200"}, "preset": "v32-real-2l", "dtype": "bfloat16", "batch": 1,
+            "mode": "decode", "runs": [], "decode": decode, "decode_batches": [1, 8], "contexts": [8192],
+            "prefill_cache": "same", "growing_steps": 2}
+
+
+def test_decode_markdown_shows_recompiles_and_oom():
+    from dsfuse.bench_report import decode_speedups_vs_inductor, model_markdown
+
+    results = _hand_made_decode_results()
+    assert decode_speedups_vs_inductor(results) == {"eager": {(1, 8192): 0.08}, "inductor": {(1, 8192): 1.0},
+                                                    "dsfuse": {(1, 8192): 2.0}}
+    text = model_markdown(results)
+    assert text.startswith("# dsfuse model benchmark: preset v32-real-2l, bfloat16, decode, batch 1, 8\n")
+    assert "| 1 | 8192 | dsfuse | dsfuse | 2.000 | 500.0 | 2.00x |" in text
+    assert "recompiled 2x in 2 appended steps" in text.split("| 1 | 8192 | inductor |")[1].splitlines()[0]
+    assert "eager prefill out of memory; out of memory" in text
+    assert "## Decode time by stage" in text and "| 8 | 8192 | dsfuse | 2.200 | dsfuse::indexer_topk 9.1% |" in text
+
+
+def test_plot_decode_and_ablation(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dsfuse.bench_report import plot_model
+
+    plot_model(_hand_made_decode_results(), str(tmp_path / "decode.png"))
+    ablation = _hand_made_results()
+    ablation["kind"] = "ablate"
+    ablation["runs"] += [{"seq": 256, "config": "only:indexer_topk", "ms": 4.0}, {"seq": 256, "config": "no:indexer_topk", "ms": None}]
+    plot_model(ablation, str(tmp_path / "ablation.png"))
+    for name in ("decode.png", "ablation.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
