@@ -31,10 +31,12 @@ wanted families && TAIL=14 step 120 "families at real shapes" python3 -m dsfuse.
   --json "$OUT/families.json"
 wanted model32k && TAIL=20 step 90 "model prefill S=32768 (dsfuse only)" python3 -m dsfuse.bench model \
   --preset v32-real-2l --seq 32768 --rep-ms 300 --profile --configs dsfuse --json "$OUT/model_32k.json"
-wanted decode && TAIL=30 step 300 "model decode with a KV cache" python3 -m dsfuse.bench model --preset v32-real-2l \
-  --mode decode --decode-batch 1 8 --context 8192 32768 --json "$OUT/decode.json"
+wanted decode && TAIL=30 step ${DECODE_LIMIT:-300} "model decode with a KV cache" python3 -m dsfuse.bench model \
+  --preset v32-real-2l --mode decode --decode-batch 1 8 --context ${DECODE_CONTEXT:-8192 32768} \
+  --configs ${DECODE_CONFIGS:-eager,inductor,dsfuse} --prefill-cache dsfuse --profile --rep-ms 300 \
+  --json "$OUT/decode.json" --markdown "$OUT/decode.md"
 wanted ablate && TAIL=40 step 240 "ablation S=8192" python3 -m dsfuse.bench ablate --preset v32-real-2l --seq 8192 \
-  --json "$OUT/ablate.json"
+  --rep-ms 300 --json "$OUT/ablate.json" --markdown "$OUT/ablate.md"
 wanted indexer && TAIL=12 step 90 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
 wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
 wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
