@@ -152,12 +152,19 @@ def _head_sum_64(r, w, BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr):
     bits in registers: split those four register bits off one by one (free, no data movement) and
     leave the lane bits for the final `tl.sum` (two shuffles). Measured offline (sm_90 SASS): 56
     fewer instructions per 64x256 tile."""
-    shape: tl.constexpr = [BLOCK_T, BLOCK_Q, 2, 2, 2, 4, 2]
-    order: tl.constexpr = (0, 1, 5, 2, 3, 4, 6)  # [keys, queries, lane bits, h5, h4, h3, h0]
-    r = tl.permute(tl.reshape(r, shape), order)
-    w = tl.permute(tl.reshape(tl.broadcast_to(w[None, :], [BLOCK_T, BLOCK_Q * 64]), shape), order)
+    r = _split_head_bits(r, BLOCK_T, BLOCK_Q)
+    w = _split_head_bits(tl.broadcast_to(w[None, :], [BLOCK_T, BLOCK_Q * 64]), BLOCK_T, BLOCK_Q)
     part = _fma_sixteenths(r, w, tl.zeros([BLOCK_T, BLOCK_Q, 4], dtype=tl.float32))
     return tl.sum(part, axis=2)
+
+
+@triton.jit
+def _split_head_bits(x, BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """[BLOCK_T, BLOCK_Q*64] -> [keys, queries, lane bits (h2 h1), h5, h4, h3, h0].
+
+    Shape and order are literals on purpose: triton 3.6 rejects a list bound to a `tl.constexpr`
+    local as a shape (`object of type 'constexpr' has no len()`)."""
+    return tl.permute(tl.reshape(x, [BLOCK_T, BLOCK_Q, 2, 2, 2, 4, 2]), (0, 1, 5, 2, 3, 4, 6))
 
 
 @triton.jit
@@ -257,7 +264,8 @@ def _store_pair_asm(score_ptrs, idx_ptrs, score, idx, keep):
     `tl.store` of a scattered pointer tensor makes Triton's coalesce pass move pointers, values and mask
     into its own blocked layout: four `convert_layout`s through shared memory and eight more CTA barriers
     per key tile. An elementwise asm op is not a memory op to that pass, so the stores stay in the
-    layout the scores are computed in."""
+    layout the scores are computed in. Both pointer operands have one type: triton 3.6 type-checks the
+    asm operands pairwise like a binary op and rejects `*fp32` beside `*i32`."""
     return tl.inline_asm_elementwise(
         """{
         .reg .pred p;
@@ -267,7 +275,8 @@ def _store_pair_asm(score_ptrs, idx_ptrs, score, idx, keep):
         mov.u32 $0, 0;
         }""",
         "=r,l,l,r,r,r",
-        [score_ptrs, idx_ptrs, score.to(tl.int32, bitcast=True), idx, keep.to(tl.int32)],
+        [score_ptrs.to(tl.pointer_type(tl.int32), bitcast=True), idx_ptrs, score.to(tl.int32, bitcast=True), idx,
+         keep.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
