@@ -141,14 +141,17 @@ def follow(labels: Labels, ops: list[torch.fx.Node]) -> Labels | None:
 
 
 def bmm_labels(a: Labels, b: Labels) -> Labels | None:
-    """Output labels of `bmm(a, b)`, or None unless batch and contracted dims carry the same atoms."""
+    """Output labels of `bmm(a, b)` (or of `mm(a, b)`: Inductor turns a batch-1 bmm into squeeze, mm,
+    unsqueeze on CUDA), or None unless batch and contracted dims carry the same atoms."""
+    if len(a) == len(b) == 2:
+        return [a[0], b[1]] if dims_match(a[1], b[0]) else None
     if len(a) != 3 or len(b) != 3 or not dims_match(a[0], b[0]) or not dims_match(a[2], b[1]):
         return None
     return [_concrete(a[0], b[0]), a[1], b[2]]
 
 
 def contracted(a: Labels, b: Labels) -> tuple[Atom, ...]:
-    return tuple(x for x in _concrete(a[2], b[1]) if not _is_one(x[1]))
+    return tuple(x for x in _concrete(a[-1], b[-2]) if not _is_one(x[1]))
 
 
 def broadcast(a: Labels, b: Labels) -> Labels | None:

@@ -35,6 +35,8 @@ NAME = "indexer_topk"
 IMPLEMENTED = True
 
 SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+# Batched products; Inductor turns a batch-1 bmm into squeeze -> mm -> unsqueeze on CUDA (decode at batch 1).
+PRODUCTS = (aten.bmm.default, aten.mm.default)
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
@@ -112,7 +114,7 @@ def _head_sum(scores: torch.fx.Node, probe: bool = False) -> dict | None:
                 found["scale_then"] = post_ops
                 return found
         return None
-    if is_op(node, aten.bmm.default):
+    if is_op(node, *PRODUCTS):
         for relu_pos in (1, 0):
             relu = _relu_side(node.args[relu_pos])
             if relu is not None:
@@ -157,7 +159,7 @@ def _match(topk: torch.fx.Node) -> dict:
         softmax_scale = scalar
         relu_in = a if scalar_arg(b) is not None else b
     qk, qk_ops = layout_chain(relu_in)
-    if not is_op(qk, aten.bmm.default):
+    if not is_op(qk, *PRODUCTS):
         raise NoMatch("relu input is not a q.k product")
     (q, q_ops), (k_node, k_ops) = leaf_of_rank(qk.args[0], 4), leaf_of_rank(qk.args[1], 3)
     weights, w_ops = head["weights"]

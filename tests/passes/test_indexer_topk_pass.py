@@ -221,6 +221,26 @@ def test_einsum_spellings_match(fn):
     _assert_same_selection(sel, q, k, w, mask)
 
 
+def batch1_mm(q, k, w, mask):
+    """The decode-step indexer at batch 1 as Inductor leaves it on CUDA: each batch-1 bmm is squeeze -> mm ->
+    unsqueeze."""
+    heads = q.shape[2]
+    scores = torch.mm(q.float().reshape(1, heads, D).squeeze(0), k.float().transpose(1, 2).squeeze(0)).unsqueeze(0)
+    scores = torch.relu(scores.view(1, 1, heads, -1) * SCALE)
+    index = torch.mm(w.reshape(1, 1, heads).squeeze(0), scores.reshape(1, heads, -1).squeeze(0)).unsqueeze(0)
+    return index.view(1, 1, -1).masked_fill(~mask, float("-inf")).topk(K, dim=-1).indices
+
+
+def test_batch1_mm_form_matches():
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(1, 1, H, D, generator=gen), torch.randn(1, T + 3, D, generator=gen)
+    w, mask = torch.randn(1, 1, H, generator=gen), torch.ones(1, 1, T + 3, dtype=torch.bool)
+    mask[..., -2:] = False
+    sel = _compile(batch1_mm)(q, k, w, mask)
+    assert dsfuse.report().counts["indexer_topk"] == 1, str(dsfuse.report())
+    _assert_same_selection(sel, q, k, w, mask)
+
+
 def test_transposed_scores_are_a_reported_near_miss():
     q, k, w, _ = _data()
 
