@@ -137,7 +137,7 @@ def sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale, sink=None):
 
 @triton.jit(do_not_specialize=["S"])
 def _sparse_mla_kernel(
-    q_nope_ptr, q_pe_ptr, kv_ptr, pe_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stats_ptr,
+    q_nope_ptr, q_pe_ptr, kv_ptr, pe_ptr, idx_ptr, sink_ptr, out_ptr, part_ptr, stats_ptr, row_len_ptr,
     stride_qn_b, stride_qn_s, stride_qn_h,
     stride_qp_b, stride_qp_s, stride_qp_h,
     stride_kv_b, stride_kv_t,
@@ -147,13 +147,14 @@ def _sparse_mla_kernel(
     S, H, T, K, scale_log2e, split_len,
     DC: tl.constexpr, DR: tl.constexpr, DC_P: tl.constexpr, DR_P: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_SINK: tl.constexpr, DOT_PRECISION: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_ROW_LEN: tl.constexpr,
 ):
     """One program: one query, BLOCK_H heads, BLOCK_DV output columns, and one of NUM_SPLITS
     ranges of the selected keys.  Heads sit on the MMA M dimension; each selected key row is
     loaded once per program and serves as K (scores) and V (output); online softmax in the log2
     domain.  With several splits (decode: few queries would leave most SMs idle) each program
-    stores its unnormalised fp32 partial output and (max, sum) for `_mla_split_combine_kernel`."""
+    stores its unnormalised fp32 partial output and (max, sum) for `_mla_split_combine_kernel`.
+    With HAS_ROW_LEN a query reads only its first `row_len[query]` index entries."""
     pid_bss = tl.program_id(0)
     pid_h = tl.program_id(1)
     pid_v = tl.program_id(2)
@@ -189,6 +190,8 @@ def _sparse_mla_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     key_lo = split * split_len
     key_hi = tl.minimum(key_lo + split_len, K)
+    if HAS_ROW_LEN:
+        key_hi = tl.minimum(key_hi, tl.load(row_len_ptr + pid_bs))
     for start in range(key_lo, key_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         ids = tl.load(idx_base + offs_n, mask=offs_n < key_hi, other=-1).to(tl.int64)
@@ -315,9 +318,11 @@ def sparse_mla_attention_triton(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     num_splits: Optional[int] = None,
+    row_len: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Launch the fused kernel (CUDA, or CPU tensors under TRITON_INTERPRET).  No host
-    sync, output shape depends only on input shapes."""
+    sync, output shape depends only on input shapes.  `row_len` ([B*S] int32, optional): each
+    query reads only that many leading index entries (0: none, its output is then NaN)."""
     _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink)
     B, S, H, Dc = q_nope.shape
     Dr = q_pe.shape[-1]
@@ -347,7 +352,7 @@ def sparse_mla_attention_triton(
     grid = (B * S * num_splits, head_blocks, triton.cdiv(dc_p, cfg["block_dv"]))
     sink_arg = sink if sink is not None else q_nope  # never read when HAS_SINK is False
     _sparse_mla_kernel[grid](
-        q_nope, q_pe, kv, pe, idx, sink_arg, out, part, stats,
+        q_nope, q_pe, kv, pe, idx, sink_arg, out, part, stats, row_len if row_len is not None else idx,
         q_nope.stride(0), q_nope.stride(1), q_nope.stride(2),
         q_pe.stride(0), q_pe.stride(1), q_pe.stride(2),
         kv.stride(0), kv.stride(1),
@@ -358,7 +363,7 @@ def sparse_mla_attention_triton(
         DC=Dc, DR=Dr, DC_P=max(16, dc_p), DR_P=dr_p,
         BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"], BLOCK_DV=cfg["block_dv"],
         HAS_SINK=sink is not None, DOT_PRECISION=_dot_precision(q_nope.dtype), NUM_SPLITS=num_splits,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        HAS_ROW_LEN=row_len is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if num_splits > 1:
         combine_dv = min(128, max(16, dc_p))
@@ -817,21 +822,44 @@ def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor],
     return keys.masked_fill(repeat, -1)
 
 
-def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal, attend):
+def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal, empty_rows_see_all,
+                        attend):
     B, H, S, D = q.shape
     T, C = latent.shape[2], latent.shape[3]
     heads = kv_b_weight.view(H, -1, C)
     w_key, w_value = heads[:, :nope_dim], heads[:, nope_dim:]
     q_nope, q_rope = q.split([nope_dim, D - nope_dim], dim=-1)
     q_latent = torch.einsum("bhsd,hdc->bshc", q_nope.float(), w_key.float()).to(q.dtype)
+    q_rope = q_rope.transpose(1, 2)
+    kv, pe = latent.reshape(B, T, C), rope.reshape(B, T, -1)
     keys = _distinct_allowed_keys(idx, attn_mask, T, causal)
-    out_latent = attend(q_latent, q_rope.transpose(1, 2), latent.reshape(B, T, C), rope.reshape(B, T, -1), keys, scale)
+    has_key = (keys >= 0).any(dim=-1)
+    out_latent = attend(q_latent, q_rope, kv, pe, keys, scale)
+    if empty_rows_see_all:
+        every_key = torch.arange(T, device=q.device).expand(B, S, T)
+        everything = attend(q_latent, q_rope, kv, pe, every_key, scale, only=~has_key)
+        out_latent = torch.where(has_key[:, :, None, None], out_latent, everything)
     out = torch.einsum("bshc,hec->bhse", out_latent.float(), w_value.float()).to(q.dtype)
-    has_key = (keys >= 0).any(dim=-1)[:, None, :, None]
-    return torch.where(has_key, out, torch.zeros_like(out)).contiguous()
+    if not empty_rows_see_all:
+        out = torch.where(has_key[:, None, :, None], out, torch.zeros_like(out))
+    return out.contiguous()
 
 
-def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False):
+def _attend_math(q_nope, q_pe, kv, pe, idx, scale, only=None):
+    if only is not None:
+        idx = torch.where(only[..., None], idx, -1)
+    return sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale)
+
+
+def _attend_triton(q_nope, q_pe, kv, pe, idx, scale, only=None):
+    row_len = None
+    if only is not None:
+        row_len = torch.where(only, idx.shape[-1], 0).to(torch.int32).reshape(-1)
+    return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale, row_len=row_len)
+
+
+def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
+                                     empty_rows_see_all=False):
     """What HF `DeepseekV32Attention` computes from its latent cache, in absorbed form.
 
     HF expands every cached latent through `kv_b_proj` (`k_nope | v` per head), appends the shared
@@ -840,12 +868,14 @@ def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mas
     work proportional to the K selected keys instead of the T cached ones. Roundings that differ from
     HF: the absorbed query and the latent output are rounded to q's dtype (HF rounds the expanded K
     and V instead); exact up to summation order in fp32. `causal` adds the bottom-right aligned causal
-    mask (key t allowed iff t <= s + T - S). Rows with no allowed key return 0 (SDPA's bool-mask result).
+    mask (key t allowed iff t <= s + T - S). Rows with no allowed key return 0 (SDPA's bool-mask result),
+    or with `empty_rows_see_all` attend over all T keys unmasked: what a finite mask bias (cuDNN SDPA's
+    -65536) gives when it shifts every key of a row alike.
     """
     _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
     _check_index_range(idx, latent.shape[2], False, "absorbed_mla_attention")
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                               sparse_mla_attention_math)
+                               empty_rows_see_all, _attend_math)
 
 
 @torch.library.custom_op("dsfuse::absorbed_mla_attention", mutates_args=())
@@ -859,19 +889,23 @@ def absorbed_mla_attention(
     scale: float,
     nope_dim: int,
     causal: bool = False,
+    empty_rows_see_all: bool = False,
 ) -> torch.Tensor:
     """HF latent-cache sparse attention in absorbed form; the default (CPU) implementation is the reference."""
-    return absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
+    return absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
+                                            empty_rows_see_all)
 
 
 @absorbed_mla_attention.register_fake
-def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False):
+def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
+                                 empty_rows_see_all=False):
     _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
     H = q.shape[1]
     return q.new_empty((*q.shape[:3], kv_b_weight.shape[0] // H - nope_dim))
 
 
 @absorbed_mla_attention.register_kernel("cuda")
-def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False):
+def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
+                                 empty_rows_see_all=False):
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                               sparse_mla_attention_triton)
+                               empty_rows_see_all, _attend_triton)

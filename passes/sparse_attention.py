@@ -421,9 +421,6 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
     if not _selection_in_place(scatter, bias, B, S, T):
         raise NoMatch("the selection mask is not laid out as [B, 1, S, T] where it meets the scores")
     causal = comb["kind"] == "bool" and _plain_causal(comb["attn_mask"], S, T)
-    if comb.get("bias") == "finite" and not causal:
-        raise NoMatch("the bool mask becomes a finite bias (cuDNN SDPA), which averages all keys in a fully masked "
-                      "row where the fused op returns 0; only a plain causal mask (no fully masked row) is fused")
     found = dict(att, idx=idx, comb=comb, causal=causal)
     if isinstance(S, int) and S <= ABSORB_MAX_QUERIES:
         try:
@@ -431,6 +428,11 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
         except NoMatch as why:
             if why.reported:
                 found["absorb_refused"] = why.reason
+    # A finite bias shifts every key of a row without selected, allowed keys alike, so that row attends over
+    # all T keys; the absorbed op reproduces that, the per-head masked op returns 0 there.
+    if comb.get("bias") == "finite" and not causal and "absorbed" not in found:
+        raise NoMatch("the bool mask becomes a finite bias (cuDNN SDPA), which averages all keys in a fully masked "
+                      "row where the fused op returns 0; only a plain causal mask (no fully masked row) is fused")
     return found
 
 
@@ -439,7 +441,8 @@ def _copied_into(scatter: torch.fx.Node, start: int, end: int | None) -> torch.f
     end of the dim), else None."""
     if not is_op(scatter, aten.slice_scatter.default):
         return None
-    _, src, dim, lo, hi = (list(scatter.args) + [0, None, None])[:5]
+    args = list(scatter.args)
+    _, src, dim, lo, hi = (args + [None, None, 0, None, None][len(args):])[:5]
     to_end = hi is None or isinstance(hi, int) and hi >= 2**62
     if dim not in (-1, 3) or (lo or 0) != start or (to_end if end is not None else not to_end) \
             or (end is not None and hi != end):
@@ -494,7 +497,9 @@ def _latent_cache_source(m: dict) -> dict:
     if not is_op(node, aten.mm.default) or not same_shape(shape(node), (B * T, H * (nope_dim + v_dim))):
         raise NoMatch("the per-head keys and values are not one latent @ kv_b_proj.T product")
     flat, weight_t = node.args
-    if not (is_op(weight_t, aten.permute.default) and list(weight_t.args[1]) == [1, 0]):
+    transposed = is_op(weight_t, aten.t.default) or (
+        is_op(weight_t, aten.permute.default) and list(weight_t.args[1]) == [1, 0])
+    if not transposed:
         raise NoMatch("kv_b_proj's weight is not used transposed")
     weight = weight_t.args[0]
     C = shape(weight)[1]
@@ -634,8 +639,9 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     attn_mask = None if m["causal"] else comb["attn_mask"]
     absorbed = m.get("absorbed")
     if absorbed is not None:
+        finite_bias = comb.get("bias") == "finite"
         args = (m["q"], absorbed["latent"], absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
-                absorbed["nope_dim"], m["causal"])
+                absorbed["nope_dim"], m["causal"], finite_bias and not m["causal"])
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:
         fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
@@ -652,6 +658,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     mask_kind = "causal (from positions)" if m["causal"] else f"{comb['kind']} mask"
     detail = f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}"
     if absorbed is not None:
+        if finite_bias and not m["causal"]:
+            detail += ", rows without keys attend to all keys (finite bias)"
         ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],
                  absorbed["weight"], m["idx"], attn_mask], detail="absorbed from the latent cache, " + detail)
         return

@@ -450,6 +450,34 @@ def test_absorbed_reference_is_hf_latent_attention_fp32(mask_kind):
         assert out[1, :, 0].abs().max() == 0
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_absorbed_empty_rows_see_all_keys_like_a_finite_bias(path):
+    """cuDNN SDPA turns HF's bool mask into a finite bias (-65536): a row whose selected keys are all masked is
+    shifted alike everywhere and attends over all T keys. Rows with keys are unaffected."""
+    B, S, T = 2, 2, 48
+    dtype = torch.float32 if path == "reference" else HALF
+    q, latent, rope, weight, idx = _absorbed_inputs(B, 4, S, T, 8, dtype)
+    mask = torch.ones(B, 1, 1, T, dtype=torch.bool, device=q.device)
+    mask[1, ..., :40] = False
+    idx[1, 1] = torch.arange(8)  # batch 1, query 1: every selected key is masked
+    args = (q, latent, rope, weight, idx, mask, 0.2, NOPE, False, True)
+    if path == "reference":
+        out = sa.absorbed_mla_attention_reference(*args)
+    else:
+        out = sa._absorbed_attention(*args, sa._attend_triton)
+    f32 = [t.cpu().float() for t in (q, latent, rope, weight)]
+    finite_bias = torch.zeros(B, 1, S, T).masked_fill(
+        ~(mask.cpu() & ~torch.ones(B, S, T, dtype=torch.bool).scatter(-1, idx.cpu().long(), False)[:, None]), -65536.0)
+    B_, H_ = q.shape[:2]
+    kv = F.linear(f32[1], f32[3]).view(B_, T, H_, NOPE + VDIM).transpose(1, 2)
+    k = torch.cat([kv[..., :NOPE], f32[2].expand(-1, H_, -1, -1)], dim=-1)
+    expected = F.scaled_dot_product_attention(f32[0], k, kv[..., NOPE:], attn_mask=finite_bias, scale=0.2)
+    # score - 65536 keeps scores only to 2^-7 in fp32; the op uses the scores themselves.
+    assert _rel_err(out.cpu().float(), expected) <= 3e-3
+    no_bias_rows = out[0].cpu().float(), expected[0]
+    assert _rel_err(*no_bias_rows) <= (1e-5 if path == "reference" else 3e-3)
+
+
 def test_absorbed_bf16_error_is_hf_bf16_error():
     """The absorbed form rounds the absorbed query and the latent output where HF rounds the expanded K
     and V: one rounding each, so its bf16 error against fp32 matches HF's own bf16 error."""
@@ -463,8 +491,7 @@ def test_absorbed_bf16_error_is_hf_bf16_error():
 
 def test_absorbed_kernel_path_half_precision():
     q, latent, rope, weight, idx = _absorbed_inputs(2, 4, 1, 64, 16, HALF)
-    out = sa._absorbed_attention(q, latent, rope, weight, idx, None, 0.2, NOPE, False,
-                                 sa.sparse_mla_attention_triton)
+    out = sa._absorbed_attention(q, latent, rope, weight, idx, None, 0.2, NOPE, False, False, sa._attend_triton)
     ref = sa.absorbed_mla_attention_reference(*(t.cpu() for t in (q, latent, rope, weight, idx)), None, 0.2, NOPE)
     hf = _hf_latent_attention(*(t.cpu().float() for t in (q, latent, rope, weight)), idx.cpu(), None, 0.2)
     assert _rel_err(out.cpu(), ref) <= 2e-3

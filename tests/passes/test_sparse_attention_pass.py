@@ -372,6 +372,47 @@ def test_structural_cudnn_finite_bias_with_padding_is_a_near_miss():
     assert ctx.near_misses[0].reason.startswith("the bool mask becomes a finite bias (cuDNN SDPA)")
 
 
+def test_structural_cudnn_finite_bias_over_a_latent_cache_is_absorbed():
+    """The decode form on the H200: keys/values expanded from HF's latent cache, a padding mask turned into
+    cuDNN's finite bias. The absorbed op reproduces the bias's rows without keys (they attend to all keys)."""
+    from dsfuse.kernels.sparse_attention import absorbed_mla_attention_reference
+
+    nope, rope_dim, vdim, rank = 8, 8, 16, 24
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, S, nope + rope_dim, generator=gen)
+    latent, rope = torch.randn(B, 1, S, rank, generator=gen), torch.randn(B, 1, S, rope_dim, generator=gen)
+    weight = torch.randn(H * (nope + vdim), rank, generator=gen) / rank**0.5
+    idx = torch.stack([torch.stack([torch.randperm(S, generator=gen)[:K] for _ in range(S)]) for _ in range(B)])
+    keep = torch.ones(B, 1, S, S, dtype=torch.bool)
+    keep[1, ..., :4] = False
+    idx[1, 0] = torch.arange(K)  # batch 1, query 0 selects only padded keys
+
+    def latent_cudnn(q, latent, rope, weight, idx, keep):
+        kv = (latent.reshape(B * S, rank) @ weight.t()).view(B, 1, S, H * (nope + vdim))
+        kv = kv.view(B, S, H, nope + vdim).permute(0, 2, 1, 3)
+        k_nope, v = torch.split(kv, [nope, vdim], dim=-1)
+        k = torch.empty(B, H, S, nope + rope_dim, dtype=q.dtype, device=q.device)
+        k = torch.slice_scatter(k, k_nope, 3, 0, nope)
+        k = torch.slice_scatter(k, rope.expand(-1, H, -1, -1), 3, nope)
+        unselected = torch.full((B, S, S), True, dtype=torch.bool, device=q.device).scatter(-1, idx, False)
+        bias = torch.where(keep & ~unselected.unsqueeze(1), torch.full((), 0.0, dtype=q.dtype, device=q.device),
+                           torch.full((), -65536.0, dtype=q.dtype, device=q.device))
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, False, scale=SCALE)[0]
+
+    args = (q, latent, rope, weight, idx, keep)
+    gm = make_fx(latent_cudnn, tracing_mode="fake")(*(t.to("meta") for t in args))
+    ctx = PassContext(name="sparse_attention")
+    run_pass("sparse_attention", gm.graph, ctx)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert ctx.near_misses == [] and len(ctx.sites) == 1, ctx.near_misses
+    assert "rows without keys attend to all keys (finite bias)" in ctx.sites[0].detail
+    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.dsfuse.absorbed_mla_attention.default)
+    assert fused.args[-1] is True
+    expected = absorbed_mla_attention_reference(q, latent, rope, weight, idx, keep, SCALE, nope, False, True)
+    torch.testing.assert_close(gm(*args), expected)
+
+
 def test_structural_fused_sdpa_with_dropout_is_a_near_miss():
     q, k, v, idx, mask = _data()
 
