@@ -33,7 +33,7 @@ wanted model32k && TAIL=20 step 90 "model prefill S=32768 (dsfuse only)" python3
   --preset v32-real-2l --seq 32768 --rep-ms 300 --profile --configs dsfuse --json "$OUT/model_32k.json"
 wanted decode && TAIL=30 step ${DECODE_LIMIT:-300} "model decode with a KV cache" python3 -m dsfuse.bench model \
   --preset v32-real-2l --mode decode --decode-batch 1 8 --context ${DECODE_CONTEXT:-8192 32768} \
-  --configs ${DECODE_CONFIGS:-eager,inductor,dsfuse} --prefill-cache dsfuse --profile --rep-ms 300 \
+  --configs ${DECODE_CONFIGS:-eager,inductor,dsfuse,inductor-cudagraphs,dsfuse-cudagraphs} --prefill-cache dsfuse --profile --rep-ms 300 \
   --json "$OUT/decode.json" --markdown "$OUT/decode.md"
 wanted ablate && TAIL=40 step 240 "ablation S=8192" python3 -m dsfuse.bench ablate --preset v32-real-2l --seq 8192 \
   --rep-ms 300 --json "$OUT/ablate.json" --markdown "$OUT/ablate.md"

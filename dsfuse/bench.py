@@ -47,6 +47,9 @@ CONFIGS: dict[str, tuple[str | None, dict | None]] = {
     "inductor": ("inductor", None),
     "dsfuse-off": ("dsfuse", {"disable": list(PASS_NAMES)}),
     "dsfuse": ("dsfuse", None),
+    # CUDA graphs (Inductor's "reduce-overhead"): decode steps are launch-bound without them.
+    "inductor-cudagraphs": ("inductor", {"triton.cudagraphs": True}),
+    "dsfuse-cudagraphs": ("dsfuse", {"mode": "reduce-overhead"}),
 }
 
 

@@ -43,6 +43,14 @@ def test_unknown_config_is_refused(capsys):
     assert "unknown config 'only:indexer'" in capsys.readouterr().err
 
 
+def test_cuda_graph_configs_compile_with_reduce_overhead():
+    from dsfuse.bench import resolve_configs
+
+    resolved = resolve_configs(["inductor-cudagraphs", "dsfuse-cudagraphs"])
+    assert resolved == {"inductor-cudagraphs": ("inductor", {"triton.cudagraphs": True}),
+                        "dsfuse-cudagraphs": ("dsfuse", {"mode": "reduce-overhead"})}
+
+
 def test_families_tiny_cpu_rewrites_each_family(tmp_path):
     out = tmp_path / "families.json"
     markdown = tmp_path / "families.md"
