@@ -34,7 +34,8 @@ import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfus
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg, shape
+from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size,
+                          scalar_arg, shape)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -444,8 +445,7 @@ def _copied_into(scatter: torch.fx.Node, start: int, end: int | None) -> torch.f
     args = list(scatter.args)
     _, src, dim, lo, hi = (args + [None, None, 0, None, None][len(args):])[:5]
     to_end = hi is None or isinstance(hi, int) and hi >= 2**62
-    if dim not in (-1, 3) or (lo or 0) != start or (to_end if end is not None else not to_end) \
-            or (end is not None and hi != end):
+    if dim not in (-1, 3) or (lo or 0) != start or (not to_end if end is None else hi != end):
         return None
     return src.args[1] if is_op(src, aten.copy.default) else src
 
