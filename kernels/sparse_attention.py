@@ -766,7 +766,7 @@ def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False):
 # ---------------------------------------------------------------------------
 
 
-def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal):
+def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim):
     op = "absorbed_mla_attention"
     if q.dim() != 4 or latent.dim() != 4 or rope.dim() != 4:
         raise ValueError(f"{op}: q must be [B,H,S,D] and latent/rope [B,1,T,C]/[B,1,T,R], got "
@@ -804,7 +804,8 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
             raise ValueError(f"{op}: all inputs must be on {q.device}, found {t.device}")
 
 
-def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int, causal: bool) -> torch.Tensor:
+def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int,
+                           causal: bool) -> torch.Tensor:
     """The keys HF's scatter mask lets through: each selected index once, allowed by the bool mask (and, with
     `causal`, at most `s + T - S`); everything else (repeats, masked keys, indices outside [0, T)) becomes -1."""
     keys = idx.long()
@@ -872,10 +873,26 @@ def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mas
     or with `empty_rows_see_all` attend over all T keys unmasked: what a finite mask bias (cuDNN SDPA's
     -65536) gives when it shifts every key of a row alike.
     """
-    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
     _check_index_range(idx, latent.shape[2], False, "absorbed_mla_attention")
+    return absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
+                                       empty_rows_see_all)
+
+
+def absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
+                                empty_rows_see_all=False):
+    """The reference math without checks (what benchmarks hand to torch.compile)."""
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
                                empty_rows_see_all, _attend_math)
+
+
+def absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
+                                  empty_rows_see_all=False):
+    """The CUDA path (or CPU tensors under TRITON_INTERPRET): absorption and key selection in torch ops, the
+    attention in the MLA kernel.  No host sync."""
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
+    return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
+                               empty_rows_see_all, _attend_triton)
 
 
 @torch.library.custom_op("dsfuse::absorbed_mla_attention", mutates_args=())
@@ -899,7 +916,7 @@ def absorbed_mla_attention(
 @absorbed_mla_attention.register_fake
 def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
                                  empty_rows_see_all=False):
-    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal)
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
     H = q.shape[1]
     return q.new_empty((*q.shape[:3], kv_b_weight.shape[0] // H - nope_dim))
 
@@ -907,5 +924,5 @@ def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, s
 @absorbed_mla_attention.register_kernel("cuda")
 def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
                                  empty_rows_see_all=False):
-    return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                               empty_rows_see_all, _attend_triton)
+    return absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
+                                         empty_rows_see_all)

@@ -464,7 +464,7 @@ def test_absorbed_empty_rows_see_all_keys_like_a_finite_bias(path):
     if path == "reference":
         out = sa.absorbed_mla_attention_reference(*args)
     else:
-        out = sa._absorbed_attention(*args, sa._attend_triton)
+        out = sa.absorbed_mla_attention_triton(*args)
     f32 = [t.cpu().float() for t in (q, latent, rope, weight)]
     finite_bias = torch.zeros(B, 1, S, T).masked_fill(
         ~(mask.cpu() & ~torch.ones(B, S, T, dtype=torch.bool).scatter(-1, idx.cpu().long(), False)[:, None]), -65536.0)
@@ -491,7 +491,7 @@ def test_absorbed_bf16_error_is_hf_bf16_error():
 
 def test_absorbed_kernel_path_half_precision():
     q, latent, rope, weight, idx = _absorbed_inputs(2, 4, 1, 64, 16, HALF)
-    out = sa._absorbed_attention(q, latent, rope, weight, idx, None, 0.2, NOPE, False, False, sa._attend_triton)
+    out = sa.absorbed_mla_attention_triton(q, latent, rope, weight, idx, None, 0.2, NOPE)
     ref = sa.absorbed_mla_attention_reference(*(t.cpu() for t in (q, latent, rope, weight, idx)), None, 0.2, NOPE)
     hf = _hf_latent_attention(*(t.cpu().float() for t in (q, latent, rope, weight)), idx.cpu(), None, 0.2)
     assert _rel_err(out.cpu(), ref) <= 2e-3
