@@ -14,6 +14,21 @@ from torch._inductor import config as inductor_config
 from dsfuse.models.presets import build_hf_model
 
 
+def run_model(model, backend: str, ids: torch.Tensor, decode: bool) -> None:
+    """One compiled forward, or (decode) an eager prefill into a KV cache then two compiled decode steps, the
+    second with a dynamic cache length."""
+    compiled = torch.compile(model, backend=backend)
+    if not decode:
+        compiled(ids)
+        return
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    model(ids, past_key_values=cache, use_cache=True)
+    for _ in range(2):
+        compiled(ids[:, -1:], past_key_values=cache, use_cache=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=".")
@@ -31,16 +46,7 @@ def main() -> None:
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=args.device)
     with torch.no_grad(), inductor_config.patch(post_grad_custom_post_pass=lambda g: graphs.append(str(g)),
                                                 fx_graph_cache=False):
-        if args.decode:
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=model.config)
-            model(ids, past_key_values=cache, use_cache=True)
-            compiled = torch.compile(model, backend="inductor")
-            for _ in range(2):
-                compiled(ids[:, -1:], past_key_values=cache, use_cache=True)
-        else:
-            torch.compile(model, backend="inductor")(ids)
+        run_model(model, "inductor", ids, args.decode)
     kind = f"decode_b{args.batch}" if args.decode else f"b{args.batch}"
     out = Path(args.out) / f"post_grad_{args.device}_{args.attn}_{args.dtype}_{kind}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -51,16 +57,7 @@ def main() -> None:
 
         torch._dynamo.reset()
         with torch.no_grad():
-            compiled = torch.compile(model, backend="dsfuse")
-            if args.decode:
-                from transformers import DynamicCache
-
-                cache = DynamicCache(config=model.config)
-                model(ids, past_key_values=cache, use_cache=True)
-                for _ in range(2):
-                    compiled(ids[:, -1:], past_key_values=cache, use_cache=True)
-            else:
-                compiled(ids)
+            run_model(model, "dsfuse", ids, args.decode)
         print(dsfuse.report())
 
 
