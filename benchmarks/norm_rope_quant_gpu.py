@@ -3,7 +3,9 @@
 1. Bit-exactness on CUDA, as mismatch counts (normed, roped) against HF's own functions
    (`DeepseekV32RMSNorm`, `apply_rotary_pos_emb_interleave` / `apply_rotary_pos_emb`, run by torch's CUDA
    ops) and against the references, for every launch variant; `rope_cat` against HF's split, RoPE and
-   `cat` of the main query (interleaved) and the indexer's query (half-split).
+   `cat` of the main query (interleaved) and the indexer's query (half-split); `rope_cat` with its
+   LayerNorm against HF's indexer key path (`k_norm` LayerNorm, split, half-split RoPE, cat), both with
+   eager's `layer_norm` kernel and with torch's decomposition of it (what the pass replaces).
 2. Timings, medians in µs, two ways: `do_bench` (host launch cost included: what an un-graphed caller
    pays) and `do_bench_cudagraph` (GPU time only), for eager, torch.compile of the reference and each
    launch variant (rows per program x warps), as GB/s beside a copy bandwidth measured in the same run.
@@ -237,6 +239,76 @@ def run_rope_cat_case(name, heads, c_pass, c_rope, interleaved, copy_gbps, varia
     save()
 
 
+def hf_key(k, weight, bias, cos, sin, layer_norm=torch.nn.functional.layer_norm):
+    """HF `DeepseekV32Indexer`'s key path after `wk`: `k_norm`, unsqueeze, split, half-split RoPE, cat."""
+    c_rope = cos.shape[-1]
+    k = layer_norm(k, [k.shape[-1]], weight, bias, EPS).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [c_rope, k.shape[-1] - c_rope], dim=-1)
+    _, k_rot = apply_rotary_pos_emb(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    return torch.cat([k_rot, k_pass], dim=-1)
+
+
+def decomposed_layer_norm(x, shape, weight, bias, eps):
+    return torch._refs.native_layer_norm(x, shape, weight, bias, eps)[0]
+
+
+def run_key_case(name, dim, c_rope, copy_gbps, variants, with_compile=True):
+    """The indexer key: `wk`'s output [1, T, dim] -> LayerNorm (weight, bias) + half-split RoPE + cat as one
+    `rope_cat`; against HF (eager `layer_norm` kernel and torch's decomposition), the reference, and the
+    two launches the pass made before (Inductor-free stand-in: eager `layer_norm` + `rope_cat`)."""
+    k = torch.randn(1, T, dim, device=DEVICE, dtype=torch.bfloat16) * 2 + 0.5
+    weight = (1 + 0.1 * torch.randn(dim, device=DEVICE)).to(torch.bfloat16)
+    bias = (0.1 * torch.randn(dim, device=DEVICE)).to(torch.bfloat16)
+    cos, sin = (t[None] for t in rope_tables(c_rope, torch.bfloat16))  # [1, T, C_rope]
+    x4, cos4, sin4 = k.unsqueeze(2), cos.unsqueeze(2), sin.unsqueeze(2)
+    args = (x4, cos4, sin4, 0, False, weight, bias, EPS)
+    nbytes = 2 * k.numel() * k.element_size() + 2 * cos.numel() * cos.element_size() + 2 * dim * 2
+    case = {"T": T, "dim": dim, "c_rope": c_rope, "interleaved": False, "layer_norm": True, "bytes": nbytes,
+            "variants": {}, "us": {}}
+    RESULTS["cases"][name] = case
+    ref = nrq.rope_cat_reference(*args)
+    want = want_decomposed = None
+    providers = {"eager reference": lambda: nrq.rope_cat_reference(*args)}
+    if HF_IMPORT_ERROR is None:
+        want = hf_key(k, weight, bias, cos, sin)
+        want_decomposed = hf_key(k, weight, bias, cos, sin, decomposed_layer_norm)
+        case["reference_vs_hf"] = mismatches([ref], [want])[0]
+        case["reference_vs_hf_decomposed"] = mismatches([ref], [want_decomposed])[0]
+        providers["eager HF"] = lambda: hf_key(k, weight, bias, cos, sin)
+        providers["eager layer_norm + dsfuse rope_cat (before)"] = lambda: nrq.rope_cat_triton(
+            torch.nn.functional.layer_norm(k, [dim], weight, bias, EPS).unsqueeze(2), cos4, sin4, 0, False)
+        if with_compile:
+            compiled = torch.compile(hf_key)
+            try:
+                case["torch.compile_vs_hf"] = mismatches([compiled(k, weight, bias, cos, sin)], [want])[0]
+                providers["torch.compile HF"] = lambda: compiled(k, weight, bias, cos, sin)
+            except Exception as exc:
+                log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    for variant in variants:
+        label = variant_label(variant, dim)
+        kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
+        try:
+            out = nrq.rope_cat_triton(*args, **kwargs)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log(f"{name} {label}: failed {case['variants'][label]['error']}")
+            continue
+        check = {"vs_hf": [None, mismatches([out], [want])[0]] if want is not None else None,
+                 "vs_hf_decomposed": mismatches([out], [want_decomposed])[0] if want is not None else None,
+                 "vs_reference": [None, mismatches([out], [ref])[0]]}
+        case["variants"][label] = check
+        log(f"{name} {label}: mismatches vs HF {check['vs_hf']}, vs HF with decomposed LayerNorm "
+            f"{check['vs_hf_decomposed']}, vs reference {check['vs_reference']}")
+        providers[label] = lambda kwargs=kwargs: nrq.rope_cat_triton(*args, **kwargs)
+    for provider, fn in providers.items():
+        host_us, graph_us = time_both(fn)
+        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
+        gbps = nbytes / graph_us / 1e3 if graph_us else None
+        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
+    save()
+
+
 def fmt(v, spec):
     return format(v, spec) if v is not None else "-"
 
@@ -254,6 +326,9 @@ def main():
         # main query: 16 heads (one tensor-parallel shard of 128) x (128 pass + 64 interleaved rope), rope + cat
         lambda: run_rope_cat_case("q_rope_cat_16x192_interleaved", 16, 128, 64, True, copy_gbps,
                                   (None, (16, 4), (32, 8))),
+        # indexer key: LayerNorm over wk's 128 outputs + half-split rope on the first 64, one rope_cat
+        lambda: run_key_case("indexer_k_layernorm128_rope64_half_split", 128, 64, copy_gbps,
+                             (None, (16, 4), (32, 8))),
         # the kv slice with half-split rope, to show the form costs the same
         lambda: run_case("kv_norm512_rope64_half_split", 576, 512, 64, False, copy_gbps, (None,),
                          with_compile=False),

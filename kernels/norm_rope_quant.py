@@ -20,6 +20,16 @@ The interleaved output is HF's layout: rotated even lanes, then rotated odd lane
 indexer: `cat([rope(q_rot), q_pass])`, half-split) reads a strided 4-D x (e.g. `q_b_proj`'s output viewed
 per head and transposed) and writes the concatenation, contiguous, in one pass.
 
+With `ln_weight` / `ln_bias` given, `rope_cat` first applies a LayerNorm over each row's D columns (HF's
+indexer key: `k_norm(wk(x))`, an `nn.LayerNorm` with weight and bias, then split, RoPE, cat), in the op
+sequence torch defines for `layer_norm` (`torch._refs.native_layer_norm`, which Inductor compiles):
+
+    xf     = x.float();  mean = mean(xf);  var = mean((xf - mean)^2)
+    normed = (((xf - mean) * rsqrt(var + eps)) * weight + bias).to(x.dtype)      (one rounding, at the end)
+
+The rope then runs on the normed (rounded) columns. Eager's CPU/CUDA `layer_norm` kernels use Welford
+statistics and fused multiply-adds, so they differ from this sequence in the last bit of a few elements.
+
 Rounding: each bf16/fp16 op is computed in fp32 and rounded to x.dtype, which is what torch does for
 each elementwise op; products of two bf16/fp16 values are exact in fp32, so this is bit-exact. The
 mean's summation order may differ from torch's (allowed by the numerics rules).
@@ -73,8 +83,20 @@ def rope_reference(rot, cos, sin, interleaved):
     return rot * cos + rotated_half * sin
 
 
-def rope_cat_reference(x, cos, sin, rope_start, interleaved):
-    """`cat` of x's column parts in their order, the part [rope_start, rope_start + C_rope) RoPE'd."""
+def layer_norm_reference(x, weight, bias, eps):
+    """`layer_norm` over the last dim as torch's decomposition computes it: fp32 statistics (two passes),
+    fp32 affine, one rounding to x's dtype."""
+    xf = x.float()
+    centred = xf - xf.mean(-1, keepdim=True)
+    var = (centred * centred).mean(-1, keepdim=True)
+    return ((centred * torch.rsqrt(var + eps)) * weight.float() + bias.float()).to(x.dtype)
+
+
+def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0):
+    """`cat` of x's column parts in their order, the part [rope_start, rope_start + C_rope) RoPE'd; with
+    `ln_weight` / `ln_bias`, x's rows are LayerNorm'd first."""
+    if ln_weight is not None:
+        x = layer_norm_reference(x, ln_weight, ln_bias, ln_eps)
     end = rope_start + cos.shape[-1]
     roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved)
     return torch.cat([x[..., :rope_start], roped, x[..., end:]], dim=-1)
@@ -123,7 +145,7 @@ def _check_weight_dtype(x, norm_weight, weight_in_fp32):
                         "a different weight dtype would promote the output")
 
 
-def _validate_rope_cat(x, cos, sin, rope_start):
+def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0):
     if x.dim() != 4:
         raise ValueError(f"rope_cat: x must be 4-D [A0, A1, A2, D], got shape {tuple(x.shape)}")
     if x.dtype not in INPUT_DTYPES:
@@ -144,6 +166,21 @@ def _validate_rope_cat(x, cos, sin, rope_start):
             raise ValueError(f"rope_cat: {name} on {t.device}, x on {x.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"rope_cat: {name}'s last dim must be contiguous")
+    if (ln_weight is None) != (ln_bias is None):
+        raise ValueError("rope_cat: LayerNorm weight and bias must both be given or both be None")
+    if ln_weight is None:
+        return
+    if not ln_eps >= 0:
+        raise ValueError(f"rope_cat: LayerNorm eps must be >= 0, got {ln_eps}")
+    for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
+        if t.dim() != 1 or t.shape[0] != x.shape[-1]:
+            raise ValueError(f"rope_cat: {name} must be [{x.shape[-1]}], got {tuple(t.shape)}")
+        if t.dtype not in INPUT_DTYPES:
+            raise TypeError(f"rope_cat: {name} dtype {t.dtype} not in {INPUT_DTYPES}")
+        if t.device != x.device:
+            raise ValueError(f"rope_cat: {name} on {t.device}, x on {x.device}")
+        if t.shape[0] > 1 and t.stride(0) != 1:
+            raise ValueError(f"rope_cat: {name} must be contiguous")
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,14 +230,25 @@ def _rmsnorm_rope_kernel(
     if HAS_ROPE:
         _rope_rows(x_ptr + rows64[:, None] * sx + C_NORM, cos_ptr + rows64[:, None] * scos,
                    sin_ptr + rows64[:, None] * ssin, roped_ptr + rows64[:, None] * srope, row_ok, HALF,
-                   BLOCK_H, INTERLEAVED, MANUAL_BF16_RNE)
+                   0.0, 0.0, w_ptr, w_ptr, BLOCK_H, INTERLEAVED, False, MANUAL_BF16_RNE)
 
 
 @triton.jit
-def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, BLOCK_H: tl.constexpr,
-               INTERLEAVED: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+def _layer_norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, MANUAL_BF16_RNE: tl.constexpr):
+    """((xf - mean) * rstd) * weight + bias in fp32, rounded once to `dtype` (torch's decomposition)."""
+    w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+    return _round_to(((xf - mean) * rstd) * w + b, dtype, MANUAL_BF16_RNE)
+
+
+@triton.jit
+def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_rstd, ln_w, ln_b,
+               BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr,
+               MANUAL_BF16_RNE: tl.constexpr):
     """RoPE of 2*HALF columns for a [ROWS, 1] block of row pointers (x and the output at the first rotated
-    column, cos / sin at their row start), in HF's op order and output layout."""
+    column, cos / sin at their row start), in HF's op order and output layout. With LAYER_NORM, x is first
+    normalised with the rows' `ln_mean` / `ln_rstd` ([ROWS]) and the affine at `ln_w` / `ln_b` (pointers at
+    the first rotated column)."""
     dtype = out_rows.dtype.element_ty
     j = tl.arange(0, BLOCK_H)
     hok = row_ok[:, None] & (j < HALF)[None, :]
@@ -209,6 +257,11 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, BLOCK_H: tl.c
         lane = tl.arange(0, 2)
         pairs = tl.load(x_rows[:, :, None] + 2 * j[None, :, None] + lane[None, None, :],
                         mask=hok[:, :, None] & (lane < 2)[None, None, :], other=0.0)
+        if LAYER_NORM:
+            pair_cols = 2 * j[None, :, None] + lane[None, None, :]
+            pair_ok = (j < HALF)[None, :, None] & (lane < 2)[None, None, :]
+            pairs = _layer_norm_apply(pairs.to(tl.float32), ln_mean[:, None, None], ln_rstd[:, None, None],
+                                      ln_w + pair_cols, ln_b + pair_cols, pair_ok, dtype, MANUAL_BF16_RNE)
         a, b = tl.split(pairs)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -219,6 +272,13 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, BLOCK_H: tl.c
     else:
         a = tl.load(x_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         b = tl.load(x_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
+        if LAYER_NORM:
+            jj = j[None, :]
+            j_ok = (j < HALF)[None, :]
+            a = _layer_norm_apply(a, ln_mean[:, None], ln_rstd[:, None], ln_w + jj, ln_b + jj, j_ok, dtype,
+                                  MANUAL_BF16_RNE)
+            b = _layer_norm_apply(b, ln_mean[:, None], ln_rstd[:, None], ln_w + HALF + jj, ln_b + HALF + jj,
+                                  j_ok, dtype, MANUAL_BF16_RNE)
         c_lo = tl.load(cos_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         s_lo = tl.load(sin_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         c_hi = tl.load(cos_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
@@ -236,14 +296,15 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, BLOCK_H: tl.c
 
 @triton.jit
 def _rope_cat_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr,
-    N, A1, A2, D, R0, HALF,
+    x_ptr, cos_ptr, sin_ptr, out_ptr, lnw_ptr, lnb_ptr,
+    N, A1, A2, D, R0, HALF, ln_eps,
     sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
 ):
     """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program: the columns outside
-    [R0, R0 + 2*HALF) copied, those inside RoPE'd, into a contiguous output."""
+    [R0, R0 + 2*HALF) copied (LayerNorm'd with LAYER_NORM), those inside RoPE'd, into a contiguous output."""
+    dtype = out_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     r = rows.to(tl.int64)
@@ -255,10 +316,24 @@ def _rope_cat_kernel(
     cols = tl.arange(0, BLOCK_D)
     kept = (cols < D) & ((cols < R0) | (cols >= R0 + 2 * HALF))
     ok = row_ok[:, None] & kept[None, :]
-    tl.store(out_rows[:, None] + cols[None, :], tl.load(x_rows[:, None] + cols[None, :], mask=ok), mask=ok)
+    if LAYER_NORM:
+        # statistics over the whole row (two passes in fp32, as the reference), then the kept columns
+        col_ok = (cols < D)[None, :]
+        row_cols_ok = row_ok[:, None] & col_ok
+        xf = tl.load(x_rows[:, None] + cols[None, :], mask=row_cols_ok, other=0.0).to(tl.float32)
+        mean = tl.sum(xf, axis=1) / D
+        centred = tl.where(row_cols_ok, xf - mean[:, None], 0.0)
+        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / D + ln_eps)
+        normed = _layer_norm_apply(xf, mean[:, None], rstd[:, None], lnw_ptr + cols[None, :],
+                                   lnb_ptr + cols[None, :], col_ok, dtype, MANUAL_BF16_RNE)
+        tl.store(out_rows[:, None] + cols[None, :], normed.to(dtype), mask=ok)
+    else:
+        mean = 0.0
+        rstd = 0.0
+        tl.store(out_rows[:, None] + cols[None, :], tl.load(x_rows[:, None] + cols[None, :], mask=ok), mask=ok)
     _rope_rows(x_rows[:, None] + R0, cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None],
                sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None], out_rows[:, None] + R0, row_ok, HALF,
-               BLOCK_H, INTERLEAVED, MANUAL_BF16_RNE)
+               mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, LAYER_NORM, MANUAL_BF16_RNE)
 
 
 def default_rows(width):
@@ -301,9 +376,10 @@ def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
     return normed, roped
 
 
-def rope_cat_triton(x, cos, sin, rope_start, interleaved, rows_per_program=None, num_warps=None):
+def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
+                    rows_per_program=None, num_warps=None):
     """Triton launcher of `rope_cat` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
-    _validate_rope_cat(x, cos, sin, rope_start)
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     if n_rows == 0:
@@ -311,12 +387,14 @@ def rope_cat_triton(x, cos, sin, rope_start, interleaved, rows_per_program=None,
     width = x.shape[3]
     rows = rows_per_program or default_rows(width)
     half = cos.shape[-1] // 2
+    layer_norm = ln_weight is not None
     _rope_cat_kernel[(triton.cdiv(n_rows, rows),)](
-        x, cos, sin, out,
-        n_rows, x.shape[1], x.shape[2], width, rope_start, half,
+        x, cos, sin, out, ln_weight if layer_norm else x, ln_bias if layer_norm else x,
+        n_rows, x.shape[1], x.shape[2], width, rope_start, half, float(ln_eps),
         *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
         ROWS=rows, BLOCK_D=triton.next_power_of_2(width), BLOCK_H=triton.next_power_of_2(half),
-        INTERLEAVED=bool(interleaved), MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+        INTERLEAVED=bool(interleaved), LAYER_NORM=layer_norm,
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
         num_warps=num_warps or default_num_warps(width, rows), **COMPILE_OPTIONS)
     return out
 
@@ -350,24 +428,26 @@ def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
 
 
 @torch.library.custom_op("dsfuse::rope_cat", mutates_args=())
-def rope_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_start: int,
-             interleaved: bool) -> torch.Tensor:
+def rope_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_start: int, interleaved: bool,
+             ln_weight: Optional[torch.Tensor] = None, ln_bias: Optional[torch.Tensor] = None,
+             ln_eps: float = 0.0) -> torch.Tensor:
     """x ([A0, A1, A2, D], any strides but a contiguous last dim) with columns [rope_start, rope_start +
     C_rope) RoPE'd and the rest copied, contiguous: HF's `cat` of a split's parts after the RoPE of one.
-    cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0). Reference math on CPU."""
-    _validate_rope_cat(x, cos, sin, rope_start)
-    return rope_cat_reference(x, cos, sin, rope_start, interleaved).contiguous()
+    cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0). With `ln_weight` / `ln_bias` ([D]),
+    each row is first LayerNorm'd (eps `ln_eps`): HF's indexer key path. Reference math on CPU."""
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
+    return rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps).contiguous()
 
 
 @rope_cat.register_fake
-def _rope_cat_fake(x, cos, sin, rope_start, interleaved):
-    _validate_rope_cat(x, cos, sin, rope_start)
+def _rope_cat_fake(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0):
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @rope_cat.register_kernel("cuda")
-def _rope_cat_cuda(x, cos, sin, rope_start, interleaved):
-    return rope_cat_triton(x, cos, sin, rope_start, interleaved)
+def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0):
+    return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps)
 
 
 def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
@@ -377,6 +457,7 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     return T * (c_norm + c_rope) * itemsize * 2 + 2 * T * c_rope * cos_itemsize + c_norm * itemsize
 
 
-__all__ = ["COMPILE_OPTIONS", "bytes_moved", "default_num_warps", "default_rows", "rmsnorm_rope",
+__all__ = ["COMPILE_OPTIONS", "bytes_moved", "default_num_warps", "default_rows", "layer_norm_reference",
+           "rmsnorm_rope",
            "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_reference", "rope_cat_triton",
            "rope_reference"]

@@ -23,7 +23,12 @@ the reason. Two more site kinds, each into one launch:
   structural matchers) and is `cat`'ed back with the other part in the split's order: HF's main query
   (`cat((q_pass, rope(q_rot)))`, interleaved, on `q_b_proj`'s output viewed per head and transposed)
   and the indexer's query and key (`cat([rope(rot), pass])`, half-split). Other splits are skipped
-  silently.
+  silently. When the split input is (a view of) a LayerNorm over the last dim, written as torch decomposes
+  `layer_norm` (HF's indexer key: `k_norm(wk(x))`, an `nn.LayerNorm` with weight and bias), the LayerNorm
+  joins the same call (`rope_cat`'s `ln_weight`, `ln_bias`, `ln_eps`):
+
+      xf = x.float();  var, mean = var_mean(xf, -1, correction=0, keepdim=True)
+      out = (((xf - mean) * rsqrt(var + eps)) * weight + bias).to(x.dtype)      (eps a constant)
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
   `addmm`, `bmm`): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
 """
@@ -368,8 +373,79 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
             if not _last_dim_contiguous(node):
                 raise NoMatch(f"RoPE + cat: {node}'s last dim is not contiguous")
         return {"x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0], "c_rope": sizes[rope_index],
-                **rope}
+                "layer_norm": _match_layer_norm(x), **rope}
     raise NoMatch("no RoPE on either part", reported=False)
+
+
+LAYER_NORM_VIEWS = (*VIEW_OPS, aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _match_layer_norm(x: torch.fx.Node) -> dict | None:
+    """The LayerNorm that `x` is a view of (torch's decomposition of `layer_norm` over the last dim, with
+    weight, bias and a constant eps, nothing else reading its intermediates), or None."""
+    out = x
+    while is_op(out, *LAYER_NORM_VIEWS) and len(out.args[0].users) == 1:
+        out = out.args[0]
+    width = shape(x)[-1] if shape(x) else None
+    if width is None or not shape(out) or not same_size(shape(out)[-1], width) or len(out.users) != 1:
+        return None
+    x_dtype = dtype(out)
+    affine = out
+    if x_dtype != torch.float32:
+        if not (is_op(out, CONVERT) and out.args[1] == x_dtype):
+            return None
+        affine = out.args[0]
+    if not is_op(affine, aten.add.Tensor) or len(affine.users) != 1 or dtype(affine) != torch.float32:
+        return None
+    scaled = _private_operand(affine, aten.mul.Tensor)  # (normalized * weight) + bias
+    normalized = _private_operand(scaled, aten.mul.Tensor) if scaled is not None else None
+    if normalized is None or not all(_is_affine_param(p, width) for p in (_other(scaled, normalized),
+                                                                           _other(affine, scaled))):
+        return None
+    weight, bias = _other(scaled, normalized), _other(affine, scaled)
+    centred = _private_operand(normalized, aten.sub.Tensor)  # (xf - mean) * rsqrt(var + eps)
+    rsqrt = _other(normalized, centred) if centred is not None else None
+    if not (is_op(rsqrt, aten.rsqrt.default) and len(rsqrt.users) == 1):
+        return None
+    add_eps = rsqrt.args[0]
+    if not (is_op(add_eps, aten.add.Tensor) and len(add_eps.users) == 1):
+        return None
+    variance, eps = add_eps.args
+    xf, mean = centred.args
+    stats = variance.args[0] if is_op(variance, operator.getitem) and variance.args[1] == 0 else None
+    if not (is_op(mean, operator.getitem) and mean.args[0] is stats and mean.args[1] == 1
+            and len(mean.users) == 1 and len(variance.users) == 1 and _is_last_dim_var_mean(stats, xf)):
+        return None
+    if set(xf.users) != {stats, centred} or scalar_arg(eps) is None:
+        return None
+    source = xf
+    if x_dtype != torch.float32:
+        if not (is_op(xf, CONVERT) and xf.args[1] == torch.float32 and dtype(xf.args[0]) == x_dtype):
+            return None
+        source = xf.args[0]
+    if not _last_dim_contiguous(source):
+        return None
+    return {"input": source, "weight": weight, "bias": bias, "eps": scalar_arg(eps)}
+
+
+def _private_operand(node: torch.fx.Node, target) -> torch.fx.Node | None:
+    """The operand of `node` that calls `target` and is read by `node` alone."""
+    return next((a for a in node.args if is_op(a, target) and len(a.users) == 1), None)
+
+
+def _is_affine_param(node, width) -> bool:
+    return (isinstance(node, torch.fx.Node) and len(shape(node)) == 1 and same_size(shape(node)[0], width)
+            and dtype(node) in NORM_DTYPES)
+
+
+def _is_last_dim_var_mean(stats, xf) -> bool:
+    """`var_mean(xf, [last], correction=0, keepdim=True)`: the biased variance and mean of each row."""
+    if not is_op(stats, aten.var_mean.correction) or stats.args[0] is not xf:
+        return False
+    dims = stats.args[1] if len(stats.args) > 1 else stats.kwargs.get("dim")
+    rank = len(shape(xf))
+    return (dims is not None and list(dims) in ([-1], [rank - 1]) and stats.kwargs.get("correction") == 0
+            and stats.kwargs.get("keepdim") is True)
 
 
 def _last_dim_contiguous(node: torch.fx.Node) -> bool:
@@ -381,7 +457,11 @@ def _last_dim_contiguous(node: torch.fx.Node) -> bool:
 def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     cat = m["cat"]
     pad = 4 - len(shape(m["x"]))
+    norm = m["layer_norm"]
     x = m["x"]
+    if norm is not None:  # the LayerNorm's input in x's shape (x is a view of the LayerNorm output)
+        sizes = [_size(graph, cat, m["x"], d) for d in range(len(shape(m["x"])))]
+        x = insert_call(graph, cat, aten.reshape.default, (norm["input"], sizes))
     for _ in range(pad):
         x = insert_call(graph, cat, aten.unsqueeze.default, (x, 0))
     tables = []
@@ -390,15 +470,20 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
         for _ in range(pad):
             table = insert_call(graph, cat, aten.unsqueeze.default, (table, 0))
         tables.append(table)
+    norm_args = () if norm is None else (norm["weight"], norm["bias"], norm["eps"])
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
-                        (x, tables[0], tables[1], m["rope_start"], m["interleaved"]))
+                        (x, tables[0], tables[1], m["rope_start"], m["interleaved"], *norm_args))
     sizes = [_size(graph, cat, m["x"], d) for d in range(len(shape(m["x"])))]
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     form = "interleaved" if m["interleaved"] else "half-split"
     where = "first" if m["rope_start"] == 0 else "last"
-    ctx.site(split, "dsfuse.rope_cat", [m["x"], m["cos"][0], m["sin"][0]],
-             detail=f"{form} RoPE {m['c_rope']} of the {where} part, concatenated in place")
+    detail = f"{form} RoPE {m['c_rope']} of the {where} part, concatenated in place"
+    inputs = [m["x"], m["cos"][0], m["sin"][0]]
+    if norm is not None:
+        detail = f"LayerNorm {shape(m['x'])[-1]} (weight, bias, eps={norm['eps']:g}) + {detail}"
+        inputs = [norm["input"], m["cos"][0], m["sin"][0], norm["weight"], norm["bias"]]
+    ctx.site(split, "dsfuse.rope_cat", inputs, detail=detail)
 
 
 def _match_projection_norm(square: torch.fx.Node) -> dict:

@@ -9,6 +9,7 @@ bf16 runs under the interpreter too: the kernel rounds by hand there (the interp
 import pytest
 import torch
 from dsfuse.kernels.norm_rope_quant import (
+    layer_norm_reference,
     rmsnorm_rope,
     rmsnorm_rope_reference,
     rmsnorm_rope_triton,
@@ -182,7 +183,7 @@ found = {}
 for label, kernel_name, consts, options in json.loads(sys.argv[1]):
     kernel = getattr(nrq, kernel_name)
     names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+    sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "fp32" if n.endswith("eps") else "i32"
            for n in names}
     # 16-divisible pointers and sizes, as the launch specialises them on the GPU (kv rows of 576, D = 192)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] in ("*bf16", "i32")}
@@ -222,14 +223,16 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         return {"ROWS": 8, "BLOCK_N": 512, "BLOCK_H": 32, "INTERLEAVED": interleaved, "WEIGHT_FP32": False,
                 "HAS_ROPE": True, "MANUAL_BF16_RNE": False}
 
-    def cat(interleaved):
-        return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "MANUAL_BF16_RNE": False}
+    def cat(interleaved, layer_norm=False):
+        return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "LAYER_NORM": layer_norm,
+                "MANUAL_BF16_RNE": False}
 
     found = _sm90_float_instructions([
         ["norm_interleaved", "_rmsnorm_rope_kernel", norm(True), COMPILE_OPTIONS],
         ["norm_half_split", "_rmsnorm_rope_kernel", norm(False), COMPILE_OPTIONS],
         ["cat_interleaved", "_rope_cat_kernel", cat(True), COMPILE_OPTIONS],
         ["cat_half_split", "_rope_cat_kernel", cat(False), COMPILE_OPTIONS],
+        ["cat_layer_norm_half_split", "_rope_cat_kernel", cat(False, layer_norm=True), COMPILE_OPTIONS],
         ["fusion_on", "_rmsnorm_rope_kernel", norm(True), {"enable_fp_fusion": True}],
     ])
     for label, ops in found.items():
@@ -285,3 +288,108 @@ def test_rope_cat_opcheck_and_bad_input():
         rope_cat(q, cos4.float(), sin4, 12, True)
     with pytest.raises(ValueError, match="rope_cat"):
         rope_cat(q[0], cos4[0], sin4[0], 12, True)
+
+
+# --------------------------------------------------------------------------------------------
+# The indexer key: LayerNorm + half-split RoPE + cat in one `rope_cat`
+# --------------------------------------------------------------------------------------------
+def _key_states(dtype, batch=2, seq=5, dim=32, c_rope=8, exact_stats=True, seed=3):
+    """HF's indexer key before `k_norm`: `wk`'s output [B, S, D] unsqueezed to [B, S, 1, D], a LayerNorm
+    weight and bias, cos/sin [B, S, C_rope] unsqueezed to [B, S, 1, C_rope]. With `exact_stats` each row
+    is m ± v on a 1/8 grid (shuffled), so its mean and variance are exact in any summation order."""
+    g = torch.Generator().manual_seed(seed)
+    if exact_stats:
+        centre = torch.randint(-8, 9, (batch * seq, 1), generator=g) / 8
+        offsets = torch.randint(-16, 17, (batch * seq, dim // 2), generator=g) / 8
+        rows = torch.cat([centre + offsets, centre - offsets], -1)
+        rows = rows.gather(-1, torch.argsort(torch.rand(batch * seq, dim, generator=g), -1))
+    else:
+        rows = torch.randn(batch * seq, dim, generator=g) * 2 + 0.5
+    k = rows.view(batch, seq, dim).to(dtype)
+    weight = (1 + 0.3 * torch.randn(dim, generator=g)).to(dtype)
+    bias = (0.2 * torch.randn(dim, generator=g)).to(dtype)
+    angles = torch.randn(batch, seq, c_rope // 2, generator=g) * 3
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+    return *(t.to(DEVICE) for t in (k, weight, bias, cos, sin)),
+
+
+def _hf_key_path(k, cos, sin, layer_norm, interleaved=False):
+    """`DeepseekV32Indexer.forward`'s key path after `wk`, with `layer_norm` standing for `self.k_norm`."""
+    c_rope = cos.shape[-1]
+    k = layer_norm(k).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [c_rope, k.shape[-1] - c_rope], dim=-1)
+    rope = apply_rotary_pos_emb_interleave if interleaved else apply_rotary_pos_emb
+    _, k_rot = rope(k_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    return torch.cat([k_rot, k_pass], dim=-1)
+
+
+def _decomposed_layer_norm(weight, bias, eps=1e-6):
+    """torch's own op sequence for `layer_norm` (what Inductor compiles in place of the eager kernel)."""
+    return lambda x: torch._refs.native_layer_norm(x, [x.shape[-1]], weight, bias, eps)[0]
+
+
+def _key_args(k, weight, bias, cos, sin):
+    return k.unsqueeze(2), cos.unsqueeze(2), sin.unsqueeze(2), 0, False, weight, bias, 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_reference_is_torchs_decomposition_and_eager_up_to_its_fma(dtype):
+    """Bit-exact against torch's decomposition; eager's CPU kernel (Welford statistics, fused multiply-adds)
+    rounds differently: a few fp32 ulps on most fp32 elements, the last bit of a few bf16/fp16 ones."""
+    k, weight, bias, _, _ = _key_states(dtype, seq=64, dim=128)
+    got = layer_norm_reference(k, weight, bias, 1e-6)
+    _assert_equal(got, _decomposed_layer_norm(weight, bias)(k))
+    module = torch.nn.LayerNorm(128, eps=1e-6).to(device=k.device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        module.bias.copy_(bias)
+        eager = module(k)
+    ulp = torch.finfo(dtype).eps * eager.float().abs().clamp_min(1)
+    assert ((got.float() - eager.float()).abs() <= 4 * ulp).all()
+    if dtype != torch.float32:
+        assert (got != eager).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+def test_layer_norm_rope_cat_matches_hf_key_path(dtype, interleaved):
+    """The indexer key path (LayerNorm, split, RoPE, cat) as one `rope_cat`: reference and kernel equal HF's
+    code (with torch's decomposed LayerNorm) bit for bit."""
+    k, weight, bias, cos, sin = _key_states(dtype)
+    want = _hf_key_path(k, cos, sin, _decomposed_layer_norm(weight, bias), interleaved)
+    args = list(_key_args(k, weight, bias, cos, sin))
+    args[4] = interleaved
+    for fn in (rope_cat_reference, rope_cat_triton):
+        _assert_equal(fn(*args), want)
+
+
+def test_layer_norm_rope_cat_random_statistics_within_an_ulp():
+    """Random rows: the kernel's summation order may move mean or variance by an fp32 ulp (allowed)."""
+    k, weight, bias, cos, sin = _key_states(torch.bfloat16, seq=16, exact_stats=False)
+    got = rope_cat_triton(*_key_args(k, weight, bias, cos, sin)).float()
+    want = rope_cat_reference(*_key_args(k, weight, bias, cos, sin)).float()
+    assert ((got - want).abs() <= 2 * torch.finfo(torch.bfloat16).eps * want.abs().clamp_min(1)).all()
+    assert (got != want).float().mean() < 0.02
+
+
+def test_layer_norm_rope_cat_half_split_is_not_interleaved():
+    """The two RoPE forms give different keys on these inputs, so the bit-exact test above tells them apart."""
+    k, weight, bias, cos, sin = _key_states(torch.float32)
+    args = list(_key_args(k, weight, bias, cos, sin))
+    half_split = rope_cat_triton(*args)
+    args[4] = True
+    assert not torch.allclose(half_split, rope_cat_triton(*args), atol=1e-3)
+    assert not torch.allclose(half_split, rope_cat_reference(*args), atol=1e-3)
+
+
+def test_layer_norm_rope_cat_opcheck_and_bad_input():
+    k, weight, bias, cos, sin = _key_states(torch.bfloat16)
+    x, cos4, sin4, start, interleaved, *_ = _key_args(k, weight, bias, cos, sin)
+    torch.library.opcheck(rope_cat, (x, cos4, sin4, start, interleaved, weight, bias, 1e-6))
+    with pytest.raises(ValueError, match="both"):
+        rope_cat(x, cos4, sin4, start, interleaved, weight, None, 1e-6)
+    with pytest.raises(ValueError, match="ln_weight"):
+        rope_cat(x, cos4, sin4, start, interleaved, weight[:-1], bias[:-1], 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        rope_cat(x, cos4, sin4, start, interleaved, weight, bias, -1.0)
