@@ -19,7 +19,11 @@ filled, and the row says so), or every configuration decodes from the one dsfuse
 sequence at position T: HF's `DynamicCache` grows by `torch.cat`, so the cache's tensors are put back before
 every step and each step sees exactly T cached tokens. The cache length is marked dynamic, so one compiled
 decode graph serves every length; the graphs compiled while the cache really grows (`--growing-steps`
-appended tokens) are counted and printed, so a recompile per step cannot hide.
+appended tokens) are counted and printed, so a recompile per step cannot hide. The CUDA-graph configurations
+decode from HF's `StaticCache` instead (as `generate` does under `torch.compile`): a graph replay needs fixed
+shapes and buffer addresses, which a growing `DynamicCache` cannot give. The static cache holds the same T
+tokens (copied from the filled dynamic cache) with room for the appended ones, and its write position is put
+back to T before every step.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ CONFIGS: dict[str, tuple[str | None, dict | None]] = {
     "inductor-cudagraphs": ("inductor", {"triton.cudagraphs": True}),
     "dsfuse-cudagraphs": ("dsfuse", {"mode": "reduce-overhead"}),
 }
+# Configurations that decode from HF's StaticCache: CUDA graphs replay fixed shapes and addresses.
+STATIC_CACHE_CONFIGS = frozenset({"inductor-cudagraphs", "dsfuse-cudagraphs"})
 
 
 def resolve_configs(names: list[str]) -> dict[str, tuple[str | None, dict | None]]:
@@ -284,6 +290,39 @@ class FilledCache:
                 torch._dynamo.maybe_mark_dynamic(tensor, tensor.dim() - 2)
 
 
+class StaticFilledCache:
+    """The T tokens of a filled dynamic cache, copied into HF's `StaticCache` of `max_len` positions.
+
+    Its buffers keep their addresses (HF marks them static), so a CUDA graph can replay the decode step; the
+    step writes in place at the layer's write position, so putting the cache back to T means resetting that
+    position (the tokens written past T are masked out by the causal mask of the next step at T).
+    """
+
+    def __init__(self, source: FilledCache, model, max_len: int):
+        from transformers import StaticCache
+
+        self.source, self.length = source, source.length
+        self.prefill_by, self.prefill_s = source.prefill_by, source.prefill_s
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        for layer, saved in zip(self.cache.layers, source.tensors):
+            layer.lazy_initialization(saved["keys"], saved["values"])
+            layer.keys[:, :, :self.length].copy_(saved["keys"])
+            layer.values[:, :, :self.length].copy_(saved["values"])
+            if "indexer_keys" in saved:
+                layer.lazy_initialization_indexer(saved["indexer_keys"])
+                layer.indexer_keys[:, :self.length].copy_(saved["indexer_keys"])
+        self.restore()
+
+    def restore(self) -> None:
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self.length)
+            if getattr(layer, "indexer_cumulative_length", None) is not None:
+                layer.indexer_cumulative_length.fill_(self.length)
+
+    def mark_length_dynamic(self) -> None:
+        """Nothing to mark: a static cache has one shape for every length."""
+
+
 def _prefill(fn, model, batch: int, context: int, prefill_by: str, device: str) -> FilledCache:
     """Run the T context tokens through `fn` once, keeping only the last position's logits."""
     from transformers import DynamicCache
@@ -381,11 +420,18 @@ def _bench_decode_configs(model, args, results: dict) -> None:
             bar.set_postfix_str(f"B={batch} T={context} {name}")
             row = {"batch": batch, "context": context, "config": name}
             filled = None
+            static = name in STATIC_CACHE_CONFIGS
+            row["cache"] = "static" if static else "dynamic"
             try:
-                filled = _decode_cache(caches, fn, name, backend, options, batch, context, row)
+                if static:  # its own prefill would record CUDA graphs of a growing cache: fill it from dsfuse's
+                    filled = StaticFilledCache(caches.fallback_cache(batch, context), model,
+                                               context + args.growing_steps + 1)
+                else:
+                    filled = _decode_cache(caches, fn, name, backend, options, batch, context, row)
                 row["prefill_by"], row["prefill_s"] = filled.prefill_by, filled.prefill_s
                 sites_before = dsfuse.report().counts
-                _time_decode(fn, filled, caches, cache_argument, args, row, compiled=backend is not None)
+                _time_decode(fn, filled, caches, cache_argument, args, row, compiled=backend is not None,
+                             cudagraphs=static)
                 if backend == "dsfuse" and row.get("graphs_first_call"):
                     # sites in the decode graph compiled for this row (prefills compiled meanwhile excluded)
                     row["rewritten"] = {pass_name: count - sites_before[pass_name]
@@ -408,9 +454,10 @@ def _bench_decode_configs(model, args, results: dict) -> None:
     _print_decode_table(results)
 
 
-def _time_decode(fn, filled: FilledCache, caches: _DecodeCaches, cache_argument: str, args, row: dict,
-                 compiled: bool) -> None:
-    """First call, `--growing-steps` appended tokens (counting recompiles), then steps timed at length T."""
+def _time_decode(fn, filled: FilledCache | StaticFilledCache, caches: _DecodeCaches, cache_argument: str, args,
+                 row: dict, compiled: bool, cudagraphs: bool = False) -> None:
+    """First call, `--growing-steps` appended tokens (counting recompiles), then steps timed at length T.
+    Under CUDA graphs each step starts a new graph-tree step: the previous step's outputs are not read again."""
     cuda = args.device.startswith("cuda")
     batch, context = row["batch"], row["context"]
     tokens = torch.randint(0, caches.model.config.vocab_size, (batch, 1), device=args.device,
@@ -419,6 +466,8 @@ def _time_decode(fn, filled: FilledCache, caches: _DecodeCaches, cache_argument:
     filled.mark_length_dynamic()
 
     def step(offset: int = 0):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         return fn(tokens, position_ids=positions + offset, use_cache=True, **{cache_argument: filled.cache})
 
     def timed_step():
@@ -452,9 +501,10 @@ def _time_decode(fn, filled: FilledCache, caches: _DecodeCaches, cache_argument:
             row["profile"] = profile_stages(timed_step)
     row["tok_per_s"] = batch / row["ms"] * 1e3
     filled.restore()
+    source = getattr(filled, "source", filled)  # eager's reference decodes from the dynamic cache
     if not compiled:
-        filled.reference, filled.reference_tried = logits, True
-    reference = caches.reference(filled, tokens, positions)
+        source.reference, source.reference_tried = logits, True
+    reference = caches.reference(source, tokens, positions)
     if reference is not None:
         row["rel_l2_vs_eager"] = ((logits - reference).norm() / reference.norm()).item()
 
@@ -463,14 +513,15 @@ def _print_decode_table(results: dict) -> None:
     base = {(r["batch"], r["context"]): r["ms"] for r in results["decode"] if r["config"] == "inductor" and r.get("ms")}
     print(f"\ndecode: ms per step (one new token per sequence), cache put back to T before each step; "
           f"recompiles counted over {results['growing_steps']} appended tokens")
-    print(f"{'B':>3} {'T':>6} {'config':<11} {'prefill by':<11} {'ms/step':>9} {'tok/s':>9} {'vs Ind.':>8} "
+    print(f"{'B':>3} {'T':>6} {'config':<19} {'cache':<7} {'prefill by':<11} {'ms/step':>9} {'tok/s':>9} {'vs Ind.':>8} "
           f"{'peak GiB':>9} {'recompiles':>10} {'rel_l2 eager':>12}  notes")
     for r in results["decode"]:
         ms = r.get("ms")
         key = (r["batch"], r["context"])
         ratio = f"{base[key] / ms:.2f}x" if ms and key in base else "-"
         notes = decode_notes(r, results["growing_steps"])
-        print(f"{r['batch']:>3} {r['context']:>6} {r['config']:<11} {r.get('prefill_by', '-'):<11} "
+        print(f"{r['batch']:>3} {r['context']:>6} {r['config']:<19} {r.get('cache', 'dynamic'):<7} "
+              f"{r.get('prefill_by', '-'):<11} "
               f"{'-' if ms is None else round(ms, 3)!s:>9} {'-' if ms is None else round(r['tok_per_s'], 1)!s:>9} "
               f"{ratio:>8} {r.get('peak_extra_gib', '-')!s:>9} {r.get('recompiles_growing', '-')!s:>10} "
               f"{r.get('rel_l2_vs_eager', float('nan')):>12.3e}  {notes}")

@@ -143,16 +143,17 @@ def _decode_tables(results: dict) -> list[str]:
     explanation = (f"One new token per sequence at position T; the cache is put back to T tokens before every timed "
                    f"step (`--prefill-cache {results.get('prefill_cache', 'same')}`). ms is per decode step, tok/s = "
                    f"batch / step time. Recompiles are the Dynamo graphs compiled over {steps} steps that really "
-                   f"append to the cache (0: one graph serves every length).")
+                   f"append to the cache (0: one graph serves every length). Cache `static`: HF's StaticCache, "
+                   f"filled from dsfuse's prefill, for the CUDA-graph configurations.")
     lines = ["## Decode with a KV cache", "", explanation, ""]
     rows = []
     for r in results.get("decode", []):
         speedup = speedups.get(r["config"], {}).get((r["batch"], r["context"]))
-        rows.append([r["batch"], r["context"], r["config"], r.get("prefill_by", "-"), _fmt(r.get("ms"), ".3f"),
+        rows.append([r["batch"], r["context"], r["config"], r.get("cache", "dynamic"), r.get("prefill_by", "-"), _fmt(r.get("ms"), ".3f"),
                      _fmt(r.get("tok_per_s"), ",.1f"), "-" if speedup is None else f"{speedup:.2f}x",
                      r.get("first_call_s", "-"), r.get("peak_extra_gib", "-"), r.get("recompiles_growing", "-"),
                      _fmt(r.get("rel_l2_vs_eager"), ".2e"), decode_notes(r, steps)])
-    lines += _table(["batch", "T", "config", "prefill by", "ms/step", "tok/s", "vs Inductor", "first call s",
+    lines += _table(["batch", "T", "config", "cache", "prefill by", "ms/step", "tok/s", "vs Inductor", "first call s",
                      "peak extra GiB", "recompiles", "rel_l2 vs eager", "notes"], rows)
     profiled = [r for r in results.get("decode", []) if "profile" in r]
     if profiled:

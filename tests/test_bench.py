@@ -195,6 +195,34 @@ def test_filled_cache_puts_the_context_back():
     assert isinstance(filled, FilledCache)
 
 
+def test_static_filled_cache_decodes_like_the_dynamic_one():
+    """The StaticCache copy (what the CUDA-graph configurations decode from) gives the dynamic cache's logits, and
+    putting it back to T makes a repeated step identical even after steps that wrote past T."""
+    import torch
+
+    from dsfuse.bench import StaticFilledCache, _prefill
+    from dsfuse.models.presets import build_hf_model
+
+    model = build_hf_model("tiny")
+    filled = _prefill(model, model, 2, 12, "eager", "cpu")
+    static = StaticFilledCache(filled, model, max_len=15)
+    assert static.length == 12 and static.prefill_by == "eager" and static.source is filled
+    layer = static.cache.layers[0]
+    assert layer.keys.shape[2] == 15 and layer.indexer_keys.shape[1] == 15
+    assert torch.equal(layer.indexer_keys[:, :12], filled.tensors[0]["indexer_keys"])
+    tokens, positions = torch.tensor([[3], [7]]), torch.full((2, 1), 12)
+    with torch.no_grad():
+        dynamic = model(tokens, cache=filled.cache, position_ids=positions, use_cache=True).logits
+        first = model(tokens, cache=static.cache, position_ids=positions, use_cache=True).logits
+        model(tokens, cache=static.cache, position_ids=positions + 1, use_cache=True)
+        assert int(layer.cumulative_length) == 14 and int(layer.indexer_cumulative_length) == 14
+        static.restore()
+        assert int(layer.cumulative_length) == 12 and int(layer.indexer_cumulative_length) == 12
+        again = model(tokens, cache=static.cache, position_ids=positions, use_cache=True).logits
+    torch.testing.assert_close(first, dynamic, rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, again)
+
+
 def test_decode_tiny_cpu_counts_recompiles_and_falls_back_on_oom(tmp_path, monkeypatch, capsys):
     """dsfuse's own prefill "runs out of memory", so it decodes from the fallback cache (eager here, so the
     test compiles one graph: the dynamic-length decode graph, which must serve the appended steps too)."""
@@ -213,13 +241,17 @@ def test_decode_tiny_cpu_counts_recompiles_and_falls_back_on_oom(tmp_path, monke
     monkeypatch.setattr(bench, "_prefill", prefill_without_memory_for_dsfuse)
     out, markdown = tmp_path / "decode.json", tmp_path / "decode.md"
     assert main(["model", "--preset", "tiny", "--mode", "decode", "--decode-batch", "2", "--context", "16",
-                 "--configs", "eager,dsfuse", "--device", "cpu", "--growing-steps", "2", "--json", str(out),
+                 "--configs", "eager,dsfuse,dsfuse-cudagraphs", "--device", "cpu", "--growing-steps", "2", "--json", str(out),
                  "--markdown", str(markdown)]) == 0
     results = json.loads(out.read_text())
     assert results["runs"] == [] and results["growing_steps"] == 2 and results["prefill_cache"] == "same"
     rows = {r["config"]: r for r in results["decode"]}
-    assert set(rows) == {"eager", "dsfuse"}
-    eager, fused = rows["eager"], rows["dsfuse"]
+    assert set(rows) == {"eager", "dsfuse", "dsfuse-cudagraphs"}
+    eager, fused, static = rows["eager"], rows["dsfuse"], rows["dsfuse-cudagraphs"]
+    assert eager["cache"] == fused["cache"] == "dynamic" and static["cache"] == "static"
+    assert static["prefill_by"] == "eager" and "prefill_error" not in static and static["recompiles_growing"] == 0
+    assert static["rewritten"]["indexer_topk"] == 2 and static["rewritten"]["sparse_attention"] == 2
+    assert static["rel_l2_vs_eager"] < 1e-5
     assert eager["prefill_by"] == "eager" and "prefill_error" not in eager and eager["rel_l2_vs_eager"] == 0.0
     assert "graphs_first_call" not in eager and "recompiles_growing" not in eager
     assert fused["prefill_by"] == "eager" and fused["prefill_error"] == "dsfuse prefill out of memory"
@@ -233,7 +265,7 @@ def test_decode_tiny_cpu_counts_recompiles_and_falls_back_on_oom(tmp_path, monke
     text = markdown.read_text()
     assert text.startswith("# dsfuse model benchmark: preset tiny, float32, decode, batch 2\n")
     assert "## Decode with a KV cache" in text and "| S | config |" not in text
-    assert "| 2 | 16 | dsfuse | eager |" in text and "dsfuse prefill out of memory" in text
+    assert "| 2 | 16 | dsfuse | dynamic | eager |" in text and "| 2 | 16 | dsfuse-cudagraphs | static | eager |" in text and "dsfuse prefill out of memory" in text
 
 
 def test_decode_out_of_memory_is_a_row_not_a_crash(tmp_path, monkeypatch):
@@ -307,7 +339,7 @@ def test_decode_markdown_shows_recompiles_and_oom():
                                                     "dsfuse": {(1, 8192): 2.0}}
     text = model_markdown(results)
     assert text.startswith("# dsfuse model benchmark: preset v32-real-2l, bfloat16, decode, batch 1, 8\n")
-    assert "| 1 | 8192 | dsfuse | dsfuse | 2.000 | 500.0 | 2.00x |" in text
+    assert "| 1 | 8192 | dsfuse | dynamic | dsfuse | 2.000 | 500.0 | 2.00x |" in text
     assert "recompiled 2x in 2 appended steps" in text.split("| 1 | 8192 | inductor |")[1].splitlines()[0]
     assert "eager prefill out of memory; out of memory" in text
     assert "## Decode time by stage" in text and "| 8 | 8192 | dsfuse | 2.200 | dsfuse::indexer_topk 9.1% |" in text
