@@ -2,7 +2,8 @@
 # One H200 session: GPU tests, whole-model and family benchmarks with a profile, kernel benchmarks.
 # From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
 # Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
-# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm) runs a subset.
+# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm) runs a subset;
+# MODEL_CONFIGS / MODEL_SEQ / MODEL_LOGITS and DECODE_CONFIGS / DECODE_CONTEXT / DECODE_LIMIT narrow the model steps.
 set -uo pipefail
 export OUT=${OUT:-/tmp/dsfuse_out}
 mkdir -p "$OUT"
@@ -24,7 +25,7 @@ nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a
 
 wanted tests && TAIL=15 step 150 "GPU tests" python3 -P -m pytest -q -m gpu tests/kernels
 wanted model && TAIL=80 step 220 "model prefill S=2048/8192" python3 -m dsfuse.bench model --preset v32-real-2l \
-  --seq 2048 8192 --rep-ms 500 --profile \
+  --seq ${MODEL_SEQ:-2048 8192} --logits ${MODEL_LOGITS:-all} --rep-ms 500 --profile \
   --configs ${MODEL_CONFIGS:-eager,inductor,dsfuse-off,dsfuse,only:indexer_topk,only:sparse_attention} \
   --json "$OUT/model.json"
 wanted families && TAIL=14 step 120 "families at real shapes" python3 -m dsfuse.bench families \

@@ -3,6 +3,7 @@
     python -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192
     python -m dsfuse.bench model --preset tiny --seq 32 --device cpu      # smoke run
     python -m dsfuse.bench model --profile --json r.json --markdown r.md  # keep the results
+    python -m dsfuse.bench model --seq 8192 --logits last                 # prefill as generate runs it
     python -m dsfuse.bench model --mode decode --decode-batch 1 8 --context 8192 32768
     python -m dsfuse.bench ablate --seq 8192 --json a.json --markdown a.md  # each pass off, each pass alone
     python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, decode, time by stage
@@ -191,9 +192,9 @@ def _bench_prefill(model, args, results: dict) -> None:
         outputs: dict[str, torch.Tensor] = {}
         for name, (backend, options) in args.configs.items():
             bar.set_postfix_str(f"S={seq} {name}")
-            row = {"seq": seq, "config": name}
+            row = {"seq": seq, "config": name, "logits": args.logits}
             try:
-                fn = _compiled(model, backend, options)
+                fn = _prefill_step(_compiled(model, backend, options), args.logits, name in STATIC_CACHE_CONFIGS)
                 dsfuse.reset_report()
                 if cuda:
                     _free_device_memory(cuda)
@@ -201,7 +202,7 @@ def _bench_prefill(model, args, results: dict) -> None:
                     base = torch.cuda.memory_allocated()
                 with torch.no_grad():
                     start = time.perf_counter()
-                    logits = fn(ids).logits
+                    logits = fn(ids).logits.float()  # a copy: a CUDA-graph replay reuses its output memory
                     if cuda:
                         torch.cuda.synchronize()
                     row["first_call_s"] = round(time.perf_counter() - start, 2)
@@ -209,14 +210,14 @@ def _bench_prefill(model, args, results: dict) -> None:
                         row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
                     row["ms"] = time_ms(lambda: fn(ids), args.device, args.rep_ms)
                     if name == "inductor":
-                        row["deterministic"] = bool(torch.equal(fn(ids).logits, logits))
+                        row["deterministic"] = bool(torch.equal(fn(ids).logits.float(), logits))
                 row["tok_per_s"] = args.batch * seq / row["ms"] * 1e3
                 if args.profile and cuda:
                     with torch.no_grad():
                         row["profile"] = profile_stages(lambda: fn(ids))
                 if backend == "dsfuse":
                     row["rewritten"] = dsfuse.report().counts
-                outputs[name] = logits.float()
+                outputs[name] = logits
                 del logits
             except torch.OutOfMemoryError:
                 row["ms"] = None
@@ -232,6 +233,19 @@ def _bench_prefill(model, args, results: dict) -> None:
         _free_device_memory(cuda)
     bar.close()
     _print_table(results)
+
+
+def _prefill_step(fn, logits: str, cudagraphs: bool):
+    """One prefill call: all positions' logits, or only the last one's (`logits_to_keep=1`, what `generate`
+    asks for). Under CUDA graphs each call starts a new graph-tree step (its outputs are not read later)."""
+    keep = {"logits_to_keep": 1} if logits == "last" else {}
+
+    def step(ids):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return fn(ids, **keep)
+
+    return step
 
 
 def _print_row(row: dict) -> None:
@@ -644,6 +658,8 @@ def _print_table(results: dict) -> None:
         ms = r.get("ms")
         ratio = f"{base[r['seq']] / ms:.2f}x" if ms and r["seq"] in base else "-"
         notes = r.get("error", "")
+        if r.get("logits") == "last":
+            notes += "last logits only "
         if "deterministic" in r:
             notes += f"run twice bitwise equal: {r['deterministic']}"
         if "bitwise_equal_to_inductor" in r:
@@ -663,6 +679,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser, seq_default: list[int]
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rep-ms", type=int, default=1000)
+    parser.add_argument("--logits", default="all", choices=("all", "last"),
+                        help="prefill logits for every position, or the last one only (as generate asks)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--markdown", default=None, help="write Markdown tables here")
 

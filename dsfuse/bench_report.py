@@ -74,6 +74,8 @@ def speedups_vs_inductor(results: dict) -> dict[str, dict[int, float]]:
 
 def _model_notes(row: dict) -> str:
     notes = [row["error"]] if "error" in row else []
+    if row.get("logits") == "last":
+        notes.append("last position's logits only (logits_to_keep=1)")
     if "deterministic" in row:
         notes.append(f"run twice bitwise equal: {row['deterministic']}")
     if "bitwise_equal_to_inductor" in row:

@@ -37,6 +37,18 @@ def test_model_bench_tiny_cpu(tmp_path, capsys):
     assert "Time by stage" not in markdown.read_text() and "Decode" not in markdown.read_text()
 
 
+def test_prefill_last_logits_under_the_cuda_graph_config(tmp_path):
+    """`--logits last` (generate's prefill) through the step wrapper the CUDA-graph configurations use."""
+    out, markdown = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert main(["model", "--preset", "tiny", "--seq", "12", "--device", "cpu", "--configs", "eager,dsfuse-cudagraphs",
+                 "--logits", "last", "--json", str(out), "--markdown", str(markdown)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["runs"]}
+    assert all(r["logits"] == "last" and r["ms"] > 0 and "error" not in r for r in rows.values())
+    assert rows["dsfuse-cudagraphs"]["rewritten"]["indexer_topk"] == 2
+    assert rows["dsfuse-cudagraphs"]["rel_l2_vs_eager"] < 1e-5
+    assert "last position's logits only (logits_to_keep=1)" in markdown.read_text()
+
+
 def test_unknown_config_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["model", "--preset", "tiny", "--device", "cpu", "--configs", "only:indexer"])
