@@ -277,6 +277,118 @@ def official_baseline(name, B, S, H, T, K):
     save()
 
 
+def old_absorbed_composite(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
+                           empty_rows_see_all=False):
+    """The op's CUDA path before the 2026-11-29 rework (fp32 copies of kv_b_proj's weight and fp32 einsums on
+    every call, a cat-based dedupe, a [B,S] any-reduction), kept for a same-run comparison."""
+    B, H, S, D = q.shape
+    T, C = latent.shape[2], latent.shape[3]
+    keys = idx.long()
+    limit = T
+    if causal:
+        limit = torch.arange(T - S + 1, T + 1, device=idx.device).view(1, S, 1)
+    keys = torch.where((keys >= 0) & (keys < limit), keys, -1)
+    if attn_mask is not None:
+        allowed = attn_mask.expand(B, 1, S, T)[:, 0].gather(-1, keys.clamp_min(0))
+        keys = torch.where(allowed, keys, -1)
+    keys = keys.sort(dim=-1).values
+    repeat = torch.cat([torch.zeros_like(keys[..., :1], dtype=torch.bool), keys[..., 1:] == keys[..., :-1]], dim=-1)
+    keys = keys.masked_fill(repeat, -1)
+    heads = kv_b_weight.view(H, -1, C)
+    w_key, w_value = heads[:, :nope_dim], heads[:, nope_dim:]
+    q_nope, q_rope = q.split([nope_dim, D - nope_dim], dim=-1)
+    q_latent = torch.einsum("bhsd,hdc->bshc", q_nope.float(), w_key.float()).to(q.dtype)
+    q_rope = q_rope.transpose(1, 2)
+    kv, pe = latent.reshape(B, T, C), rope.reshape(B, T, -1)
+    has_key = (keys >= 0).any(dim=-1)
+    out_latent = sa.sparse_mla_attention_triton(q_latent, q_rope, kv, pe, keys, scale)
+    if empty_rows_see_all:
+        every_key = torch.arange(T, device=q.device).expand(B, S, T)
+        row_len = torch.where(~has_key, every_key.shape[-1], 0).to(torch.int32).reshape(-1)
+        everything = sa.sparse_mla_attention_triton(q_latent, q_rope, kv, pe, every_key, scale, row_len=row_len)
+        out_latent = torch.where(has_key[:, :, None, None], out_latent, everything)
+    out = torch.einsum("bshc,hec->bhse", out_latent.float(), w_value.float()).to(q.dtype)
+    if not empty_rows_see_all:
+        out = torch.where(has_key[:, None, :, None], out, torch.zeros_like(out))
+    return out.contiguous()
+
+
+def peak_extra_mb(fn):
+    """fn's result and the memory it allocated at its peak beyond what was live before (MiB).  The old
+    composite's fp32 copy of one weight half alone is 32 MiB; the op should need little beyond the MLA
+    kernel's split partials (fp32 [B * splits * H, 512]: 2 MiB at B1, 16 MiB at B8)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def absorbed_case(name, B, copy_tbps, T=8192, K=2048, H=128):
+    """Decode step of HF DeepSeek V3.2 attention from its latent cache (issue #4/#7), every time under a CUDA
+    graph: the op against the old torch composite, the bare MLA kernel and the key selection alone; errors
+    against the fp32 reference.  Variants: no mask ("no_mask"); cuDNN's finite-bias form (`empty_rows_see_all`)
+    with a bool mask allowing every key ("bias"); the same with batch 0's selected keys all masked, so that row
+    attends over all T keys ("bias_keyless_b0").  Run alone with CASES=absorbed_decode."""
+    nope, rope_dim, v_dim, C = 128, 64, 128, 512
+    log(f"{name}: B{B} S1 H{H} T{T} K{K}")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(B, H, 1, nope + rope_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    latent = torch.randn(B, 1, T, C, device="cuda", dtype=torch.bfloat16, generator=gen)
+    rope = torch.randn(B, 1, T, rope_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    weight = (torch.randn(H * (nope + v_dim), C, device="cuda", generator=gen) / C**0.5).to(torch.bfloat16)
+    idx = torch.rand(B, 1, T, device="cuda", generator=gen).topk(K, dim=-1).indices  # distinct int64, like HF
+    scale = (nope + rope_dim) ** -0.5
+    weight_bytes = weight.numel() * weight.element_size()
+    bytes_floor = weight_bytes + B * K * (C + rope_dim) * 2  # kv_b_proj once, the selected latent rows once
+    case = {"shape": dict(B=B, S=1, H=H, T=T, K=K, C=C, R=rope_dim, nope=nope, v=v_dim),
+            "floor_ms": bytes_floor / copy_tbps / 1e9, "variants": {}}
+    RESULTS["cases"][name] = case
+    ROWS.append((name, "floor (weights + rows once)", case["floor_ms"], 0.0, ""))
+    keyless = torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda")
+    keyless[0, 0, 0].scatter_(-1, idx[0, 0], False)  # batch 0 has every selected key masked: it attends over all T
+    variants = {"no_mask": (None, False),
+                "bias": (torch.ones(B, 1, 1, T, dtype=torch.bool, device="cuda"), True),
+                "bias_keyless_b0": (keyless, True)}
+    try:
+        q_latent = torch.randn(B, 1, H, C, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q_rope = q[..., nope:].transpose(1, 2)
+        kv, pe = latent.view(B, T, C), rope.view(B, T, rope_dim)
+        case["mla_kernel_ms"] = bench_graph(
+            lambda: sa.sparse_mla_attention_triton(q_latent, q_rope, kv, pe, idx, scale), rep=20)
+        ROWS.append((name, "MLA kernel alone", case["mla_kernel_ms"], 0.0, ""))
+    except Exception as err:
+        case["mla_kernel_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+    for variant, (mask, see_all) in variants.items():
+        entry = {}
+        case["variants"][variant] = entry
+        args = (q, latent, rope, weight, idx, mask, scale, nope, False, see_all)
+        try:
+            ref = sa.absorbed_mla_attention_reference(*(t.float() for t in args[:4]), *args[4:])  # fp32 truth
+            entry["ref_bf16_rel_err"] = rel_err(sa.absorbed_mla_attention_reference(*args), ref)
+            out, entry["peak_extra_mb"] = peak_extra_mb(lambda: torch.ops.dsfuse.absorbed_mla_attention(*args))
+            old, entry["old_peak_extra_mb"] = peak_extra_mb(lambda: old_absorbed_composite(*args))
+            entry["rel_err"], entry["old_rel_err"] = rel_err(out, ref), rel_err(old, ref)
+            del old
+            entry["op_ms"] = bench_graph(lambda: torch.ops.dsfuse.absorbed_mla_attention(*args), rep=20)
+            entry["old_ms"] = bench_graph(lambda: old_absorbed_composite(*args), rep=20)
+            entry["select_keys_ms"] = bench_graph(lambda: sa._distinct_allowed_keys(idx, mask, T, False), rep=20)
+            note = (f"err {entry['rel_err']:.1e} (bf16 ref {entry['ref_bf16_rel_err']:.1e}), "
+                    f"+{entry['peak_extra_mb']:.0f} MB")
+            ROWS.append((name, f"{variant}: dsfuse op", entry["op_ms"], 0.0, note))
+            ROWS.append((name, f"{variant}: old composite", entry["old_ms"], 0.0,
+                         f"err {entry['old_rel_err']:.1e}, +{entry['old_peak_extra_mb']:.0f} MB"))
+            ROWS.append((name, f"{variant}: key selection", entry["select_keys_ms"], 0.0, ""))
+            log(f"  {variant}: op {1e3 * entry['op_ms']:.1f} us, old {1e3 * entry['old_ms']:.1f} us, "
+                f"keys {1e3 * entry['select_keys_ms']:.1f} us, {note}")
+        except Exception as err:
+            entry["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+            log(f"  {variant} failed: {entry['error']}")
+        save()
+        torch.cuda.empty_cache()
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -284,16 +396,25 @@ def main():
     RESULTS["versions"] = {"torch": torch.__version__, "triton": __import__("triton").__version__}
     mm_tflops, copy_tbps = measure_ceilings()
     sections = [
-        lambda: mla_case("mla_prefill", 1, 4096, 128, 65536, 2048, mm_tflops, copy_tbps),
-        lambda: mla_case("mla_decode", 64, 1, 128, 32768, 2048, mm_tflops, copy_tbps),
-        lambda: mla_case("mla_decode_b1", 1, 1, 128, 32768, 2048, mm_tflops, copy_tbps, False, SPLIT_SWEEP,
-                         bench_graph),
-        lambda: mla_case("mla_decode_b8", 8, 1, 128, 32768, 2048, mm_tflops, copy_tbps, False, SPLIT_SWEEP,
-                         bench_graph),
-        lambda: masked_case("masked_prefill", 1, 8192, 128, 8192, 2048, mm_tflops),
-        lambda: official_baseline("mla_prefill", 1, 4096, 128, 65536, 2048),
+        ("mla_prefill", lambda: mla_case("mla_prefill", 1, 4096, 128, 65536, 2048, mm_tflops, copy_tbps)),
+        ("mla_decode", lambda: mla_case("mla_decode", 64, 1, 128, 32768, 2048, mm_tflops, copy_tbps)),
+        ("mla_decode_b1", lambda: mla_case("mla_decode_b1", 1, 1, 128, 32768, 2048, mm_tflops, copy_tbps, False,
+                                           SPLIT_SWEEP, bench_graph)),
+        ("mla_decode_b8", lambda: mla_case("mla_decode_b8", 8, 1, 128, 32768, 2048, mm_tflops, copy_tbps, False,
+                                           SPLIT_SWEEP, bench_graph)),
+        ("masked_prefill", lambda: masked_case("masked_prefill", 1, 8192, 128, 8192, 2048, mm_tflops)),
+        ("official_baseline", lambda: official_baseline("mla_prefill", 1, 4096, 128, 65536, 2048)),
+        ("absorbed_decode", lambda: (absorbed_case("absorbed_decode_b1", 1, copy_tbps),
+                                     absorbed_case("absorbed_decode_b8", 8, copy_tbps))),
     ]
-    for run in sections:
+    chosen = os.environ.get("CASES")  # e.g. CASES=absorbed_decode: a comma-separated subset, in this order
+    if chosen:
+        names = chosen.split(",")
+        unknown = set(names) - {section for section, _ in sections}
+        if unknown:
+            sys.exit(f"unknown CASES {sorted(unknown)}; known: {[section for section, _ in sections]}")
+        sections = [(section, run) for section, run in sections if section in names]
+    for _, run in sections:
         try:
             run()
         except Exception as err:
@@ -302,9 +423,9 @@ def main():
             save()
         torch.cuda.empty_cache()
     print(f"\nSparse attention on {RESULTS['device']} ({RESULTS['date']}); peak bf16 {mm_tflops:.0f} TFLOP/s")
-    print(f"{'case':<16} {'provider':<32} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7}  note")
+    print(f"{'case':<18} {'provider':<32} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7}  note")
     for case, provider, ms, tflops, note in ROWS:
-        print(f"{case:<16} {provider:<32} {ms:9.3f} {tflops:8.1f} {100 * tflops / mm_tflops:6.1f}%  {note}")
+        print(f"{case:<18} {provider:<32} {ms:9.3f} {tflops:8.1f} {100 * tflops / mm_tflops:6.1f}%  {note}")
     save()
 
 

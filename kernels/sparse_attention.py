@@ -805,22 +805,34 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
 
 
 def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int,
-                           causal: bool) -> torch.Tensor:
+                           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys HF's scatter mask lets through: each selected index once, allowed by the bool mask (and, with
-    `causal`, at most `s + T - S`); everything else (repeats, masked keys, indices outside [0, T)) becomes -1."""
+    `causal`, at most `s + T - S`); everything else (repeats, masked keys, indices outside [0, T)) becomes -1.
+    Also returns `no_key` [B,S]: rows left without any key.  Sorting puts a row's repeats side by side (one
+    block radix sort of K entries per row, O(S·K), independent of T; int32 keys halve its passes) and its
+    largest key last, so `no_key` reads one column instead of reducing the row."""
     keys = idx.long()
-    limit = T
+    nearest = keys.clamp(0, T - 1)
     if causal:
         S = idx.shape[1]
-        limit = torch.arange(T - S + 1, T + 1, device=idx.device).view(1, S, 1)
-    keys = torch.where((keys >= 0) & (keys < limit), keys, -1)
+        nearest = nearest.minimum(torch.arange(T - S, T, device=idx.device).view(1, S, 1))
+    allowed = nearest == keys
     if attn_mask is not None:
         B, S = idx.shape[:2]
-        allowed = attn_mask.expand(B, 1, S, T)[:, 0].gather(-1, keys.clamp_min(0))
-        keys = torch.where(allowed, keys, -1)
-    keys = keys.sort(dim=-1).values
-    repeat = torch.cat([torch.zeros_like(keys[..., :1], dtype=torch.bool), keys[..., 1:] == keys[..., :-1]], dim=-1)
-    return keys.masked_fill(repeat, -1)
+        allowed &= attn_mask.expand(B, 1, S, T)[:, 0].gather(-1, nearest)
+    narrow = torch.int32 if T <= torch.iinfo(torch.int32).max else torch.int64
+    keys = torch.where(allowed, keys, -1).to(narrow).sort(dim=-1).values
+    no_key = keys[..., -1] < 0
+    keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
+    return keys, no_key
+
+
+def _per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`x[h] @ w[h]` for an [H, B, S, *] view `x`, heads as the batch dim: [H, B, S, N].  cuBLAS takes any batch
+    stride and a row- or column-major matrix, so a head slice of `kv_b_proj`'s weight is read in place (no copy,
+    no fp32 conversion: the GEMM accumulates in fp32 and rounds once to the input dtype)."""
+    H, B, S, _ = x.shape
+    return torch.bmm(x.reshape(H, B * S, -1), w).view(H, B, S, -1)  # reshape copies only if B > 1 and S > 1
 
 
 def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal, empty_rows_see_all,
@@ -830,19 +842,18 @@ def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nop
     heads = kv_b_weight.view(H, -1, C)
     w_key, w_value = heads[:, :nope_dim], heads[:, nope_dim:]
     q_nope, q_rope = q.split([nope_dim, D - nope_dim], dim=-1)
-    q_latent = torch.einsum("bhsd,hdc->bshc", q_nope.float(), w_key.float()).to(q.dtype)
+    q_latent = _per_head_matmul(q_nope.transpose(0, 1), w_key).permute(1, 2, 0, 3)  # [B,S,H,C] view, unit last stride
     q_rope = q_rope.transpose(1, 2)
     kv, pe = latent.reshape(B, T, C), rope.reshape(B, T, -1)
-    keys = _distinct_allowed_keys(idx, attn_mask, T, causal)
-    has_key = (keys >= 0).any(dim=-1)
+    keys, no_key = _distinct_allowed_keys(idx, attn_mask, T, causal)
     out_latent = attend(q_latent, q_rope, kv, pe, keys, scale)
     if empty_rows_see_all:
-        every_key = torch.arange(T, device=q.device).expand(B, S, T)
-        everything = attend(q_latent, q_rope, kv, pe, every_key, scale, only=~has_key)
-        out_latent = torch.where(has_key[:, :, None, None], out_latent, everything)
-    out = torch.einsum("bshc,hec->bhse", out_latent.float(), w_value.float()).to(q.dtype)
+        every_key = torch.arange(T, device=q.device).expand(B, S, T)  # stride 0 on B and S: no [B,S,T] tensor
+        everything = attend(q_latent, q_rope, kv, pe, every_key, scale, only=no_key)
+        out_latent = torch.where(no_key[:, :, None, None], everything, out_latent)
+    out = _per_head_matmul(out_latent.permute(2, 0, 1, 3), w_value.transpose(1, 2)).transpose(0, 1)
     if not empty_rows_see_all:
-        out = torch.where(has_key[:, None, :, None], out, torch.zeros_like(out))
+        out = out.masked_fill(no_key[:, None, :, None], 0)
     return out.contiguous()
 
 
@@ -852,11 +863,23 @@ def _attend_math(q_nope, q_pe, kv, pe, idx, scale, only=None):
     return sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale)
 
 
+_SEE_ALL_MAX_SPLITS = 8
+
+
 def _attend_triton(q_nope, q_pe, kv, pe, idx, scale, only=None):
-    row_len = None
-    if only is not None:
-        row_len = torch.where(only, idx.shape[-1], 0).to(torch.int32).reshape(-1)
-    return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale, row_len=row_len)
+    """With `only`, the other rows read no index entry.  Their split programs still store (and the combine still
+    merges) fp32 partials, so that pass splits the T keys at most `_SEE_ALL_MAX_SPLITS` ways instead of the
+    automatic up-to-32 (B1, T8192: 2 MiB of partials instead of 8 MiB and a 4x shorter combine on every call);
+    a row that does see all keys (a mask excluding every selected key: rare) then takes ~T/8 keys per program."""
+    if only is None:
+        return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale)
+    B, S, H, Dc = q_nope.shape
+    cfg = sparse_mla_default_config(S, H, Dc)
+    sms = torch.cuda.get_device_properties(q_nope.device).multi_processor_count if q_nope.is_cuda else 132
+    splits = sparse_mla_num_splits(B * S, triton.cdiv(H, cfg["block_h"]), idx.shape[-1], cfg["block_n"], sms)
+    row_len = torch.where(only.view(-1), idx.shape[-1], 0).to(torch.int32)
+    return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale, row_len=row_len,
+                                       num_splits=min(splits, _SEE_ALL_MAX_SPLITS))
 
 
 def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,

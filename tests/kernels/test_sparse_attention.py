@@ -478,6 +478,22 @@ def test_absorbed_empty_rows_see_all_keys_like_a_finite_bias(path):
     assert _rel_err(*no_bias_rows) <= (1e-5 if path == "reference" else 3e-3)
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel"])
+def test_absorbed_repeated_largest_key_still_counts(path):
+    """Key selection sorts each row and reads "has a key" from its largest entry: a row whose largest key (or
+    only key) repeats still has that key, once, and must not come out as a keyless row of zeros."""
+    B, S, T = 2, 2, 24
+    dtype = torch.float32 if path == "reference" else HALF
+    q, latent, rope, weight, idx = _absorbed_inputs(B, 2, S, T, 6, dtype)
+    idx[0, 0] = 7  # a single key, selected six times
+    idx[1, 1] = torch.tensor([T - 1, 3, T - 1, 5, 8, T - 1])
+    absorbed = sa.absorbed_mla_attention_reference if path == "reference" else sa.absorbed_mla_attention_triton
+    out = absorbed(q, latent, rope, weight, idx, None, 0.3, NOPE).cpu().float()
+    expected = _hf_latent_attention(*(t.cpu().float() for t in (q, latent, rope, weight)), idx.cpu(), None, 0.3)
+    assert _rel_err(out, expected) <= (1e-5 if path == "reference" else 2e-3)
+    assert out[0, :, 0].abs().amin() > 0
+
+
 def test_absorbed_bf16_error_is_hf_bf16_error():
     """The absorbed form rounds the absorbed query and the latent output where HF rounds the expanded K
     and V: one rounding each, so its bf16 error against fp32 matches HF's own bf16 error."""
