@@ -377,6 +377,25 @@ def _weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
 
 
 @triton.jit
+def _weight_rows_times_tokens(a_rows, a_row_mask, w_expert, s_expert, w_rows, w_mask, K, stride_wn, stride_sn,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                              DOT_DTYPE: tl.constexpr):
+    """The K loop both GEMMs share: `acc[w_rows, tokens] = W[w_rows, :K] @ A[tokens, :K]^T` in fp32, one expert's
+    weights decoded per K step in registers, the next step's scales prefetched (see `_scale_tile`)."""
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    scale = _scale_tile(s_expert, w_rows, w_mask, 0, K, stride_sn, BLOCK_K, FP4)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a_tile = tl.load(a_rows + offs_k[None, :], mask=a_row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
+        next_scale = _scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, K, stride_sn, BLOCK_K, FP4)
+        w_tile = _weight_tile(w_expert, scale, w_rows, w_mask, k0, K, stride_wn, BLOCK_K, FP4, DECODE_ASM, DOT_DTYPE)
+        scale = next_scale
+        acc = tl.dot(w_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _gate_up_swiglu_kernel(
     x_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
     w_ptr, s_ptr, act_ptr,
@@ -407,16 +426,8 @@ def _gate_up_swiglu_kernel(
     w_mask = col < INTER
     w_expert = w_ptr + expert * stride_we
     s_expert = s_ptr + expert * stride_se
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    scale = _scale_tile(s_expert, w_rows, w_mask, 0, H, stride_sn, BLOCK_K, FP4)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x_tile = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < H), other=0.0)
-        next_scale = _scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, H, stride_sn, BLOCK_K, FP4)
-        w_tile = _weight_tile(w_expert, scale, w_rows, w_mask, k0, H, stride_wn, BLOCK_K, FP4, DECODE_ASM,
-                              dot_dtype)
-        scale = next_scale
-        acc = tl.dot(w_tile, tl.trans(x_tile), acc, input_precision=DOT_PRECISION)
+    acc = _weight_rows_times_tokens(x_rows, m_mask, w_expert, s_expert, w_rows, w_mask, H, stride_wn, stride_sn,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
     # Round as the source does: each GEMM output, silu and the product are all in x's dtype.
     gate, up = tl.split(tl.permute(tl.reshape(acc.to(dot_dtype), (2, HALF_N, BLOCK_M)), (2, 1, 0)))
     gate = gate.to(tl.float32)
@@ -454,16 +465,8 @@ def _down_kernel(
     n_mask = offs_n < H
     w_expert = w_ptr + expert * stride_we
     s_expert = s_ptr + expert * stride_se
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    scale = _scale_tile(s_expert, offs_n, n_mask, 0, INTER, stride_sn, BLOCK_K, FP4)
-    for k0 in range(0, INTER, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a_tile = tl.load(a_rows + offs_k[None, :], mask=m_mask[:, None] & (offs_k[None, :] < INTER), other=0.0)
-        next_scale = _scale_tile(s_expert, offs_n, n_mask, k0 + BLOCK_K, INTER, stride_sn, BLOCK_K, FP4)
-        w_tile = _weight_tile(w_expert, scale, offs_n, n_mask, k0, INTER, stride_wn, BLOCK_K, FP4, DECODE_ASM,
-                              dot_dtype)
-        scale = next_scale
-        acc = tl.dot(w_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
+    acc = _weight_rows_times_tokens(a_rows, m_mask, w_expert, s_expert, offs_n, n_mask, INTER, stride_wn, stride_sn,
+                                    BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
     slot = tl.load(sorted_slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
     out = tl.trans(acc.to(dot_dtype))
     tl.store(slot_out_ptr + slot[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
