@@ -9,6 +9,8 @@ export OUT=${OUT:-/tmp/dsfuse_out}
 mkdir -p "$OUT"
 LOG="$OUT/session_log.txt"
 export PYTHONUNBUFFERED=1
+# A snapshot made by `git archive` has no .git: its commit comes in a .commit file beside it.
+[[ -f .commit ]] && export DSFUSE_COMMIT=$(cat .commit)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site

@@ -33,6 +33,7 @@ import argparse
 import datetime
 import inspect
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -76,6 +77,9 @@ def resolve_configs(names: list[str]) -> dict[str, tuple[str | None, dict | None
 
 
 def git_commit() -> str:
+    """The checkout's commit; `DSFUSE_COMMIT` names it where the code runs from an exported snapshot."""
+    if os.environ.get("DSFUSE_COMMIT"):
+        return os.environ["DSFUSE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip() or "unknown"
