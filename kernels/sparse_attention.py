@@ -804,8 +804,8 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
             raise ValueError(f"{op}: all inputs must be on {q.device}, found {t.device}")
 
 
-def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int,
-                           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int, causal: bool,
+                           indices_distinct: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys HF's scatter mask lets through: each selected index once, allowed by the bool mask (and, with
     `causal`, at most `s + T - S`); everything else (repeats, masked keys, indices outside [0, T)) becomes -1.
     Also returns `no_key` [B,S]: rows left without any key.  Sorting puts a row's repeats side by side (one
@@ -821,6 +821,9 @@ def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor],
         B, S = idx.shape[:2]
         allowed &= attn_mask.expand(B, 1, S, T)[:, 0].gather(-1, nearest)
     narrow = torch.int32 if T <= torch.iinfo(torch.int32).max else torch.int64
+    if indices_distinct:  # the caller knows the row holds no repeats (a top-k's indices): no sort needed
+        keys = torch.where(allowed, keys, -1).to(narrow)
+        return keys, ~allowed.any(dim=-1)
     keys = torch.where(allowed, keys, -1).to(narrow).sort(dim=-1).values
     no_key = keys[..., -1] < 0
     keys[..., 1:].masked_fill_(keys[..., 1:] == keys[..., :-1], -1)
@@ -836,7 +839,7 @@ def _per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal, empty_rows_see_all,
-                        attend):
+                        indices_distinct, attend):
     B, H, S, D = q.shape
     T, C = latent.shape[2], latent.shape[3]
     heads = kv_b_weight.view(H, -1, C)
@@ -845,7 +848,7 @@ def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nop
     q_latent = _per_head_matmul(q_nope.transpose(0, 1), w_key).permute(1, 2, 0, 3)  # [B,S,H,C] view, unit last stride
     q_rope = q_rope.transpose(1, 2)
     kv, pe = latent.reshape(B, T, C), rope.reshape(B, T, -1)
-    keys, no_key = _distinct_allowed_keys(idx, attn_mask, T, causal)
+    keys, no_key = _distinct_allowed_keys(idx, attn_mask, T, causal, indices_distinct)
     out_latent = attend(q_latent, q_rope, kv, pe, keys, scale)
     if empty_rows_see_all:
         every_key = torch.arange(T, device=q.device).expand(B, S, T)  # stride 0 on B and S: no [B,S,T] tensor
@@ -883,7 +886,7 @@ def _attend_triton(q_nope, q_pe, kv, pe, idx, scale, only=None):
 
 
 def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                     empty_rows_see_all=False):
+                                     empty_rows_see_all=False, indices_distinct=False):
     """What HF `DeepseekV32Attention` computes from its latent cache, in absorbed form.
 
     HF expands every cached latent through `kv_b_proj` (`k_nope | v` per head), appends the shared
@@ -894,28 +897,30 @@ def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mas
     and V instead); exact up to summation order in fp32. `causal` adds the bottom-right aligned causal
     mask (key t allowed iff t <= s + T - S). Rows with no allowed key return 0 (SDPA's bool-mask result),
     or with `empty_rows_see_all` attend over all T keys unmasked: what a finite mask bias (cuDNN SDPA's
-    -65536) gives when it shifts every key of a row alike.
+    -65536) gives when it shifts every key of a row alike. `indices_distinct` is the caller's promise that no
+    row of `idx` repeats an index (a top-k's indices): the repeats HF's scatter would merge are then not searched
+    for (no sort).
     """
     _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
     _check_index_range(idx, latent.shape[2], False, "absorbed_mla_attention")
     return absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                                       empty_rows_see_all)
+                                       empty_rows_see_all, indices_distinct)
 
 
 def absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                empty_rows_see_all=False):
+                                empty_rows_see_all=False, indices_distinct=False):
     """The reference math without checks (what benchmarks hand to torch.compile)."""
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                               empty_rows_see_all, _attend_math)
+                               empty_rows_see_all, indices_distinct, _attend_math)
 
 
 def absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                  empty_rows_see_all=False):
+                                  empty_rows_see_all=False, indices_distinct=False):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): absorption and key selection in torch ops, the
     attention in the MLA kernel.  No host sync."""
     _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                               empty_rows_see_all, _attend_triton)
+                               empty_rows_see_all, indices_distinct, _attend_triton)
 
 
 @torch.library.custom_op("dsfuse::absorbed_mla_attention", mutates_args=())
@@ -930,15 +935,16 @@ def absorbed_mla_attention(
     nope_dim: int,
     causal: bool = False,
     empty_rows_see_all: bool = False,
+    indices_distinct: bool = False,
 ) -> torch.Tensor:
     """HF latent-cache sparse attention in absorbed form; the default (CPU) implementation is the reference."""
     return absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                                            empty_rows_see_all)
+                                            empty_rows_see_all, indices_distinct)
 
 
 @absorbed_mla_attention.register_fake
 def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                 empty_rows_see_all=False):
+                                 empty_rows_see_all=False, indices_distinct=False):
     _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
     H = q.shape[1]
     return q.new_empty((*q.shape[:3], kv_b_weight.shape[0] // H - nope_dim))
@@ -946,6 +952,6 @@ def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, s
 
 @absorbed_mla_attention.register_kernel("cuda")
 def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                 empty_rows_see_all=False):
+                                 empty_rows_see_all=False, indices_distinct=False):
     return absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                                         empty_rows_see_all)
+                                         empty_rows_see_all, indices_distinct)

@@ -31,6 +31,7 @@ import torch
 import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
 
 import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
+import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
@@ -633,6 +634,14 @@ def _fused_attention(op: torch.fx.Node, bias: torch.fx.Node) -> dict:
     return dict(q=q, k=k, v=v, scale=float(scale), out=outs[0], form=str(op.target).split(".")[-2], fused_sdpa=op)
 
 
+def _top_k_indices(idx: torch.fx.Node) -> bool:
+    """A top-k's indices (`aten.topk`, or the indexer op that replaced one): no row repeats an index, so the
+    absorbed op need not search for the repeats HF's scatter would merge."""
+    if is_op(idx, operator.getitem) and idx.args[1] == 1 and is_op(idx.args[0], aten.topk.default):
+        return True
+    return is_op(idx, torch.ops.dsfuse.indexer_topk.default)
+
+
 def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     out, comb = m["out"], m["comb"]
     # A provably plain causal mask is applied in-kernel from positions instead of being read.
@@ -641,7 +650,7 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     if absorbed is not None:
         finite_bias = comb.get("bias") == "finite"
         args = (m["q"], absorbed["latent"], absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
-                absorbed["nope_dim"], m["causal"], finite_bias and not m["causal"])
+                absorbed["nope_dim"], m["causal"], finite_bias and not m["causal"], _top_k_indices(m["idx"]))
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:
         fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
@@ -660,6 +669,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     if absorbed is not None:
         if finite_bias and not m["causal"]:
             detail += ", rows without keys attend to all keys (finite bias)"
+        if args[-1]:
+            detail += ", top-k indices (no repeats)"
         ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],
                  absorbed["weight"], m["idx"], attn_mask], detail="absorbed from the latent cache, " + detail)
         return

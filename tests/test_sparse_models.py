@@ -68,6 +68,7 @@ def test_hf_tiny_decode_reads_the_latent_cache_absorbed():
     assert len(rep.graphs) == 2, str(rep)  # the second length marks the cache length dynamic; the third reuses it
     assert rep.counts["sparse_attention"] == 2 * layers, str(rep)
     assert {s.op for s in _sparse_sites()} == {"dsfuse.absorbed_mla_attention"}, str(rep)
+    assert all(s.detail.endswith("top-k indices (no repeats)") for s in _sparse_sites()), str(rep)
 
 
 def test_hf_tiny_eager_fp32_with_plain_topk(monkeypatch):

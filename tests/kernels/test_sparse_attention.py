@@ -494,6 +494,24 @@ def test_absorbed_repeated_largest_key_still_counts(path):
     assert out[0, :, 0].abs().amin() > 0
 
 
+@pytest.mark.parametrize("path", ["reference", "triton"])
+def test_absorbed_top_k_indices_skip_the_repeat_search(path):
+    """`indices_distinct` (a top-k's indices) takes the selection without sorting: the same result on rows without
+    repeats, with a padding mask that leaves one row keyless and the finite-bias rows that then see all keys."""
+    B, S, T = 2, 3, 40
+    dtype = torch.float32 if path == "reference" else HALF
+    q, latent, rope, weight, idx = _absorbed_inputs(B, 2, S, T, 7, dtype)
+    idx[1] = torch.stack([torch.arange(7), torch.arange(10, 17).flip(0), torch.arange(20, 27)]).to(idx)
+    mask = torch.ones(B, 1, 1, T, dtype=torch.bool, device=idx.device)
+    mask[1, ..., 1:] = False  # row (1, 0) keeps key 0, rows (1, 1) and (1, 2) none
+    absorbed = sa.absorbed_mla_attention_reference if path == "reference" else sa.absorbed_mla_attention_triton
+    for see_all in (False, True):
+        args = (q, latent, rope, weight, idx, mask, 0.3, NOPE, False, see_all)
+        sorted_out, direct = absorbed(*args), absorbed(*args, True)
+        torch.testing.assert_close(direct, sorted_out, rtol=1e-5, atol=1e-6)  # keys in another order
+        assert (direct[1, :, 1:].abs().amax() > 0) == see_all
+
+
 def test_absorbed_bf16_error_is_hf_bf16_error():
     """The absorbed form rounds the absorbed query and the latent output where HF rounds the expanded K
     and V: one rounding each, so its bf16 error against fp32 matches HF's own bf16 error."""

@@ -408,7 +408,7 @@ def test_structural_cudnn_finite_bias_over_a_latent_cache_is_absorbed():
     assert ctx.near_misses == [] and len(ctx.sites) == 1, ctx.near_misses
     assert "rows without keys attend to all keys (finite bias)" in ctx.sites[0].detail
     fused = next(n for n in gm.graph.nodes if n.target is torch.ops.dsfuse.absorbed_mla_attention.default)
-    assert fused.args[-1] is True
+    assert fused.args[9] is True and fused.args[10] is False  # see-all rows; idx is an input, not a top-k
     expected = absorbed_mla_attention_reference(q, latent, rope, weight, idx, keep, SCALE, nope, False, True)
     torch.testing.assert_close(gm(*args), expected)
 
@@ -426,6 +426,16 @@ def test_structural_fused_sdpa_with_dropout_is_a_near_miss():
     ctx = PassContext(name="sparse_attention")
     run_pass("sparse_attention", gm.graph, ctx)
     assert ctx.sites == [] and [m.reason for m in ctx.near_misses] == ["attention dropout p=0.1 > 0"]
+
+
+def test_top_k_sources_are_known_to_hold_no_repeats():
+    """The absorbed op skips its repeat search only for indices that come straight from a top-k."""
+    from dsfuse.passes.sparse_attention import _top_k_indices
+
+    gm = make_fx(lambda scores, other: (scores.topk(3).indices, other + 1))(torch.randn(2, 9), torch.ones(2, 3))
+    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert _top_k_indices(outputs[0]) is True
+    assert _top_k_indices(outputs[1]) is False
 
 
 # ---------------------------------------------------------------------------
