@@ -111,3 +111,24 @@ def test_training_graphs_are_left_to_inductor():
     out.sum().backward()
     assert "inference graphs only" in dsfuse.report().graphs[0].note
     assert lin.weight.grad is not None
+
+
+def test_a_cuda_decode_graph_without_cuda_graphs_is_flagged():
+    """Absorbed decode attention compiled for CUDA without CUDA graphs runs several times slower than its GPU time:
+    the report says so (and how to fix it); CPU graphs, captured graphs and prefill graphs stay quiet."""
+    from dsfuse.backend import _decode_without_graphs
+    from dsfuse.report import Site
+
+    decode = [Site("sparse_attention", 0, "scatter", "dsfuse.absorbed_mla_attention", ())]
+    prefill = [Site("sparse_attention", 0, "scatter", "dsfuse.sparse_attention_masked", ())]
+
+    class CudaStandIn(torch.Tensor):  # no GPU here: a CPU tensor that says it lives on CUDA
+        @property
+        def is_cuda(self):
+            return True
+
+    on_gpu, on_cpu = [torch.empty(2).as_subclass(CudaStandIn)], [torch.empty(2)]
+    assert _decode_without_graphs(decode, on_gpu, {}) is True
+    assert _decode_without_graphs(decode, on_gpu, {"triton.cudagraphs": True}) is False
+    assert _decode_without_graphs(prefill, on_gpu, {}) is False
+    assert _decode_without_graphs(decode, on_cpu, {}) is False
