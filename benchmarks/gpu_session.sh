@@ -3,7 +3,8 @@
 # From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
 # Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
 # STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm) runs a subset;
-# MODEL_CONFIGS / MODEL_SEQ / MODEL_LOGITS and DECODE_CONFIGS / DECODE_CONTEXT / DECODE_LIMIT narrow the model steps.
+# MODEL_CONFIGS / MODEL_SEQ / MODEL_LOGITS, DECODE_CONFIGS / DECODE_CONTEXT / DECODE_LIMIT and ABLATE_LIMIT narrow
+# the model steps.
 set -uo pipefail
 export OUT=${OUT:-/tmp/dsfuse_out}
 mkdir -p "$OUT"
@@ -38,7 +39,7 @@ wanted decode && TAIL=30 step ${DECODE_LIMIT:-300} "model decode with a KV cache
   --preset v32-real-2l --mode decode --decode-batch 1 8 --context ${DECODE_CONTEXT:-8192 32768} \
   --configs ${DECODE_CONFIGS:-eager,inductor,dsfuse,inductor-cudagraphs,dsfuse-cudagraphs} --prefill-cache dsfuse --profile --rep-ms 300 \
   --json "$OUT/decode.json" --markdown "$OUT/decode.md"
-wanted ablate && TAIL=40 step 240 "ablation S=8192" python3 -m dsfuse.bench ablate --preset v32-real-2l --seq 8192 \
+wanted ablate && TAIL=40 step ${ABLATE_LIMIT:-240} "ablation S=8192" python3 -m dsfuse.bench ablate --preset v32-real-2l --seq 8192 \
   --rep-ms 300 --json "$OUT/ablate.json" --markdown "$OUT/ablate.md"
 wanted indexer && TAIL=12 step 90 "indexer_topk kernels" python3 -P benchmarks/indexer_topk_gpu.py
 wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
