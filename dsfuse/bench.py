@@ -57,8 +57,8 @@ CONFIGS: dict[str, tuple[str | None, dict | None]] = {
     "inductor-cudagraphs": ("inductor", {"triton.cudagraphs": True}),
     "dsfuse-cudagraphs": ("dsfuse", {"mode": "reduce-overhead"}),
 }
-# Configurations that decode from HF's StaticCache: CUDA graphs replay fixed shapes and addresses.
-STATIC_CACHE_CONFIGS = frozenset({"inductor-cudagraphs", "dsfuse-cudagraphs"})
+# The CUDA-graph configurations; they decode from HF's StaticCache (a replay needs fixed shapes and addresses).
+CUDA_GRAPH_CONFIGS = frozenset({"inductor-cudagraphs", "dsfuse-cudagraphs"})
 
 
 def resolve_configs(names: list[str]) -> dict[str, tuple[str | None, dict | None]]:
@@ -198,7 +198,7 @@ def _bench_prefill(model, args, results: dict) -> None:
             bar.set_postfix_str(f"S={seq} {name}")
             row = {"seq": seq, "config": name, "logits": args.logits}
             try:
-                fn = _prefill_step(_compiled(model, backend, options), args.logits, name in STATIC_CACHE_CONFIGS)
+                fn = _prefill_step(_compiled(model, backend, options), args.logits, name in CUDA_GRAPH_CONFIGS)
                 dsfuse.reset_report()
                 if cuda:
                     _free_device_memory(cuda)
@@ -439,10 +439,10 @@ def _bench_decode_configs(model, args, results: dict) -> None:
             bar.set_postfix_str(f"B={batch} T={context} {name}")
             row = {"batch": batch, "context": context, "config": name}
             filled = None
-            static = name in STATIC_CACHE_CONFIGS
-            row["cache"] = "static" if static else "dynamic"
+            cudagraphs = name in CUDA_GRAPH_CONFIGS
+            row["cache"] = "static" if cudagraphs else "dynamic"
             try:
-                if static:  # its own prefill would record CUDA graphs of a growing cache: fill it from dsfuse's
+                if cudagraphs:  # its own prefill would record CUDA graphs of a growing cache: fill it from dsfuse's
                     filled = StaticFilledCache(caches.fallback_cache(batch, context), model,
                                                context + args.growing_steps + 1)
                 else:
@@ -450,7 +450,7 @@ def _bench_decode_configs(model, args, results: dict) -> None:
                 row["prefill_by"], row["prefill_s"] = filled.prefill_by, filled.prefill_s
                 sites_before = dsfuse.report().counts
                 _time_decode(fn, filled, caches, cache_argument, args, row, compiled=backend is not None,
-                             cudagraphs=static)
+                             cudagraphs=cudagraphs)
                 if backend == "dsfuse" and row.get("graphs_first_call"):
                     # sites in the decode graph compiled for this row (prefills compiled meanwhile excluded)
                     row["rewritten"] = {pass_name: count - sites_before[pass_name]
