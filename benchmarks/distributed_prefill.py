@@ -82,6 +82,10 @@ def main() -> None:
             dsfuse.reset_report()
             fn = model if config == "eager" else torch.compile(model, backend=config)
             row = {"seq": seq, "config": config, "world": world, "ep": args.ep}
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
             try:
                 with torch.no_grad():
                     row["ms"] = timed_ms(lambda: fn(ids), cuda, args.repeats)
@@ -89,7 +93,7 @@ def main() -> None:
                 if config == "dsfuse":
                     row["rewritten"] = dsfuse.report().counts
                 if cuda:
-                    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                    row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30  # this config only
             except torch.OutOfMemoryError:
                 row["ms"], row["error"] = None, "out of memory"
             rows.append(row)
