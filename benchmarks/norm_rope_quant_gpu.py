@@ -10,6 +10,14 @@
    pays) and `do_bench_cudagraph` (GPU time only), for eager, torch.compile of the reference and each
    launch variant (rows per program x warps), as GB/s beside a copy bandwidth measured in the same run.
 
+3. dsfuse's own model (models/official.py), `rope_quant_fp8`: the indexer's q (64 heads x 128, complex-multiply
+   half-split RoPE on 64, fp8 per-128 quantisation) and k (LayerNorm 128 first) against the source functions
+   (`apply_rope_half_split`, `quantize_fp8_blockwise`, `DsfuseLayerNorm`'s math) run eagerly on CUDA: fp8
+   mismatches (count and worst distance in e4m3 ulps) and scale mismatches (must be 0), for each rounding of the
+   complex product the kernel offers, fp8 mismatches split by RoPE lane (which rounding eager CUDA uses in the
+   real and in the imaginary lane is what this measures), plus ue8m0 scales.
+
+`CASES=own_indexer_q_quant,own_indexer_k_quant` runs only the named cases (names as in the JSON).
 Prints a table last; writes $OUT/norm_rope_quant.json (rewritten after each case). Runs in ~40-55 s."""
 
 import importlib.util
@@ -309,6 +317,126 @@ def run_key_case(name, dim, c_rope, copy_gbps, variants, with_compile=True):
     save()
 
 
+def own_indexer_source(x, freqs, c_rope, ln_weight=None, ln_bias=None, scale_fmt=None):
+    """`DsfuseIndexer.forward`'s q (x [1, T, H, D]) or k (x [1, T, 1, D], `ln_*` given) up to the fp8 tensors,
+    with models/official.py's own functions: what the pass replaces."""
+    from dsfuse.models.official import apply_rope_half_split, quantize_fp8_blockwise
+
+    if ln_weight is not None:
+        x = torch.nn.functional.layer_norm(x.float(), (x.shape[-1],), ln_weight.float(), ln_bias.float(),
+                                           EPS).to(x.dtype)
+    rot, kept = torch.split(x, [c_rope, x.shape[-1] - c_rope], dim=-1)
+    rows = torch.cat([apply_rope_half_split(rot, freqs), kept], dim=-1)
+    return quantize_fp8_blockwise(rows, x.shape[-1], scale_fmt)
+
+
+def signed_code(codes):
+    """e4m3 bytes (sign-magnitude) as signed integers in value order: adjacent values differ by 1."""
+    return torch.where(codes >= 128, -(codes & 0x7F), codes)
+
+
+def fp8_mismatches(got, want, c_rope=None):
+    """fp8 values: mismatch count and the worst distance in e4m3 ulps (adjacent codes are 1 apart), with
+    `c_rope` also per lane of a half-split RoPE at column 0 (real: the first C/2 columns, imaginary: the next
+    C/2, pass: the rest); scales: mismatch count and max relative difference."""
+    (q, scale), (want_q, want_scale) = got, want
+    codes, want_codes = q.view(torch.uint8).int(), want_q.view(torch.uint8).int()
+    ulps = (signed_code(codes) - signed_code(want_codes)).abs()
+    rel = ((scale - want_scale).abs() / want_scale.abs()).max() if scale.numel() else torch.tensor(0.0)
+    found = {"fp8_count": int((codes != want_codes).sum()), "fp8_max_ulps": int(ulps.max()) if ulps.numel() else 0,
+             "scale_count": int((scale != want_scale).sum()), "scale_max_rel": float(rel)}
+    if c_rope:
+        differs = (codes != want_codes).reshape(-1, codes.shape[-1]).sum(0)
+        half = c_rope // 2
+        found["fp8_by_lane"] = {"real": int(differs[:half].sum()), "imag": int(differs[half:c_rope].sum()),
+                                "pass": int(differs[c_rope:].sum())}
+    return found
+
+
+def complex_lanes_vs_eager(x, freqs, c_rope):
+    """Per lane of the half-split complex product, how many fp32 results of each `LANE_ROUNDINGS` formula differ
+    from eager CUDA's own `view_as_complex(x) * freqs` (the source's kernel, same shapes): the rounding eager
+    uses shows 0. An fp64 sum of exact fp32 products stands for an FMA (double rounding: ~never differs)."""
+    half = c_rope // 2
+    rot = x[..., :c_rope].float()
+    a, b = rot[..., :half], rot[..., half:c_rope]
+    eager = torch.view_as_real(torch.view_as_complex(torch.stack([a, b], -1).contiguous()) * freqs[None, :, None, :])
+    c, s = freqs.real[None, :, None, :], freqs.imag[None, :, None, :]
+    d = torch.Tensor.double
+    lanes = {
+        "real": {"rounded": a * c - b * s, "fma_first": (d(a) * d(c) - d(b * s)).float(),
+                 "fma_second": (d(a * c) - d(b) * d(s)).float()},
+        "imag": {"rounded": a * s + b * c, "fma_first": (d(a) * d(s) + d(b * c)).float(),
+                 "fma_second": (d(a * s) + d(b) * d(c)).float()},
+    }
+    return {lane: {mode: int((value != eager[..., index]).sum()) for mode, value in modes.items()}
+            for index, (lane, modes) in enumerate(lanes.items())}
+
+
+def run_own_quant_case(name, heads, dim, c_rope, layer_norm, copy_gbps, variants, with_compile=True):
+    """`rope_quant_fp8` on the own model's indexer q (`wq_b` output viewed per head) or k (`wk` output,
+    LayerNorm'd): eager source, torch.compile of the source, and the fused op (each complex rounding at the
+    default launch, then launch variants with the shipped rounding)."""
+    from dsfuse.models.official import rope_frequencies
+
+    x = (torch.randn(1, T, heads * dim, device=DEVICE) * 2 + (0.5 if layer_norm else 0)).to(torch.bfloat16)
+    x = x.view(1, T, heads, dim)
+    freqs = rope_frequencies(torch.arange(T, device=DEVICE), c_rope, 10000.0)  # [T, C/2] complex64
+    freqs4 = freqs[None, :, None, :]
+    ln = ()
+    if layer_norm:  # DsfuseLayerNorm's parameters (bf16 in a bf16 model), read as fp32 by the graph
+        ln = ((1 + 0.1 * torch.randn(dim, device=DEVICE)).to(torch.bfloat16),
+              (0.1 * torch.randn(dim, device=DEVICE)).to(torch.bfloat16))
+    ln_args = () if not ln else (ln[0].float(), ln[1].float(), EPS)
+    nbytes = x.numel() * 3 + T * heads * 4 + freqs.numel() * 8
+    case = {"T": T, "heads": heads, "dim": dim, "c_rope": c_rope, "layer_norm": layer_norm, "interleaved": False,
+            "bytes": nbytes, "variants": {}, "us": {}, "shipped_complex_mul": list(nrq.CUDA_COMPLEX_MUL)}
+    RESULTS["cases"][name] = case
+    want = own_indexer_source(x, freqs, c_rope, *ln)
+    want_ue8m0 = own_indexer_source(x, freqs, c_rope, *ln, scale_fmt="ue8m0")
+    case["complex_lanes_vs_eager"] = complex_lanes_vs_eager(x, freqs, c_rope)
+    log(f"{name} complex product, formula mismatches vs eager CUDA per lane: {case['complex_lanes_vs_eager']}")
+    case["reference_vs_source"] = fp8_mismatches(
+        nrq.rope_quant_fp8_reference(x, freqs4, 0, False, dim, False, *ln_args), want)
+    providers = {"eager source": lambda: own_indexer_source(x, freqs, c_rope, *ln)}
+    if with_compile:
+        compiled = torch.compile(own_indexer_source)
+        try:
+            case["torch.compile_vs_source"] = fp8_mismatches(compiled(x, freqs, c_rope, *ln), want)
+            providers["torch.compile source"] = lambda: compiled(x, freqs, c_rope, *ln)
+        except Exception as exc:
+            log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    shipped = tuple(nrq.CUDA_COMPLEX_MUL)
+    roundings = [(m, m) for m in nrq.LANE_ROUNDINGS if (m, m) != shipped] + [shipped]
+    launches = [(None, rounding) for rounding in roundings] + [(v, None) for v in variants if v]
+    for variant, rounding in launches:
+        label = variant_label(variant, dim) + (f" {'/'.join(rounding)}" if rounding else "")
+        kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
+        kwargs["complex_mul"] = rounding
+        try:
+            out = nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, False, *ln_args, **kwargs)
+            check = {"vs_source": fp8_mismatches(out, want, c_rope)}
+            if variant is None and rounding == shipped:
+                check["ue8m0_vs_source"] = fp8_mismatches(
+                    nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, True, *ln_args, **kwargs), want_ue8m0)
+            torch.cuda.synchronize()
+        except Exception as exc:
+            case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log(f"{name} {label}: failed {case['variants'][label]['error']}")
+            continue
+        case["variants"][label] = check
+        log(f"{name} {label}: {check}")
+        if rounding in (None, shipped):
+            providers[label] = lambda kwargs=kwargs: nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, False,
+                                                                               *ln_args, **kwargs)
+    for provider, fn in providers.items():
+        host_us, graph_us = time_both(fn)
+        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
+        gbps = nbytes / graph_us / 1e3 if graph_us else None
+        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
+    save()
+
+
 def fmt(v, spec):
     return format(v, spec) if v is not None else "-"
 
@@ -320,36 +448,59 @@ def main():
     save()
     cases = [
         # q side: q_a_layernorm over q_a_proj's 1536 outputs (no rope)
-        lambda: run_case("q_a_norm_1536", 1536, 1536, 0, True, copy_gbps, Q_A_VARIANTS),
+        ("q_a_norm_1536", lambda: run_case("q_a_norm_1536", 1536, 1536, 0, True, copy_gbps, Q_A_VARIANTS)),
         # kv side: kv_a_layernorm over the first 512 of kv_a_proj_with_mqa's 576 outputs + interleaved rope on 64
-        lambda: run_case("kv_norm512_rope64_interleaved", 576, 512, 64, True, copy_gbps, KV_VARIANTS),
+        ("kv_norm512_rope64_interleaved", lambda: run_case("kv_norm512_rope64_interleaved", 576, 512, 64, True,
+                                                           copy_gbps, KV_VARIANTS)),
         # main query: 16 heads (one tensor-parallel shard of 128) x (128 pass + 64 interleaved rope), rope + cat
-        lambda: run_rope_cat_case("q_rope_cat_16x192_interleaved", 16, 128, 64, True, copy_gbps,
-                                  (None, (16, 4), (32, 8))),
+        ("q_rope_cat_16x192_interleaved", lambda: run_rope_cat_case("q_rope_cat_16x192_interleaved", 16, 128, 64,
+                                                                    True, copy_gbps, (None, (16, 4), (32, 8)))),
         # indexer key: LayerNorm over wk's 128 outputs + half-split rope on the first 64, one rope_cat
-        lambda: run_key_case("indexer_k_layernorm128_rope64_half_split", 128, 64, copy_gbps,
-                             (None, (16, 4), (32, 8))),
+        ("indexer_k_layernorm128_rope64_half_split", lambda: run_key_case(
+            "indexer_k_layernorm128_rope64_half_split", 128, 64, copy_gbps, (None, (16, 4), (32, 8)))),
         # the kv slice with half-split rope, to show the form costs the same
-        lambda: run_case("kv_norm512_rope64_half_split", 576, 512, 64, False, copy_gbps, (None,),
-                         with_compile=False),
+        ("kv_norm512_rope64_half_split", lambda: run_case("kv_norm512_rope64_half_split", 576, 512, 64, False,
+                                                          copy_gbps, (None,), with_compile=False)),
         # indexer query: 16 heads x (64 half-split rope + 64 pass), rope first
-        lambda: run_rope_cat_case("indexer_q_rope_cat_16x128_half_split", 16, 64, 64, False, copy_gbps, (None,),
-                                  with_compile=False),
+        ("indexer_q_rope_cat_16x128_half_split", lambda: run_rope_cat_case(
+            "indexer_q_rope_cat_16x128_half_split", 16, 64, 64, False, copy_gbps, (None,), with_compile=False)),
+        # dsfuse's own model, indexer q: 64 heads x 128, complex half-split rope 64 + fp8 per-128 quantisation
+        ("own_indexer_q_quant", lambda: run_own_quant_case("own_indexer_q_quant", 64, 128, 64, False, copy_gbps,
+                                                           (None, (16, 4), (32, 8)))),
+        # its k: LayerNorm 128 + the same rope + quantisation
+        ("own_indexer_k_quant", lambda: run_own_quant_case("own_indexer_k_quant", 1, 128, 64, True, copy_gbps,
+                                                           (None, (32, 8)))),
     ]
+    wanted = [c.strip() for c in os.environ.get("CASES", "").split(",") if c.strip()]
+    unknown = sorted(set(wanted) - {n for n, _ in cases})
+    if unknown:
+        raise SystemExit(f"unknown CASES {unknown}; valid: {', '.join(n for n, _ in cases)}")
     RESULTS["skipped_for_time"] = []
-    for index, case in enumerate(cases):
-        if time.time() - START > BUDGET_S:
-            RESULTS["skipped_for_time"].append(index)
-            log(f"case {index} skipped: past the {BUDGET_S} s budget")
+    for index, (case_name, case) in enumerate(cases):
+        if wanted and case_name not in wanted:
             continue
-        case()
+        if time.time() - START > BUDGET_S:
+            RESULTS["skipped_for_time"].append(case_name)
+            log(f"case {index} ({case_name}) skipped: past the {BUDGET_S} s budget")
+            continue
+        try:
+            case()
+        except Exception as exc:  # one case's failure (OOM, compile error) must not lose the others
+            RESULTS["cases"].setdefault(case_name, {})["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"case {case_name} failed: {RESULTS['cases'][case_name]['error']}")
+            save()
     print(f"\n{'case':38s} {'provider':32s} {'host us':>8s} {'graph us':>8s} {'GB/s':>6s} {'of copy':>7s}")
     for name, provider, host_us, graph_us, gbps, frac in ROWS:
         print(f"{name:38s} {provider:32s} {fmt(host_us, '8.1f')} {fmt(graph_us, '8.1f')} {fmt(gbps, '6.0f')} "
               f"{fmt(frac, '7.2f')}")
     print("\nbit-exactness (mismatched elements [normed, roped] vs HF):")
     for name, case in RESULTS["cases"].items():
-        for label, check in case["variants"].items():
+        for label, check in case.get("variants", {}).items():
+            if "vs_source" in check:  # rope_quant_fp8: [fp8 mismatches, worst e4m3 ulps, scale mismatches]
+                source = check["vs_source"]
+                print(f"  {name:38s} {label:32s} vs source {[source[k] for k in FP8_KEYS]} by lane "
+                      f"{source.get('fp8_by_lane')}")
+                continue
             counts = [c["count"] if c else None for c in check.get("vs_hf") or []] or check.get("error")
             if counts and not isinstance(counts, str) and counts[0] is None and case.get("c_norm") is None:
                 counts = counts[1:]  # rope_cat: one output
@@ -360,16 +511,25 @@ def main():
     log("done")
 
 
+FP8_KEYS = ("fp8_count", "fp8_max_ulps", "scale_count")
+
+
 def print_summary():
     """One line per case (the session shows only the last lines): worst HF mismatch counts over the
     variants, best dsfuse CUDA-graph time and variant, torch.compile's, the speedup and the copy fraction."""
-    print("\nsummary (CUDA-graph us; mismatches = max over variants [normed, roped] vs HF):")
+    print("\nsummary (CUDA-graph us; mismatches = max over variants [normed, roped] vs HF; own_indexer_*: [fp8 "
+          "mismatches, worst e4m3 ulps, scale mismatches] vs the source, shipped complex rounding):")
     for name, case in RESULTS["cases"].items():
         worst = None
-        for check in case["variants"].values():
-            counts = [c["count"] if c else 0 for c in check.get("vs_hf") or []]
+        for label, check in case.get("variants", {}).items():
+            if "vs_source" in check:  # the shipped rounding's launches only
+                if "/" in label and not label.endswith("/".join(nrq.CUDA_COMPLEX_MUL)):
+                    continue
+                counts = [check["vs_source"][k] for k in FP8_KEYS]
+            else:
+                counts = [c["count"] if c else 0 for c in check.get("vs_hf") or []]
             worst = counts if worst is None else [max(a, b) for a, b in zip(worst, counts)]
-        graph = {p: t["cuda_graph"] for p, t in case["us"].items() if t["cuda_graph"]}
+        graph = {p: t["cuda_graph"] for p, t in case.get("us", {}).items() if t["cuda_graph"]}
         ours = {p: t for p, t in graph.items() if p.startswith("dsfuse")}
         best = min(ours, key=ours.get) if ours else None
         compiled = next((t for p, t in graph.items() if p.startswith("torch.compile")), None)
@@ -377,6 +537,10 @@ def print_summary():
         frac = case["bytes"] / ours[best] / 1e3 / RESULTS["copy_gb_per_s_read_plus_write"] if best else None
         print(f"  {name:38s} mism {worst} best {fmt(ours.get(best), '.1f')} ({best}) compile {fmt(compiled, '.1f')} "
               f"x{fmt(speedup, '.2f')} copy-frac {fmt(frac, '.2f')}")
+        if "complex_lanes_vs_eager" in case:  # the rounding CUDA_COMPLEX_MUL should name: 0 mismatches
+            lanes = case["complex_lanes_vs_eager"]
+            print(f"  {'':38s} complex product vs eager: real {lanes['real']} imag {lanes['imag']} "
+                  f"(shipped {'/'.join(nrq.CUDA_COMPLEX_MUL)})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Fused RMSNorm + RoPE on one row slice of a projection output (`torch.ops.dsfuse.rmsnorm_rope`), and
-RoPE of one split part concatenated back with the other (`torch.ops.dsfuse.rope_cat`).
+"""Fused RMSNorm + RoPE on one row slice of a projection output (`torch.ops.dsfuse.rmsnorm_rope`), RoPE of
+one split part concatenated back with the other (`torch.ops.dsfuse.rope_cat`), and the official indexer's
+complex RoPE + cat + fp8 per-block quantisation (`torch.ops.dsfuse.rope_quant_fp8`).
 
 Math (HF `DeepseekV32Attention.forward`, kv side: `kv_a_layernorm(kv_pass)` and the RoPE of `k_rot`,
 both halves of one `split` of `kv_a_proj_with_mqa`'s output):
@@ -34,7 +35,20 @@ Rounding: each bf16/fp16 op is computed in fp32 and rounded to x.dtype, which is
 each elementwise op; products of two bf16/fp16 values are exact in fp32, so this is bit-exact. The
 mean's summation order may differ from torch's (allowed by the numerics rules).
 
-The kernel is compiled with `enable_fp_fusion=False` (`COMPILE_OPTIONS`). With fusion on (Triton's
+`rope_quant_fp8(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight, ln_bias, ln_eps)` is dsfuse's
+own model's indexer q / k (models/official.py `DsfuseIndexer.forward`) up to its fp8 tensors, in one launch:
+
+    x      = layer_norm(x)                     (optional, as above)
+    rows   = cat(x[:, :r0], complex_rope(x[:, r0:r0 + C]).to(x.dtype), x[:, r0 + C:])
+    amax   = max(|rows|) per block of `block_size` columns, clamped to >= 1e-4
+    scale  = amax / 448                        (ue8m0: exp2(ceil(log2(scale))), done exactly on the bits)
+    x_fp8  = clamp(rows / scale, -448, 448).to(float8_e4m3fn)
+
+`complex_rope` is the official fp32 complex product (`view_as_complex(x) * freqs`), one rounding to x's dtype at
+the end; both divisions are IEEE (`tl.div_rn`: Triton's `/` is an approximate reciprocal on the GPU); the
+e4m3 cast rounds to nearest even. See `LANE_ROUNDINGS` for the complex product's rounding.
+
+The kernels are compiled with `enable_fp_fusion=False` (`COMPILE_OPTIONS`). With fusion on (Triton's
 default), LLVM narrows `round(fp32(a) * fp32(c))` to a bf16 multiply (harmless: correctly rounded) and
 the NVPTX backend then contracts `a*c - round(b*s)` into one `fma.rn.bf16`, which skips the rounding of
 `a*c` that torch performs: on the H200 that was a 1-ulp difference on ~23 % of the roped elements.
@@ -52,6 +66,16 @@ from dsfuse.kernels.triton_support import interpreting
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # No mul+add contraction: torch rounds every elementwise op, an FMA would skip the product's rounding.
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
+# Roundings of one lane of the official RoPE's fp32 complex product (a + ib)(c + is), real = a*c - b*s and
+# imag = a*s + b*c: "rounded" (each product and the sum rounded), "fma_first" (the first product kept exact:
+# fma(a, c, -(b*s)), fma(a, s, b*c)), "fma_second" (fma(-b, s, a*c), fma(b, c, a*s)). Eager's own is not fixed:
+# ATen's vectorised CPU loop rounds every op; its scalar loop (broadcast shapes, tails) is c10::complex's
+# `a*c - b*d`, `a*d + b*c` contracted by the host compiler (gcc here: fma_first in both lanes). CUDA's kernel
+# is the same code through nvcc's LLVM-based NVVM; LLVM's NVPTX backend (checked offline through Triton with
+# fusion on) contracts the real lane as fma_first and the imaginary lane as fma_second. That is the shipped
+# guess, (real, imaginary); benchmarks/norm_rope_quant_gpu.py measures each lane against eager CUDA.
+LANE_ROUNDINGS = ("rounded", "fma_first", "fma_second")
+CUDA_COMPLEX_MUL = ("fma_first", "fma_second")
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +124,38 @@ def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_
     end = rope_start + cos.shape[-1]
     roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved)
     return torch.cat([x[..., :rope_start], roped, x[..., end:]], dim=-1)
+
+
+def complex_rope_reference(rot, freqs, interleaved):
+    """The official complex-multiply RoPE (`apply_rope_interleaved` / `apply_rope_half_split` in
+    `models/official.py`) of `rot [..., C_rope]` with complex `freqs [..., C_rope/2]` broadcast to its rows:
+    fp32 complex product, rounded once to rot's dtype, in rot's layout."""
+    if rot.numel() == 0:  # view_as_complex rejects an empty view
+        return rot.clone()
+    rot32 = rot.float()
+    if interleaved:
+        if rot32.storage_offset() % 2:  # view_as_complex needs an even offset (the source's split parts have one)
+            rot32 = rot32.clone()
+        pairs = torch.view_as_complex(rot32.unflatten(-1, (-1, 2)))
+        return torch.view_as_real(pairs * freqs).flatten(-2).to(rot.dtype)
+    halves = rot32.unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()
+    rotated = torch.view_as_complex(halves) * freqs
+    return torch.view_as_real(rotated).transpose(-1, -2).flatten(-2).to(rot.dtype)
+
+
+def rope_quant_fp8_reference(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
+                             ln_eps=0.0):
+    """(x_fp8, scale): x's rows (LayerNorm'd first when `ln_weight` is given), columns [rope_start, rope_start
+    + C_rope) through the complex-multiply RoPE, rounded to x's dtype, then the source's own
+    `quantize_fp8_blockwise` (per-`block_size` amax clamp, /448, optional ue8m0, clamp, e4m3)."""
+    from dsfuse.models.official import quantize_fp8_blockwise
+
+    if ln_weight is not None:
+        x = layer_norm_reference(x, ln_weight, ln_bias, ln_eps)
+    end = rope_start + 2 * freqs.shape[-1]
+    roped = complex_rope_reference(x[..., rope_start:end], freqs, interleaved)
+    rows = torch.cat([x[..., :rope_start], roped, x[..., end:]], dim=-1)
+    return quantize_fp8_blockwise(rows, block_size, "ue8m0" if ue8m0 else None)
 
 
 def _validate(x, norm_weight, eps, cos, sin):
@@ -166,21 +222,48 @@ def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln
             raise ValueError(f"rope_cat: {name} on {t.device}, x on {x.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"rope_cat: {name}'s last dim must be contiguous")
+    _validate_layer_norm("rope_cat", x, ln_weight, ln_bias, ln_eps)
+
+
+def _validate_layer_norm(op, x, ln_weight, ln_bias, ln_eps):
     if (ln_weight is None) != (ln_bias is None):
-        raise ValueError("rope_cat: LayerNorm weight and bias must both be given or both be None")
+        raise ValueError(f"{op}: LayerNorm weight and bias must both be given or both be None")
     if ln_weight is None:
         return
     if not ln_eps >= 0:
-        raise ValueError(f"rope_cat: LayerNorm eps must be >= 0, got {ln_eps}")
+        raise ValueError(f"{op}: LayerNorm eps must be >= 0, got {ln_eps}")
     for name, t in (("ln_weight", ln_weight), ("ln_bias", ln_bias)):
         if t.dim() != 1 or t.shape[0] != x.shape[-1]:
-            raise ValueError(f"rope_cat: {name} must be [{x.shape[-1]}], got {tuple(t.shape)}")
+            raise ValueError(f"{op}: {name} must be [{x.shape[-1]}], got {tuple(t.shape)}")
         if t.dtype not in INPUT_DTYPES:
-            raise TypeError(f"rope_cat: {name} dtype {t.dtype} not in {INPUT_DTYPES}")
+            raise TypeError(f"{op}: {name} dtype {t.dtype} not in {INPUT_DTYPES}")
         if t.device != x.device:
-            raise ValueError(f"rope_cat: {name} on {t.device}, x on {x.device}")
+            raise ValueError(f"{op}: {name} on {t.device}, x on {x.device}")
         if t.shape[0] > 1 and t.stride(0) != 1:
-            raise ValueError(f"rope_cat: {name} must be contiguous")
+            raise ValueError(f"{op}: {name} must be contiguous")
+
+
+def _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps):
+    if x.dim() != 4:
+        raise ValueError(f"rope_quant_fp8: x must be 4-D [A0, A1, A2, D], got shape {tuple(x.shape)}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"rope_quant_fp8: x dtype {x.dtype} not in {INPUT_DTYPES}")
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError("rope_quant_fp8: x's last dim must be contiguous")
+    if freqs.dtype != torch.complex64:
+        raise TypeError(f"rope_quant_fp8: freqs must be complex64, got {freqs.dtype}")
+    if freqs.dim() != 4 or not all(f in (a, 1) for f, a in zip(freqs.shape[:-1], x.shape[:-1])):
+        raise ValueError(f"rope_quant_fp8: freqs must broadcast as {(*x.shape[:-1], 'C_rope/2')}, "
+                         f"got {tuple(freqs.shape)}")
+    if freqs.device != x.device:
+        raise ValueError(f"rope_quant_fp8: freqs on {freqs.device}, x on {x.device}")
+    c_rope = 2 * freqs.shape[-1]
+    if c_rope < 2 or not 0 <= rope_start <= x.shape[-1] - c_rope:
+        raise ValueError(f"rope_quant_fp8: rope columns [{rope_start}, {rope_start + c_rope}) outside x's "
+                         f"{x.shape[-1]}")
+    if block_size < 1 or block_size & (block_size - 1) or x.shape[-1] % block_size:
+        raise ValueError(f"rope_quant_fp8: block size {block_size} must be a power of two dividing {x.shape[-1]}")
+    _validate_layer_norm("rope_quant_fp8", x, ln_weight, ln_bias, ln_eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,6 +378,14 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_r
 
 
 @triton.jit
+def _program_rows(N, A1, A2, ROWS: tl.constexpr):
+    """This program's ROWS rows of the flattened A0*A1*A2 rows: validity, flat index, and the 3-D index."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    r = rows.to(tl.int64)
+    return rows < N, r, r // A2 // A1, (r // A2) % A1, r % A2
+
+
+@triton.jit
 def _rope_cat_kernel(
     x_ptr, cos_ptr, sin_ptr, out_ptr, lnw_ptr, lnb_ptr,
     N, A1, A2, D, R0, HALF, ln_eps,
@@ -305,12 +396,7 @@ def _rope_cat_kernel(
     """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program: the columns outside
     [R0, R0 + 2*HALF) copied (LayerNorm'd with LAYER_NORM), those inside RoPE'd, into a contiguous output."""
     dtype = out_ptr.dtype.element_ty
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < N
-    r = rows.to(tl.int64)
-    i2 = r % A2
-    i1 = (r // A2) % A1
-    i0 = r // A2 // A1
+    row_ok, r, i0, i1, i2 = _program_rows(N, A1, A2, ROWS)
     x_rows = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
     out_rows = out_ptr + r * D
     cols = tl.arange(0, BLOCK_D)
@@ -334,6 +420,110 @@ def _rope_cat_kernel(
     _rope_rows(x_rows[:, None] + R0, cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None],
                sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None], out_rows[:, None] + R0, row_ok, HALF,
                mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, LAYER_NORM, MANUAL_BF16_RNE)
+
+
+@triton.jit
+def _round_to_e4m3_grid(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the interpreter's
+    fp32 -> fp8 cast mis-rounds values that round up across a power of two (the GPU's `cvt.rn` does not)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude_bits = bits & 0x7FFFFFFF
+    normal = ((magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # multiples of 2^-9, RNE by the add
+    rounded = tl.where(magnitude < 0.015625, subnormal, normal)
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _power_of_two_ceil(scale):
+    """exp2(ceil(log2(scale))) for a positive normal fp32 `scale`, exactly: scale itself when it is a power
+    of two, else the next power of two (mantissa cleared, exponent + 1)."""
+    bits = scale.to(tl.uint32, bitcast=True)
+    up = ((bits & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x007FFFFF) == 0, scale, up)
+
+
+@triton.jit
+def _rope_quant_fp8_kernel(
+    x_ptr, f_ptr, q_ptr, s_ptr, lnw_ptr, lnb_ptr,
+    N, A1, A2, D, R0, HALF, NB, ln_eps,
+    sx0, sx1, sx2, sf0, sf1, sf2, sfj,
+    ROWS: tl.constexpr, NB_P2: tl.constexpr, BS: tl.constexpr,
+    INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, UE8M0: tl.constexpr, REAL_MUL: tl.constexpr,
+    IMAG_MUL: tl.constexpr,
+    MANUAL_BF16_RNE: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr,
+):
+    """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program, each as an [NB, BS] tile of its
+    D = NB*BS columns: LayerNorm (optional), complex-multiply RoPE of columns [R0, R0 + 2*HALF) in fp32,
+    rounding to x's dtype, then per-block amax -> scale -> e4m3."""
+    dtype = x_ptr.dtype.element_ty
+    row_ok, r, i0, i1, i2 = _program_rows(N, A1, A2, ROWS)
+    x_rows = (x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None, None]
+    f_rows = (f_ptr + i0 * sf0 + i1 * sf1 + i2 * sf2)[:, None, None]
+    blocks = tl.arange(0, NB_P2)
+    cols = (blocks[:, None] * BS + tl.arange(0, BS)[None, :])[None, :, :]
+    ok = row_ok[:, None, None] & (blocks < NB)[None, :, None]
+    xv = tl.load(x_rows + cols, mask=ok, other=0.0).to(tl.float32)
+
+    # the rotated partner of each column: interleaved pairs (2j, 2j+1), half-split pairs (j, j + HALF)
+    k = cols - R0
+    in_rope = (k >= 0) & (k < 2 * HALF)
+    if INTERLEAVED:
+        is_real = (k % 2) == 0
+        j = k // 2
+        partner = tl.where(is_real, cols + 1, cols - 1)
+    else:
+        is_real = k < HALF
+        j = tl.where(is_real, k, k - HALF)
+        partner = tl.where(is_real, cols + HALF, cols - HALF)
+    rope_ok = ok & in_rope
+    pv = tl.load(x_rows + partner, mask=rope_ok, other=0.0).to(tl.float32)
+
+    if LAYER_NORM:
+        # statistics in fp32, two passes, true divisions (Triton's `/` is an approximate reciprocal on the GPU)
+        mean = tl.div_rn(tl.sum(tl.sum(xv, axis=2), axis=1), D.to(tl.float32))
+        centred = tl.where(ok, xv - mean[:, None, None], 0.0)
+        rstd = tl.rsqrt(tl.div_rn(tl.sum(tl.sum(centred * centred, axis=2), axis=1), D.to(tl.float32)) + ln_eps)
+        col_ok = (blocks < NB)[None, :, None]
+        xv = _layer_norm_apply(xv, mean[:, None, None], rstd[:, None, None], lnw_ptr + cols, lnb_ptr + cols,
+                               col_ok, dtype, MANUAL_BF16_RNE)
+        pv = _layer_norm_apply(pv, mean[:, None, None], rstd[:, None, None], lnw_ptr + partner,
+                               lnb_ptr + partner, col_ok & in_rope, dtype, MANUAL_BF16_RNE)
+
+    # (a + ib)(c + is): real = a*c - b*s, imag = a*s + b*c; own = a, partner = b in a real lane and the
+    # reverse in an imaginary lane. REAL_MUL / IMAG_MUL (LANE_ROUNDINGS) pick which product, if any, an FMA
+    # keeps unrounded in each lane.
+    cos = tl.load(f_rows + j * sfj, mask=rope_ok, other=0.0)
+    sin = tl.load(f_rows + j * sfj + 1, mask=rope_ok, other=0.0)
+    own_cos = xv * cos
+    partner_sin = pv * sin
+    if REAL_MUL == 0:  # a*c - b*s, each op rounded
+        real = own_cos - partner_sin
+    elif REAL_MUL == 1:  # fma(a, c, -(b*s))
+        real = tl.fma(xv, cos, -partner_sin)
+    else:  # fma(-b, s, a*c)
+        real = tl.fma(-pv, sin, own_cos)
+    if IMAG_MUL == 0:  # a*s + b*c, each op rounded
+        imag = partner_sin + own_cos
+    elif IMAG_MUL == 1:  # fma(a, s, b*c)
+        imag = tl.fma(pv, sin, own_cos)
+    else:  # fma(b, c, a*s)
+        imag = tl.fma(xv, cos, partner_sin)
+    roped = tl.where(is_real, real, imag)
+    values = _round_to(tl.where(in_rope, roped, xv), dtype, MANUAL_BF16_RNE)
+
+    amax = tl.max(tl.where(ok, tl.abs(values), 0.0), axis=2)
+    scale = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    if UE8M0:
+        scale = _power_of_two_ceil(scale)
+    quantized = tl.div_rn(values, scale[:, :, None])
+    quantized = tl.minimum(tl.maximum(quantized, -448.0), 448.0)
+    if MANUAL_FP8_RNE:
+        quantized = _round_to_e4m3_grid(quantized)
+    tl.store(q_ptr + r[:, None, None] * D + cols, quantized.to(tl.float8e4nv), mask=ok)
+    tl.store(s_ptr + r[:, None] * NB + blocks[None, :], scale, mask=row_ok[:, None] & (blocks < NB)[None, :])
 
 
 def default_rows(width):
@@ -399,6 +589,40 @@ def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bia
     return out
 
 
+def _broadcast_strides(t, dims):
+    """Strides of t's first `dims` dims, 0 where the size is 1 (a broadcast dim of the rows)."""
+    return [0 if t.shape[d] == 1 else t.stride(d) for d in range(dims)]
+
+
+def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
+                          ln_eps=0.0, rows_per_program=None, num_warps=None, complex_mul=None):
+    """Triton launcher of `rope_quant_fp8` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+    `complex_mul` ((real, imaginary) `LANE_ROUNDINGS` names, default `CUDA_COMPLEX_MUL`) picks the rounding of
+    the complex product; the GPU benchmark compares them against eager CUDA."""
+    _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps)
+    width = x.shape[-1]
+    quantized = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((*x.shape[:-1], width // block_size), dtype=torch.float32, device=x.device)
+    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
+    if n_rows == 0:
+        return quantized, scale
+    pairs = torch.view_as_real(freqs)  # [..., C_rope/2, 2] fp32 (cos, sin), a view
+    real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
+    rows = rows_per_program or default_rows(width)
+    n_blocks = width // block_size
+    layer_norm = ln_weight is not None
+    _rope_quant_fp8_kernel[(triton.cdiv(n_rows, rows),)](
+        x, pairs, quantized, scale, ln_weight if layer_norm else x, ln_bias if layer_norm else x,
+        n_rows, x.shape[1], x.shape[2], width, rope_start, freqs.shape[-1], n_blocks, float(ln_eps),
+        *x.stride()[:3], *_broadcast_strides(pairs, 3), pairs.stride(3),
+        ROWS=rows, NB_P2=triton.next_power_of_2(n_blocks), BS=block_size,
+        INTERLEAVED=bool(interleaved), LAYER_NORM=layer_norm, UE8M0=bool(ue8m0),
+        REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, MANUAL_FP8_RNE=interpreting(),
+        num_warps=num_warps or default_num_warps(width, rows), **COMPILE_OPTIONS)
+    return quantized, scale
+
+
 # --------------------------------------------------------------------------------------------
 # Custom ops
 # --------------------------------------------------------------------------------------------
@@ -450,6 +674,34 @@ def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias
     return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps)
 
 
+@torch.library.custom_op("dsfuse::rope_quant_fp8", mutates_args=())
+def rope_quant_fp8(x: torch.Tensor, freqs: torch.Tensor, rope_start: int, interleaved: bool, block_size: int,
+                   ue8m0: bool, ln_weight: Optional[torch.Tensor] = None, ln_bias: Optional[torch.Tensor] = None,
+                   ln_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_fp8 [A0, A1, A2, D] float8_e4m3fn, scale [A0, A1, A2, D / block_size] fp32) of the official indexer's
+    `quantize_fp8_blockwise(cat(complex_rope(split(x))))`: x [A0, A1, A2, D] (any strides but a contiguous
+    last dim), optionally LayerNorm'd per row first; `freqs` complex64 [A0, A1, A2, C_rope/2] (broadcast dims
+    may have stride 0). Reference math on CPU."""
+    _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps)
+    quantized, scale = rope_quant_fp8_reference(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight,
+                                                ln_bias, ln_eps)
+    return quantized.contiguous(), scale.contiguous()
+
+
+@rope_quant_fp8.register_fake
+def _rope_quant_fp8_fake(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
+                         ln_eps=0.0):
+    _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps)
+    return (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device),
+            torch.empty((*x.shape[:-1], x.shape[-1] // block_size), dtype=torch.float32, device=x.device))
+
+
+@rope_quant_fp8.register_kernel("cuda")
+def _rope_quant_fp8_cuda(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
+                         ln_eps=0.0):
+    return rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight, ln_bias, ln_eps)
+
+
 def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     """HBM traffic: read x, cos, sin (full tables; the interleaved form needs only their first halves) and
     the weight, write both outputs."""
@@ -457,7 +709,7 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     return T * (c_norm + c_rope) * itemsize * 2 + 2 * T * c_rope * cos_itemsize + c_norm * itemsize
 
 
-__all__ = ["COMPILE_OPTIONS", "bytes_moved", "default_num_warps", "default_rows", "layer_norm_reference",
-           "rmsnorm_rope",
-           "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_reference", "rope_cat_triton",
-           "rope_reference"]
+__all__ = ["COMPILE_OPTIONS", "bytes_moved", "complex_rope_reference", "default_num_warps", "default_rows",
+           "layer_norm_reference", "rmsnorm_rope", "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat",
+           "rope_cat_reference", "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_reference",
+           "rope_quant_fp8_triton", "rope_reference"]

@@ -29,6 +29,11 @@ the reason. Two more site kinds, each into one launch:
 
       xf = x.float();  var, mean = var_mean(xf, -1, correction=0, keepdim=True)
       out = (((xf - mean) * rsqrt(var + eps)) * weight + bias).to(x.dtype)      (eps a constant)
+- `dsfuse::rope_quant_fp8`: dsfuse's own model's indexer (models/official.py): a split part through the official
+  complex-multiply RoPE (`view_as_complex(part.float().view(..)) * freqs`, interleaved or half-split, each
+  recognised by its own structure), `cat` back, then `quantize_fp8_blockwise` (per-block amax, 1e-4 floor,
+  /448, optional ue8m0, clamp, e4m3); the key's LayerNorm joins as for `rope_cat`. Both the fp8 values and
+  the scales are replaced. The same complex RoPE beside an RMSNorm (the own kv side) is a reported near-miss.
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
   `addmm`, `bmm`): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
 """
@@ -40,7 +45,7 @@ import operator
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope)
+import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
@@ -74,16 +79,20 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 
 
 def _match_split(split: torch.fx.Node) -> dict:
-    """Part 0 an RMSNorm: the kv side (`rmsnorm_rope`). Otherwise one part RoPE'd and concatenated back
-    with the other in the split's order: the main query or the indexer (`rope_cat`)."""
+    """Part 0 an RMSNorm: the kv side (`rmsnorm_rope`). A part through the official complex-multiply RoPE,
+    concatenated back and fp8-quantised: the official indexer (`rope_quant_fp8`). Otherwise one part RoPE'd
+    and concatenated back with the other in the split's order: the main query or the indexer (`rope_cat`)."""
     parts = _getitems(split)
     if 0 in parts and _starts_rmsnorm(parts[0]):
         return {"kind": "norm_rope", **_match(split)}
+    if any(_complex_rope_entry(part) is not None for part in parts.values()):
+        return {"kind": "rope_quant", **_match_rope_quant(split)}
     return {"kind": "rope_cat", **_match_rope_cat(split)}
 
 
 def _rewrite_split(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
-    (_rewrite if m["kind"] == "norm_rope" else _rewrite_rope_cat)(graph, split, m, ctx)
+    rewrite = {"norm_rope": _rewrite, "rope_cat": _rewrite_rope_cat, "rope_quant": _rewrite_rope_quant}[m["kind"]]
+    rewrite(graph, split, m, ctx)
 
 
 def _starts_rmsnorm(part: torch.fx.Node) -> bool:
@@ -165,9 +174,10 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True}
 
 
-def _only(node: torch.fx.Node, target) -> torch.fx.Node | None:
+def _only(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
+    """node's single user, if it calls one of `targets`."""
     users = list(node.users)
-    return users[0] if len(users) == 1 and is_op(users[0], target) else None
+    return users[0] if len(users) == 1 and is_op(users[0], *targets) else None
 
 
 def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
@@ -184,9 +194,16 @@ def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[to
 
 def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
     """The single view chain below `node` (HF views k_rot as [B, 1, S, C_rope])."""
+    return _view_chain(node)[-1]
+
+
+def _view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """`node` and the single-user views / unsqueezes below it, in order."""
+    chain = [node]
     while len(node.users) == 1 and is_op(next(iter(node.users)), *VIEW_OPS, aten.unsqueeze.default):
         node = next(iter(node.users))
-    return node
+        chain.append(node)
+    return chain
 
 
 def _slice(node: torch.fx.Node, src: torch.fx.Node, start, end, step=1) -> bool:
@@ -214,6 +231,9 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     hi = [s for s in slices if _slice(s, rot, half, END)]
     if len(lo) == 1 and len(hi) == 1:
         return _match_half_split(rot, lo[0], hi[0], half, x_dtype)
+    if any(_complex_rope_entry(node) is not None for node in _view_chain(part)):
+        raise NoMatch("RMSNorm beside the official complex-multiply RoPE (view_as_complex): no fused kernel for "
+                      "that pair (only the indexer's complex RoPE + fp8 quantisation is fused)")
     raise NoMatch("RMSNorm beside a split part that is not RoPE'd in a known form")
 
 
@@ -484,6 +504,225 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
         detail = f"LayerNorm {shape(m['x'])[-1]} (weight, bias, eps={norm['eps']:g}) + {detail}"
         inputs = [norm["input"], m["cos"][0], m["sin"][0], norm["weight"], norm["bias"]]
     ctx.site(split, "dsfuse.rope_cat", inputs, detail=detail)
+
+
+# --- the official indexer: complex-multiply RoPE + cat + fp8 per-block quantisation -------------------------
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-4
+
+
+def _upcast(node: torch.fx.Node) -> torch.fx.Node | None:
+    """`node.float()`: the convert to fp32 that is node's only user, or node itself when it is fp32."""
+    if dtype(node) == torch.float32:
+        return node
+    cast = _only(node, CONVERT)
+    return cast if cast is not None and cast.args[1] == torch.float32 else None
+
+
+def _swaps_last_two(permute: torch.fx.Node) -> bool:
+    rank = len(shape(permute))
+    return list(permute.args[1]) == [*range(rank - 2), rank - 1, rank - 2]
+
+
+def _complex_rope_entry(part: torch.fx.Node) -> dict | None:
+    """The head of the official RoPE on `part` (`apply_rope_interleaved` / `apply_rope_half_split`):
+
+        interleaved: view_as_complex(part.float().view(..., C/2, 2))
+        half-split:  view_as_complex(part.float().view(..., 2, C/2).transpose(-1, -2).contiguous())
+
+    Each form is recognised by its own structure (pairs as the last dim, or the two halves transposed into
+    it), so one is never taken for the other. None if `part` does not start one."""
+    upcast = _upcast(part)
+    pairs = _only(upcast, *VIEW_OPS) if upcast is not None else None
+    if pairs is None or len(shape(pairs)) != len(shape(part)) + 1:
+        return None
+    width = shape(part)[-1]
+    to_complex = _only(pairs, aten.view_as_complex.default)
+    if to_complex is not None and same_size(shape(pairs)[-1], 2) and same_size(shape(pairs)[-2] * 2, width):
+        return {"complex": to_complex, "interleaved": True}
+    permute = _only(pairs, aten.permute.default)
+    if permute is None or not _swaps_last_two(permute) or not same_size(shape(pairs)[-2], 2):
+        return None
+    contiguous = _only(permute, aten.clone.default)
+    to_complex = _only(contiguous, aten.view_as_complex.default) if contiguous is not None else None
+    if to_complex is None or not same_size(shape(pairs)[-1] * 2, width):
+        return None
+    return {"complex": to_complex, "interleaved": False}
+
+
+def _match_complex_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict | None:
+    """The whole official RoPE on `part`: the complex product with a broadcast complex64 `freqs`, back to
+    reals in part's layout and rounded to x's dtype. None if `part` is not its input."""
+    entry = _complex_rope_entry(part)
+    if entry is None:
+        return None
+    product = _only(entry["complex"], aten.mul.Tensor)
+    if product is None:
+        raise NoMatch("complex RoPE: view_as_complex(...) is not multiplied by the rotations")
+    if product.args[0] is not entry["complex"]:  # eager's complex product rounds by operand order
+        raise NoMatch("complex RoPE: the rotations are the left operand (the fused op computes x * freqs)")
+    freqs = product.args[1]
+    rows = shape(entry["complex"])
+    if not (isinstance(freqs, torch.fx.Node) and dtype(freqs) == torch.complex64 and len(shape(freqs)) == len(rows)
+            and same_size(shape(freqs)[-1], rows[-1])
+            and all(same_size(f, r) or same_size(f, 1) for f, r in zip(shape(freqs)[:-1], rows[:-1]))):
+        raise NoMatch(f"complex RoPE: the rotations {freqs} are not a complex64 tensor broadcast over the rows")
+    back = _only(product, aten.view_as_real.default)
+    if back is None:
+        raise NoMatch("complex RoPE: the product is not viewed back as reals")
+    if not entry["interleaved"]:
+        permute = _only(back, aten.permute.default)
+        back = _only(permute, aten.clone.default) if permute is not None and _swaps_last_two(permute) else None
+        if back is None:
+            raise NoMatch("half-split complex RoPE: the halves are not transposed back")
+    flat = _only(back, *VIEW_OPS)
+    if flat is None or not same_shape(shape(flat), shape(part)):
+        raise NoMatch("complex RoPE: the result is not flattened back to the rotated part's shape")
+    out = flat
+    if x_dtype != torch.float32:
+        out = _only(flat, CONVERT)
+        if out is None or out.args[1] != x_dtype:
+            raise NoMatch(f"complex RoPE: the fp32 result is not rounded to the input's {x_dtype}")
+    return {"rope_out": out, "freqs": freqs, "interleaved": entry["interleaved"], "rot": part}
+
+
+def _match_rope_quant(split: torch.fx.Node) -> dict:
+    """`quantize_fp8_blockwise(cat(complex_rope(rot), kept))` on a two-way last-dim split (DsfuseIndexer's q and
+    k), the split input optionally a LayerNorm's output (k_norm)."""
+    x, sizes = split.args[0], split.args[1]
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    parts = _getitems(split)
+    if (len(sizes) != 2 or not _is_last_dim(x, dim) or dtype(x) not in NORM_DTYPES or len(shape(x)) > 4
+            or sorted(parts) != [0, 1]):
+        raise NoMatch("not a two-way split of the last dim", reported=False)
+    rope_index = 0 if _complex_rope_entry(parts[0]) is not None else 1
+    rope = _match_complex_rope(parts[rope_index], dtype(x))
+    kept = parts[1 - rope_index]
+    order = [rope["rope_out"], kept] if rope_index == 0 else [kept, rope["rope_out"]]
+    cat = _only(rope["rope_out"], aten.cat.default)
+    if cat is None:
+        raise NoMatch("complex RoPE not concatenated back with the other split part", reported=False)
+    if list(cat.args[0]) != order or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+        raise NoMatch("complex RoPE of a split part not concatenated back with the other part in order")
+    if not _last_dim_contiguous(x):
+        raise NoMatch(f"complex RoPE + quantisation: {x}'s last dim is not contiguous")
+    quant = _match_fp8_quant(cat, dtype(x))
+    norm = _match_layer_norm(x)
+    source = x if norm is None else norm["input"]  # the node the fused call reads (stays in the graph)
+    for target in (x, quant["blocks"], quant["scale"]):
+        for size in shape(target):
+            if not isinstance(size, int) and not any(same_size(size, s) for s in shape(source)):
+                raise NoMatch(f"fp8 quantisation: size {size} of {target} is not one of the input's sizes")
+    return {"x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0], "c_rope": sizes[rope_index],
+            "layer_norm": norm, "source": source, **rope, **quant}
+
+
+def _constant_arg(node: torch.fx.Node, expected: float) -> bool:
+    return scalar_arg(node.args[1]) == expected
+
+
+def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+    """`quantize_fp8_blockwise` (models/official.py) of `cat`'s rows in its decomposed post-grad form:
+
+        blocks = cat.float().view(..., D / B, B);  amax = blocks.abs().amax(-1).clamp_min(1e-4)
+        scale  = amax / 448                       (ue8m0: exp2(ceil(log2(scale))))
+        q      = (blocks / scale.unsqueeze(-1)).clamp_min(-448).clamp_max(448).to(float8_e4m3fn)
+
+    with views (the key's squeeze) allowed between `cat` and the blocks (fp32 inputs have no upcast)."""
+    blocks = cat
+    while not (dtype(blocks) == torch.float32 and _users(blocks, aten.abs.default)):
+        blocks = _only(blocks, *LAYER_NORM_VIEWS, CONVERT)
+        if blocks is None or (is_op(blocks, CONVERT) and blocks.args[1] != torch.float32):
+            break
+    width = shape(cat)[-1]
+    if (blocks is None or not _users(blocks, aten.abs.default) or len(shape(blocks)) < 2
+            or not same_size(shape(blocks)[-2] * shape(blocks)[-1], width)):
+        raise NoMatch("complex RoPE + cat not followed by the fp8 per-block quantisation (no fused kernel for "
+                      "the unquantised output)")
+    block_size = shape(blocks)[-1]
+    if not isinstance(block_size, int) or block_size & (block_size - 1):
+        raise NoMatch(f"fp8 quantisation: block size {block_size} is not a power of two")
+    magnitude = next((u for u in blocks.users if is_op(u, aten.abs.default)), None)
+    amax = _only(magnitude, aten.amax.default) if magnitude is not None else None
+    if amax is None or list(amax.args[1]) not in ([-1], [len(shape(blocks)) - 1]) or (
+            len(amax.args) > 2 and amax.args[2]):
+        raise NoMatch("fp8 quantisation: no per-block amax of |x|")
+    floor = _only(amax, aten.clamp_min.default)
+    scale = _only(floor, aten.div.Tensor) if floor is not None and _constant_arg(floor, AMAX_FLOOR) else None
+    if scale is None or not _constant_arg(scale, FP8_MAX):
+        raise NoMatch("fp8 quantisation: the scale is not max(amax, 1e-4) / 448")
+    ue8m0 = False
+    log2 = _only(scale, aten.log2.default)
+    if log2 is not None:
+        ceil = _only(log2, aten.ceil.default)
+        power = _only(ceil, aten.exp2.default) if ceil is not None else None
+        if power is None:
+            raise NoMatch("fp8 quantisation: log2 of the scale is not exp2(ceil(log2(scale)))")
+        scale, ue8m0 = power, True
+    expanded = next((u for u in scale.users if is_op(u, aten.unsqueeze.default) and u.args[1] in (-1, len(shape(scale)))),
+                    None)
+    divided = _only(expanded, aten.div.Tensor) if expanded is not None else None
+    if divided is None or divided.args[0] is not blocks or set(blocks.users) != {magnitude, divided}:
+        raise NoMatch("fp8 quantisation: the blocks are not divided by their scale (or are read elsewhere)")
+    low = _only(divided, aten.clamp_min.default)
+    high = _only(low, aten.clamp_max.default) if low is not None and _constant_arg(low, -FP8_MAX) else None
+    fp8 = _only(high, CONVERT) if high is not None and _constant_arg(high, FP8_MAX) else None
+    if fp8 is None or fp8.args[1] != torch.float8_e4m3fn:
+        raise NoMatch("fp8 quantisation: x / scale is not clamped to +-448 and cast to float8_e4m3fn")
+    return {"blocks": blocks, "scale": scale, "fp8": fp8, "block_size": block_size, "ue8m0": ue8m0}
+
+
+def _sizes_like(graph: torch.fx.Graph, before: torch.fx.Node, target: torch.fx.Node, source: torch.fx.Node) -> list:
+    """target's shape, symbolic sizes read off `source` (which stays in the graph)."""
+    sizes = []
+    for size in shape(target):
+        if isinstance(size, int):
+            sizes.append(size)
+        else:
+            dim = next(d for d, s in enumerate(shape(source)) if same_size(s, size))
+            sizes.append(_size(graph, before, source, dim))
+    return sizes
+
+
+def _output(graph: torch.fx.Graph, before: torch.fx.Node, call: torch.fx.Node, index: int) -> torch.fx.Node:
+    """`call[index]` with its fake value taken from the call's (no fake mode needed to derive it)."""
+    with graph.inserting_before(before):
+        node = graph.call_function(operator.getitem, (call, index))
+    node.meta["val"] = call.meta["val"][index]
+    return node
+
+
+def _rewrite_rope_quant(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    before = m["scale"]  # the fused call's inputs all precede the scale; the scale's and q's users follow it
+    pad = 4 - len(shape(m["x"]))
+    norm = m["layer_norm"]
+    x = m["x"]
+    if norm is not None:
+        x = insert_call(graph, before, aten.reshape.default, (norm["input"], _sizes_like(graph, before, x, m["source"])))
+    freqs = m["freqs"]
+    for _ in range(pad):
+        x = insert_call(graph, before, aten.unsqueeze.default, (x, 0))
+        freqs = insert_call(graph, before, aten.unsqueeze.default, (freqs, 0))
+    norm_args = () if norm is None else (norm["weight"], norm["bias"], norm["eps"])
+    fused = insert_call(graph, before, torch.ops.dsfuse.rope_quant_fp8.default,
+                        (x, freqs, m["rope_start"], m["interleaved"], m["block_size"], m["ue8m0"], *norm_args))
+    quantized, scale = (_output(graph, before, fused, i) for i in (0, 1))
+    new_fp8 = insert_call(graph, before, aten.reshape.default,
+                          (quantized, _sizes_like(graph, before, m["blocks"], m["source"])))
+    new_scale = insert_call(graph, before, aten.reshape.default,
+                            (scale, _sizes_like(graph, before, m["scale"], m["source"])))
+    m["fp8"].replace_all_uses_with(new_fp8)
+    m["scale"].replace_all_uses_with(new_scale)
+    graph.eliminate_dead_code()
+    form = "interleaved" if m["interleaved"] else "half-split"
+    where = "first" if m["rope_start"] == 0 else "last"
+    detail = (f"complex-multiply {form} RoPE {m['c_rope']} of the {where} part, concatenated, fp8 e4m3 per-"
+              f"{m['block_size']} quantisation ({'ue8m0' if m['ue8m0'] else 'fp32'} scales)")
+    inputs = [m["x"], m["freqs"]]
+    if norm is not None:
+        detail = f"LayerNorm {shape(m['x'])[-1]} (weight, bias, eps={norm['eps']:g}) + {detail}"
+        inputs = [norm["input"], m["freqs"], norm["weight"], norm["bias"]]
+    ctx.site(split, "dsfuse.rope_quant_fp8", inputs, detail=detail)
 
 
 def _match_projection_norm(square: torch.fx.Node) -> dict:

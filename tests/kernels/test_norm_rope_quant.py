@@ -9,6 +9,7 @@ bf16 runs under the interpreter too: the kernel rounds by hand there (the interp
 import pytest
 import torch
 from dsfuse.kernels.norm_rope_quant import (
+    complex_rope_reference,
     layer_norm_reference,
     rmsnorm_rope,
     rmsnorm_rope_reference,
@@ -16,6 +17,9 @@ from dsfuse.kernels.norm_rope_quant import (
     rope_cat,
     rope_cat_reference,
     rope_cat_triton,
+    rope_quant_fp8,
+    rope_quant_fp8_reference,
+    rope_quant_fp8_triton,
 )
 from dsfuse.models.official import rms_norm_official
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
@@ -393,3 +397,219 @@ def test_layer_norm_rope_cat_opcheck_and_bad_input():
         rope_cat(x, cos4, sin4, start, interleaved, weight[:-1], bias[:-1], 1e-6)
     with pytest.raises(ValueError, match="eps"):
         rope_cat(x, cos4, sin4, start, interleaved, weight, bias, -1.0)
+
+
+# --- dsfuse.rope_quant_fp8: the official indexer's complex RoPE + cat + fp8 per-block quantisation ----------
+QUANT_DTYPES = (torch.bfloat16, torch.float32)
+# one lane of (a + ib)(c + is) in each rounding: real = a*c - b*s, imag = a*s + b*c; an fp64 sum of exact fp32
+# products stands for a fused multiply-add
+REAL_LANE = {
+    "rounded": lambda a, b, c, s: a * c - b * s,
+    "fma_first": lambda a, b, c, s: (a.double() * c.double() - (b * s).double()).float(),
+    "fma_second": lambda a, b, c, s: ((a * c).double() - b.double() * s.double()).float(),
+}
+IMAG_LANE = {
+    "rounded": lambda a, b, c, s: a * s + b * c,
+    "fma_first": lambda a, b, c, s: (a.double() * s.double() + (b * c).double()).float(),
+    "fma_second": lambda a, b, c, s: ((a * s).double() + b.double() * c.double()).float(),
+}
+COMPLEX_MULS = [("rounded", "rounded"), ("fma_first", "fma_first"), ("fma_second", "fma_second"),
+                ("fma_first", "fma_second")]
+
+
+def _indexer_rows(dtype, heads=3, seq=5, batch=2, dim=32, c_rope=8, seed=5):
+    """x [B, S, H, D] as a strided view of a wider projection output, the model's complex rotations
+    `freqs [S, C_rope/2]`, and a LayerNorm weight / bias."""
+    from dsfuse.models.official import rope_frequencies
+
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(batch, seq, heads, dim + 6, generator=g) * 3).to(dtype)
+    x = wide[..., 4:4 + dim]
+    freqs = rope_frequencies(torch.arange(seq) * 7 + 3, c_rope, 10000.0)
+    weight = (1 + 0.3 * torch.randn(dim, generator=g)).to(dtype)
+    bias = (0.2 * torch.randn(dim, generator=g)).to(dtype)
+    return x.to(DEVICE), freqs.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE)
+
+
+def _official_indexer_path(x, freqs, interleaved, block, ue8m0, layer_norm=None, complex_mul=None):
+    """`quantize_fp8_blockwise(cat([rope(x[..., :C]), x[..., C:]]))` as `DsfuseIndexer` computes it (the RoPE
+    from models/official.py), or with the complex product's (real, imaginary) lanes in named roundings
+    (`complex_mul`, `LANE_ROUNDINGS` names)."""
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved, quantize_fp8_blockwise
+
+    if layer_norm is not None:
+        x = layer_norm_reference(x, *layer_norm, 1e-6)
+    c_rope = 2 * freqs.shape[-1]
+    rot = x[..., :c_rope]
+    if complex_mul is None:
+        roped = (apply_rope_interleaved if interleaved else apply_rope_half_split)(rot, freqs)
+    else:
+        pairs = rot.float().unflatten(-1, (-1, 2) if interleaved else (2, -1))
+        a, b = (pairs[..., 0], pairs[..., 1]) if interleaved else (pairs[..., 0, :], pairs[..., 1, :])
+        c, s = freqs.real[None, :, None, :], freqs.imag[None, :, None, :]
+        real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), complex_mul))
+        roped = torch.stack([real, imag], -1 if interleaved else -2).flatten(-2).to(x.dtype)
+    return quantize_fp8_blockwise(torch.cat([roped, x[..., c_rope:]], -1), block, "ue8m0" if ue8m0 else None)
+
+
+def _rows_freqs(freqs):
+    """The model's `freqs [S, C/2]` in the fused op's broadcast form `[1, S, 1, C/2]`."""
+    return freqs[None, :, None, :]
+
+
+def _assert_fp8_equal(got, want):
+    q, scale = got
+    want_q, want_scale = want
+    assert q.dtype == torch.float8_e4m3fn and q.shape == want_q.shape and scale.shape == want_scale.shape
+    assert torch.equal(scale, want_scale), (scale - want_scale).abs().max()
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (q.float() - want_q.float()).abs().max()
+
+
+def _assert_fp8_within_one_ulp(got, want):
+    """e4m3 codes equal in sign and at most one apart in magnitude (adjacent e4m3 values)."""
+    got_code, want_code = got.view(torch.uint8).int(), want.view(torch.uint8).int()
+    magnitude_gap = ((got_code & 0x7F) - (want_code & 0x7F)).abs()
+    same_sign = ((got_code >> 7) == (want_code >> 7)) | ((got_code & 0x7F) == 0) | ((want_code & 0x7F) == 0)
+    assert bool((same_sign & (magnitude_gap <= 1)).all()), int(magnitude_gap.max())
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32_scale", "ue8m0"])
+def test_rope_quant_reference_is_the_official_indexer_path(dtype, interleaved, ue8m0):
+    """The CPU op (the reference) multiplies in the source's broadcast shapes, so it is the source bit for bit."""
+    x, freqs, weight, bias = _indexer_rows(dtype)
+    for layer_norm in (None, (weight, bias)):
+        ln_args = () if layer_norm is None else (*layer_norm, 1e-6)
+        got = rope_quant_fp8(x, _rows_freqs(freqs), 0, interleaved, 16, ue8m0, *ln_args)
+        _assert_fp8_equal(got, _official_indexer_path(x, freqs, interleaved, 16, ue8m0, layer_norm))
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+@pytest.mark.parametrize("complex_mul", COMPLEX_MULS, ids="/".join)
+def test_rope_quant_kernel_bit_exact_in_each_complex_rounding(dtype, interleaved, complex_mul):
+    """Kernel (interpreter) vs the indexer path with the complex product in the same rounding: fp8 values and
+    scales bit for bit, plain and ue8m0 scales, with and without the LayerNorm (rows' statistics summed in
+    another order may move an fp32 LayerNorm output by an ulp, so fp32 LayerNorm rows are compared within it)."""
+    x, freqs, weight, bias = _indexer_rows(dtype)
+    for ue8m0, layer_norm in ((False, None), (True, (weight, bias))):
+        ln_args = () if layer_norm is None else (*layer_norm, 1e-6)
+        got = rope_quant_fp8_triton(x, _rows_freqs(freqs), 0, interleaved, 16, ue8m0, *ln_args,
+                                    complex_mul=complex_mul)
+        want = _official_indexer_path(x, freqs, interleaved, 16, ue8m0, layer_norm, complex_mul)
+        if layer_norm is not None and dtype == torch.float32:
+            _assert_fp8_within_one_ulp(got[0], want[0])
+            torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=0)  # ue8m0: equal (power of two)
+        else:
+            _assert_fp8_equal(got, want)
+
+
+def test_complex_roundings_differ_so_each_test_can_fail():
+    """The roundings of the fp32 complex product give different fp32 RoPE outputs on these rows, per lane."""
+    x, freqs, _, _ = _indexer_rows(torch.float32, heads=8, seq=16)
+    scales = [_official_indexer_path(x, freqs, False, 32, False, complex_mul=m)[1] for m in COMPLEX_MULS]
+    for i, one in enumerate(scales):
+        assert not any(torch.equal(one, other) for other in scales[i + 1:])
+
+
+@pytest.mark.parametrize("T", [0, 1, 9])
+def test_rope_quant_odd_and_empty_rows_non_contiguous(T):
+    """Odd and zero token counts; x a per-head view with the heads transposed ahead of the tokens."""
+    x, freqs, weight, bias = _indexer_rows(torch.bfloat16, seq=max(T, 1), heads=3)
+    x = x[:, :T].transpose(1, 2)  # [B, H, T, D], strided
+    freqs4 = freqs[:T][None, None]  # [1, 1, T, C/2]
+    got = rope_quant_fp8_triton(x, freqs4, 0, False, 32, True, weight, bias, 1e-6,
+                                complex_mul=("rounded", "rounded"))
+    want = rope_quant_fp8_reference(x, freqs4, 0, False, 32, True, weight, bias, 1e-6)
+    assert got[0].shape == (2, 3, T, 32) and got[1].shape == (2, 3, T, 1)
+    if T:
+        assert not x.is_contiguous()
+        _assert_fp8_equal(got, want)
+
+
+def test_rope_in_the_last_part_and_several_blocks_per_row():
+    x, freqs, _, _ = _indexer_rows(torch.bfloat16, dim=64)
+    got = rope_quant_fp8_triton(x, _rows_freqs(freqs), 40, True, 16, False, complex_mul=("rounded", "rounded"))
+    rows = torch.cat([x[..., :40], complex_rope_reference(x[..., 40:48], _rows_freqs(freqs), True), x[..., 48:]], -1)
+    from dsfuse.models.official import quantize_fp8_blockwise
+
+    _assert_fp8_equal(got, quantize_fp8_blockwise(rows, 16))
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_ue8m0_scales_exact_over_every_amax(dtype):
+    """Every positive bf16 amax from 2^-14 to 2^100 (fp32: plus random values) as one row's largest value:
+    the kernel's exact power-of-two ceiling equals exp2(ceil(log2(amax / 448)))."""
+    amax = torch.arange(0x3880, 0x71FF, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    if dtype == torch.float32:
+        amax = torch.cat([amax, torch.rand(2048, generator=torch.Generator().manual_seed(6)) * 1000 + 1e-3])
+    x = torch.zeros(amax.numel(), 1, 1, 16, dtype=dtype)
+    x[..., 5] = amax.to(dtype).view(-1, 1, 1)
+    x[..., 9] = -amax.to(dtype).view(-1, 1, 1) / 3
+    freqs = torch.polar(torch.ones(1, 1, 1, 1), torch.ones(1, 1, 1, 1))
+    got = rope_quant_fp8_triton(x.to(DEVICE), freqs.to(DEVICE), 0, False, 16, True, rows_per_program=1024)
+    from dsfuse.models.official import quantize_fp8_blockwise
+
+    _assert_fp8_equal(got, quantize_fp8_blockwise(x.to(DEVICE), 16, "ue8m0"))
+
+
+def test_rope_quant_opcheck_and_bad_input():
+    x, freqs, weight, bias = _indexer_rows(torch.bfloat16)
+    torch.library.opcheck(rope_quant_fp8, (x, _rows_freqs(freqs), 0, False, 32, False))
+    torch.library.opcheck(rope_quant_fp8, (x, _rows_freqs(freqs), 0, True, 16, True, weight, bias, 1e-6))
+    with pytest.raises(TypeError, match="complex64"):
+        rope_quant_fp8(x, torch.view_as_real(_rows_freqs(freqs)), 0, False, 32, False)
+    with pytest.raises(ValueError, match="block size"):
+        rope_quant_fp8(x, _rows_freqs(freqs), 0, False, 24, False)
+    with pytest.raises(ValueError, match="outside"):
+        rope_quant_fp8(x, _rows_freqs(freqs), 28, False, 32, False)
+    with pytest.raises(ValueError, match="broadcast"):
+        rope_quant_fp8(x, freqs[None, :2, None, :], 0, False, 32, False)
+
+
+_QUANT_PTX_PROBE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from dsfuse.kernels import norm_rope_quant as nrq
+
+kernel = nrq._rope_quant_fp8_kernel
+names = list(kernel.arg_names)
+pointers = {"x_ptr": "*bf16", "f_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "lnw_ptr": "*fp32",
+            "lnb_ptr": "*fp32"}
+found = {}
+for mode, layer_norm in ((0, True), (1, False)):
+    consts = dict(ROWS=8, NB_P2=1, BS=128, INTERLEAVED=False, LAYER_NORM=layer_norm, UE8M0=True, REAL_MUL=mode,
+                  IMAG_MUL=mode, MANUAL_BF16_RNE=False, MANUAL_FP8_RNE=False)
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n.endswith("eps") else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr" and sig[n] != "fp32"}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **nrq.COMPILE_OPTIONS}).asm["ptx"]
+    found[mode] = sorted(set(re.findall(r"\b(?:fma|mul|add|sub|div|cvt)\.[a-z0-9.]*(?:f32|e4m3x2)\b", ptx)))
+print(json.dumps(found))
+"""
+
+
+def test_sm90_ptx_quantises_with_true_divisions_and_rne():
+    """Scales and x / scale are IEEE divisions (`div.rn`, not Triton's default approximate `div.full`), the
+    e4m3 cast rounds to nearest even after the clamp, and only the chosen complex rounding uses an FMA."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    done = subprocess.run([sys.executable, "-c", _QUANT_PTX_PROBE], env={**os.environ, "TRITON_INTERPRET": "0"},
+                          capture_output=True, check=False, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for mode, ops in found.items():
+        assert "div.rn.f32" in ops and "div.full.f32" not in ops, (mode, ops)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ops, (mode, ops)
+        assert all(".rn." in op for op in ops if op.split(".")[0] in ("mul", "add", "sub")), (mode, ops)
+    assert not [op for op in found["0"] if op.startswith("fma")], found["0"]
+    assert "fma.rn.f32" in found["1"], found["1"]

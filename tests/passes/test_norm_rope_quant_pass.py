@@ -252,7 +252,7 @@ def _key_inputs(dtype):
     return k_proj, weight, bias, cos, sin
 
 
-def _post_grad_graph(fn, args):
+def _post_grad_graph(fn, args, require_var_mean=True):
     """`fn` traced with Inductor's decompositions (its post-grad form of `layer_norm`), then this pass."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -262,7 +262,7 @@ def _post_grad_graph(fn, args):
 
     gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
     gm.graph.eliminate_dead_code()  # as Inductor's post-grad graph: HF's unused query RoPE dropped
-    assert any(n.target is torch.ops.aten.var_mean.correction for n in gm.graph.nodes)
+    assert not require_var_mean or any(n.target is torch.ops.aten.var_mean.correction for n in gm.graph.nodes)
     ctx = PassContext(name="norm_rope_quant")
     run_pass("norm_rope_quant", gm.graph, ctx)
     gm.recompile()
@@ -315,3 +315,181 @@ def test_layer_norm_read_elsewhere_stays_with_inductor():
     assert any(n.target is torch.ops.aten.var_mean.correction for n in gm.graph.nodes)
     for g, w in zip(gm(*args), key_and_norm(*args)):
         torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+
+
+# --- the official indexer (models/official.py): complex-multiply RoPE + cat + fp8 quantisation -------------
+IH, ID, IR = 3, 32, 8  # indexer heads, head dim (one fp8 block), rope width
+
+
+def _official_split_rope_cat(x, freqs, interleaved):
+    """`DsfuseIndexer._rope_first_dims` with either official RoPE form."""
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved
+
+    rot, kept = torch.split(x, [IR, ID - IR], dim=-1)
+    return torch.cat([(apply_rope_interleaved if interleaved else apply_rope_half_split)(rot, freqs), kept], dim=-1)
+
+
+def official_indexer_qk(q_proj, k_proj, ln_weight, ln_bias, freqs, interleaved=False, scale_fmt=None):
+    """`DsfuseIndexer.forward`'s q and k up to the fp8 tensors: q per head, k through `k_norm` (the fp32
+    LayerNorm of `DsfuseLayerNorm`), each split / RoPE / cat, then `quantize_fp8_blockwise`."""
+    from dsfuse.models.official import quantize_fp8_blockwise
+
+    q = _official_split_rope_cat(q_proj.view(*q_proj.shape[:2], IH, ID), freqs, interleaved)
+    normed = torch.nn.functional.layer_norm(k_proj.float(), (ID,), ln_weight.float(), ln_bias.float(), 1e-6)
+    k = _official_split_rope_cat(normed.to(k_proj.dtype).unsqueeze(2), freqs, interleaved).squeeze(2)
+    q_fp8, q_scale = quantize_fp8_blockwise(q, ID, scale_fmt)
+    k_fp8, k_scale = quantize_fp8_blockwise(k, ID, scale_fmt)
+    return q_fp8, q_scale, k_fp8, k_scale.squeeze(-1)
+
+
+def _indexer_args(dtype):
+    from dsfuse.models.official import rope_frequencies
+
+    g = torch.Generator().manual_seed(7)
+    q_proj = (torch.randn(B, S, IH * ID, generator=g) * 2).to(dtype)
+    k_proj = (torch.randn(B, S, ID, generator=g) * 2).to(dtype)
+    weight = (1 + 0.3 * torch.randn(ID, generator=g)).to(dtype)
+    bias = (0.1 * torch.randn(ID, generator=g)).to(dtype)
+    return q_proj, k_proj, weight, bias, rope_frequencies(torch.arange(S) * 5 + 1, IR, 10000.0)
+
+
+def _fp8_codes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half_split", "interleaved"])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"], ids=["fp32_scales", "ue8m0"])
+def test_official_indexer_q_and_k_are_one_call_each(dtype, interleaved, scale_fmt):
+    """q: RoPE + cat + quantisation in one call; k: the LayerNorm too. The complex ops, cats and amaxes are
+    gone, the form is named as itself, and the outputs equal eager (the CPU op is the reference): bit for bit
+    in bf16; in fp32 the key's LayerNorm statistics (summed in another order than eager's kernel) may move a
+    key scale in its last bit."""
+    args = _indexer_args(dtype)
+    def fn(*a):
+        return official_indexer_qk(*a, interleaved=interleaved, scale_fmt=scale_fmt)
+
+    gm, ctx = _post_grad_graph(fn, args, require_var_mean=False)
+    assert not ctx.near_misses and len(ctx.sites) == 2, (ctx.sites, ctx.near_misses)
+    form = "interleaved" if interleaved else "half-split"
+    other = "half-split" if interleaved else "interleaved"
+    details = sorted(s.detail for s in ctx.sites)
+    assert details[0].startswith(f"LayerNorm 32 (weight, bias, eps=1e-06) + complex-multiply {form} RoPE 8"), details
+    assert details[1].startswith(f"complex-multiply {form} RoPE 8 of the first part"), details
+    assert all(other not in d and ("ue8m0" in d) == (scale_fmt == "ue8m0") for d in details), details
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.dsfuse.rope_quant_fp8.default) == 2
+    gone = (torch.ops.aten.view_as_complex.default, torch.ops.aten.amax.default, torch.ops.aten.cat.default,
+            torch.ops.aten.var_mean.correction, torch.ops.aten.log2.default)
+    assert not [t for t in targets if t in gone], targets
+    got, want = gm(*args), fn(*args)
+    for name, g, w in zip(("q", "q_scale", "k", "k_scale"), got, want):
+        if dtype == torch.float32 and name == "k_scale":
+            torch.testing.assert_close(g, w, rtol=2e-7, atol=0)
+        elif dtype == torch.float32 and name == "k":
+            assert ((g.float() - w.float()).abs() <= w.float().abs() / 8).all(), name
+        else:
+            assert torch.equal(_fp8_codes(g), _fp8_codes(w)), name
+
+
+def test_official_indexer_dynamic_sequence_length():
+    """Under a symbolic sequence length both sites are rewritten once, sizes stay symbolic, and two lengths
+    run without a recompile and equal eager bit for bit."""
+    q_proj, k_proj, weight, bias, freqs = _indexer_args(torch.bfloat16)
+    compiled = torch.compile(official_indexer_qk, backend="dsfuse", options={"enable": ["norm_rope_quant"]})
+    with torch.no_grad():
+        for seq in (5, 3):
+            args = (q_proj[:, :seq].contiguous(), k_proj[:, :seq].contiguous(), weight, bias, freqs[:seq])
+            for tensor, dim in ((args[0], 1), (args[1], 1), (args[4], 0)):
+                torch._dynamo.mark_dynamic(tensor, dim)
+            for g, w in zip(compiled(*args), official_indexer_qk(*args)):
+                assert torch.equal(_fp8_codes(g), _fp8_codes(w))
+    rep = dsfuse.report()
+    assert rep.counts["norm_rope_quant"] == 2 and not rep.near_misses, str(rep)
+    assert all(any("xs" in shape for shape in site.inputs) for site in rep.sites), "sizes were specialised"
+
+
+def test_official_half_split_is_never_the_interleaved_result():
+    """A mix-up of the forms would reproduce the other form's fp8 values; they differ on these inputs."""
+    args = _indexer_args(torch.bfloat16)
+    for interleaved in (False, True):
+        gm, ctx = _post_grad_graph(lambda *a, form=interleaved: official_indexer_qk(*a, interleaved=form), args,
+                                   require_var_mean=False)
+        assert len(ctx.sites) == 2
+        got = gm(*args)
+        same = official_indexer_qk(*args, interleaved=interleaved)
+        other = official_indexer_qk(*args, interleaved=not interleaved)
+        assert torch.equal(_fp8_codes(got[0]), _fp8_codes(same[0]))
+        assert not torch.equal(_fp8_codes(got[0]), _fp8_codes(other[0]))
+
+
+def test_official_near_misses_are_reported_with_their_reason():
+    from dsfuse.models.official import quantize_fp8_blockwise, rms_norm_official
+
+    q_proj, _, weight, _, freqs = _indexer_args(torch.bfloat16)
+
+    def unquantised(q_proj, freqs, weight):  # RoPE + cat, then no fp8 quantisation
+        return _official_split_rope_cat(q_proj.view(B, S, IH, ID), freqs, False) * 2
+
+    def other_range(q_proj, freqs, weight):  # e5m2-like range: not the official constants
+        blocks = _official_split_rope_cat(q_proj.view(B, S, IH, ID), freqs, False).float().unflatten(-1, (1, ID))
+        scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) / 240.0
+        return (blocks / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+    def kv_side(q_proj, freqs, weight):  # RMSNorm beside the complex RoPE (the official kv side)
+        from dsfuse.models.official import apply_rope_interleaved
+
+        kv, k_pe = torch.split(q_proj.view(B, S, IH * ID)[..., :ID + IR], [ID, IR], dim=-1)
+        return rms_norm_official(kv, weight, 1e-6), apply_rope_interleaved(k_pe.unsqueeze(2), freqs)
+
+    def rotations_first(q_proj, freqs, weight):  # freqs * x: eager rounds the product by operand order
+        rot, kept = torch.split(q_proj.view(B, S, IH, ID), [IR, ID - IR], dim=-1)
+        halves = torch.view_as_complex(rot.float().unflatten(-1, (2, -1)).transpose(-1, -2).contiguous())
+        roped = torch.view_as_real(freqs[None, :, None, :] * halves).transpose(-1, -2).flatten(-2).to(rot.dtype)
+        return quantize_fp8_blockwise(torch.cat([roped, kept], -1), ID)
+
+    reasons = {}
+    for fn in (unquantised, other_range, kv_side, rotations_first):
+        _, ctx = _post_grad_graph(fn, (q_proj, freqs, weight), require_var_mean=False)
+        assert not ctx.sites, ctx.sites
+        reasons[fn.__name__] = [m.reason for m in ctx.near_misses]
+    assert reasons["unquantised"] == [("complex RoPE + cat not followed by the fp8 per-block quantisation (no "
+                                       "fused kernel for the unquantised output)")], reasons
+    assert reasons["other_range"] == ["fp8 quantisation: the scale is not max(amax, 1e-4) / 448"], reasons
+    assert len(reasons["kv_side"]) == 1 and "complex-multiply RoPE" in reasons["kv_side"][0], reasons
+    assert reasons["rotations_first"] == [("complex RoPE: the rotations are the left operand (the fused op "
+                                           "computes x * freqs)")], reasons
+
+
+def test_own_tiny_model_sites_per_layer_and_parity():
+    """dsfuse's own model: per layer, the indexer's q and k each one `rope_quant_fp8` call (k with its
+    LayerNorm), q_a's RMSNorm, the kv side a reported near-miss; indexer_topk still finds its fp8 site; logits
+    match eager within bf16 noise and the compiled indexer picks the same keys as eager."""
+    from dsfuse.models import build_own_model
+
+    model = build_own_model("own-tiny", dtype=torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        got = torch.compile(model, backend="dsfuse")(ids).logits
+    rep = dsfuse.report()
+    layers = model.config.num_hidden_layers
+    details = _site_details()
+    assert len([d for d in details if d.startswith("complex-multiply half-split RoPE 8")]) == layers, details
+    assert len([d for d in details if d.startswith("LayerNorm 32") and "complex-multiply half-split" in d]) == layers
+    assert len([d for d in details if "projection output" in d]) == layers, details
+    assert rep.counts["norm_rope_quant"] == 3 * layers and rep.counts["indexer_topk"] == layers, str(rep)
+    misses = [m.reason for m in rep.near_misses if m.pass_name == "norm_rope_quant"]
+    assert len(misses) == layers and all("complex-multiply RoPE" in m for m in misses), misses
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+    from dsfuse.models.official import rope_frequencies
+
+    indexer = model.model.layers[1].self_attn.indexer
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(2, 9, 64, generator=g).to(torch.bfloat16), torch.randn(2, 9, 32, generator=g).to(torch.bfloat16),
+            rope_frequencies(torch.arange(9), 8, 10000.0), 0, None)
+    with torch.no_grad():
+        picked = torch.compile(indexer, backend="dsfuse")(*args)
+        assert dsfuse.report().counts["norm_rope_quant"] == 3 * layers + 2, str(dsfuse.report())  # report accumulates
+        assert torch.equal(picked, indexer(*args))
