@@ -284,13 +284,15 @@ def _round_to(v, dtype, MANUAL_BF16_RNE: tl.constexpr):
 @triton.jit
 def _rmsnorm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, normed_ptr, roped_ptr,
-    T, C_NORM, HALF, eps,
+    T, C_NORM, INV_C_NORM, HALF, eps,
     sx, scos, ssin, snorm, srope,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr,
     MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """ROWS rows per program: the norm over C_NORM columns, then the rope over 2*HALF columns."""
+    """ROWS rows per program: the norm over C_NORM columns, then the rope over 2*HALF columns.  The mean of
+    squares is the sum times fp32(1 / C_NORM), as torch's mean reduction computes it (Triton's `/` would be
+    an approximate division on the GPU, off by an ulp for widths like 1536)."""
     dtype = normed_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
@@ -300,7 +302,7 @@ def _rmsnorm_rope_kernel(
     col_ok = cols < C_NORM
     ok = row_ok[:, None] & col_ok[None, :]
     xv = tl.load(x_ptr + rows64[:, None] * sx + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    var = tl.sum(xv * xv, axis=1) / C_NORM
+    var = tl.sum(xv * xv, axis=1) * INV_C_NORM
     h = xv * tl.rsqrt(var + eps)[:, None]
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if WEIGHT_FP32:
@@ -557,7 +559,7 @@ def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
     block_n = triton.next_power_of_2(c_norm)
     _rmsnorm_rope_kernel[(triton.cdiv(T, rows),)](
         x, norm_weight, cos_arg, sin_arg, normed, roped,
-        T, c_norm, half, float(eps),
+        T, c_norm, 1.0 / c_norm, half, float(eps),
         x.stride(0), cos_arg.stride(0), sin_arg.stride(0), normed.stride(0), max(1, roped.stride(0)),
         ROWS=rows, BLOCK_N=block_n, BLOCK_H=triton.next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
