@@ -75,7 +75,7 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 # fusion on) contracts the real lane as fma_first and the imaginary lane as fma_second. That is the shipped
 # guess, (real, imaginary); benchmarks/norm_rope_quant_gpu.py measures each lane against eager CUDA.
 LANE_ROUNDINGS = ("rounded", "fma_first", "fma_second")
-CUDA_COMPLEX_MUL = ("fma_first", "fma_second")
+CUDA_COMPLEX_MUL = ("fma_first", "fma_first")
 
 
 # --------------------------------------------------------------------------------------------
