@@ -284,15 +284,13 @@ def _round_to(v, dtype, MANUAL_BF16_RNE: tl.constexpr):
 @triton.jit
 def _rmsnorm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, normed_ptr, roped_ptr,
-    T, C_NORM, INV_C_NORM, HALF, eps,
+    T, C_NORM, HALF, eps,
     sx, scos, ssin, snorm, srope,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr,
     MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """ROWS rows per program: the norm over C_NORM columns, then the rope over 2*HALF columns.  The mean of
-    squares is the sum times fp32(1 / C_NORM), as torch's mean reduction computes it (Triton's `/` would be
-    an approximate division on the GPU, off by an ulp for widths like 1536)."""
+    """ROWS rows per program: the norm over C_NORM columns, then the rope over 2*HALF columns."""
     dtype = normed_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
@@ -302,7 +300,7 @@ def _rmsnorm_rope_kernel(
     col_ok = cols < C_NORM
     ok = row_ok[:, None] & col_ok[None, :]
     xv = tl.load(x_ptr + rows64[:, None] * sx + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    var = tl.sum(xv * xv, axis=1) * INV_C_NORM
+    var = tl.sum(xv * xv, axis=1) / C_NORM
     h = xv * tl.rsqrt(var + eps)[:, None]
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if WEIGHT_FP32:
@@ -455,7 +453,8 @@ def _rope_quant_fp8_kernel(
     ROWS: tl.constexpr, NB_P2: tl.constexpr, BS: tl.constexpr,
     INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, UE8M0: tl.constexpr, REAL_MUL: tl.constexpr,
     IMAG_MUL: tl.constexpr,
-    MANUAL_BF16_RNE: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr,
+    MANUAL_BF16_RNE: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr, RECIPROCAL_SCALE: tl.constexpr,
+    INV_FP8_MAX: tl.constexpr,
 ):
     """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program, each as an [NB, BS] tile of its
     D = NB*BS columns: LayerNorm (optional), complex-multiply RoPE of columns [R0, R0 + 2*HALF) in fp32,
@@ -517,7 +516,10 @@ def _rope_quant_fp8_kernel(
     values = _round_to(tl.where(in_rope, roped, xv), dtype, MANUAL_BF16_RNE)
 
     amax = tl.max(tl.where(ok, tl.abs(values), 0.0), axis=2)
-    scale = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
+    if RECIPROCAL_SCALE:  # eager CUDA divides by a Python scalar as a multiply by its fp32 reciprocal
+        scale = tl.maximum(amax, 1e-4) * INV_FP8_MAX
+    else:  # eager CPU divides
+        scale = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
     if UE8M0:
         scale = _power_of_two_ceil(scale)
     quantized = tl.div_rn(values, scale[:, :, None])
@@ -559,7 +561,7 @@ def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
     block_n = triton.next_power_of_2(c_norm)
     _rmsnorm_rope_kernel[(triton.cdiv(T, rows),)](
         x, norm_weight, cos_arg, sin_arg, normed, roped,
-        T, c_norm, 1.0 / c_norm, half, float(eps),
+        T, c_norm, half, float(eps),
         x.stride(0), cos_arg.stride(0), sin_arg.stride(0), normed.stride(0), max(1, roped.stride(0)),
         ROWS=rows, BLOCK_N=block_n, BLOCK_H=triton.next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
@@ -597,10 +599,13 @@ def _broadcast_strides(t, dims):
 
 
 def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
-                          ln_eps=0.0, rows_per_program=None, num_warps=None, complex_mul=None):
+                          ln_eps=0.0, rows_per_program=None, num_warps=None, complex_mul=None,
+                          reciprocal_scale=None):
     """Triton launcher of `rope_quant_fp8` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
     `complex_mul` ((real, imaginary) `LANE_ROUNDINGS` names, default `CUDA_COMPLEX_MUL`) picks the rounding of
-    the complex product; the GPU benchmark compares them against eager CUDA."""
+    the complex product; the GPU benchmark compares them against eager CUDA. `reciprocal_scale` (default: on
+    CUDA) computes the scale as amax * fp32(1/448), as eager CUDA's division by a Python scalar does; otherwise
+    amax / 448, as eager CPU does."""
     _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps)
     width = x.shape[-1]
     quantized = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -621,6 +626,8 @@ def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, 
         INTERLEAVED=bool(interleaved), LAYER_NORM=layer_norm, UE8M0=bool(ue8m0),
         REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, MANUAL_FP8_RNE=interpreting(),
+        RECIPROCAL_SCALE=x.is_cuda if reciprocal_scale is None else bool(reciprocal_scale),
+        INV_FP8_MAX=float(torch.tensor(1.0, dtype=torch.float32) / 448.0),
         num_warps=num_warps or default_num_warps(width, rows), **COMPILE_OPTIONS)
     return quantized, scale
 

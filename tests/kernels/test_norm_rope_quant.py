@@ -431,10 +431,10 @@ def _indexer_rows(dtype, heads=3, seq=5, batch=2, dim=32, c_rope=8, seed=5):
     return x.to(DEVICE), freqs.to(DEVICE), weight.to(DEVICE), bias.to(DEVICE)
 
 
-def _official_indexer_path(x, freqs, interleaved, block, ue8m0, layer_norm=None, complex_mul=None):
+def _official_indexer_path(x, freqs, interleaved, block, ue8m0, layer_norm=None, complex_mul=None, quantize=None):
     """`quantize_fp8_blockwise(cat([rope(x[..., :C]), x[..., C:]]))` as `DsfuseIndexer` computes it (the RoPE
     from models/official.py), or with the complex product's (real, imaginary) lanes in named roundings
-    (`complex_mul`, `LANE_ROUNDINGS` names)."""
+    (`complex_mul`, `LANE_ROUNDINGS` names), or another `quantize(rows, block, scale_fmt)`."""
     from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved, quantize_fp8_blockwise
 
     if layer_norm is not None:
@@ -449,7 +449,19 @@ def _official_indexer_path(x, freqs, interleaved, block, ue8m0, layer_norm=None,
         c, s = freqs.real[None, :, None, :], freqs.imag[None, :, None, :]
         real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), complex_mul))
         roped = torch.stack([real, imag], -1 if interleaved else -2).flatten(-2).to(x.dtype)
-    return quantize_fp8_blockwise(torch.cat([roped, x[..., c_rope:]], -1), block, "ue8m0" if ue8m0 else None)
+    return (quantize or quantize_fp8_blockwise)(torch.cat([roped, x[..., c_rope:]], -1), block,
+                                                "ue8m0" if ue8m0 else None)
+
+
+def _quantize_as_eager_cuda(x, block, scale_fmt):
+    """`quantize_fp8_blockwise` as eager CUDA runs it: `amax / 448` (a Python scalar) becomes a multiply by the
+    fp32 reciprocal there; `x / scale` (a tensor) stays a division."""
+    blocks = x.float().unflatten(-1, (-1, block))
+    scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) * (torch.tensor(1.0) / 448.0)
+    if scale_fmt == "ue8m0":
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    quantized = (blocks / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return quantized.flatten(-2), scale
 
 
 def _rows_freqs(freqs):
@@ -503,6 +515,20 @@ def test_rope_quant_kernel_bit_exact_in_each_complex_rounding(dtype, interleaved
             torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=0)  # ue8m0: equal (power of two)
         else:
             _assert_fp8_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+def test_rope_quant_cuda_scale_rule_is_eager_cudas(dtype):
+    """The CUDA setting (`reciprocal_scale`, on by default for CUDA tensors) reproduces eager CUDA's `amax / 448`
+    (a multiply by fp32(1/448)); through the interpreter here, against the source run that way."""
+    x, freqs, _, _ = _indexer_rows(dtype, heads=8, seq=16)
+    complex_mul = ("rounded", "rounded")
+    got = rope_quant_fp8_triton(x, _rows_freqs(freqs), 0, False, 16, False, complex_mul=complex_mul,
+                                reciprocal_scale=True)
+    _assert_fp8_equal(got, _official_indexer_path(x, freqs, False, 16, False, None, complex_mul,
+                                                  quantize=_quantize_as_eager_cuda))
+    divided = _official_indexer_path(x, freqs, False, 16, False, None, complex_mul)
+    assert not torch.equal(got[1], divided[1])  # the two scale rules differ on these rows
 
 
 def test_complex_roundings_differ_so_each_test_can_fail():
@@ -581,7 +607,8 @@ pointers = {"x_ptr": "*bf16", "f_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*
 found = {}
 for mode, layer_norm in ((0, True), (1, False)):
     consts = dict(ROWS=8, NB_P2=1, BS=128, INTERLEAVED=False, LAYER_NORM=layer_norm, UE8M0=True, REAL_MUL=mode,
-                  IMAG_MUL=mode, MANUAL_BF16_RNE=False, MANUAL_FP8_RNE=False)
+                  IMAG_MUL=mode, MANUAL_BF16_RNE=False, MANUAL_FP8_RNE=False, RECIPROCAL_SCALE=bool(mode),
+                  INV_FP8_MAX=1.0 / 448.0)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n.endswith("eps") else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr" and sig[n] != "fp32"}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -592,8 +619,9 @@ print(json.dumps(found))
 
 
 def test_sm90_ptx_quantises_with_true_divisions_and_rne():
-    """Scales and x / scale are IEEE divisions (`div.rn`, not Triton's default approximate `div.full`), the
-    e4m3 cast rounds to nearest even after the clamp, and only the chosen complex rounding uses an FMA."""
+    """x / scale is an IEEE division (`div.rn`, not Triton's default approximate `div.full`), and so is
+    amax / 448 under the CPU rule (the CUDA rule multiplies by the reciprocal, `mul.rn`); the e4m3 cast rounds
+    to nearest even after the clamp, and only the chosen complex rounding uses an FMA."""
     import json
     import os
     import subprocess
