@@ -141,8 +141,8 @@ def mismatches(got, want):
     return out
 
 
-def variant_label(variant, c_norm):
-    rows = variant[0] if variant else nrq.default_rows(c_norm)
+def variant_label(variant, c_norm, default_rows=None):
+    rows = variant[0] if variant else (default_rows or nrq.default_rows(c_norm))
     warps = variant[1] if variant else nrq.default_num_warps(c_norm, rows)
     return f"dsfuse rows={rows} warps={warps}" + (" (default)" if variant is None else "")
 
@@ -410,7 +410,9 @@ def run_own_quant_case(name, heads, dim, c_rope, layer_norm, copy_gbps, variants
     roundings = [(m, m) for m in nrq.LANE_ROUNDINGS if (m, m) != shipped] + [shipped]
     launches = [(None, rounding) for rounding in roundings] + [(v, None) for v in variants if v]
     for variant, rounding in launches:
-        label = variant_label(variant, dim) + (f" {'/'.join(rounding)}" if rounding else "")
+        n_rows = x.shape[0] * x.shape[1] * x.shape[2]
+        label = (variant_label(variant, dim, nrq.rope_quant_default_rows(n_rows, dim))
+                 + (f" {'/'.join(rounding)}" if rounding else ""))
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
         kwargs["complex_mul"] = rounding
         try:

@@ -598,6 +598,13 @@ def _broadcast_strides(t, dims):
     return [0 if t.shape[d] == 1 else t.stride(d) for d in range(dims)]
 
 
+def rope_quant_default_rows(n_rows, width):
+    """Rows per program of `rope_quant_fp8`. H200 (run 13, width 128): 16 for the indexer query's 1M rows
+    (309 µs against 452 with 8 and 347 with 32), the width's default (8) for the key's 16K rows (10.8 µs
+    against 18.9 with 32)."""
+    return 16 if n_rows >= 1 << 18 and width <= 128 else default_rows(width)
+
+
 def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
                           ln_eps=0.0, rows_per_program=None, num_warps=None, complex_mul=None,
                           reciprocal_scale=None):
@@ -615,7 +622,7 @@ def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, 
         return quantized, scale
     pairs = torch.view_as_real(freqs)  # [..., C_rope/2, 2] fp32 (cos, sin), a view
     real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
-    rows = rows_per_program or default_rows(width)
+    rows = rows_per_program or rope_quant_default_rows(n_rows, width)
     n_blocks = width // block_size
     layer_norm = ln_weight is not None
     _rope_quant_fp8_kernel[(triton.cdiv(n_rows, rows),)](
