@@ -147,6 +147,29 @@ def variant_label(variant, c_norm, default_rows=None):
     return f"dsfuse rows={rows} warps={warps}" + (" (default)" if variant is None else "")
 
 
+def launch_variant(case, name, label, launch):
+    """One launch of a kernel variant; a failure (compile error, OOM) is recorded in the case and logged, and
+    gives None so the other variants still run."""
+    try:
+        out = launch()
+        torch.cuda.synchronize()
+        return out
+    except Exception as exc:
+        case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log(f"{name} {label}: failed {case['variants'][label]['error']}")
+        return None
+
+
+def time_providers(case, name, providers, nbytes, copy_gbps):
+    """Host-inclusive and CUDA-graph µs of every provider, its GB/s and fraction of the copy ceiling."""
+    for provider, fn in providers.items():
+        host_us, graph_us = time_both(fn)
+        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
+        gbps = nbytes / graph_us / 1e3 if graph_us else None
+        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
+    save()
+
+
 def run_case(name, c_proj, c_norm, c_rope, interleaved, copy_gbps, variants, dtype=torch.bfloat16,
              with_compile=True):
     x, w, cos, sin = make_case(c_proj, c_norm, c_rope, dtype)
@@ -168,23 +191,14 @@ def run_case(name, c_proj, c_norm, c_rope, interleaved, copy_gbps, variants, dty
     for variant in variants:
         label = variant_label(variant, c_norm)
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
-        try:
-            out = nrq.rmsnorm_rope_triton(*args, **kwargs)
-            torch.cuda.synchronize()
-        except Exception as exc:
-            case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            log(f"{name} {label}: failed {case['variants'][label]['error']}")
+        out = launch_variant(case, name, label, lambda: nrq.rmsnorm_rope_triton(*args, **kwargs))
+        if out is None:
             continue
         check = {"vs_hf": mismatches(out, hf) if hf else None, "vs_reference": mismatches(out, ref)}
         case["variants"][label] = check
         log(f"{name} {label}: mismatches [normed, roped] vs HF {check['vs_hf']}, vs reference {check['vs_reference']}")
         providers[label] = lambda kwargs=kwargs: nrq.rmsnorm_rope_triton(*args, **kwargs)
-    for provider, fn in providers.items():
-        host_us, graph_us = time_both(fn)
-        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
-        gbps = nbytes / graph_us / 1e3 if graph_us else None
-        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
-    save()
+    time_providers(case, name, providers, nbytes, copy_gbps)
 
 
 def hf_query(q, cos, sin, c_pass, interleaved):
@@ -226,12 +240,9 @@ def run_rope_cat_case(name, heads, c_pass, c_rope, interleaved, copy_gbps, varia
     for variant in variants:
         label = variant_label(variant, width)
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
-        try:
-            out = nrq.rope_cat_triton(q, cos4, sin4, start, interleaved, **kwargs)
-            torch.cuda.synchronize()
-        except Exception as exc:
-            case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            log(f"{name} {label}: failed {case['variants'][label]['error']}")
+        out = launch_variant(case, name, label,
+                             lambda: nrq.rope_cat_triton(q, cos4, sin4, start, interleaved, **kwargs))
+        if out is None:
             continue
         ref = nrq.rope_cat_reference(q, cos4, sin4, start, interleaved)
         check = {"vs_hf": [None, mismatches([out], [want])[0]] if want is not None else None,
@@ -239,12 +250,7 @@ def run_rope_cat_case(name, heads, c_pass, c_rope, interleaved, copy_gbps, varia
         case["variants"][label] = check
         log(f"{name} {label}: mismatches vs HF {check['vs_hf']}, vs reference {check['vs_reference']}")
         providers[label] = lambda kwargs=kwargs: nrq.rope_cat_triton(q, cos4, sin4, start, interleaved, **kwargs)
-    for provider, fn in providers.items():
-        host_us, graph_us = time_both(fn)
-        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
-        gbps = nbytes / graph_us / 1e3 if graph_us else None
-        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
-    save()
+    time_providers(case, name, providers, nbytes, copy_gbps)
 
 
 def hf_key(k, weight, bias, cos, sin, layer_norm=torch.nn.functional.layer_norm):
@@ -295,12 +301,8 @@ def run_key_case(name, dim, c_rope, copy_gbps, variants, with_compile=True):
     for variant in variants:
         label = variant_label(variant, dim)
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
-        try:
-            out = nrq.rope_cat_triton(*args, **kwargs)
-            torch.cuda.synchronize()
-        except Exception as exc:
-            case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            log(f"{name} {label}: failed {case['variants'][label]['error']}")
+        out = launch_variant(case, name, label, lambda: nrq.rope_cat_triton(*args, **kwargs))
+        if out is None:
             continue
         check = {"vs_hf": [None, mismatches([out], [want])[0]] if want is not None else None,
                  "vs_hf_decomposed": mismatches([out], [want_decomposed])[0] if want is not None else None,
@@ -309,12 +311,7 @@ def run_key_case(name, dim, c_rope, copy_gbps, variants, with_compile=True):
         log(f"{name} {label}: mismatches vs HF {check['vs_hf']}, vs HF with decomposed LayerNorm "
             f"{check['vs_hf_decomposed']}, vs reference {check['vs_reference']}")
         providers[label] = lambda kwargs=kwargs: nrq.rope_cat_triton(*args, **kwargs)
-    for provider, fn in providers.items():
-        host_us, graph_us = time_both(fn)
-        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
-        gbps = nbytes / graph_us / 1e3 if graph_us else None
-        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
-    save()
+    time_providers(case, name, providers, nbytes, copy_gbps)
 
 
 def own_indexer_source(x, freqs, c_rope, ln_weight=None, ln_bias=None, scale_fmt=None):
@@ -415,28 +412,20 @@ def run_own_quant_case(name, heads, dim, c_rope, layer_norm, copy_gbps, variants
                  + (f" {'/'.join(rounding)}" if rounding else ""))
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
         kwargs["complex_mul"] = rounding
-        try:
-            out = nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, False, *ln_args, **kwargs)
-            check = {"vs_source": fp8_mismatches(out, want, c_rope)}
-            if variant is None and rounding == shipped:
-                check["ue8m0_vs_source"] = fp8_mismatches(
-                    nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, True, *ln_args, **kwargs), want_ue8m0)
-            torch.cuda.synchronize()
-        except Exception as exc:
-            case["variants"][label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            log(f"{name} {label}: failed {case['variants'][label]['error']}")
+        out = launch_variant(case, name, label,
+                             lambda: nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, False, *ln_args, **kwargs))
+        if out is None:
             continue
+        check = {"vs_source": fp8_mismatches(out, want, c_rope)}
+        if variant is None and rounding == shipped:
+            check["ue8m0_vs_source"] = fp8_mismatches(
+                nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, True, *ln_args, **kwargs), want_ue8m0)
         case["variants"][label] = check
         log(f"{name} {label}: {check}")
         if rounding in (None, shipped):
             providers[label] = lambda kwargs=kwargs: nrq.rope_quant_fp8_triton(x, freqs4, 0, False, dim, False,
                                                                                *ln_args, **kwargs)
-    for provider, fn in providers.items():
-        host_us, graph_us = time_both(fn)
-        case["us"][provider] = {"host_inclusive": host_us, "cuda_graph": graph_us}
-        gbps = nbytes / graph_us / 1e3 if graph_us else None
-        ROWS.append((name, provider, host_us, graph_us, gbps, gbps / copy_gbps if gbps else None))
-    save()
+    time_providers(case, name, providers, nbytes, copy_gbps)
 
 
 def fmt(v, spec):
