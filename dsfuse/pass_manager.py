@@ -53,9 +53,11 @@ class DsfusePassManager(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from dsfuse.passes import RUN_ORDER, PassContext, run_pass
+        from dsfuse.passes.graph_utils import inline_identity_lowerings
 
         self.ran = True
         graph_index = _report.current_graph()
+        inline_identity_lowerings(graph)
         for name in RUN_ORDER:
             if name in self.enabled:
                 ctx = PassContext(name=name, graph_index=graph_index)

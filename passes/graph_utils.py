@@ -3,6 +3,7 @@ and splicing a fused op into the graph (walking through layout ops lives in `dim
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -84,3 +85,29 @@ def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args:
     with fake_mode:
         node.meta["val"] = target(*fake_args[0], **fake_args[1])
     return node
+
+
+def _returns_its_input(node: torch.fx.Node) -> bool:
+    """A call of Inductor's `cat_splitwithsizes_replace` lowering: `split_with_sizes(cat(input_))` with the cat's
+    own sizes, left in the post-grad graph as a call that returns `input_` (seen under tensor-parallel plans)."""
+    target = getattr(node.target, "func", node.target)
+    return node.op == "call_function" and getattr(target, "__name__", "") == "cat_splitwithsizes_replace"
+
+
+def inline_identity_lowerings(graph: torch.fx.Graph) -> int:
+    """Replace each read of such a call by the input it returns, so a pass sees the tensors it splits apart
+    (HF's kv split under a TP plan); returns how many calls were removed."""
+    removed = 0
+    for node in list(graph.nodes):
+        if not _returns_its_input(node) or node.args or set(node.kwargs) != {"input_"}:
+            continue
+        parts = node.kwargs["input_"]
+        readers = list(node.users)
+        if not all(is_op(r, operator.getitem) and isinstance(r.args[1], int) for r in readers):
+            continue
+        for reader in readers:
+            reader.replace_all_uses_with(parts[reader.args[1]])
+            graph.erase_node(reader)
+        graph.erase_node(node)
+        removed += 1
+    return removed

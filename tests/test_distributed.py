@@ -43,6 +43,7 @@ def test_sharded_model_parity(checkpoint, tmp_path, world, ep):
     assert data["world"] == world
     assert all(error < 1e-5 for error in data["errors"]), data
     assert data["counts"]["indexer_topk"] == 2 and data["counts"]["sparse_attention"] == 2, data
+    assert data["counts"]["norm_rope_quant"] == 10, data  # the kv split too, behind Inductor's identity lowering
 
 
 def test_distributed_prefill_benchmark_runs_on_cpu(checkpoint, tmp_path):
