@@ -201,13 +201,18 @@ def _check_weight_dtype(x, norm_weight, weight_in_fp32):
                         "a different weight dtype would promote the output")
 
 
-def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0):
+def _validate_rows(op, x):
+    """x as the row ops take it: 4-D [A0, A1, A2, D] of a norm dtype, any strides but a contiguous last dim."""
     if x.dim() != 4:
-        raise ValueError(f"rope_cat: x must be 4-D [A0, A1, A2, D], got shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: x must be 4-D [A0, A1, A2, D], got shape {tuple(x.shape)}")
     if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"rope_cat: x dtype {x.dtype} not in {INPUT_DTYPES}")
+        raise TypeError(f"{op}: x dtype {x.dtype} not in {INPUT_DTYPES}")
     if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError("rope_cat: x's last dim must be contiguous")
+        raise ValueError(f"{op}: x's last dim must be contiguous")
+
+
+def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0):
+    _validate_rows("rope_cat", x)
     c_rope = cos.shape[-1]
     if c_rope < 2 or c_rope % 2:
         raise ValueError(f"rope_cat: rope width {c_rope} must be even and positive")
@@ -244,12 +249,7 @@ def _validate_layer_norm(op, x, ln_weight, ln_bias, ln_eps):
 
 
 def _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps):
-    if x.dim() != 4:
-        raise ValueError(f"rope_quant_fp8: x must be 4-D [A0, A1, A2, D], got shape {tuple(x.shape)}")
-    if x.dtype not in INPUT_DTYPES:
-        raise TypeError(f"rope_quant_fp8: x dtype {x.dtype} not in {INPUT_DTYPES}")
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise ValueError("rope_quant_fp8: x's last dim must be contiguous")
+    _validate_rows("rope_quant_fp8", x)
     if freqs.dtype != torch.complex64:
         raise TypeError(f"rope_quant_fp8: freqs must be complex64, got {freqs.dtype}")
     if freqs.dim() != 4 or not all(f in (a, 1) for f, a in zip(freqs.shape[:-1], x.shape[:-1])):
