@@ -56,7 +56,10 @@ Without fusion every multiply, add and subtract is emitted as a separate `.rn` i
 the sm_90 PTX by the tests), so no rounding step can be folded away.
 """
 
-from typing import Optional
+import inspect
+import linecache
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 import triton
@@ -282,17 +285,17 @@ def _round_to(v, dtype, MANUAL_BF16_RNE: tl.constexpr):
 
 
 @triton.jit
-def _rmsnorm_rope_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, normed_ptr, roped_ptr,
+def _rmsnorm_rope_block(
+    pid, x_ptr, w_ptr, cos_ptr, sin_ptr, normed_ptr, roped_ptr,
     T, C_NORM, HALF, eps,
     sx, scos, ssin, snorm, srope,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr,
     MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """ROWS rows per program: the norm over C_NORM columns, then the rope over 2*HALF columns."""
+    """Program `pid`'s ROWS rows: the norm over C_NORM columns, then the rope over 2*HALF columns."""
     dtype = normed_ptr.dtype.element_ty
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
 
@@ -378,25 +381,25 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_r
 
 
 @triton.jit
-def _program_rows(N, A1, A2, ROWS: tl.constexpr):
-    """This program's ROWS rows of the flattened A0*A1*A2 rows: validity, flat index, and the 3-D index."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _program_rows(pid, N, A1, A2, ROWS: tl.constexpr):
+    """Program `pid`'s ROWS rows of the flattened A0*A1*A2 rows: validity, flat index, and the 3-D index."""
+    rows = pid * ROWS + tl.arange(0, ROWS)
     r = rows.to(tl.int64)
     return rows < N, r, r // A2 // A1, (r // A2) % A1, r % A2
 
 
 @triton.jit
-def _rope_cat_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, lnw_ptr, lnb_ptr,
+def _rope_cat_block(
+    pid, x_ptr, cos_ptr, sin_ptr, out_ptr, lnw_ptr, lnb_ptr,
     N, A1, A2, D, R0, HALF, ln_eps,
     sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program: the columns outside
+    """Program `pid`'s ROWS rows (of the A0*A1*A2 rows of a strided 4-D x): the columns outside
     [R0, R0 + 2*HALF) copied (LayerNorm'd with LAYER_NORM), those inside RoPE'd, into a contiguous output."""
     dtype = out_ptr.dtype.element_ty
-    row_ok, r, i0, i1, i2 = _program_rows(N, A1, A2, ROWS)
+    row_ok, r, i0, i1, i2 = _program_rows(pid, N, A1, A2, ROWS)
     x_rows = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
     out_rows = out_ptr + r * D
     cols = tl.arange(0, BLOCK_D)
@@ -446,8 +449,8 @@ def _power_of_two_ceil(scale):
 
 
 @triton.jit
-def _rope_quant_fp8_kernel(
-    x_ptr, f_ptr, q_ptr, s_ptr, lnw_ptr, lnb_ptr,
+def _rope_quant_fp8_block(
+    pid, x_ptr, f_ptr, q_ptr, s_ptr, lnw_ptr, lnb_ptr,
     N, A1, A2, D, R0, HALF, NB, ln_eps,
     sx0, sx1, sx2, sf0, sf1, sf2, sfj,
     ROWS: tl.constexpr, NB_P2: tl.constexpr, BS: tl.constexpr,
@@ -456,11 +459,11 @@ def _rope_quant_fp8_kernel(
     MANUAL_BF16_RNE: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr, RECIPROCAL_SCALE: tl.constexpr,
     INV_FP8_MAX: tl.constexpr,
 ):
-    """ROWS rows (of the A0*A1*A2 rows of a strided 4-D x) per program, each as an [NB, BS] tile of its
+    """Program `pid`'s ROWS rows (of the A0*A1*A2 rows of a strided 4-D x), each as an [NB, BS] tile of its
     D = NB*BS columns: LayerNorm (optional), complex-multiply RoPE of columns [R0, R0 + 2*HALF) in fp32,
     rounding to x's dtype, then per-block amax -> scale -> e4m3."""
     dtype = x_ptr.dtype.element_ty
-    row_ok, r, i0, i1, i2 = _program_rows(N, A1, A2, ROWS)
+    row_ok, r, i0, i1, i2 = _program_rows(pid, N, A1, A2, ROWS)
     x_rows = (x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None, None]
     f_rows = (f_ptr + i0 * sf0 + i1 * sf1 + i2 * sf2)[:, None, None]
     blocks = tl.arange(0, NB_P2)
@@ -540,10 +543,10 @@ def default_num_warps(width, rows):
     return 4 if triton.next_power_of_2(width) * rows <= 4096 else 8
 
 
-def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None,
-                        num_warps=None):
-    """Triton launcher (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); one launch, no host sync.
-    `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them)."""
+def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None,
+                        num_warps=None) -> "BlockLaunch":
+    """`rmsnorm_rope`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), its outputs
+    allocated. `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them)."""
     _validate(x, norm_weight, eps, cos, sin)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
@@ -551,46 +554,59 @@ def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
     c_rope = width - c_norm
     normed = torch.empty((T, c_norm), dtype=x.dtype, device=x.device)
     roped = torch.empty((T, c_rope), dtype=x.dtype, device=x.device)
-    if T == 0:
-        return normed, roped
     rows = rows_per_program or default_rows(c_norm)
     has_rope = c_rope > 0
     cos_arg = cos if has_rope else x
     sin_arg = sin if has_rope else x
     half = c_rope // 2
-    block_n = triton.next_power_of_2(c_norm)
-    _rmsnorm_rope_kernel[(triton.cdiv(T, rows),)](
+    return BlockLaunch.bind(
+        _rmsnorm_rope_block, triton.cdiv(T, rows), num_warps or default_num_warps(c_norm, rows), (normed, roped),
         x, norm_weight, cos_arg, sin_arg, normed, roped,
         T, c_norm, half, float(eps),
         x.stride(0), cos_arg.stride(0), sin_arg.stride(0), normed.stride(0), max(1, roped.stride(0)),
-        ROWS=rows, BLOCK_N=block_n, BLOCK_H=triton.next_power_of_2(max(half, 1)),
+        ROWS=rows, BLOCK_N=triton.next_power_of_2(c_norm), BLOCK_H=triton.next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
-        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
-        num_warps=num_warps or default_num_warps(c_norm, rows), **COMPILE_OPTIONS)
-    return normed, roped
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
 
 
-def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                    rows_per_program=None, num_warps=None):
-    """Triton launcher of `rope_cat` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
+def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None,
+                        num_warps=None):
+    """One launch of `rmsnorm_rope`, no host sync."""
+    return launch_blocks([rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32,
+                                              rows_per_program, num_warps)])[0]
+
+
+def rope_cat_default_rows(n_rows, width):
+    """Rows per program of `rope_cat`: 16 for the query's million-row case, where it measured fastest on the
+    H200 (run 8, width 192: 66 µs against 87 with 8), else the width's default."""
+    return 16 if n_rows >= 1 << 18 and width <= 256 else default_rows(width)
+
+
+def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
+                    rows_per_program=None, num_warps=None) -> "BlockLaunch":
+    """`rope_cat`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
-    if n_rows == 0:
-        return out
     width = x.shape[3]
-    rows = rows_per_program or default_rows(width)
+    rows = rows_per_program or rope_cat_default_rows(n_rows, width)
     half = cos.shape[-1] // 2
     layer_norm = ln_weight is not None
-    _rope_cat_kernel[(triton.cdiv(n_rows, rows),)](
+    return BlockLaunch.bind(
+        _rope_cat_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
         x, cos, sin, out, ln_weight if layer_norm else x, ln_bias if layer_norm else x,
         n_rows, x.shape[1], x.shape[2], width, rope_start, half, float(ln_eps),
         *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
         ROWS=rows, BLOCK_D=triton.next_power_of_2(width), BLOCK_H=triton.next_power_of_2(half),
         INTERLEAVED=bool(interleaved), LAYER_NORM=layer_norm,
-        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
-        num_warps=num_warps or default_num_warps(width, rows), **COMPILE_OPTIONS)
-    return out
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
+
+
+def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
+                    rows_per_program=None, num_warps=None):
+    """One launch of `rope_cat`."""
+    return launch_blocks([rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps,
+                                          rows_per_program, num_warps)])[0][0]
 
 
 def _broadcast_strides(t, dims):
@@ -605,10 +621,10 @@ def rope_quant_default_rows(n_rows, width):
     return 16 if n_rows >= 1 << 18 and width <= 128 else default_rows(width)
 
 
-def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
+def rope_quant_fp8_launch(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
                           ln_eps=0.0, rows_per_program=None, num_warps=None, complex_mul=None,
-                          reciprocal_scale=None):
-    """Triton launcher of `rope_quant_fp8` (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+                          reciprocal_scale=None) -> "BlockLaunch":
+    """`rope_quant_fp8`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
     `complex_mul` ((real, imaginary) `LANE_ROUNDINGS` names, default `CUDA_COMPLEX_MUL`) picks the rounding of
     the complex product; the GPU benchmark compares them against eager CUDA. `reciprocal_scale` (default: on
     CUDA) computes the scale as amax * fp32(1/448), as eager CUDA's division by a Python scalar does; otherwise
@@ -618,14 +634,14 @@ def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, 
     quantized = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((*x.shape[:-1], width // block_size), dtype=torch.float32, device=x.device)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
-    if n_rows == 0:
-        return quantized, scale
     pairs = torch.view_as_real(freqs)  # [..., C_rope/2, 2] fp32 (cos, sin), a view
     real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
     rows = rows_per_program or rope_quant_default_rows(n_rows, width)
     n_blocks = width // block_size
     layer_norm = ln_weight is not None
-    _rope_quant_fp8_kernel[(triton.cdiv(n_rows, rows),)](
+    return BlockLaunch.bind(
+        _rope_quant_fp8_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows),
+        (quantized, scale),
         x, pairs, quantized, scale, ln_weight if layer_norm else x, ln_bias if layer_norm else x,
         n_rows, x.shape[1], x.shape[2], width, rope_start, freqs.shape[-1], n_blocks, float(ln_eps),
         *x.stride()[:3], *_broadcast_strides(pairs, 3), pairs.stride(3),
@@ -634,9 +650,88 @@ def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, 
         REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, MANUAL_FP8_RNE=interpreting(),
         RECIPROCAL_SCALE=x.is_cuda if reciprocal_scale is None else bool(reciprocal_scale),
-        INV_FP8_MAX=float(torch.tensor(1.0, dtype=torch.float32) / 448.0),
-        num_warps=num_warps or default_num_warps(width, rows), **COMPILE_OPTIONS)
-    return quantized, scale
+        INV_FP8_MAX=float(torch.tensor(1.0, dtype=torch.float32) / 448.0))
+
+
+def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
+                          ln_eps=0.0, rows_per_program=None, num_warps=None, complex_mul=None,
+                          reciprocal_scale=None):
+    """One launch of `rope_quant_fp8` (see `rope_quant_fp8_launch` for the keyword arguments)."""
+    return launch_blocks([rope_quant_fp8_launch(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight,
+                                                ln_bias, ln_eps, rows_per_program, num_warps, complex_mul,
+                                                reciprocal_scale)])[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Launch groups: several independent ops of one layer in one kernel launch
+# --------------------------------------------------------------------------------------------
+@dataclass
+class BlockLaunch:
+    """One op's share of a launch: a block function `(pid, *params)`, how many programs it needs, the values
+    of its parameters (by name), its preferred warps per program and its (already allocated) outputs."""
+
+    block: Any
+    programs: int
+    params: dict
+    num_warps: int
+    outputs: tuple
+
+    @classmethod
+    def bind(cls, block, programs, num_warps, outputs, *args, **kwargs) -> "BlockLaunch":
+        names = list(inspect.signature(block.fn).parameters)[1:]  # every parameter after `pid`
+        return cls(block, programs, {**dict(zip(names, args)), **kwargs}, num_warps, outputs)
+
+
+_GROUP_KERNELS: dict[tuple[str, ...], Any] = {}
+
+
+def _group_kernel(blocks: tuple) -> Any:
+    """A kernel that runs `blocks[i]` on its i-th range of programs (the ranges start at `START_i`), generated
+    once per sequence of block functions. The source lives in `linecache`, where Triton reads it."""
+    key = tuple(block.fn.__name__ for block in blocks)
+    if key in _GROUP_KERNELS:
+        return _GROUP_KERNELS[key]
+    name = "_launch" + "".join(k.removesuffix("_block") for k in key)
+    params = [f"START_{i}" for i in range(1, len(blocks))]
+    calls = []
+    for i, block in enumerate(blocks):
+        block_params = list(inspect.signature(block.fn).parameters.values())[1:]
+        params += [f"m{i}_{p.name}" + (": tl.constexpr" if p.annotation is tl.constexpr else "")
+                   for p in block_params]
+        pid = "pid" if i == 0 else f"pid - START_{i}"
+        calls.append(f"_block{i}({pid}, {', '.join(f'm{i}_{p.name}' for p in block_params)})")
+    body = ["    pid = tl.program_id(0)"]
+    if len(calls) == 1:
+        body.append(f"    {calls[0]}")
+    else:
+        for i, call in enumerate(calls):
+            keyword = "if" if i == 0 else "elif" if i < len(calls) - 1 else "else"
+            condition = f" pid < START_{i + 1}" if keyword != "else" else ""
+            body += [f"    {keyword}{condition}:", f"        {call}"]
+    source = "\n".join(["@triton.jit", f"def {name}({', '.join(params)}):", *body]) + "\n"
+    filename = f"<dsfuse {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": __name__, "triton": triton, "tl": tl,
+                 **{f"_block{i}": block for i, block in enumerate(blocks)}}
+    exec(compile(source, filename, "exec"), namespace)
+    _GROUP_KERNELS[key] = namespace[name]
+    return namespace[name]
+
+
+def launch_blocks(launches: list[BlockLaunch]) -> list[tuple]:
+    """Run every launch's block in one kernel launch (programs laid end to end; one with no programs is left
+    out) and return each launch's outputs, in order. No host sync."""
+    busy = [launch for launch in launches if launch.programs > 0]
+    if busy:
+        kwargs, start = {}, 0
+        for i, launch in enumerate(busy):
+            if i:
+                kwargs[f"START_{i}"] = start
+            start += launch.programs
+            kwargs.update({f"m{i}_{name}": value for name, value in launch.params.items()})
+        kernel = _group_kernel(tuple(launch.block for launch in busy))
+        kernel[(start,)](**kwargs, num_warps=max(launch.num_warps for launch in busy), **COMPILE_OPTIONS)
+    return [launch.outputs for launch in launches]
 
 
 # --------------------------------------------------------------------------------------------
@@ -718,6 +813,83 @@ def _rope_quant_fp8_cuda(x, freqs, rope_start, interleaved, block_size, ue8m0, l
     return rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight, ln_bias, ln_eps)
 
 
+GROUP_MEMBERS = ("rmsnorm_rope", "rope_cat", "rope_quant_fp8")
+_MEMBER_LAUNCHES = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_launch,
+                    "rope_quant_fp8": rope_quant_fp8_launch}
+
+
+def group_member_args(op: str, tensors: list, ints: list, floats: list) -> tuple[list, list, list, list]:
+    """The arguments of member `op` taken from the front of a group's three lists, in `op`'s schema order, and
+    what is left of the lists. Tensors (or None) come from `tensors`, ints and bools from `ints`, floats from
+    `floats`."""
+    args = []
+    for argument in getattr(torch.ops.dsfuse, op).default._schema.arguments:
+        kind = str(argument.type)
+        if "Tensor" in kind:
+            args.append(tensors[0])
+            tensors = tensors[1:]
+        elif kind == "float":
+            args.append(floats[0])
+            floats = floats[1:]
+        elif kind in ("int", "SymInt", "bool"):
+            args.append(bool(ints[0]) if kind == "bool" else ints[0])
+            ints = ints[1:]
+        else:
+            raise TypeError(f"norm_rope_group: member {op} has an argument of type {kind}")
+    return args, tensors, ints, floats
+
+
+def split_group(members: str, tensors: list, ints: list, floats: list) -> list[tuple[str, list]]:
+    """(op, arguments) for each member of a `norm_rope_group` call; checks the names and that every list
+    is used up."""
+    ops = members.split(",")
+    unknown = [op for op in ops if op not in GROUP_MEMBERS]
+    if unknown:
+        raise ValueError(f"norm_rope_group: unknown member(s) {unknown}; members are {', '.join(GROUP_MEMBERS)}")
+    calls = []
+    for op in ops:
+        try:
+            args, tensors, ints, floats = group_member_args(op, tensors, ints, floats)
+        except IndexError:
+            raise ValueError(f"norm_rope_group: too few arguments for member {op} of {members!r}") from None
+        calls.append((op, args))
+    if tensors or ints or floats:
+        raise ValueError(f"norm_rope_group: {len(tensors)} tensor, {len(ints)} int and {len(floats)} float "
+                         f"argument(s) left over after the members {members!r}")
+    return calls
+
+
+def _flat_outputs(outputs) -> list[torch.Tensor]:
+    return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+
+
+@torch.library.custom_op("dsfuse::norm_rope_group", mutates_args=())
+def norm_rope_group(members: str, tensors: list[Optional[torch.Tensor]], ints: list[int],
+                    floats: list[float]) -> list[torch.Tensor]:
+    """Several independent glue ops of one layer (`members`: comma-separated names from `GROUP_MEMBERS`) in one
+    kernel launch on CUDA. Each member's arguments are its op's, in schema order, spread over `tensors`
+    (tensors and None), `ints` (ints and bools) and `floats`; the result is every member's outputs, in order.
+    On CPU each member op runs as itself (its reference)."""
+    outputs = []
+    for op, args in split_group(members, tensors, ints, floats):
+        outputs += _flat_outputs(getattr(torch.ops.dsfuse, op)(*args))
+    return outputs
+
+
+@norm_rope_group.register_fake
+def _norm_rope_group_fake(members, tensors, ints, floats):
+    outputs = []
+    for op, args in split_group(members, tensors, ints, floats):
+        outputs += _flat_outputs(getattr(torch.ops.dsfuse, op)(*args))
+    return outputs
+
+
+@norm_rope_group.register_kernel("cuda")
+def _norm_rope_group_cuda(members, tensors, ints, floats):
+    launches = [_MEMBER_LAUNCHES[op](*args) for op, args in split_group(members, tensors, ints, floats)]
+    return [out for outputs in launch_blocks(launches) for out in outputs]
+
+
 def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     """HBM traffic: read x, cos, sin (full tables; the interleaved form needs only their first halves) and
     the weight, write both outputs."""
@@ -725,7 +897,8 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     return T * (c_norm + c_rope) * itemsize * 2 + 2 * T * c_rope * cos_itemsize + c_norm * itemsize
 
 
-__all__ = ["COMPILE_OPTIONS", "bytes_moved", "complex_rope_reference", "default_num_warps", "default_rows",
-           "layer_norm_reference", "rmsnorm_rope", "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat",
-           "rope_cat_reference", "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_reference",
-           "rope_quant_fp8_triton", "rope_reference"]
+__all__ = ["BlockLaunch", "COMPILE_OPTIONS", "GROUP_MEMBERS", "bytes_moved", "complex_rope_reference",
+           "default_num_warps", "default_rows", "launch_blocks", "layer_norm_reference", "norm_rope_group",
+           "rmsnorm_rope", "rmsnorm_rope_launch", "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat",
+           "rope_cat_launch", "rope_cat_reference", "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_launch",
+           "rope_quant_fp8_reference", "rope_quant_fp8_triton", "rope_reference"]

@@ -29,10 +29,15 @@ class PassContext:
     graph_index: int = -1
     sites: list[Site] = field(default_factory=list)
     near_misses: list[NearMiss] = field(default_factory=list)
+    call_sites: dict[torch.fx.Node, int] = field(default_factory=dict)  # fused call -> index of its site
 
-    def site(self, anchor: torch.fx.Node | str, op: str, inputs: list[torch.fx.Node], detail: str = "") -> None:
+    def site(self, anchor: torch.fx.Node | str, op: str, inputs: list[torch.fx.Node], detail: str = "",
+             call: torch.fx.Node | None = None) -> None:
+        """Record a rewritten site; `call` (the fused call) lets a later step of the pass amend its detail."""
         from .graph_utils import describe
 
+        if call is not None:
+            self.call_sites[call] = len(self.sites)
         self.sites.append(Site(
             pass_name=self.name, graph=self.graph_index, anchor=str(anchor), op=op,
             inputs=tuple(describe(n) for n in inputs if n is not None), detail=detail,

@@ -79,7 +79,8 @@ def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args:
         node = graph.call_function(target, args, kwargs)
     flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.fx.Node)]
     fake_args = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
-    fake_mode = detect_fake_mode([n.meta["val"] for n in flat if isinstance(n.meta.get("val"), torch.Tensor)])
+    values = torch.utils._pytree.tree_leaves([n.meta.get("val") for n in flat])  # a list-valued node's tensors too
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     if fake_mode is None:
         raise RuntimeError(f"no fake mode found on the inputs of {target}")
     with fake_mode:

@@ -48,6 +48,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
 from .context import NoMatch, PassContext, rewrite_anchored
+from .norm_rope_quant_groups import group_launches
 from .graph_utils import (
     CONVERT,
     VIEW_OPS,
@@ -76,6 +77,7 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     # splits first (kv: norm + rope; q and indexer: rope + cat), then norms left on a projection output (q_a)
     rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match_split, _rewrite_split)
     rewrite_anchored(graph, ctx, (aten.pow.Tensor_Scalar,), _match_projection_norm, _rewrite_projection_norm)
+    group_launches(graph, ctx)  # then the independent calls of a layer into one launch each
 
 
 def _match_split(split: torch.fx.Node) -> dict:
@@ -332,7 +334,8 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     form = "interleaved" if m["interleaved"] else "half-split"
     rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
     ctx.site(split, "dsfuse.rmsnorm_rope", [m["proj"], m["weight"], m["cos"][0], m["sin"][0]],
-             detail=f"RMSNorm {m['c_norm']} ({rounding}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}")
+             detail=f"RMSNorm {m['c_norm']} ({rounding}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}",
+             call=fused)
 
 
 def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
@@ -503,7 +506,7 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
     if norm is not None:
         detail = f"LayerNorm {shape(m['x'])[-1]} (weight, bias, eps={norm['eps']:g}) + {detail}"
         inputs = [norm["input"], m["cos"][0], m["sin"][0], norm["weight"], norm["bias"]]
-    ctx.site(split, "dsfuse.rope_cat", inputs, detail=detail)
+    ctx.site(split, "dsfuse.rope_cat", inputs, detail=detail, call=fused)
 
 
 # --- the official indexer: complex-multiply RoPE + cat + fp8 per-block quantisation -------------------------
@@ -722,7 +725,7 @@ def _rewrite_rope_quant(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ct
     if norm is not None:
         detail = f"LayerNorm {shape(m['x'])[-1]} (weight, bias, eps={norm['eps']:g}) + {detail}"
         inputs = [norm["input"], m["freqs"], norm["weight"], norm["bias"]]
-    ctx.site(split, "dsfuse.rope_quant_fp8", inputs, detail=detail)
+    ctx.site(split, "dsfuse.rope_quant_fp8", inputs, detail=detail, call=fused)
 
 
 def _match_projection_norm(square: torch.fx.Node) -> dict:
@@ -757,4 +760,5 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
     graph.eliminate_dead_code()
     rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
     ctx.site(square, "dsfuse.rmsnorm_rope", [part, m["weight"]],
-             detail=f"RMSNorm {c_norm} ({rounding}) of a projection output, eps={m['eps']:g}, no RoPE")
+             detail=f"RMSNorm {c_norm} ({rounding}) of a projection output, eps={m['eps']:g}, no RoPE",
+             call=fused)

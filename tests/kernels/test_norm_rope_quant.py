@@ -184,11 +184,14 @@ from triton.backends.compiler import GPUTarget
 from dsfuse.kernels import norm_rope_quant as nrq
 
 found = {}
-for label, kernel_name, consts, options in json.loads(sys.argv[1]):
-    kernel = getattr(nrq, kernel_name)
+for label, members, options in json.loads(sys.argv[1]):
+    # the kernel a launch of these block functions runs (one block: a plain launch; more: a launch group)
+    kernel = nrq._group_kernel(tuple(getattr(nrq, block) for block, _ in members))
+    consts = {f"m{i}_{name}": value for i, (_, member) in enumerate(members) for name, value in member.items()}
     names = list(kernel.arg_names)
-    sig = {n: "constexpr" if n in consts else "*bf16" if n.endswith("_ptr") else "fp32" if n.endswith("eps") else "i32"
-           for n in names}
+    base = {n: re.sub(r"^m[0-9]+_", "", n) for n in names}
+    sig = {n: "constexpr" if n in consts else "*bf16" if base[n].endswith("_ptr") else
+           "fp32" if base[n].endswith("eps") else "i32" for n in names}
     # 16-divisible pointers and sizes, as the launch specialises them on the GPU (kv rows of 576, D = 192)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] in ("*bf16", "i32")}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
@@ -231,13 +234,17 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "LAYER_NORM": layer_norm,
                 "MANUAL_BF16_RNE": False}
 
+    q_a_norm = {**norm(True), "ROWS": 2, "BLOCK_N": 2048, "HAS_ROPE": False}
+
     found = _sm90_float_instructions([
-        ["norm_interleaved", "_rmsnorm_rope_kernel", norm(True), COMPILE_OPTIONS],
-        ["norm_half_split", "_rmsnorm_rope_kernel", norm(False), COMPILE_OPTIONS],
-        ["cat_interleaved", "_rope_cat_kernel", cat(True), COMPILE_OPTIONS],
-        ["cat_half_split", "_rope_cat_kernel", cat(False), COMPILE_OPTIONS],
-        ["cat_layer_norm_half_split", "_rope_cat_kernel", cat(False, layer_norm=True), COMPILE_OPTIONS],
-        ["fusion_on", "_rmsnorm_rope_kernel", norm(True), {"enable_fp_fusion": True}],
+        ["norm_interleaved", [["_rmsnorm_rope_block", norm(True)]], COMPILE_OPTIONS],
+        ["norm_half_split", [["_rmsnorm_rope_block", norm(False)]], COMPILE_OPTIONS],
+        ["cat_interleaved", [["_rope_cat_block", cat(True)]], COMPILE_OPTIONS],
+        ["cat_half_split", [["_rope_cat_block", cat(False)]], COMPILE_OPTIONS],
+        ["cat_layer_norm_half_split", [["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
+        ["layer_group", [["_rmsnorm_rope_block", norm(True)], ["_rmsnorm_rope_block", q_a_norm],
+                         ["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
+        ["fusion_on", [["_rmsnorm_rope_block", norm(True)]], {"enable_fp_fusion": True}],
     ])
     for label, ops in found.items():
         if label == "fusion_on":
@@ -600,8 +607,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from dsfuse.kernels import norm_rope_quant as nrq
 
-kernel = nrq._rope_quant_fp8_kernel
-names = list(kernel.arg_names)
+kernel = nrq._group_kernel((nrq._rope_quant_fp8_block,))
+names = [n.removeprefix("m0_") for n in kernel.arg_names]
 pointers = {"x_ptr": "*bf16", "f_ptr": "*fp32", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "lnw_ptr": "*fp32",
             "lnb_ptr": "*fp32"}
 found = {}
@@ -611,7 +618,8 @@ for mode, layer_norm in ((0, True), (1, False)):
                   INV_FP8_MAX=1.0 / 448.0)
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n.endswith("eps") else "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] != "constexpr" and sig[n] != "fp32"}
-    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    src = triton.compiler.ASTSource(fn=kernel, signature={f"m0_{n}": t for n, t in sig.items()},
+                                    constexprs={f"m0_{n}": v for n, v in consts.items()}, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **nrq.COMPILE_OPTIONS}).asm["ptx"]
     found[mode] = sorted(set(re.findall(r"\b(?:fma|mul|add|sub|div|cvt)\.[a-z0-9.]*(?:f32|e4m3x2)\b", ptx)))
 print(json.dumps(found))
@@ -641,3 +649,83 @@ def test_sm90_ptx_quantises_with_true_divisions_and_rne():
         assert all(".rn." in op for op in ops if op.split(".")[0] in ("mul", "add", "sub")), (mode, ops)
     assert not [op for op in found["0"] if op.startswith("fma")], found["0"]
     assert "fma.rn.f32" in found["1"], found["1"]
+
+
+# --------------------------------------------------------------------------------------------
+# Launch groups: independent glue ops of one layer in one kernel launch
+# --------------------------------------------------------------------------------------------
+def _layer_members(dtype, T=7):
+    """One of each member kind with odd sizes: a kv RMSNorm + RoPE, a q_a RMSNorm (no RoPE), an indexer key
+    LayerNorm + RoPE + cat, an official indexer query RoPE + fp8 quantisation, and an empty kv slice (T = 0)."""
+    x, w, cos, sin = _inputs(T, 48, 16, dtype, dyadic=False)
+    qa, qw, _, _ = _inputs(T, 40, 0, dtype, dyadic=False, seed=1)
+    k, lw, lb, kcos, ksin = _key_states(dtype, seq=T, exact_stats=False)
+    k4, kcos4, ksin4 = k.unsqueeze(2), kcos.unsqueeze(2), ksin.unsqueeze(2)
+    q, freqs, _, _ = _indexer_rows(dtype)
+    return [
+        ("rmsnorm_rope", (x, w, 1e-6, cos, sin, True, False)),
+        ("rmsnorm_rope", (qa, qw, 1e-5, None, None, True, dtype == torch.float32)),
+        ("rope_cat", (k4, kcos4, ksin4, 0, False, lw, lb, 1e-6)),
+        ("rope_quant_fp8", (q, _rows_freqs(freqs), 0, False, 16, True, None, None, 0.0)),
+        ("rmsnorm_rope", (x[:0], w, 1e-6, cos[:0], sin[:0], False, False)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_launch_group_equals_each_launch_alone(dtype):
+    """Every member's outputs from one grouped launch equal its own launch's, bit for bit (the same block code
+    on its own range of programs; a member with no rows launches nothing)."""
+    from dsfuse.kernels.norm_rope_quant import launch_blocks, rmsnorm_rope_launch, rope_cat_launch, rope_quant_fp8_launch
+
+    launches = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_launch,
+                "rope_quant_fp8": rope_quant_fp8_launch}
+    members = _layer_members(dtype)
+    grouped = launch_blocks([launches[op](*args) for op, args in members])
+    for (op, args), outputs in zip(members, grouped):
+        alone = launch_blocks([launches[op](*args)])[0]
+        assert len(outputs) == len(alone)
+        for got, want in zip(outputs, alone):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                               want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want), op
+
+
+def _group_args(members):
+    from dsfuse.kernels.norm_rope_quant import GROUP_MEMBERS
+
+    tensors, ints, floats = [], [], []
+    for op, args in members:
+        assert op in GROUP_MEMBERS
+        schema = getattr(torch.ops.dsfuse, op).default._schema
+        for argument, value in zip(schema.arguments, args):
+            kind = str(argument.type)
+            (tensors if "Tensor" in kind else floats if kind == "float" else ints).append(
+                int(value) if kind == "bool" else value)
+    return ",".join(op for op, _ in members), tensors, ints, floats
+
+
+def test_norm_rope_group_op_is_its_members_in_order():
+    """The group op's outputs are each member op's outputs in order; opcheck passes (fake and real agree)."""
+    from dsfuse.kernels.norm_rope_quant import norm_rope_group
+
+    members = _layer_members(torch.bfloat16)
+    got = norm_rope_group(*_group_args(members))
+    want = []
+    for op, args in members:
+        out = getattr(torch.ops.dsfuse, op)(*args)
+        want += list(out) if isinstance(out, tuple) else [out]
+    assert len(got) == len(want) == 9
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g.float(), w.float())
+    torch.library.opcheck(norm_rope_group, _group_args(members[:3]))
+
+
+def test_norm_rope_group_bad_input():
+    from dsfuse.kernels.norm_rope_quant import norm_rope_group
+
+    members, tensors, ints, floats = _group_args(_layer_members(torch.bfloat16)[:2])
+    with pytest.raises(ValueError, match="unknown member"):
+        norm_rope_group("rmsnorm_rope,layer_norm", tensors, ints, floats)
+    with pytest.raises(ValueError, match="too few arguments for member rmsnorm_rope"):
+        norm_rope_group(members, tensors[:-1], ints, floats)
+    with pytest.raises(ValueError, match="left over"):
+        norm_rope_group(members, tensors, ints, floats + [1e-6])

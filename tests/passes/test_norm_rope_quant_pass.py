@@ -158,6 +158,9 @@ def test_hf_tiny_model_one_site_per_layer_and_parity(dtype):
                       and "first part" in d],
     }
     assert {k: len(v) for k, v in kinds.items()} == dict.fromkeys(kinds, layers), details
+    # two launches per layer: the three sites on the first projections, then the two queries' RoPE + cat
+    together = {k: {d.split("; one launch with ")[1].split(" other")[0] for d in v} for k, v in kinds.items()}
+    assert together == {"kv": {"2"}, "q_a": {"2"}, "indexer_k": {"2"}, "query": {"1"}, "indexer_q": {"1"}}, details
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
 
@@ -250,6 +253,18 @@ def _key_inputs(dtype):
     bias = (0.2 * torch.randn(D_KEY, generator=g)).to(dtype)
     _, _, cos, sin = _data(dtype)
     return k_proj, weight, bias, cos, sin
+
+
+def _launches(gm):
+    """The glue kernels `gm` launches, each as the list of its member ops (a group lists several)."""
+    launches = []
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.dsfuse.norm_rope_group.default:
+            launches.append(node.args[0].split(","))
+        elif node.op == "call_function" and str(node.target).split(".")[:2] in (
+                ["dsfuse", "rmsnorm_rope"], ["dsfuse", "rope_cat"], ["dsfuse", "rope_quant_fp8"]):
+            launches.append([str(node.target).split(".")[1]])
+    return launches
 
 
 def _post_grad_graph(fn, args, require_var_mean=True):
@@ -378,7 +393,8 @@ def test_official_indexer_q_and_k_are_one_call_each(dtype, interleaved, scale_fm
     assert details[1].startswith(f"complex-multiply {form} RoPE 8 of the first part"), details
     assert all(other not in d and ("ue8m0" in d) == (scale_fmt == "ue8m0") for d in details), details
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.dsfuse.rope_quant_fp8.default) == 2
+    # q and k do not depend on each other: one launch
+    assert _launches(gm) == [["rope_quant_fp8", "rope_quant_fp8"]], _launches(gm)
     gone = (torch.ops.aten.view_as_complex.default, torch.ops.aten.amax.default, torch.ops.aten.cat.default,
             torch.ops.aten.var_mean.correction, torch.ops.aten.log2.default)
     assert not [t for t in targets if t in gone], targets
@@ -479,6 +495,9 @@ def test_own_tiny_model_sites_per_layer_and_parity():
     assert len([d for d in details if d.startswith("LayerNorm 32") and "complex-multiply half-split" in d]) == layers
     assert len([d for d in details if "projection output" in d]) == layers, details
     assert rep.counts["norm_rope_quant"] == 3 * layers and rep.counts["indexer_topk"] == layers, str(rep)
+    # the q_a norm and the indexer key share a launch; the indexer query (reads q_a's output) has its own
+    grouped = [d for d in details if "; one launch with 1 other site(s)" in d]
+    assert len(grouped) == 2 * layers and not [d for d in grouped if d.startswith("complex-multiply")], details
     misses = [m.reason for m in rep.near_misses if m.pass_name == "norm_rope_quant"]
     assert len(misses) == layers and all("complex-multiply RoPE" in m for m in misses), misses
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
