@@ -56,6 +56,7 @@ START = time.time()
 T = 16384
 DEVICE = "cuda"
 EPS = 1e-6
+HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
 BUDGET_S = 42  # cases not started by then are skipped (listed in the JSON) so the run stays under 60 s
 # launch variants (rows per program, warps); `None` = the launcher's default for the case
 KV_VARIANTS = (None, (1, 4), (2, 4), (4, 8), (8, 8), (16, 8))
@@ -314,6 +315,94 @@ def run_key_case(name, dim, c_rope, copy_gbps, variants, with_compile=True):
     time_providers(case, name, providers, nbytes, copy_gbps)
 
 
+def hf_rmsnorm(x, weight):
+    """`DeepseekV32RMSNorm.forward` as a function (compilable without building a module per call)."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def hf_layer_first_glue(x_qa, w_qa, x_kv, w_kv, cos, sin, k, ln_w, ln_b, k_cos, k_sin):
+    """The glue on a layer's first projections: `q_a_layernorm`, `kv_a_layernorm` + the interleaved RoPE of
+    k_rot, and the indexer key's LayerNorm + half-split RoPE + cat."""
+    c_norm = w_kv.shape[0]
+    rot = x_kv[:, c_norm:][None, None]
+    roped, _ = apply_rotary_pos_emb_interleave(rot, rot, cos[None], sin[None])
+    return hf_rmsnorm(x_qa, w_qa), hf_rmsnorm(x_kv[:, :c_norm], w_kv), roped[0, 0], hf_key(k, ln_w, ln_b, k_cos, k_sin)
+
+
+def hf_layer_second_glue(q, cos, sin, iq, i_cos, i_sin):
+    """The glue on the second projections: the main query's and the indexer query's RoPE + cat."""
+    return (hf_query(q, cos, sin, q.shape[-1] - cos.shape[-1], True),
+            hf_query(iq, i_cos, i_sin, iq.shape[-1] - i_cos.shape[-1], False))
+
+
+def layer_glue_inputs(which):
+    """(source arguments, dsfuse launches factory, bytes) of one HF V3.2 layer's first or second glue launch at
+    T tokens with the real shapes (q_a 1536, kv 512 + 64, indexer key 128; 128 query heads x 192, 64 indexer
+    heads x 128)."""
+    bf16 = torch.bfloat16
+    if which == "first":
+        x_qa, w_qa, _, _ = make_case(1536, 1536, 0, bf16)
+        x_kv, w_kv, cos, sin = make_case(576, 512, 64, bf16)
+        k = torch.randn(1, T, 128, device=DEVICE, dtype=bf16) * 2 + 0.5
+        ln_w = (1 + 0.1 * torch.randn(128, device=DEVICE)).to(bf16)
+        ln_b = (0.1 * torch.randn(128, device=DEVICE)).to(bf16)
+        k_cos, k_sin = (t[None] for t in rope_tables(64, bf16))
+        args = (x_qa, w_qa, x_kv, w_kv, cos, sin, k, ln_w, ln_b, k_cos, k_sin)
+
+        def launches():
+            return [nrq.rmsnorm_rope_launch(x_qa, w_qa, EPS, None, None, True, False),
+                    nrq.rmsnorm_rope_launch(x_kv, w_kv, EPS, cos, sin, True, False),
+                    nrq.rope_cat_launch(k.unsqueeze(2), k_cos.unsqueeze(2), k_sin.unsqueeze(2), 0, False, ln_w, ln_b,
+                                        EPS)]
+        nbytes = (nrq.bytes_moved(T, 1536, 0, 2) + nrq.bytes_moved(T, 512, 64, 2)
+                  + 2 * k.numel() * 2 + 2 * k_cos.numel() * 2 + 2 * 128 * 2)
+        return hf_layer_first_glue, args, launches, nbytes
+    views = []
+    for heads, c_pass in ((128, 128), (64, 64)):
+        proj = torch.randn(1, T, heads * (c_pass + 64), device=DEVICE, dtype=bf16)
+        views.append(proj.view(1, T, heads, c_pass + 64).transpose(1, 2))
+    cos, sin = (t[None] for t in rope_tables(64, bf16))
+    args = (views[0], cos, sin, views[1], cos, sin)
+
+    def launches():
+        return [nrq.rope_cat_launch(views[0], *(t.unsqueeze(1).expand(*views[0].shape[:3], 64) for t in (cos, sin)),
+                                    128, True),
+                nrq.rope_cat_launch(views[1], *(t.unsqueeze(1).expand(*views[1].shape[:3], 64) for t in (cos, sin)),
+                                    0, False)]
+    nbytes = sum(2 * v.numel() * 2 for v in views) + 2 * 2 * cos.numel() * 2
+    return hf_layer_second_glue, args, launches, nbytes
+
+
+def run_layer_glue_case(name, which, copy_gbps):
+    """One layer's glue launch as the pass emits it (`norm_rope_group`: the members' blocks in one kernel)
+    against the same members launched one by one, HF eager and torch.compile of HF's code. The grouped outputs
+    must equal the separate launches' bit for bit; mismatches against HF are counted per output."""
+    source, args, launches, nbytes = layer_glue_inputs(which)
+    case = {"T": T, "which": which, "bytes": nbytes, "variants": {}, "us": {}}
+    RESULTS["cases"][name] = case
+    grouped = [t for outs in nrq.launch_blocks(launches()) for t in outs if t.numel()]
+    separate = [t for launch in launches() for outs in nrq.launch_blocks([launch]) for t in outs if t.numel()]
+    torch.cuda.synchronize()
+    want = [t.contiguous() for t in source(*args)] if HF_IMPORT_ERROR is None else None
+    check = {"vs_separate": mismatches(grouped, separate), "vs_hf": mismatches(grouped, want) if want else None}
+    case["variants"]["dsfuse one launch (default)"] = check
+    log(f"{name}: mismatches per output, one launch vs separate launches "
+        f"{[m['count'] for m in check['vs_separate']]}, vs HF {[m['count'] for m in check['vs_hf'] or []]}")
+    providers = {}
+    if want is not None:
+        providers["eager HF"] = lambda: source(*args)
+        compiled = torch.compile(source)
+        try:
+            case["torch.compile_vs_hf"] = mismatches(list(compiled(*args)), want)
+            providers["torch.compile HF"] = lambda: compiled(*args)
+        except Exception as exc:
+            log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    providers["dsfuse separate launches"] = lambda: [nrq.launch_blocks([launch]) for launch in launches()]
+    providers["dsfuse one launch (default)"] = lambda: nrq.launch_blocks(launches())
+    time_providers(case, name, providers, nbytes, copy_gbps)
+
+
 def own_indexer_source(x, freqs, c_rope, ln_weight=None, ln_bias=None, scale_fmt=None):
     """`DsfuseIndexer.forward`'s q (x [1, T, H, D]) or k (x [1, T, 1, D], `ln_*` given) up to the fp8 tensors,
     with models/official.py's own functions: what the pass replaces."""
@@ -458,6 +547,9 @@ def main():
         # dsfuse's own model, indexer q: 64 heads x 128, complex half-split rope 64 + fp8 per-128 quantisation
         ("own_indexer_q_quant", lambda: run_own_quant_case("own_indexer_q_quant", 64, 128, 64, False, copy_gbps,
                                                            (None, (16, 4), (32, 8)))),
+        # one HF layer's glue as the pass launches it (issue #6's whole site: q_a + kv + indexer key in one launch)
+        ("hf_layer_first_glue", lambda: run_layer_glue_case("hf_layer_first_glue", "first", copy_gbps)),
+        ("hf_layer_second_glue", lambda: run_layer_glue_case("hf_layer_second_glue", "second", copy_gbps)),
         # its k: LayerNorm 128 + the same rope + quantisation
         ("own_indexer_k_quant", lambda: run_own_quant_case("own_indexer_k_quant", 1, 128, 64, True, copy_gbps,
                                                            (None, (32, 8)))),
@@ -526,8 +618,9 @@ def print_summary():
         compiled = next((t for p, t in graph.items() if p.startswith("torch.compile")), None)
         speedup = compiled / ours[best] if best and compiled else None
         frac = case["bytes"] / ours[best] / 1e3 / RESULTS["copy_gb_per_s_read_plus_write"] if best else None
+        hbm = case["bytes"] / ours[best] / 1e3 / HBM_GB_PER_S if best else None
         print(f"  {name:38s} mism {worst} best {fmt(ours.get(best), '.1f')} ({best}) compile {fmt(compiled, '.1f')} "
-              f"x{fmt(speedup, '.2f')} copy-frac {fmt(frac, '.2f')}")
+              f"x{fmt(speedup, '.2f')} copy-frac {fmt(frac, '.2f')} of-4.8TB/s {fmt(hbm, '.2f')}")
         if "complex_lanes_vs_eager" in case:  # the rounding CUDA_COMPLEX_MUL should name: 0 mismatches
             lanes = case["complex_lanes_vs_eager"]
             print(f"  {'':38s} complex product vs eager: real {lanes['real']} imag {lanes['imag']} "
