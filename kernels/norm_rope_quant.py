@@ -84,7 +84,7 @@ CUDA_COMPLEX_MUL = ("fma_first", "fma_first")
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU implementation)
 # --------------------------------------------------------------------------------------------
-def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32):
+def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
     """The source's math, op by op, in torch (so the rounding is the source's)."""
     c_norm = norm_weight.shape[0]
     xf = x[:, :c_norm].float()
@@ -94,6 +94,10 @@ def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in
     else:
         normed = norm_weight * h.to(x.dtype)
     rot = x[:, c_norm:]
+    if freqs is not None:  # the rows repeat freqs' F rows (positions shared over the batch), broadcast as the source
+        rows = freqs.shape[0]
+        roped = complex_rope_reference(rot.unflatten(0, (-1, rows)), freqs[None], interleaved)
+        return normed, roped.flatten(0, 1)
     if cos is None:
         return normed, rot.new_empty((x.shape[0], 0))
     return normed, rope_reference(rot, cos, sin, interleaved)
@@ -161,7 +165,7 @@ def rope_quant_fp8_reference(x, freqs, rope_start, interleaved, block_size, ue8m
     return quantize_fp8_blockwise(rows, block_size, "ue8m0" if ue8m0 else None)
 
 
-def _validate(x, norm_weight, eps, cos, sin):
+def _validate(x, norm_weight, eps, cos, sin, freqs=None):
     if x.dim() != 2:
         raise ValueError(f"rmsnorm_rope: x must be [T, C_norm + C_rope], got shape {tuple(x.shape)}")
     if x.dtype not in INPUT_DTYPES:
@@ -178,7 +182,17 @@ def _validate(x, norm_weight, eps, cos, sin):
     c_rope = x.shape[1] - c_norm
     if (cos is None) != (sin is None):
         raise ValueError("rmsnorm_rope: cos and sin must both be given or both be None")
-    if cos is None:
+    if freqs is not None:
+        if cos is not None:
+            raise ValueError("rmsnorm_rope: give cos/sin (HF's RoPE) or freqs (the complex RoPE), not both")
+        if freqs.dtype != torch.complex64 or freqs.dim() != 2 or 2 * freqs.shape[1] != c_rope:
+            raise ValueError(f"rmsnorm_rope: freqs must be complex64 [F, C_rope/2] = [F, {c_rope // 2}], got "
+                             f"{freqs.dtype} {tuple(freqs.shape)}")
+        if freqs.shape[0] < 1 or x.shape[0] % freqs.shape[0]:
+            raise ValueError(f"rmsnorm_rope: freqs' {freqs.shape[0]} rows do not divide x's {x.shape[0]}")
+        if freqs.device != x.device:
+            raise ValueError(f"rmsnorm_rope: freqs on {freqs.device}, x on {x.device}")
+    elif cos is None:
         if c_rope:
             raise ValueError(f"rmsnorm_rope: {c_rope} columns after the norm but no cos/sin")
     else:
@@ -285,15 +299,50 @@ def _round_to(v, dtype, MANUAL_BF16_RNE: tl.constexpr):
 
 
 @triton.jit
+def _rope_partners(k, HALF, INTERLEAVED: tl.constexpr):
+    """For rotated columns k (0-based in the rotated part): whether each is a real lane, its pair index j and
+    its partner's column (interleaved pairs (2j, 2j+1), half-split pairs (j, j + HALF))."""
+    if INTERLEAVED:
+        is_real = (k % 2) == 0
+        return is_real, k // 2, tl.where(is_real, k + 1, k - 1)
+    else:
+        is_real = k < HALF
+        return is_real, tl.where(is_real, k, k - HALF), tl.where(is_real, k + HALF, k - HALF)
+
+
+@triton.jit
+def _complex_rope_lanes(own, partner, cos, sin, is_real, REAL_MUL: tl.constexpr, IMAG_MUL: tl.constexpr):
+    """(a + ib)(c + is) in fp32, lane by lane: real = a*c - b*s, imag = a*s + b*c, with own = a, partner = b in
+    a real lane and the reverse in an imaginary lane. REAL_MUL / IMAG_MUL (`LANE_ROUNDINGS`) pick which
+    product, if any, an FMA keeps unrounded in each lane."""
+    own_cos = own * cos
+    partner_sin = partner * sin
+    if REAL_MUL == 0:  # a*c - b*s, each op rounded
+        real = own_cos - partner_sin
+    elif REAL_MUL == 1:  # fma(a, c, -(b*s))
+        real = tl.fma(own, cos, -partner_sin)
+    else:  # fma(-b, s, a*c)
+        real = tl.fma(-partner, sin, own_cos)
+    if IMAG_MUL == 0:  # a*s + b*c, each op rounded
+        imag = partner_sin + own_cos
+    elif IMAG_MUL == 1:  # fma(a, s, b*c)
+        imag = tl.fma(partner, sin, own_cos)
+    else:  # fma(b, c, a*s)
+        imag = tl.fma(own, cos, partner_sin)
+    return tl.where(is_real, real, imag)
+
+
+@triton.jit
 def _rmsnorm_rope_block(
-    pid, x_ptr, w_ptr, cos_ptr, sin_ptr, normed_ptr, roped_ptr,
-    T, C_NORM, HALF, eps,
-    sx, scos, ssin, snorm, srope,
+    pid, x_ptr, w_ptr, cos_ptr, sin_ptr, normed_ptr, roped_ptr, f_ptr,
+    T, C_NORM, HALF, eps, F_ROWS,
+    sx, scos, ssin, snorm, srope, sf, sfj,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr,
-    MANUAL_BF16_RNE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr, COMPLEX: tl.constexpr,
+    REAL_MUL: tl.constexpr, IMAG_MUL: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """Program `pid`'s ROWS rows: the norm over C_NORM columns, then the rope over 2*HALF columns."""
+    """Program `pid`'s ROWS rows: the norm over C_NORM columns, then the rope over 2*HALF columns (HF's, from
+    cos/sin rows; or with COMPLEX the official complex product, row t rotated by freqs row t % F_ROWS)."""
     dtype = normed_ptr.dtype.element_ty
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
@@ -313,7 +362,20 @@ def _rmsnorm_rope_block(
     tl.store(normed_ptr + rows64[:, None] * snorm + cols[None, :], _round_to(y, dtype, MANUAL_BF16_RNE).to(dtype),
              mask=ok)
 
-    if HAS_ROPE:
+    if COMPLEX:
+        k = tl.arange(0, 2 * BLOCK_H)
+        is_real, j, partner = _rope_partners(k, HALF, INTERLEAVED)
+        kok = row_ok[:, None] & (k < 2 * HALF)[None, :]
+        x_rows = x_ptr + rows64[:, None] * sx + C_NORM
+        own = tl.load(x_rows + k[None, :], mask=kok, other=0.0).to(tl.float32)
+        other = tl.load(x_rows + partner[None, :], mask=kok, other=0.0).to(tl.float32)
+        f_rows = f_ptr + (rows64 % F_ROWS)[:, None] * sf + j[None, :] * sfj
+        cos = tl.load(f_rows, mask=kok, other=0.0)
+        sin = tl.load(f_rows + 1, mask=kok, other=0.0)
+        roped = _complex_rope_lanes(own, other, cos, sin, is_real[None, :], REAL_MUL, IMAG_MUL)
+        tl.store(roped_ptr + rows64[:, None] * srope + k[None, :],
+                 _round_to(roped, dtype, MANUAL_BF16_RNE).to(dtype), mask=kok)
+    elif HAS_ROPE:
         _rope_rows(x_ptr + rows64[:, None] * sx + C_NORM, cos_ptr + rows64[:, None] * scos,
                    sin_ptr + rows64[:, None] * ssin, roped_ptr + rows64[:, None] * srope, row_ok, HALF,
                    0.0, 0.0, w_ptr, w_ptr, BLOCK_H, INTERLEAVED, False, MANUAL_BF16_RNE)
@@ -474,14 +536,8 @@ def _rope_quant_fp8_block(
     # the rotated partner of each column: interleaved pairs (2j, 2j+1), half-split pairs (j, j + HALF)
     k = cols - R0
     in_rope = (k >= 0) & (k < 2 * HALF)
-    if INTERLEAVED:
-        is_real = (k % 2) == 0
-        j = k // 2
-        partner = tl.where(is_real, cols + 1, cols - 1)
-    else:
-        is_real = k < HALF
-        j = tl.where(is_real, k, k - HALF)
-        partner = tl.where(is_real, cols + HALF, cols - HALF)
+    is_real, j, partner = _rope_partners(k, HALF, INTERLEAVED)
+    partner = partner + R0
     rope_ok = ok & in_rope
     pv = tl.load(x_rows + partner, mask=rope_ok, other=0.0).to(tl.float32)
 
@@ -496,26 +552,9 @@ def _rope_quant_fp8_block(
         pv = _layer_norm_apply(pv, mean[:, None, None], rstd[:, None, None], lnw_ptr + partner,
                                lnb_ptr + partner, col_ok & in_rope, dtype, MANUAL_BF16_RNE)
 
-    # (a + ib)(c + is): real = a*c - b*s, imag = a*s + b*c; own = a, partner = b in a real lane and the
-    # reverse in an imaginary lane. REAL_MUL / IMAG_MUL (LANE_ROUNDINGS) pick which product, if any, an FMA
-    # keeps unrounded in each lane.
     cos = tl.load(f_rows + j * sfj, mask=rope_ok, other=0.0)
     sin = tl.load(f_rows + j * sfj + 1, mask=rope_ok, other=0.0)
-    own_cos = xv * cos
-    partner_sin = pv * sin
-    if REAL_MUL == 0:  # a*c - b*s, each op rounded
-        real = own_cos - partner_sin
-    elif REAL_MUL == 1:  # fma(a, c, -(b*s))
-        real = tl.fma(xv, cos, -partner_sin)
-    else:  # fma(-b, s, a*c)
-        real = tl.fma(-pv, sin, own_cos)
-    if IMAG_MUL == 0:  # a*s + b*c, each op rounded
-        imag = partner_sin + own_cos
-    elif IMAG_MUL == 1:  # fma(a, s, b*c)
-        imag = tl.fma(pv, sin, own_cos)
-    else:  # fma(b, c, a*s)
-        imag = tl.fma(xv, cos, partner_sin)
-    roped = tl.where(is_real, real, imag)
+    roped = _complex_rope_lanes(xv, pv, cos, sin, is_real, REAL_MUL, IMAG_MUL)
     values = _round_to(tl.where(in_rope, roped, xv), dtype, MANUAL_BF16_RNE)
 
     amax = tl.max(tl.where(ok, tl.abs(values), 0.0), axis=2)
@@ -543,11 +582,12 @@ def default_num_warps(width, rows):
     return 4 if triton.next_power_of_2(width) * rows <= 4096 else 8
 
 
-def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None,
-                        num_warps=None) -> "BlockLaunch":
+def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None,
+                        rows_per_program=None, num_warps=None, complex_mul=None) -> "BlockLaunch":
     """`rmsnorm_rope`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), its outputs
-    allocated. `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them)."""
-    _validate(x, norm_weight, eps, cos, sin)
+    allocated. `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them);
+    `complex_mul` as for `rope_quant_fp8_launch`."""
+    _validate(x, norm_weight, eps, cos, sin, freqs)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
     c_norm = norm_weight.shape[0]
@@ -555,25 +595,28 @@ def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
     normed = torch.empty((T, c_norm), dtype=x.dtype, device=x.device)
     roped = torch.empty((T, c_rope), dtype=x.dtype, device=x.device)
     rows = rows_per_program or default_rows(c_norm)
-    has_rope = c_rope > 0
+    has_rope = c_rope > 0 and cos is not None
     cos_arg = cos if has_rope else x
     sin_arg = sin if has_rope else x
+    pairs = torch.view_as_real(freqs) if freqs is not None else x[:, None]  # [F, C_rope/2, 2] fp32 (cos, sin)
+    real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
     half = c_rope // 2
     return BlockLaunch.bind(
         _rmsnorm_rope_block, triton.cdiv(T, rows), num_warps or default_num_warps(c_norm, rows), (normed, roped),
-        x, norm_weight, cos_arg, sin_arg, normed, roped,
-        T, c_norm, half, float(eps),
+        x, norm_weight, cos_arg, sin_arg, normed, roped, pairs,
+        T, c_norm, half, float(eps), pairs.shape[0],
         x.stride(0), cos_arg.stride(0), sin_arg.stride(0), normed.stride(0), max(1, roped.stride(0)),
+        pairs.stride(0), pairs.stride(1),
         ROWS=rows, BLOCK_N=triton.next_power_of_2(c_norm), BLOCK_H=triton.next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
+        COMPLEX=freqs is not None, REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
 
 
-def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, rows_per_program=None,
-                        num_warps=None):
-    """One launch of `rmsnorm_rope`, no host sync."""
-    return launch_blocks([rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32,
-                                              rows_per_program, num_warps)])[0]
+def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, **launch):
+    """One launch of `rmsnorm_rope`, no host sync (keyword arguments as `rmsnorm_rope_launch`)."""
+    return launch_blocks([rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs,
+                                              **launch)])[0]
 
 
 def rope_cat_default_rows(n_rows, width):
@@ -739,18 +782,20 @@ def launch_blocks(launches: list[BlockLaunch]) -> list[tuple]:
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsfuse::rmsnorm_rope", mutates_args=())
 def rmsnorm_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: Optional[torch.Tensor],
-                 sin: Optional[torch.Tensor], interleaved: bool,
-                 weight_in_fp32: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed [T, C_norm], roped [T, C_rope]) in x's dtype (reference math on CPU)."""
-    _validate(x, norm_weight, eps, cos, sin)
+                 sin: Optional[torch.Tensor], interleaved: bool, weight_in_fp32: bool,
+                 freqs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normed [T, C_norm], roped [T, C_rope]) in x's dtype (reference math on CPU). `freqs` (complex64
+    [F, C_rope/2], F dividing T; row t rotated by freqs row t % F) instead of cos/sin: the official
+    complex-multiply RoPE, in the source's layout."""
+    _validate(x, norm_weight, eps, cos, sin, freqs)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
-    normed, roped = rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32)
+    normed, roped = rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs)
     return normed.contiguous(), roped.contiguous()
 
 
 @rmsnorm_rope.register_fake
-def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32):
-    _validate(x, norm_weight, eps, cos, sin)
+def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
+    _validate(x, norm_weight, eps, cos, sin, freqs)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
     c_norm = norm_weight.shape[0]
@@ -758,8 +803,8 @@ def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
 
 
 @rmsnorm_rope.register_kernel("cuda")
-def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32):
-    return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32)
+def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
+    return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs)
 
 
 @torch.library.custom_op("dsfuse::rope_cat", mutates_args=())

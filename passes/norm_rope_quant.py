@@ -233,10 +233,24 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     hi = [s for s in slices if _slice(s, rot, half, END)]
     if len(lo) == 1 and len(hi) == 1:
         return _match_half_split(rot, lo[0], hi[0], half, x_dtype)
-    if any(_complex_rope_entry(node) is not None for node in _view_chain(part)):
-        raise NoMatch("RMSNorm beside the official complex-multiply RoPE (view_as_complex): no fused kernel for "
-                      "that pair (only the indexer's complex RoPE + fp8 quantisation is fused)")
+    for node in _view_chain(part):
+        if _complex_rope_entry(node) is not None:
+            return _match_official_kv_rope(node, x_dtype)
     raise NoMatch("RMSNorm beside a split part that is not RoPE'd in a known form")
+
+
+def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+    """The official complex-multiply RoPE of the kv side's rotated part (`apply_rope_interleaved(k_pe.unsqueeze(2),
+    freqs)`): the product with `freqs` broadcast over a leading prefix of the row dims (the batch), so the
+    flattened rows repeat freqs' rows."""
+    rope = _match_complex_rope(rot, x_dtype)
+    rows, table = shape(rot)[:-1], shape(rope["freqs"])[:-1]
+    kept = next((k for k in range(len(rows) + 1)
+                 if all(same_size(t, 1) for t in table[:k]) and same_shape(table[k:], rows[k:])), None)
+    if kept is None:
+        raise NoMatch(f"complex RoPE beside an RMSNorm: freqs {list(table)} broadcast over rows {list(rows)} other "
+                      "than over leading dims")
+    return rope
 
 
 def _product(a: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
@@ -318,10 +332,13 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     before = m["rope_out"] if _position(graph, m["rope_out"]) > _position(graph, m["norm_out"]) else m["norm_out"]
     width = shape(m["proj"])[-1]
     x = insert_call(graph, before, aten.reshape.default, (m["proj"], [-1, width]))
-    cos = _rows_of(graph, before, m["cos"], m["rot"])
-    sin = _rows_of(graph, before, m["sin"], m["rot"])
-    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default,
-                        (x, m["weight"], m["eps"], cos, sin, m["interleaved"], m["weight_in_fp32"]))
+    if "freqs" in m:  # the official complex RoPE: freqs' rows, which the flattened rows repeat
+        freqs = insert_call(graph, before, aten.reshape.default, (m["freqs"], [-1, shape(m["freqs"])[-1]]))
+        rope_args = (None, None, m["interleaved"], m["weight_in_fp32"], freqs)
+    else:
+        rope_args = (_rows_of(graph, before, m["cos"], m["rot"]), _rows_of(graph, before, m["sin"], m["rot"]),
+                     m["interleaved"], m["weight_in_fp32"])
+    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, m["weight"], m["eps"], *rope_args))
     normed = insert_call(graph, before, operator.getitem, (fused, 0))
     roped = insert_call(graph, before, operator.getitem, (fused, 1))
     proj_lead = [_size(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
@@ -332,8 +349,11 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     stable_topological_sort(graph)  # the earlier output's users may sit before the fused call
     graph.eliminate_dead_code()
     form = "interleaved" if m["interleaved"] else "half-split"
+    if "freqs" in m:
+        form = f"complex-multiply {form}"
     rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
-    ctx.site(split, "dsfuse.rmsnorm_rope", [m["proj"], m["weight"], m["cos"][0], m["sin"][0]],
+    tables = [m["freqs"]] if "freqs" in m else [m["cos"][0], m["sin"][0]]
+    ctx.site(split, "dsfuse.rmsnorm_rope", [m["proj"], m["weight"], *tables],
              detail=f"RMSNorm {m['c_norm']} ({rounding}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}",
              call=fused)
 

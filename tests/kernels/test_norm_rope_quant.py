@@ -729,3 +729,68 @@ def test_norm_rope_group_bad_input():
         norm_rope_group(members, tensors[:-1], ints, floats)
     with pytest.raises(ValueError, match="left over"):
         norm_rope_group(members, tensors, ints, floats + [1e-6])
+
+
+# --------------------------------------------------------------------------------------------
+# The official kv side: RMSNorm (weight in fp32) + the complex-multiply RoPE in one `rmsnorm_rope`
+# --------------------------------------------------------------------------------------------
+def _official_kv(batch=3, seq=5, c_norm=48, c_rope=16, dtype=torch.bfloat16, seed=7):
+    """`kv_a_proj_with_mqa`'s output [B, S, C_norm + C_rope] (a row slice of a wider one, on a 1/8 grid so the
+    norm's statistics are exact), the fp32 norm weight's source dtype and `freqs [S, C_rope/2]`."""
+    from dsfuse.models.official import rope_frequencies
+
+    g = torch.Generator().manual_seed(seed)
+    wide = ((torch.randn(batch, seq, c_norm + c_rope + 4, generator=g) * 16).round() / 8).to(dtype)
+    weight = (1 + 0.3 * torch.randn(c_norm, generator=g)).to(dtype)
+    freqs = rope_frequencies(torch.arange(seq) * 5 + 2, c_rope, 10000.0)
+    return wide[..., :c_norm + c_rope].to(DEVICE), weight.to(DEVICE), freqs.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_official_kv_reference_is_the_source(dtype, interleaved):
+    """The CPU op equals `rms_norm_official` + `apply_rope_interleaved` / `apply_rope_half_split` bit for bit,
+    rows of the flattened [B, S] repeating freqs' S rows."""
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved
+
+    proj, weight, freqs = _official_kv(dtype=dtype)
+    c_norm = weight.shape[0]
+    kv, k_pe = torch.split(proj, [c_norm, proj.shape[-1] - c_norm], -1)
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+    normed, roped = rmsnorm_rope(proj.reshape(-1, proj.shape[-1]), weight, 1e-6, None, None, interleaved, True, freqs)
+    _assert_equal(normed, rms_norm_official(kv, weight, 1e-6).reshape(normed.shape))
+    _assert_equal(roped, rope(k_pe.unsqueeze(2), freqs).reshape(roped.shape))
+
+
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+@pytest.mark.parametrize("complex_mul", COMPLEX_MULS, ids="/".join)
+def test_official_kv_kernel_bit_exact_in_each_complex_rounding(dtype, interleaved, complex_mul):
+    """Kernel (interpreter) vs the complex product computed lane by lane in the same rounding, and the norm vs
+    the reference: bit for bit."""
+    proj, weight, freqs = _official_kv(dtype=dtype)
+    x = proj.reshape(-1, proj.shape[-1])
+    c_norm = weight.shape[0]
+    normed, roped = rmsnorm_rope_triton(x, weight, 1e-6, None, None, interleaved, True, freqs,
+                                        complex_mul=complex_mul)
+    _assert_equal(normed, rmsnorm_rope_reference(x, weight, 1e-6, None, None, interleaved, True, freqs)[0])
+    rows = x[:, c_norm:].float().unflatten(-1, (-1, 2) if interleaved else (2, -1))
+    a, b = (rows[..., 0], rows[..., 1]) if interleaved else (rows[..., 0, :], rows[..., 1, :])
+    per_row = freqs.repeat(x.shape[0] // freqs.shape[0], 1)
+    c, s = per_row.real, per_row.imag
+    real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), complex_mul))
+    want = torch.stack([real, imag], -1 if interleaved else -2).flatten(-2).to(dtype)
+    _assert_equal(roped, want)
+
+
+def test_official_kv_bad_input():
+    proj, weight, freqs = _official_kv()
+    x = proj.reshape(-1, proj.shape[-1])
+    cos = torch.zeros(x.shape[0], 16, dtype=x.dtype, device=x.device)
+    with pytest.raises(ValueError, match="not both"):
+        rmsnorm_rope(x, weight, 1e-6, cos, cos, True, True, freqs)
+    with pytest.raises(ValueError, match="do not divide"):
+        rmsnorm_rope(x[:7], weight, 1e-6, None, None, True, True, freqs)
+    with pytest.raises(ValueError, match="complex64"):
+        rmsnorm_rope(x, weight, 1e-6, None, None, True, True, torch.view_as_real(freqs))
+    torch.library.opcheck(rmsnorm_rope, (x, weight, 1e-6, None, None, True, True, freqs))

@@ -439,6 +439,35 @@ def test_official_half_split_is_never_the_interleaved_result():
         assert not torch.equal(_fp8_codes(got[0]), _fp8_codes(other[0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_official_kv_side_is_one_call(dtype, interleaved):
+    """The official kv side (RMSNorm with the weight in fp32 beside the complex-multiply RoPE of `k_pe`, rows
+    [B, S] rotated by freqs [S]) is one `rmsnorm_rope`; both outputs equal eager bit for bit (the CPU op is the
+    source's math; fp32's norm statistics may differ from eager's by summation order)."""
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved, rms_norm_official
+
+    q_proj, _, weight, _, freqs = _indexer_args(dtype)
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+
+    def kv_side(q_proj, freqs, weight):
+        kv, k_pe = torch.split(q_proj.view(B, S, IH * ID)[..., :ID + IR], [ID, IR], dim=-1)
+        return rms_norm_official(kv, weight, 1e-6), rope(k_pe.unsqueeze(2), freqs).squeeze(2)
+
+    gm, ctx = _post_grad_graph(kv_side, (q_proj, freqs, weight), require_var_mean=False)
+    form = "interleaved" if interleaved else "half-split"
+    assert [s.detail for s in ctx.sites] == [f"RMSNorm {ID} (weight in fp32) + complex-multiply {form} RoPE {IR}, "
+                                             "eps=1e-06"] and not ctx.near_misses, (ctx.sites, ctx.near_misses)
+    assert _launches(gm) == [["rmsnorm_rope"]]
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.view_as_complex.default]
+    got, want = gm(q_proj, freqs, weight), kv_side(q_proj, freqs, weight)
+    assert torch.equal(got[1], want[1])
+    if dtype == torch.bfloat16:
+        assert torch.equal(got[0], want[0])
+    else:
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+
+
 def test_official_near_misses_are_reported_with_their_reason():
     from dsfuse.models.official import quantize_fp8_blockwise, rms_norm_official
 
@@ -452,11 +481,11 @@ def test_official_near_misses_are_reported_with_their_reason():
         scale = blocks.abs().amax(dim=-1).clamp(min=1e-4) / 240.0
         return (blocks / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
 
-    def kv_side(q_proj, freqs, weight):  # RMSNorm beside the complex RoPE (the official kv side)
-        from dsfuse.models.official import apply_rope_interleaved
-
+    def kv_rotated_per_batch(q_proj, freqs, weight):  # kv side, rotations broadcast over the sequence
         kv, k_pe = torch.split(q_proj.view(B, S, IH * ID)[..., :ID + IR], [ID, IR], dim=-1)
-        return rms_norm_official(kv, weight, 1e-6), apply_rope_interleaved(k_pe.unsqueeze(2), freqs)
+        pairs = torch.view_as_complex(k_pe.unsqueeze(2).float().unflatten(-1, (-1, 2)))
+        roped = torch.view_as_real(pairs * freqs[:B, None, None, :]).flatten(-2).to(k_pe.dtype)
+        return rms_norm_official(kv, weight, 1e-6), roped
 
     def rotations_first(q_proj, freqs, weight):  # freqs * x: eager rounds the product by operand order
         rot, kept = torch.split(q_proj.view(B, S, IH, ID), [IR, ID - IR], dim=-1)
@@ -465,22 +494,24 @@ def test_official_near_misses_are_reported_with_their_reason():
         return quantize_fp8_blockwise(torch.cat([roped, kept], -1), ID)
 
     reasons = {}
-    for fn in (unquantised, other_range, kv_side, rotations_first):
+    for fn in (unquantised, other_range, kv_rotated_per_batch, rotations_first):
         _, ctx = _post_grad_graph(fn, (q_proj, freqs, weight), require_var_mean=False)
         assert not ctx.sites, ctx.sites
         reasons[fn.__name__] = [m.reason for m in ctx.near_misses]
     assert reasons["unquantised"] == [("complex RoPE + cat not followed by the fp8 per-block quantisation (no "
                                        "fused kernel for the unquantised output)")], reasons
     assert reasons["other_range"] == ["fp8 quantisation: the scale is not max(amax, 1e-4) / 448"], reasons
-    assert len(reasons["kv_side"]) == 1 and "complex-multiply RoPE" in reasons["kv_side"][0], reasons
+    assert reasons["kv_rotated_per_batch"] == [(f"complex RoPE beside an RMSNorm: freqs [{B}, 1, 1] broadcast over "
+                                                f"rows [{B}, {S}, 1] other than over leading dims")], reasons
     assert reasons["rotations_first"] == [("complex RoPE: the rotations are the left operand (the fused op "
                                            "computes x * freqs)")], reasons
 
 
 def test_own_tiny_model_sites_per_layer_and_parity():
     """dsfuse's own model: per layer, the indexer's q and k each one `rope_quant_fp8` call (k with its
-    LayerNorm), q_a's RMSNorm, the kv side a reported near-miss; indexer_topk still finds its fp8 site; logits
-    match eager within bf16 noise and the compiled indexer picks the same keys as eager."""
+    LayerNorm), q_a's RMSNorm, the kv side's RMSNorm + complex RoPE one `rmsnorm_rope`, in two launches (q_a,
+    kv and the indexer key; then the indexer query); indexer_topk still finds its fp8 site; logits match eager
+    within bf16 noise and the compiled indexer picks the same keys as eager."""
     from dsfuse.models import build_own_model
 
     model = build_own_model("own-tiny", dtype=torch.bfloat16)
@@ -494,12 +525,13 @@ def test_own_tiny_model_sites_per_layer_and_parity():
     assert len([d for d in details if d.startswith("complex-multiply half-split RoPE 8")]) == layers, details
     assert len([d for d in details if d.startswith("LayerNorm 32") and "complex-multiply half-split" in d]) == layers
     assert len([d for d in details if "projection output" in d]) == layers, details
-    assert rep.counts["norm_rope_quant"] == 3 * layers and rep.counts["indexer_topk"] == layers, str(rep)
-    # the q_a norm and the indexer key share a launch; the indexer query (reads q_a's output) has its own
-    grouped = [d for d in details if "; one launch with 1 other site(s)" in d]
-    assert len(grouped) == 2 * layers and not [d for d in grouped if d.startswith("complex-multiply")], details
-    misses = [m.reason for m in rep.near_misses if m.pass_name == "norm_rope_quant"]
-    assert len(misses) == layers and all("complex-multiply RoPE" in m for m in misses), misses
+    kv = [d for d in details if d.startswith("RMSNorm 32 (weight in fp32) + complex-multiply interleaved RoPE 8")]
+    assert len(kv) == layers, details
+    assert rep.counts["norm_rope_quant"] == 4 * layers and rep.counts["indexer_topk"] == layers, str(rep)
+    # the q_a norm, the kv side and the indexer key share a launch; the indexer query (reads q_a's output) is alone
+    grouped = [d for d in details if "; one launch with 2 other site(s)" in d]
+    assert len(grouped) == 3 * layers and not [d for d in grouped if d.startswith("complex-multiply")], details
+    assert not [m for m in rep.near_misses if m.pass_name == "norm_rope_quant"], str(rep)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
     from dsfuse.models.official import rope_frequencies
@@ -510,5 +542,5 @@ def test_own_tiny_model_sites_per_layer_and_parity():
             rope_frequencies(torch.arange(9), 8, 10000.0), 0, None)
     with torch.no_grad():
         picked = torch.compile(indexer, backend="dsfuse")(*args)
-        assert dsfuse.report().counts["norm_rope_quant"] == 3 * layers + 2, str(dsfuse.report())  # report accumulates
+        assert dsfuse.report().counts["norm_rope_quant"] == 4 * layers + 2, str(dsfuse.report())  # report accumulates
         assert torch.equal(picked, indexer(*args))
