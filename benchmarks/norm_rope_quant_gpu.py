@@ -57,7 +57,7 @@ T = 16384
 DEVICE = "cuda"
 EPS = 1e-6
 HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
-BUDGET_S = 42  # cases not started by then are skipped (listed in the JSON) so the run stays under 60 s
+BUDGET_S = float(os.environ.get("BUDGET_S", 42))  # cases not started by then are skipped (listed in the JSON) so the run stays under 60 s
 # launch variants (rows per program, warps); `None` = the launcher's default for the case
 KV_VARIANTS = (None, (1, 4), (2, 4), (4, 8), (8, 8), (16, 8))
 Q_A_VARIANTS = (None, (1, 4), (4, 8), (8, 8))
@@ -97,20 +97,20 @@ def copy_bandwidth():
     return gbps
 
 
-def make_case(c_proj, c_norm, c_rope, dtype):
+def make_case(c_proj, c_norm, c_rope, dtype, tokens=None):
     """x as the [T, c_norm + c_rope] row slice of a [T, c_proj] projection output, HF-form cos/sin."""
-    proj = torch.randn(T, c_proj, device=DEVICE, dtype=dtype)
+    proj = torch.randn(tokens or T, c_proj, device=DEVICE, dtype=dtype)
     x = proj[:, :c_norm + c_rope]
     w = (1 + 0.1 * torch.randn(c_norm, device=DEVICE)).to(dtype)
     if c_rope == 0:
         return x, w, None, None
-    return x, w, *rope_tables(c_rope, dtype)
+    return x, w, *rope_tables(c_rope, dtype, tokens)
 
 
-def rope_tables(c_rope, dtype):
+def rope_tables(c_rope, dtype, tokens=None):
     """HF-form [T, C_rope] cos/sin: fp32 angles, `cat(freqs, freqs)`, cast to the activation dtype."""
     inv_freq = 1.0 / (10000 ** (torch.arange(0, c_rope, 2, device=DEVICE, dtype=torch.float32) / c_rope))
-    freqs = torch.arange(T, device=DEVICE, dtype=torch.float32)[:, None] * inv_freq
+    freqs = torch.arange(tokens or T, device=DEVICE, dtype=torch.float32)[:, None] * inv_freq
     emb = torch.cat([freqs, freqs], -1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -336,50 +336,53 @@ def hf_layer_second_glue(q, cos, sin, iq, i_cos, i_sin):
             hf_query(iq, i_cos, i_sin, iq.shape[-1] - i_cos.shape[-1], False))
 
 
-def layer_glue_inputs(which):
+def layer_glue_inputs(which, tokens, variant=None):
     """(source arguments, dsfuse launches factory, bytes) of one HF V3.2 layer's first or second glue launch at
     T tokens with the real shapes (q_a 1536, kv 512 + 64, indexer key 128; 128 query heads x 192, 64 indexer
-    heads x 128)."""
+    heads x 128). `variant` ((rows per program, warps) for every member) overrides the launch shape."""
     bf16 = torch.bfloat16
+    shape = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
     if which == "first":
-        x_qa, w_qa, _, _ = make_case(1536, 1536, 0, bf16)
-        x_kv, w_kv, cos, sin = make_case(576, 512, 64, bf16)
-        k = torch.randn(1, T, 128, device=DEVICE, dtype=bf16) * 2 + 0.5
+        x_qa, w_qa, _, _ = make_case(1536, 1536, 0, bf16, tokens)
+        x_kv, w_kv, cos, sin = make_case(576, 512, 64, bf16, tokens)
+        k = torch.randn(1, tokens, 128, device=DEVICE, dtype=bf16) * 2 + 0.5
         ln_w = (1 + 0.1 * torch.randn(128, device=DEVICE)).to(bf16)
         ln_b = (0.1 * torch.randn(128, device=DEVICE)).to(bf16)
-        k_cos, k_sin = (t[None] for t in rope_tables(64, bf16))
+        k_cos, k_sin = (t[None] for t in rope_tables(64, bf16, tokens))
         args = (x_qa, w_qa, x_kv, w_kv, cos, sin, k, ln_w, ln_b, k_cos, k_sin)
 
         def launches():
-            return [nrq.rmsnorm_rope_launch(x_qa, w_qa, EPS, None, None, True, False),
-                    nrq.rmsnorm_rope_launch(x_kv, w_kv, EPS, cos, sin, True, False),
+            return [nrq.rmsnorm_rope_launch(x_qa, w_qa, EPS, None, None, True, False, **shape),
+                    nrq.rmsnorm_rope_launch(x_kv, w_kv, EPS, cos, sin, True, False, **shape),
                     nrq.rope_cat_launch(k.unsqueeze(2), k_cos.unsqueeze(2), k_sin.unsqueeze(2), 0, False, ln_w, ln_b,
-                                        EPS)]
-        nbytes = (nrq.bytes_moved(T, 1536, 0, 2) + nrq.bytes_moved(T, 512, 64, 2)
+                                        EPS, **shape)]
+        nbytes = (nrq.bytes_moved(tokens, 1536, 0, 2) + nrq.bytes_moved(tokens, 512, 64, 2)
                   + 2 * k.numel() * 2 + 2 * k_cos.numel() * 2 + 2 * 128 * 2)
         return hf_layer_first_glue, args, launches, nbytes
     views = []
     for heads, c_pass in ((128, 128), (64, 64)):
-        proj = torch.randn(1, T, heads * (c_pass + 64), device=DEVICE, dtype=bf16)
-        views.append(proj.view(1, T, heads, c_pass + 64).transpose(1, 2))
-    cos, sin = (t[None] for t in rope_tables(64, bf16))
+        proj = torch.randn(1, tokens, heads * (c_pass + 64), device=DEVICE, dtype=bf16)
+        views.append(proj.view(1, tokens, heads, c_pass + 64).transpose(1, 2))
+    cos, sin = (t[None] for t in rope_tables(64, bf16, tokens))
     args = (views[0], cos, sin, views[1], cos, sin)
 
     def launches():
         return [nrq.rope_cat_launch(views[0], *(t.unsqueeze(1).expand(*views[0].shape[:3], 64) for t in (cos, sin)),
-                                    128, True),
+                                    128, True, **shape),
                 nrq.rope_cat_launch(views[1], *(t.unsqueeze(1).expand(*views[1].shape[:3], 64) for t in (cos, sin)),
-                                    0, False)]
+                                    0, False, **shape)]
     nbytes = sum(2 * v.numel() * 2 for v in views) + 2 * 2 * cos.numel() * 2
     return hf_layer_second_glue, args, launches, nbytes
 
 
-def run_layer_glue_case(name, which, copy_gbps):
+def run_layer_glue_case(name, which, copy_gbps, tokens=None, variants=()):
     """One layer's glue launch as the pass emits it (`norm_rope_group`: the members' blocks in one kernel)
     against the same members launched one by one, HF eager and torch.compile of HF's code. The grouped outputs
-    must equal the separate launches' bit for bit; mismatches against HF are counted per output."""
-    source, args, launches, nbytes = layer_glue_inputs(which)
-    case = {"T": T, "which": which, "bytes": nbytes, "variants": {}, "us": {}}
+    must equal the separate launches' bit for bit; mismatches against HF are counted per output. `variants`:
+    more (rows per program, warps) shapes of the one launch, timed only."""
+    tokens = tokens or T
+    source, args, launches, nbytes = layer_glue_inputs(which, tokens)
+    case = {"T": tokens, "which": which, "bytes": nbytes, "variants": {}, "us": {}}
     RESULTS["cases"][name] = case
     grouped = [t for outs in nrq.launch_blocks(launches()) for t in outs if t.numel()]
     separate = [t for launch in launches() for outs in nrq.launch_blocks([launch]) for t in outs if t.numel()]
@@ -400,6 +403,51 @@ def run_layer_glue_case(name, which, copy_gbps):
             log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
     providers["dsfuse separate launches"] = lambda: [nrq.launch_blocks([launch]) for launch in launches()]
     providers["dsfuse one launch (default)"] = lambda: nrq.launch_blocks(launches())
+    for variant in variants:
+        shaped = layer_glue_inputs(which, tokens, variant)[2]
+        providers[f"dsfuse one launch rows={variant[0]} warps={variant[1]}"] = lambda shaped=shaped: nrq.launch_blocks(
+            shaped())
+    time_providers(case, name, providers, nbytes, copy_gbps)
+
+
+def own_kv_source(proj, weight, freqs):
+    """dsfuse's own model's kv side (`DsfuseAttention.forward`): `kv_a_layernorm` (RMSNorm, weight in fp32) and
+    the complex-multiply interleaved RoPE of k_pe, with models/official.py's own functions."""
+    from dsfuse.models.official import apply_rope_interleaved, rms_norm_official
+
+    c_norm = weight.shape[0]
+    kv, k_pe = torch.split(proj, [c_norm, proj.shape[-1] - c_norm], dim=-1)
+    return rms_norm_official(kv, weight, EPS), apply_rope_interleaved(k_pe.unsqueeze(2), freqs).squeeze(2)
+
+
+def run_own_kv_case(name, c_norm, c_rope, copy_gbps):
+    """The own kv side as one `rmsnorm_rope` with complex `freqs`, against the source run eagerly on CUDA (the
+    fp32 complex product's lane rounding as eager CUDA does it: mismatches must be 0 but for the norm's
+    summation order) and torch.compile of it."""
+    from dsfuse.models.official import rope_frequencies
+
+    proj = torch.randn(1, T, c_norm + c_rope, device=DEVICE, dtype=torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(c_norm, device=DEVICE)).to(torch.bfloat16)
+    freqs = rope_frequencies(torch.arange(T, device=DEVICE), c_rope, 10000.0)
+    args = (proj.view(T, -1), weight, EPS, None, None, True, True, freqs)
+    nbytes = 2 * proj.numel() * 2 + freqs.numel() * 8 + c_norm * 2  # x read and written, complex64 freqs read
+    case = {"T": T, "c_norm": c_norm, "c_rope": c_rope, "interleaved": True, "complex": True, "bytes": nbytes,
+            "variants": {}, "us": {}}
+    RESULTS["cases"][name] = case
+    want = [t.reshape(T, -1) for t in own_kv_source(proj, weight, freqs)]
+    providers = {"eager source": lambda: own_kv_source(proj, weight, freqs)}
+    compiled = torch.compile(own_kv_source)
+    try:
+        case["torch.compile_vs_source"] = mismatches([t.reshape(T, -1) for t in compiled(proj, weight, freqs)], want)
+        providers["torch.compile source"] = lambda: compiled(proj, weight, freqs)
+    except Exception as exc:
+        log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    label = variant_label(None, c_norm)
+    out = launch_variant(case, name, label, lambda: nrq.rmsnorm_rope_triton(*args))
+    if out is not None:
+        case["variants"][label] = {"vs_hf": mismatches(out, want)}
+        log(f"{name} {label}: mismatches [normed, roped] vs the source {case['variants'][label]['vs_hf']}")
+        providers[label] = lambda: nrq.rmsnorm_rope_triton(*args)
     time_providers(case, name, providers, nbytes, copy_gbps)
 
 
@@ -549,7 +597,16 @@ def main():
                                                            (None, (16, 4), (32, 8)))),
         # one HF layer's glue as the pass launches it (issue #6's whole site: q_a + kv + indexer key in one launch)
         ("hf_layer_first_glue", lambda: run_layer_glue_case("hf_layer_first_glue", "first", copy_gbps)),
-        ("hf_layer_second_glue", lambda: run_layer_glue_case("hf_layer_second_glue", "second", copy_gbps)),
+        ("hf_layer_second_glue", lambda: run_layer_glue_case("hf_layer_second_glue", "second", copy_gbps,
+                                                             variants=((8, 4), (32, 8), (16, 8)))),
+        # the same launches for a short prompt (1024 tokens), where launch count and tails weigh more
+        ("hf_layer_first_glue_t1024", lambda: run_layer_glue_case("hf_layer_first_glue_t1024", "first", copy_gbps,
+                                                                  tokens=1024)),
+        ("hf_layer_second_glue_t1024", lambda: run_layer_glue_case("hf_layer_second_glue_t1024", "second",
+                                                                   copy_gbps, tokens=1024)),
+        # dsfuse's own model, kv side: RMSNorm 512 (weight in fp32) + complex-multiply interleaved RoPE 64
+        ("own_kv_norm512_complex_rope64", lambda: run_own_kv_case("own_kv_norm512_complex_rope64", 512, 64,
+                                                                  copy_gbps)),
         # its k: LayerNorm 128 + the same rope + quantisation
         ("own_indexer_k_quant", lambda: run_own_quant_case("own_indexer_k_quant", 1, 128, 64, True, copy_gbps,
                                                            (None, (32, 8)))),

@@ -228,7 +228,7 @@ def test_sm90_ptx_rounds_every_op_like_eager():
 
     def norm(interleaved):
         return {"ROWS": 8, "BLOCK_N": 512, "BLOCK_H": 32, "INTERLEAVED": interleaved, "WEIGHT_FP32": False,
-                "HAS_ROPE": True, "MANUAL_BF16_RNE": False}
+                "HAS_ROPE": True, "COMPLEX": False, "REAL_MUL": 0, "IMAG_MUL": 0, "MANUAL_BF16_RNE": False}
 
     def cat(interleaved, layer_norm=False):
         return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "LAYER_NORM": layer_norm,
@@ -696,7 +696,8 @@ def _group_args(members):
     for op, args in members:
         assert op in GROUP_MEMBERS
         schema = getattr(torch.ops.dsfuse, op).default._schema
-        for argument, value in zip(schema.arguments, args):
+        for i, argument in enumerate(schema.arguments):
+            value = args[i] if i < len(args) else argument.default_value  # defaults filled, as the pass does
             kind = str(argument.type)
             (tensors if "Tensor" in kind else floats if kind == "float" else ints).append(
                 int(value) if kind == "bool" else value)
@@ -794,3 +795,45 @@ def test_official_kv_bad_input():
     with pytest.raises(ValueError, match="complex64"):
         rmsnorm_rope(x, weight, 1e-6, None, None, True, True, torch.view_as_real(freqs))
     torch.library.opcheck(rmsnorm_rope, (x, weight, 1e-6, None, None, True, True, freqs))
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU: the compiled kernels against eager CUDA
+# --------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_gpu_launch_group_equals_each_launch_alone():
+    """The generated group kernel, compiled for the GPU, gives each member's outputs bit for bit (4099 rows:
+    many programs per member, a partial last one)."""
+    from dsfuse.kernels.norm_rope_quant import launch_blocks, rmsnorm_rope_launch, rope_cat_launch, rope_quant_fp8_launch
+
+    launches = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_launch,
+                "rope_quant_fp8": rope_quant_fp8_launch}
+    members = _layer_members(torch.bfloat16, T=4099)
+    grouped = launch_blocks([launches[op](*args) for op, args in members])
+    for (op, args), outputs in zip(members, grouped):
+        for got, want in zip(outputs, launch_blocks([launches[op](*args)])[0]):
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), op
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_gpu_official_kv_equals_eager_cuda(interleaved):
+    """The own kv side on CUDA equals the source run eagerly on CUDA bit for bit: the complex product in eager
+    CUDA's lane rounding (`CUDA_COMPLEX_MUL`), the norm exact (rows on a 1/8 grid)."""
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved
+
+    proj, weight, freqs = _official_kv(batch=2, seq=257, c_norm=512, c_rope=64)
+    kv, k_pe = torch.split(proj, [512, 64], -1)
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+    normed, roped = rmsnorm_rope(proj.reshape(-1, 576), weight, 1e-6, None, None, interleaved, True, freqs)
+    _assert_equal(normed, rms_norm_official(kv, weight, 1e-6).reshape(normed.shape))
+    _assert_equal(roped, rope(k_pe.unsqueeze(2), freqs).reshape(roped.shape))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ue8m0", [False, True], ids=["fp32_scale", "ue8m0"])
+def test_gpu_rope_quant_equals_eager_cuda(ue8m0):
+    """The own indexer query on CUDA: fp8 values and scales equal the source run eagerly on CUDA."""
+    x, freqs, _, _ = _indexer_rows(torch.bfloat16, heads=8, seq=257, dim=128, c_rope=64)
+    got = rope_quant_fp8(x, _rows_freqs(freqs), 0, False, 128, ue8m0)
+    _assert_fp8_equal(got, _official_indexer_path(x, freqs, False, 128, ue8m0))
