@@ -654,12 +654,13 @@ def test_sm90_ptx_quantises_with_true_divisions_and_rne():
 # --------------------------------------------------------------------------------------------
 # Launch groups: independent glue ops of one layer in one kernel launch
 # --------------------------------------------------------------------------------------------
-def _layer_members(dtype, T=7):
+def _layer_members(dtype, T=7, exact_sums=False):
     """One of each member kind with odd sizes: a kv RMSNorm + RoPE, a q_a RMSNorm (no RoPE), an indexer key
-    LayerNorm + RoPE + cat, an official indexer query RoPE + fp8 quantisation, and an empty kv slice (T = 0)."""
-    x, w, cos, sin = _inputs(T, 48, 16, dtype, dyadic=False)
-    qa, qw, _, _ = _inputs(T, 40, 0, dtype, dyadic=False, seed=1)
-    k, lw, lb, kcos, ksin = _key_states(dtype, seq=T, exact_stats=False)
+    LayerNorm + RoPE + cat, an official indexer query RoPE + fp8 quantisation, and an empty kv slice (T = 0).
+    `exact_sums`: norm inputs whose statistics are exact in any summation order."""
+    x, w, cos, sin = _inputs(T, 48, 16, dtype, dyadic=exact_sums)
+    qa, qw, _, _ = _inputs(T, 40, 0, dtype, dyadic=exact_sums, seed=1)
+    k, lw, lb, kcos, ksin = _key_states(dtype, seq=T, exact_stats=exact_sums)
     k4, kcos4, ksin4 = k.unsqueeze(2), kcos.unsqueeze(2), ksin.unsqueeze(2)
     q, freqs, _, _ = _indexer_rows(dtype)
     return [
@@ -803,12 +804,14 @@ def test_official_kv_bad_input():
 @pytest.mark.gpu
 def test_gpu_launch_group_equals_each_launch_alone():
     """The generated group kernel, compiled for the GPU, gives each member's outputs bit for bit (4099 rows:
-    many programs per member, a partial last one)."""
+    many programs per member, a partial last one). The norms' inputs have exact sums: the H200 showed that the
+    group kernel may sum a row in another order than the member's own kernel (1 q_a element in 164 k on random
+    rows, deterministic in each; run 17), which the numerics rules allow."""
     from dsfuse.kernels.norm_rope_quant import launch_blocks, rmsnorm_rope_launch, rope_cat_launch, rope_quant_fp8_launch
 
     launches = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_launch,
                 "rope_quant_fp8": rope_quant_fp8_launch}
-    members = _layer_members(torch.bfloat16, T=4099)
+    members = _layer_members(torch.bfloat16, T=4099, exact_sums=True)
     grouped = launch_blocks([launches[op](*args) for op, args in members])
     for (op, args), outputs in zip(members, grouped):
         for got, want in zip(outputs, launch_blocks([launches[op](*args)])[0]):
