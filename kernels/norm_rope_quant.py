@@ -265,15 +265,25 @@ def _validate_layer_norm(op, x, ln_weight, ln_bias, ln_eps):
             raise ValueError(f"{op}: {name} must be contiguous")
 
 
-def _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps):
-    _validate_rows("rope_quant_fp8", x)
+def _validate_row_freqs(op, x, freqs):
+    """x as `_validate_rows` takes it; `freqs` complex64 [A0, A1, A2, C_rope/2] with size-1 dims broadcast."""
+    _validate_rows(op, x)
     if freqs.dtype != torch.complex64:
-        raise TypeError(f"rope_quant_fp8: freqs must be complex64, got {freqs.dtype}")
+        raise TypeError(f"{op}: freqs must be complex64, got {freqs.dtype}")
     if freqs.dim() != 4 or not all(f in (a, 1) for f, a in zip(freqs.shape[:-1], x.shape[:-1])):
-        raise ValueError(f"rope_quant_fp8: freqs must broadcast as {(*x.shape[:-1], 'C_rope/2')}, "
-                         f"got {tuple(freqs.shape)}")
+        raise ValueError(f"{op}: freqs must broadcast as {(*x.shape[:-1], 'C_rope/2')}, got {tuple(freqs.shape)}")
     if freqs.device != x.device:
-        raise ValueError(f"rope_quant_fp8: freqs on {freqs.device}, x on {x.device}")
+        raise ValueError(f"{op}: freqs on {freqs.device}, x on {x.device}")
+
+
+def _validate_complex_rope(x, freqs):
+    _validate_row_freqs("complex_rope", x, freqs)
+    if 2 * freqs.shape[-1] != x.shape[-1]:
+        raise ValueError(f"complex_rope: freqs' {freqs.shape[-1]} rotations do not pair x's {x.shape[-1]} columns")
+
+
+def _validate_rope_quant(x, freqs, rope_start, block_size, ln_weight, ln_bias, ln_eps):
+    _validate_row_freqs("rope_quant_fp8", x, freqs)
     c_rope = 2 * freqs.shape[-1]
     if c_rope < 2 or not 0 <= rope_start <= x.shape[-1] - c_rope:
         raise ValueError(f"rope_quant_fp8: rope columns [{rope_start}, {rope_start + c_rope}) outside x's "
@@ -572,6 +582,32 @@ def _rope_quant_fp8_block(
     tl.store(s_ptr + r[:, None] * NB + blocks[None, :], scale, mask=row_ok[:, None] & (blocks < NB)[None, :])
 
 
+@triton.jit
+def _complex_rope_block(
+    pid, x_ptr, f_ptr, out_ptr,
+    N, A1, A2, HALF,
+    sx0, sx1, sx2, sf0, sf1, sf2, sfj,
+    ROWS: tl.constexpr, BLOCK_C: tl.constexpr, INTERLEAVED: tl.constexpr, REAL_MUL: tl.constexpr,
+    IMAG_MUL: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+):
+    """Program `pid`'s ROWS rows (of the A0*A1*A2 rows of a strided 4-D x): the complex-multiply RoPE of all
+    2*HALF columns in fp32, rounded once to x's dtype, into a contiguous output."""
+    dtype = out_ptr.dtype.element_ty
+    row_ok, r, i0, i1, i2 = _program_rows(pid, N, A1, A2, ROWS)
+    k = tl.arange(0, BLOCK_C)
+    is_real, j, partner = _rope_partners(k, HALF, INTERLEAVED)
+    ok = row_ok[:, None] & (k < 2 * HALF)[None, :]
+    x_rows = (x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2)[:, None]
+    own = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+    other = tl.load(x_rows + partner[None, :], mask=ok, other=0.0).to(tl.float32)
+    f_rows = (f_ptr + i0 * sf0 + i1 * sf1 + i2 * sf2)[:, None] + j[None, :] * sfj
+    cos = tl.load(f_rows, mask=ok, other=0.0)
+    sin = tl.load(f_rows + 1, mask=ok, other=0.0)
+    roped = _complex_rope_lanes(own, other, cos, sin, is_real[None, :], REAL_MUL, IMAG_MUL)
+    tl.store(out_ptr + r[:, None] * (2 * HALF) + k[None, :], _round_to(roped, dtype, MANUAL_BF16_RNE).to(dtype),
+             mask=ok)
+
+
 def default_rows(width):
     """Rows per program for a row tile of `width` columns: a program moves a few KiB, at most 8 rows."""
     return max(1, min(8, 4096 // triton.next_power_of_2(width)))
@@ -703,6 +739,31 @@ def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, 
     return launch_blocks([rope_quant_fp8_launch(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight,
                                                 ln_bias, ln_eps, rows_per_program, num_warps, complex_mul,
                                                 reciprocal_scale)])[0]
+
+
+def complex_rope_launch(x, freqs, interleaved, rows_per_program=None, num_warps=None,
+                        complex_mul=None) -> "BlockLaunch":
+    """`complex_rope`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); `complex_mul`
+    as for `rope_quant_fp8_launch`."""
+    _validate_complex_rope(x, freqs)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_rows = x.shape[0] * x.shape[1] * x.shape[2]
+    width = x.shape[-1]
+    pairs = torch.view_as_real(freqs)  # [..., C/2, 2] fp32 (cos, sin), a view
+    real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
+    rows = rows_per_program or rope_cat_default_rows(n_rows, width)
+    return BlockLaunch.bind(
+        _complex_rope_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
+        x, pairs, out, n_rows, x.shape[1], x.shape[2], width // 2,
+        *x.stride()[:3], *_broadcast_strides(pairs, 3), pairs.stride(3),
+        ROWS=rows, BLOCK_C=triton.next_power_of_2(width), INTERLEAVED=bool(interleaved),
+        REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
+
+
+def complex_rope_triton(x, freqs, interleaved, **launch):
+    """One launch of `complex_rope` (keyword arguments as `complex_rope_launch`)."""
+    return launch_blocks([complex_rope_launch(x, freqs, interleaved, **launch)])[0][0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -858,9 +919,29 @@ def _rope_quant_fp8_cuda(x, freqs, rope_start, interleaved, block_size, ue8m0, l
     return rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight, ln_bias, ln_eps)
 
 
-GROUP_MEMBERS = ("rmsnorm_rope", "rope_cat", "rope_quant_fp8")
+@torch.library.custom_op("dsfuse::complex_rope", mutates_args=())
+def complex_rope(x: torch.Tensor, freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The official complex-multiply RoPE of every column of x ([A0, A1, A2, C], any strides but a contiguous last
+    dim) with `freqs` complex64 [A0, A1, A2, C/2] (size-1 dims broadcast): fp32 product, one rounding to x's
+    dtype, contiguous, in the source's layout (own model: the main query's `q_pe`). Reference math on CPU."""
+    _validate_complex_rope(x, freqs)
+    return complex_rope_reference(x, freqs, interleaved).contiguous()
+
+
+@complex_rope.register_fake
+def _complex_rope_fake(x, freqs, interleaved):
+    _validate_complex_rope(x, freqs)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@complex_rope.register_kernel("cuda")
+def _complex_rope_cuda(x, freqs, interleaved):
+    return complex_rope_triton(x, freqs, interleaved)
+
+
+GROUP_MEMBERS = ("rmsnorm_rope", "rope_cat", "rope_quant_fp8", "complex_rope")
 _MEMBER_LAUNCHES = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_launch,
-                    "rope_quant_fp8": rope_quant_fp8_launch}
+                    "rope_quant_fp8": rope_quant_fp8_launch, "complex_rope": complex_rope_launch}
 
 
 def group_member_args(op: str, tensors: list, ints: list, floats: list) -> tuple[list, list, list, list]:
@@ -942,8 +1023,9 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     return T * (c_norm + c_rope) * itemsize * 2 + 2 * T * c_rope * cos_itemsize + c_norm * itemsize
 
 
-__all__ = ["BlockLaunch", "COMPILE_OPTIONS", "GROUP_MEMBERS", "bytes_moved", "complex_rope_reference",
-           "default_num_warps", "default_rows", "launch_blocks", "layer_norm_reference", "norm_rope_group",
-           "rmsnorm_rope", "rmsnorm_rope_launch", "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat",
-           "rope_cat_launch", "rope_cat_reference", "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_launch",
-           "rope_quant_fp8_reference", "rope_quant_fp8_triton", "rope_reference"]
+__all__ = ["BlockLaunch", "COMPILE_OPTIONS", "GROUP_MEMBERS", "bytes_moved", "complex_rope", "complex_rope_launch",
+           "complex_rope_reference", "complex_rope_triton", "default_num_warps", "default_rows", "launch_blocks",
+           "layer_norm_reference", "norm_rope_group", "rmsnorm_rope", "rmsnorm_rope_launch",
+           "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_launch", "rope_cat_reference",
+           "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_launch", "rope_quant_fp8_reference",
+           "rope_quant_fp8_triton", "rope_reference"]

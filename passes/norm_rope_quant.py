@@ -82,18 +82,20 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 
 def _match_split(split: torch.fx.Node) -> dict:
     """Part 0 an RMSNorm: the kv side (`rmsnorm_rope`). A part through the official complex-multiply RoPE,
-    concatenated back and fp8-quantised: the official indexer (`rope_quant_fp8`). Otherwise one part RoPE'd
-    and concatenated back with the other in the split's order: the main query or the indexer (`rope_cat`)."""
+    concatenated back and fp8-quantised: the official indexer (`rope_quant_fp8`); not concatenated back: the
+    official main query's q_pe (`complex_rope`). Otherwise one part RoPE'd and concatenated back with the other
+    in the split's order: the main query or the indexer (`rope_cat`)."""
     parts = _getitems(split)
     if 0 in parts and _starts_rmsnorm(parts[0]):
         return {"kind": "norm_rope", **_match(split)}
     if any(_complex_rope_entry(part) is not None for part in parts.values()):
-        return {"kind": "rope_quant", **_match_rope_quant(split)}
+        return _match_rope_quant(split)
     return {"kind": "rope_cat", **_match_rope_cat(split)}
 
 
 def _rewrite_split(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
-    rewrite = {"norm_rope": _rewrite, "rope_cat": _rewrite_rope_cat, "rope_quant": _rewrite_rope_quant}[m["kind"]]
+    rewrite = {"norm_rope": _rewrite, "rope_cat": _rewrite_rope_cat, "rope_quant": _rewrite_rope_quant,
+               "complex_rope": _rewrite_complex_rope}[m["kind"]]
     rewrite(graph, split, m, ctx)
 
 
@@ -611,7 +613,8 @@ def _match_complex_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict | Non
 
 def _match_rope_quant(split: torch.fx.Node) -> dict:
     """`quantize_fp8_blockwise(cat(complex_rope(rot), kept))` on a two-way last-dim split (DsfuseIndexer's q and
-    k), the split input optionally a LayerNorm's output (k_norm)."""
+    k), the split input optionally a LayerNorm's output (k_norm); or, when the RoPE'd part is not concatenated
+    back, the complex RoPE alone (`kind` "complex_rope": DsfuseAttention's q_pe)."""
     x, sizes = split.args[0], split.args[1]
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     parts = _getitems(split)
@@ -624,7 +627,9 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
     order = [rope["rope_out"], kept] if rope_index == 0 else [kept, rope["rope_out"]]
     cat = _only(rope["rope_out"], aten.cat.default)
     if cat is None:
-        raise NoMatch("complex RoPE not concatenated back with the other split part", reported=False)
+        if not _last_dim_contiguous(rope["rot"]):
+            raise NoMatch(f"complex RoPE: {rope['rot']}'s last dim is not contiguous")
+        return {"kind": "complex_rope", "rope_start": 0 if rope_index == 0 else sizes[0], **rope}
     if list(cat.args[0]) != order or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
         raise NoMatch("complex RoPE of a split part not concatenated back with the other part in order")
     if not _last_dim_contiguous(x):
@@ -636,8 +641,8 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
         for size in shape(target):
             if not isinstance(size, int) and not any(same_size(size, s) for s in shape(source)):
                 raise NoMatch(f"fp8 quantisation: size {size} of {target} is not one of the input's sizes")
-    return {"x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0], "c_rope": sizes[rope_index],
-            "layer_norm": norm, "source": source, **rope, **quant}
+    return {"kind": "rope_quant", "x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0],
+            "c_rope": sizes[rope_index], "layer_norm": norm, "source": source, **rope, **quant}
 
 
 def _constant_arg(node: torch.fx.Node, expected: float) -> bool:
@@ -746,6 +751,23 @@ def _rewrite_rope_quant(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ct
         detail = f"LayerNorm {shape(m['x'])[-1]} (weight, bias, eps={norm['eps']:g}) + {detail}"
         inputs = [norm["input"], m["freqs"], norm["weight"], norm["bias"]]
     ctx.site(split, "dsfuse.rope_quant_fp8", inputs, detail=detail, call=fused)
+
+
+def _rewrite_complex_rope(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    before = m["rope_out"]
+    x, freqs = m["rot"], m["freqs"]
+    for _ in range(4 - len(shape(x))):
+        x = insert_call(graph, before, aten.unsqueeze.default, (x, 0))
+        freqs = insert_call(graph, before, aten.unsqueeze.default, (freqs, 0))
+    fused = insert_call(graph, before, torch.ops.dsfuse.complex_rope.default, (x, freqs, m["interleaved"]))
+    sizes = [_size(graph, before, m["rot"], d) for d in range(len(shape(m["rot"])))]
+    m["rope_out"].replace_all_uses_with(insert_call(graph, before, aten.reshape.default, (fused, sizes)))
+    graph.eliminate_dead_code()
+    form = "interleaved" if m["interleaved"] else "half-split"
+    where = "first" if m["rope_start"] == 0 else "last"
+    ctx.site(split, "dsfuse.complex_rope", [m["rot"], m["freqs"]],
+             detail=f"complex-multiply {form} RoPE {shape(m['rot'])[-1]} of the {where} part (not concatenated)",
+             call=fused)
 
 
 def _match_projection_norm(square: torch.fx.Node) -> dict:

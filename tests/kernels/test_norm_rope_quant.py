@@ -840,3 +840,63 @@ def test_gpu_rope_quant_equals_eager_cuda(ue8m0):
     x, freqs, _, _ = _indexer_rows(torch.bfloat16, heads=8, seq=257, dim=128, c_rope=64)
     got = rope_quant_fp8(x, _rows_freqs(freqs), 0, False, 128, ue8m0)
     _assert_fp8_equal(got, _official_indexer_path(x, freqs, False, 128, ue8m0))
+
+
+# --------------------------------------------------------------------------------------------
+# The official main query's q_pe: the complex-multiply RoPE alone (`complex_rope`)
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", QUANT_DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+@pytest.mark.parametrize("complex_mul", COMPLEX_MULS, ids="/".join)
+def test_complex_rope_kernel_bit_exact_in_each_complex_rounding(dtype, interleaved, complex_mul):
+    """Kernel (interpreter) on a strided per-head view vs the product lane by lane in the same rounding; the
+    CPU op vs the source's own function."""
+    from dsfuse.kernels.norm_rope_quant import complex_rope, complex_rope_triton
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved
+
+    x, freqs, _, _ = _indexer_rows(dtype, dim=16, c_rope=16)  # [B, S, H, 16] inside a wider row: strided
+    got = complex_rope_triton(x, _rows_freqs(freqs), interleaved, complex_mul=complex_mul)
+    pairs = x.float().unflatten(-1, (-1, 2) if interleaved else (2, -1))
+    a, b = (pairs[..., 0], pairs[..., 1]) if interleaved else (pairs[..., 0, :], pairs[..., 1, :])
+    c, s = freqs.real[None, :, None, :], freqs.imag[None, :, None, :]
+    real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), complex_mul))
+    _assert_equal(got, torch.stack([real, imag], -1 if interleaved else -2).flatten(-2).to(dtype))
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+    _assert_equal(complex_rope(x, _rows_freqs(freqs), interleaved), rope(x, freqs))
+
+
+@pytest.mark.parametrize("T", [0, 1, 9])
+def test_complex_rope_odd_and_empty_rows(T):
+    from dsfuse.kernels.norm_rope_quant import complex_rope_triton
+
+    x, freqs, _, _ = _indexer_rows(torch.bfloat16, seq=max(T, 1), dim=16, c_rope=16)
+    x = x[:, :T].transpose(1, 2)  # [B, H, T, 16]
+    freqs4 = freqs[:T][None, None]
+    got = complex_rope_triton(x, freqs4, True, complex_mul=("rounded", "rounded"))
+    assert got.shape == x.shape and got.is_contiguous()
+    _assert_equal(got, complex_rope_reference(x, freqs4, True))
+
+
+def test_complex_rope_bad_input_and_opcheck():
+    from dsfuse.kernels.norm_rope_quant import complex_rope
+
+    x, freqs, _, _ = _indexer_rows(torch.bfloat16, dim=16, c_rope=16)
+    with pytest.raises(ValueError, match="do not pair"):
+        complex_rope(x, _rows_freqs(freqs[:, :4]), True)
+    with pytest.raises(TypeError, match="complex64"):
+        complex_rope(x, _rows_freqs(freqs).real, True)
+    with pytest.raises(ValueError, match="broadcast"):
+        complex_rope(x, freqs[None, :2, None, :], True)
+    torch.library.opcheck(complex_rope, (x, _rows_freqs(freqs), True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_gpu_complex_rope_equals_eager_cuda(interleaved):
+    """The own main query's q_pe on CUDA equals the source run eagerly on CUDA bit for bit."""
+    from dsfuse.kernels.norm_rope_quant import complex_rope
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved
+
+    x, freqs, _, _ = _indexer_rows(torch.bfloat16, heads=16, seq=257, dim=64, c_rope=64)
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+    _assert_equal(complex_rope(x, _rows_freqs(freqs), interleaved), rope(x, freqs))

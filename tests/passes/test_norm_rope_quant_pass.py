@@ -261,8 +261,7 @@ def _launches(gm):
     for node in gm.graph.nodes:
         if node.target is torch.ops.dsfuse.norm_rope_group.default:
             launches.append(node.args[0].split(","))
-        elif node.op == "call_function" and str(node.target).split(".")[:2] in (
-                ["dsfuse", "rmsnorm_rope"], ["dsfuse", "rope_cat"], ["dsfuse", "rope_quant_fp8"]):
+        elif node.op == "call_function" and str(node.target).startswith("dsfuse."):
             launches.append([str(node.target).split(".")[1]])
     return launches
 
@@ -468,6 +467,29 @@ def test_official_kv_side_is_one_call(dtype, interleaved):
         torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_official_query_rope_without_cat_is_one_call(dtype, interleaved):
+    """The official main query's q_pe (a split part through the complex RoPE, read as it is: no cat) is one
+    `complex_rope`; q_nope is untouched; the result equals eager bit for bit (the CPU op is the source's math)."""
+    from dsfuse.models.official import apply_rope_half_split, apply_rope_interleaved
+
+    q_proj, _, _, _, freqs = _indexer_args(dtype)
+    rope = apply_rope_interleaved if interleaved else apply_rope_half_split
+
+    def query(q_proj, freqs):
+        q_nope, q_pe = torch.split(q_proj.view(B, S, IH, ID), [ID - IR, IR], dim=-1)
+        return q_nope * 2, rope(q_pe, freqs)
+
+    gm, ctx = _post_grad_graph(query, (q_proj, freqs), require_var_mean=False)
+    form = "interleaved" if interleaved else "half-split"
+    assert [s.detail for s in ctx.sites] == [f"complex-multiply {form} RoPE {IR} of the last part (not concatenated)"]
+    assert not ctx.near_misses and _launches(gm) == [["complex_rope"]], (ctx.near_misses, _launches(gm))
+    assert not [n for n in gm.graph.nodes if n.target is torch.ops.aten.view_as_complex.default]
+    for got, want in zip(gm(q_proj, freqs), query(q_proj, freqs)):
+        assert torch.equal(got, want)
+
+
 def test_official_near_misses_are_reported_with_their_reason():
     from dsfuse.models.official import quantize_fp8_blockwise, rms_norm_official
 
@@ -509,9 +531,10 @@ def test_official_near_misses_are_reported_with_their_reason():
 
 def test_own_tiny_model_sites_per_layer_and_parity():
     """dsfuse's own model: per layer, the indexer's q and k each one `rope_quant_fp8` call (k with its
-    LayerNorm), q_a's RMSNorm, the kv side's RMSNorm + complex RoPE one `rmsnorm_rope`, in two launches (q_a,
-    kv and the indexer key; then the indexer query); indexer_topk still finds its fp8 site; logits match eager
-    within bf16 noise and the compiled indexer picks the same keys as eager."""
+    LayerNorm), q_a's RMSNorm, the kv side's RMSNorm + complex RoPE one `rmsnorm_rope`, the main query's q_pe
+    one `complex_rope`, in two launches (q_a, kv and the indexer key; then both queries); indexer_topk still
+    finds its fp8 site; logits match eager within bf16 noise and the compiled indexer picks the same keys as
+    eager."""
     from dsfuse.models import build_own_model
 
     model = build_own_model("own-tiny", dtype=torch.bfloat16)
@@ -527,10 +550,14 @@ def test_own_tiny_model_sites_per_layer_and_parity():
     assert len([d for d in details if "projection output" in d]) == layers, details
     kv = [d for d in details if d.startswith("RMSNorm 32 (weight in fp32) + complex-multiply interleaved RoPE 8")]
     assert len(kv) == layers, details
-    assert rep.counts["norm_rope_quant"] == 4 * layers and rep.counts["indexer_topk"] == layers, str(rep)
-    # the q_a norm, the kv side and the indexer key share a launch; the indexer query (reads q_a's output) is alone
-    grouped = [d for d in details if "; one launch with 2 other site(s)" in d]
-    assert len(grouped) == 3 * layers and not [d for d in grouped if d.startswith("complex-multiply")], details
+    q_pe = [d for d in details if d.startswith("complex-multiply interleaved RoPE 8 of the last part (not concat")]
+    assert len(q_pe) == layers, details
+    assert rep.counts["norm_rope_quant"] == 5 * layers and rep.counts["indexer_topk"] == layers, str(rep)
+    # the q_a norm, the kv side and the indexer key share a launch; both queries (they read q_a's output) the next
+    first = [d for d in details if "; one launch with 2 other site(s)" in d]
+    assert len(first) == 3 * layers and not [d for d in first if d.startswith("complex-multiply")], details
+    second = [d for d in details if "; one launch with 1 other site(s)" in d]
+    assert len(second) == 2 * layers and all(d.startswith("complex-multiply") for d in second), details
     assert not [m for m in rep.near_misses if m.pass_name == "norm_rope_quant"], str(rep)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
@@ -542,5 +569,5 @@ def test_own_tiny_model_sites_per_layer_and_parity():
             rope_frequencies(torch.arange(9), 8, 10000.0), 0, None)
     with torch.no_grad():
         picked = torch.compile(indexer, backend="dsfuse")(*args)
-        assert dsfuse.report().counts["norm_rope_quant"] == 4 * layers + 2, str(dsfuse.report())  # report accumulates
+        assert dsfuse.report().counts["norm_rope_quant"] == 5 * layers + 2, str(dsfuse.report())  # report accumulates
         assert torch.equal(picked, indexer(*args))
