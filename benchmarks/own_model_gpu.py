@@ -8,6 +8,8 @@ glue kernels launched per step (from a profile).
 
 import argparse
 import json
+import os
+import pathlib
 import time
 
 import torch
@@ -42,6 +44,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--json")
     args = parser.parse_args()
+    snapshot = pathlib.Path(__file__).resolve().parents[1] / ".commit"  # a `git archive` snapshot names its commit
+    if snapshot.exists():
+        os.environ.setdefault("DSFUSE_COMMIT", snapshot.read_text().strip())
     torch.manual_seed(0)
     model = build_own_model(args.preset, dtype=torch.bfloat16, device=args.device)
     results = {"env": environment(), "preset": args.preset, "runs": []}
