@@ -1,6 +1,9 @@
 """Fused RMSNorm + RoPE on one row slice of a projection output (`torch.ops.dsfuse.rmsnorm_rope`), RoPE of
-one split part concatenated back with the other (`torch.ops.dsfuse.rope_cat`), and the official indexer's
-complex RoPE + cat + fp8 per-block quantisation (`torch.ops.dsfuse.rope_quant_fp8`).
+one split part concatenated back with the other (`torch.ops.dsfuse.rope_cat`), the official indexer's
+complex RoPE + cat + fp8 per-block quantisation (`torch.ops.dsfuse.rope_quant_fp8`), the official complex RoPE
+alone (`torch.ops.dsfuse.complex_rope`), and any independent set of these in one kernel launch
+(`torch.ops.dsfuse.norm_rope_group`: each op's kernel is a block function of the program id, and a launch
+gives each block its own range of programs).
 
 Math (HF `DeepseekV32Attention.forward`, kv side: `kv_a_layernorm(kv_pass)` and the RoPE of `k_rot`,
 both halves of one `split` of `kv_a_proj_with_mqa`'s output):
@@ -45,7 +48,7 @@ own model's indexer q / k (models/official.py `DsfuseIndexer.forward`) up to its
     x_fp8  = clamp(rows / scale, -448, 448).to(float8_e4m3fn)
 
 `complex_rope` is the official fp32 complex product (`view_as_complex(x) * freqs`), one rounding to x's dtype at
-the end; both divisions are IEEE (`tl.div_rn`: Triton's `/` is an approximate reciprocal on the GPU); the
+the end (also `rmsnorm_rope`'s RoPE when it is given complex `freqs` instead of cos/sin: the official kv side); both divisions are IEEE (`tl.div_rn`: Triton's `/` is an approximate reciprocal on the GPU); the
 e4m3 cast rounds to nearest even. See `LANE_ROUNDINGS` for the complex product's rounding.
 
 The kernels are compiled with `enable_fp_fusion=False` (`COMPILE_OPTIONS`). With fusion on (Triton's

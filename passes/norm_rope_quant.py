@@ -33,9 +33,13 @@ the reason. Two more site kinds, each into one launch:
   complex-multiply RoPE (`view_as_complex(part.float().view(..)) * freqs`, interleaved or half-split, each
   recognised by its own structure), `cat` back, then `quantize_fp8_blockwise` (per-block amax, 1e-4 floor,
   /448, optional ue8m0, clamp, e4m3); the key's LayerNorm joins as for `rope_cat`. Both the fp8 values and
-  the scales are replaced. The same complex RoPE beside an RMSNorm (the own kv side) is a reported near-miss.
+  the scales are replaced. The same complex RoPE beside an RMSNorm (the own kv side) is `rmsnorm_rope` with
+  `freqs`; a complex RoPE'd split part not concatenated back (the own main query's q_pe) is `dsfuse::complex_rope`.
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
   `addmm`, `bmm`): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
+
+Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
+call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 layer.
 """
 
 from __future__ import annotations
