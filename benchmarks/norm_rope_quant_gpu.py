@@ -57,7 +57,7 @@ T = 16384
 DEVICE = "cuda"
 EPS = 1e-6
 HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
-BUDGET_S = float(os.environ.get("BUDGET_S", 42))  # cases not started by then are skipped (listed in the JSON) so the run stays under 60 s
+BUDGET_S = float(os.environ.get("BUDGET_S", 42))  # cases not started by then are skipped (listed in the JSON)
 # launch variants (rows per program, warps); `None` = the launcher's default for the case
 KV_VARIANTS = (None, (1, 4), (2, 4), (4, 8), (8, 8), (16, 8))
 Q_A_VARIANTS = (None, (1, 4), (4, 8), (8, 8))
@@ -161,6 +161,19 @@ def launch_variant(case, name, label, launch):
         return None
 
 
+def add_compiled(case, name, providers, label, fn, args, check=None, key=None):
+    """torch.compile(fn) on `args` as provider `label`, with `check(outputs)` kept as case[key]; a failure to
+    compile is logged and leaves the provider out (each call is one more Inductor compile: seconds)."""
+    compiled = torch.compile(fn)
+    try:
+        out = compiled(*args)
+        if check is not None:
+            case[key] = check(out)
+        providers[label] = lambda: compiled(*args)
+    except Exception as exc:
+        log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+
+
 def time_providers(case, name, providers, nbytes, copy_gbps):
     """Host-inclusive and CUDA-graph µs of every provider, its GB/s and fraction of the copy ceiling."""
     for provider, fn in providers.items():
@@ -183,12 +196,7 @@ def run_case(name, c_proj, c_norm, c_rope, interleaved, copy_gbps, variants, dty
     RESULTS["cases"][name] = case
     providers = {"eager reference": lambda: nrq.rmsnorm_rope_reference(*args)}
     if with_compile:  # each case is one more Inductor compile (seconds)
-        compiled = torch.compile(nrq.rmsnorm_rope_reference)
-        try:
-            compiled(*args)
-            providers["torch.compile reference"] = lambda: compiled(*args)
-        except Exception as exc:
-            log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+        add_compiled(case, name, providers, "torch.compile reference", nrq.rmsnorm_rope_reference, args)
     for variant in variants:
         label = variant_label(variant, c_norm)
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
@@ -231,13 +239,8 @@ def run_rope_cat_case(name, heads, c_pass, c_rope, interleaved, copy_gbps, varia
     if want is not None:
         providers["eager HF"] = lambda: hf_query(q, cos, sin, c_pass, interleaved)
         if with_compile:
-            compiled = torch.compile(hf_query)
-            try:
-                compiled_out = compiled(q, cos, sin, c_pass, interleaved)
-                case["torch.compile_vs_hf"] = mismatches([compiled_out], [want])[0]
-                providers["torch.compile HF"] = lambda: compiled(q, cos, sin, c_pass, interleaved)
-            except Exception as exc:
-                log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+            add_compiled(case, name, providers, "torch.compile HF", hf_query, (q, cos, sin, c_pass, interleaved),
+                         lambda out: mismatches([out], [want])[0], "torch.compile_vs_hf")
     for variant in variants:
         label = variant_label(variant, width)
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
@@ -293,12 +296,8 @@ def run_key_case(name, dim, c_rope, copy_gbps, variants, with_compile=True):
         providers["eager layer_norm + dsfuse rope_cat (before)"] = lambda: nrq.rope_cat_triton(
             torch.nn.functional.layer_norm(k, [dim], weight, bias, EPS).unsqueeze(2), cos4, sin4, 0, False)
         if with_compile:
-            compiled = torch.compile(hf_key)
-            try:
-                case["torch.compile_vs_hf"] = mismatches([compiled(k, weight, bias, cos, sin)], [want])[0]
-                providers["torch.compile HF"] = lambda: compiled(k, weight, bias, cos, sin)
-            except Exception as exc:
-                log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+            add_compiled(case, name, providers, "torch.compile HF", hf_key, (k, weight, bias, cos, sin),
+                         lambda out: mismatches([out], [want])[0], "torch.compile_vs_hf")
     for variant in variants:
         label = variant_label(variant, dim)
         kwargs = {"rows_per_program": variant[0], "num_warps": variant[1]} if variant else {}
@@ -395,12 +394,8 @@ def run_layer_glue_case(name, which, copy_gbps, tokens=None, variants=()):
     providers = {}
     if want is not None:
         providers["eager HF"] = lambda: source(*args)
-        compiled = torch.compile(source)
-        try:
-            case["torch.compile_vs_hf"] = mismatches(list(compiled(*args)), want)
-            providers["torch.compile HF"] = lambda: compiled(*args)
-        except Exception as exc:
-            log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+        add_compiled(case, name, providers, "torch.compile HF", source, args, lambda out: mismatches(list(out), want),
+                     "torch.compile_vs_hf")
     providers["dsfuse separate launches"] = lambda: [nrq.launch_blocks([launch]) for launch in launches()]
     providers["dsfuse one launch (default)"] = lambda: nrq.launch_blocks(launches())
     for variant in variants:
@@ -436,12 +431,8 @@ def run_own_kv_case(name, c_norm, c_rope, copy_gbps):
     RESULTS["cases"][name] = case
     want = [t.reshape(T, -1) for t in own_kv_source(proj, weight, freqs)]
     providers = {"eager source": lambda: own_kv_source(proj, weight, freqs)}
-    compiled = torch.compile(own_kv_source)
-    try:
-        case["torch.compile_vs_source"] = mismatches([t.reshape(T, -1) for t in compiled(proj, weight, freqs)], want)
-        providers["torch.compile source"] = lambda: compiled(proj, weight, freqs)
-    except Exception as exc:
-        log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+    add_compiled(case, name, providers, "torch.compile source", own_kv_source, (proj, weight, freqs),
+                 lambda out: mismatches([t.reshape(T, -1) for t in out], want), "torch.compile_vs_source")
     label = variant_label(None, c_norm)
     out = launch_variant(case, name, label, lambda: nrq.rmsnorm_rope_triton(*args))
     if out is not None:
@@ -534,12 +525,8 @@ def run_own_quant_case(name, heads, dim, c_rope, layer_norm, copy_gbps, variants
         nrq.rope_quant_fp8_reference(x, freqs4, 0, False, dim, False, *ln_args), want)
     providers = {"eager source": lambda: own_indexer_source(x, freqs, c_rope, *ln)}
     if with_compile:
-        compiled = torch.compile(own_indexer_source)
-        try:
-            case["torch.compile_vs_source"] = fp8_mismatches(compiled(x, freqs, c_rope, *ln), want)
-            providers["torch.compile source"] = lambda: compiled(x, freqs, c_rope, *ln)
-        except Exception as exc:
-            log(f"{name} torch.compile failed: {type(exc).__name__}: {str(exc)[:200]}")
+        add_compiled(case, name, providers, "torch.compile source", own_indexer_source, (x, freqs, c_rope, *ln),
+                     lambda out: fp8_mismatches(out, want), "torch.compile_vs_source")
     shipped = tuple(nrq.CUDA_COMPLEX_MUL)
     roundings = [(m, m) for m in nrq.LANE_ROUNDINGS if (m, m) != shipped] + [shipped]
     launches = [(None, rounding) for rounding in roundings] + [(v, None) for v in variants if v]
