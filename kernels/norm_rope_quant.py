@@ -48,8 +48,9 @@ own model's indexer q / k (models/official.py `DsfuseIndexer.forward`) up to its
     x_fp8  = clamp(rows / scale, -448, 448).to(float8_e4m3fn)
 
 `complex_rope` is the official fp32 complex product (`view_as_complex(x) * freqs`), one rounding to x's dtype at
-the end (also `rmsnorm_rope`'s RoPE when it is given complex `freqs` instead of cos/sin: the official kv side); both divisions are IEEE (`tl.div_rn`: Triton's `/` is an approximate reciprocal on the GPU); the
-e4m3 cast rounds to nearest even. See `LANE_ROUNDINGS` for the complex product's rounding.
+the end (also `rmsnorm_rope`'s RoPE when it is given complex `freqs` instead of cos/sin: the official kv side);
+both divisions are IEEE (`tl.div_rn`: Triton's `/` is an approximate reciprocal on the GPU); the e4m3 cast rounds
+to nearest even. See `LANE_ROUNDINGS` for the complex product's rounding.
 
 The kernels are compiled with `enable_fp_fusion=False` (`COMPILE_OPTIONS`). With fusion on (Triton's
 default), LLVM narrows `round(fp32(a) * fp32(c))` to a bf16 multiply (harmless: correctly rounded) and
@@ -59,6 +60,7 @@ Without fusion every multiply, add and subtract is emitted as a separate `.rn` i
 the sm_90 PTX by the tests), so no rounding step can be folded away.
 """
 
+import functools
 import inspect
 import linecache
 from dataclasses import dataclass
@@ -785,8 +787,13 @@ class BlockLaunch:
 
     @classmethod
     def bind(cls, block, programs, num_warps, outputs, *args, **kwargs) -> "BlockLaunch":
-        names = list(inspect.signature(block.fn).parameters)[1:]  # every parameter after `pid`
-        return cls(block, programs, {**dict(zip(names, args)), **kwargs}, num_warps, outputs)
+        return cls(block, programs, {**dict(zip(_block_parameters(block.fn), args)), **kwargs}, num_warps, outputs)
+
+
+@functools.lru_cache(maxsize=None)
+def _block_parameters(fn) -> tuple[str, ...]:
+    """The names of a block function's parameters after `pid` (read once per block: launches are a hot path)."""
+    return tuple(inspect.signature(fn).parameters)[1:]
 
 
 _GROUP_KERNELS: dict[tuple[str, ...], Any] = {}
@@ -947,13 +954,18 @@ _MEMBER_LAUNCHES = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_la
                     "rope_quant_fp8": rope_quant_fp8_launch, "complex_rope": complex_rope_launch}
 
 
+@functools.lru_cache(maxsize=None)
+def _argument_kinds(op: str) -> tuple[str, ...]:
+    """The schema type of each argument of `torch.ops.dsfuse.<op>`, in order (read once per op)."""
+    return tuple(str(argument.type) for argument in getattr(torch.ops.dsfuse, op).default._schema.arguments)
+
+
 def group_member_args(op: str, tensors: list, ints: list, floats: list) -> tuple[list, list, list, list]:
     """The arguments of member `op` taken from the front of a group's three lists, in `op`'s schema order, and
     what is left of the lists. Tensors (or None) come from `tensors`, ints and bools from `ints`, floats from
     `floats`."""
     args = []
-    for argument in getattr(torch.ops.dsfuse, op).default._schema.arguments:
-        kind = str(argument.type)
+    for kind in _argument_kinds(op):
         if "Tensor" in kind:
             args.append(tensors[0])
             tensors = tensors[1:]

@@ -52,7 +52,6 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .norm_rope_quant_groups import group_launches
 from .graph_utils import (
     CONVERT,
     VIEW_OPS,
@@ -66,6 +65,7 @@ from .graph_utils import (
     shape,
     val,
 )
+from .norm_rope_quant_groups import group_launches
 
 NAME = "norm_rope_quant"
 # On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
@@ -251,9 +251,8 @@ def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     flattened rows repeat freqs' rows."""
     rope = _match_complex_rope(rot, x_dtype)
     rows, table = shape(rot)[:-1], shape(rope["freqs"])[:-1]
-    kept = next((k for k in range(len(rows) + 1)
-                 if all(same_size(t, 1) for t in table[:k]) and same_shape(table[k:], rows[k:])), None)
-    if kept is None:
+    if not any(all(same_size(t, 1) for t in table[:k]) and same_shape(table[k:], rows[k:])
+               for k in range(len(rows) + 1)):
         raise NoMatch(f"complex RoPE beside an RMSNorm: freqs {list(table)} broadcast over rows {list(rows)} other "
                       "than over leading dims")
     return rope
