@@ -787,13 +787,14 @@ class BlockLaunch:
 
     @classmethod
     def bind(cls, block, programs, num_warps, outputs, *args, **kwargs) -> "BlockLaunch":
-        return cls(block, programs, {**dict(zip(_block_parameters(block.fn), args)), **kwargs}, num_warps, outputs)
+        names = (p.name for p in _block_parameters(block.fn))
+        return cls(block, programs, {**dict(zip(names, args)), **kwargs}, num_warps, outputs)
 
 
 @functools.lru_cache(maxsize=None)
-def _block_parameters(fn) -> tuple[str, ...]:
-    """The names of a block function's parameters after `pid` (read once per block: launches are a hot path)."""
-    return tuple(inspect.signature(fn).parameters)[1:]
+def _block_parameters(fn) -> tuple[inspect.Parameter, ...]:
+    """A block function's parameters after `pid` (read once per block: launches are a hot path)."""
+    return tuple(inspect.signature(fn).parameters.values())[1:]
 
 
 _GROUP_KERNELS: dict[tuple[str, ...], Any] = {}
@@ -809,7 +810,7 @@ def _group_kernel(blocks: tuple) -> Any:
     params = [f"START_{i}" for i in range(1, len(blocks))]
     calls = []
     for i, block in enumerate(blocks):
-        block_params = list(inspect.signature(block.fn).parameters.values())[1:]
+        block_params = _block_parameters(block.fn)
         params += [f"m{i}_{p.name}" + (": tl.constexpr" if p.annotation is tl.constexpr else "")
                    for p in block_params]
         pid = "pid" if i == 0 else f"pid - START_{i}"
@@ -960,6 +961,26 @@ def _argument_kinds(op: str) -> tuple[str, ...]:
     return tuple(str(argument.type) for argument in getattr(torch.ops.dsfuse, op).default._schema.arguments)
 
 
+def group_member_lists(op: str, args: tuple, kwargs: dict | None = None) -> tuple[list, list, list]:
+    """Member `op`'s arguments (positional, then by name, then the schema defaults) as a group call takes them:
+    (tensors and None, ints and bools as ints, floats), the inverse of `group_member_args`. Values may be fx
+    nodes (the pass builds a group call from the members' calls)."""
+    kwargs = kwargs or {}
+    tensors, ints, floats = [], [], []
+    schema = getattr(torch.ops.dsfuse, op).default._schema
+    for i, (argument, kind) in enumerate(zip(schema.arguments, _argument_kinds(op))):
+        value = args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value)
+        if "Tensor" in kind:
+            tensors.append(value)
+        elif kind == "float":
+            floats.append(float(value))
+        elif kind in ("int", "SymInt", "bool"):
+            ints.append(int(value) if kind == "bool" else value)
+        else:
+            raise TypeError(f"norm_rope_group: member {op} has an argument of type {kind}")
+    return tensors, ints, floats
+
+
 def group_member_args(op: str, tensors: list, ints: list, floats: list) -> tuple[list, list, list, list]:
     """The arguments of member `op` taken from the front of a group's three lists, in `op`'s schema order, and
     what is left of the lists. Tensors (or None) come from `tensors`, ints and bools from `ints`, floats from
@@ -1039,8 +1060,8 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
 
 
 __all__ = ["BlockLaunch", "COMPILE_OPTIONS", "GROUP_MEMBERS", "bytes_moved", "complex_rope", "complex_rope_launch",
-           "complex_rope_reference", "complex_rope_triton", "default_num_warps", "default_rows", "launch_blocks",
-           "layer_norm_reference", "norm_rope_group", "rmsnorm_rope", "rmsnorm_rope_launch",
-           "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_launch", "rope_cat_reference",
-           "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_launch", "rope_quant_fp8_reference",
-           "rope_quant_fp8_triton", "rope_reference"]
+           "complex_rope_reference", "complex_rope_triton", "default_num_warps", "default_rows",
+           "group_member_lists", "launch_blocks", "layer_norm_reference", "norm_rope_group", "rmsnorm_rope",
+           "rmsnorm_rope_launch", "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_launch",
+           "rope_cat_reference", "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_launch",
+           "rope_quant_fp8_reference", "rope_quant_fp8_triton", "rope_reference"]

@@ -17,13 +17,12 @@ import operator
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.norm_rope_group and its members)
+from dsfuse.kernels.norm_rope_quant import GROUP_MEMBERS, group_member_lists
 
 from .context import PassContext
 from .graph_utils import insert_call, val
 
-MEMBERS = {getattr(torch.ops.dsfuse, name).default: name
-           for name in dsfuse.kernels.norm_rope_quant.GROUP_MEMBERS}
+MEMBERS = {getattr(torch.ops.dsfuse, name).default: name for name in GROUP_MEMBERS}
 
 
 def group_launches(graph: torch.fx.Graph, ctx: PassContext) -> None:
@@ -43,31 +42,10 @@ def group_launches(graph: torch.fx.Graph, ctx: PassContext) -> None:
         graph.eliminate_dead_code()
 
 
-def _member_lists(call: torch.fx.Node) -> tuple[list, list, list]:
-    """`call`'s arguments in its op's schema order (defaults filled in), split into tensors, ints and floats."""
-    schema = call.target._schema
-    tensors, ints, floats = [], [], []
-    for i, argument in enumerate(schema.arguments):
-        if i < len(call.args):
-            value = call.args[i]
-        elif argument.name in call.kwargs:
-            value = call.kwargs[argument.name]
-        else:
-            value = argument.default_value
-        kind = str(argument.type)
-        if "Tensor" in kind:
-            tensors.append(value)
-        elif kind == "float":
-            floats.append(float(value))
-        else:
-            ints.append(int(value) if kind == "bool" else value)
-    return tensors, ints, floats
-
-
 def _merge(graph: torch.fx.Graph, calls: list[torch.fx.Node], ctx: PassContext) -> None:
     tensors, ints, floats = [], [], []
     for call in calls:
-        t, i, f = _member_lists(call)
+        t, i, f = group_member_lists(MEMBERS[call.target], call.args, call.kwargs)
         tensors += t
         ints += i
         floats += f

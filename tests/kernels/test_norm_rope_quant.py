@@ -691,17 +691,15 @@ def test_launch_group_equals_each_launch_alone(dtype):
 
 
 def _group_args(members):
-    from dsfuse.kernels.norm_rope_quant import GROUP_MEMBERS
+    """A group call's arguments (members, tensors, ints, floats) for (op, args) members."""
+    from dsfuse.kernels.norm_rope_quant import group_member_lists
 
     tensors, ints, floats = [], [], []
     for op, args in members:
-        assert op in GROUP_MEMBERS
-        schema = getattr(torch.ops.dsfuse, op).default._schema
-        for i, argument in enumerate(schema.arguments):
-            value = args[i] if i < len(args) else argument.default_value  # defaults filled, as the pass does
-            kind = str(argument.type)
-            (tensors if "Tensor" in kind else floats if kind == "float" else ints).append(
-                int(value) if kind == "bool" else value)
+        t, i, f = group_member_lists(op, args)
+        tensors += t
+        ints += i
+        floats += f
     return ",".join(op for op, _ in members), tensors, ints, floats
 
 
