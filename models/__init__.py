@@ -19,7 +19,7 @@ from dsfuse.models.official import (
     quantize_fp4,
     quantize_fp8_blockwise,
 )
-from dsfuse.models.presets import PRESETS, build_hf_model, build_hf_model_from_dir, hf_config
+from dsfuse.models.presets import PRESETS, V4_PRESETS, build_hf_model, build_hf_model_from_dir, hf_config
 
 __all__ = [
     "CheckpointError",
@@ -28,6 +28,7 @@ __all__ = [
     "DsfuseDeepseekForCausalLM",
     "OWN_PRESETS",
     "PRESETS",
+    "V4_PRESETS",
     "build_hf_model",
     "build_hf_model_from_dir",
     "build_own_model",

@@ -1,4 +1,4 @@
-"""Named configurations of `transformers.DeepseekV32ForCausalLM` and deterministic random builders.
+"""Named configurations of transformers' DeepSeek models (V3.2 and V4) and deterministic random builders.
 
 The passes are developed against the unmodified HF model, so these builders only choose sizes and the
 attention / experts implementation; they never patch the model.
@@ -78,16 +78,84 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
 }
 
+# DeepSeek V4 (`transformers.DeepseekV4ForCausalLM`). Every attention kind appears in `v4-tiny`: a sliding-window
+# layer, a compressed sparse (CSA, m=4, indexer top-k 4) and a heavily compressed (HCA, m'=8) one, with the hash
+# router on the first layer; the real preset is V4-Flash's layer dimensions on two layers (CSA then HCA, both top-k
+# routed), as measured in the issue tracker's baseline.
+V4_PRESETS: dict[str, dict[str, Any]] = {
+    "v4-tiny": dict(
+        vocab_size=256,
+        hidden_size=64,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        partial_rotary_factor=0.25,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        sliding_window=8,
+        index_n_heads=4,
+        index_head_dim=16,
+        index_topk=4,
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        max_position_embeddings=512,
+    ),
+    "v4-flash-real-2l": dict(
+        vocab_size=129280,
+        hidden_size=4096,
+        moe_intermediate_size=2048,
+        num_hidden_layers=2,
+        num_attention_heads=64,
+        num_key_value_heads=1,
+        head_dim=512,
+        partial_rotary_factor=0.125,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        n_routed_experts=256,
+        num_experts_per_tok=6,
+        n_shared_experts=1,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        sliding_window=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        mlp_layer_types=["moe", "moe"],
+        max_position_embeddings=1048576,
+    ),
+}
+V4_ATTN_IMPLEMENTATIONS = ("eager",)
+
 ROUTER_FP32_TENSORS = ("e_score_correction_bias", "gate.weight")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
 
-def preset_kwargs(preset: str, registry: Mapping[str, Mapping[str, Any]] = PRESETS) -> dict[str, Any]:
-    """A deep copy of a preset's config kwargs; unknown names raise with the list of valid ones."""
+def preset_kwargs(preset: str, registry: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """A deep copy of a preset's config kwargs (V3.2 or V4); unknown names raise with the list of valid ones."""
+    registry = {**PRESETS, **V4_PRESETS} if registry is None else registry
     if preset not in registry:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(registry))}")
     return json.loads(json.dumps(registry[preset]))
+
+
+def is_v4_preset(preset: Any) -> bool:
+    """Whether `preset` (a name or a config) describes a `DeepseekV4ForCausalLM`."""
+    if isinstance(preset, str):
+        return preset in V4_PRESETS
+    return getattr(preset, "model_type", None) == "deepseek_v4"
 
 
 def _check_choice(kind: str, value: str, valid: tuple[str, ...]) -> None:
@@ -102,21 +170,27 @@ def hf_config(
     experts_implementation: str = "grouped_mm",
     **overrides: Any,
 ):
-    """A `DeepseekV32Config` for `preset`, with `overrides` applied on top of the preset's kwargs.
+    """A `DeepseekV32Config` (or, for a V4 preset, `DeepseekV4Config`) for `preset`, with `overrides` applied.
 
     The attention and experts implementations are recorded on the config (`_attn_implementation`,
     `_experts_implementation`): HF's `@use_experts_implementation` experts read the latter at every forward.
+    HF V4 supports eager attention only, so a V4 preset's `sdpa` default becomes `eager`.
     """
-    from transformers import DeepseekV32Config
+    from transformers import DeepseekV4Config, DeepseekV32Config
 
-    _check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+    v4 = is_v4_preset(preset)
+    if v4 and attn_implementation == "sdpa":
+        attn_implementation = "eager"
+    _check_choice("attn_implementation", attn_implementation, V4_ATTN_IMPLEMENTATIONS if v4 else ATTN_IMPLEMENTATIONS)
     _check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
     kwargs = preset_kwargs(preset)
     kwargs.update(overrides)
     if "num_hidden_layers" in overrides and "mlp_layer_types" not in overrides:
         # The preset's explicit layer list would no longer match: rebuild it from first_k_dense_replace.
         kwargs.pop("mlp_layer_types", None)
-    return DeepseekV32Config(
+    if v4 and "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        kwargs.pop("layer_types", None)
+    return (DeepseekV4Config if v4 else DeepseekV32Config)(
         **kwargs,
         attn_implementation=attn_implementation,
         experts_implementation=experts_implementation,
@@ -165,23 +239,28 @@ def build_hf_model(
     seed: int = 0,
     **overrides: Any,
 ):
-    """A randomly initialised `DeepseekV32ForCausalLM` in eval mode; the same seed gives the same weights.
+    """A randomly initialised `DeepseekV32ForCausalLM` (`DeepseekV4ForCausalLM` for a V4 preset) in eval mode.
 
-    `preset` is a `PRESETS` name (with `overrides` applied) or a ready `DeepseekV32Config`. The router weight and
-    `e_score_correction_bias` stay fp32 whatever `dtype` is, as transformers 5.24 keeps them (`keep_fp32_modules`).
+    The same seed gives the same weights. `preset` is a `PRESETS` / `V4_PRESETS` name (with `overrides` applied)
+    or a ready config. The router weight and `e_score_correction_bias` stay fp32 whatever `dtype` is, as
+    transformers 5.24 keeps them (`keep_fp32_modules`).
     """
-    from transformers import DeepseekV32ForCausalLM
+    from transformers import DeepseekV4ForCausalLM, DeepseekV32ForCausalLM
 
+    v4 = is_v4_preset(preset)
+    if v4 and attn_implementation == "sdpa":
+        attn_implementation = "eager"
     if isinstance(preset, str):
         config = hf_config(
             preset, attn_implementation=attn_implementation, experts_implementation=experts_implementation, **overrides
         )
     else:
-        _check_choice("attn_implementation", attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("attn_implementation", attn_implementation, V4_ATTN_IMPLEMENTATIONS if v4 else ATTN_IMPLEMENTATIONS)
         _check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
         config = copy.deepcopy(preset)
+    model_class = DeepseekV4ForCausalLM if v4 else DeepseekV32ForCausalLM
     model = seeded_build(
-        lambda: DeepseekV32ForCausalLM._from_config(
+        lambda: model_class._from_config(
             config,
             dtype=dtype,
             attn_implementation=attn_implementation,

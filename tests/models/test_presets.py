@@ -105,3 +105,21 @@ def test_real_preset_dims_and_size():
     assert 13.5e9 < sum(p.numel() for p in model.parameters()) < 14.5e9
     assert model.model.layers[1].mlp.gate.weight.dtype == torch.float32
     assert model.model.layers[0].mlp.gate_proj.weight.dtype == torch.bfloat16
+
+
+def test_v4_presets_build_deepseek_v4_with_every_attention_kind():
+    from dsfuse.models.presets import V4_PRESETS, build_hf_model, hf_config
+
+    model = build_hf_model("v4-tiny")
+    assert type(model).__name__ == "DeepseekV4ForCausalLM"
+    assert model.config._attn_implementation == "eager"
+    assert set(model.config.layer_types) == {
+        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"}
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (2, 19)), use_cache=False).logits
+    assert logits.shape == (2, 19, 256) and torch.isfinite(logits).all()
+    real = hf_config("v4-flash-real-2l")
+    assert (real.hidden_size, real.num_attention_heads, real.head_dim, real.index_topk) == (4096, 64, 512, 512)
+    assert real.qk_rope_head_dim == 64 and sorted(V4_PRESETS) == ["v4-flash-real-2l", "v4-tiny"]
+    with pytest.raises(ValueError, match="valid: eager"):
+        hf_config("v4-tiny", attn_implementation="flash_attention_2")
