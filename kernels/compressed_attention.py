@@ -12,6 +12,16 @@ Math (HF `DeepseekV4Attention` with `eager_attention_forward`, every head readin
 
 A fully masked row is well defined: the sink takes all the mass and the output is 0, as in HF.
 The reference below is also the CPU implementation; it spells the HF roundings out one by one.
+
+The CUDA path (`compressed_attention_triton`) reads the keys where they live: per query the window rows
+`kv[b, lo:hi]` (found by binary search, which asks `kv_positions[b]` to be non-decreasing along N: -1 left
+padding, then ascending positions, the layout of a prompt and of a sliding cache), then the selected entries
+`compressed[b, indices[b, s]]` (CSA; the indices of a row must be distinct, as a top-k's are) or the first
+(q_pos + 1) // compress_rate entries (HCA). All heads of a query share the key rows, so they sit on the MMA M
+dimension. HF rounds the normalised probabilities to the input dtype before `p @ v`, which an online softmax
+cannot reproduce, so the kernel makes two passes over a query's keys: the first finds the row max and the sum
+(the sink folded in as the starting value), the second recomputes the logits and accumulates
+`round(exp(logit - max) / sum) @ v`. The inverse RoPE runs on the output tile before it is stored.
 """
 
 from __future__ import annotations
@@ -19,6 +29,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from dsfuse.kernels.triton_support import interpreting
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -116,6 +131,277 @@ def _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, wind
         _check(cos.dtype == torch.float32 and sin.dtype == torch.float32, "cos / sin must be fp32")
 
 
+_SLIDING, _CSA, _HCA = 0, 1, 2
+
+
+@triton.jit(do_not_specialize=["S", "N", "K", "T", "window", "compress_rate", "search_steps"])
+def _key_ranges_kernel(qpos_ptr, kvpos_ptr, idx_ptr, ranges_ptr,
+                       stride_qp_b, stride_kp_b, stride_idx_b, stride_idx_s,
+                       S, N, K, T, window, compress_rate, search_steps,
+                       MODE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per query: the window rows [lo, hi) of kv whose positions lie in [q_pos - window + 1, q_pos] (two lower
+    bounds in the non-decreasing kv_positions row, searched side by side), and how many compressed slots the
+    attention scans: up to the last in-range pick (CSA) or the (q_pos + 1) // compress_rate visible entries
+    (HCA).  `ranges` is [3, B * S] int32."""
+    b = tl.program_id(0).to(tl.int64)
+    offs_q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_ok = offs_q < S
+    pos = tl.load(qpos_ptr + b * stride_qp_b + offs_q, mask=q_ok, other=0).to(tl.int64)
+    # lanes 2i and 2i + 1 look for query i's first row at or past q_pos - window + 1 and past q_pos
+    lane = tl.arange(0, 2 * BLOCK_Q)
+    lane_pos = tl.reshape(tl.join(pos, pos), [2 * BLOCK_Q])
+    target = tl.where(lane % 2 == 0, lane_pos - window + 1, lane_pos + 1)
+    low = tl.zeros([2 * BLOCK_Q], tl.int64)
+    high = tl.zeros([2 * BLOCK_Q], tl.int64) + N
+    kvpos_row = kvpos_ptr + b * stride_kp_b
+    for _ in range(search_steps):
+        active = low < high
+        mid = (low + high) // 2
+        seen = tl.load(kvpos_row + tl.minimum(mid, N - 1), mask=active, other=0).to(tl.int64)
+        right = active & (seen < target)
+        low = tl.where(right, mid + 1, low)
+        high = tl.where(active & ~right, mid, high)
+    lo, hi = tl.split(tl.reshape(low, [BLOCK_Q, 2]))
+    total = tl.num_programs(0).to(tl.int64) * S
+    flat = b * S + offs_q
+    tl.store(ranges_ptr + flat, lo.to(tl.int32), mask=q_ok)
+    tl.store(ranges_ptr + total + flat, hi.to(tl.int32), mask=q_ok)
+    if MODE == 1:
+        slots = tl.zeros([BLOCK_Q], tl.int32)
+        idx_rows = idx_ptr + b * stride_idx_b + offs_q.to(tl.int64)[:, None] * stride_idx_s
+        for start in range(0, K, BLOCK_K):
+            offs_k = start + tl.arange(0, BLOCK_K)
+            ids = tl.load(idx_rows + offs_k[None, :], mask=q_ok[:, None] & (offs_k < K)[None, :], other=-1)
+            picked = (ids >= 0) & (ids < T)
+            slots = tl.maximum(slots, tl.max(tl.where(picked, offs_k[None, :] + 1, 0), 1))
+    elif MODE == 2:
+        # clamped, so C-style division of a negative q_pos + 1 gives the same 0 as floor division
+        slots = tl.minimum(tl.maximum((pos + 1) // compress_rate, 0), T).to(tl.int32)
+    else:
+        slots = tl.zeros([BLOCK_Q], tl.int32)
+    tl.store(ranges_ptr + 2 * total + flat, slots, mask=q_ok)
+
+
+@triton.jit
+def _exp(x, ACCURATE_EXP: tl.constexpr):
+    """expf as PyTorch's softmax computes it (libdevice on the GPU; the interpreter's exp is numpy's)."""
+    if ACCURATE_EXP:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
+
+
+@triton.jit
+def _window_keys(kv_row_ptr, kvpos_row_ptr, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                 D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows lo + start .. of kv and which of them the query sees (the reference's full window test)."""
+    rows = lo + start + tl.arange(0, BLOCK_N)
+    in_range = rows < hi
+    kv_pos = tl.load(kvpos_row_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+    delta = q_pos - kv_pos
+    ok = in_range & (kv_pos >= 0) & (delta >= 0) & (delta < window)
+    if D == DP:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & (offs_d < D)[None, :]
+    keys = tl.load(kv_row_ptr + rows.to(tl.int64)[:, None] * stride_kv_n + offs_d[None, :], mask=mask, other=0.0)
+    return keys, ok
+
+
+@triton.jit
+def _entry_keys(c_row_ptr, idx_row_ptr, stride_c_t, slots, T, start, offs_d,
+                MODE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Compressed entries of slots start .. : the picks indices[b, s, slot] (CSA, -1 and out-of-range picks
+    read nothing) or the entries themselves (HCA, slots counts the visible ones)."""
+    offs = start + tl.arange(0, BLOCK_N)
+    if MODE == 1:
+        ids = tl.load(idx_row_ptr + offs, mask=offs < slots, other=-1).to(tl.int64)
+        ok = (ids >= 0) & (ids < T)
+        rows = tl.where(ok, ids, 0)
+    else:
+        ok = offs < slots
+        rows = offs.to(tl.int64)
+    if D == DP:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & (offs_d < D)[None, :]
+    keys = tl.load(c_row_ptr + rows[:, None] * stride_c_t + offs_d[None, :], mask=mask, other=0.0)
+    return keys, ok
+
+
+@triton.jit
+def _logits(q, keys, ok, scale, DOT_PRECISION: tl.constexpr):
+    """HF's rounding: q.k to the input dtype, times scale in the input dtype, then fp32 with -inf where unseen."""
+    dtype = q.dtype
+    qk = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)
+    x = (qk.to(dtype).to(tl.float32) * scale).to(dtype).to(tl.float32)
+    return tl.where(ok[None, :], x, float("-inf"))
+
+
+@triton.jit
+def _max_and_sum(x, m, l, ACCURATE_EXP: tl.constexpr):
+    """Online row max and sum of exp(x - max); m starts at the sink, so it is never -inf."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    l = l * _exp(m - m_new, ACCURATE_EXP) + tl.sum(_exp(x - m_new[:, None], ACCURATE_EXP), 1)
+    return m_new, l
+
+
+@triton.jit
+def _accumulate(x, keys, m, l, acc, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += round(exp(x - m) / l) @ keys: the probabilities HF hands to its p @ v matmul."""
+    p = tl.div_rn(_exp(x - m[:, None], ACCURATE_EXP), l[:, None]).to(keys.dtype)
+    return tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit(do_not_specialize=["S", "H", "T", "window"])
+def _compressed_attention_kernel(
+    q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_kv_b, stride_kv_n,
+    stride_c_b, stride_c_t,
+    stride_idx_b, stride_idx_s,
+    stride_qp_b, stride_kp_b,
+    stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
+    stride_o_b, stride_o_s, stride_o_h,
+    S, H, T, window, scale,
+    D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
+    and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
+    the same rows.  Then the output tile is rounded, inverse-rotated on its trailing 2R dims and stored."""
+    total = tl.num_programs(0).to(tl.int64)
+    flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
+    b = flat // S
+    s = flat % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, DP)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+
+    q = tl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.load(qpos_ptr + b * stride_qp_b + s).to(tl.int64)
+    lo = tl.load(ranges_ptr + flat)
+    hi = tl.load(ranges_ptr + total + flat)
+    slots = tl.load(ranges_ptr + 2 * total + flat)
+    kv_row = kv_ptr + b * stride_kv_b
+    kvpos_row = kvpos_ptr + b * stride_kp_b
+    c_row = c_ptr + b * stride_c_b
+    idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
+
+    m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
+    for start in range(0, hi - lo, BLOCK_N):
+        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N)
+        m, l = _max_and_sum(_logits(q, keys, ok, scale, DOT_PRECISION), m, l, ACCURATE_EXP)
+    if MODE != 0:
+        for start in range(0, slots, BLOCK_N):
+            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
+            m, l = _max_and_sum(_logits(q, keys, ok, scale, DOT_PRECISION), m, l, ACCURATE_EXP)
+
+    acc = tl.zeros([BLOCK_H, DP], tl.float32)
+    for start in range(0, hi - lo, BLOCK_N):
+        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N)
+        acc = _accumulate(_logits(q, keys, ok, scale, DOT_PRECISION), keys, m, l, acc, ACCURATE_EXP,
+                          DOT_PRECISION)
+    if MODE != 0:
+        for start in range(0, slots, BLOCK_N):
+            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
+            acc = _accumulate(_logits(q, keys, ok, scale, DOT_PRECISION), keys, m, l, acc, ACCURATE_EXP,
+                              DOT_PRECISION)
+
+    out = acc.to(q.dtype)
+    if R > 0:
+        # HF's apply_rotary_pos_emb(out, cos, -sin) on interleaved pairs, in fp32 from the rounded output
+        even, odd = tl.split(tl.reshape(out, [BLOCK_H, DP // 2, 2]))
+        pair = tl.arange(0, DP // 2)
+        j = pair - (D // 2 - R)
+        turn = (j >= 0) & (pair < D // 2)
+        c = tl.load(cos_ptr + b * stride_cs_b + s * stride_cs_s + j, mask=turn, other=1.0)[None, :]
+        neg_sin = -tl.load(sin_ptr + b * stride_sn_b + s * stride_sn_s + j, mask=turn, other=0.0)[None, :]
+        e = even.to(tl.float32)
+        o = odd.to(tl.float32)
+        new_even = tl.where(turn[None, :], (e * c + (-o) * neg_sin).to(q.dtype), even)
+        new_odd = tl.where(turn[None, :], (o * c + e * neg_sin).to(q.dtype), odd)
+        out = tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, DP])
+    tl.store(out_ptr + b * stride_o_b + s * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :], out,
+             mask=h_ok[:, None] & d_ok[None, :])
+
+
+def compressed_attention_default_config(H: int, D: int) -> dict:
+    """All heads of a query in one program up to 64 (one MMA M tile); 64 keys per tile; 8 warps once the
+    [BLOCK_H, D] fp32 accumulator is 64 x 256 or more (as the sparse MLA kernel, whose H200 sweep chose these)."""
+    block_h = max(16, min(64, triton.next_power_of_2(H)))
+    dp = max(16, triton.next_power_of_2(D))
+    return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
+            "num_stages": 2, "accurate_exp": True}
+
+
+def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Kernels take any outer strides but want unit stride in the last dim."""
+    if x is None or x.stride(-1) == 1 or x.shape[-1] <= 1:
+        return x
+    return x.contiguous()
+
+
+def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
+                                compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
+                                num_stages=None, accurate_exp=None):
+    """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
+    `kv_positions[b]` must be non-decreasing (see the module docstring); indices are never trusted."""
+    _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
+              check_values=False)
+    _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
+    B, S, H, D = q.shape
+    N = kv.shape[1]
+    q, kv, compressed, indices, cos, sin = (_unit_last(t) for t in (q, kv, compressed, indices, cos, sin))
+    q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
+    cfg = compressed_attention_default_config(H, D)
+    for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
+                       ("num_stages", num_stages), ("accurate_exp", accurate_exp)):
+        if value is not None:
+            cfg[key] = value
+    out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
+    if out.numel() == 0:
+        return out
+    mode = _SLIDING if compressed is None else (_HCA if indices is None else _CSA)
+    T = 0 if compressed is None else compressed.shape[1]
+    K = 0 if indices is None else indices.shape[2]
+    ranges = torch.empty((3, B * S), dtype=torch.int32, device=q.device)
+    idx_arg = indices if indices is not None else ranges  # never read outside CSA
+    block_q = 64
+    _key_ranges_kernel[(B, triton.cdiv(S, block_q))](
+        q_positions, kv_positions, idx_arg, ranges,
+        q_positions.stride(0), kv_positions.stride(0),
+        idx_arg.stride(0) if indices is not None else 0, idx_arg.stride(1) if indices is not None else 0,
+        S, N, K, T, window, compress_rate, max(1, N.bit_length()) if N else 0,
+        MODE=mode, BLOCK_Q=block_q, BLOCK_K=min(128, max(16, triton.next_power_of_2(max(K, 1)))))
+    c_arg = compressed if compressed is not None else kv
+    rope = cos is not None
+    cos_arg, sin_arg = (cos, sin) if rope else (sinks, sinks)
+    dp = max(16, triton.next_power_of_2(D))
+    accurate = bool(cfg["accurate_exp"]) and not interpreting()
+    _compressed_attention_kernel[(B * S, triton.cdiv(H, cfg["block_h"]))](
+        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        c_arg.stride(0), c_arg.stride(1),
+        idx_arg.stride(0) if indices is not None else 0, idx_arg.stride(1) if indices is not None else 0,
+        q_positions.stride(0), kv_positions.stride(0),
+        cos.stride(0) if rope else 0, cos.stride(1) if rope else 0,
+        sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        S, H, T, window, float(scale),
+        D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
+        MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
 @torch.library.custom_op("dsfuse::compressed_attention", mutates_args=())
 def compressed_attention(q: torch.Tensor, kv: torch.Tensor, q_positions: torch.Tensor, kv_positions: torch.Tensor,
                          compressed: Optional[torch.Tensor], indices: Optional[torch.Tensor], sinks: torch.Tensor,
@@ -136,4 +422,12 @@ def _compressed_attention_fake(q, kv, q_positions, kv_positions, compressed, ind
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-__all__ = ["compressed_attention", "compressed_attention_reference", "inverse_rope_reference"]
+@compressed_attention.register_kernel("cuda")
+def _compressed_attention_cuda(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
+                               compress_rate, cos, sin):
+    return compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
+                                       compress_rate, cos, sin)
+
+
+__all__ = ["compressed_attention", "compressed_attention_reference", "compressed_attention_triton",
+           "inverse_rope_reference"]

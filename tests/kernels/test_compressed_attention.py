@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from dsfuse.kernels.compressed_attention import compressed_attention_reference, inverse_rope_reference
+from dsfuse.kernels.compressed_attention import (
+    compressed_attention_reference,
+    compressed_attention_triton,
+    inverse_rope_reference,
+)
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf_v4  # noqa: E402
@@ -96,3 +100,125 @@ def test_opcheck():
                  (q, kv, pos, pos, compressed, None, sinks, 0.3, 3, 2, None, None),
                  (q, kv, pos, pos, None, None, sinks, 0.3, 3, 2, None, None)]:
         torch.library.opcheck(torch.ops.dsfuse.compressed_attention.default, args)
+
+
+# --- the Triton path (CPU: Triton's interpreter with fp16 / fp32, as a bf16 tl.dot is wrong there) ---------
+
+
+def _positions(B, S, pad=3):
+    q_pos = torch.arange(S).expand(B, S).clone()
+    kv_pos = q_pos.clone()
+    if B > 1:
+        kv_pos[1, :pad] = -1  # left padding of the second row's keys
+    return q_pos, kv_pos
+
+
+def _picks(B, S, T, k, rate, seed=1):
+    """A top-k's picks: distinct entries, the not-yet-visible ones replaced by -1 (HF's indexer)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(max(T, k), generator=g)[:k] for _ in range(B * S)]).view(B, S, k)
+    visible = (torch.arange(S) + 1) // rate
+    return torch.where(idx >= visible.view(1, S, 1), -1, idx)
+
+
+def _rope(B, S, R, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    angle = torch.rand(B, S, R, generator=g) * 6.3
+    return angle.cos(), angle.sin()
+
+
+def _assert_matches(got, want):
+    """fp32: up to summation order. fp16: the roundings HF makes are the kernel's, so all but a few elements are
+    bit-equal (the kernel's q.k and softmax sum run in another order and can flip a rounding by one ulp)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+        assert (got == want).float().mean() > 0.98
+
+
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_triton_matches_reference(kind):
+    B, S, H, D, rate = 2, 23, 3, 32, 4  # S not a multiple of the rate
+    W = 20 if kind == "sliding" else 5  # sliding: window rows over two 16-key tiles
+    T = S // rate if kind != "sliding" else 0
+    q, kv, compressed, sinks = _inputs(B, S, H, D, T, torch.float16)
+    q = torch.cat([q, q], dim=-1)[..., :D]  # non-contiguous: head stride 2 * D
+    assert not q.is_contiguous()
+    q_pos, kv_pos = _positions(B, S)
+    indices = _picks(B, S, T, 3, rate) if kind == "csa" else None
+    cos, sin = _rope(B, S, 4) if kind != "sliding" else (None, None)
+    args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, W, rate, cos, sin)
+    _assert_matches(compressed_attention_triton(*args, block_n=16), compressed_attention_reference(*args))
+
+
+def test_triton_fp32_csa_with_rope_and_head_blocks():
+    B, S, H, D, rate = 1, 19, 20, 16, 2
+    T = S // rate
+    q, kv, compressed, sinks = _inputs(B, S, H, D, T, torch.float32, seed=3)
+    q_pos, kv_pos = _positions(B, S)
+    indices = _picks(B, S, T, 6, rate)
+    cos, sin = _rope(B, S, 2)
+    args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, 6, rate, cos, sin)
+    _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16), compressed_attention_reference(*args))
+
+
+def test_triton_sequence_shorter_than_window_and_untrusted_indices():
+    B, S, H, D, rate = 1, 3, 2, 16, 2
+    q, kv, compressed, sinks = _inputs(B, S, H, D, 1, torch.float16, seed=4)
+    q_pos, kv_pos = _positions(B, S)
+    hca = (q, kv, q_pos, kv_pos, compressed, None, sinks, 0.25, 8, rate, None, None)
+    _assert_matches(compressed_attention_triton(*hca), compressed_attention_reference(*hca))
+    wild = torch.tensor([[[0, 7, -5], [-1, 0, 1], [3, 0, -1]]])  # picks outside [0, T) read nothing
+    tame = torch.where((wild >= 0) & (wild < 1), wild, -1)
+    got = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, wild, sinks, 0.25, 8, rate, None, None)
+    want = compressed_attention_reference(q, kv, q_pos, kv_pos, compressed, tame, sinks, 0.25, 8, rate, None, None)
+    _assert_matches(got, want)
+
+
+def test_triton_fully_masked_rows_give_zero():
+    q, kv, compressed, sinks = _inputs(1, 4, 2, 16, 2, torch.float16, seed=5)
+    q_pos = torch.arange(4).view(1, 4)
+    kv_pos = torch.full((1, 4), -1)
+    out = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, None, sinks, 0.3, 4, 8, None, None)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+# --- the CUDA path at V4-Flash head shapes -------------------------------------------------------------------
+
+
+def _cuda_case(kind, B=2, S=1024, H=64, D=512, W=128, seed=7):
+    rate = {"sliding": 4, "csa": 4, "hca": 128}[kind]
+    T = S // rate if kind != "sliding" else 0
+    q, kv, compressed, sinks = (t.cuda() if t is not None else None for t in _inputs(B, S, H, D, T, torch.bfloat16,
+                                                                                      seed))
+    q_pos, kv_pos = (t.cuda() for t in _positions(B, S, pad=100))
+    indices = _picks(B, S, T, 64, rate).cuda() if kind == "csa" else None
+    cos, sin = (t.cuda() for t in _rope(B, S, 32))
+    return (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, W, rate, cos, sin)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_cuda_matches_reference_in_bf16(kind):
+    """Same roundings as HF; the kernel's q.k and softmax sums run in another order than cuBLAS and PyTorch's
+    softmax, so a rare logit or probability lands one bf16 ulp away and moves an output by about one ulp."""
+    args = _cuda_case(kind)
+    got = torch.ops.dsfuse.compressed_attention(*args)
+    want = compressed_attention_reference(*args)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert (got == want).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_gives_the_eager_result():
+    """No host sync and no data-dependent shape: the op captures into a CUDA graph and replays exactly."""
+    args = _cuda_case("csa", B=1, S=512)
+    eager = torch.ops.dsfuse.compressed_attention(*args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsfuse.compressed_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

@@ -1,0 +1,208 @@
+"""H200 benchmark of `dsfuse::compressed_attention` (DeepSeek V4 sink attention over a sliding window plus
+compressed entries) at V4-Flash shapes: H=64, D=512, one shared K=V head, window 128, CSA (rate 4, top-512) and
+HCA (rate 128) layers, the inverse RoPE epilogue on the trailing 64 dims.
+
+Sections, in priority order (the JSON is rewritten after each, so a run cut short still reports what it measured):
+the bf16 matmul ceiling; agreement of the fused op with the reference (HF's math, eager on the GPU) and, as the
+noise floor of "another summation order", of the reference under Inductor with the eager reference; a launch
+sweep at S=8192; do_bench medians of the fused op at every S, of HF's eager attention (the reference's math with
+HF's additive masks built from positions and indices, as the model builds them) eagerly and under
+`torch.compile`. TFLOP/s count the work asked for: 2 * H * D * 2 flops per visible (query, key) pair.
+Prints a table last; writes $OUT/compressed_attention.json.  Environment: SEQS (fused op lengths, default
+"4096 8192 16384 32768 65536"), HF_SEQS (default "4096 8192"), COMPILE_SEQS (default "8192"), SWEEP (0 skips).
+"""
+
+import json
+import os
+import time
+
+import torch
+from triton.testing import do_bench
+
+from dsfuse.kernels import compressed_attention as ca
+
+H, D, WINDOW, ROPE = 64, 512, 128, 32
+LAYERS = {"csa": {"rate": 4, "topk": 512}, "hca": {"rate": 128, "topk": 0}}
+RESULTS = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": None, "commit":
+           os.environ.get("DSFUSE_COMMIT"), "shapes": {"H": H, "D": D, "window": WINDOW, "rope_dims": 2 * ROPE},
+           "ceilings": {}, "agreement": {}, "sweep": {}, "timings": {}}
+ROWS = []
+START = time.time()
+
+
+def log(msg):
+    print(f"[{time.time() - START:6.1f}s] {msg}", flush=True)
+
+
+def save():
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "compressed_attention.json"), "w") as f:
+            json.dump(RESULTS, f, indent=1)
+
+
+def bench(fn, rep=100):
+    return do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def seqs(name, default):
+    return [int(s) for s in os.environ.get(name, default).split()]
+
+
+def make_inputs(S, layer, seed=0):
+    """Random bf16 activations, prompt positions, real RoPE angles and top-k-like picks: for query s, the
+    min(512, (s + 1) // 4) visible entries of a random top-k, the rest -1 (HF's indexer)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rate, topk = LAYERS[layer]["rate"], LAYERS[layer]["topk"]
+    T = S // rate
+    q = torch.randn(1, S, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    kv = torch.randn(1, S, D, device="cuda", generator=g).to(torch.bfloat16)
+    compressed = torch.randn(1, T, D, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.arange(S, device="cuda").view(1, S)
+    sinks = torch.randn(H, device="cuda", generator=g)
+    inv_freq = 10000.0 ** (-torch.arange(ROPE, device="cuda").float() / ROPE)
+    angle = pos.float().unsqueeze(-1) * inv_freq
+    cos, sin = angle.cos(), angle.sin()
+    indices = None
+    if topk:
+        k = min(topk, T)
+        visible = (pos.view(S, 1) + 1) // rate
+        chunks = []
+        for lo in range(0, S, 4096):
+            scores = torch.rand(min(4096, S - lo), T, device="cuda", generator=g)
+            entry = torch.arange(T, device="cuda").view(1, T)
+            scores = scores.masked_fill(entry >= visible[lo:lo + 4096], float("-inf"))
+            top = scores.topk(k, dim=-1).indices
+            chunks.append(torch.where(top >= visible[lo:lo + 4096], -1, top))
+        indices = torch.cat(chunks).view(1, S, k)
+    scale = D ** -0.5
+    return (q, kv, pos, pos.clone(), compressed, indices, sinks, scale, WINDOW, rate, cos, sin)
+
+
+def work_flops(args):
+    """4 * H * D per visible (query, key) pair: q.k and p.v."""
+    q, kv, pos, kv_pos, compressed, indices, sinks, scale, window, rate, cos, sin = args
+    s = pos[0].long()
+    window_pairs = torch.clamp(s + 1, max=window).sum().item()
+    if indices is not None:
+        entry_pairs = (indices >= 0).sum().item()
+    else:
+        entry_pairs = torch.clamp((s + 1) // rate, max=compressed.shape[1]).sum().item()
+    return 4 * H * D * (window_pairs + entry_pairs)
+
+
+def hf_attention(q, kv, q_pos, kv_pos, compressed, indices, sinks, scale, window, rate, cos, sin):
+    """What HF V4 computes: sliding-window additive mask plus the compressed block bias (scatter of the picks, or
+    the causal entry limit), eager_attention_forward's sink softmax over every key, then the inverse RoPE."""
+    B, S, Hq, Dq = q.shape
+    T = compressed.shape[1]
+    delta = q_pos.unsqueeze(-1) - kv_pos.unsqueeze(1)
+    seen = (kv_pos.unsqueeze(1) >= 0) & (delta >= 0) & (delta < window)
+    bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, torch.finfo(q.dtype).min)
+    if indices is None:
+        future = torch.arange(T, device=q.device).view(1, 1, T) >= ((q_pos + 1) // rate).unsqueeze(-1)
+        block = torch.zeros(B, S, T, device=q.device).masked_fill(future, float("-inf"))
+    else:
+        block = torch.full((B, S, T + 1), float("-inf"), device=q.device)
+        block = block.scatter(-1, torch.where(indices >= 0, indices, T), 0.0)[..., :T]
+    bias = torch.cat([bias, block.to(q.dtype)], dim=-1).unsqueeze(1)
+    keys = torch.cat([kv, compressed], dim=1).unsqueeze(1)
+    weights = torch.matmul(q.transpose(1, 2), keys.transpose(2, 3)) * scale + bias
+    combined = torch.cat([weights, sinks.view(1, -1, 1, 1).expand(B, -1, S, 1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(q.dtype)
+    out = torch.matmul(probs, keys).transpose(1, 2).contiguous()
+    return ca.inverse_rope_reference(out, cos, sin)
+
+
+def agreement(got, want):
+    got, want = got.float(), want.float()
+    diff = (got - want).abs()
+    return {"bit_equal_fraction": (got == want).float().mean().item(), "max_abs_diff": diff.max().item(),
+            "max_abs_ref": want.abs().max().item(),
+            "rel_l2": (diff.norm() / want.norm().clamp_min(1e-30)).item(),
+            "elements_over_1e-2": int((diff > 1e-2).sum().item()), "nan": bool(torch.isnan(got).any().item())}
+
+
+def fused(args, **cfg):
+    return ca.compressed_attention_triton(*args, **cfg)
+
+
+def main():
+    torch.manual_seed(0)
+    RESULTS["device"] = torch.cuda.get_device_name()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192 ** 3 / bench(lambda: a @ b) / 1e9
+    RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
+    del a, b
+    log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    save()
+
+    compiled = torch.compile(hf_attention, dynamic=False)
+    for S in seqs("AGREE_SEQS", "4096 8192"):
+        for layer in LAYERS:
+            args = make_inputs(S, layer, seed=S + 1)
+            want = ca.compressed_attention_reference(*args)
+            entry = {"fused": agreement(fused(args), want),
+                     "fused_fast_exp": agreement(fused(args, accurate_exp=False), want),
+                     "hf_eager": agreement(hf_attention(*args), want)}
+            if S in seqs("COMPILE_SEQS", "8192"):
+                entry["hf_inductor"] = agreement(compiled(*args), want)
+            RESULTS["agreement"][f"{layer}_S{S}"] = entry
+            log(f"agreement {layer} S={S}: " + ", ".join(
+                f"{k} bits={v['bit_equal_fraction']:.5f} max={v['max_abs_diff']:.3g}" for k, v in entry.items()))
+            del want
+            save()
+
+    if os.environ.get("SWEEP", "1") != "0":
+        variants = {"default": {}, "n32": {"block_n": 32}, "stages1": {"num_stages": 1},
+                    "stages3": {"num_stages": 3}, "fast_exp": {"accurate_exp": False}, "warps4": {"num_warps": 4}}
+        for layer in LAYERS:
+            args = make_inputs(8192, layer)
+            flops = work_flops(args)
+            for name, cfg in variants.items():
+                try:
+                    ms = bench(lambda: fused(args, **cfg))
+                except Exception as e:  # a config that does not compile (shared memory) is a result too
+                    RESULTS["sweep"][f"{layer}_{name}"] = {"error": repr(e)[:300]}
+                    log(f"sweep {layer} {name}: {e!r:.200}")
+                    continue
+                RESULTS["sweep"][f"{layer}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9, **cfg}
+                log(f"sweep {layer} S=8192 {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+                save()
+
+    hf_seqs, compile_seqs = seqs("HF_SEQS", "4096 8192"), seqs("COMPILE_SEQS", "8192")
+    for S in seqs("SEQS", "4096 8192 16384 32768 65536"):
+        for layer in LAYERS:
+            args = make_inputs(S, layer)
+            flops = work_flops(args)
+            row = {"S": S, "layer": layer, "work_tflop": flops / 1e12}
+            providers = [("dsfuse", lambda: torch.ops.dsfuse.compressed_attention(*args))]
+            if S in hf_seqs:
+                providers.append(("hf_eager", lambda: hf_attention(*args)))
+            if S in compile_seqs:
+                providers.append(("hf_inductor", lambda: compiled(*args)))
+            for name, fn in providers:
+                try:
+                    fn()
+                    ms = bench(fn, rep=100 if name == "dsfuse" else 30)
+                    row[name] = {"ms": ms, "tflops": flops / ms / 1e9}
+                    ROWS.append((f"{layer} S={S}", name, ms, flops / ms / 1e9))
+                    log(f"{layer} S={S} {name}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s on {flops / 1e12:.3f} TFLOP")
+                except torch.OutOfMemoryError:
+                    row[name] = "out of memory"
+                    log(f"{layer} S={S} {name}: out of memory")
+                torch.cuda.empty_cache()
+            RESULTS["timings"][f"{layer}_S{S}"] = row
+            del args
+            save()
+
+    print(f"\nbf16 matmul ceiling {peak:.0f} TFLOP/s")
+    print(f"{'case':<14} {'provider':<12} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7}")
+    for case, name, ms, tf in ROWS:
+        print(f"{case:<14} {name:<12} {ms:9.3f} {tf:8.0f} {100 * tf / peak:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()
