@@ -146,6 +146,7 @@ def main():
             want = ca.compressed_attention_reference(*args)
             entry = {"fused": agreement(fused(args), want),
                      "fused_fast_exp": agreement(fused(args, accurate_exp=False), want),
+                     "fused_store_logits": agreement(fused(args, store_logits=True), want),
                      "hf_eager": agreement(hf_attention(*args), want)}
             if S in seqs("COMPILE_SEQS", "8192"):
                 entry["hf_inductor"] = agreement(compiled(*args), want)
@@ -156,8 +157,9 @@ def main():
             save()
 
     if os.environ.get("SWEEP", "1") != "0":
-        variants = {"default": {}, "n32": {"block_n": 32}, "stages1": {"num_stages": 1},
-                    "stages3": {"num_stages": 3}, "fast_exp": {"accurate_exp": False}, "warps4": {"num_warps": 4}}
+        variants = {"default": {}, "store": {"store_logits": True}, "fast_exp": {"accurate_exp": False},
+                    "store_fast_exp": {"store_logits": True, "accurate_exp": False}, "n32": {"block_n": 32},
+                    "stages3": {"num_stages": 3}}
         for layer in LAYERS:
             args = make_inputs(8192, layer)
             flops = work_flops(args)

@@ -14,8 +14,8 @@ A fully masked row is well defined: the sink takes all the mass and the output i
 The reference below is also the CPU implementation; it spells the HF roundings out one by one.
 
 The CUDA path (`compressed_attention_triton`) reads the keys where they live: per query the window rows
-`kv[b, lo:hi]` (found by binary search, which asks `kv_positions[b]` to be non-decreasing along N: -1 left
-padding, then ascending positions, the layout of a prompt and of a sliding cache), then the selected entries
+`kv[b, lo:hi]` (found by binary search, which asks `kv_positions[b]` to be -1 left padding, then increasing
+positions: the layout of a prompt and of a sliding cache), then the selected entries
 `compressed[b, indices[b, s]]` (CSA; the indices of a row must be distinct, as a top-k's are) or the first
 (q_pos + 1) // compress_rate entries (HCA). All heads of a query share the key rows, so they sit on the MMA M
 dimension. HF rounds the normalised probabilities to the input dtype before `p @ v`, which an online softmax
@@ -139,10 +139,10 @@ def _key_ranges_kernel(qpos_ptr, kvpos_ptr, idx_ptr, ranges_ptr,
                        stride_qp_b, stride_kp_b, stride_idx_b, stride_idx_s,
                        S, N, K, T, window, compress_rate, search_steps,
                        MODE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Per query: the window rows [lo, hi) of kv whose positions lie in [q_pos - window + 1, q_pos] (two lower
-    bounds in the non-decreasing kv_positions row, searched side by side), and how many compressed slots the
-    attention scans: up to the last in-range pick (CSA) or the (q_pos + 1) // compress_rate visible entries
-    (HCA).  `ranges` is [3, B * S] int32."""
+    """Per query: the window rows [lo, hi) of kv whose positions lie in [max(q_pos - window + 1, 0), q_pos] (two
+    lower bounds in the kv_positions row, searched side by side; at most `window` rows, as the positions of
+    real rows are distinct), and how many compressed slots the attention scans: up to the last in-range pick
+    (CSA) or the (q_pos + 1) // compress_rate visible entries (HCA).  `ranges` is [3, B * S] int32."""
     b = tl.program_id(0).to(tl.int64)
     offs_q = tl.program_id(1) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_ok = offs_q < S
@@ -150,7 +150,7 @@ def _key_ranges_kernel(qpos_ptr, kvpos_ptr, idx_ptr, ranges_ptr,
     # lanes 2i and 2i + 1 look for query i's first row at or past q_pos - window + 1 and past q_pos
     lane = tl.arange(0, 2 * BLOCK_Q)
     lane_pos = tl.reshape(tl.join(pos, pos), [2 * BLOCK_Q])
-    target = tl.where(lane % 2 == 0, lane_pos - window + 1, lane_pos + 1)
+    target = tl.where(lane % 2 == 0, tl.maximum(lane_pos - window + 1, 0), lane_pos + 1)
     low = tl.zeros([2 * BLOCK_Q], tl.int64)
     high = tl.zeros([2 * BLOCK_Q], tl.int64) + N
     kvpos_row = kvpos_ptr + b * stride_kp_b
@@ -162,6 +162,7 @@ def _key_ranges_kernel(qpos_ptr, kvpos_ptr, idx_ptr, ranges_ptr,
         low = tl.where(right, mid + 1, low)
         high = tl.where(active & ~right, mid, high)
     lo, hi = tl.split(tl.reshape(low, [BLOCK_Q, 2]))
+    hi = tl.minimum(hi, lo + window)
     total = tl.num_programs(0).to(tl.int64) * S
     flat = b * S + offs_q
     tl.store(ranges_ptr + flat, lo.to(tl.int32), mask=q_ok)
@@ -248,14 +249,19 @@ def _max_and_sum(x, m, l, ACCURATE_EXP: tl.constexpr):
 
 @triton.jit
 def _accumulate(x, keys, m, l, acc, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += round(exp(x - m) / l) @ keys: the probabilities HF hands to its p @ v matmul."""
-    p = tl.div_rn(_exp(x - m[:, None], ACCURATE_EXP), l[:, None]).to(keys.dtype)
+    """acc += round(exp(x - m) / l) @ keys: the probabilities HF hands to its p @ v matmul (without ACCURATE_EXP
+    the division is a multiply by 1 / l, which can round differently)."""
+    if ACCURATE_EXP:
+        p = tl.div_rn(_exp(x - m[:, None], ACCURATE_EXP), l[:, None]).to(keys.dtype)
+    else:
+        p = (_exp(x - m[:, None], ACCURATE_EXP) * (1.0 / l)[:, None]).to(keys.dtype)
     return tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=["S", "H", "T", "window"])
 def _compressed_attention_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
+    logits_ptr,
     stride_q_b, stride_q_s, stride_q_h,
     stride_kv_b, stride_kv_n,
     stride_c_b, stride_c_t,
@@ -266,10 +272,13 @@ def _compressed_attention_kernel(
     S, H, T, window, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
-    the same rows.  Then the output tile is rounded, inverse-rotated on its trailing 2R dims and stored."""
+    the same rows.  With STORE_LOGITS pass 1 keeps its logits (exact in the input dtype) in this program's
+    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  Then the output tile is
+    rounded, inverse-rotated on its trailing 2R dims and stored."""
     total = tl.num_programs(0).to(tl.int64)
     flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
     b = flat // S
@@ -289,29 +298,45 @@ def _compressed_attention_kernel(
     kvpos_row = kvpos_ptr + b * stride_kp_b
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
+    own_logits = logits_ptr + (flat * tl.num_programs(1) + tl.program_id(1)) * (BLOCK_H * SLOTS) \
+        + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
 
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     for start in range(0, hi - lo, BLOCK_N):
         keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
                                 D, DP, BLOCK_N)
-        m, l = _max_and_sum(_logits(q, keys, ok, scale, DOT_PRECISION), m, l, ACCURATE_EXP)
+        x = _logits(q, keys, ok, scale, DOT_PRECISION)
+        if STORE_LOGITS:
+            tl.store(own_logits + start, x.to(q.dtype))
+        m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
     if MODE != 0:
         for start in range(0, slots, BLOCK_N):
             keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
-            m, l = _max_and_sum(_logits(q, keys, ok, scale, DOT_PRECISION), m, l, ACCURATE_EXP)
+            x = _logits(q, keys, ok, scale, DOT_PRECISION)
+            if STORE_LOGITS:
+                tl.store(own_logits + WINDOW_SLOTS + start, x.to(q.dtype))
+            m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+    if STORE_LOGITS:
+        tl.debug_barrier()  # pass 2 reads logits that other threads of this program stored
 
     acc = tl.zeros([BLOCK_H, DP], tl.float32)
     for start in range(0, hi - lo, BLOCK_N):
         keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
                                 D, DP, BLOCK_N)
-        acc = _accumulate(_logits(q, keys, ok, scale, DOT_PRECISION), keys, m, l, acc, ACCURATE_EXP,
-                          DOT_PRECISION)
+        if STORE_LOGITS:
+            x = tl.load(own_logits + start).to(tl.float32)
+        else:
+            x = _logits(q, keys, ok, scale, DOT_PRECISION)
+        acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
     if MODE != 0:
         for start in range(0, slots, BLOCK_N):
             keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
-            acc = _accumulate(_logits(q, keys, ok, scale, DOT_PRECISION), keys, m, l, acc, ACCURATE_EXP,
-                              DOT_PRECISION)
+            if STORE_LOGITS:
+                x = tl.load(own_logits + WINDOW_SLOTS + start).to(tl.float32)
+            else:
+                x = _logits(q, keys, ok, scale, DOT_PRECISION)
+            acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
 
     out = acc.to(q.dtype)
     if R > 0:
@@ -337,7 +362,7 @@ def compressed_attention_default_config(H: int, D: int) -> dict:
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
-            "num_stages": 2, "accurate_exp": True}
+            "num_stages": 2, "accurate_exp": True, "store_logits": False}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -349,9 +374,10 @@ def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
                                 compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
-                                num_stages=None, accurate_exp=None):
+                                num_stages=None, accurate_exp=None, store_logits=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
-    `kv_positions[b]` must be non-decreasing (see the module docstring); indices are never trusted."""
+    `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
+    never trusted.  `store_logits` trades pass 2's q.k for a [B * S, H, window + k] scratch in the input dtype."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
@@ -361,7 +387,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
     cfg = compressed_attention_default_config(H, D)
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
-                       ("num_stages", num_stages), ("accurate_exp", accurate_exp)):
+                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits)):
         if value is not None:
             cfg[key] = value
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -384,8 +410,16 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     cos_arg, sin_arg = (cos, sin) if rope else (sinks, sinks)
     dp = max(16, triton.next_power_of_2(D))
     accurate = bool(cfg["accurate_exp"]) and not interpreting()
-    _compressed_attention_kernel[(B * S, triton.cdiv(H, cfg["block_h"]))](
-        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
+    head_blocks = triton.cdiv(H, block_h)
+    window_slots = triton.cdiv(window, block_n) * block_n
+    slots = window_slots + triton.cdiv({_SLIDING: 0, _CSA: K, _HCA: T}[mode], block_n) * block_n
+    if cfg["store_logits"]:
+        logits = torch.empty((B * S * head_blocks * block_h * slots,), dtype=q.dtype, device=q.device)
+    else:
+        logits = out  # never touched
+    _compressed_attention_kernel[(B * S, head_blocks)](
+        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out, logits,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         c_arg.stride(0), c_arg.stride(1),
@@ -395,8 +429,9 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
         S, H, T, window, float(scale),
-        D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=cfg["block_h"], BLOCK_N=cfg["block_n"],
+        D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots, SLOTS=slots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
