@@ -17,6 +17,8 @@ import os
 import time
 
 import torch
+import triton
+import triton.language as tl
 from triton.testing import do_bench
 
 from dsfuse.kernels import compressed_attention as ca
@@ -128,6 +130,43 @@ def fused(args, **cfg):
     return ca.compressed_attention_triton(*args, **cfg)
 
 
+def compiled_kernels():
+    """Registers, spills and shared memory of every compiled attention kernel variant, by cache key."""
+    found = {}
+    for entry in getattr(ca._compressed_attention_kernel, "device_caches", {}).values():
+        cache = entry[0] if isinstance(entry, tuple) else entry
+        for key, kernel in dict(cache).items():
+            try:
+                kernel._init_handles()
+            except Exception:
+                pass
+            found[str(key)] = {"regs": getattr(kernel, "n_regs", None), "spills": getattr(kernel, "n_spills", None),
+                               "shared": getattr(kernel.metadata, "shared", None)}
+    return found
+
+
+@triton.jit
+def _l2_read_kernel(x_ptr, out_ptr, rows, TILES: tl.constexpr, BLOCK_R: tl.constexpr, COLS: tl.constexpr):
+    """Each program sums TILES tiles of [BLOCK_R, COLS] rows of an L2-resident buffer: L2 -> SM read rate."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK_R, COLS], tl.float32)
+    offs_c = tl.arange(0, COLS)
+    for i in range(TILES):
+        r = ((pid * 7 + i) * BLOCK_R) % rows + tl.arange(0, BLOCK_R)
+        acc += tl.load(x_ptr + r[:, None].to(tl.int64) * COLS + offs_c[None, :]).to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(tl.sum(acc, 1), 0))
+
+
+def l2_read_rate():
+    rows, cols, block_r, tiles = 8192, 512, 64, 64
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16)
+    programs = 132 * 8
+    out = torch.empty(programs, device="cuda")
+    ms = bench(lambda: _l2_read_kernel[(programs,)](x, out, rows, TILES=tiles, BLOCK_R=block_r, COLS=cols,
+                                                     num_warps=8))
+    return programs * tiles * block_r * cols * 2 / ms / 1e9
+
+
 def main():
     torch.manual_seed(0)
     RESULTS["device"] = torch.cuda.get_device_name()
@@ -137,6 +176,8 @@ def main():
     RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
     del a, b
     log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    RESULTS["ceilings"]["l2_read_tb_s"] = l2_read_rate()
+    log(f"L2 -> SM read of an 8 MiB buffer: {RESULTS['ceilings']['l2_read_tb_s']:.2f} TB/s")
     save()
 
     compiled = torch.compile(hf_attention, dynamic=False)
@@ -147,6 +188,7 @@ def main():
             entry = {"fused": agreement(fused(args), want),
                      "fused_fast_exp": agreement(fused(args, accurate_exp=False), want),
                      "fused_store_logits": agreement(fused(args, store_logits=True), want),
+                     "fused_one_pass": agreement(fused(args, one_pass=True), want),
                      "hf_eager": agreement(hf_attention(*args), want)}
             if S in seqs("COMPILE_SEQS", "8192"):
                 entry["hf_inductor"] = agreement(compiled(*args), want)
@@ -157,9 +199,12 @@ def main():
             save()
 
     if os.environ.get("SWEEP", "1") != "0":
-        variants = {"default": {}, "store": {"store_logits": True}, "fast_exp": {"accurate_exp": False},
-                    "store_fast_exp": {"store_logits": True, "accurate_exp": False}, "n32": {"block_n": 32},
-                    "stages3": {"num_stages": 3}}
+        variants = {"default": {}, "store": {"store_logits": True},
+                    "store_fast_exp": {"store_logits": True, "accurate_exp": False},
+                    "store_n32": {"store_logits": True, "block_n": 32},
+                    "store_n32_s3": {"store_logits": True, "block_n": 32, "num_stages": 3},
+                    "one_pass": {"one_pass": True}, "one_pass_fast_exp": {"one_pass": True, "accurate_exp": False},
+                    "one_pass_n32_s3": {"one_pass": True, "block_n": 32, "num_stages": 3}}
         for layer in LAYERS:
             args = make_inputs(8192, layer)
             flops = work_flops(args)
@@ -173,6 +218,16 @@ def main():
                 RESULTS["sweep"][f"{layer}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9, **cfg}
                 log(f"sweep {layer} S=8192 {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
                 save()
+            # the epilogue's cost: the same call without the inverse RoPE
+            plain = args[:10] + (None, None)
+            for name, cfg in (("default_no_rope", {}), ("store_no_rope", {"store_logits": True})):
+                ms = bench(lambda: fused(plain, **cfg))
+                RESULTS["sweep"][f"{layer}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9, **cfg}
+                log(f"sweep {layer} S=8192 {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
+        RESULTS["kernels"] = compiled_kernels()
+        for key, res in RESULTS["kernels"].items():
+            log(f"kernel {res} {key[:160]}")
+        save()
 
     hf_seqs, compile_seqs = seqs("HF_SEQS", "4096 8192"), seqs("COMPILE_SEQS", "8192")
     for S in seqs("SEQS", "4096 8192 16384 32768 65536"):

@@ -193,40 +193,38 @@ def _exp(x, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _window_keys(kv_row_ptr, kvpos_row_ptr, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                 D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows lo + start .. of kv and which of them the query sees (the reference's full window test)."""
-    rows = lo + start + tl.arange(0, BLOCK_N)
-    in_range = rows < hi
-    kv_pos = tl.load(kvpos_row_ptr + rows, mask=in_range, other=-1).to(tl.int64)
+def _tile_keys(t, window_tiles, kv_row_ptr, kvpos_row_ptr, stride_kv_n, c_row_ptr, idx_row_ptr, stride_c_t, q_pos,
+               lo, hi, slots, T, window, offs_d, MODE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Key tile t of a query and which of its rows the query sees.  Tiles below `window_tiles` hold window rows
+    lo .. hi - 1 of kv (the reference's full window test applied); the rest hold compressed slots: the picks
+    indices[b, s, slot] (CSA; -1 and out-of-range picks read nothing) or the first `slots` entries (HCA).
+    One loop over both sources keeps the loads of one pipelined across the switch."""
+    lanes = tl.arange(0, BLOCK_N)
+    tile = t + lanes * 0  # per lane: the interpreter cannot AND a scalar condition into a mask
+    in_window = tile < window_tiles
+    in_entries = tile >= window_tiles
+    rows = lo + t * BLOCK_N + lanes
+    w_in = in_window & (rows < hi)
+    kv_pos = tl.load(kvpos_row_ptr + rows, mask=w_in, other=-1).to(tl.int64)
     delta = q_pos - kv_pos
-    ok = in_range & (kv_pos >= 0) & (delta >= 0) & (delta < window)
-    if D == DP:
-        mask = ok[:, None]
-    else:
-        mask = ok[:, None] & (offs_d < D)[None, :]
-    keys = tl.load(kv_row_ptr + rows.to(tl.int64)[:, None] * stride_kv_n + offs_d[None, :], mask=mask, other=0.0)
-    return keys, ok
-
-
-@triton.jit
-def _entry_keys(c_row_ptr, idx_row_ptr, stride_c_t, slots, T, start, offs_d,
-                MODE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Compressed entries of slots start .. : the picks indices[b, s, slot] (CSA, -1 and out-of-range picks
-    read nothing) or the entries themselves (HCA, slots counts the visible ones)."""
-    offs = start + tl.arange(0, BLOCK_N)
+    w_ok = w_in & (kv_pos >= 0) & (delta >= 0) & (delta < window)
+    entry = (t - window_tiles) * BLOCK_N + lanes
     if MODE == 1:
-        ids = tl.load(idx_row_ptr + offs, mask=offs < slots, other=-1).to(tl.int64)
-        ok = (ids >= 0) & (ids < T)
-        rows = tl.where(ok, ids, 0)
+        ids = tl.load(idx_row_ptr + entry, mask=in_entries & (entry < slots), other=-1).to(tl.int64)
+        c_ok = (ids >= 0) & (ids < T)
+        entry_rows = tl.where(c_ok, ids, 0)
     else:
-        ok = offs < slots
-        rows = offs.to(tl.int64)
+        c_ok = in_entries & (entry < slots)
+        entry_rows = tl.where(c_ok, entry, 0).to(tl.int64)
+    ok = tl.where(in_window, w_ok, c_ok)
+    row_ptr = tl.where(in_window, kv_row_ptr + tl.where(w_ok, rows, 0).to(tl.int64) * stride_kv_n,
+                       c_row_ptr + entry_rows * stride_c_t)
     if D == DP:
         mask = ok[:, None]
     else:
         mask = ok[:, None] & (offs_d < D)[None, :]
-    keys = tl.load(c_row_ptr + rows[:, None] * stride_c_t + offs_d[None, :], mask=mask, other=0.0)
+    keys = tl.load(row_ptr[:, None] + offs_d[None, :], mask=mask, other=0.0)
     return keys, ok
 
 
@@ -272,13 +270,15 @@ def _compressed_attention_kernel(
     S, H, T, window, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, SLOTS: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
     the same rows.  With STORE_LOGITS pass 1 keeps its logits (exact in the input dtype) in this program's
-    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  Then the output tile is
-    rounded, inverse-rotated on its trailing 2R dims and stored."""
+    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  ONE_PASS is the measured
+    alternative: an online softmax over one pass, which rounds exp(logit - running max) instead of the
+    normalised probability.  Then the output tile is rounded, inverse-rotated on its trailing 2R dims and
+    stored."""
     total = tl.num_programs(0).to(tl.int64)
     flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
     b = flat // S
@@ -301,39 +301,41 @@ def _compressed_attention_kernel(
     own_logits = logits_ptr + (flat * tl.num_programs(1) + tl.program_id(1)) * (BLOCK_H * SLOTS) \
         + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
 
+    window_tiles = tl.cdiv(hi - lo, BLOCK_N)
+    tiles = window_tiles
+    if MODE != 0:
+        tiles += tl.cdiv(slots, BLOCK_N)
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
-    for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                                D, DP, BLOCK_N)
-        x = _logits(q, keys, ok, scale, DOT_PRECISION)
-        if STORE_LOGITS:
-            tl.store(own_logits + start, x.to(q.dtype))
-        m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
-    if MODE != 0:
-        for start in range(0, slots, BLOCK_N):
-            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
-            x = _logits(q, keys, ok, scale, DOT_PRECISION)
-            if STORE_LOGITS:
-                tl.store(own_logits + WINDOW_SLOTS + start, x.to(q.dtype))
-            m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
-    if STORE_LOGITS:
-        tl.debug_barrier()  # pass 2 reads logits that other threads of this program stored
-
     acc = tl.zeros([BLOCK_H, DP], tl.float32)
-    for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                                D, DP, BLOCK_N)
-        if STORE_LOGITS:
-            x = tl.load(own_logits + start).to(tl.float32)
-        else:
+    if ONE_PASS:
+        # online softmax: the probabilities are rounded before normalisation, not after (not HF's rounding)
+        for t in range(0, tiles):
+            keys, ok = _tile_keys(t, window_tiles, kv_row, kvpos_row, stride_kv_n, c_row, idx_row, stride_c_t,
+                                  q_pos, lo, hi, slots, T, window, offs_d, MODE, D, DP, BLOCK_N)
             x = _logits(q, keys, ok, scale, DOT_PRECISION)
-        acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
-    if MODE != 0:
-        for start in range(0, slots, BLOCK_N):
-            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
+            m_new = tl.maximum(m, tl.max(x, 1))
+            alpha = _exp(m - m_new, ACCURATE_EXP)
+            e = _exp(x - m_new[:, None], ACCURATE_EXP)
+            l = l * alpha + tl.sum(e, 1)
+            acc = tl.dot(e.to(keys.dtype), keys, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m = m_new
+        acc = acc / l[:, None]
+    else:
+        for t in range(0, tiles):
+            keys, ok = _tile_keys(t, window_tiles, kv_row, kvpos_row, stride_kv_n, c_row, idx_row, stride_c_t,
+                                  q_pos, lo, hi, slots, T, window, offs_d, MODE, D, DP, BLOCK_N)
+            x = _logits(q, keys, ok, scale, DOT_PRECISION)
             if STORE_LOGITS:
-                x = tl.load(own_logits + WINDOW_SLOTS + start).to(tl.float32)
+                tl.store(own_logits + t * BLOCK_N, x.to(q.dtype))
+            m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+        if STORE_LOGITS:
+            tl.debug_barrier()  # pass 2 reads logits that other threads of this program stored
+        for t in range(0, tiles):
+            keys, ok = _tile_keys(t, window_tiles, kv_row, kvpos_row, stride_kv_n, c_row, idx_row, stride_c_t,
+                                  q_pos, lo, hi, slots, T, window, offs_d, MODE, D, DP, BLOCK_N)
+            if STORE_LOGITS:
+                x = tl.load(own_logits + t * BLOCK_N).to(tl.float32)
             else:
                 x = _logits(q, keys, ok, scale, DOT_PRECISION)
             acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
@@ -362,7 +364,7 @@ def compressed_attention_default_config(H: int, D: int) -> dict:
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
-            "num_stages": 2, "accurate_exp": True, "store_logits": False}
+            "num_stages": 2, "accurate_exp": True, "store_logits": False, "one_pass": False}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -374,10 +376,11 @@ def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
                                 compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
-                                num_stages=None, accurate_exp=None, store_logits=None):
+                                num_stages=None, accurate_exp=None, store_logits=None, one_pass=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
-    never trusted.  `store_logits` trades pass 2's q.k for a [B * S, H, window + k] scratch in the input dtype."""
+    never trusted.  `store_logits` trades pass 2's q.k for a [B * S, H, window + k] scratch in the input dtype;
+    `one_pass` reads the keys once with an online softmax (close to, not bit-faithful to, HF's roundings)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
@@ -387,7 +390,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
     cfg = compressed_attention_default_config(H, D)
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
-                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits)):
+                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
+                       ("one_pass", one_pass)):
         if value is not None:
             cfg[key] = value
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -431,7 +435,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         S, H, T, window, float(scale),
         D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots, SLOTS=slots,
+        STORE_LOGITS=bool(cfg["store_logits"]), SLOTS=slots, ONE_PASS=bool(cfg["one_pass"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -163,6 +163,8 @@ def test_triton_fp32_csa_with_rope_head_blocks_and_stored_logits():
     want = compressed_attention_reference(*args)
     _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16), want)
     _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, store_logits=True), want)
+    one_pass = compressed_attention_triton(*args, block_h=16, block_n=16, one_pass=True)
+    torch.testing.assert_close(one_pass, want, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_sequence_shorter_than_window_and_untrusted_indices():
