@@ -20,8 +20,12 @@ positions: the layout of a prompt and of a sliding cache), then the selected ent
 (q_pos + 1) // compress_rate entries (HCA). All heads of a query share the key rows, so they sit on the MMA M
 dimension. HF rounds the normalised probabilities to the input dtype before `p @ v`, which an online softmax
 cannot reproduce, so the kernel makes two passes over a query's keys: the first finds the row max and the sum
-(the sink folded in as the starting value), the second recomputes the logits and accumulates
-`round(exp(logit - max) / sum) @ v`. The inverse RoPE runs on the output tile before it is stored.
+(the sink folded in as the starting value) and keeps the logits (exact in the input dtype) in a scratch, the
+second reads them back and accumulates `round(exp(logit - max) / sum) @ v`. The inverse RoPE runs on the output
+tile before it is stored. Measured alternatives (notes/compressed_attention.md): recomputing q.k in pass 2
+instead of the scratch (1.6x slower: it spills), one loop over both key sources (1.3-1.6x slower), and an
+online softmax in one pass (no faster at equal structure, and only ~54 % of outputs bit-equal to HF's against
+99.95 %).
 """
 
 from __future__ import annotations
@@ -193,38 +197,41 @@ def _exp(x, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _tile_keys(t, window_tiles, kv_row_ptr, kvpos_row_ptr, stride_kv_n, c_row_ptr, idx_row_ptr, stride_c_t, q_pos,
-               lo, hi, slots, T, window, offs_d, MODE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """Key tile t of a query and which of its rows the query sees.  Tiles below `window_tiles` hold window rows
-    lo .. hi - 1 of kv (the reference's full window test applied); the rest hold compressed slots: the picks
-    indices[b, s, slot] (CSA; -1 and out-of-range picks read nothing) or the first `slots` entries (HCA).
-    One loop over both sources keeps the loads of one pipelined across the switch."""
-    lanes = tl.arange(0, BLOCK_N)
-    tile = t + lanes * 0  # per lane: the interpreter cannot AND a scalar condition into a mask
-    in_window = tile < window_tiles
-    in_entries = tile >= window_tiles
-    rows = lo + t * BLOCK_N + lanes
-    w_in = in_window & (rows < hi)
-    kv_pos = tl.load(kvpos_row_ptr + rows, mask=w_in, other=-1).to(tl.int64)
-    delta = q_pos - kv_pos
-    w_ok = w_in & (kv_pos >= 0) & (delta >= 0) & (delta < window)
-    entry = (t - window_tiles) * BLOCK_N + lanes
-    if MODE == 1:
-        ids = tl.load(idx_row_ptr + entry, mask=in_entries & (entry < slots), other=-1).to(tl.int64)
-        c_ok = (ids >= 0) & (ids < T)
-        entry_rows = tl.where(c_ok, ids, 0)
-    else:
-        c_ok = in_entries & (entry < slots)
-        entry_rows = tl.where(c_ok, entry, 0).to(tl.int64)
-    ok = tl.where(in_window, w_ok, c_ok)
-    row_ptr = tl.where(in_window, kv_row_ptr + tl.where(w_ok, rows, 0).to(tl.int64) * stride_kv_n,
-                       c_row_ptr + entry_rows * stride_c_t)
+def _window_keys(kv_row_ptr, stride_kv_n, lo, hi, start, offs_d, D: tl.constexpr, DP: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Rows lo + start .. of kv: within [lo, hi) the positions are the query's window (the key ranges say so), so
+    no position is read here and the tile's addresses depend on nothing loaded in the loop."""
+    rows = lo + start + tl.arange(0, BLOCK_N)
+    ok = rows < hi
     if D == DP:
         mask = ok[:, None]
     else:
         mask = ok[:, None] & (offs_d < D)[None, :]
-    keys = tl.load(row_ptr[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    keys = tl.load(kv_row_ptr + rows.to(tl.int64)[:, None] * stride_kv_n + offs_d[None, :], mask=mask, other=0.0)
+    return keys, ok
+
+
+@triton.jit
+def _entry_ids(idx_row_ptr, slots, start, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Compressed entries of slots start ..: the picks indices[b, s, slot] (CSA) or the slots themselves (HCA);
+    -1 past `slots`.  Loaded a tile ahead of their keys, so the gather's addresses are ready when it issues."""
+    offs = start + tl.arange(0, BLOCK_N)
+    if MODE == 1:
+        return tl.load(idx_row_ptr + offs, mask=offs < slots, other=-1).to(tl.int64)
+    else:
+        return tl.where(offs < slots, offs, -1).to(tl.int64)
+
+
+@triton.jit
+def _entry_keys(c_row_ptr, ids, stride_c_t, T, offs_d, D: tl.constexpr, DP: tl.constexpr):
+    """The compressed entries `ids` (-1 and out-of-range picks read nothing)."""
+    ok = (ids >= 0) & (ids < T)
+    rows = tl.where(ok, ids, 0)
+    if D == DP:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & (offs_d < D)[None, :]
+    keys = tl.load(c_row_ptr + rows[:, None] * stride_c_t + offs_d[None, :], mask=mask, other=0.0)
     return keys, ok
 
 
@@ -256,29 +263,26 @@ def _accumulate(x, keys, m, l, acc, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: t
     return tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["S", "H", "T", "window"])
+@triton.jit(do_not_specialize=["S", "H", "T"])
 def _compressed_attention_kernel(
-    q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
+    q_ptr, kv_ptr, c_ptr, idx_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
     logits_ptr,
     stride_q_b, stride_q_s, stride_q_h,
     stride_kv_b, stride_kv_n,
     stride_c_b, stride_c_t,
     stride_idx_b, stride_idx_s,
-    stride_qp_b, stride_kp_b,
     stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
     stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, window, scale,
+    S, H, T, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, SLOTS: tl.constexpr, ONE_PASS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
     the same rows.  With STORE_LOGITS pass 1 keeps its logits (exact in the input dtype) in this program's
-    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  ONE_PASS is the measured
-    alternative: an online softmax over one pass, which rounds exp(logit - running max) instead of the
-    normalised probability.  Then the output tile is rounded, inverse-rotated on its trailing 2R dims and
-    stored."""
+    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  Then the output tile is
+    rounded, inverse-rotated on its trailing 2R dims and stored."""
     total = tl.num_programs(0).to(tl.int64)
     flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
     b = flat // S
@@ -290,52 +294,52 @@ def _compressed_attention_kernel(
 
     q = tl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
-    q_pos = tl.load(qpos_ptr + b * stride_qp_b + s).to(tl.int64)
     lo = tl.load(ranges_ptr + flat)
     hi = tl.load(ranges_ptr + total + flat)
     slots = tl.load(ranges_ptr + 2 * total + flat)
     kv_row = kv_ptr + b * stride_kv_b
-    kvpos_row = kvpos_ptr + b * stride_kp_b
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
     own_logits = logits_ptr + (flat * tl.num_programs(1) + tl.program_id(1)) * (BLOCK_H * SLOTS) \
         + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
 
-    window_tiles = tl.cdiv(hi - lo, BLOCK_N)
-    tiles = window_tiles
-    if MODE != 0:
-        tiles += tl.cdiv(slots, BLOCK_N)
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
-    acc = tl.zeros([BLOCK_H, DP], tl.float32)
-    if ONE_PASS:
-        # online softmax: the probabilities are rounded before normalisation, not after (not HF's rounding)
-        for t in range(0, tiles):
-            keys, ok = _tile_keys(t, window_tiles, kv_row, kvpos_row, stride_kv_n, c_row, idx_row, stride_c_t,
-                                  q_pos, lo, hi, slots, T, window, offs_d, MODE, D, DP, BLOCK_N)
-            x = _logits(q, keys, ok, scale, DOT_PRECISION)
-            m_new = tl.maximum(m, tl.max(x, 1))
-            alpha = _exp(m - m_new, ACCURATE_EXP)
-            e = _exp(x - m_new[:, None], ACCURATE_EXP)
-            l = l * alpha + tl.sum(e, 1)
-            acc = tl.dot(e.to(keys.dtype), keys, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m = m_new
-        acc = acc / l[:, None]
-    else:
-        for t in range(0, tiles):
-            keys, ok = _tile_keys(t, window_tiles, kv_row, kvpos_row, stride_kv_n, c_row, idx_row, stride_c_t,
-                                  q_pos, lo, hi, slots, T, window, offs_d, MODE, D, DP, BLOCK_N)
-            x = _logits(q, keys, ok, scale, DOT_PRECISION)
-            if STORE_LOGITS:
-                tl.store(own_logits + t * BLOCK_N, x.to(q.dtype))
-            m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+    for start in range(0, hi - lo, BLOCK_N):
+        keys, ok = _window_keys(kv_row, stride_kv_n, lo, hi, start, offs_d, D, DP, BLOCK_N)
+        x = _logits(q, keys, ok, scale, DOT_PRECISION)
         if STORE_LOGITS:
-            tl.debug_barrier()  # pass 2 reads logits that other threads of this program stored
-        for t in range(0, tiles):
-            keys, ok = _tile_keys(t, window_tiles, kv_row, kvpos_row, stride_kv_n, c_row, idx_row, stride_c_t,
-                                  q_pos, lo, hi, slots, T, window, offs_d, MODE, D, DP, BLOCK_N)
+            tl.store(own_logits + start, x.to(q.dtype))
+        m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+    if MODE != 0:
+        ids = _entry_ids(idx_row, slots, 0, MODE, BLOCK_N)
+        for start in range(0, slots, BLOCK_N):
+            ids_next = _entry_ids(idx_row, slots, start + BLOCK_N, MODE, BLOCK_N)
+            keys, ok = _entry_keys(c_row, ids, stride_c_t, T, offs_d, D, DP)
+            ids = ids_next
+            x = _logits(q, keys, ok, scale, DOT_PRECISION)
             if STORE_LOGITS:
-                x = tl.load(own_logits + t * BLOCK_N).to(tl.float32)
+                tl.store(own_logits + WINDOW_SLOTS + start, x.to(q.dtype))
+            m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+    if STORE_LOGITS:
+        tl.debug_barrier()  # pass 2 reads logits that other threads of this program stored
+
+    acc = tl.zeros([BLOCK_H, DP], tl.float32)
+    for start in range(0, hi - lo, BLOCK_N):
+        keys, ok = _window_keys(kv_row, stride_kv_n, lo, hi, start, offs_d, D, DP, BLOCK_N)
+        if STORE_LOGITS:
+            x = tl.load(own_logits + start).to(tl.float32)
+        else:
+            x = _logits(q, keys, ok, scale, DOT_PRECISION)
+        acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
+    if MODE != 0:
+        ids = _entry_ids(idx_row, slots, 0, MODE, BLOCK_N)
+        for start in range(0, slots, BLOCK_N):
+            ids_next = _entry_ids(idx_row, slots, start + BLOCK_N, MODE, BLOCK_N)
+            keys, ok = _entry_keys(c_row, ids, stride_c_t, T, offs_d, D, DP)
+            ids = ids_next
+            if STORE_LOGITS:
+                x = tl.load(own_logits + WINDOW_SLOTS + start).to(tl.float32)
             else:
                 x = _logits(q, keys, ok, scale, DOT_PRECISION)
             acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
@@ -359,12 +363,13 @@ def _compressed_attention_kernel(
 
 
 def compressed_attention_default_config(H: int, D: int) -> dict:
-    """All heads of a query in one program up to 64 (one MMA M tile); 64 keys per tile; 8 warps once the
-    [BLOCK_H, D] fp32 accumulator is 64 x 256 or more (as the sparse MLA kernel, whose H200 sweep chose these)."""
+    """All heads of a query in one program up to 64 (one MMA M tile); 64 keys per tile, 8 warps, 2 stages and
+    the stored logits: the fastest of the H200 sweeps (2026-12-01, V4-Flash shapes; 32 keys per tile and 3 stages
+    were slower or out of shared memory)."""
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
-            "num_stages": 2, "accurate_exp": True, "store_logits": False, "one_pass": False}
+            "num_stages": 2, "accurate_exp": True, "store_logits": True}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -376,11 +381,12 @@ def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
                                 compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
-                                num_stages=None, accurate_exp=None, store_logits=None, one_pass=None):
+                                num_stages=None, accurate_exp=None, store_logits=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
-    never trusted.  `store_logits` trades pass 2's q.k for a [B * S, H, window + k] scratch in the input dtype;
-    `one_pass` reads the keys once with an online softmax (close to, not bit-faithful to, HF's roundings)."""
+    never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
+    input dtype (80 KiB per query at V4-Flash's CSA shapes); `accurate_exp=False` uses the approximate exp and
+    a reciprocal multiply (4 % faster, a few more one-ulp differences)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
@@ -390,8 +396,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
     cfg = compressed_attention_default_config(H, D)
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
-                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
-                       ("one_pass", one_pass)):
+                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits)):
         if value is not None:
             cfg[key] = value
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -423,19 +428,18 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     else:
         logits = out  # never touched
     _compressed_attention_kernel[(B * S, head_blocks)](
-        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out, logits,
+        q, kv, c_arg, idx_arg, ranges, sinks, cos_arg, sin_arg, out, logits,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         c_arg.stride(0), c_arg.stride(1),
         idx_arg.stride(0) if indices is not None else 0, idx_arg.stride(1) if indices is not None else 0,
-        q_positions.stride(0), kv_positions.stride(0),
         cos.stride(0) if rope else 0, cos.stride(1) if rope else 0,
         sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, window, float(scale),
+        S, H, T, float(scale),
         D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        STORE_LOGITS=bool(cfg["store_logits"]), SLOTS=slots, ONE_PASS=bool(cfg["one_pass"]),
+        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots, SLOTS=slots,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
