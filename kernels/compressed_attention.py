@@ -197,12 +197,17 @@ def _exp(x, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _window_keys(kv_row_ptr, stride_kv_n, lo, hi, start, offs_d, D: tl.constexpr, DP: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Rows lo + start .. of kv: within [lo, hi) the positions are the query's window (the key ranges say so), so
-    no position is read here and the tile's addresses depend on nothing loaded in the loop."""
+def _window_keys(kv_row_ptr, kvpos_row_ptr, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                 D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CHECK_POSITIONS: tl.constexpr):
+    """Rows lo + start .. of kv and which of them the query sees.  Within [lo, hi) the positions are the query's
+    window already (the key ranges say so), so by default no position is read and the tile's addresses and mask
+    depend on nothing loaded in the loop; CHECK_POSITIONS repeats the reference's window test on every row."""
     rows = lo + start + tl.arange(0, BLOCK_N)
     ok = rows < hi
+    if CHECK_POSITIONS:
+        kv_pos = tl.load(kvpos_row_ptr + rows, mask=ok, other=-1).to(tl.int64)
+        delta = q_pos - kv_pos
+        ok = ok & (kv_pos >= 0) & (delta >= 0) & (delta < window)
     if D == DP:
         mask = ok[:, None]
     else:
@@ -212,21 +217,18 @@ def _window_keys(kv_row_ptr, stride_kv_n, lo, hi, start, offs_d, D: tl.constexpr
 
 
 @triton.jit
-def _entry_ids(idx_row_ptr, slots, start, MODE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Compressed entries of slots start ..: the picks indices[b, s, slot] (CSA) or the slots themselves (HCA);
-    -1 past `slots`.  Loaded a tile ahead of their keys, so the gather's addresses are ready when it issues."""
+def _entry_keys(c_row_ptr, idx_row_ptr, stride_c_t, slots, T, start, offs_d,
+                MODE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Compressed entries of slots start .. : the picks indices[b, s, slot] (CSA, -1 and out-of-range picks
+    read nothing) or the entries themselves (HCA, slots counts the visible ones)."""
     offs = start + tl.arange(0, BLOCK_N)
     if MODE == 1:
-        return tl.load(idx_row_ptr + offs, mask=offs < slots, other=-1).to(tl.int64)
+        ids = tl.load(idx_row_ptr + offs, mask=offs < slots, other=-1).to(tl.int64)
+        ok = (ids >= 0) & (ids < T)
+        rows = tl.where(ok, ids, 0)
     else:
-        return tl.where(offs < slots, offs, -1).to(tl.int64)
-
-
-@triton.jit
-def _entry_keys(c_row_ptr, ids, stride_c_t, T, offs_d, D: tl.constexpr, DP: tl.constexpr):
-    """The compressed entries `ids` (-1 and out-of-range picks read nothing)."""
-    ok = (ids >= 0) & (ids < T)
-    rows = tl.where(ok, ids, 0)
+        ok = offs < slots
+        rows = offs.to(tl.int64)
     if D == DP:
         mask = ok[:, None]
     else:
@@ -263,20 +265,21 @@ def _accumulate(x, keys, m, l, acc, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: t
     return tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["S", "H", "T"])
+@triton.jit(do_not_specialize=["S", "H", "T", "window"])
 def _compressed_attention_kernel(
-    q_ptr, kv_ptr, c_ptr, idx_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
+    q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
     logits_ptr,
     stride_q_b, stride_q_s, stride_q_h,
     stride_kv_b, stride_kv_n,
     stride_c_b, stride_c_t,
     stride_idx_b, stride_idx_s,
+    stride_qp_b, stride_kp_b,
     stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
     stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, scale,
+    S, H, T, window, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
@@ -294,10 +297,12 @@ def _compressed_attention_kernel(
 
     q = tl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h + offs_d[None, :],
                 mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.load(qpos_ptr + b * stride_qp_b + s).to(tl.int64)
     lo = tl.load(ranges_ptr + flat)
     hi = tl.load(ranges_ptr + total + flat)
     slots = tl.load(ranges_ptr + 2 * total + flat)
     kv_row = kv_ptr + b * stride_kv_b
+    kvpos_row = kvpos_ptr + b * stride_kp_b
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
     own_logits = logits_ptr + (flat * tl.num_programs(1) + tl.program_id(1)) * (BLOCK_H * SLOTS) \
@@ -306,17 +311,15 @@ def _compressed_attention_kernel(
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, stride_kv_n, lo, hi, start, offs_d, D, DP, BLOCK_N)
+        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N, CHECK_POSITIONS)
         x = _logits(q, keys, ok, scale, DOT_PRECISION)
         if STORE_LOGITS:
             tl.store(own_logits + start, x.to(q.dtype))
         m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
     if MODE != 0:
-        ids = _entry_ids(idx_row, slots, 0, MODE, BLOCK_N)
         for start in range(0, slots, BLOCK_N):
-            ids_next = _entry_ids(idx_row, slots, start + BLOCK_N, MODE, BLOCK_N)
-            keys, ok = _entry_keys(c_row, ids, stride_c_t, T, offs_d, D, DP)
-            ids = ids_next
+            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
             x = _logits(q, keys, ok, scale, DOT_PRECISION)
             if STORE_LOGITS:
                 tl.store(own_logits + WINDOW_SLOTS + start, x.to(q.dtype))
@@ -326,18 +329,16 @@ def _compressed_attention_kernel(
 
     acc = tl.zeros([BLOCK_H, DP], tl.float32)
     for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, stride_kv_n, lo, hi, start, offs_d, D, DP, BLOCK_N)
+        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N, CHECK_POSITIONS)
         if STORE_LOGITS:
             x = tl.load(own_logits + start).to(tl.float32)
         else:
             x = _logits(q, keys, ok, scale, DOT_PRECISION)
         acc = _accumulate(x, keys, m, l, acc, ACCURATE_EXP, DOT_PRECISION)
     if MODE != 0:
-        ids = _entry_ids(idx_row, slots, 0, MODE, BLOCK_N)
         for start in range(0, slots, BLOCK_N):
-            ids_next = _entry_ids(idx_row, slots, start + BLOCK_N, MODE, BLOCK_N)
-            keys, ok = _entry_keys(c_row, ids, stride_c_t, T, offs_d, D, DP)
-            ids = ids_next
+            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
             if STORE_LOGITS:
                 x = tl.load(own_logits + WINDOW_SLOTS + start).to(tl.float32)
             else:
@@ -369,7 +370,7 @@ def compressed_attention_default_config(H: int, D: int) -> dict:
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
-            "num_stages": 2, "accurate_exp": True, "store_logits": True}
+            "num_stages": 2, "accurate_exp": True, "store_logits": True, "check_positions": False}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -381,7 +382,7 @@ def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
                                 compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
-                                num_stages=None, accurate_exp=None, store_logits=None):
+                                num_stages=None, accurate_exp=None, store_logits=None, check_positions=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -396,7 +397,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
     cfg = compressed_attention_default_config(H, D)
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
-                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits)):
+                       ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
+                       ("check_positions", check_positions)):
         if value is not None:
             cfg[key] = value
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -428,18 +430,20 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     else:
         logits = out  # never touched
     _compressed_attention_kernel[(B * S, head_blocks)](
-        q, kv, c_arg, idx_arg, ranges, sinks, cos_arg, sin_arg, out, logits,
+        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out, logits,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         c_arg.stride(0), c_arg.stride(1),
         idx_arg.stride(0) if indices is not None else 0, idx_arg.stride(1) if indices is not None else 0,
+        q_positions.stride(0), kv_positions.stride(0),
         cos.stride(0) if rope else 0, cos.stride(1) if rope else 0,
         sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, float(scale),
+        S, H, T, window, float(scale),
         D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots, SLOTS=slots,
+        CHECK_POSITIONS=bool(cfg["check_positions"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

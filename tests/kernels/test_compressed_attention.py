@@ -152,7 +152,7 @@ def test_triton_matches_reference(kind):
     _assert_matches(compressed_attention_triton(*args, block_n=16), compressed_attention_reference(*args))
 
 
-def test_triton_fp32_csa_with_rope_head_blocks_and_recomputed_logits():
+def test_triton_fp32_csa_with_rope_head_blocks_recomputed_logits_and_checked_positions():
     B, S, H, D, rate = 1, 19, 20, 16, 2
     T = S // rate
     q, kv, compressed, sinks = _inputs(B, S, H, D, T, torch.float32, seed=3)
@@ -162,7 +162,8 @@ def test_triton_fp32_csa_with_rope_head_blocks_and_recomputed_logits():
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, 6, rate, cos, sin)
     want = compressed_attention_reference(*args)
     _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16), want)
-    _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, store_logits=False), want)
+    _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, store_logits=False,
+                                                check_positions=True), want)
 
 
 def test_triton_sequence_shorter_than_window_and_untrusted_indices():
