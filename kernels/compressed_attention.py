@@ -22,8 +22,8 @@ dimension. HF rounds the normalised probabilities to the input dtype before `p @
 cannot reproduce, so the kernel makes two passes over a query's keys: the first finds the row max and the sum
 (the sink folded in as the starting value) and keeps the logits (exact in the input dtype) in a scratch, the
 second reads them back and accumulates `round(exp(logit - max) / sum) @ v`. The inverse RoPE runs on the output
-tile before it is stored. Measured alternatives (notes/compressed_attention.md): recomputing q.k in pass 2
-instead of the scratch (1.6x slower: it spills), one loop over both key sources (1.3-1.6x slower), and an
+tile before it is stored. Measured alternatives (H200, notes/compressed_attention.md): recomputing q.k in pass 2
+instead of the scratch (1.45x slower: it spills), one loop over both key sources (1.3-1.6x slower), and an
 online softmax in one pass (no faster at equal structure, and only ~54 % of outputs bit-equal to HF's against
 99.95 %).
 """
@@ -365,8 +365,8 @@ def _compressed_attention_kernel(
 
 def compressed_attention_default_config(H: int, D: int) -> dict:
     """All heads of a query in one program up to 64 (one MMA M tile); 64 keys per tile, 8 warps, 2 stages and
-    the stored logits: the fastest of the H200 sweeps (2026-12-01, V4-Flash shapes; 32 keys per tile and 3 stages
-    were slower or out of shared memory)."""
+    the stored logits: the fastest of the H200 sweeps (2026-12-01, V4-Flash shapes, S=8192: 3.94 ms CSA, 1.52 ms
+    HCA; 32 keys per tile, 128 keys with 1 stage and 3 stages were slower or out of shared memory)."""
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
@@ -387,7 +387,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
     input dtype (80 KiB per query at V4-Flash's CSA shapes); `accurate_exp=False` uses the approximate exp and
-    a reciprocal multiply (4 % faster, a few more one-ulp differences)."""
+    a reciprocal multiply (5-10 % faster, a few more one-ulp differences)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
