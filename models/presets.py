@@ -222,7 +222,8 @@ def keep_fp32_modules(model: torch.nn.Module) -> torch.nn.Module:
     transformers 5.24 already creates them in fp32; older 5.x releases (5.17 on the GPU machine) follow the model
     dtype and lack the list, so this makes the stored dtypes (and checkpoints) the same on every version.
     """
-    patterns = {*ROUTER_FP32_TENSORS, *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])}
+    v4 = getattr(model.config, "model_type", None) == "deepseek_v4"  # V4's router multiplies in the model dtype
+    patterns = {*(() if v4 else ROUTER_FP32_TENSORS), *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.is_floating_point() and tensor.dtype != torch.float32 and any(p in name for p in patterns):
             tensor.data = tensor.data.float()

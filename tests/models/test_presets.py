@@ -123,3 +123,15 @@ def test_v4_presets_build_deepseek_v4_with_every_attention_kind():
     assert real.qk_rope_head_dim == 64 and sorted(V4_PRESETS) == ["v4-flash-real-2l", "v4-tiny"]
     with pytest.raises(ValueError, match="valid: eager"):
         hf_config("v4-tiny", attn_implementation="flash_attention_2")
+
+
+def test_v4_preset_runs_in_bf16_with_hf_fp32_modules():
+    from dsfuse.models.presets import build_hf_model
+
+    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, num_hidden_layers=1,
+                           layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    assert model.model.layers[0].mlp.gate.weight.dtype == torch.bfloat16
+    assert model.model.layers[0].attn_hc.fn.dtype == torch.float32  # HF's _keep_in_fp32_modules_strict
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (1, 11)), use_cache=False).logits
+    assert torch.isfinite(logits).all()
