@@ -35,8 +35,8 @@ import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size,
-                          scalar_arg, shape)
+from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
+                          same_size, scalar_arg, shape, strip)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -493,8 +493,7 @@ def _latent_cache_source(m: dict) -> dict:
     node = heads.args[0]
     if not same_shape(shape(node), (B, T, H, nope_dim + v_dim)):
         raise NoMatch(f"the projection is not viewed as [B, T, H, nope + v], got {shape(node)}")
-    while is_op(node, *VIEW_OPS):
-        node = node.args[0]
+    node = strip(node, VIEW_OPS)
     if not is_op(node, aten.mm.default) or not same_shape(shape(node), (B * T, H * (nope_dim + v_dim))):
         raise NoMatch("the per-head keys and values are not one latent @ kv_b_proj.T product")
     flat, weight_t = node.args
@@ -690,9 +689,7 @@ def _gather_rows(node: torch.fx.Node) -> tuple | None:
     if len(indices) != 2 or any(i is None for i in indices) or len(shape(src)) != 3:
         return None
     batch, safe = indices
-    leaf = batch
-    while is_op(leaf, *LAYOUT_OPS):
-        leaf = leaf.args[0]
+    leaf = strip(batch, LAYOUT_OPS)
     if not (is_op(leaf, torch.ops.prims.iota.default) and leaf.kwargs.get("start", 0) == 0
             and leaf.kwargs.get("step", 1) == 1 and same_shape(shape(batch), (shape(src)[0], 1, 1))):
         return None
@@ -769,9 +766,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
                 or sliced[0].args[2] not in (0, None) or sliced[0].args[3] not in (-1, K):
             raise NoMatch("softmax over concatenated scores that is not a trailing sink column")
         scores, sink_col = parts
-        sink_leaf = sink_col
-        while is_op(sink_leaf, *LAYOUT_OPS):
-            sink_leaf = sink_leaf.args[0]
+        sink_leaf = strip(sink_col, LAYOUT_OPS)
         if not same_shape(shape(sink_leaf), (H,)) or dtype(sink_leaf) != torch.float32:
             raise NoMatch(f"sink column {shape(sink_col)} is not an fp32 per-head [H] value broadcast")
         sink = sink_leaf
@@ -783,9 +778,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     masked = scores
     if not (is_op(masked, aten.where.self) and _is_neg_inf(_const(masked.args[1]))):
         raise NoMatch("the scores are not masked with -inf where the index is -1")
-    cond = masked.args[0]
-    while is_op(cond, *LAYOUT_OPS):
-        cond = cond.args[0]
+    cond = strip(masked.args[0], LAYOUT_OPS)
     if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
         raise NoMatch("the score mask is not `idx < 0` of the gather's indices")
     score_chain = _chain_back(masked.args[2])
