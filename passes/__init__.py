@@ -12,8 +12,9 @@ from dsfuse.config import PASS_NAMES
 from .context import PassContext
 
 # Indices produced by the indexer feed sparse attention, so the indexer is rewritten first; the
-# norm/rope glue goes last because the other families only read its outputs.
-RUN_ORDER: tuple[str, ...] = ("indexer_topk", "sparse_attention", "moe_experts", "norm_rope_quant")
+# norm/rope glue goes after them because the other families only read its outputs; the hyper-connections
+# last: they only read the blocks' outputs, so the other families see the graph they were written against.
+RUN_ORDER: tuple[str, ...] = ("indexer_topk", "sparse_attention", "moe_experts", "norm_rope_quant", "hyper_connections")
 assert sorted(RUN_ORDER) == sorted(PASS_NAMES)
 
 
