@@ -149,6 +149,12 @@ def _validate_expand_mix(out, residual, post, comb):
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) with an IEEE division (`tl.sigmoid` divides approximately on the GPU)."""
+    return tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + tl.exp(-z))
+
+
+@triton.jit
 def _hc_collapse_kernel(
     x_ptr, fn_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
     T, D, width, norm_eps, hc_eps, iters,
@@ -176,7 +182,7 @@ def _hc_collapse_kernel(
             w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
                         other=0.0).to(tl.float32)
             acc = tl.dot(xj, w, acc, input_precision=PRECISION)
-    rstd = tl.rsqrt(tl.div_rn(sumsq, tl.full([BLOCK_T], width, tl.float32)) + norm_eps)
+    rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
     logits = acc * rstd[:, None]
     # Through a scratch row per token: the pieces are read back in the layouts the mixing needs.
     tl.store(logits_ptr + rows[:, None] * NP + cols[None, :], logits, mask=row_ok[:, None])
@@ -189,7 +195,7 @@ def _hc_collapse_kernel(
         k_ok = k < N
         post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
-        post = 2.0 * tl.sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
+        post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
         tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
         # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
         i3 = k[None, :, None]
@@ -216,7 +222,7 @@ def _hc_collapse_kernel(
         ok = row_ok[:, None] & (dd < D)[None, :]
         total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(N):
-            pre_j = tl.sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
+            pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
                                + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
             xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
             total += pre_j[:, None] * xj
@@ -256,8 +262,9 @@ def _hc_expand_mix_kernel(
 # Launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); no host sync
 # --------------------------------------------------------------------------------------------
 def default_collapse_launch(hidden: int) -> dict:
-    """Tokens per program, D chunk and warps of `hc_collapse` (the GPU benchmark sweeps them)."""
-    return dict(block_t=16, block_d=min(128, triton.next_power_of_2(hidden)), num_warps=4)
+    """Tokens per program, D chunk and warps of `hc_collapse` (the GPU benchmark sweeps them); a tensor-core dot
+    needs 16 or more rows and columns."""
+    return dict(block_t=16, block_d=max(16, min(128, triton.next_power_of_2(hidden))), num_warps=4)
 
 
 def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,

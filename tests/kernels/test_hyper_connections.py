@@ -184,3 +184,50 @@ def test_gpu_kernels_match_reference(dtype):
     mixed = hc_expand_mix(out, x, got[1], got[2])
     eager = hc_expand_mix_reference(out, x, got[1], got[2])  # eager CUDA: cuBLAS bmm
     _close(mixed, eager)
+
+
+_PTX_PROBE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from dsfuse.kernels import hyper_connections as hck
+
+def ptx(kernel, consts, bf16_ptrs):
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in consts else ("*bf16" if n in bf16_ptrs else "*fp32") if n.endswith("_ptr") else
+           "fp32" if n in ("norm_eps", "hc_eps", "width") else "i32" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n == "D"}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    options = {"num_warps": 4, **hck.COMPILE_OPTIONS}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+pattern = r"\b(?:mma|div|bar|fma)\.[a-z0-9.]*"
+collapse = ptx(hck._hc_collapse_kernel, dict(N=4, NN=4, NP=32, HEAD=False, BLOCK_T=16, BLOCK_D=128,
+               PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr"))
+mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
+          ("out_ptr", "res_ptr", "new_ptr"))
+print(json.dumps({"collapse": sorted(set(re.findall(pattern, collapse))), "mix": sorted(set(re.findall(pattern, mix)))}))
+"""
+
+
+def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
+    """Compiled offline for sm_90 (no GPU, interpreter off): the projection runs on tf32 tensor cores, every
+    division of the mixing weights is IEEE, the scratch is fenced by a barrier, and the exit has no FMA."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, check=False, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    collapse = found["collapse"]
+    assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
+    assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
+    assert not [op for op in found["mix"] if op.startswith("fma")], found["mix"]
