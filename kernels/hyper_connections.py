@@ -94,6 +94,18 @@ def hc_expand_mix_reference(out, residual, post, comb):
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
 
 
+def hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """A block exit and the next hyper-connection: (streams, collapsed, post, comb)."""
+    streams = hc_expand_mix_reference(out, residual, post, comb)
+    return (streams, *hc_collapse_reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters))
+
+
+def hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
+    """The last block exit and the head: (streams, collapsed)."""
+    streams = hc_expand_mix_reference(out, residual, post, comb)
+    return streams, hc_head_reference(streams, fn, base, scale, norm_eps, hc_eps)
+
+
 # --------------------------------------------------------------------------------------------
 # Input checks (shared by the ops, their fakes and the launchers)
 # --------------------------------------------------------------------------------------------
@@ -157,10 +169,13 @@ def _sigmoid(z):
 @triton.jit
 def _hc_collapse_kernel(
     x_ptr, fn_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
+    out_ptr, res_ptr, post_in_ptr, comb_in_ptr,
     T, D, width, norm_eps, hc_eps, iters,
-    N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
+    N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
 ):
+    """With EXIT, the streams x are first written by the previous block's exit (`_exit_chunk`) in pass 1, and
+    reduced from registers: the exit and this collapse in one pass over the residual."""
     pid = tl.program_id(0)
     rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
@@ -176,12 +191,25 @@ def _hc_collapse_kernel(
     for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         d_ok = dd < D
-        for j in tl.static_range(N):
-            xj = tl.load(x_rows + j * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            sumsq += tl.sum(xj * xj, axis=1)
-            w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc = tl.dot(xj, w, acc, input_precision=PRECISION)
+        if EXIT:
+            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
+                              BLOCK_T, BLOCK_D, MANUAL_BF16_RNE)
+            flat = tl.reshape(new, [BLOCK_T, NN * BLOCK_D])
+            sumsq += tl.sum(flat * flat, axis=1)
+            r = tl.arange(0, NN * BLOCK_D)
+            r_stream = r // BLOCK_D
+            r_col = d0 + r % BLOCK_D
+            w = tl.load(fn_ptr + cols[None, :] * K + r_stream[:, None] * D + r_col[:, None],
+                        mask=(r_stream < N)[:, None] & (r_col < D)[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(flat, w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            for j in tl.static_range(N):
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)
+                sumsq += tl.sum(xj * xj, axis=1)
+                w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc = tl.dot(xj, w, acc, input_precision=PRECISION)
     rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
     logits = acc * rstd[:, None]
     # Through a scratch row per token: the pieces are read back in the layouts the mixing needs.
@@ -231,16 +259,12 @@ def _hc_collapse_kernel(
 
 
 @triton.jit
-def _hc_expand_mix_kernel(
-    out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, T, D,
-    N: tl.constexpr, NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
-):
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd, d_ok, D, N: tl.constexpr,
+                NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """New streams [BLOCK_T, NN, BLOCK_D] of one D chunk (stored, and returned in fp32: rows k >= n are 0)."""
     k = tl.arange(0, NN)
-    row_ok = rows < T
     k_ok = k < N
-    ok = row_ok[:, None] & (dd < D)[None, :]
+    ok = row_ok[:, None] & d_ok[None, :]
     dtype = new_ptr.dtype.element_ty
     o = tl.load(out_ptr + rows[:, None] * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
     p = tl.load(post_ptr + rows[:, None] * N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -256,6 +280,18 @@ def _hc_expand_mix_kernel(
     new = _round_to(expanded + _round_to(mixed, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
     ptrs = new_ptr + rows[:, None, None] * (N * D) + k[None, :, None] * D + dd[None, None, :]
     tl.store(ptrs, new.to(dtype), mask=ok[:, None, :] & k_ok[None, :, None])
+    return new
+
+
+@triton.jit
+def _hc_expand_mix_kernel(
+    out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, T, D,
+    N: tl.constexpr, NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, rows < T, dd, dd < D, D, N, NN, BLOCK_T, BLOCK_D,
+                MANUAL_BF16_RNE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -268,39 +304,65 @@ def default_collapse_launch(hidden: int) -> dict:
 
 
 def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,
-                     num_warps=None):
-    _validate_collapse("hc_head" if head else "hc_collapse", x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters,
-                       head)
+                     num_warps=None, exit_inputs=None):
+    """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
+    the streams collapsed are the exit's, written to `streams`; else streams is None."""
+    op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
+    _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     hc, hidden = x.shape[-2], x.shape[-1]
     lead = tuple(x.shape[:-2])
-    streams = x.contiguous().view(-1, hc, hidden)
-    T = streams.shape[0]
+    source = x.contiguous().view(-1, hc, hidden)
+    T = source.shape[0]
     defaults = default_collapse_launch(hidden)
     block_t = block_t or defaults["block_t"]
-    block_d = block_d or defaults["block_d"]
+    block_d = block_d or (max(16, min(64, triton.next_power_of_2(hidden))) if exit_inputs else defaults["block_d"])
     n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
+    if exit_inputs:
+        out, post_in, comb_in = exit_inputs
+        _validate_expand_mix(out, x, post_in, comb_in)
+        streams = torch.empty((T, hc, hidden), dtype=x.dtype, device=x.device)
+        exit_args = (out.contiguous().view(T, hidden), source, post_in.contiguous().view(T, hc),
+                     comb_in.contiguous().view(T, hc, hc))
+    else:
+        streams, exit_args = source, (source, source, post, comb)
     if T:
         logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
         _hc_collapse_kernel[(triton.cdiv(T, block_t),)](
-            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb,
+            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
             T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), BLOCK_T=block_t, BLOCK_D=block_d,
-            PRECISION=PROJECTION_PRECISION, MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
+            BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
+            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
             num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
-    return collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc))
+    return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
+            streams.view(lead + (hc, hidden)) if exit_inputs else None)
 
 
 def hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
     """One launch of `hc_collapse` (launch overrides: block_t, block_d, num_warps)."""
-    return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, **launch)
+    return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, **launch)[:3]
 
 
 def hc_head_triton(x, fn, base, scale, norm_eps, hc_eps, **launch):
     """One launch of `hc_head`."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, 1, True, **launch)[0]
+
+
+def hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
+    """One launch of `hc_exit_collapse`: (streams, collapsed, post, comb)."""
+    collapsed, post_next, comb_next, streams = _collapse_launch(
+        residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, exit_inputs=(out, post, comb), **launch)
+    return streams, collapsed, post_next, comb_next
+
+
+def hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, **launch):
+    """One launch of `hc_exit_head`: (streams, collapsed)."""
+    collapsed, _, _, streams = _collapse_launch(residual, fn, base, scale, norm_eps, hc_eps, 1, True,
+                                                exit_inputs=(out, post, comb), **launch)
+    return streams, collapsed
 
 
 def hc_expand_mix_triton(out, residual, post, comb, block_t=None, block_d=None, num_warps=None):
@@ -326,7 +388,8 @@ def bytes_moved(T: int, hc: int, hidden: int, dtype: torch.dtype) -> dict[str, i
     streams once (weights, logits and mixing weights are a few KiB per program and stay in L2)."""
     size = torch.finfo(dtype).bits // 8
     streams, row = T * hc * hidden * size, T * hidden * size
-    return {"hc_collapse": streams + row, "hc_head": streams + row, "hc_expand_mix": 2 * streams + row}
+    return {"hc_collapse": streams + row, "hc_head": streams + row, "hc_expand_mix": 2 * streams + row,
+            "hc_exit_collapse": 2 * streams + 2 * row, "hc_exit_head": 2 * streams + 2 * row}
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,6 +455,54 @@ def _hc_expand_mix_cuda(out, residual, post, comb):
     return hc_expand_mix_triton(out, residual, post, comb)
 
 
-__all__ = ["bytes_moved", "default_collapse_launch", "hc_collapse", "hc_collapse_reference", "hc_collapse_triton",
+@torch.library.custom_op("dsfuse::hc_exit_collapse", mutates_args=())
+def hc_exit_collapse(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
+                     sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_expand_mix` and then `hc_collapse` of its streams in one pass: (streams, collapsed, post, comb) of the
+    next hyper-connection. Reference math on CPU."""
+    _validate_expand_mix(out, residual, post, comb)
+    _validate_collapse("hc_exit_collapse", residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
+    found = hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return tuple(t.contiguous() for t in found)
+
+
+@hc_exit_collapse.register_fake
+def _hc_exit_collapse_fake(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    _validate_expand_mix(out, residual, post, comb)
+    return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
+            *_hc_collapse_fake(residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters))
+
+
+@hc_exit_collapse.register_kernel("cuda")
+def _hc_exit_collapse_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    return hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+@torch.library.custom_op("dsfuse::hc_exit_head", mutates_args=())
+def hc_exit_head(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                 base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `hc_expand_mix` and `hc_head` of its streams in one pass: (streams, collapsed). Reference on CPU."""
+    _validate_expand_mix(out, residual, post, comb)
+    _validate_collapse("hc_exit_head", residual, fn, base, scale, norm_eps, hc_eps, 1, True)
+    streams, collapsed = hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
+    return streams.contiguous(), collapsed.contiguous()
+
+
+@hc_exit_head.register_fake
+def _hc_exit_head_fake(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
+    _validate_expand_mix(out, residual, post, comb)
+    return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
+            _hc_head_fake(residual, fn, base, scale, norm_eps, hc_eps))
+
+
+@hc_exit_head.register_kernel("cuda")
+def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
+    return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
+
+
+__all__ = ["hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
+           "hc_exit_head_reference", "hc_exit_head_triton", "bytes_moved", "default_collapse_launch", "hc_collapse", "hc_collapse_reference", "hc_collapse_triton",
            "hc_expand_mix", "hc_expand_mix_reference", "hc_expand_mix_triton", "hc_head", "hc_head_reference",
            "hc_head_triton", "mixes_count"]

@@ -23,10 +23,15 @@ count), and it must alternate column, row, ..., column with the same eps, as HF'
 Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + bmm(comb.to(dtype)^T, residual)` (the
 `matmul` as Inductor lowers it: views and no-op expands around a `bmm`) whose post and comb are one
 `hc_collapse` call's outputs become one `hc_expand_mix` call.
+
+Last, an exit whose new streams the next hyper-connection (or the head) collapses joins that collapse in one
+`hc_exit_collapse` / `hc_exit_head` call: one pass over the residual instead of a write and a read back. Every
+HF subgraph stays one site in the report; the detail names the launch it shares.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
 import torch
@@ -41,11 +46,14 @@ IMPLEMENTED = True
 HC_COLLAPSE = torch.ops.dsfuse.hc_collapse.default
 HC_HEAD = torch.ops.dsfuse.hc_head.default
 HC_EXPAND_MIX = torch.ops.dsfuse.hc_expand_mix.default
+HC_EXIT_COLLAPSE = torch.ops.dsfuse.hc_exit_collapse.default
+HC_EXIT_HEAD = torch.ops.dsfuse.hc_exit_head.default
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, (aten.sum.dim_IntList,), _match_collapse, _rewrite_collapse)
     rewrite_anchored(graph, ctx, (aten.add.Tensor,), _match_expand_mix, _rewrite_expand_mix)
+    _fuse_exits_with_collapses(graph, ctx)
 
 
 # --------------------------------------------------------------------------------------------
@@ -478,3 +486,37 @@ def _rewrite_expand_mix(graph: torch.fx.Graph, add: torch.fx.Node, m: dict, ctx:
     node = insert_call(graph, add, HC_EXPAND_MIX, (m["out"], m["residual"], items[1], items[2]))
     add.replace_all_uses_with(node)
     ctx.site(add, "dsfuse.hc_expand_mix", [m["out"], m["residual"]], f"n={m['hc']} D={m['hidden']}", call=node)
+
+
+# --------------------------------------------------------------------------------------------
+# A block exit and the collapse of its streams: one pass over the residual
+# --------------------------------------------------------------------------------------------
+def _fuse_exits_with_collapses(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """An `hc_expand_mix` whose streams a `hc_collapse` / `hc_head` collapses (the next hyper-connection, or the
+    head after the last layer) becomes one `hc_exit_collapse` / `hc_exit_head` call: the new streams are reduced
+    while they are written, instead of read back."""
+    for collapse in list(graph.nodes):
+        if not is_op(collapse, HC_COLLAPSE, HC_HEAD) or not is_op(collapse.args[0], HC_EXPAND_MIX):
+            continue
+        exit_node = collapse.args[0]
+        head = collapse.target is HC_HEAD
+        fused_op = HC_EXIT_HEAD if head else HC_EXIT_COLLAPSE
+        fused = insert_call(graph, exit_node, fused_op, (*exit_node.args, *collapse.args[1:]))
+        outputs = []
+        with graph.inserting_after(fused):
+            for i in range(len(fused.meta["val"])):
+                item = graph.call_function(operator.getitem, (fused, i))
+                item.meta["val"] = fused.meta["val"][i]
+                outputs.append(item)
+        exit_node.replace_all_uses_with(outputs[0])
+        if head:
+            collapse.replace_all_uses_with(outputs[1])
+        else:
+            for item in [u for u in collapse.users if is_op(u, operator.getitem)]:
+                item.replace_all_uses_with(outputs[1 + item.args[1]])
+        launch = fused_op.name().replace("::", ".")
+        for call in (exit_node, collapse):
+            index = ctx.call_sites.get(call)
+            if index is not None:
+                site = ctx.sites[index]
+                ctx.sites[index] = dataclasses.replace(site, detail=f"{site.detail}, one launch: {launch}")

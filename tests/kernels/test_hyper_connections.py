@@ -12,6 +12,12 @@ from dsfuse.kernels.hyper_connections import (
     hc_collapse_triton,
     hc_expand_mix,
     hc_expand_mix_reference,
+    hc_exit_collapse,
+    hc_exit_collapse_reference,
+    hc_exit_collapse_triton,
+    hc_exit_head,
+    hc_exit_head_reference,
+    hc_exit_head_triton,
     hc_expand_mix_triton,
     hc_head,
     hc_head_reference,
@@ -111,6 +117,28 @@ def test_expand_mix_kernel_matches_reference(hc, T, hidden, dtype):
         assert torch.equal(got, want), "every rounding is torch's: bit-exact in half precision"
 
 
+@pytest.mark.parametrize("hc, iters, T, hidden, dtype", [
+    (4, 20, 5, 64, torch.float32), (2, 1, 3, 40, torch.float32), (4, 3, 7, 48, torch.bfloat16)])
+def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidden, dtype):
+    residual = _streams(T, hc, hidden, dtype)
+    out = _streams(T, 1, hidden, dtype, seed=3)[:, 0]
+    fn, base, scale = _params(hc, hidden)
+    _, post, comb = hc_collapse_reference(residual, *_params(hc, hidden, seed=4), NORM_EPS, HC_EPS, 4)
+    want = hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    got = hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16)
+    if dtype != torch.float32:
+        assert torch.equal(got[0], want[0])
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
+    hfn, hbase, hscale = _params(hc, hidden, head=True)
+    want = hc_exit_head_reference(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS)
+    got = hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+
+
 def test_leading_dims_empty_and_non_contiguous_inputs():
     hc, hidden = 4, 16
     fn, base, scale = _params(hc, hidden)
@@ -147,6 +175,8 @@ def test_custom_ops_match_references_and_pass_opcheck():
     torch.library.opcheck(hc_collapse, (x, fn, base, scale, NORM_EPS, HC_EPS, 4))
     torch.library.opcheck(hc_head, (x, hfn, hbase, hscale, NORM_EPS, HC_EPS))
     torch.library.opcheck(hc_expand_mix, (out, x, post, comb))
+    torch.library.opcheck(hc_exit_collapse, (out, x, post, comb, fn, base, scale, NORM_EPS, HC_EPS, 4))
+    torch.library.opcheck(hc_exit_head, (out, x, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS))
 
 
 @pytest.mark.parametrize("call, match", [
@@ -159,6 +189,8 @@ def test_custom_ops_match_references_and_pass_opcheck():
     (lambda x, p: hc_head(x, *p, 1e-6, 1e-6), "fn must have shape"),
     (lambda x, p: hc_expand_mix(x[:, 0].double(), x, x[..., 0], x[..., :4]), "out is torch.float64"),
     (lambda x, p: hc_expand_mix(x[:, 0], x, x[..., 0], x[..., :3]), "comb must have shape"),
+    (lambda x, p: hc_exit_collapse(x[:, 0], x, x[..., 0], x[..., :4], *p, 1e-6, 1e-6, 0), "sinkhorn_iters"),
+    (lambda x, p: hc_exit_head(x[:, 0], x, x[..., 0], x[..., :4], *p, 1e-6, 1e-6), "fn must have shape"),
 ])
 def test_bad_input_raises(call, match):
     x = _streams(3, 4, 8, torch.float32)
@@ -184,6 +216,14 @@ def test_gpu_kernels_match_reference(dtype):
     mixed = hc_expand_mix(out, x, got[1], got[2])
     eager = hc_expand_mix_reference(out, x, got[1], got[2])  # eager CUDA: cuBLAS bmm
     _close(mixed, eager)
+    fused = hc_exit_collapse(out, x, got[1], got[2], fn, base, scale, NORM_EPS, HC_EPS, iters)
+    assert torch.equal(fused[0], mixed), "the fused exit writes the same streams as the exit alone"
+    alone = hc_collapse(mixed, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    for f, a in zip(fused[1:], alone):
+        torch.testing.assert_close(f, a, rtol=1e-4, atol=1e-5)
+    fused_head = hc_exit_head(out, x, got[1], got[2], hfn, hbase, hscale, NORM_EPS, HC_EPS)
+    assert torch.equal(fused_head[0], mixed)
+    _close(fused_head[1], hc_head(mixed, hfn, hbase, hscale, NORM_EPS, HC_EPS))
 
 
 _PTX_PROBE = r"""
@@ -202,11 +242,14 @@ def ptx(kernel, consts, bf16_ptrs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 pattern = r"\b(?:mma|div|bar|fma)\.[a-z0-9.]*"
-collapse = ptx(hck._hc_collapse_kernel, dict(N=4, NN=4, NP=32, HEAD=False, BLOCK_T=16, BLOCK_D=128,
+collapse = ptx(hck._hc_collapse_kernel, dict(N=4, NN=4, NP=32, HEAD=False, EXIT=False, BLOCK_T=16, BLOCK_D=128,
                PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr"))
+fused = ptx(hck._hc_collapse_kernel, dict(N=4, NN=4, NP=32, HEAD=False, EXIT=True, BLOCK_T=16, BLOCK_D=64,
+            PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
 mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
           ("out_ptr", "res_ptr", "new_ptr"))
-print(json.dumps({"collapse": sorted(set(re.findall(pattern, collapse))), "mix": sorted(set(re.findall(pattern, mix)))}))
+print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
+                  (("collapse", collapse), ("fused", fused), ("mix", mix))}))
 """
 
 
@@ -227,7 +270,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    collapse = found["collapse"]
-    assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
-    assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
+    for collapse in (found["collapse"], found["fused"]):
+        assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
+        assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
     assert not [op for op in found["mix"] if op.startswith("fma")], found["mix"]
