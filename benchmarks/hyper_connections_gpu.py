@@ -8,7 +8,9 @@ iterations, bf16 streams (fp32 hyper-connection weights, as HF keeps them).
 2. Timings: medians of `triton.testing.do_bench` (L2 flushed between runs) in ms, GB/s against the bytes each op
    must move (streams read once, the block input / output and new streams once: `bytes_moved`), and the fraction
    of a device-to-device copy's bandwidth measured in the same run; a launch sweep of each dsfuse kernel.
-3. The whole hyper-connection work of a 2-layer model (4 collapses, 4 exits, 1 head) from the best launches.
+3. The whole hyper-connection work of a 2-layer model from the best launches: as the pass emits it (the first
+   collapse, each exit fused with the next collapse or the head: `hc_exit_collapse`, `hc_exit_head`) and as
+   separate ops (4 collapses, 4 exits, 1 head).
 
     python benchmarks/hyper_connections_gpu.py             # on the GPU; writes $OUT/hyper_connections.json
     python benchmarks/hyper_connections_gpu.py --tiny      # CPU smoke run through Triton's interpreter
@@ -35,6 +37,7 @@ from dsfuse.kernels import hyper_connections as hck  # noqa: E402
 HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
 COLLAPSE_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32, 64) for d in (64, 128) for w in (4, 8)]
 EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (4, 8, 16) for d in (128, 256, 512) for w in (4, 8)]
+FUSED_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32) for d in (32, 64, 128) for w in (4, 8)]
 
 
 def timer(device):
@@ -74,6 +77,13 @@ def modules(hidden, hc, iters, device):
 def hf_exit(out, residual, post, comb):
     dtype = residual.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+
+
+def exit_then(conn, out, residual, post, comb):
+    """An exit and the next hyper-connection as HF runs them: (streams, collapsed, post, comb)."""
+    streams = hf_exit(out, residual, post, comb)
+    next_post, next_comb, collapsed = conn(streams)
+    return streams, collapsed, next_post, next_comb
 
 
 def agreement(got, want):
@@ -120,17 +130,30 @@ def main():
         post, comb, collapsed = conn(x)
         want_head = head(x)
         want_exit = hf_exit(out, x, post, comb)
+        next_post, next_comb, next_collapsed = conn(want_exit)
+        next_conn = (next_collapsed, next_post, next_comb)
+        next_head = head(want_exit)
         sources = {
             "hc_collapse": (lambda: conn(x), (collapsed, post, comb), lambda o: (o[2], o[0], o[1])),
             "hc_head": (lambda: head(x), (want_head,), lambda o: (o,)),
             "hc_expand_mix": (lambda: hf_exit(out, x, post, comb), (want_exit,), lambda o: (o,)),
+            # an exit and the next hyper-connection (HF: two modules; dsfuse: one launch)
+            "hc_exit_collapse": (lambda: exit_then(conn, out, x, post, comb), (want_exit, *next_conn),
+                                 lambda o: o),
+            "hc_exit_head": (lambda: (hf_exit(out, x, post, comb), head(hf_exit(out, x, post, comb))),
+                             (want_exit, next_head), lambda o: o),
         }
         compiled = {}
         if not args.no_compile:
             compiled = {"hc_collapse": torch.compile(conn), "hc_head": torch.compile(head),
-                        "hc_expand_mix": torch.compile(hf_exit)}
-        fn_args = {"hc_collapse": (x,), "hc_head": (x,), "hc_expand_mix": (out, x, post, comb)}
-        sweeps = {"hc_collapse": COLLAPSE_SWEEP, "hc_head": COLLAPSE_SWEEP, "hc_expand_mix": EXIT_SWEEP}
+                        "hc_expand_mix": torch.compile(hf_exit),
+                        "hc_exit_collapse": torch.compile(lambda *a: exit_then(conn, *a)),
+                        "hc_exit_head": torch.compile(lambda *a: (a[1].new_empty(0), head(hf_exit(*a))))}
+        exit_args = (out, x, post, comb)
+        fn_args = {"hc_collapse": (x,), "hc_head": (x,), "hc_expand_mix": exit_args, "hc_exit_collapse": exit_args,
+                   "hc_exit_head": exit_args}
+        sweeps = {"hc_collapse": COLLAPSE_SWEEP, "hc_head": COLLAPSE_SWEEP, "hc_expand_mix": EXIT_SWEEP,
+                  "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
         if args.tiny:
             sweeps = {k: [dict(block_d=16)] for k in sweeps}
 
@@ -140,6 +163,12 @@ def main():
                                                       sinkhorn_iters=iters, **kw)
             if op == "hc_head":
                 return lambda: (hck.hc_head_triton(x, head.hc_fn, head.hc_base, head.hc_scale, **eps, **kw),)
+            if op == "hc_exit_collapse":
+                return lambda: hck.hc_exit_collapse_triton(out, x, post, comb, conn.fn, conn.base, conn.scale, **eps,
+                                                           sinkhorn_iters=iters, **kw)
+            if op == "hc_exit_head":
+                return lambda: hck.hc_exit_head_triton(out, x, post, comb, head.hc_fn, head.hc_base, head.hc_scale,
+                                                       **eps, **kw)
             return lambda: (hck.hc_expand_mix_triton(out, x, post, comb, **kw),)
 
         for op, (eager_fn, want, names) in sources.items():
@@ -149,7 +178,8 @@ def main():
             row["eager_ms"] = bench(eager_fn)
             if op in compiled:
                 fn = compiled[op]
-                row["inductor_vs_eager"] = [agreement(g, w) for g, w in zip(names(fn(*fn_args[op])), want)]
+                produced = names(fn(*fn_args[op]))
+                row["inductor_vs_eager"] = [agreement(g, w) for g, w in zip(produced, want) if g.numel()]
                 row["inductor_ms"] = bench(lambda: fn(*fn_args[op]))
             ms, kw, sweep = best(bench, [(kw, dsfuse_launch(op, kw)) for kw in sweeps[op]])
             row.update(dsfuse_ms=ms, dsfuse_launch=kw, sweep=sweep, dsfuse_gbps=nbytes[op] / (ms * 1e-3) / 1e9)
@@ -166,15 +196,22 @@ def main():
 
     ops = result["ops"]
     layers = 2
-    model = {"sites": {"hc_collapse": 2 * layers, "hc_expand_mix": 2 * layers, "hc_head": 1}}
-    for provider in ("dsfuse", "inductor", "eager"):
-        if all(f"{provider}_ms" in ops[op] for op in model["sites"]):
-            model[f"{provider}_ms"] = sum(k * ops[op][f"{provider}_ms"] for op, k in model["sites"].items())
-    total_bytes = sum(k * nbytes[op] for op, k in model["sites"].items())
-    model.update(bytes=total_bytes, floor_ms_at_hbm=total_bytes / (HBM_GB_PER_S * 1e9) * 1e3,
-                 dsfuse_gbps=total_bytes / (model["dsfuse_ms"] * 1e-3) / 1e9)
-    result["two_layer_model"] = model
-    print(f"2-layer model hyper-connection work: {json.dumps(model)}")
+    # What the pass emits for 2 layers: the first collapse, 3 exits fused with the next collapse, the last exit
+    # fused with the head; the separate ops' total beside it (HF's modules compose the same way).
+    plans = {"fused": {"hc_collapse": 1, "hc_exit_collapse": 2 * layers - 1, "hc_exit_head": 1},
+             "separate": {"hc_collapse": 2 * layers, "hc_expand_mix": 2 * layers, "hc_head": 1}}
+    result["two_layer_model"] = {}
+    for plan, sites in plans.items():
+        model = {"launches": sites}
+        for provider in ("dsfuse", "inductor", "eager"):
+            if all(f"{provider}_ms" in ops[op] for op in sites):
+                model[f"{provider}_ms"] = sum(k * ops[op][f"{provider}_ms"] for op, k in sites.items())
+        total_bytes = sum(k * nbytes[op] for op, k in sites.items())
+        model.update(bytes=total_bytes, floor_ms_at_hbm=total_bytes / (HBM_GB_PER_S * 1e9) * 1e3,
+                     dsfuse_gbps=total_bytes / (model["dsfuse_ms"] * 1e-3) / 1e9)
+        model["dsfuse_fraction_of_hbm"] = model["dsfuse_gbps"] / HBM_GB_PER_S
+        result["two_layer_model"][plan] = model
+        print(f"2-layer model hyper-connection work, {plan} launches: {json.dumps(model)}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "hyper_connections.json"), "w") as f:
             json.dump(result, f, indent=1)

@@ -22,6 +22,12 @@ one launch per hyper-connection, x = [*, n, D] streams (T tokens in all):
 every op rounded to the streams' dtype as torch rounds it (the product, the matmul once after its fp32 sum
 over n, the add).
 
+`torch.ops.dsfuse.hc_exit_collapse(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, iters) ->
+(streams, collapsed, post, comb)` and `torch.ops.dsfuse.hc_exit_head(...) -> (streams, collapsed)`: an exit and
+the collapse of its streams (the next layer's hyper-connection, or the head) in one launch; pass 1 computes each
+chunk of the new streams, stores it and reduces it for the projection from registers (one read of the residual
+instead of a write and a read back).
+
 Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size):
 `hc_collapse` gives each program BLOCK_T tokens. Pass 1 walks D in chunks, and per chunk every stream j:
 the sum of squares, and the projection as a tensor-core dot of the raw streams with fn's columns (`tf32x3`:
