@@ -23,10 +23,11 @@ every op rounded to the streams' dtype as torch rounds it (the product, the matm
 over n, the add).
 
 `torch.ops.dsfuse.hc_exit_collapse(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, iters) ->
-(streams, collapsed, post, comb)` and `torch.ops.dsfuse.hc_exit_head(...) -> (streams, collapsed)`: an exit and
-the collapse of its streams (the next layer's hyper-connection, or the head) in one launch; pass 1 computes each
+(streams, collapsed, post, comb)`: an exit and the next hyper-connection in one launch; pass 1 computes each
 chunk of the new streams, stores it and reduces it for the projection from registers (one read of the residual
-instead of a write and a read back).
+instead of a write and a read back). `torch.ops.dsfuse.hc_exit_head(out, residual, post, comb, fn, base, scale,
+norm_eps, hc_eps) -> collapsed`: the last exit and the head, the streams never written (nothing else reads them):
+pass 2 computes them again from the residual.
 
 Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size):
 `hc_collapse` gives each program BLOCK_T tokens. Pass 1 walks D in chunks, and per chunk every stream j:
@@ -107,9 +108,8 @@ def hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, norm_
 
 
 def hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
-    """The last block exit and the head: (streams, collapsed)."""
-    streams = hc_expand_mix_reference(out, residual, post, comb)
-    return streams, hc_head_reference(streams, fn, base, scale, norm_eps, hc_eps)
+    """The head of the last block exit's streams (which nothing else reads): collapsed."""
+    return hc_head_reference(hc_expand_mix_reference(out, residual, post, comb), fn, base, scale, norm_eps, hc_eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -178,10 +178,13 @@ def _hc_collapse_kernel(
     out_ptr, res_ptr, post_in_ptr, comb_in_ptr,
     T, D, width, norm_eps, hc_eps, iters,
     N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """With EXIT, the streams x are first written by the previous block's exit (`_exit_chunk`) in pass 1, and
-    reduced from registers: the exit and this collapse in one pass over the residual."""
+    """With EXIT, the streams x are first computed by the previous block's exit (`_exit_chunk`) in pass 1 and
+    reduced from registers: the exit and this collapse in one pass over the residual. STORE writes them to x
+    (pass 2 reads them back); without it pass 2 computes them again from the residual (the head's streams, which
+    nothing else reads)."""
     pid = tl.program_id(0)
     rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
@@ -199,7 +202,7 @@ def _hc_collapse_kernel(
         d_ok = dd < D
         if EXIT:
             new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
-                              BLOCK_T, BLOCK_D, MANUAL_BF16_RNE)
+                              BLOCK_T, BLOCK_D, STORE, MANUAL_BF16_RNE)
             flat = tl.reshape(new, [BLOCK_T, NN * BLOCK_D])
             sumsq += tl.sum(flat * flat, axis=1)
             r = tl.arange(0, NN * BLOCK_D)
@@ -254,20 +257,30 @@ def _hc_collapse_kernel(
     for c in range(n_chunks):
         dd = (n_chunks - 1 - c) * BLOCK_D + tl.arange(0, BLOCK_D)
         ok = row_ok[:, None] & (dd < D)[None, :]
-        total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(N):
-            pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
-                               + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
-            xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-            total += pre_j[:, None] * xj
+        if EXIT and not STORE:
+            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, dd < D, D, N, NN,
+                              BLOCK_T, BLOCK_D, False, MANUAL_BF16_RNE)
+            k = tl.arange(0, NN)
+            k_ok = k < N
+            pre = _sigmoid(tl.load(l_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                           * pre_scale + tl.load(base_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]) + hc_eps
+            total = tl.sum(tl.where(k_ok[None, :], pre, 0.0)[:, :, None] * new, axis=1)
+        else:
+            total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(N):
+                pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
+                                 + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+                total += pre_j[:, None] * xj
         value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
         tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd, d_ok, D, N: tl.constexpr,
-                NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
-    """New streams [BLOCK_T, NN, BLOCK_D] of one D chunk (stored, and returned in fp32: rows k >= n are 0)."""
+                NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
+                MANUAL_BF16_RNE: tl.constexpr):
+    """New streams [BLOCK_T, NN, BLOCK_D] of one D chunk in fp32 (rows k >= n are 0), stored with STORE."""
     k = tl.arange(0, NN)
     k_ok = k < N
     ok = row_ok[:, None] & d_ok[None, :]
@@ -284,8 +297,9 @@ def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd,
         cj = _round_to(cj.to(tl.float32), dtype, MANUAL_BF16_RNE)
         mixed += cj[:, :, None] * rj[:, None, :]
     new = _round_to(expanded + _round_to(mixed, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
-    ptrs = new_ptr + rows[:, None, None] * (N * D) + k[None, :, None] * D + dd[None, None, :]
-    tl.store(ptrs, new.to(dtype), mask=ok[:, None, :] & k_ok[None, :, None])
+    if STORE:
+        ptrs = new_ptr + rows[:, None, None] * (N * D) + k[None, :, None] * D + dd[None, None, :]
+        tl.store(ptrs, new.to(dtype), mask=ok[:, None, :] & k_ok[None, :, None])
     return new
 
 
@@ -297,7 +311,7 @@ def _hc_expand_mix_kernel(
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, rows < T, dd, dd < D, D, N, NN, BLOCK_T, BLOCK_D,
-                MANUAL_BF16_RNE)
+                True, MANUAL_BF16_RNE)
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,7 +326,8 @@ def default_collapse_launch(hidden: int) -> dict:
 def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,
                      num_warps=None, exit_inputs=None):
     """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
-    the streams collapsed are the exit's, written to `streams`; else streams is None."""
+    the streams collapsed are the exit's, written to `streams` (not for the head: streams is None, as without
+    `exit_inputs`)."""
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     hc, hidden = x.shape[-2], x.shape[-1]
@@ -326,10 +341,11 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
+    store = bool(exit_inputs) and not head
     if exit_inputs:
         out, post_in, comb_in = exit_inputs
         _validate_expand_mix(out, x, post_in, comb_in)
-        streams = torch.empty((T, hc, hidden), dtype=x.dtype, device=x.device)
+        streams = torch.empty((T, hc, hidden), dtype=x.dtype, device=x.device) if store else source
         exit_args = (out.contiguous().view(T, hidden), source, post_in.contiguous().view(T, hc),
                      comb_in.contiguous().view(T, hc, hc))
     else:
@@ -340,11 +356,11 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
             streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
             T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
-            BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
+            STORE=store, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
             MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
             num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
     return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
-            streams.view(lead + (hc, hidden)) if exit_inputs else None)
+            streams.view(lead + (hc, hidden)) if store else None)
 
 
 def hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
@@ -365,10 +381,9 @@ def hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps
 
 
 def hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, **launch):
-    """One launch of `hc_exit_head`: (streams, collapsed)."""
-    collapsed, _, _, streams = _collapse_launch(residual, fn, base, scale, norm_eps, hc_eps, 1, True,
-                                                exit_inputs=(out, post, comb), **launch)
-    return streams, collapsed
+    """One launch of `hc_exit_head`: collapsed (the streams are not written)."""
+    return _collapse_launch(residual, fn, base, scale, norm_eps, hc_eps, 1, True, exit_inputs=(out, post, comb),
+                            **launch)[0]
 
 
 def hc_expand_mix_triton(out, residual, post, comb, block_t=None, block_d=None, num_warps=None):
@@ -395,7 +410,7 @@ def bytes_moved(T: int, hc: int, hidden: int, dtype: torch.dtype) -> dict[str, i
     size = torch.finfo(dtype).bits // 8
     streams, row = T * hc * hidden * size, T * hidden * size
     return {"hc_collapse": streams + row, "hc_head": streams + row, "hc_expand_mix": 2 * streams + row,
-            "hc_exit_collapse": 2 * streams + 2 * row, "hc_exit_head": 2 * streams + 2 * row}
+            "hc_exit_collapse": 2 * streams + 2 * row, "hc_exit_head": streams + 2 * row}
 
 
 # --------------------------------------------------------------------------------------------
@@ -488,19 +503,18 @@ def _hc_exit_collapse_cuda(out, residual, post, comb, fn, base, scale, norm_eps,
 @torch.library.custom_op("dsfuse::hc_exit_head", mutates_args=())
 def hc_exit_head(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
                  base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                 hc_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last `hc_expand_mix` and `hc_head` of its streams in one pass: (streams, collapsed). Reference on CPU."""
+                 hc_eps: float) -> torch.Tensor:
+    """`hc_head` of the last `hc_expand_mix`'s streams in one pass, the streams not kept: collapsed [*, D].
+    Reference on CPU."""
     _validate_expand_mix(out, residual, post, comb)
     _validate_collapse("hc_exit_head", residual, fn, base, scale, norm_eps, hc_eps, 1, True)
-    streams, collapsed = hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
-    return streams.contiguous(), collapsed.contiguous()
+    return hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps).contiguous()
 
 
 @hc_exit_head.register_fake
 def _hc_exit_head_fake(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
     _validate_expand_mix(out, residual, post, comb)
-    return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
-            _hc_head_fake(residual, fn, base, scale, norm_eps, hc_eps))
+    return _hc_head_fake(residual, fn, base, scale, norm_eps, hc_eps)
 
 
 @hc_exit_head.register_kernel("cuda")
@@ -508,7 +522,7 @@ def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_
     return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
 
 
-__all__ = ["hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
-           "hc_exit_head_reference", "hc_exit_head_triton", "bytes_moved", "default_collapse_launch", "hc_collapse", "hc_collapse_reference", "hc_collapse_triton",
-           "hc_expand_mix", "hc_expand_mix_reference", "hc_expand_mix_triton", "hc_head", "hc_head_reference",
-           "hc_head_triton", "mixes_count"]
+__all__ = ["bytes_moved", "default_collapse_launch", "hc_collapse", "hc_collapse_reference", "hc_collapse_triton",
+           "hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
+           "hc_exit_head_reference", "hc_exit_head_triton", "hc_expand_mix", "hc_expand_mix_reference",
+           "hc_expand_mix_triton", "hc_head", "hc_head_reference", "hc_head_triton", "mixes_count"]

@@ -25,7 +25,8 @@ Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + bmm(comb.
 `hc_collapse` call's outputs become one `hc_expand_mix` call.
 
 Last, an exit whose new streams the next hyper-connection (or the head) collapses joins that collapse in one
-`hc_exit_collapse` / `hc_exit_head` call: one pass over the residual instead of a write and a read back. Every
+`hc_exit_collapse` / `hc_exit_head` call: one pass over the residual instead of a write and a read back (the
+head's form never writes the streams, so it is used only when nothing else reads them). Every
 HF subgraph stays one site in the report; the detail names the launch it shares.
 """
 
@@ -500,18 +501,20 @@ def _fuse_exits_with_collapses(graph: torch.fx.Graph, ctx: PassContext) -> None:
             continue
         exit_node = collapse.args[0]
         head = collapse.target is HC_HEAD
+        if head and len(exit_node.users) != 1:
+            continue  # the head's fused form never writes the streams: only when nothing else reads them
         fused_op = HC_EXIT_HEAD if head else HC_EXIT_COLLAPSE
         fused = insert_call(graph, exit_node, fused_op, (*exit_node.args, *collapse.args[1:]))
         outputs = []
         with graph.inserting_after(fused):
-            for i in range(len(fused.meta["val"])):
+            for i in range(0 if head else len(fused.meta["val"])):
                 item = graph.call_function(operator.getitem, (fused, i))
                 item.meta["val"] = fused.meta["val"][i]
                 outputs.append(item)
-        exit_node.replace_all_uses_with(outputs[0])
         if head:
-            collapse.replace_all_uses_with(outputs[1])
+            collapse.replace_all_uses_with(fused)
         else:
+            exit_node.replace_all_uses_with(outputs[0])
             for item in [u for u in collapse.users if is_op(u, operator.getitem)]:
                 item.replace_all_uses_with(outputs[1 + item.args[1]])
         launch = fused_op.name().replace("::", ".")

@@ -134,9 +134,7 @@ def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidde
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
     hfn, hbase, hscale = _params(hc, hidden, head=True)
     want = hc_exit_head_reference(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS)
-    got = hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16)
-    _close(got[0], want[0])
-    _close(got[1], want[1])
+    _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16), want)
 
 
 def test_leading_dims_empty_and_non_contiguous_inputs():
@@ -221,9 +219,8 @@ def test_gpu_kernels_match_reference(dtype):
     alone = hc_collapse(mixed, fn, base, scale, NORM_EPS, HC_EPS, iters)
     for f, a in zip(fused[1:], alone):
         torch.testing.assert_close(f, a, rtol=1e-4, atol=1e-5)
-    fused_head = hc_exit_head(out, x, got[1], got[2], hfn, hbase, hscale, NORM_EPS, HC_EPS)
-    assert torch.equal(fused_head[0], mixed)
-    _close(fused_head[1], hc_head(mixed, hfn, hbase, hscale, NORM_EPS, HC_EPS))
+    _close(hc_exit_head(out, x, got[1], got[2], hfn, hbase, hscale, NORM_EPS, HC_EPS),
+           hc_head(mixed, hfn, hbase, hscale, NORM_EPS, HC_EPS))
 
 
 _PTX_PROBE = r"""
@@ -242,14 +239,18 @@ def ptx(kernel, consts, bf16_ptrs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 pattern = r"\b(?:mma|div|bar|fma)\.[a-z0-9.]*"
-collapse = ptx(hck._hc_collapse_kernel, dict(N=4, NN=4, NP=32, HEAD=False, EXIT=False, BLOCK_T=16, BLOCK_D=128,
-               PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr"))
-fused = ptx(hck._hc_collapse_kernel, dict(N=4, NN=4, NP=32, HEAD=False, EXIT=True, BLOCK_T=16, BLOCK_D=64,
-            PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+def collapse_ptx(head, exit, store, block_d, ptrs):
+    consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, EXIT=exit, STORE=store, BLOCK_T=16, BLOCK_D=block_d,
+                  PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False)
+    return ptx(hck._hc_collapse_kernel, consts, ptrs)
+
+collapse = collapse_ptx(False, False, False, 128, ("x_ptr", "collapsed_ptr"))
+fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
 mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
           ("out_ptr", "res_ptr", "new_ptr"))
 print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
-                  (("collapse", collapse), ("fused", fused), ("mix", mix))}))
+                  (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix))}))
 """
 
 
@@ -270,7 +271,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    for collapse in (found["collapse"], found["fused"]):
+    for collapse in (found["collapse"], found["fused"], found["fused_head"]):
         assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
         assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
     assert not [op for op in found["mix"] if op.startswith("fma")], found["mix"]
