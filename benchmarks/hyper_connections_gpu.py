@@ -37,7 +37,7 @@ from dsfuse.kernels import hyper_connections as hck  # noqa: E402
 HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
 COLLAPSE_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32, 64) for d in (64, 128) for w in (4, 8)]
 EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (4, 8, 16) for d in (128, 256, 512) for w in (4, 8)]
-FUSED_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32) for d in (32, 64, 128) for w in (4, 8)]
+FUSED_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32) for d in (32, 64) for w in (4, 8)]
 
 
 def timer(device):

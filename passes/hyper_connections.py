@@ -496,6 +496,7 @@ def _fuse_exits_with_collapses(graph: torch.fx.Graph, ctx: PassContext) -> None:
     """An `hc_expand_mix` whose streams a `hc_collapse` / `hc_head` collapses (the next hyper-connection, or the
     head after the last layer) becomes one `hc_exit_collapse` / `hc_exit_head` call: the new streams are reduced
     while they are written, instead of read back."""
+    graph.eliminate_dead_code()  # the replaced subgraphs' nodes still read the streams: count live readers only
     for collapse in list(graph.nodes):
         if not is_op(collapse, HC_COLLAPSE, HC_HEAD) or not is_op(collapse.args[0], HC_EXPAND_MIX):
             continue
