@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-PASS_NAMES: tuple[str, ...] = ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts")
+PASS_NAMES: tuple[str, ...] = ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts",
+                               "hyper_connections")
 
 OPTION_NAMES: tuple[str, ...] = ("enable", "disable", "inductor", "mode")
 

@@ -2,7 +2,8 @@
 
 import importlib
 
-FAMILY_MODULES = ("indexer_topk", "sparse_attention", "compressed_attention", "moe_experts", "norm_rope_quant")
+FAMILY_MODULES = ("indexer_topk", "sparse_attention", "compressed_attention", "moe_experts", "norm_rope_quant",
+                  "hyper_connections")
 
 
 def register_all() -> None:

@@ -1,0 +1,220 @@
+"""H200 benchmark of the hyper-connection ops (`dsfuse.hc_collapse`, `dsfuse.hc_head`, `dsfuse.hc_expand_mix`)
+against HF's modules (`DeepseekV4HyperConnection`, `DeepseekV4HyperHead`, the exit of `DeepseekV4DecoderLayer`)
+run eagerly and under torch.compile (Inductor), at T = 8192 tokens, hidden 4096, hc_mult 4, 20 Sinkhorn
+iterations, bf16 streams (fp32 hyper-connection weights, as HF keeps them).
+
+1. Agreement with HF eager: worst absolute difference and count of differing elements for every output
+   (collapsed, post, comb, head, new streams), for dsfuse and for Inductor.
+2. Timings: medians of `triton.testing.do_bench` (L2 flushed between runs) in ms, GB/s against the bytes each op
+   must move (streams read once, the block input / output and new streams once: `bytes_moved`), and the fraction
+   of a device-to-device copy's bandwidth measured in the same run; a launch sweep of each dsfuse kernel.
+3. The whole hyper-connection work of a 2-layer model from the best launches: as the pass emits it (the first
+   collapse, each exit fused with the next collapse or the head: `hc_exit_collapse`, `hc_exit_head`) and as
+   separate ops (4 collapses, 4 exits, 1 head).
+
+    python benchmarks/hyper_connections_gpu.py             # on the GPU; writes $OUT/hyper_connections.json
+    python benchmarks/hyper_connections_gpu.py --tiny      # CPU smoke run through Triton's interpreter
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if "--tiny" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+from transformers import DeepseekV4Config  # noqa: E402
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
+    DeepseekV4HyperConnection,
+    DeepseekV4HyperHead,
+)
+
+from dsfuse.kernels import hyper_connections as hck  # noqa: E402
+
+HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
+COLLAPSE_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32, 64) for d in (64, 128) for w in (4, 8)]
+EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (4, 8, 16) for d in (128, 256, 512) for w in (4, 8)]
+FUSED_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32) for d in (32, 64) for w in (4, 8)]
+
+
+def timer(device):
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        return lambda fn: do_bench(fn, warmup=25, rep=100)
+
+    def cpu_time(fn):
+        fn()
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    return cpu_time
+
+
+def copy_gbps(device, bench):
+    if device != "cuda":
+        return None
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 4 / (bench(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def modules(hidden, hc, iters, device):
+    config = DeepseekV4Config(hidden_size=hidden, hc_mult=hc, hc_sinkhorn_iters=iters)
+    conn, head = DeepseekV4HyperConnection(config), DeepseekV4HyperHead(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (*conn.parameters(), *head.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if p.dim() == 2 else 0.5) + (1.0 if p.dim() == 1 and
+                                                                                              p.numel() <= 3 else 0))
+    return conn.to(device).float().eval(), head.to(device).float().eval()
+
+
+def hf_exit(out, residual, post, comb):
+    dtype = residual.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+
+
+def exit_then(conn, out, residual, post, comb):
+    """An exit and the next hyper-connection as HF runs them: (streams, collapsed, post, comb)."""
+    streams = hf_exit(out, residual, post, comb)
+    next_post, next_comb, collapsed = conn(streams)
+    return streams, collapsed, next_post, next_comb
+
+
+def agreement(got, want):
+    got, want = got.float(), want.float()
+    return {"max_abs": (got - want).abs().max().item() if got.numel() else 0.0,
+            "differing": int((got != want).sum().item()), "elements": got.numel()}
+
+
+def best(bench, launches):
+    """(best ms, its launch, every launch's ms) over a sweep of keyword launches."""
+    timings = [(bench(fn), kw) for kw, fn in launches]
+    ms, kw = min(timings, key=lambda r: r[0])
+    return ms, kw, [{"launch": k, "ms": t} for t, k in timings]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--hc", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke run: T=7, hidden 64, interpreter, no sweep")
+    parser.add_argument("--no-compile", action="store_true", help="skip the Inductor baseline")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
+    if args.tiny:
+        args.tokens, args.hidden = 7, 64
+    T, D, n, iters, dtype = args.tokens, args.hidden, args.hc, args.iters, getattr(torch, args.dtype)
+    bench = timer(device)
+    conn, head = modules(D, n, iters, device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(1, T, n, D, generator=gen, device=device).to(dtype)
+    out = torch.randn(1, T, D, generator=gen, device=device).to(dtype)
+    eps = dict(norm_eps=conn.input_norm.eps, hc_eps=conn.hc_eps)
+    nbytes = hck.bytes_moved(T, n, D, dtype)
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name()
+              if device == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__,
+              "triton": __import__("triton").__version__, "shape": dict(T=T, hidden=D, hc_mult=n, iters=iters,
+                                                                          dtype=args.dtype),
+              "bytes": nbytes, "copy_gbps": copy_gbps(device, bench), "ops": {}}
+
+    with torch.no_grad():
+        post, comb, collapsed = conn(x)
+        want_head = head(x)
+        want_exit = hf_exit(out, x, post, comb)
+        next_post, next_comb, next_collapsed = conn(want_exit)
+        next_conn = (next_collapsed, next_post, next_comb)
+        next_head = head(want_exit)
+        sources = {
+            "hc_collapse": (lambda: conn(x), (collapsed, post, comb), lambda o: (o[2], o[0], o[1])),
+            "hc_head": (lambda: head(x), (want_head,), lambda o: (o,)),
+            "hc_expand_mix": (lambda: hf_exit(out, x, post, comb), (want_exit,), lambda o: (o,)),
+            # an exit and the next hyper-connection (HF: two modules; dsfuse: one launch)
+            "hc_exit_collapse": (lambda: exit_then(conn, out, x, post, comb), (want_exit, *next_conn),
+                                 lambda o: o),
+            "hc_exit_head": (lambda: head(hf_exit(out, x, post, comb)), (next_head,), lambda o: (o,)),
+        }
+        compiled = {}
+        if not args.no_compile:
+            compiled = {"hc_collapse": torch.compile(conn), "hc_head": torch.compile(head),
+                        "hc_expand_mix": torch.compile(hf_exit),
+                        "hc_exit_collapse": torch.compile(lambda *a: exit_then(conn, *a)),
+                        "hc_exit_head": torch.compile(lambda *a: head(hf_exit(*a)))}
+        exit_args = (out, x, post, comb)
+        fn_args = {"hc_collapse": (x,), "hc_head": (x,), "hc_expand_mix": exit_args, "hc_exit_collapse": exit_args,
+                   "hc_exit_head": exit_args}
+        sweeps = {"hc_collapse": COLLAPSE_SWEEP, "hc_head": COLLAPSE_SWEEP, "hc_expand_mix": EXIT_SWEEP,
+                  "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
+        if args.tiny:
+            sweeps = {k: [dict(block_d=16)] for k in sweeps}
+
+        def dsfuse_launch(op, kw):
+            if op == "hc_collapse":
+                return lambda: hck.hc_collapse_triton(x, conn.fn, conn.base, conn.scale, **eps,
+                                                      sinkhorn_iters=iters, **kw)
+            if op == "hc_head":
+                return lambda: (hck.hc_head_triton(x, head.hc_fn, head.hc_base, head.hc_scale, **eps, **kw),)
+            if op == "hc_exit_collapse":
+                return lambda: hck.hc_exit_collapse_triton(out, x, post, comb, conn.fn, conn.base, conn.scale, **eps,
+                                                           sinkhorn_iters=iters, **kw)
+            if op == "hc_exit_head":
+                return lambda: (hck.hc_exit_head_triton(out, x, post, comb, head.hc_fn, head.hc_base, head.hc_scale,
+                                                        **eps, **kw),)
+            return lambda: (hck.hc_expand_mix_triton(out, x, post, comb, **kw),)
+
+        for op, (eager_fn, want, names) in sources.items():
+            row = {"bytes": nbytes[op]}
+            got = dsfuse_launch(op, {})()
+            row["dsfuse_vs_eager"] = [agreement(g, w) for g, w in zip(got, want)]
+            row["eager_ms"] = bench(eager_fn)
+            if op in compiled:
+                fn = compiled[op]
+                produced = names(fn(*fn_args[op]))
+                row["inductor_vs_eager"] = [agreement(g, w) for g, w in zip(produced, want)]
+                row["inductor_ms"] = bench(lambda: fn(*fn_args[op]))
+            ms, kw, sweep = best(bench, [(kw, dsfuse_launch(op, kw)) for kw in sweeps[op]])
+            row.update(dsfuse_ms=ms, dsfuse_launch=kw, sweep=sweep, dsfuse_gbps=nbytes[op] / (ms * 1e-3) / 1e9)
+            row["fraction_of_hbm"] = row["dsfuse_gbps"] / HBM_GB_PER_S
+            if result["copy_gbps"]:
+                row["fraction_of_copy"] = row["dsfuse_gbps"] / result["copy_gbps"]
+            for base in ("eager", "inductor"):
+                if f"{base}_ms" in row:
+                    row[f"speedup_vs_{base}"] = row[f"{base}_ms"] / ms
+            result["ops"][op] = row
+            print(f"{op:14s} dsfuse {ms:8.4f} ms ({row['dsfuse_gbps']:7.1f} GB/s, {row['fraction_of_hbm']:.2f} of "
+                  f"HBM) eager {row['eager_ms']:8.4f} ms inductor {row.get('inductor_ms', float('nan')):8.4f} ms "
+                  f"launch {kw} agreement {row['dsfuse_vs_eager']}", flush=True)
+
+    ops = result["ops"]
+    layers = 2
+    # What the pass emits for 2 layers: the first collapse, 3 exits fused with the next collapse, the last exit
+    # fused with the head; the separate ops' total beside it (HF's modules compose the same way).
+    plans = {"fused": {"hc_collapse": 1, "hc_exit_collapse": 2 * layers - 1, "hc_exit_head": 1},
+             "separate": {"hc_collapse": 2 * layers, "hc_expand_mix": 2 * layers, "hc_head": 1}}
+    result["two_layer_model"] = {}
+    for plan, sites in plans.items():
+        model = {"launches": sites}
+        for provider in ("dsfuse", "inductor", "eager"):
+            if all(f"{provider}_ms" in ops[op] for op in sites):
+                model[f"{provider}_ms"] = sum(k * ops[op][f"{provider}_ms"] for op, k in sites.items())
+        total_bytes = sum(k * nbytes[op] for op, k in sites.items())
+        model.update(bytes=total_bytes, floor_ms_at_hbm=total_bytes / (HBM_GB_PER_S * 1e9) * 1e3,
+                     dsfuse_gbps=total_bytes / (model["dsfuse_ms"] * 1e-3) / 1e9)
+        model["dsfuse_fraction_of_hbm"] = model["dsfuse_gbps"] / HBM_GB_PER_S
+        result["two_layer_model"][plan] = model
+        print(f"2-layer model hyper-connection work, {plan} launches: {json.dumps(model)}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "hyper_connections.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,528 @@
+"""DeepSeek V4's manifold-constrained hyper-connections (HF `DeepseekV4HyperConnection`, `DeepseekV4HyperHead`
+and the expand + mix of `DeepseekV4DecoderLayer.forward`) as three custom ops:
+
+`torch.ops.dsfuse.hc_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> (collapsed, post, comb)`,
+one launch per hyper-connection, x = [*, n, D] streams (T tokens in all):
+
+    flat    = x.flatten(-2).float();  flat = flat * rsqrt(mean(flat^2) + norm_eps)        (unweighted RMSNorm)
+    mixes   = flat @ fn.float().T                                      [*, (2 + n) n] fp32
+    pre     = sigmoid(mixes[:n] * scale[0] + base[:n]) + hc_eps
+    post    = 2 * sigmoid(mixes[n:2n] * scale[1] + base[n:2n])
+    comb    = softmax(mixes[2n:].view(n, n) * scale[2] + base[2n:].view(n, n), -1) + hc_eps
+    comb    = comb / (comb.sum(-2) + hc_eps);  (iters - 1) x: rows / (sum(-1) + hc_eps), columns / (sum(-2) + hc_eps)
+    collapsed = (pre[..., None] * x).sum(-2).to(x.dtype)
+
+`torch.ops.dsfuse.hc_head(x, fn, base, scale, norm_eps, hc_eps) -> collapsed`: the same with fn of n rows, only
+`pre` (scale [1]): `DeepseekV4HyperHead`.
+
+`torch.ops.dsfuse.hc_expand_mix(out, residual, post, comb) -> streams`, the block's exit:
+
+    streams = post.to(dtype)[..., None] * out[..., None, :] + comb.to(dtype).transpose(-1, -2) @ residual
+
+every op rounded to the streams' dtype as torch rounds it (the product, the matmul once after its fp32 sum
+over n, the add).
+
+`torch.ops.dsfuse.hc_exit_collapse(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, iters) ->
+(streams, collapsed, post, comb)`: an exit and the next hyper-connection in one launch; pass 1 computes each
+chunk of the new streams, stores it and reduces it for the projection from registers (one read of the residual
+instead of a write and a read back). `torch.ops.dsfuse.hc_exit_head(out, residual, post, comb, fn, base, scale,
+norm_eps, hc_eps) -> collapsed`: the last exit and the head, the streams never written (nothing else reads them):
+pass 2 computes them again from the residual.
+
+Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size):
+`hc_collapse` gives each program BLOCK_T tokens. Pass 1 walks D in chunks, and per chunk every stream j:
+the sum of squares, and the projection as a tensor-core dot of the raw streams with fn's columns (`tf32x3`:
+fp32-accurate; bf16 streams are exact in tf32), scaled by the token's rsqrt afterwards (HF scales before the
+dot: the same value up to the rounding of one product). The mixing logits go through a [T, 32] fp32 scratch
+(stored, barrier, read back in the [n, n] layout Sinkhorn needs); softmax and every Sinkhorn step run in
+registers with IEEE divisions (`tl.div_rn`), HF's order and eps. Pass 2 collapses the streams, walking D
+backwards so the chunks pass 1 read last are read first, while they are still in L2. `hc_expand_mix` is one
+pass over the residual and the block output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _round_to
+from dsfuse.kernels.triton_support import interpreting
+
+STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# fp32-accurate tensor-core dot (three tf32 products); the interpreter computes the dot in fp32 whatever it is told.
+PROJECTION_PRECISION = "tf32x3"
+
+
+def mixes_count(hc_mult: int) -> int:
+    """Rows of a hyper-connection's `fn`: pre (n), post (n) and comb (n x n) logits."""
+    return (2 + hc_mult) * hc_mult
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (also the CPU implementation): HF's modules, op by op
+# --------------------------------------------------------------------------------------------
+def _unweighted_rms_norm(x, eps):
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """`DeepseekV4HyperConnection.forward` on streams x [*, n, D]: (collapsed, post, comb)."""
+    hc = x.shape[-2]
+    flat = _unweighted_rms_norm(x.flatten(-2).float(), norm_eps)
+    mixes = torch.nn.functional.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
+    pre_b, post_b, comb_b = base.split([hc, hc, hc * hc])
+    pre_scale, post_scale, comb_scale = scale.unbind(0)
+    comb_w = comb_w.view(*comb_w.shape[:-1], hc, hc)
+    comb_b = comb_b.view(hc, hc)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+    return collapsed, post, comb
+
+
+def hc_head_reference(x, fn, base, scale, norm_eps, hc_eps):
+    """`DeepseekV4HyperHead.forward` on streams x [*, n, D]."""
+    flat = _unweighted_rms_norm(x.flatten(-2).float(), norm_eps)
+    mixes = torch.nn.functional.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+
+
+def hc_expand_mix_reference(out, residual, post, comb):
+    """The block exit of `DeepseekV4DecoderLayer.forward`: post * out + comb^T @ residual, in residual's dtype."""
+    dtype = residual.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+
+
+def hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    """A block exit and the next hyper-connection: (streams, collapsed, post, comb)."""
+    streams = hc_expand_mix_reference(out, residual, post, comb)
+    return (streams, *hc_collapse_reference(streams, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters))
+
+
+def hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
+    """The head of the last block exit's streams (which nothing else reads): collapsed."""
+    return hc_head_reference(hc_expand_mix_reference(out, residual, post, comb), fn, base, scale, norm_eps, hc_eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks (shared by the ops, their fakes and the launchers)
+# --------------------------------------------------------------------------------------------
+def _check_streams(op, x):
+    if not isinstance(x, torch.Tensor) or x.dim() < 3:
+        raise ValueError(f"{op}: x must be streams [*, hc_mult, hidden] (3 or more dims), got "
+                         f"{getattr(x, 'shape', type(x))}")
+    if x.dtype not in STREAM_DTYPES:
+        raise ValueError(f"{op}: x must be bf16, fp16 or fp32, got {x.dtype}")
+
+
+def _check_param(op, name, t, shape, device):
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {getattr(t, 'shape', type(t))}")
+    if not t.dtype.is_floating_point:
+        raise ValueError(f"{op}: {name} must be floating point, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{op}: {name} is on {t.device}, x on {device}")
+
+
+def _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head):
+    _check_streams(op, x)
+    hc, hidden = x.shape[-2], x.shape[-1]
+    rows = hc if head else mixes_count(hc)
+    _check_param(op, "fn", fn, (rows, hc * hidden), x.device)
+    _check_param(op, "base", base, (rows,), x.device)
+    _check_param(op, "scale", scale, (1 if head else 3,), x.device)
+    if not (norm_eps >= 0 and hc_eps >= 0):
+        raise ValueError(f"{op}: eps values must be >= 0, got norm_eps={norm_eps}, hc_eps={hc_eps}")
+    if not head and sinkhorn_iters < 1:
+        raise ValueError(f"{op}: sinkhorn_iters must be >= 1, got {sinkhorn_iters}")
+
+
+def _validate_expand_mix(out, residual, post, comb):
+    op = "hc_expand_mix"
+    _check_streams(op, residual)
+    lead, hc, hidden = tuple(residual.shape[:-2]), residual.shape[-2], residual.shape[-1]
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != lead + (hidden,):
+        raise ValueError(f"{op}: out must have shape {lead + (hidden,)}, got {getattr(out, 'shape', type(out))}")
+    if out.dtype != residual.dtype:
+        raise ValueError(f"{op}: out is {out.dtype}, residual {residual.dtype}: HF's mix needs one dtype")
+    for name, t, shape in (("post", post, lead + (hc,)), ("comb", comb, lead + (hc, hc))):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            raise ValueError(f"{op}: {name} must have shape {shape}, got {getattr(t, 'shape', type(t))}")
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{op}: {name} must be floating point, got {t.dtype}")
+    for t in (out, post, comb):
+        if t.device != residual.device:
+            raise ValueError(f"{op}: all inputs must be on {residual.device}, got one on {t.device}")
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _sigmoid(z):
+    """1 / (1 + exp(-z)) with an IEEE division (`tl.sigmoid` divides approximately on the GPU)."""
+    return tl.div_rn(tl.full(z.shape, 1.0, tl.float32), 1.0 + tl.exp(-z))
+
+
+@triton.jit
+def _hc_collapse_kernel(
+    x_ptr, fn_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
+    out_ptr, res_ptr, post_in_ptr, comb_in_ptr,
+    T, D, width, norm_eps, hc_eps, iters,
+    N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MANUAL_BF16_RNE: tl.constexpr,
+):
+    """With EXIT, the streams x are first computed by the previous block's exit (`_exit_chunk`) in pass 1 and
+    reduced from registers: the exit and this collapse in one pass over the residual. STORE writes them to x
+    (pass 2 reads them back); without it pass 2 computes them again from the residual (the head's streams, which
+    nothing else reads)."""
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    K = N * D
+    M: tl.constexpr = N if HEAD else (2 + N) * N
+    cols = tl.arange(0, NP)
+    col_ok = cols < M
+    x_rows = x_ptr + rows[:, None] * K
+
+    # Pass 1: sum of squares and the projection, D-chunk by D-chunk, every stream of a chunk together.
+    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        dd = d0 + tl.arange(0, BLOCK_D)
+        d_ok = dd < D
+        if EXIT:
+            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
+                              BLOCK_T, BLOCK_D, STORE, MANUAL_BF16_RNE)
+            flat = tl.reshape(new, [BLOCK_T, NN * BLOCK_D])
+            sumsq += tl.sum(flat * flat, axis=1)
+            r = tl.arange(0, NN * BLOCK_D)
+            r_stream = r // BLOCK_D
+            r_col = d0 + r % BLOCK_D
+            w = tl.load(fn_ptr + cols[None, :] * K + r_stream[:, None] * D + r_col[:, None],
+                        mask=(r_stream < N)[:, None] & (r_col < D)[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(flat, w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            for j in tl.static_range(N):
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)
+                sumsq += tl.sum(xj * xj, axis=1)
+                w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc = tl.dot(xj, w, acc, input_precision=PRECISION)
+    rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
+    logits = acc * rstd[:, None]
+    # Through a scratch row per token: the pieces are read back in the layouts the mixing needs.
+    tl.store(logits_ptr + rows[:, None] * NP + cols[None, :], logits, mask=row_ok[:, None])
+    tl.debug_barrier()
+    l_rows = logits_ptr + rows * NP
+
+    if not HEAD:
+        # post = 2 * sigmoid(post_w * scale[1] + base[n:2n])
+        k = tl.arange(0, NN)
+        k_ok = k < N
+        post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
+        post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
+        tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
+        # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
+        i3 = k[None, :, None]
+        j3 = k[None, None, :]
+        ij_ok = (i3 < N) & (j3 < N)
+        comb_l = tl.load(l_rows[:, None, None] + 2 * N + i3 * N + j3, mask=row_ok[:, None, None] & ij_ok, other=0.0)
+        comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
+        z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
+        z = tl.where(ij_ok, z, float("-inf"))
+        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+        comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
+        comb = tl.where(ij_ok, comb + hc_eps, 0.0)
+        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+        for _ in range(iters - 1):
+            comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
+            comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+        tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb, mask=row_ok[:, None, None] & ij_ok)
+
+    # Pass 2: collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), D walked backwards.
+    pre_scale = tl.load(scale_ptr).to(tl.float32)
+    n_chunks = tl.cdiv(D, BLOCK_D)
+    for c in range(n_chunks):
+        dd = (n_chunks - 1 - c) * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (dd < D)[None, :]
+        if EXIT and not STORE:
+            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, dd < D, D, N, NN,
+                              BLOCK_T, BLOCK_D, False, MANUAL_BF16_RNE)
+            k = tl.arange(0, NN)
+            k_ok = k < N
+            pre = _sigmoid(tl.load(l_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                           * pre_scale + tl.load(base_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]) + hc_eps
+            total = tl.sum(tl.where(k_ok[None, :], pre, 0.0)[:, :, None] * new, axis=1)
+        else:
+            total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(N):
+                pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
+                                 + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+                total += pre_j[:, None] * xj
+        value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
+        tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd, d_ok, D, N: tl.constexpr,
+                NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
+                MANUAL_BF16_RNE: tl.constexpr):
+    """New streams [BLOCK_T, NN, BLOCK_D] of one D chunk in fp32 (rows k >= n are 0), stored with STORE."""
+    k = tl.arange(0, NN)
+    k_ok = k < N
+    ok = row_ok[:, None] & d_ok[None, :]
+    dtype = new_ptr.dtype.element_ty
+    o = tl.load(out_ptr + rows[:, None] * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+    p = tl.load(post_ptr + rows[:, None] * N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    p = _round_to(p.to(tl.float32), dtype, MANUAL_BF16_RNE)
+    expanded = _round_to(p[:, :, None] * o[:, None, :], dtype, MANUAL_BF16_RNE)
+    mixed = tl.zeros([BLOCK_T, NN, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(N):
+        rj = tl.load(res_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + rows[:, None] * (N * N) + j * N + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                     other=0.0)
+        cj = _round_to(cj.to(tl.float32), dtype, MANUAL_BF16_RNE)
+        mixed += cj[:, :, None] * rj[:, None, :]
+    new = _round_to(expanded + _round_to(mixed, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
+    if STORE:
+        ptrs = new_ptr + rows[:, None, None] * (N * D) + k[None, :, None] * D + dd[None, None, :]
+        tl.store(ptrs, new.to(dtype), mask=ok[:, None, :] & k_ok[None, :, None])
+    return new
+
+
+@triton.jit
+def _hc_expand_mix_kernel(
+    out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, T, D,
+    N: tl.constexpr, NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, rows < T, dd, dd < D, D, N, NN, BLOCK_T, BLOCK_D,
+                True, MANUAL_BF16_RNE)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); no host sync
+# --------------------------------------------------------------------------------------------
+def default_collapse_launch(hidden: int) -> dict:
+    """Tokens per program, D chunk and warps of `hc_collapse` (the GPU benchmark sweeps them); a tensor-core dot
+    needs 16 or more rows and columns."""
+    return dict(block_t=16, block_d=max(16, min(128, triton.next_power_of_2(hidden))), num_warps=4)
+
+
+def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,
+                     num_warps=None, exit_inputs=None):
+    """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
+    the streams collapsed are the exit's, written to `streams` (not for the head: streams is None, as without
+    `exit_inputs`)."""
+    op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
+    _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
+    hc, hidden = x.shape[-2], x.shape[-1]
+    lead = tuple(x.shape[:-2])
+    source = x.contiguous().view(-1, hc, hidden)
+    T = source.shape[0]
+    defaults = default_collapse_launch(hidden)
+    block_t = block_t or defaults["block_t"]
+    block_d = block_d or (max(16, min(64, triton.next_power_of_2(hidden))) if exit_inputs else defaults["block_d"])
+    n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
+    collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
+    post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
+    comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
+    store = bool(exit_inputs) and not head
+    if exit_inputs:
+        out, post_in, comb_in = exit_inputs
+        _validate_expand_mix(out, x, post_in, comb_in)
+        streams = torch.empty((T, hc, hidden), dtype=x.dtype, device=x.device) if store else source
+        exit_args = (out.contiguous().view(T, hidden), source, post_in.contiguous().view(T, hc),
+                     comb_in.contiguous().view(T, hc, hc))
+    else:
+        streams, exit_args = source, (source, source, post, comb)
+    if T:
+        logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
+        _hc_collapse_kernel[(triton.cdiv(T, block_t),)](
+            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
+            T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
+            STORE=store, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
+            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+            num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
+    return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
+            streams.view(lead + (hc, hidden)) if store else None)
+
+
+def hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
+    """One launch of `hc_collapse` (launch overrides: block_t, block_d, num_warps)."""
+    return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, **launch)[:3]
+
+
+def hc_head_triton(x, fn, base, scale, norm_eps, hc_eps, **launch):
+    """One launch of `hc_head`."""
+    return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, 1, True, **launch)[0]
+
+
+def hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
+    """One launch of `hc_exit_collapse`: (streams, collapsed, post, comb)."""
+    collapsed, post_next, comb_next, streams = _collapse_launch(
+        residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, exit_inputs=(out, post, comb), **launch)
+    return streams, collapsed, post_next, comb_next
+
+
+def hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, **launch):
+    """One launch of `hc_exit_head`: collapsed (the streams are not written)."""
+    return _collapse_launch(residual, fn, base, scale, norm_eps, hc_eps, 1, True, exit_inputs=(out, post, comb),
+                            **launch)[0]
+
+
+def hc_expand_mix_triton(out, residual, post, comb, block_t=None, block_d=None, num_warps=None):
+    """One launch of `hc_expand_mix`."""
+    _validate_expand_mix(out, residual, post, comb)
+    hc, hidden = residual.shape[-2], residual.shape[-1]
+    res = residual.contiguous().view(-1, hc, hidden)
+    T = res.shape[0]
+    new = torch.empty((T, hc, hidden), dtype=residual.dtype, device=residual.device)
+    block_t = block_t or 8
+    block_d = block_d or min(256, triton.next_power_of_2(hidden))
+    if T:
+        _hc_expand_mix_kernel[(triton.cdiv(T, block_t), triton.cdiv(hidden, block_d))](
+            out.contiguous().view(T, hidden), res, post.contiguous().view(T, hc), comb.contiguous().view(T, hc, hc),
+            new, T, hidden, N=hc, NN=triton.next_power_of_2(hc), BLOCK_T=block_t, BLOCK_D=block_d,
+            MANUAL_BF16_RNE=interpreting() and residual.dtype == torch.bfloat16, num_warps=num_warps or 4,
+            **COMPILE_OPTIONS)
+    return new.view(residual.shape)
+
+
+def bytes_moved(T: int, hc: int, hidden: int, dtype: torch.dtype) -> dict[str, int]:
+    """The bytes each op must move at least: the streams read once, the block input / output and the new
+    streams once (weights, logits and mixing weights are a few KiB per program and stay in L2)."""
+    size = torch.finfo(dtype).bits // 8
+    streams, row = T * hc * hidden * size, T * hidden * size
+    return {"hc_collapse": streams + row, "hc_head": streams + row, "hc_expand_mix": 2 * streams + row,
+            "hc_exit_collapse": 2 * streams + 2 * row, "hc_exit_head": streams + 2 * row}
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsfuse::hc_collapse", mutates_args=())
+def hc_collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(collapsed [*, D] in x's dtype, post [*, n] fp32, comb [*, n, n] fp32) of streams x [*, n, D]:
+    `DeepseekV4HyperConnection.forward`. Reference math on CPU."""
+    _validate_collapse("hc_collapse", x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
+    collapsed, post, comb = hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return collapsed.contiguous(), post.contiguous(), comb.contiguous()
+
+
+@hc_collapse.register_fake
+def _hc_collapse_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    _validate_collapse("hc_collapse", x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
+    lead, hc = tuple(x.shape[:-2]), x.shape[-2]
+    return (x.new_empty(lead + (x.shape[-1],)), x.new_empty(lead + (hc,), dtype=torch.float32),
+            x.new_empty(lead + (hc, hc), dtype=torch.float32))
+
+
+@hc_collapse.register_kernel("cuda")
+def _hc_collapse_cuda(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    return hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+@torch.library.custom_op("dsfuse::hc_head", mutates_args=())
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+            hc_eps: float) -> torch.Tensor:
+    """collapsed [*, D] in x's dtype of streams x [*, n, D]: `DeepseekV4HyperHead.forward`. Reference on CPU."""
+    _validate_collapse("hc_head", x, fn, base, scale, norm_eps, hc_eps, 1, True)
+    return hc_head_reference(x, fn, base, scale, norm_eps, hc_eps).contiguous()
+
+
+@hc_head.register_fake
+def _hc_head_fake(x, fn, base, scale, norm_eps, hc_eps):
+    _validate_collapse("hc_head", x, fn, base, scale, norm_eps, hc_eps, 1, True)
+    return x.new_empty(tuple(x.shape[:-2]) + (x.shape[-1],))
+
+
+@hc_head.register_kernel("cuda")
+def _hc_head_cuda(x, fn, base, scale, norm_eps, hc_eps):
+    return hc_head_triton(x, fn, base, scale, norm_eps, hc_eps)
+
+
+@torch.library.custom_op("dsfuse::hc_expand_mix", mutates_args=())
+def hc_expand_mix(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams [*, n, D] = post * out + comb^T @ residual in residual's dtype (HF's roundings). Reference on CPU."""
+    _validate_expand_mix(out, residual, post, comb)
+    return hc_expand_mix_reference(out, residual, post, comb).contiguous()
+
+
+@hc_expand_mix.register_fake
+def _hc_expand_mix_fake(out, residual, post, comb):
+    _validate_expand_mix(out, residual, post, comb)
+    return torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+
+
+@hc_expand_mix.register_kernel("cuda")
+def _hc_expand_mix_cuda(out, residual, post, comb):
+    return hc_expand_mix_triton(out, residual, post, comb)
+
+
+@torch.library.custom_op("dsfuse::hc_exit_collapse", mutates_args=())
+def hc_exit_collapse(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float, hc_eps: float,
+                     sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_expand_mix` and then `hc_collapse` of its streams in one pass: (streams, collapsed, post, comb) of the
+    next hyper-connection. Reference math on CPU."""
+    _validate_expand_mix(out, residual, post, comb)
+    _validate_collapse("hc_exit_collapse", residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
+    found = hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    return tuple(t.contiguous() for t in found)
+
+
+@hc_exit_collapse.register_fake
+def _hc_exit_collapse_fake(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    _validate_expand_mix(out, residual, post, comb)
+    return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
+            *_hc_collapse_fake(residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters))
+
+
+@hc_exit_collapse.register_kernel("cuda")
+def _hc_exit_collapse_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+    return hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+
+
+@torch.library.custom_op("dsfuse::hc_exit_head", mutates_args=())
+def hc_exit_head(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                 base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
+                 hc_eps: float) -> torch.Tensor:
+    """`hc_head` of the last `hc_expand_mix`'s streams in one pass, the streams not kept: collapsed [*, D].
+    Reference on CPU."""
+    _validate_expand_mix(out, residual, post, comb)
+    _validate_collapse("hc_exit_head", residual, fn, base, scale, norm_eps, hc_eps, 1, True)
+    return hc_exit_head_reference(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps).contiguous()
+
+
+@hc_exit_head.register_fake
+def _hc_exit_head_fake(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
+    _validate_expand_mix(out, residual, post, comb)
+    return _hc_head_fake(residual, fn, base, scale, norm_eps, hc_eps)
+
+
+@hc_exit_head.register_kernel("cuda")
+def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
+    return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
+
+
+__all__ = ["bytes_moved", "default_collapse_launch", "hc_collapse", "hc_collapse_reference", "hc_collapse_triton",
+           "hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
+           "hc_exit_head_reference", "hc_exit_head_triton", "hc_expand_mix", "hc_expand_mix_reference",
+           "hc_expand_mix_triton", "hc_head", "hc_head_reference", "hc_head_triton", "mixes_count"]

@@ -1,0 +1,277 @@
+"""`dsfuse.hc_collapse`, `dsfuse.hc_head` and `dsfuse.hc_expand_mix`: the references against HF's modules bit for
+bit, the Triton kernels (interpreter on CPU) against the references, opcheck, and bad input."""
+
+import pytest
+import torch
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+from dsfuse.kernels.hyper_connections import (
+    hc_collapse,
+    hc_collapse_reference,
+    hc_collapse_triton,
+    hc_expand_mix,
+    hc_expand_mix_reference,
+    hc_exit_collapse,
+    hc_exit_collapse_reference,
+    hc_exit_collapse_triton,
+    hc_exit_head,
+    hc_exit_head_reference,
+    hc_exit_head_triton,
+    hc_expand_mix_triton,
+    hc_head,
+    hc_head_reference,
+    hc_head_triton,
+    mixes_count,
+)
+
+NORM_EPS, HC_EPS = 1e-6, 1e-6
+
+
+def _streams(T, hc, hidden, dtype, seed=0):
+    return torch.randn(T, hc, hidden, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _params(hc, hidden, head=False, seed=1):
+    """fn, base, scale as HF initialises them in spirit: small projections, O(1) scales."""
+    g = torch.Generator().manual_seed(seed)
+    rows = hc if head else mixes_count(hc)
+    fn = torch.randn(rows, hc * hidden, generator=g) * 0.05
+    base = torch.randn(rows, generator=g) * 0.5
+    scale = torch.rand(1 if head else 3, generator=g) + 0.5
+    return fn, base, scale
+
+
+def _hf_modules(hc, hidden, iters):
+    config = DeepseekV4Config(hidden_size=hidden, hc_mult=hc, hc_sinkhorn_iters=iters, hc_eps=HC_EPS,
+                              rms_norm_eps=NORM_EPS)
+    return DeepseekV4HyperConnection(config), DeepseekV4HyperHead(config)
+
+
+def _close(got, want):
+    tol = 1e-5 if want.dtype == torch.float32 else {torch.bfloat16: 1e-2, torch.float16: 2e-3}[want.dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("hc, iters, dtype", [(4, 20, torch.bfloat16), (2, 1, torch.float32), (4, 3, torch.float32)])
+def test_references_equal_hf_modules_bit_for_bit(hc, iters, dtype):
+    hidden = 24
+    conn, head = _hf_modules(hc, hidden, iters)
+    fn, base, scale = _params(hc, hidden)
+    hfn, hbase, hscale = _params(hc, hidden, head=True)
+    with torch.no_grad():
+        for p, v in ((conn.fn, fn), (conn.base, base), (conn.scale, scale), (head.hc_fn, hfn), (head.hc_base, hbase),
+                     (head.hc_scale, hscale)):
+            p.copy_(v)
+        x = _streams(5, hc, hidden, dtype)[None]  # [B=1, S=5, n, D], as the decoder layer holds them
+        post, comb, collapsed = conn(x)
+        got = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
+        assert torch.equal(got[0], collapsed) and torch.equal(got[1], post) and torch.equal(got[2], comb)
+        assert torch.equal(hc_head_reference(x, hfn, hbase, hscale, NORM_EPS, HC_EPS), head(x))
+        out = torch.randn(1, 5, hidden).to(dtype)
+        hf_mix = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+        assert torch.equal(hc_expand_mix_reference(out, x, post, comb), hf_mix)
+
+
+@pytest.mark.parametrize("hc, iters, T, hidden, dtype", [
+    (4, 20, 5, 64, torch.float32),
+    (4, 1, 17, 32, torch.float32),
+    (2, 20, 3, 40, torch.float32),   # hidden not a multiple of the chunk
+    (2, 3, 1, 16, torch.float16),
+    (4, 3, 7, 48, torch.bfloat16),
+])
+def test_collapse_kernel_matches_reference(hc, iters, T, hidden, dtype):
+    x = _streams(T, hc, hidden, dtype)
+    fn, base, scale = _params(hc, hidden)
+    want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+    _close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    # Sinkhorn ends on a column step: every column of comb sums to 1 (up to eps).
+    torch.testing.assert_close(got[2].sum(-2), torch.ones(T, hc), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("hc, T, hidden, dtype", [(4, 5, 64, torch.float32), (2, 9, 24, torch.bfloat16)])
+def test_head_kernel_matches_reference(hc, T, hidden, dtype):
+    x = _streams(T, hc, hidden, dtype)
+    fn, base, scale = _params(hc, hidden, head=True)
+    _close(hc_head_triton(x, fn, base, scale, NORM_EPS, HC_EPS, block_d=16),
+           hc_head_reference(x, fn, base, scale, NORM_EPS, HC_EPS))
+
+
+@pytest.mark.parametrize("hc, T, hidden, dtype", [
+    (4, 5, 64, torch.float32), (2, 9, 24, torch.bfloat16), (4, 3, 40, torch.bfloat16), (4, 2, 16, torch.float16)])
+def test_expand_mix_kernel_matches_reference(hc, T, hidden, dtype):
+    residual = _streams(T, hc, hidden, dtype)
+    out = _streams(T, 1, hidden, dtype, seed=3)[:, 0]
+    fn, base, scale = _params(hc, hidden)
+    _, post, comb = hc_collapse_reference(residual, fn, base, scale, NORM_EPS, HC_EPS, 5)
+    got = hc_expand_mix_triton(out, residual, post, comb, block_d=16)
+    want = hc_expand_mix_reference(out, residual, post, comb)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # the matmul's fp32 sum order may differ
+    else:
+        assert torch.equal(got, want), "every rounding is torch's: bit-exact in half precision"
+
+
+@pytest.mark.parametrize("hc, iters, T, hidden, dtype", [
+    (4, 20, 5, 64, torch.float32), (2, 1, 3, 40, torch.float32), (4, 3, 7, 48, torch.bfloat16)])
+def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidden, dtype):
+    residual = _streams(T, hc, hidden, dtype)
+    out = _streams(T, 1, hidden, dtype, seed=3)[:, 0]
+    fn, base, scale = _params(hc, hidden)
+    _, post, comb = hc_collapse_reference(residual, *_params(hc, hidden, seed=4), NORM_EPS, HC_EPS, 4)
+    want = hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    got = hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16)
+    if dtype != torch.float32:
+        assert torch.equal(got[0], want[0])
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
+    hfn, hbase, hscale = _params(hc, hidden, head=True)
+    want = hc_exit_head_reference(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS)
+    _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16), want)
+
+
+def test_leading_dims_empty_and_non_contiguous_inputs():
+    hc, hidden = 4, 16
+    fn, base, scale = _params(hc, hidden)
+    x = _streams(6, hc, hidden, torch.float32).view(2, 3, hc, hidden)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 2)
+    assert [tuple(t.shape) for t in got] == [(2, 3, hidden), (2, 3, hc), (2, 3, hc, hc)]
+    _close(got[0], hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 2)[0])
+    empty = hc_collapse_triton(x[:, :0], fn, base, scale, NORM_EPS, HC_EPS, 2)
+    assert [tuple(t.shape) for t in empty] == [(2, 0, hidden), (2, 0, hc), (2, 0, hc, hc)]
+    strided = _streams(3, hc, 2 * hidden, torch.float32)[..., ::2]
+    _close(hc_collapse_triton(strided, fn, base, scale, NORM_EPS, HC_EPS, 2)[0],
+           hc_collapse_reference(strided, fn, base, scale, NORM_EPS, HC_EPS, 2)[0])
+
+
+def test_nan_propagates_like_the_reference():
+    hc, hidden = 2, 16
+    x = _streams(3, hc, hidden, torch.float32)
+    x[1, 0, 3] = float("nan")
+    fn, base, scale = _params(hc, hidden)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 3)
+    want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 3)
+    for g, w in zip(got, want):
+        assert torch.equal(g.isnan(), w.isnan())
+
+
+def test_custom_ops_match_references_and_pass_opcheck():
+    hc, hidden = 4, 16
+    x = _streams(5, hc, hidden, torch.bfloat16)
+    fn, base, scale = _params(hc, hidden)
+    hfn, hbase, hscale = _params(hc, hidden, head=True)
+    collapsed, post, comb = hc_collapse(x, fn, base, scale, NORM_EPS, HC_EPS, 4)
+    assert torch.equal(collapsed, hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 4)[0])
+    out = torch.randn(5, hidden).to(torch.bfloat16)
+    torch.library.opcheck(hc_collapse, (x, fn, base, scale, NORM_EPS, HC_EPS, 4))
+    torch.library.opcheck(hc_head, (x, hfn, hbase, hscale, NORM_EPS, HC_EPS))
+    torch.library.opcheck(hc_expand_mix, (out, x, post, comb))
+    torch.library.opcheck(hc_exit_collapse, (out, x, post, comb, fn, base, scale, NORM_EPS, HC_EPS, 4))
+    torch.library.opcheck(hc_exit_head, (out, x, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, p: hc_collapse(x.int(), *p, 1e-6, 1e-6, 2), "bf16, fp16 or fp32"),
+    (lambda x, p: hc_collapse(x[0], *p, 1e-6, 1e-6, 2), "3 or more dims"),
+    (lambda x, p: hc_collapse(x, p[0][:, 1:], *p[1:], 1e-6, 1e-6, 2), "fn must have shape"),
+    (lambda x, p: hc_collapse(x, p[0], p[1][:-1], p[2], 1e-6, 1e-6, 2), "base must have shape"),
+    (lambda x, p: hc_collapse(x, *p, 1e-6, 1e-6, 0), "sinkhorn_iters must be >= 1"),
+    (lambda x, p: hc_collapse(x, *p, -1.0, 1e-6, 2), "eps values must be >= 0"),
+    (lambda x, p: hc_head(x, *p, 1e-6, 1e-6), "fn must have shape"),
+    (lambda x, p: hc_expand_mix(x[:, 0].double(), x, x[..., 0], x[..., :4]), "out is torch.float64"),
+    (lambda x, p: hc_expand_mix(x[:, 0], x, x[..., 0], x[..., :3]), "comb must have shape"),
+    (lambda x, p: hc_exit_collapse(x[:, 0], x, x[..., 0], x[..., :4], *p, 1e-6, 1e-6, 0), "sinkhorn_iters"),
+    (lambda x, p: hc_exit_head(x[:, 0], x, x[..., 0], x[..., :4], *p, 1e-6, 1e-6), "fn must have shape"),
+])
+def test_bad_input_raises(call, match):
+    x = _streams(3, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        call(x, _params(4, 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_kernels_match_reference(dtype):
+    hc, hidden, T, iters = 4, 512, 257, 20
+    x = _streams(T, hc, hidden, dtype).cuda()
+    fn, base, scale = (t.cuda() for t in _params(hc, hidden))
+    hfn, hbase, hscale = (t.cuda() for t in _params(hc, hidden, head=True))
+    got = hc_collapse(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    want = hc_collapse_reference(x.cpu(), fn.cpu(), base.cpu(), scale.cpu(), NORM_EPS, HC_EPS, iters)
+    _close(got[0].cpu(), want[0])
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-5)
+    _close(hc_head(x, hfn, hbase, hscale, NORM_EPS, HC_EPS).cpu(),
+           hc_head_reference(x.cpu(), hfn.cpu(), hbase.cpu(), hscale.cpu(), NORM_EPS, HC_EPS))
+    out = torch.randn(T, hidden, device="cuda").to(dtype)
+    mixed = hc_expand_mix(out, x, got[1], got[2])
+    eager = hc_expand_mix_reference(out, x, got[1], got[2])  # eager CUDA: cuBLAS bmm
+    _close(mixed, eager)
+    fused = hc_exit_collapse(out, x, got[1], got[2], fn, base, scale, NORM_EPS, HC_EPS, iters)
+    assert torch.equal(fused[0], mixed), "the fused exit writes the same streams as the exit alone"
+    alone = hc_collapse(mixed, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    for f, a in zip(fused[1:], alone):
+        torch.testing.assert_close(f, a, rtol=1e-4, atol=1e-5)
+    _close(hc_exit_head(out, x, got[1], got[2], hfn, hbase, hscale, NORM_EPS, HC_EPS),
+           hc_head(mixed, hfn, hbase, hscale, NORM_EPS, HC_EPS))
+
+
+_PTX_PROBE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from dsfuse.kernels import hyper_connections as hck
+
+def ptx(kernel, consts, bf16_ptrs):
+    names = list(kernel.arg_names)
+    sig = {n: "constexpr" if n in consts else ("*bf16" if n in bf16_ptrs else "*fp32") if n.endswith("_ptr") else
+           "fp32" if n in ("norm_eps", "hc_eps", "width") else "i32" for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n == "D"}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    options = {"num_warps": 4, **hck.COMPILE_OPTIONS}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+pattern = r"\b(?:mma|div|bar|fma)\.[a-z0-9.]*"
+def collapse_ptx(head, exit, store, block_d, ptrs):
+    consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, EXIT=exit, STORE=store, BLOCK_T=16, BLOCK_D=block_d,
+                  PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False)
+    return ptx(hck._hc_collapse_kernel, consts, ptrs)
+
+collapse = collapse_ptx(False, False, False, 128, ("x_ptr", "collapsed_ptr"))
+fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
+          ("out_ptr", "res_ptr", "new_ptr"))
+print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
+                  (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix))}))
+"""
+
+
+def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
+    """Compiled offline for sm_90 (no GPU, interpreter off): the projection runs on tf32 tensor cores, every
+    division of the mixing weights is IEEE, the scratch is fenced by a barrier, and the exit has no FMA."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    done = subprocess.run([sys.executable, "-c", _PTX_PROBE], env=env, capture_output=True, check=False, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for collapse in (found["collapse"], found["fused"], found["fused_head"]):
+        assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
+        assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
+    assert not [op for op in found["mix"] if op.startswith("fma")], found["mix"]

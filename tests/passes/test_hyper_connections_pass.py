@@ -1,0 +1,143 @@
+"""`hyper_connections` on HF `DeepseekV4ForCausalLM` (v4-tiny) and on small graphs written with HF's modules: exact
+site counts, parity with eager, symbolic sequence lengths, and near-misses with their reasons."""
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+
+import dsfuse
+from dsfuse.models.presets import build_hf_model, hf_config
+
+TWO_SLIDING_MOE_LAYERS = dict(num_hidden_layers=2, layer_types=["sliding_attention", "sliding_attention"],
+                              mlp_layer_types=["moe", "moe"])
+
+
+def _ops(graph=None):
+    sites = [s for s in dsfuse.report().sites if s.pass_name == "hyper_connections" and graph in (None, s.graph)]
+    return [s.op for s in sites], [s.detail for s in sites]
+
+
+def _expected_ops(layers):
+    return sorted(["dsfuse.hc_collapse"] * 2 * layers + ["dsfuse.hc_expand_mix"] * 2 * layers + ["dsfuse.hc_head"])
+
+
+def test_v4_tiny_counts_parity_batch_two_and_dynamic_lengths():
+    """Two layers, batch 2, odd lengths: 2 collapses and 2 exits per layer plus the head, logits equal eager; the
+    graph is compiled once with a symbolic length (as Dynamo compiles after its first recompile) and serves every
+    length."""
+    model = build_hf_model("v4-tiny", dtype=torch.float32, hc_sinkhorn_iters=3, **TWO_SLIDING_MOE_LAYERS)
+    compiled = torch.compile(model, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for length in (9, 13, 17):
+            ids = torch.randint(0, 256, (2, length), generator=gen)
+            torch._dynamo.mark_dynamic(ids, 1)
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    rep = dsfuse.report()
+    assert len(rep.graphs) == 1, str(rep)
+    ops, details = _ops(0)
+    assert sorted(ops) == _expected_ops(2), str(rep)
+    assert all("sinkhorn_iters=3" in d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse")
+    # Each exit shares its launch with the collapse of its streams: 3 with the next layer's, the last with the head.
+    assert sum(d.endswith("one launch: dsfuse.hc_exit_collapse") for d in details) == 6, details
+    assert sum(d.endswith("one launch: dsfuse.hc_exit_head") for d in details) == 2, details
+    assert rep.counts["hyper_connections"] == 9 and not rep.near_misses, str(rep)
+
+
+def test_default_twenty_sinkhorn_iterations():
+    model = build_hf_model("v4-tiny", dtype=torch.float32, num_hidden_layers=1, layer_types=["sliding_attention"],
+                           mlp_layer_types=["moe"])
+    assert model.config.hc_sinkhorn_iters == 20
+    compiled = torch.compile(model, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
+    ops, details = _ops()
+    assert sorted(ops) == _expected_ops(1), str(dsfuse.report())
+    assert [d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse"] == [
+        "n=4 D=64 sinkhorn_iters=20", "n=4 D=64 sinkhorn_iters=20, one launch: dsfuse.hc_exit_collapse"]
+
+
+# --------------------------------------------------------------------------------------------
+# Small graphs: one decoder-layer-like block written with HF's modules
+# --------------------------------------------------------------------------------------------
+class HcBlock(torch.nn.Module):
+    """A hyper-connection around a linear block, its exit as `DeepseekV4DecoderLayer.forward` writes it, and the
+    head; `exit_form` varies the exit (HF's, or with comb not transposed)."""
+
+    def __init__(self, hidden=32, hc_mult=4, iters=4, exit_form="hf"):
+        super().__init__()
+        config = hf_config("v4-tiny", hidden_size=hidden, hc_mult=hc_mult, hc_sinkhorn_iters=iters)
+        gen = torch.Generator().manual_seed(0)
+        self.hc = DeepseekV4HyperConnection(config)
+        self.head = DeepseekV4HyperHead(config)
+        for p in (*self.hc.parameters(), *self.head.parameters()):
+            p.data = torch.randn(p.shape, generator=gen) * 0.1 + (0.5 if p.dim() <= 1 else 0.0)
+        self.block = torch.nn.Linear(hidden, hidden, bias=False)
+        self.exit_form = exit_form
+
+    def forward(self, streams):
+        dtype = streams.dtype
+        post, comb, collapsed = self.hc(streams)
+        out = self.block(collapsed)
+        comb = comb.to(dtype) if self.exit_form == "not_transposed" else comb.to(dtype).transpose(-1, -2)
+        streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb, streams)
+        return self.head(streams)
+
+
+class RowLastHc(DeepseekV4HyperConnection):
+    """A hyper-connection whose Sinkhorn loop ends on a row normalisation: not HF's iteration."""
+
+    def forward(self, hidden_streams):
+        post, comb, collapsed = super().forward(hidden_streams)
+        return post, comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps), collapsed
+
+
+def _run_block(block, streams, enable=("hyper_connections",)):
+    compiled = torch.compile(block, backend="dsfuse", options={"enable": list(enable)})
+    with torch.no_grad():
+        return compiled(streams), block(streams)
+
+
+@pytest.mark.parametrize("dtype, hc_mult", [(torch.bfloat16, 4), (torch.float32, 2)])
+def test_block_is_rewritten_and_equals_eager(dtype, hc_mult):
+    block = HcBlock(hc_mult=hc_mult).to(dtype)
+    for p in (*block.hc.parameters(), *block.head.parameters()):  # HF keeps the hyper-connections in fp32
+        p.data = p.data.float()
+    streams = torch.randn(2, 5, hc_mult, 32).to(dtype)
+    got, want = _run_block(block, streams)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    ops, details = _ops()
+    assert sorted(ops) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix", "dsfuse.hc_head"], str(dsfuse.report())
+    assert sorted(details)[1:] == [f"n={hc_mult} D=32, one launch: dsfuse.hc_exit_head"] * 2, details
+
+
+def test_disabled_pass_rewrites_nothing():
+    block = HcBlock()
+    got, want = _run_block(block, torch.randn(1, 3, 4, 32), enable=())
+    torch.testing.assert_close(got, want)
+    assert dsfuse.report().counts["hyper_connections"] == 0
+
+
+def test_exit_without_transposed_comb_is_a_near_miss():
+    block = HcBlock(exit_form="not_transposed")
+    got, want = _run_block(block, torch.randn(1, 3, 4, 32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    assert sorted(_ops()[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_head"], str(rep)
+    assert [m.reason for m in rep.near_misses] == ["hyper-connection exit: the mix does not read comb transposed"]
+
+
+def test_sinkhorn_ending_on_rows_is_a_near_miss():
+    block = HcBlock()
+    row_last = RowLastHc(hf_config("v4-tiny", hidden_size=32, hc_sinkhorn_iters=4))
+    row_last.load_state_dict(block.hc.state_dict())
+    block.hc = row_last
+    got, want = _run_block(block, torch.randn(1, 3, 4, 32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    assert _ops()[0] == ["dsfuse.hc_head"], str(rep)
+    assert [m.reason for m in rep.near_misses] == [
+        "hyper-connection: Sinkhorn steps ['col', 'row', 'col', 'row', 'col', 'row', 'col', 'row'] are not HF's "
+        "col, (row, col)*"], str(rep)
