@@ -671,18 +671,18 @@ def _clamped_silu_side(side: torch.fx.Node, gate: torch.fx.Node, limit: torch.Te
 
 
 def _swiglu_product(gate: torch.fx.Node, up: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
-    """(act, gate side, up side) for `act = f(gate) * g(up)`, g a chain of elementwise ops on up alone."""
-    up_side = up
-    while True:
-        user = only_user(up_side)
-        if is_op(user, aten.mul.Tensor) and up_side in user.args:
-            side = user.args[0] if user.args[1] is up_side else user.args[1]
-            if isinstance(side, torch.fx.Node) and _roots(side) == {gate}:
-                return user, side, up_side
-        if not (user is not None and user.op == "call_function" and _is_pointwise(user)
-                and _roots(user) == {up} and dtype(user) == dtype(up)):
-            break
-        up_side = user
+    """(act, gate side, up side) for `act = f(gate) * g(up)`, g elementwise ops on up alone (found forward from up)."""
+    frontier, seen = [up], {up}
+    while frontier:
+        node = frontier.pop(0)
+        for user in node.users:
+            if is_op(user, aten.mul.Tensor) and node in user.args:
+                side = user.args[0] if user.args[1] is node else user.args[1]
+                if isinstance(side, torch.fx.Node) and _roots(side) == {gate}:
+                    return user, side, node
+            if user not in seen and user.op == "call_function" and _is_pointwise(user) and _roots(user) == {up}:
+                seen.add(user)
+                frontier.append(user)
     if is_op(only_user(up), aten.mul.Tensor):
         raise NoMatch("the up half is not multiplied by a function of the gate half")
     raise NoMatch("the up half is not multiplied by the gate activation (or is cast first)")
