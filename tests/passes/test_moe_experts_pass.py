@@ -398,7 +398,8 @@ def test_v4_experts_bf16_grouped_mm():
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
     assert (unclamped.float() - want.float()).abs().max() > 0.1 * scale
     sites = _sites("dsfuse.moe_experts_bf16")
-    assert len(sites) == 1 and sites[0].detail == "grouped GEMMs, inverse permutation + sum, E=8, k=2, SwiGLU clamped at 10"
+    assert len(sites) == 1, str(dsfuse.report())
+    assert sites[0].detail == "grouped GEMMs, inverse permutation + sum, E=8, k=2, SwiGLU clamped at 10"
     assert dsfuse.report().near_misses == []
 
 
@@ -408,7 +409,8 @@ def _clamp_max_spelled(t, limit):
 
 @pytest.mark.parametrize("swiglu", [
     lambda g, u: F.silu(g.float().clamp(max=V4_LIMIT).to(g.dtype)) * u.float().clamp(-V4_LIMIT, V4_LIMIT).to(u.dtype),
-    lambda g, u: F.silu(_clamp_max_spelled(g, V4_LIMIT)) * _clamp_max_spelled(-_clamp_max_spelled(-u, V4_LIMIT), V4_LIMIT),
+    lambda g, u: (F.silu(_clamp_max_spelled(g, V4_LIMIT))
+                  * _clamp_max_spelled(-_clamp_max_spelled(-u, V4_LIMIT), V4_LIMIT)),
 ], ids=["fp32-clamps-rounded-back", "where-and-negations"])
 def test_clamped_swiglu_spellings(swiglu):
     """The clamps are recognised by what they compute around the limit, not by their ops."""
