@@ -659,11 +659,12 @@ def _gate_path(side: torch.fx.Node, gate: torch.fx.Node) -> list[torch.fx.Node]:
 
 
 def _clamped_silu_side(side: torch.fx.Node, gate: torch.fx.Node, limit: torch.Tensor) -> bool:
-    """Whether `side` is `silu(c)` of a node `c` that computes `gate.clamp(max=L)` exactly in gate's dtype."""
+    """Whether `side` is `silu(c)` of a node `c` whose values equal `gate.clamp(max=L)` in gate's dtype exactly (a
+    clamp in fp32 passes only where it gives the same values, i.e. where L is a value of gate's dtype)."""
     probe = _clamp_probe(limit)
     want = probe.clamp(max=limit).float()
     for clamped in _gate_path(side, gate):
-        if clamped is gate or dtype(clamped) != dtype(gate):
+        if clamped is gate:
             continue
         if _same_values(evaluate(clamped, gate, probe, layout=ORDER_KEEPING), want) and _silu_side(side, clamped):
             return True

@@ -411,7 +411,8 @@ def _clamp_max_spelled(t, limit):
     lambda g, u: F.silu(g.float().clamp(max=V4_LIMIT).to(g.dtype)) * u.float().clamp(-V4_LIMIT, V4_LIMIT).to(u.dtype),
     lambda g, u: (F.silu(_clamp_max_spelled(g, V4_LIMIT))
                   * _clamp_max_spelled(-_clamp_max_spelled(-u, V4_LIMIT), V4_LIMIT)),
-], ids=["fp32-clamps-rounded-back", "where-and-negations"])
+    lambda g, u: F.silu(g.float().clamp(max=V4_LIMIT)).to(g.dtype) * u.clamp(-V4_LIMIT, V4_LIMIT),
+], ids=["fp32-clamps-rounded-back", "where-and-negations", "fp32-clamp-and-silu"])
 def test_clamped_swiglu_spellings(swiglu):
     """The clamps are recognised by what they compute around the limit, not by their ops."""
     fn = _dense_moe(swiglu=swiglu)
