@@ -131,6 +131,20 @@ def _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_exper
                            ("down", down)))
 
 
+def _check_limit(op, swiglu_limit):
+    if swiglu_limit is not None and not (0.0 < swiglu_limit < float("inf")):
+        raise ValueError(f"{op}: swiglu_limit must be a positive finite float or None, got {swiglu_limit}")
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+    """`silu(gate) * up`, with both halves clamped first (gate above, up on both sides) when a limit is given; each
+    step in the halves' dtype, as the source computes it."""
+    if swiglu_limit is not None:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+    return torch.nn.functional.silu(gate) * up
+
+
 def _check_ids_non_negative(op, expert_ids):
     if expert_ids.numel() and int(expert_ids.min()) < 0:
         raise ValueError(f"{op}: expert ids must be >= 0, got {int(expert_ids.min())}")
@@ -145,14 +159,17 @@ def moe_experts_reference(
     w2_packed: torch.Tensor,
     w2_scale: torch.Tensor,
     local_expert_offset: int = 0,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """The own model's expert math, one local expert at a time; slots of other experts are skipped unread.
 
-    Per slot, in x's dtype: `gate, up = (x @ w13^T).chunk(2)`, `silu(gate) * up`, `@ w2^T`, times the router
-    weight cast to x's dtype. Each token's slots are then summed in fp32 in slot order and cast once. Expert ids
-    must be in `[0, num_global_experts)`: negative ids raise.
+    Per slot, in x's dtype: `gate, up = (x @ w13^T).chunk(2)`, `silu(gate) * up` (with `swiglu_limit` L:
+    `silu(gate.clamp(max=L)) * up.clamp(-L, L)`), `@ w2^T`, times the router weight cast to x's dtype. Each token's
+    slots are then summed in fp32 in slot order and cast once. Expert ids must be in `[0, num_global_experts)`:
+    negative ids raise.
     """
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
+    _check_limit("moe_experts_fp4", swiglu_limit)
     _check_ids_non_negative("moe_experts_fp4", expert_ids)
     T, top_k = expert_ids.shape
     num_experts = w13_packed.shape[0]
@@ -168,7 +185,7 @@ def moe_experts_reference(
         w13 = dequantize_fp4(w13_packed[expert], w13_scale[expert], x.dtype)
         w2 = dequantize_fp4(w2_packed[expert], w2_scale[expert], x.dtype)
         gate_up = rows @ w13.t()
-        activated = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        activated = _swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
         out = (activated @ w2.t()) * flat_weights[slots].to(x.dtype).unsqueeze(-1)
         slot_out[slots] = out.float()
     return slot_out.view(T, top_k, -1).sum(dim=1).to(x.dtype)
@@ -181,15 +198,18 @@ def moe_experts_bf16_reference(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     local_expert_offset: int = 0,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """transformers' `grouped_mm_experts_forward` math (SiLU gate), one local expert at a time.
 
-    Per slot, in x's dtype: `gate, up = (x @ gate_up^T).chunk(2)`, `silu(gate) * up`, `@ down^T`; then
+    Per slot, in x's dtype: `gate, up = (x @ gate_up^T).chunk(2)`, `silu(gate) * up` (with `swiglu_limit` L, DeepSeek
+    V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)`), `@ down^T`; then
     `out * router_weight` with torch type promotion (fp32 router weights give an fp32, unrounded product), summed
     over the k slots with `view(T, k, H).sum(1)` and cast to x's dtype, as HF does. Slots of non-local experts add
     nothing and are never read. Negative ids raise.
     """
     _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    _check_limit("moe_experts_bf16", swiglu_limit)
     _check_ids_non_negative("moe_experts_bf16", expert_ids)
     T, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
@@ -202,8 +222,7 @@ def moe_experts_bf16_reference(
         if slots.numel() == 0:
             continue
         proj = x[slots // top_k] @ gate_up[expert].t()
-        gate, up = proj.chunk(2, dim=-1)
-        activated = torch.nn.functional.silu(gate) * up
+        activated = _swiglu(*proj.chunk(2, dim=-1), swiglu_limit)
         weighted[slots] = (activated @ down[expert].t()) * flat_weights[slots].unsqueeze(-1)
     return weighted.view(T, top_k, -1).sum(dim=1).to(x.dtype)
 
@@ -402,10 +421,11 @@ def _gate_up_swiglu_kernel(
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_am,
     H, INTER, TOP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
 ):
     """One M tile of one expert x `BLOCK_N/2` columns of I: a `[BLOCK_N, BLOCK_K]` weight tile holds the gate rows
-    (first half) and the matching up rows (second half); `acc[rows, tokens]`, SwiGLU in the epilogue."""
+    (first half) and the matching up rows (second half); `acc[rows, tokens]`, SwiGLU in the epilogue (clamped when
+    `SWIGLU_LIMIT` is not None)."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     num_n_blocks = tl.cdiv(INTER, HALF_N)
     tile = tl.program_id(0) // num_n_blocks
@@ -431,6 +451,11 @@ def _gate_up_swiglu_kernel(
     # Round as the source does: each GEMM output, silu and the product are all in x's dtype.
     gate, up = tl.split(tl.permute(tl.reshape(acc.to(dot_dtype), (2, HALF_N, BLOCK_M)), (2, 1, 0)))
     gate = gate.to(tl.float32)
+    if SWIGLU_LIMIT is not None:
+        # torch clamps in fp32 and rounds once; the bounds keep NaN as torch.clamp does.
+        gate = tl.minimum(gate, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dot_dtype).to(tl.float32)
+        up = tl.maximum(up.to(tl.float32), -SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL)
+        up = tl.minimum(up, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dot_dtype)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dot_dtype).to(tl.float32)
     act = (silu * up.to(tl.float32)).to(dot_dtype)
     out_col = n_block * HALF_N + tl.arange(0, HALF_N)
@@ -636,7 +661,7 @@ def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_scale, local_expert_offset, inter,
-                        fp4, router_dtype, product_dtype, config):
+                        fp4, router_dtype, product_dtype, swiglu_limit, config):
     """Shared launcher of both ops; `w13_scale`/`w2_scale` are ignored (any tensor) when `fp4` is False."""
     T, H = x.shape
     top_k = expert_ids.shape[1]
@@ -665,7 +690,7 @@ def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_sc
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), H, inter, top_k,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n1"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     slot_out = torch.empty(T * top_k, H, dtype=x.dtype, device=x.device)
@@ -695,6 +720,7 @@ def moe_experts_fp4_triton(
     w2_packed: torch.Tensor,
     w2_scale: torch.Tensor,
     local_expert_offset: int = 0,
+    swiglu_limit: float | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
@@ -704,8 +730,10 @@ def moe_experts_fp4_triton(
     are not range-checked here (that would sync): out-of-range ids count as non-local and are never dereferenced.
     """
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
+    _check_limit("moe_experts_fp4", swiglu_limit)
     return _moe_experts_triton(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                               local_expert_offset, w13_packed.shape[1] // 2, True, x.dtype, x.dtype, config)
+                               local_expert_offset, w13_packed.shape[1] // 2, True, x.dtype, x.dtype, swiglu_limit,
+                               config)
 
 
 def moe_experts_bf16_triton(
@@ -715,14 +743,16 @@ def moe_experts_bf16_triton(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     local_expert_offset: int = 0,
+    swiglu_limit: float | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
     """The same pipeline on plain weights (x's dtype), with HF's router-weight promotion in the combine."""
     _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    _check_limit("moe_experts_bf16", swiglu_limit)
     product_dtype = torch.promote_types(x.dtype, expert_weights.dtype)
     return _moe_experts_triton(x, expert_ids, expert_weights, gate_up, gate_up, down, down, local_expert_offset,
-                               gate_up.shape[1] // 2, False, expert_weights.dtype, product_dtype, config)
+                               gate_up.shape[1] // 2, False, expert_weights.dtype, product_dtype, swiglu_limit, config)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -740,24 +770,26 @@ def moe_experts_fp4(
     w2_packed: torch.Tensor,
     w2_scale: torch.Tensor,
     local_expert_offset: int = 0,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """FP4 routed experts; the default (CPU) implementation is the reference."""
     return moe_experts_reference(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                 local_expert_offset)
+                                 local_expert_offset, swiglu_limit)
 
 
 @moe_experts_fp4.register_fake
 def _moe_experts_fp4_fake(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          local_expert_offset=0):
+                          local_expert_offset=0, swiglu_limit=None):
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
+    _check_limit("moe_experts_fp4", swiglu_limit)
     return x.new_empty(x.shape)
 
 
 @moe_experts_fp4.register_kernel("cuda")
 def _moe_experts_fp4_cuda(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                          local_expert_offset=0):
+                          local_expert_offset=0, swiglu_limit=None):
     return moe_experts_fp4_triton(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
-                                  local_expert_offset)
+                                  local_expert_offset, swiglu_limit)
 
 
 @torch.library.custom_op("dsfuse::moe_experts_bf16", mutates_args=())
@@ -768,17 +800,19 @@ def moe_experts_bf16(
     gate_up: torch.Tensor,
     down: torch.Tensor,
     local_expert_offset: int = 0,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """HF `grouped_mm`-style routed experts on plain weights; the default (CPU) implementation is the reference."""
-    return moe_experts_bf16_reference(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    return moe_experts_bf16_reference(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit)
 
 
 @moe_experts_bf16.register_fake
-def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0):
+def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None):
     _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    _check_limit("moe_experts_bf16", swiglu_limit)
     return x.new_empty(x.shape)
 
 
 @moe_experts_bf16.register_kernel("cuda")
-def _moe_experts_bf16_cuda(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0):
-    return moe_experts_bf16_triton(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+def _moe_experts_bf16_cuda(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None):
+    return moe_experts_bf16_triton(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit)

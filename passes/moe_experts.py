@@ -7,7 +7,8 @@ over expert-sorted rows, or a `bmm` of per-slot gathered expert weights `W[ids]`
     slots      s = t*k + j of `ids [T,k]`, visited in `perm = sort(ids.flatten())` order (grouped, own model) or
                in place (HF batched_mm); rows `x[perm // k]` or `x.repeat_interleave(k)`
     offsets    `cumsum(histc(sorted_ids, bins=E, min=0, max=E-1))` (grouped)
-    gate       `split(h, I)` -> `silu(gate) * up` in x's dtype (SiLU checked by evaluating the gate's ops)
+    gate       `split(h, I)` -> `silu(gate) * up` in x's dtype (SiLU checked by evaluating the gate's ops), or
+               DeepSeek V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (both clamps evaluated around +-L: one L)
     weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first)
     combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched) or
                `zeros(T, H).index_add_(0, perm // k, out)` (own model)
@@ -37,8 +38,8 @@ import torch.nn.functional as F
 import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_*)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import follow, leaf_labels, leaf_of_rank, names, normalise
-from .graph_utils import (CONVERT, ORDER_KEEPING_OPS, SQUEEZE_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, insert_call,
+from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
+from .graph_utils import (CONVERT, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, insert_call,
                           is_op, only_user, same_shape, same_size, shape)
 
 NAME = "moe_experts"
@@ -450,6 +451,7 @@ class Block:
     kind: str
     combine: str
     top_k: int
+    swiglu_limit: float | None = None
     expert_parallel: bool = False
     fp4: tuple[Fp4Weights, Fp4Weights] | None = None
     notes: list[str] = field(default_factory=list)
@@ -568,16 +570,30 @@ def _token_rows(g1: ExpertGemm, route: dict, top_k: int, num_experts) -> tuple[t
         return rows.args[0], masked
     leaf, ops = leaf_of_rank(rows, 2)
     labels = follow(leaf_labels(leaf, "th"), ops) if len(shape(leaf)) == 2 else None
-    if labels is None or dtype(leaf) != dtype(rows) or names(labels) != [("t", "*"), ("h",)] \
-            or not same_size(normalise(labels)[0][1][1], top_k):
+    if labels is None or dtype(leaf) != dtype(rows) or not _same_labels(
+            labels, [(("t", shape(leaf)[0]), (WILDCARD, top_k)), (("h", shape(leaf)[1]),)]):
         raise NoMatch("the expert GEMM's rows are not each token repeated k times in slot order")
     return leaf, masked
 
 
+def _same_labels(got, want) -> bool:
+    """Whether two labellings name the same atoms in the same order, size-1 atoms dropped on both sides: a
+    single token (T = 1) or a single slot (k = 1) has no atom of its own, and `x.repeat_interleave(k)` of one token
+    is then just `x` expanded to k rows."""
+    got, want = normalise(got), normalise(want)
+    return len(got) == len(want) and all(
+        len(g) == len(w) and all(a[0] == b[0] and same_size(a[1], b[1]) for a, b in zip(g, w))
+        for g, w in zip(got, want))
+
+
+SILU_PROBE = torch.cat([torch.linspace(-8.0, 8.0, 161), torch.tensor([-1e4, -64.0, -16.0, 16.0, 64.0, 1e4])])
+
+
 def _silu_side(side: torch.fx.Node, gate: torch.fx.Node) -> bool:
-    """Whether `side` computes silu(gate) elementwise (checked by evaluating it on sample values)."""
+    """Whether `side` computes silu(gate) elementwise (checked by evaluating it on sample values; the large ones
+    would show a clamp)."""
     gate_dtype = dtype(gate)
-    probe = torch.linspace(-8.0, 8.0, 161).to(gate_dtype)
+    probe = SILU_PROBE.to(gate_dtype)
     got = evaluate(side, gate, probe, layout=ORDER_KEEPING_OPS)
     if got is None or not got.is_floating_point():
         return False
@@ -586,8 +602,93 @@ def _silu_side(side: torch.fx.Node, gate: torch.fx.Node) -> bool:
     return bool(torch.allclose(got.float(), want, rtol=tol, atol=tol))
 
 
-def _swiglu(out1: torch.fx.Node, inter) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """(act, gate) for `gate, up = out1.chunk(2, -1); act = silu(gate) * up`."""
+def _neighbours(value: torch.Tensor) -> torch.Tensor:
+    """The representable values just below and above a positive finite 0-d `value` (in its dtype)."""
+    int_dtype = {2: torch.int16, 4: torch.int32}[value.element_size()]
+    bits = value.reshape(1).view(int_dtype)
+    return torch.cat([bits - 1, bits + 1]).view(value.dtype)
+
+
+def _clamp_probe(limit: torch.Tensor) -> torch.Tensor:
+    """Values in the limit's dtype that show where a clamp bites: around +-limit, both signs of zero, far beyond the
+    limit, the infinities and NaN."""
+    dt = limit.dtype
+    finite_max = torch.finfo(dt).max
+    around = torch.cat([limit.reshape(1), _neighbours(limit),
+                        limit * torch.tensor([0.25, 0.5, 0.9, 0.99, 1.01, 1.1, 2.0, 4.0], dtype=dt)])
+    extremes = torch.tensor([0.0, -0.0, finite_max, float("inf"), float("nan")], dtype=dt)
+    one_side = torch.cat([SILU_PROBE.to(dt), around, extremes])
+    return torch.cat([one_side, -one_side])
+
+
+def _up_clamp_limit(up_side: torch.fx.Node, up: torch.fx.Node) -> torch.Tensor | str:
+    """The limit L (0-d, in up's dtype) for an up side that computes `up.clamp(-L, L)` exactly (bounds read off the
+    evaluated function, then checked on values around them), else the reason."""
+    reason = "the up half is transformed before the product, and not as a symmetric clamp up.clamp(-L, L)"
+    dt = dtype(up)
+    big = torch.finfo(dt).max
+    ends = evaluate(up_side, up, torch.tensor([-big, big], dtype=dt), layout=ORDER_KEEPING_OPS)
+    if ends is None or ends.dtype != dt:
+        return reason
+    low, limit = ends[0], ends[1]
+    if not (0 < float(limit) < big and float(low) == -float(limit)):
+        return reason
+    probe = _clamp_probe(limit)
+    if not _same_values(evaluate(up_side, up, probe, layout=ORDER_KEEPING_OPS), probe.clamp(-limit, limit).float()):
+        return reason
+    return limit
+
+
+def _gate_path(side: torch.fx.Node, gate: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes between `gate` and `side` (both included), nearest the gate first."""
+    found, stack, seen = [], [side], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is gate or (n.op == "call_function" and _is_pointwise(n) and gate in _roots(n)):
+            found.append(n)
+            if n is not gate:
+                stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(gate.graph.nodes)}
+    return sorted(found, key=order.__getitem__)
+
+
+def _clamped_silu_side(side: torch.fx.Node, gate: torch.fx.Node, limit: torch.Tensor) -> bool:
+    """Whether `side` is `silu(c)` of a node `c` whose values equal `gate.clamp(max=L)` in gate's dtype exactly (a
+    clamp in fp32 passes only where it gives the same values, i.e. where L is a value of gate's dtype)."""
+    probe = _clamp_probe(limit)
+    want = probe.clamp(max=limit).float()
+    for clamped in _gate_path(side, gate):
+        if clamped is gate:
+            continue
+        if _same_values(evaluate(clamped, gate, probe, layout=ORDER_KEEPING_OPS), want) and _silu_side(side, clamped):
+            return True
+    return False
+
+
+def _swiglu_product(gate: torch.fx.Node, up: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node]:
+    """(act, gate side, up side) for `act = f(gate) * g(up)`, g elementwise ops on up alone (found forward from up)."""
+    frontier, seen = [up], {up}
+    while frontier:
+        node = frontier.pop(0)
+        for user in node.users:
+            if is_op(user, aten.mul.Tensor) and node in user.args:
+                side = user.args[0] if user.args[1] is node else user.args[1]
+                if isinstance(side, torch.fx.Node) and _roots(side) == {gate}:
+                    return user, side, node
+            if user not in seen and user.op == "call_function" and _is_pointwise(user) and _roots(user) == {up}:
+                seen.add(user)
+                frontier.append(user)
+    if is_op(only_user(up), aten.mul.Tensor):
+        raise NoMatch("the up half is not multiplied by a function of the gate half")
+    raise NoMatch("the up half is not multiplied by the gate activation (or is cast first)")
+
+
+def _swiglu(out1: torch.fx.Node, inter) -> tuple[torch.fx.Node, torch.fx.Node, float | None]:
+    """(act, gate, swiglu limit or None) for `gate, up = out1.chunk(2, -1); act = silu(gate) * up`, or DeepSeek
+    V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (one constant L, each clamp in the halves' dtype)."""
     split = only_user(out1)
     if not (is_op(split, aten.split.Tensor) and split.args[1] == inter
             and (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 1)):
@@ -596,17 +697,22 @@ def _swiglu(out1: torch.fx.Node, inter) -> tuple[torch.fx.Node, torch.fx.Node]:
     if set(halves) != {0, 1} or len(halves[1].users) != 1:
         raise NoMatch("the gate/up halves are used outside the SwiGLU")
     gate, up = halves[0], halves[1]
-    act = only_user(up)
-    if not is_op(act, aten.mul.Tensor):
-        raise NoMatch("the up half is not multiplied by the gate activation (or is cast first)")
-    side = act.args[0] if act.args[1] is up else act.args[1]
-    if not isinstance(side, torch.fx.Node) or _roots(side) != {gate}:
-        raise NoMatch("the up half is not multiplied by a function of the gate half")
-    if not _silu_side(side, gate):
-        raise NoMatch("the gate activation is not SiLU (the fused ops compute silu(gate) * up)")
+    act, side, up_side = _swiglu_product(gate, up)
+    limit = None
+    if up_side is not up:
+        found = _up_clamp_limit(up_side, up)
+        if isinstance(found, str):
+            raise NoMatch(found)
+        if not _clamped_silu_side(side, gate, found):
+            raise NoMatch(f"the up half is clamped to +-{float(found):g}, but the gate activation is not "
+                          f"silu(gate.clamp(max={float(found):g})) in the GEMM dtype")
+        limit = float(found)
+    elif not _silu_side(side, gate):
+        raise NoMatch("the gate activation is not SiLU (the fused ops compute silu(gate) * up, or DeepSeek V4's "
+                      "silu(gate.clamp(max=L)) * up.clamp(-L, L))")
     if dtype(side) != dtype(up) or dtype(act) != dtype(up):
         raise NoMatch(f"SwiGLU is computed in {dtype(act)}, not rounded to the GEMM dtype {dtype(up)}")
-    return act, gate
+    return act, gate, limit
 
 
 def _second_gemm(act: torch.fx.Node, g1: ExpertGemm) -> ExpertGemm:
@@ -748,7 +854,7 @@ def _match(anchor: torch.fx.Node) -> Block:
         if len(sentinel_users) != 1 or len(out1.users) != 1:
             raise NoMatch("expert-parallel: the first GEMM's sentinel rows are not masked to zero")
         out1 = sentinel_users[0]
-    act, _ = _swiglu(out1, inter)
+    act, _, swiglu_limit = _swiglu(out1, inter)
     g2 = _second_gemm(act, g1)
     if g2.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
@@ -774,7 +880,7 @@ def _match(anchor: torch.fx.Node) -> Block:
         raise NoMatch(f"the block's output is {dtype(out)}, not the activations' {dtype(x)}")
 
     block = Block(x=x, ids=ids, weights=weights, weights_cast=cast, gate_up=g1.weight, down=g2.weight, out=out,
-                  kind=g1.kind, combine=combine, top_k=top_k,
+                  kind=g1.kind, combine=combine, top_k=top_k, swiglu_limit=swiglu_limit,
                   expert_parallel=masked or route["sentinel"] is not None)
     decoded = (_fp4_decode(g1.weight), _fp4_decode(g2.weight))
     if all(isinstance(d, Fp4Weights) for d in decoded):
@@ -806,10 +912,14 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
             weights = insert_call(graph, out, CONVERT, (weights, m.weights_cast))
         args = (m.x, m.ids, weights, m.gate_up, m.down, 0)
         op, target = "dsfuse.moe_experts_bf16", torch.ops.dsfuse.moe_experts_bf16.default
+    if m.swiglu_limit is not None:
+        args = (*args, m.swiglu_limit)
     fused = insert_call(graph, out, target, args)
     out.replace_all_uses_with(fused)
     E = shape(m.gate_up)[0] if m.fp4 is None else shape(m.fp4[0].packed)[0]
     detail = f"{m.kind} GEMMs, {m.combine}, E={E}, k={m.top_k}"
+    if m.swiglu_limit is not None:
+        detail += f", SwiGLU clamped at {m.swiglu_limit:g}"
     if m.expert_parallel:
         detail += ", expert-parallel sentinel slots skipped"
     ctx.site(anchor, op, [a for a in args if isinstance(a, torch.fx.Node)], detail=detail)

@@ -375,3 +375,74 @@ def test_gpu_bf16_weight_op_tails_and_opcheck():
         args = (x, ids, weights, gate_up, down)
         assert _rel_err(torch.ops.dsfuse.moe_experts_bf16(*args, 0), moe.moe_experts_bf16_reference(*args)) < 1e-2
     torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*args, 0))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Clamped SwiGLU (DeepSeek V4's `swiglu_limit`)
+# ---------------------------------------------------------------------------------------------------------------
+
+LIMIT = 0.5  # the gate/up GEMM outputs here are ~N(0, 1): the clamp bites on most slots
+
+
+def _clamped_error_and_effect(op_triton, op_reference, args):
+    """(Triton's relative error vs the clamped reference, how far the clamp moves the reference)."""
+    out = op_triton(*args, swiglu_limit=LIMIT)
+    ref = op_reference(*[a.cpu() for a in args], swiglu_limit=LIMIT)
+    unclamped = op_reference(*[a.cpu() for a in args])
+    return _rel_err(out, ref.to(out.device)), _rel_err(unclamped, ref)
+
+
+@pytest.mark.parametrize("T,k", [(1, 1), (37, 6)])
+def test_clamped_swiglu_triton_matches_reference(T, k):
+    error, effect = _clamped_error_and_effect(moe.moe_experts_fp4_triton, moe.moe_experts_reference,
+                                              _inputs(T, k, seed=T))
+    assert error < 1e-2 and effect > 0.1
+    error, effect = _clamped_error_and_effect(moe.moe_experts_bf16_triton, moe.moe_experts_bf16_reference,
+                                              _bf16_inputs(T, k, seed=T))
+    assert error < 1e-2 and effect > 0.1
+
+
+def test_clamped_swiglu_keeps_nan_and_rounds_the_limit_as_torch():
+    """A limit that is not representable in x's dtype clamps to its rounding (torch's clamp of a half tensor), and a
+    NaN gate/up output stays NaN through the clamp (torch.clamp propagates it)."""
+    x, ids, weights, gate_up, down = _bf16_inputs(5, 2)
+    limit = 0.30001  # not an fp16 value
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in (x, ids, weights, gate_up, down)], swiglu_limit=limit)
+    out = moe.moe_experts_bf16_triton(x, ids, weights, gate_up, down, swiglu_limit=limit)
+    assert _rel_err(out, ref.to(out.device)) < 1e-2
+    x = x.clone()
+    x[2, 0] = float("nan")
+    out = moe.moe_experts_bf16_triton(x, ids, weights, gate_up, down, swiglu_limit=limit)
+    assert out[2].isnan().all() and not out[[0, 1, 3, 4]].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_clamped_bf16_reference_is_bit_exact_with_installed_hf_v4_experts(dtype):
+    """transformers' `grouped_mm_experts_forward` with DeepSeek V4's clamped `_apply_gate`, every rounding included."""
+    moe_integration = pytest.importorskip("transformers.integrations.moe")
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    x, ids, weights, gate_up, down = [a.cpu() for a in _bf16_inputs(37, 6, dtype=dtype)]
+    module = types.SimpleNamespace(num_experts=gate_up.shape[0], has_gate=True, has_bias=False, gate_up_proj=gate_up,
+                                   down_proj=down, is_transposed=False, act_fn=F.silu, _is_expert_parallel=False,
+                                   has_post_expert_norm=False, limit=LIMIT)
+    module._apply_gate = lambda proj: v4.DeepseekV4Experts._apply_gate(module, proj)
+    expected = moe_integration.grouped_mm_experts_forward(module, x, ids, weights)
+    got = moe.moe_experts_bf16_reference(x, ids, weights, gate_up, down, swiglu_limit=LIMIT)
+    assert torch.equal(got, expected)
+    assert not torch.equal(got, moe.moe_experts_bf16_reference(x, ids, weights, gate_up, down))
+
+
+def test_clamped_ops_opcheck_and_bad_limit():
+    fp4_args = [a.cpu() for a in _inputs(5, 4, dtype=torch.float32)]
+    bf16_args = [a.cpu() for a in _bf16_inputs(5, 4, dtype=torch.float32)]
+    assert torch.equal(torch.ops.dsfuse.moe_experts_fp4(*fp4_args, 0, LIMIT),
+                       moe.moe_experts_reference(*fp4_args, swiglu_limit=LIMIT))
+    assert torch.equal(torch.ops.dsfuse.moe_experts_bf16(*bf16_args, 0, LIMIT),
+                       moe.moe_experts_bf16_reference(*bf16_args, swiglu_limit=LIMIT))
+    torch.library.opcheck(torch.ops.dsfuse.moe_experts_fp4.default, (*fp4_args, 0, LIMIT))
+    torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*bf16_args, 0, LIMIT))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="swiglu_limit must be a positive finite float"):
+            torch.ops.dsfuse.moe_experts_bf16(*bf16_args, 0, bad)
+        with pytest.raises(ValueError, match="swiglu_limit must be a positive finite float"):
+            moe.moe_experts_fp4_triton(*fp4_args, swiglu_limit=bad)

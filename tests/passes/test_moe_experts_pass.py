@@ -253,14 +253,17 @@ def test_other_byte_decode_keeps_its_weights_and_says_why():
 # --- near-misses and unrelated GEMMs ----------------------------------------------------------------------------
 
 
-def _dense_moe(act):
+def _dense_moe(act=F.silu, swiglu=None):
+    """A grouped experts block; `swiglu(gate, up)` replaces `act(gate) * up` when given."""
+    swiglu = swiglu or (lambda gate, up: act(gate) * up)
+
     def forward(x, ids, weights, gate_up, down):
         top_k = ids.shape[1]
         sorted_experts, order = torch.sort(ids.reshape(-1))
         counts = torch.histc(sorted_experts.float(), bins=gate_up.shape[0], min=0, max=gate_up.shape[0] - 1)
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         gate, up = torch._grouped_mm(x[order // top_k], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        activated = (act(gate) * up).to(down.dtype)
+        activated = swiglu(gate, up).to(down.dtype)
         out = torch._grouped_mm(activated, down.transpose(1, 2), offs=offsets)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         inverse = torch.empty_like(order)
@@ -277,7 +280,8 @@ def _dense_weights(dtype):
 
 
 @pytest.mark.parametrize("act,reason", [
-    (F.gelu, "the gate activation is not SiLU (the fused ops compute silu(gate) * up)"),
+    (F.gelu, "the gate activation is not SiLU (the fused ops compute silu(gate) * up, or DeepSeek V4's "
+              "silu(gate.clamp(max=L)) * up.clamp(-L, L))"),
     (lambda g: F.silu(g.float()), "SwiGLU is computed in torch.float32, not rounded to the GEMM dtype torch.bfloat16"),
 ], ids=["gelu", "fp32-swiglu"])
 def test_unfusable_gate_is_a_reported_near_miss(act, reason):
@@ -315,3 +319,162 @@ def test_unrelated_bmm_is_left_alone_silently():
     _compile(attention_like)(torch.randn(2, 5, 8), torch.randn(2, 6, 8))
     rep = dsfuse.report()
     assert rep.counts["moe_experts"] == 0 and rep.near_misses == []
+
+
+# --- DeepSeek V4: clamped SwiGLU, hash and sqrtsoftplus routers --------------------------------------------------
+
+V4_FAST = dict(hc_sinkhorn_iters=2, layer_types=["sliding_attention"] * 3)  # attention kinds do not matter here
+V4_LIMIT = 10.0
+
+
+def _v4_model(impl, dtype):
+    """v4-tiny (layer 0 hash-routed, layers 1-2 sqrtsoftplus top-k) with expert weights large enough that the
+    gate/up outputs (std ~16) cross the swiglu_limit on most slots, so the clamp decides the result."""
+    model = build_hf_model("v4-tiny", dtype=dtype, experts_implementation=impl, **V4_FAST)
+    assert model.config.swiglu_limit == V4_LIMIT and model.config.mlp_layer_types == ["hash_moe", "moe", "moe"]
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            experts = layer.mlp.experts
+            experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) * 2.0)
+            experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) * 0.05)
+    return model
+
+
+def _without_clamp(model):
+    """The same model with the experts' limit out of reach (the shared experts keep theirs)."""
+    for layer in model.model.layers:
+        layer.mlp.experts.limit = float("inf")
+    return model
+
+
+def _assert_v4_sites(rep, kind, combine):
+    sites = _sites("dsfuse.moe_experts_bf16")
+    assert len(sites) == 3 and rep.counts["moe_experts"] == 3, str(rep)
+    assert all(s.detail == f"{kind} GEMMs, {combine}, E=8, k=2, SwiGLU clamped at 10" for s in sites), str(rep)
+    # The shared expert (a plain clamped MLP of mm's) stays with Inductor: only the routed stacks reach the op.
+    assert all(s.inputs[3].endswith("[8x64x64]") and s.inputs[4].endswith("[8x64x32]") for s in sites), str(rep)
+    assert rep.near_misses == [], str(rep)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_v4_moe_blocks_hash_and_topk_routers(impl, dtype=torch.float32):
+    """v4-tiny's three MoE blocks (router, experts, shared expert), chained as the decoder stacks them: every
+    one rewrites with the clamp, the hash-routed layer 0 included, and the result equals eager's and differs from the
+    unclamped experts' (the clamp matters). Both expert forms (fp32 grouped_mm runs transformers' fallback op).
+    (The whole model compiled gives the same three sites; at ~5 min of CPU compile it is not a CI test.)"""
+    model = _v4_model(impl, dtype)
+    blocks = [layer.mlp for layer in model.model.layers]
+
+    def moe_layers(h, input_ids):
+        for block in blocks:
+            h = block(h, input_ids)
+        return h
+
+    gen = torch.Generator().manual_seed(1)
+    h, input_ids = torch.randn(2, 5, HIDDEN, generator=gen).to(dtype), torch.randint(0, 256, (2, 5), generator=gen)
+    with torch.no_grad():
+        got, want = _compile(moe_layers)(h, input_ids), moe_layers(h, input_ids)
+        unclamped = _without_clamp(model) and moe_layers(h, input_ids)
+    # Outputs of a few tens after three layers: GEMMs summed in another order differ by an ulp of that size.
+    scale = want.abs().max().item()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+    assert (unclamped.float() - want.float()).abs().max() > 0.1 * scale
+    _assert_v4_sites(dsfuse.report(), "batched" if impl == "batched_mm" else "grouped",
+                     "sum" if impl == "batched_mm" else "inverse permutation + sum")
+
+
+def test_v4_experts_bf16_grouped_mm():
+    """bf16 V4 experts run `aten._grouped_mm` (HF's V4 router itself needs fp32 hidden states next to its fp32
+    weight, so the experts are driven directly here)."""
+    experts = _v4_model("grouped_mm", torch.float32).model.layers[1].mlp.experts.to(torch.bfloat16)
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    with torch.no_grad():
+        got, want = _compile(experts)(x, ids, weights), experts(x, ids, weights)
+        experts.limit = float("inf")
+        unclamped = experts(x, ids, weights)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    assert (unclamped.float() - want.float()).abs().max() > 0.1 * scale
+    sites = _sites("dsfuse.moe_experts_bf16")
+    assert len(sites) == 1, str(dsfuse.report())
+    assert sites[0].detail == "grouped GEMMs, inverse permutation + sum, E=8, k=2, SwiGLU clamped at 10"
+    assert dsfuse.report().near_misses == []
+
+
+def _clamp_max_spelled(t, limit):
+    return torch.where(t > limit, limit, t)
+
+
+@pytest.mark.parametrize("swiglu", [
+    lambda g, u: F.silu(g.float().clamp(max=V4_LIMIT).to(g.dtype)) * u.float().clamp(-V4_LIMIT, V4_LIMIT).to(u.dtype),
+    lambda g, u: (F.silu(_clamp_max_spelled(g, V4_LIMIT))
+                  * _clamp_max_spelled(-_clamp_max_spelled(-u, V4_LIMIT), V4_LIMIT)),
+    lambda g, u: F.silu(g.float().clamp(max=V4_LIMIT)).to(g.dtype) * u.clamp(-V4_LIMIT, V4_LIMIT),
+], ids=["fp32-clamps-rounded-back", "where-and-negations", "fp32-clamp-and-silu"])
+def test_clamped_swiglu_spellings(swiglu):
+    """The clamps are recognised by what they compute around the limit, not by their ops."""
+    fn = _dense_moe(swiglu=swiglu)
+    gate_up, down = _dense_weights(torch.bfloat16)
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    args = (x, ids, weights, gate_up * 20, down)
+    with torch.no_grad():
+        got, want = _compile(fn)(*args), fn(*args)
+    # Outputs of a few tens: bf16 GEMMs summed in another order differ by an ulp of that size.
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    rep = dsfuse.report()
+    sites = _sites("dsfuse.moe_experts_bf16")
+    assert len(sites) == 1 and sites[0].detail.endswith("SwiGLU clamped at 10"), str(rep)
+
+
+@pytest.mark.parametrize("swiglu,reason", [
+    (lambda g, u: F.silu(g.clamp(max=7.0)) * u.clamp(-V4_LIMIT, V4_LIMIT),
+     "the up half is clamped to +-10, but the gate activation is not silu(gate.clamp(max=10)) in the GEMM dtype"),
+    (lambda g, u: F.silu(g.clamp(-V4_LIMIT, V4_LIMIT)) * u.clamp(-V4_LIMIT, V4_LIMIT),
+     "the up half is clamped to +-10, but the gate activation is not silu(gate.clamp(max=10)) in the GEMM dtype"),
+    (lambda g, u: F.silu(g.clamp(max=V4_LIMIT)) * u.clamp(-5.0, V4_LIMIT),
+     "the up half is transformed before the product, and not as a symmetric clamp up.clamp(-L, L)"),
+    (lambda g, u: F.silu(g.clamp(max=V4_LIMIT)) * u,
+     "the gate activation is not SiLU (the fused ops compute silu(gate) * up, or DeepSeek V4's "
+     "silu(gate.clamp(max=L)) * up.clamp(-L, L))"),
+], ids=["gate-limit-differs", "gate-clamped-below-too", "asymmetric-up", "gate-only"])
+def test_clamps_the_ops_do_not_compute_are_reported(swiglu, reason):
+    fn = _dense_moe(swiglu=swiglu)
+    gate_up, down = _dense_weights(torch.bfloat16)
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    args = (x, ids, weights, gate_up * 20, down)
+    with torch.no_grad():
+        got, want = _compile(fn)(*args), fn(*args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 0
+    assert [m.reason for m in rep.near_misses] == [reason], str(rep)
+
+
+# --- the decode step `generate` compiles --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_generate_static_cache_decode_graph(batch):
+    """`generate(cache_implementation="static", compile_config=...)` compiles the decode step; off the CPU
+    transformers switches grouped_mm to batched_mm for it, so that is the form here. Batch 1 decodes one token per
+    step, whose repeated rows have no token dim (T = 1): the experts still rewrite, and the tokens equal eager's."""
+    from transformers.generation import CompileConfig
+
+    model = build_hf_model("tiny", experts_implementation="batched_mm", num_hidden_layers=1,
+                           mlp_layer_types=["sparse"], first_k_dense_replace=0)  # one MoE layer: a small compile
+    ids = torch.randint(0, 256, (batch, 5), generator=torch.Generator().manual_seed(batch))
+    config = CompileConfig(backend="dsfuse", mode=None, options={"enable": ["moe_experts"]})
+    config._compile_all_devices = True  # transformers compiles the decode step on accelerators only by default
+    kwargs = dict(max_new_tokens=3, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        got = model.generate(ids, compile_config=config, **kwargs)
+    rep = dsfuse.report()
+    assert len(rep.graphs) == 1, str(rep)
+    sites = _sites("dsfuse.moe_experts_bf16")
+    assert len(sites) == 1 and rep.counts["moe_experts"] == 1, str(rep)
+    assert sites[0].detail == "batched GEMMs, sum, E=8, k=2" and sites[0].inputs[0].endswith(f"[{batch}x64]")
+    assert [m for m in rep.near_misses if m.pass_name == "moe_experts"] == [], str(rep)
+    assert torch.equal(got, want)
