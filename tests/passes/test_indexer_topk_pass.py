@@ -78,6 +78,7 @@ def test_hf_spelling_matches_once(mask_kind):
     sel = _compile(hf_indexer)(q, k, w, mask)
     rep = dsfuse.report()
     assert rep.counts["indexer_topk"] == 1, str(rep)
+    assert "in topk order" not in rep.sites[0].detail, "only scattered: the order is not seen"
     _assert_same_selection(sel, q, k, w, mask)
 
 
@@ -180,12 +181,16 @@ def test_disabled_pass_leaves_graph_alone():
     assert torch.equal(out, torch.compile(hf_indexer, backend="inductor")(q, k, w, causal))
 
 
-def test_sorted_indices_leaving_the_graph_are_a_reported_near_miss():
-    q, k, w, causal = _data()
-    torch.compile(hf_indexer, backend="dsfuse")(q, k, w, causal)
+def test_sorted_indices_leaving_the_graph_come_in_topk_order():
+    """The caller sees the slots: the fused op is asked for torch.topk's order and the indices equal eager's."""
+    q, k, w, _ = _data()
+    mask = torch.ones(S, S, dtype=torch.bool).tril() | (torch.arange(S) < K)  # K valid keys in every row
+    mask = mask.expand(B, S, S)
+    idx = torch.compile(hf_indexer, backend="dsfuse")(q, k, w, mask)
     rep = dsfuse.report()
-    assert rep.counts["indexer_topk"] == 0
-    assert "leave the graph in torch.topk's sorted order" in rep.near_misses[0].reason
+    assert rep.counts["indexer_topk"] == 1 and rep.near_misses == [], str(rep)
+    assert "in topk order" in rep.sites[0].detail
+    assert torch.equal(idx, hf_indexer(q, k, w, mask))
 
 
 def test_unsorted_indices_may_leave_the_graph():
@@ -197,7 +202,8 @@ def test_unsorted_indices_may_leave_the_graph():
         return index.topk(K, dim=-1, sorted=False).indices
 
     idx = torch.compile(unsorted, backend="dsfuse")(q, k, w, causal)
-    assert dsfuse.report().counts["indexer_topk"] == 1
+    rep = dsfuse.report()
+    assert rep.counts["indexer_topk"] == 1 and "in topk order" not in rep.sites[0].detail
     _assert_same_selection(selection(idx, S), q, k, w, causal)
 
 
