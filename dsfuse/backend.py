@@ -53,6 +53,8 @@ def _inductor_patches(cfg: BackendConfig, dynamic: bool | None) -> dict[str, Any
 
 def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig,
                 active: tuple[str, ...]) -> str:
+    """The key of a Dynamo graph's record, for when AOTAutograd's cache serves the whole graph (then
+    Inductor is not called and its FX graph key is not known)."""
     described = [
         (tuple(str(s) for s in t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
         for t in example_inputs
@@ -67,12 +69,12 @@ def _records_dir() -> Path:
     return Path(cache_dir()) / "dsfuse_sites"
 
 
-def _save_records(key: str, manager: DsfusePassManager) -> None:
+def _save_records(key: str, sites: Sequence[_report.Site], near_misses: Sequence[_report.NearMiss]) -> None:
     """Keep what the passes did beside Inductor's cache, so a later cache hit can report it."""
     path = _records_dir() / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"sites": [dataclasses.asdict(s) for s in manager.sites],
-            "near_misses": [dataclasses.asdict(m) for m in manager.near_misses]}
+    data = {"sites": [dataclasses.asdict(s) for s in sites],
+            "near_misses": [dataclasses.asdict(m) for m in near_misses]}
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
@@ -86,6 +88,40 @@ def _load_records(key: str) -> tuple[list[_report.Site], list[_report.NearMiss]]
         return None
     sites = [_report.Site(**{**s, "inputs": tuple(s["inputs"])}) for s in data["sites"]]
     return sites, [_report.NearMiss(**m) for m in data["near_misses"]]
+
+
+class _RecordingInnerCompile:
+    """Inductor's inner compile, recording the passes' sites under Inductor's own FX graph cache key.
+
+    That key is computed from the AOT graph Inductor compiles, so two Dynamo graphs that differ only in
+    spelling (argument names, say) share it: a hit for the second is answered with the first one's
+    record. A Dynamo-level key could never find it.
+    """
+
+    def __init__(self, manager: DsfusePassManager):
+        self.manager = manager
+        self.calls = 0
+        self.restored = False
+        self.unrecorded = False
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        manager = self.manager
+        runs, first_site, first_miss = manager.runs, len(manager.sites), len(manager.near_misses)
+        compiled = compile_fx_inner(gm, example_inputs, **kwargs)
+        self.calls += 1
+        key = getattr(compiled, "_fx_graph_cache_key", None)  # None when the FX graph cache is off
+        if manager.runs > runs:
+            if key is not None:
+                _save_records(key, manager.sites[first_site:], manager.near_misses[first_miss:])
+        elif key is not None and (records := _load_records(key)) is not None:
+            manager.sites.extend(records[0])
+            manager.near_misses.extend(records[1])
+            self.restored = True
+        else:
+            self.unrecorded = True
+        return compiled
 
 
 def _decode_without_graphs(sites: Sequence[_report.Site], example_inputs: Sequence[Any],
@@ -114,16 +150,24 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         manager = DsfusePassManager(cfg.enabled)
         patches["post_grad_custom_post_pass"] = manager
     graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note)
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    if manager is not None:
+    if manager is None:
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    else:
+        inner = _RecordingInnerCompile(manager)
+        compiled = compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
         key = _record_key(gm, example_inputs, cfg, manager.active)
-        if manager.ran:
-            _save_records(key, manager)
-        elif (records := _load_records(key)) is not None:
-            _report.annotate_graph(graph_index, CACHED_NOTE)
-            manager.sites, manager.near_misses = records
-        else:
+        if inner.calls == 0:  # AOTAutograd's cache served the graph: Inductor was never called
+            if (records := _load_records(key)) is not None:
+                manager.sites, manager.near_misses = records
+                inner.restored = True
+            else:
+                inner.unrecorded = True
+        if inner.unrecorded:
             _report.annotate_graph(graph_index, UNRECORDED_NOTE)
+        else:
+            _save_records(key, manager.sites, manager.near_misses)
+            if inner.restored:
+                _report.annotate_graph(graph_index, CACHED_NOTE)
         for site in manager.sites:
             _report.record_site(_report.Site(**{**site.__dict__, "graph": graph_index}))
         for miss in manager.near_misses:

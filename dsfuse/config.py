@@ -17,6 +17,8 @@ OPTION_NAMES: tuple[str, ...] = ("enable", "disable", "inductor", "mode")
 
 ENV_ENABLE = "DSFUSE_ENABLE"
 ENV_DISABLE = "DSFUSE_DISABLE"
+# Set to 1 to also log, on the `dsfuse` logger, every candidate a family rejected without reporting it.
+ENV_DEBUG = "DSFUSE_DEBUG"
 
 
 class DsfuseConfigError(ValueError):
@@ -33,6 +35,12 @@ class BackendConfig:
 
     def is_enabled(self, name: str) -> bool:
         return name in self.enabled
+
+
+def debug_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether `DSFUSE_DEBUG` asks for the silent rejections too (read at each compile, not at import)."""
+    environ = os.environ if environ is None else environ
+    return environ.get(ENV_DEBUG, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _as_names(value: Any, source: str) -> list[str]:

@@ -3,6 +3,7 @@
 Inductor calls the manager as its `post_grad_custom_post_pass`. Its `uuid()` goes into the FX graph
 cache key, so it hashes the enabled set together with the sources of every pass and kernel: toggling
 a flag or editing a kernel can never be answered with a graph compiled for another configuration.
+`DSFUSE_DEBUG` is in the key too, so turning it on compiles afresh and the passes log what they skip.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import report as _report
-from .config import PASS_NAMES
+from .config import PASS_NAMES, debug_enabled
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
@@ -42,32 +43,33 @@ class DsfusePassManager(CustomGraphPass):
         unknown = [name for name in enabled if name not in PASS_NAMES]
         if unknown:
             raise ValueError(f"unknown dsfuse pass(es) {unknown}; valid pass names: {', '.join(PASS_NAMES)}")
-        from dsfuse.passes import implemented
+        from dsfuse.passes import FAMILIES
 
         self.enabled = tuple(name for name in PASS_NAMES if name in enabled)
-        # What actually runs: a pass that is off matches nothing whatever the flags say.
-        self.active = tuple(name for name in self.enabled if implemented(name))
+        # What actually runs, in run order: a pass that is off matches nothing whatever the flags say.
+        self.families = tuple(f for f in FAMILIES if f.name in self.enabled and f.implemented)
+        self.active = tuple(f.name for f in self.families)
         self.sites: list[_report.Site] = []
         self.near_misses: list[_report.NearMiss] = []
-        self.ran = False
+        self.runs = 0  # graphs this manager rewrote (none when Inductor served them from its cache)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from dsfuse.passes import RUN_ORDER, PassContext, run_pass
+        from dsfuse.passes import PassContext
         from dsfuse.passes.graph_utils import inline_identity_lowerings
 
-        self.ran = True
+        self.runs += 1
         graph_index = _report.current_graph()
         inline_identity_lowerings(graph)
-        for name in RUN_ORDER:
-            if name in self.enabled:
-                ctx = PassContext(name=name, graph_index=graph_index)
-                run_pass(name, graph, ctx)
-                self.sites.extend(ctx.sites)
-                self.near_misses.extend(ctx.near_misses)
+        for family in self.families:
+            ctx = PassContext(name=family.name, graph_index=graph_index)
+            family.run(graph, ctx)
+            self.sites.extend(ctx.sites)
+            self.near_misses.extend(ctx.near_misses)
         graph.eliminate_dead_code()
         graph.lint()
 
     def uuid(self) -> str:
+        families = ",".join(f"{f.name}:{f.uuid()}" for f in self.families)
         return hashlib.sha256(
-            f"dsfuse|{','.join(self.active)}|{torch.__version__}|{sources_digest()}".encode()
+            f"dsfuse|{families}|{debug_enabled()}|{torch.__version__}|{sources_digest()}".encode()
         ).hexdigest()

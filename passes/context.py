@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import torch
 
-from dsfuse.report import NearMiss, Site
+from dsfuse.config import debug_enabled
+from dsfuse.report import NearMiss, Site, log
 
 
 class NoMatch(Exception):
@@ -49,7 +50,11 @@ class PassContext:
 
 def rewrite_anchored(graph: torch.fx.Graph, ctx: PassContext, targets: tuple, match: Callable[[torch.fx.Node], Any],
                      rewrite: Callable[[torch.fx.Graph, torch.fx.Node, Any, PassContext], None]) -> None:
-    """Try `match` at every node calling one of `targets`; rewrite what matches, report reported misses."""
+    """Try `match` at every node calling one of `targets`; rewrite what matches, report reported misses.
+
+    Under `DSFUSE_DEBUG=1` the silent misses are logged too, so a spelling a family does not know shows up.
+    """
+    debug = debug_enabled()
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in targets:
             continue
@@ -58,5 +63,7 @@ def rewrite_anchored(graph: torch.fx.Graph, ctx: PassContext, targets: tuple, ma
         except NoMatch as miss:
             if miss.reported:
                 ctx.near_miss(node, miss.reason)
+            elif debug:
+                log.info("[%s] graph %d: skipped %s (not reported): %s", ctx.name, ctx.graph_index, node, miss.reason)
             continue
         rewrite(graph, node, found, ctx)

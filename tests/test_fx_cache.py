@@ -15,17 +15,24 @@ def indexer(q, k, w, mask):
     return index.topk(3, dim=-1, sorted=False).indices
 
 
+def indexer_renamed(query, key, weight, keep):
+    """`indexer` with other argument names: another Dynamo graph, the same AOT graph for Inductor."""
+    scores = F.relu(torch.matmul(query.float(), key.transpose(-1, -2).float().unsqueeze(1)) * 0.25)
+    index = torch.matmul(weight.unsqueeze(-2), scores).squeeze(-2).masked_fill(~keep, float("-inf"))
+    return index.topk(3, dim=-1, sorted=False).indices
+
+
 def _inputs():
     gen = torch.Generator().manual_seed(0)
     return (torch.randn(1, 6, 2, 8, generator=gen), torch.randn(1, 6, 8, generator=gen),
             torch.randn(1, 6, 2, generator=gen), torch.ones(6, 6, dtype=torch.bool).tril()[None])
 
 
-def _compile_and_run(options):
+def _compile_and_run(options, fn=indexer):
     torch._dynamo.reset()
     dsfuse.reset_report()
     hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-    out = torch.compile(indexer, backend="dsfuse", options=options)(*_inputs())
+    out = torch.compile(fn, backend="dsfuse", options=options)(*_inputs())
     return (out, dsfuse.report(), counters["inductor"]["fxgraph_cache_hit"] - hits,
             counters["inductor"]["fxgraph_cache_miss"] - misses)
 
@@ -44,6 +51,21 @@ def test_toggling_a_pass_never_serves_a_stale_graph(tmp_path, monkeypatch):
         assert (hit, miss) == (1, 0)
         assert again.counts["indexer_topk"] == 1, "sites are restored for a graph served from the cache"
         assert "served from Inductor's FX graph cache" in again.graphs[0].note
+
+
+def test_a_graph_served_for_another_dynamo_graph_reports_its_sites(tmp_path, monkeypatch):
+    """Inductor's FX cache keys the AOT graph, not Dynamo's code: the record must be found under the same key."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        first_out, first, hit, miss = _compile_and_run({"enable": ["indexer_topk"]})
+        assert (hit, miss) == (0, 1) and first.counts["indexer_topk"] == 1
+
+        out, renamed, hit, miss = _compile_and_run({"enable": ["indexer_topk"]}, fn=indexer_renamed)
+        assert (hit, miss) == (1, 0), "the renamed function's AOT graph is the cached one"
+        assert renamed.counts["indexer_topk"] == 1
+        assert "sites restored" in renamed.graphs[0].note
+        assert [s.detail for s in renamed.sites] == [s.detail for s in first.sites]
+        assert torch.equal(out.sort(-1).values, first_out.sort(-1).values)
 
 
 def test_uuid_covers_enabled_set_and_sources(monkeypatch):
