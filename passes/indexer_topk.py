@@ -212,11 +212,11 @@ def _match(topk: torch.fx.Node) -> dict:
     weights, w_ops = leaf_of_rank(head["weights"], 2 + extra)
     k_scale = leaf_of_rank(head["k_scale"], 1 + extra) if head["k_scale"] is not None else None
     found = None
-    for q_pos in (0, 1):
-        (q, q_ops), (k_node, k_ops) = leaf_of_rank(qk.args[q_pos], 3 + extra), leaf_of_rank(qk.args[1 - q_pos], 2 + extra)
-        if len(shape(q)) != 3 + extra or len(shape(k_node)) != 2 + extra or len(shape(weights)) != 2 + extra:
-            continue
-        if _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale):
+    pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _views_of_rank(qk.args[q_pos], 3 + extra)
+             for k in _views_of_rank(qk.args[1 - q_pos], 2 + extra))
+    for q_pos, (q, q_ops), (k_node, k_ops) in pairs:
+        if len(shape(weights)) == 2 + extra and _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops,
+                                                                   relu_ops, weights, w_ops, k_scale):
             found = q, k_node
             break
     if found is None:
@@ -244,6 +244,15 @@ def _match(topk: torch.fx.Node) -> dict:
     return dict(q=q, k=k_node, weights=weights, k_scale=k_scale, mask=mask, scale=softmax_scale,
                 topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
                 ordered=bool(ordered) and _order_observed(index_getters))
+
+
+def _views_of_rank(node, rank: int) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """Every (tensor, ops after it) along the layout chain above `node` with `rank` dims, nearest the leaf
+    first: the op reads any strided view, and the dims check picks the one laid out as it wants
+    (V4 keeps q as [B, H, S, D] until a transpose)."""
+    leaf, ops = layout_chain(node)
+    chain = [leaf] + ops
+    return [(c, ops[i:]) for i, c in enumerate(chain) if len(shape(c)) == rank]
 
 
 def _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale) -> bool:

@@ -282,3 +282,23 @@ def test_masked_picks_marked_minus_one(mask_kind):
     assert torch.equal(sel, expected)
     if mask is not None:
         assert sel[..., -1].any(), "rows with fewer valid keys than K must get -1 picks"
+
+
+def test_v4_csa_indexer_is_rewritten_once_and_matches_eager():
+    """DeepSeek V4's CSA indexer over compressed keys (causal threshold (pos + 1) // m, picks past it
+    replaced by -1). S = 14 with m = 4: not a multiple of m, fewer compressed entries (3) than
+    index_topk (4), so every row has masked picks, which must all come back as -1; batch 2."""
+    from dsfuse.models.presets import build_hf_model
+
+    model = build_hf_model("v4-tiny", num_hidden_layers=2, hc_sinkhorn_iters=2,
+                           layer_types=["sliding_attention", "compressed_sparse_attention"],
+                           mlp_layer_types=["moe", "moe"])
+    ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        got = torch.compile(model, backend="dsfuse", options={"enable": ["indexer_topk"]})(ids, use_cache=False).logits
+    rep = dsfuse.report()
+    assert rep.counts["indexer_topk"] == 1 and rep.near_misses == [], str(rep)
+    assert "in topk order" not in rep.sites[0].detail, "the picks are only scattered into the block bias"
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
