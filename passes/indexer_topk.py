@@ -1,16 +1,23 @@
 """`indexer_topk`: the DSA lightning indexer (scores -> relu -> head-weighted sum -> mask -> top-k)
 rewritten into one `dsfuse::indexer_topk` call.
 
-The anchor is an `aten.topk` over the last dim of a `[B, S, T]` tensor. Walking back from it:
+The anchor is an `aten.topk` over the last dim of a `[B, S, T]` tensor (or `[S, T]`: one sequence, as
+vLLM's and SGLang's references write it). Walking back from it:
 
     topk(mask(k_scale[b,t]? * sum_h weights[b,s,h] * relu(scale * q[b,s,h,:] . k[b,t,:])))
 
-`mask` is `where(~keep, -inf, x)` (bool mask, HF `masked_fill`), `x + additive` (float mask) or absent;
+`mask` is `where(c, -inf, x)` / `where(c, x, -inf)` (either polarity, a negated condition flips it),
+`x + additive` or absent; relu may be `clamp_min(x, 0)` and its scale a constant multiplied or divided
+before it or multiplied after it (equal for a positive constant); the product may put q or k first;
 the head sum may be a bmm (HF's matmul, einsum) or a mul + sum; `q`/`k` may be fp32 upcasts of
-bf16/fp16/fp8 tensors, which the kernel reads in their narrow form. Which dims are contracted is
-checked by following them through every reshape/permute/expand (`dims.py`), so any spelling of the
-same math matches and nothing else does. Top-k values may only be compared with -inf (how
-official-style code marks picks of masked keys as -1); that comparison is rebuilt from the mask.
+bf16/fp16/fp8 tensors, which the kernel reads in their narrow form (when only one of them is narrow,
+both are widened to fp32, which is exact). Which dims are contracted is checked by following them
+through every reshape/permute/expand (`dims.py`), so any spelling of the same math matches and nothing
+else does. Top-k values may only be compared with -inf (how official-style code marks picks of masked
+keys as -1); that comparison is rebuilt from the mask.
+
+The fused op returns each row's picks as a set; when anything may see their slot order (they leave
+the graph, or are read slot by slot) and the top-k was sorted, the op is asked for `torch.topk`'s order.
 
 A top-k whose input is not a head-weighted relu score is not an indexer and is skipped silently;
 one that is but cannot be rewritten is reported with the reason.
@@ -57,36 +64,39 @@ SLOT_PRESERVING = {CONVERT, aten.unsqueeze.default, aten.squeeze.dim, aten.view.
                    aten.expand.default, aten.where.self, aten.clamp.default, aten.clamp_min.default, aten.eq.Scalar,
                    aten.lt.Scalar, aten.ge.Scalar, aten.ne.Scalar, aten.ge.Tensor, aten.lt.Tensor, aten.gt.Tensor,
                    aten.le.Tensor, aten.eq.Tensor, aten.ne.Tensor, aten.clone.default}
-# Consumers that use the indices as a set: writing to the picked slots does not depend on their order.
-SET_CONSUMERS = {aten.scatter.value, aten.scatter.src, aten.scatter_.value, aten.scatter_.src, aten.index_put.default,
-                 aten.index_put_.default}
+# Consumers that use the indices as a set: writing one value at the picked slots does not see their order.
+SET_CONSUMERS = {aten.scatter.value, aten.scatter_.value}
 
 
-def _order_observed(indices: list[torch.fx.Node]) -> bool:
-    """Whether anything may see the slot order of the indices.
+def _order_observed(getters: list[torch.fx.Node]) -> bool:
+    """Whether anything may see the slot order of the top-k.
 
     The fused op returns each row's top-k as a set unless asked for `torch.topk`'s order. Scattering
-    by index (HF's sparse masks) does not see the order; anything else might (a caller who receives
-    the indices, a gather whose result is read slot by slot), so the order is kept for it.
+    one value by index (HF's sparse masks) does not see the order; anything else might (a caller who
+    receives the indices, a gather read slot by slot, a slot-wise mix with a tensor that varies along
+    the slots, such as `arange(k) < n`), so the order is kept for it.
     """
-    seen, frontier = set(), list(indices)
+    traced, frontier = set(getters), list(getters)
     while frontier:
         node = frontier.pop()
         for user in node.users:
-            if user in seen:
+            if user in traced:
                 continue
-            seen.add(user)
-            if user.target in SLOT_PRESERVING or user.target is operator.getitem:
+            if user.target is operator.getitem or (
+                    user.target in SLOT_PRESERVING and all(_slot_uniform(a, traced) for a in user.all_input_nodes)):
+                traced.add(user)
                 frontier.append(user)
-            elif not (user.target in SET_CONSUMERS and _only_as_index(user, node)):
+            elif not (user.target in SET_CONSUMERS and user.args[2] is node and node not in user.args[:2]):
                 return True
     return False
 
 
-def _only_as_index(consumer: torch.fx.Node, index: torch.fx.Node) -> bool:
-    if consumer.target in (aten.index_put.default, aten.index_put_.default):
-        return index not in consumer.args[0:1] + consumer.args[2:]
-    return consumer.args[2] is index and index not in consumer.args[:2] + consumer.args[3:]
+def _slot_uniform(node: torch.fx.Node, traced: set) -> bool:
+    """An operand that is the top-k itself (or derived from it), a constant fill, or the same for every slot."""
+    if node in traced or is_op(node, aten.full.default):
+        return True
+    dims = shape(node)
+    return not dims or same_size(dims[-1], 1)
 
 
 def _neg_inf(node) -> bool:
@@ -236,14 +246,13 @@ def _match(topk: torch.fx.Node) -> dict:
                 if not (is_op(user, aten.eq.Scalar) and user.args[1] == float("-inf")):
                     raise NoMatch("the top-k values are used downstream (the fused op returns indices only)")
                 masked_checks.append(user)
-    index_getters = [g for g in topk.users if g.target is operator.getitem and g.args[1] == 1]
     if k_scale is not None:
         k_scale = k_scale[0]
         if dtype(k_scale) not in (torch.float32, torch.bfloat16, torch.float16):
             raise NoMatch(f"per-key scale is {dtype(k_scale)}, not a float the kernel can widen to fp32")
     return dict(q=q, k=k_node, weights=weights, k_scale=k_scale, mask=mask, scale=softmax_scale,
                 topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
-                ordered=bool(ordered) and _order_observed(index_getters))
+                ordered=bool(ordered) and _order_observed(list(topk.users)))
 
 
 def _views_of_rank(node, rank: int) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:

@@ -155,6 +155,16 @@ def hf_v4_csa(q, compressed, w, position_ids):
     return torch.where(invalid, torch.full_like(picks, -1), picks)
 
 
+def first_picks_scattered(q, k, w, keep):
+    """Only the two best of the top-k reach the sparse mask: `where(arange(k) < 2, idx, T)` reads the slots,
+    so the op must give them in torch.topk's order even though they are then scattered."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~keep, float("-inf"))
+    picks = index.topk(K, dim=-1).indices
+    best = torch.where(torch.arange(K) < 2, picks, k.shape[1])
+    return torch.zeros(*index.shape[:-1], k.shape[1] + 1, dtype=torch.bool).scatter(-1, best, True)
+
+
 def bf16_scores(q, k, w, keep):
     """No fp32 upcast: the q.k product is bf16."""
     scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * SCALE)
@@ -263,6 +273,7 @@ class Entry:
     count: int = 0  # indexer_topk sites rewritten
     reason: str = ""  # the near-miss reason, word for word
     order_seen: bool = True  # False: compare each row's picks as a set (sorted=False, nothing sees the order)
+    in_topk_order: bool | None = None  # for a rewrite: whether the op is asked for torch.topk's slot order
 
 
 NOT_FP32 = "scores are computed in torch.bfloat16, not fp32"
@@ -271,9 +282,10 @@ TENSOR_SCALE = "scores are scaled by a tensor, not a constant"
 SMALLEST = "top-k of the smallest scores"
 
 CORPUS = {
-    "hf_v32_bool_mask": Entry(hf_v32, "transformers DeepseekV32Indexer", _v32(), REWRITTEN, 1),
+    "hf_v32_bool_mask": Entry(hf_v32, "transformers DeepseekV32Indexer", _v32(), REWRITTEN, 1, in_topk_order=True),
     "hf_v32_additive_mask": Entry(hf_v32_additive, "transformers DeepseekV32Indexer", _v32_additive, REWRITTEN, 1),
-    "glm_moe_dsa_scattered": Entry(glm_moe_dsa, "transformers GlmMoeDsaIndexer + attention", _glm, REWRITTEN, 1),
+    "glm_moe_dsa_scattered": Entry(glm_moe_dsa, "transformers GlmMoeDsaIndexer + attention", _glm, REWRITTEN, 1,
+                                   in_topk_order=False),
     "official_fp8_k_scale": Entry(official_fp8, "DeepSeek V3.2 inference Indexer + fp8_index", _fp8(), REWRITTEN, 1),
     "official_fp8_one_sequence": Entry(official_fp8_one_sequence, "DeepSeek V3.2 inference fp8_index, one sequence",
                                        _fp8(one_sequence=True), REWRITTEN, 1, order_seen=False),
@@ -289,7 +301,9 @@ CORPUS = {
                                        REWRITTEN, 1),
     "fp32_relu_times_scale": Entry(fp32_relu_times_scale, "transformers DeepseekV4IndexerScorer (fp32 inputs)",
                                    _fp32, REWRITTEN, 1),
-    "hf_v4_csa_minus_one": Entry(hf_v4_csa, "transformers DeepseekV4Indexer", _v4, REWRITTEN, 1),
+    "hf_v4_csa_minus_one": Entry(hf_v4_csa, "transformers DeepseekV4Indexer", _v4, REWRITTEN, 1, in_topk_order=True),
+    "first_picks_scattered": Entry(first_picks_scattered, "written for the corpus (slots read, then scattered)", _v32(),
+                                   REWRITTEN, 1, in_topk_order=True),
     "bf16_product": Entry(bf16_scores, "written for the corpus", _v32(), NEAR_MISS, reason=NOT_FP32),
     "values_returned": Entry(values_returned, "written for the corpus", _v32(), NEAR_MISS, reason=VALUES_USED),
     "per_query_tensor_scale": Entry(per_query_scale, "written for the corpus", _v32(), NEAR_MISS, reason=TENSOR_SCALE),
@@ -312,6 +326,8 @@ def test_corpus_entry_ends_as_declared(name):
     reasons = [m.reason for m in rep.near_misses if m.pass_name == "indexer_topk"]
     if entry.outcome == REWRITTEN:
         assert (rep.counts["indexer_topk"], reasons) == (entry.count, []), str(rep)
+        if entry.in_topk_order is not None:
+            assert ("in topk order" in rep.sites[0].detail) == entry.in_topk_order, rep.sites[0].detail
     elif entry.outcome == NEAR_MISS:
         assert (rep.counts["indexer_topk"], reasons) == (0, [entry.reason]), str(rep)
     else:
