@@ -1,4 +1,5 @@
-"""Runs the enabled dsfuse passes over Inductor's post-grad graph.
+"""Runs the enabled dsfuse passes over Inductor's post-grad graph, each one after the canonicaliser
+(`passes/canonicalize.py`), which brings equal math to one spelling without changing its numbers.
 
 Inductor calls the manager as its `post_grad_custom_post_pass`. Its `uuid()` goes into the FX graph
 cache key, so it hashes the enabled set together with the sources of every pass and kernel: toggling
@@ -55,12 +56,15 @@ class DsfusePassManager(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from dsfuse.passes import PassContext
-        from dsfuse.passes.graph_utils import inline_identity_lowerings
+        from dsfuse.passes.canonicalize import canonicalize
 
         self.runs += 1
         graph_index = _report.current_graph()
-        inline_identity_lowerings(graph)
+        debug = debug_enabled()
         for family in self.families:
+            fired = canonicalize(graph)  # again before each family: the one before may have left new spellings
+            if debug and fired:
+                _report.log.info("graph %d: canonicalised before %s: %s", graph_index, family.name, fired)
             ctx = PassContext(name=family.name, graph_index=graph_index)
             family.run(graph, ctx)
             self.sites.extend(ctx.sites)

@@ -13,15 +13,12 @@ from typing import Sequence
 
 import torch
 
-from .graph_utils import CONVERT, VIEW_OPS, aten, is_op, same_size, shape
+from .graph_utils import CONVERT, LAYOUT_OPS, VIEW_OPS, aten, is_op, same_size, shape, walk_back
 
 Atom = tuple[str, object]
 Labels = list[tuple[Atom, ...]]
 
 WILDCARD = "*"
-LAYOUT_TARGETS = VIEW_OPS | {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                             aten.squeeze.default, aten.permute.default, aten.clone.default, aten.contiguous.default,
-                             aten.transpose.int}
 
 
 def _is_one(size) -> bool:
@@ -34,11 +31,8 @@ def _is_upcast(node) -> bool:
 
 def layout_chain(node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """(leaf, ops): walk back through layout ops and fp32 upcasts; `ops` run from the leaf forward."""
-    ops = []
-    while is_op(node, *LAYOUT_TARGETS) or _is_upcast(node):
-        ops.append(node)
-        node = node.args[0]
-    return node, ops[::-1]
+    chain = walk_back(node, lambda n: is_op(n, *LAYOUT_OPS) or _is_upcast(n))
+    return chain[0], chain[1:]
 
 
 def leaf_of_rank(node, rank: int) -> tuple[torch.fx.Node, list[torch.fx.Node]]:

@@ -1,10 +1,10 @@
-"""Helpers shared by the passes: reading fake-tensor metadata, proving size relations symbolically,
-and splicing a fused op into the graph (walking through layout ops lives in `dims.py`)."""
+"""Helpers shared by the passes: the op sets every family walks through, reading fake-tensor metadata,
+proving size relations symbolically, and splicing a fused op into the graph (following labelled dims
+through layout ops lives in `dims.py`, bringing spellings to one form in `canonicalize.py`)."""
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch._guards import detect_fake_mode
@@ -13,8 +13,30 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 CONVERT = prims.convert_element_type.default
+VIEW_OPS = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default})
+SQUEEZE_OPS = frozenset({aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default})
+TRANSPOSE_OPS = frozenset({aten.permute.default, aten.transpose.int})
+# Layout ops that keep row-major element order: an element's flat position is the same before and after
+# (so, in moe_experts, a decoded weight value's flat position is its position in the weight).
+ORDER_KEEPING_OPS = VIEW_OPS | SQUEEZE_OPS | {aten.unsqueeze.default, aten.clone.default, aten.contiguous.default}
+# Every op that only moves or repeats elements: what a matcher looks through to find a tensor's source.
+LAYOUT_OPS = ORDER_KEEPING_OPS | TRANSPOSE_OPS | {aten.expand.default}
+
+
+def walk_back(node: Any, through: Callable[[Any], bool]) -> list:
+    """[leaf, ..., node]: follow first arguments back while `through(node)` holds."""
+    chain = [node]
+    while through(node):
+        node = node.args[0]
+        chain.append(node)
+    return chain[::-1]
+
+
+def strip(node: Any, targets: Iterable) -> Any:
+    """The first node below `node` (through its first arguments) that is not one of `targets`."""
+    targets = tuple(targets)
+    return walk_back(node, lambda n: is_op(n, *targets))[0]
 
 
 def val(node: Any) -> Any:
@@ -72,11 +94,9 @@ def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
-    """Insert `target(*args)` before `before`, with its fake value computed from the inputs' fake values."""
+def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
+    """`target(*args, **kwargs)` on the fake values of the argument nodes: what a new node would hold."""
     kwargs = kwargs or {}
-    with graph.inserting_before(before):
-        node = graph.call_function(target, args, kwargs)
     flat = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.fx.Node)]
     fake_args = torch.fx.map_arg((args, kwargs), lambda n: n.meta["val"])
     values = torch.utils._pytree.tree_leaves([n.meta.get("val") for n in flat])  # a list-valued node's tensors too
@@ -84,31 +104,13 @@ def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args:
     if fake_mode is None:
         raise RuntimeError(f"no fake mode found on the inputs of {target}")
     with fake_mode:
-        node.meta["val"] = target(*fake_args[0], **fake_args[1])
+        return target(*fake_args[0], **fake_args[1])
+
+
+def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    """Insert `target(*args)` before `before`, with its fake value computed from the inputs' fake values."""
+    value = fake_call(target, args, kwargs)
+    with graph.inserting_before(before):
+        node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = value
     return node
-
-
-def _returns_its_input(node: torch.fx.Node) -> bool:
-    """A call of Inductor's `cat_splitwithsizes_replace` lowering: `split_with_sizes(cat(input_))` with the cat's
-    own sizes, left in the post-grad graph as a call that returns `input_` (seen under tensor-parallel plans)."""
-    target = getattr(node.target, "func", node.target)
-    return node.op == "call_function" and getattr(target, "__name__", "") == "cat_splitwithsizes_replace"
-
-
-def inline_identity_lowerings(graph: torch.fx.Graph) -> int:
-    """Replace each read of such a call by the input it returns, so a pass sees the tensors it splits apart
-    (HF's kv split under a TP plan); returns how many calls were removed."""
-    removed = 0
-    for node in list(graph.nodes):
-        if not _returns_its_input(node) or node.args or set(node.kwargs) != {"input_"}:
-            continue
-        parts = node.kwargs["input_"]
-        readers = list(node.users)
-        if not all(is_op(r, operator.getitem) and isinstance(r.args[1], int) for r in readers):
-            continue
-        for reader in readers:
-            reader.replace_all_uses_with(parts[reader.args[1]])
-            graph.erase_node(reader)
-        graph.erase_node(node)
-        removed += 1
-    return removed

@@ -38,7 +38,8 @@ import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import follow, leaf_labels, leaf_of_rank, names, normalise
-from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, shape
+from .graph_utils import (CONVERT, ORDER_KEEPING_OPS, SQUEEZE_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, insert_call,
+                          is_op, only_user, same_shape, same_size, shape)
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -46,10 +47,6 @@ IMPLEMENTED = True
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 SORTS = (aten.sort.default, aten.sort.stable)
-TRANSPOSE_OPS = (aten.permute.default, aten.transpose.int)
-SQUEEZES = (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
-# Layout ops that keep row-major element order (a decoded value's flat position is its position in the weight).
-ORDER_KEEPING = VIEW_OPS | {aten.unsqueeze.default, aten.clone.default, aten.contiguous.default} | set(SQUEEZES)
 BROADCASTING = {aten.expand.default}
 LIFT = aten.lift_fresh_copy.default
 
@@ -109,7 +106,7 @@ def _is_pointwise(node: torch.fx.Node) -> bool:
 
 
 def evaluate(node, leaf: torch.fx.Node, probe: torch.Tensor, known: dict | None = None,
-             layout=ORDER_KEEPING) -> torch.Tensor | None:
+             layout=ORDER_KEEPING_OPS) -> torch.Tensor | None:
     """`node`'s value as an elementwise function of `leaf`, at the values `probe` (1-D), or None.
 
     Layout ops in `layout` are taken as identity (each element keeps its value), pointwise ops are run on the
@@ -171,7 +168,7 @@ def _roots(node, depth: int = 24) -> set:
         if is_op(n, aten.full.default, aten.scalar_tensor.default, LIFT) or n.op == "get_attr":
             continue
         if n.op == "call_function" and d < depth and (
-                _is_pointwise(n) or n.target in ORDER_KEEPING | BROADCASTING | {aten.cat.default, aten.index.Tensor}):
+                _is_pointwise(n) or n.target in ORDER_KEEPING_OPS | BROADCASTING | {aten.cat.default, aten.index.Tensor}):
             args = n.args[1] if is_op(n, aten.index.Tensor) else n.args
             for a in torch.utils._pytree.tree_leaves((args, dict(n.kwargs))):
                 stack.append((a, d + 1))
@@ -224,7 +221,7 @@ def _fp4_decode(weight: torch.fx.Node) -> Fp4Weights | str | None:
     """The FP4 bytes `weight [E, N, K]` is decoded from, a reason if it is decoded from bytes in a form the
     fused op does not compute, or None if it is not computed from bytes at all."""
     node = weight
-    while is_op(node, CONVERT) or is_op(node, *ORDER_KEEPING):
+    while is_op(node, CONVERT) or is_op(node, *ORDER_KEEPING_OPS):
         node = node.args[0]
     if is_op(node, aten.cat.default):
         return _fp4_chunks(weight, node)
@@ -266,18 +263,18 @@ def _decoded_pair(weight, mul, values, scales) -> Fp4Weights | str | None:
     if dtype(mul) != torch.float32:
         return f"the FP4 decode multiplies in {dtype(mul)}, not exactly in fp32"
     # The evaluations below take only order-keeping layout ops, so neither side is rearranged or broadcast.
-    if not _path_ops(mul, weight) <= ORDER_KEEPING | {CONVERT}:
+    if not _path_ops(mul, weight) <= ORDER_KEEPING_OPS | {CONVERT}:
         return "the scaled FP4 values are rearranged before use"
-    low = evaluate(cat.args[0][0], packed, BYTES, layout=ORDER_KEEPING)
-    high = evaluate(cat.args[0][1], packed, BYTES, layout=ORDER_KEEPING)
+    low = evaluate(cat.args[0][0], packed, BYTES, layout=ORDER_KEEPING_OPS)
+    high = evaluate(cat.args[0][1], packed, BYTES, layout=ORDER_KEEPING_OPS)
     table = torch.tensor(E2M1_VALUES)
-    nibble_values = [evaluate(values, cat, branch, layout=ORDER_KEEPING) if branch is not None else None
+    nibble_values = [evaluate(values, cat, branch, layout=ORDER_KEEPING_OPS) if branch is not None else None
                      for branch in (low, high)]
     if not (_same_values(nibble_values[0], table[(BYTES & 15).long()])
             and _same_values(nibble_values[1], table[(BYTES >> 4).long()])):
         return ("the FP4 nibbles do not decode to E2M1 values with the low nibble first (checked on all 256 "
                 "bytes)")
-    if not _same_values(evaluate(scales, scale, BYTES, layout=ORDER_KEEPING), _e8m0(BYTES)):
+    if not _same_values(evaluate(scales, scale, BYTES, layout=ORDER_KEEPING_OPS), _e8m0(BYTES)):
         return "the scale bytes do not decode as E8M0 (2^(s-127), 255 = NaN; checked on all 256 bytes)"
     return Fp4Weights(packed=packed, scale=scale, dtype=dtype(weight))
 
@@ -295,7 +292,7 @@ def _interleave_of(values) -> tuple[torch.fx.Node, torch.fx.Node] | None:
                 return None
             node = n
             continue
-        if n.op == "call_function" and (_is_pointwise(n) or n.target in ORDER_KEEPING):
+        if n.op == "call_function" and (_is_pointwise(n) or n.target in ORDER_KEEPING_OPS):
             stack.extend(n.all_input_nodes)
         elif is_op(n, aten.index.Tensor):
             stack.extend(i for i in n.args[1] if isinstance(i, torch.fx.Node))
@@ -430,7 +427,7 @@ def _after_expert_gemm(rows: torch.fx.Node) -> bool:
         if n.target in _gemm_targets():
             if _expert_gemm(n) is not None:
                 return True
-        elif _is_pointwise(n) or n.target in ORDER_KEEPING | {operator.getitem, aten.split.Tensor,
+        elif _is_pointwise(n) or n.target in ORDER_KEEPING_OPS | {operator.getitem, aten.split.Tensor,
                                                                 aten.split_with_sizes.default, aten.slice.Tensor}:
             stack.extend((a, depth + 1) for a in n.all_input_nodes)
     return False
@@ -581,7 +578,7 @@ def _silu_side(side: torch.fx.Node, gate: torch.fx.Node) -> bool:
     """Whether `side` computes silu(gate) elementwise (checked by evaluating it on sample values)."""
     gate_dtype = dtype(gate)
     probe = torch.linspace(-8.0, 8.0, 161).to(gate_dtype)
-    got = evaluate(side, gate, probe, layout=ORDER_KEEPING)
+    got = evaluate(side, gate, probe, layout=ORDER_KEEPING_OPS)
     if got is None or not got.is_floating_point():
         return False
     want = F.silu(probe.float())

@@ -63,6 +63,7 @@ from .graph_utils import (
     same_size,
     scalar_arg,
     shape,
+    strip,
     val,
 )
 from .norm_rope_quant_groups import group_launches
@@ -782,9 +783,7 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
     if dtype(part) not in NORM_DTYPES or (part is not xf and dtype(part) == torch.float32):
         raise NoMatch("not an RMSNorm input", reported=False)
-    source = part
-    while is_op(source, *VIEW_OPS):
-        source = source.args[0]
+    source = strip(part, VIEW_OPS)
     if not is_op(source, *PROJECTIONS) or not shape(part):
         raise NoMatch("input is not a projection output", reported=False)
     try:

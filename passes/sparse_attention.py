@@ -34,8 +34,8 @@ import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfus
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size,
+from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
+from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size,
                           scalar_arg, shape)
 
 NAME = "sparse_attention"
@@ -135,7 +135,7 @@ def _chain_back(node, narrowing: bool = False) -> list[torch.fx.Node]:
     (narrowing ones too if asked: a tensor read before a rounding cast is not the tensor used)."""
     chain = [node]
     while True:
-        if is_op(node, *LAYOUT_TARGETS) or _is_float_cast(node) and (narrowing or _is_widening(node)):
+        if is_op(node, *LAYOUT_OPS) or _is_float_cast(node) and (narrowing or _is_widening(node)):
             node = node.args[0]
         elif _scale_factor(node) is not None:
             node = _scaled_input(node)
@@ -179,7 +179,7 @@ def _expected(letters: str, sizes: tuple) -> list[tuple[str, ...]]:
 def _bias_passthrough(node) -> bool:
     """Ops a bias may pass on its way into a fused SDPA op: layout ops, casts, and the memory-efficient
     kernel's alignment padding (pad at the end, slice back from 0), which keep every element in place."""
-    if is_op(node, *LAYOUT_TARGETS, CONVERT):
+    if is_op(node, *LAYOUT_OPS, CONVERT):
         return True
     if is_op(node, aten.constant_pad_nd.default):
         return all(before == 0 for before in node.args[1][::2])
@@ -300,7 +300,7 @@ def _index_source(index) -> torch.fx.Node:
 
 def _combined_mask(scatter: torch.fx.Node) -> dict:
     """Follow the selection mask into its combination with the attention mask."""
-    sel, user = _single_user_chain(scatter, LAYOUT_TARGETS)
+    sel, user = _single_user_chain(scatter, LAYOUT_OPS)
     if user is None:
         raise NoMatch("the selection mask is also used outside the attention mask")
     if is_op(user, aten.bitwise_not.default, aten.logical_not.default):
@@ -322,7 +322,7 @@ def _combined_mask(scatter: torch.fx.Node) -> dict:
 
 def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(consumer, the input of it that carries the mask): an `add` to scores or a fused SDPA op."""
-    node, user = _single_user_chain(comb["combined"], LAYOUT_TARGETS | {CONVERT})
+    node, user = _single_user_chain(comb["combined"], LAYOUT_OPS | {CONVERT})
     if user is None:
         raise NoMatch("the combined attention mask is also used elsewhere")
     if comb["kind"] == "bool":
@@ -529,7 +529,7 @@ def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) ->
     labels, node = leaf_labels(scatter, "bst"), scatter
     while node is not bias and labels is not None:
         node = next(iter(node.users))
-        if is_op(node, *LAYOUT_TARGETS):
+        if is_op(node, *LAYOUT_OPS):
             labels = apply_op(labels, node)
         elif len(shape(node)) > len(labels):
             labels = [()] * (len(shape(node)) - len(labels)) + labels
@@ -549,7 +549,7 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
         raise NoMatch("the masked scores do not feed a softmax over the keys")
     if comb["kind"] == "bool" and not soft["safe"] and comb.get("bias") != "finite":
         raise NoMatch("plain softmax over a -inf bias gives NaN for fully masked rows; the fused op returns 0")
-    probs_end, pv = _single_user_chain(soft["probs"], LAYOUT_TARGETS | {CONVERT})
+    probs_end, pv = _single_user_chain(soft["probs"], LAYOUT_OPS | {CONVERT})
     if pv is None:
         raise NoMatch("the attention probabilities are also used elsewhere")
     if not is_op(pv, aten.bmm.default) or pv.args[0] is not probs_end:
@@ -576,7 +576,7 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     out, out_ops = pv, []
     while not same_shape(shape(out), (B, H, S, Dv)):
         nxt = only_user(out)
-        if nxt is None or not is_op(nxt, *LAYOUT_TARGETS):
+        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
             raise NoMatch("the attention output is not viewed back to [B, H, S, Dv]")
         out_ops.append(nxt)
         out = nxt
@@ -691,7 +691,7 @@ def _gather_rows(node: torch.fx.Node) -> tuple | None:
         return None
     batch, safe = indices
     leaf = batch
-    while is_op(leaf, *LAYOUT_TARGETS):
+    while is_op(leaf, *LAYOUT_OPS):
         leaf = leaf.args[0]
     if not (is_op(leaf, torch.ops.prims.iota.default) and leaf.kwargs.get("start", 0) == 0
             and leaf.kwargs.get("step", 1) == 1 and same_shape(shape(batch), (shape(src)[0], 1, 1))):
@@ -724,7 +724,7 @@ def _bmms_using(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, list[torc
         for user in cur.users:
             if is_op(user, aten.bmm.default):
                 found.append((user, user.args.index(cur), ops))
-            elif is_op(user, *LAYOUT_TARGETS) or _is_float_cast(user):
+            elif is_op(user, *LAYOUT_OPS) or _is_float_cast(user):
                 stack.append((user, ops + [user]))
             else:
                 found.append((user, -1, ops))
@@ -770,7 +770,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
             raise NoMatch("softmax over concatenated scores that is not a trailing sink column")
         scores, sink_col = parts
         sink_leaf = sink_col
-        while is_op(sink_leaf, *LAYOUT_TARGETS):
+        while is_op(sink_leaf, *LAYOUT_OPS):
             sink_leaf = sink_leaf.args[0]
         if not same_shape(shape(sink_leaf), (H,)) or dtype(sink_leaf) != torch.float32:
             raise NoMatch(f"sink column {shape(sink_col)} is not an fp32 per-head [H] value broadcast")
@@ -784,7 +784,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     if not (is_op(masked, aten.where.self) and _is_neg_inf(_const(masked.args[1]))):
         raise NoMatch("the scores are not masked with -inf where the index is -1")
     cond = masked.args[0]
-    while is_op(cond, *LAYOUT_TARGETS):
+    while is_op(cond, *LAYOUT_OPS):
         cond = cond.args[0]
     if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
         raise NoMatch("the score mask is not `idx < 0` of the gather's indices")
@@ -834,7 +834,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     out, out_ops = pv, []
     while not same_shape(shape(out), (B, S, H, C)):
         nxt = only_user(out)
-        if nxt is None or not is_op(nxt, *LAYOUT_TARGETS):
+        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
             raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
         out_ops.append(nxt)
         out = nxt
