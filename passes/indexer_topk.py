@@ -6,9 +6,9 @@ vLLM's and SGLang's references write it). Walking back from it:
 
     topk(mask(k_scale[b,t]? * sum_h weights[b,s,h] * relu(scale * q[b,s,h,:] . k[b,t,:])))
 
-`mask` is `where(c, -inf, x)` / `where(c, x, -inf)` (either polarity, a negated condition flips it),
-`x + additive` or absent; relu may be `clamp_min(x, 0)` and its scale a constant multiplied or divided
-before it or multiplied after it (equal for a positive constant); the product may put q or k first;
+`mask` is `where(c, -inf, x)` (the canonical polarity; a negated condition keeps), `x + additive` or
+absent; the scale is a constant (chains of constant scalings are collected by the canonicaliser)
+before relu or after it (equal for a positive constant); the product may put q or k first;
 the head sum may be a bmm (HF's matmul, einsum) or a mul + sum; `q`/`k` may be fp32 upcasts of
 bf16/fp16/fp8 tensors, which the kernel reads in their narrow form (when only one of them is narrow,
 both are widened to fp32, which is exact). Which dims are contracted is checked by following them
@@ -32,6 +32,7 @@ import torch
 
 import dsfuse.kernels.indexer_topk  # noqa: F401  (registers torch.ops.dsfuse.indexer_topk)
 
+from .canonicalize import canonical_scale
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names,
                    normalise)
@@ -107,19 +108,15 @@ def _neg_inf(node) -> bool:
 def _split_mask(x: torch.fx.Node) -> tuple:
     """(scores, mask) where mask is ("keep", bool), ("drop", bool), ("add", float) or None.
 
-    `where(c, -inf, x)` drops where c holds (HF `masked_fill`), `where(c, x, -inf)` keeps where it holds;
-    a negated condition flips the polarity."""
+    `where(c, -inf, x)` drops where c holds (HF `masked_fill`; canonicalize brings `where(c, x, -inf)` to
+    this polarity); a negated condition keeps where its operand holds."""
     if is_op(x, aten.where.self):
-        cond, a, b = x.args
-        if _neg_inf(a):
-            polarity, scores = "drop", b
-        elif _neg_inf(b):
-            polarity, scores = "keep", a
-        else:
+        cond, fill, scores = x.args
+        if not _neg_inf(fill):
             raise NoMatch("masked with a fill value other than -inf", reported=False)
         if is_op(cond, aten.bitwise_not.default, aten.logical_not.default):
-            return scores, ({"drop": "keep", "keep": "drop"}[polarity], cond.args[0])
-        return scores, (polarity, cond)
+            return scores, ("keep", cond.args[0])
+        return scores, ("drop", cond)
     if is_op(x, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in x.args):
         for scores, mask in (x.args, x.args[::-1]):
             if _head_sum(scores, probe=True) is not None:
@@ -127,21 +124,8 @@ def _split_mask(x: torch.fx.Node) -> tuple:
     return x, None
 
 
-def _positive_scale(node) -> tuple:
-    """(input, c) for `x * c`, `c * x` or `x / c` with a constant c (c = 1/divisor), else (node, None)."""
-    if is_op(node, aten.mul.Tensor):
-        a, b = node.args
-        if scalar_arg(b) is not None:
-            return a, scalar_arg(b)
-        if scalar_arg(a) is not None:
-            return b, scalar_arg(a)
-    if is_op(node, aten.div.Tensor) and scalar_arg(node.args[1]):
-        return node.args[0], 1.0 / scalar_arg(node.args[1])
-    return node, None
-
-
 def _is_relu(node) -> bool:
-    return is_op(node, aten.relu.default) or (is_op(node, aten.clamp_min.default) and scalar_arg(node.args[1]) == 0)
+    return is_op(node, aten.relu.default)  # `clamp_min(x, 0)` arrives as relu (canonicalize)
 
 
 def _relu_side(node) -> tuple | None:
@@ -150,9 +134,9 @@ def _relu_side(node) -> tuple | None:
     leaf, ops = layout_chain(node)
     if _is_relu(leaf):
         return leaf, ops, 1.0
-    inner, scale = _positive_scale(leaf)
+    inner, scale = canonical_scale(leaf)
     inner_leaf, inner_ops = layout_chain(inner)
-    if scale is not None and scale > 0 and _is_relu(inner_leaf):
+    if inner is not leaf and scale > 0 and _is_relu(inner_leaf):
         return inner_leaf, inner_ops + ops, scale
     return None
 
@@ -205,14 +189,10 @@ def _match(topk: torch.fx.Node) -> dict:
     if largest is not True:
         raise NoMatch("top-k of the smallest scores")
     relu, relu_ops, post_scale = head["relu"]
-    relu_in, softmax_scale = relu.args[0], post_scale
-    while True:
-        inner, scale = _positive_scale(relu_in)
-        if scale is None:
-            break
-        if scale <= 0:
-            raise NoMatch("a non-positive score scale does not commute with relu")
-        softmax_scale, relu_in = softmax_scale * scale, inner
+    relu_in, scale = canonical_scale(relu.args[0])  # a chain of constant scalings, collected (canonicalize)
+    if scale <= 0:
+        raise NoMatch("a non-positive score scale does not commute with relu")
+    softmax_scale = post_scale * scale
     if is_op(relu_in, aten.mul.Tensor, aten.div.Tensor):
         raise NoMatch("scores are scaled by a tensor, not a constant")
     qk, qk_ops = layout_chain(relu_in)
