@@ -610,6 +610,40 @@ def _repair_kernel(
                 eq_seen += tl.sum(eq, axis=0)
 
 
+@triton.jit
+def _rescore_picks_kernel(
+    q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, out_ptr, picked_ptr,
+    S, T, H, D, softmax_scale, K_OUT,
+    sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
+    HP: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+    HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr,
+    FOLD_SCALE: tl.constexpr, FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr,
+):
+    """One program per row: the scores of the row's K_OUT picks (keys gathered by index), so the picks
+    can be put in `torch.topk`'s order (score descending) by a sort of K_OUT values, not of T."""
+    row64 = tl.program_id(0).to(tl.int64)
+    b = row64 // S
+    s = row64 % S
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    qi = tl.arange(0, BLOCK_Q)
+    rows64 = s + qi
+    row_ok = qi == 0
+    qT, w = _load_query_block(q_ptr, w_ptr, b, s, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, 1,
+                              softmax_scale, BLOCK_Q, HP, DP, FOLD_SCALE, FP8_AS_FP16)
+    for j0 in range(0, K_OUT, BLOCK_T):
+        j = j0 + tl.arange(0, BLOCK_T)
+        j_ok = j < K_OUT
+        t = tl.load(out_ptr + row64 * K_OUT + j, mask=j_ok, other=0)
+        sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
+                         t, j_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, softmax_scale,
+                         skt, skd, skst, sms, smt,
+                         BLOCK_T, BLOCK_Q, HP, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
+                         FP8_AS_FP16, HEAD_CHAIN, False)
+        sc = tl.sum(tl.where(row_ok[None, :], sc, 0.0), axis=1)
+        tl.store(picked_ptr + row64 * K_OUT + j, sc, mask=j_ok)
+
+
 # --------------------------------------------------------------------------------------------
 # Launcher
 # --------------------------------------------------------------------------------------------
@@ -715,7 +749,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
                         threshold: Optional[torch.Tensor] = None,
                         candidate_capacity: Optional[int] = None,
                         config: Optional[dict] = None, stats: Optional[dict] = None,
-                        fp8_tensor_cores: bool = False):
+                        fp8_tensor_cores: bool = False, ordered: bool = False):
     """Triton launcher (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     `threshold` ([B, S] fp32) replaces the sampled per-row filter threshold and
@@ -726,6 +760,8 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     up to ~0.5 %, so the selected set can differ from the reference near the k-th score).
     `stats`, when given, receives device tensors (no host sync): per-row repair flags ("repaired"),
     candidate counts ("candidates") and filter thresholds ("threshold").
+    `ordered=True` returns each row's picks in `torch.topk`'s order (score descending): the picks are
+    rescored (K keys per row, gathered) and sorted on the device, no host sync.
     `config` overrides `default_config` keys. Tile keys (TILE_KEYS) switch the filter kernel's
     autotuning off; "append" ("asm" | "store" | "none": benchmark only, wrong output),
     "head_sum" ("chain" | "tree") and "fuse_select" (select inside the filter kernel, when its key
@@ -842,6 +878,15 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         HP=HP, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), CHUNK=1024,
         HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
         FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
+    if ordered:
+        picked = torch.empty((n_rows, width), dtype=torch.float32, device=dev)
+        _rescore_picks_kernel[(n_rows,)](
+            q, k, weights, ks_arg, mask_arg, out, picked, S, T, H, D, softmax_scale, width, *strides,
+            HP=HP, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), HAS_KSCALE=k_scale is not None,
+            MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP, FOLD_SCALE=fold_scale,
+            FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
+        order = picked.view(B, S, width).sort(dim=-1, descending=True, stable=True).indices
+        out = out.gather(-1, order)
     return out
 
 
@@ -850,22 +895,25 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsfuse::indexer_topk", mutates_args=())
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_scale: Optional[torch.Tensor],
-                 mask: Optional[torch.Tensor], softmax_scale: float, topk: int) -> torch.Tensor:
-    """Indices [B, S, min(topk, T)] int32 of the top-k indexer scores (reference math on CPU)."""
+                 mask: Optional[torch.Tensor], softmax_scale: float, topk: int, ordered: bool = False) -> torch.Tensor:
+    """Indices [B, S, min(topk, T)] int32 of the top-k indexer scores (reference math on CPU).
+
+    `ordered=False`: each row's picks in no particular order (a set); `ordered=True`: in `torch.topk`'s
+    order, score descending (for callers who see the slots). The reference always gives topk's order."""
     _validate(q, k, weights, k_scale, mask, topk)
     return indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk)
 
 
 @indexer_topk.register_fake
-def _indexer_topk_fake(q, k, weights, k_scale, mask, softmax_scale, topk):
+def _indexer_topk_fake(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False):
     _validate(q, k, weights, k_scale, mask, topk)
     B, S = q.shape[0], q.shape[1]
     return q.new_empty((B, S, torch.sym_min(topk, k.shape[1])), dtype=torch.int32)
 
 
 @indexer_topk.register_kernel("cuda")
-def _indexer_topk_cuda(q, k, weights, k_scale, mask, softmax_scale, topk):
-    return indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk)
+def _indexer_topk_cuda(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False):
+    return indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=ordered)
 
 
 def flops(B, S, T, H, D, causal_offset=None):

@@ -100,6 +100,7 @@ def test_opcheck_custom_op():
     mask = causal_mask(1, 5, 24).to(DEVICE)
     torch.library.opcheck(indexer_topk, (q, k, w, ks, mask, 0.25, 8))
     torch.library.opcheck(indexer_topk, (q, k, w, None, None, 0.25, 40))
+    torch.library.opcheck(indexer_topk, (q, k, w, ks, mask, 0.25, 8, True))
 
 
 def test_fake_output_width_is_symbolic_min():
@@ -207,6 +208,31 @@ def test_triton_matches_reference(name):
     scale = D ** -0.5
     out = indexer_topk_triton(q, k, w, ks, mask, scale, topk, **case)
     assert_exact_topk(out, q, k, w, ks, mask, scale, topk)
+
+
+@pytest.mark.parametrize("case", [
+    dict(B=2, S=9, T=70, H=4, D=32, topk=8, mask="causal"),
+    dict(B=1, S=6, T=40, H=4, D=32, topk=64, mask="causal"),  # width clamped to T; masked picks last
+    dict(B=1, S=7, T=50, H=4, D=32, topk=8, mask="additive", dtype=torch.float8_e4m3fn, with_k_scale=True),
+], ids=["causal_bool", "topk_above_T", "fp8_k_scale_additive"])
+def test_triton_ordered_picks_follow_topk_order(case):
+    """`ordered=True`: each row's picks in torch.topk's slot order (score descending), masked picks last."""
+    case = dict(case)
+    B, S, T, H, D, topk = (case.pop(x) for x in ("B", "S", "T", "H", "D", "topk"))
+    q, k, w, ks = make_inputs(B, S, T, H, D, dtype=case.pop("dtype", HALF), with_k_scale=case.pop("with_k_scale", False))
+    mask = causal_mask(B, S, T)
+    if case.pop("mask") == "additive":
+        mask = torch.zeros(B, S, T).masked_fill(~mask, float("-inf"))
+    mask = mask.to(DEVICE)
+    out = indexer_topk_triton(q, k, w, ks, mask, D ** -0.5, topk, ordered=True)
+    assert_exact_topk(out, q, k, w, ks, mask, D ** -0.5, topk)
+    index = masked_index_scores(q, k, w, ks, mask, D ** -0.5).cpu()
+    want = index.topk(min(topk, T), dim=-1)
+    got = torch.gather(index, -1, out.cpu().long())
+    torch.testing.assert_close(got, want.values, rtol=1e-5, atol=1e-5)
+    assert bool((got[..., :-1] >= got[..., 1:]).all()), "picks not in descending score order"
+    unordered = indexer_topk_triton(q, k, w, ks, mask, D ** -0.5, topk)
+    assert not torch.equal(unordered.cpu(), out.cpu()), "the unordered picks were already sorted: test cannot fail"
 
 
 def test_triton_nan_scores_are_selected_first():

@@ -78,6 +78,7 @@ def test_hf_spelling_matches_once(mask_kind):
     sel = _compile(hf_indexer)(q, k, w, mask)
     rep = dsfuse.report()
     assert rep.counts["indexer_topk"] == 1, str(rep)
+    assert "in topk order" not in rep.sites[0].detail, "only scattered: the order is not seen"
     _assert_same_selection(sel, q, k, w, mask)
 
 
@@ -180,12 +181,16 @@ def test_disabled_pass_leaves_graph_alone():
     assert torch.equal(out, torch.compile(hf_indexer, backend="inductor")(q, k, w, causal))
 
 
-def test_sorted_indices_leaving_the_graph_are_a_reported_near_miss():
-    q, k, w, causal = _data()
-    torch.compile(hf_indexer, backend="dsfuse")(q, k, w, causal)
+def test_sorted_indices_leaving_the_graph_come_in_topk_order():
+    """The caller sees the slots: the fused op is asked for torch.topk's order and the indices equal eager's."""
+    q, k, w, _ = _data()
+    mask = torch.ones(S, S, dtype=torch.bool).tril() | (torch.arange(S) < K)  # K valid keys in every row
+    mask = mask.expand(B, S, S)
+    idx = torch.compile(hf_indexer, backend="dsfuse")(q, k, w, mask)
     rep = dsfuse.report()
-    assert rep.counts["indexer_topk"] == 0
-    assert "leave the graph in torch.topk's sorted order" in rep.near_misses[0].reason
+    assert rep.counts["indexer_topk"] == 1 and rep.near_misses == [], str(rep)
+    assert "in topk order" in rep.sites[0].detail
+    assert torch.equal(idx, hf_indexer(q, k, w, mask))
 
 
 def test_unsorted_indices_may_leave_the_graph():
@@ -197,7 +202,8 @@ def test_unsorted_indices_may_leave_the_graph():
         return index.topk(K, dim=-1, sorted=False).indices
 
     idx = torch.compile(unsorted, backend="dsfuse")(q, k, w, causal)
-    assert dsfuse.report().counts["indexer_topk"] == 1
+    rep = dsfuse.report()
+    assert rep.counts["indexer_topk"] == 1 and "in topk order" not in rep.sites[0].detail
     _assert_same_selection(selection(idx, S), q, k, w, causal)
 
 
@@ -276,3 +282,23 @@ def test_masked_picks_marked_minus_one(mask_kind):
     assert torch.equal(sel, expected)
     if mask is not None:
         assert sel[..., -1].any(), "rows with fewer valid keys than K must get -1 picks"
+
+
+def test_v4_csa_indexer_is_rewritten_once_and_matches_eager():
+    """DeepSeek V4's CSA indexer over compressed keys (causal threshold (pos + 1) // m, picks past it
+    replaced by -1). S = 14 with m = 4: not a multiple of m, fewer compressed entries (3) than
+    index_topk (4), so every row has masked picks, which must all come back as -1; batch 2."""
+    from dsfuse.models.presets import build_hf_model
+
+    model = build_hf_model("v4-tiny", num_hidden_layers=2, hc_sinkhorn_iters=2,
+                           layer_types=["sliding_attention", "compressed_sparse_attention"],
+                           mlp_layer_types=["moe", "moe"])
+    ids = torch.randint(0, 256, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, use_cache=False).logits
+        got = torch.compile(model, backend="dsfuse", options={"enable": ["indexer_topk"]})(ids, use_cache=False).logits
+    rep = dsfuse.report()
+    assert rep.counts["indexer_topk"] == 1 and rep.near_misses == [], str(rep)
+    assert "in topk order" not in rep.sites[0].detail, "the picks are only scattered into the block bias"
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
