@@ -33,6 +33,7 @@ import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_soft
 import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
+from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import LAYOUT_TARGETS, Labels, apply_op, bmm_labels, contracted, leaf_labels, names
 from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size,
@@ -60,6 +61,7 @@ FUSED_SDPA = {
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, (aten.scatter.value,), _match_masked, _rewrite_masked)
     rewrite_anchored(graph, ctx, (aten.index.Tensor,), _match_mla, _rewrite_mla)
+    sparse_attention_v4.run(graph, ctx)
 
 
 # ---------------------------------------------------------------------------
