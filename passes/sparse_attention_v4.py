@@ -33,7 +33,8 @@ import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.d
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import LAYOUT_TARGETS, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, shape
+from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, shape,
+                          val)
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -131,11 +132,11 @@ def _arange(node) -> tuple | None:
     node = _strip(node)
     offset = 0
     base = node
-    while is_op(node, aten.add.Tensor) and isinstance(node.args[1], (int, torch.SymInt)):
-        node, offset = node.args[0], offset + node.args[1]
+    while is_op(node, aten.add.Tensor) and isinstance(val(node.args[1]), (int, torch.SymInt)):
+        node, offset = node.args[0], offset + val(node.args[1])
     if not is_op(node, IOTA) or node.kwargs.get("step", 1) != 1:
         return None
-    return base, node.args[0], node.kwargs.get("start", 0) + offset
+    return base, val(node.args[0]), node.kwargs.get("start", 0) + offset
 
 
 def _index_along(node, rank_dim: int) -> tuple | None:
@@ -290,7 +291,7 @@ def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
     """The top-k indices of CSA's `full(-inf, [B, 1, S, T + 1]).scatter(-1, where(i >= 0, i, T)[:, None], 0)[..., :T]`."""
     bias = _strip(bias, (CONVERT,))
     if not (is_op(bias, aten.slice.Tensor) and _last(bias, bias.args[1]) and (bias.args[2] or 0) == 0
-            and same_size(bias.args[3], T) and (len(bias.args) < 5 or bias.args[4] == 1)):
+            and same_size(val(bias.args[3]), T) and (len(bias.args) < 5 or bias.args[4] == 1)):
         return None
     scatter = bias.args[0]
     if not (is_op(scatter, aten.scatter.value) and _last(scatter, scatter.args[1]) and scatter.args[3] == 0):
@@ -307,7 +308,7 @@ def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
     cond, idx, spare = safe.args
     if not (is_op(cond, aten.ge.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
         return None
-    if _const(spare) is None or not same_size(_const(spare), T):
+    if val(_const(spare)) is None or not same_size(val(_const(spare)), T):
         return None
     if dtype(idx) not in INDEX_DTYPES or not same_shape(shape(idx)[:2], (B, S)) or len(shape(idx)) != 3:
         return None
@@ -493,7 +494,7 @@ def _match(cat: torch.fx.Node) -> dict:
     # The sink column is dropped, the probabilities rounded to the value dtype and multiplied by the rows.
     drop = only_user(probs)
     if not (is_op(drop, aten.slice.Tensor) and _last(drop, drop.args[1]) and (drop.args[2] or 0) == 0
-            and (drop.args[3] == -1 or same_size(drop.args[3], shape(cat)[3] - 1))
+            and (drop.args[3] == -1 or same_size(val(drop.args[3]), shape(cat)[3] - 1))
             and (len(drop.args) < 5 or drop.args[4] == 1)):
         raise NoMatch("the softmax output is not sliced to drop the trailing sink column")
     node, prob_ops = drop, []
