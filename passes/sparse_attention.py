@@ -15,6 +15,8 @@ Two source forms:
   used both as keys and as values; with `pe[...]` gathered by the same indices, `-1` picks masked to
   -inf, an fp32 softmax (optionally with a sink column) and P @ kv_rows, it becomes
   `dsfuse::sparse_mla_attention`.
+* HF `DeepseekV4Attention` (sink attention over the sliding window plus compressed entries): matched in
+  `sparse_attention_v4.py` and rewritten into `dsfuse::compressed_attention`.
 
 Every contraction is checked by following labelled dims (`dims.py`), so a product over the wrong
 axis is never fused. A scatter or gather without the family's signature is skipped silently; one

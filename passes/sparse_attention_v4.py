@@ -80,6 +80,13 @@ def _strip(node, targets=SHAPE_OPS):
     return node
 
 
+def _slice(node) -> tuple:
+    """(dim, start, end, step) of a `slice.Tensor` node, defaults filled in, symbolic bounds as SymInts."""
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    _, dim, start, end, step = args[:5]
+    return dim, val(start) or 0, END if end is None else val(end), step
+
+
 def _dim_arg(node, index: int, default=0):
     return node.args[index] if len(node.args) > index else node.kwargs.get("dim", default)
 
@@ -290,16 +297,29 @@ def _additive_window(node) -> torch.fx.Node | None:
 def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
     """The top-k indices of CSA's `full(-inf, [B, 1, S, T + 1]).scatter(-1, where(i >= 0, i, T)[:, None], 0)[..., :T]`."""
     bias = _strip(bias, (CONVERT,))
-    if not (is_op(bias, aten.slice.Tensor) and _last(bias, bias.args[1]) and (bias.args[2] or 0) == 0
-            and same_size(val(bias.args[3]), T) and (len(bias.args) < 5 or bias.args[4] == 1)):
+    if not is_op(bias, aten.slice.Tensor):
+        return None
+    dim, start, end, step = _slice(bias)
+    if not (_last(bias, dim) and start == 0 and same_size(end, T) and step == 1):
         return None
     scatter = bias.args[0]
-    if not (is_op(scatter, aten.scatter.value) and _last(scatter, scatter.args[1]) and scatter.args[3] == 0):
-        return None
-    base, index = scatter.args[0], scatter.args[2]
-    if not (is_op(base, aten.full.default) and _is_neg_inf(base.args[1])
-            and same_shape(shape(base), (B, 1, S, T + 1))):
-        return None
+    if is_op(scatter, aten.scatter.value) and _last(scatter, scatter.args[1]) and scatter.args[3] == 0:
+        base, index = scatter.args[0], scatter.args[2]
+        if not (is_op(base, aten.full.default) and _is_neg_inf(base.args[1])
+                and same_shape(shape(base), (B, 1, S, T + 1))):
+            return None
+    else:
+        # One pick per query (k = 1): Inductor writes the scatter as `where(index == arange(T + 1), 0, -inf)`.
+        if not (is_op(scatter, aten.where.self) and _const(scatter.args[1]) == 0 and _is_neg_inf(_const(scatter.args[2]))
+                and is_op(scatter.args[0], aten.eq.Tensor) and same_shape(shape(scatter), (B, 1, S, T + 1))):
+            return None
+        picked, entries = scatter.args[0].args
+        found = _index_along(entries, 3)
+        if found is None or found[2] != 0 or not same_size(found[1], T + 1) or not is_op(picked, aten.expand.default):
+            return None
+        index = picked.args[0]
+        if not same_size(shape(index)[-1], 1):
+            return None
     if not (is_op(index, aten.unsqueeze.default) and index.args[1] == 1):
         return None
     safe = index.args[0]
@@ -385,8 +405,9 @@ def _rotate_half_of(node, rope: torch.fx.Node) -> bool:
     odd, even = first.args[0], second
 
     def strided(s, start):
-        return is_op(s, aten.slice.Tensor) and s.args[0] is rope and _last(rope, s.args[1]) and s.args[2] == start \
-            and len(s.args) > 4 and s.args[4] == 2
+        return is_op(s, aten.slice.Tensor) and s.args[0] is rope and _last(rope, _slice(s)[0]) \
+            and _slice(s)[1] == start and same_size(_at(_slice(s)[2], shape(rope)[-1]), shape(rope)[-1]) \
+            and _slice(s)[3] == 2
 
     return strided(odd, 1) and strided(even, 0)
 
@@ -403,13 +424,13 @@ def _at(value, D):
 def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
     """`cat([x[..., :-2R], rotate(x[..., -2R:], cos, -sin)], -1)` on the attention output x [B, H, S, D], as HF's
     `apply_rotary_pos_emb(x, cos, -sin)` writes it (interleaved pairs, fp32 math), or None."""
-    slices = [u for u in out_bhsd.users if is_op(u, aten.slice.Tensor) and _last(u, u.args[1])
-              and (len(u.args) < 5 or u.args[4] == 1)]
-    nope = next((s for s in slices if _at(s.args[2] or 0, D) == 0), None)
-    rope = next((s for s in slices if s is not nope and same_size(_at(s.args[3], D), D)), None)
-    if nope is None or rope is None or not same_size(_at(nope.args[3], D), _at(rope.args[2], D)):
+    slices = [u for u in out_bhsd.users if is_op(u, aten.slice.Tensor) and _last(u, _slice(u)[0])
+              and _slice(u)[3] == 1]
+    nope = next((s for s in slices if _at(_slice(s)[1], D) == 0), None)
+    rope = next((s for s in slices if s is not nope and same_size(_at(_slice(s)[2], D), D)), None)
+    if nope is None or rope is None or not same_size(_at(_slice(nope)[2], D), _at(_slice(rope)[1], D)):
         return None
-    width = D - _at(rope.args[2], D)
+    width = D - _at(_slice(rope)[1], D)
     cats = [u for u in nope.users if is_op(u, aten.cat.default) and len(u.args[0]) == 2 and u.args[0][0] is nope
             and _last(u, _dim_arg(u, 1))]
     if len(cats) != 1:
@@ -462,10 +483,12 @@ def _softmax_of(cat: torch.fx.Node) -> torch.fx.Node:
     row_max = maxes[0]
     if is_op(row_max, aten.max.dim):
         values = [g for g in row_max.users if g.target is operator.getitem and g.args[1] == 0]
-        if len(values) != 1 or len(row_max.users) != 1 or not _last(cat, row_max.args[1]) or not row_max.args[2]:
+        keepdim = len(row_max.args) > 2 and row_max.args[2]
+        if len(values) != 1 or len(row_max.users) != 1 or not _last(cat, row_max.args[1]) or not keepdim:
             raise NoMatch("the row max is not the keep-dim max over the keys")
         row_max = values[0]
-    elif not (_last(cat, row_max.args[1][0]) and len(row_max.args[1]) == 1 and row_max.args[2]):
+    elif not (len(row_max.args) > 2 and row_max.args[2] and len(row_max.args[1]) == 1
+              and _last(cat, row_max.args[1][0])):
         raise NoMatch("the row max is not the keep-dim max over the keys")
     if subs[0].args[1] is not row_max:
         raise NoMatch("the scores are shifted by something other than their row max")
@@ -493,9 +516,9 @@ def _match(cat: torch.fx.Node) -> dict:
     probs = _softmax_of(cat)
     # The sink column is dropped, the probabilities rounded to the value dtype and multiplied by the rows.
     drop = only_user(probs)
-    if not (is_op(drop, aten.slice.Tensor) and _last(drop, drop.args[1]) and (drop.args[2] or 0) == 0
-            and (drop.args[3] == -1 or same_size(val(drop.args[3]), shape(cat)[3] - 1))
-            and (len(drop.args) < 5 or drop.args[4] == 1)):
+    bounds = _slice(drop) if is_op(drop, aten.slice.Tensor) else None
+    if bounds is None or not (_last(drop, bounds[0]) and bounds[1] == 0 and bounds[3] == 1
+                              and (bounds[2] == -1 or same_size(bounds[2], shape(cat)[3] - 1))):
         raise NoMatch("the softmax output is not sliced to drop the trailing sink column")
     node, prob_ops = drop, []
     while True:

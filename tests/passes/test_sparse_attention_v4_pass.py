@@ -85,6 +85,10 @@ def test_short_prompts(model, seq):
         out = torch.compile(attentions, backend="dsfuse", options=OPTIONS)(hidden)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
     assert dsfuse.report().counts["sparse_attention"] == 3, str(dsfuse.report())
+    # Before its first full window of m'=8 tokens the HCA layer has no entry and no block bias: sliding attention.
+    assert _kinds(_sites()) == (["sliding", "CSA", "sliding"] if seq < 8 else LAYER_KINDS)
+    if seq == 6:
+        assert "top-1 compressed entries" in _sites()[1].detail  # one pick: Inductor's one-hot form of the scatter
 
 
 def test_left_padding_and_dynamic_lengths_do_not_recompile(model):
