@@ -2,6 +2,7 @@
 
     python -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192
     python -m dsfuse.bench model --preset tiny --seq 32 --device cpu      # smoke run
+    python -m dsfuse.bench model --preset v4-flash-real-2l --seq 8192     # DeepSeek V4 prefill (use_cache=False)
     python -m dsfuse.bench model --profile --json r.json --markdown r.md  # keep the results
     python -m dsfuse.bench model --seq 8192 --logits last                 # prefill as generate runs it
     python -m dsfuse.bench model --mode decode --decode-batch 1 8 --context 8192 32768
@@ -47,6 +48,7 @@ import dsfuse
 from dsfuse.bench_report import (ablation_markdown, ablation_summary, decode_notes, families_markdown, model_markdown,
                                  plot_model, progress)
 from dsfuse.config import PASS_NAMES
+from dsfuse.models.presets import is_v4_preset
 
 CONFIGS: dict[str, tuple[str | None, dict | None]] = {
     "eager": (None, None),
@@ -198,7 +200,8 @@ def _bench_prefill(model, args, results: dict) -> None:
             bar.set_postfix_str(f"S={seq} {name}")
             row = {"seq": seq, "config": name, "logits": args.logits}
             try:
-                fn = _prefill_step(_compiled(model, backend, options), args.logits, name in CUDA_GRAPH_CONFIGS)
+                fn = _prefill_step(_compiled(model, backend, options), args.logits, name in CUDA_GRAPH_CONFIGS,
+                                   without_cache=is_v4_preset(model.config))
                 dsfuse.reset_report()
                 if cuda:
                     _free_device_memory(cuda)
@@ -240,10 +243,13 @@ def _bench_prefill(model, args, results: dict) -> None:
     _print_table(results)
 
 
-def _prefill_step(fn, logits: str, cudagraphs: bool):
+def _prefill_step(fn, logits: str, cudagraphs: bool, without_cache: bool = False):
     """One prefill call: all positions' logits, or only the last one's (`logits_to_keep=1`, what `generate`
-    asks for). Under CUDA graphs each call starts a new graph-tree step (its outputs are not read later)."""
+    asks for). Under CUDA graphs each call starts a new graph-tree step (its outputs are not read later).
+    `without_cache`: pass `use_cache=False` (V4's prefill: with a cache HF V4 runs its compressors' cache paths)."""
     keep = {"logits_to_keep": 1} if logits == "last" else {}
+    if without_cache:
+        keep["use_cache"] = False
 
     def step(ids):
         if cudagraphs:
@@ -754,6 +760,9 @@ def main(argv: list[str] | None = None) -> int:
         args.configs = resolve_configs([c for c in args.configs.split(",") if c])
     except ValueError as err:
         parser.error(str(err))
+    if is_v4_preset(args.preset) and args.mode != "prefill":
+        parser.error(f"--mode {args.mode}: decode is benchmarked on V3.2 presets only; {args.preset} (DeepSeek V4) "
+                     "runs prefill (use_cache=False)")
     results = bench_model(args)
     _write(results, args.json, args.markdown, model_markdown)
     return 0

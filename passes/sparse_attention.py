@@ -15,6 +15,8 @@ Two source forms:
   used both as keys and as values; with `pe[...]` gathered by the same indices, `-1` picks masked to
   -inf, an fp32 softmax (optionally with a sink column) and P @ kv_rows, it becomes
   `dsfuse::sparse_mla_attention`.
+* HF `DeepseekV4Attention` (sink attention over the sliding window plus compressed entries): matched in
+  `sparse_attention_v4.py` and rewritten into `dsfuse::compressed_attention`.
 
 Every contraction is checked by following labelled dims (`dims.py`), so a product over the wrong
 axis is never fused. A scatter or gather without the family's signature is skipped silently; one
@@ -33,6 +35,7 @@ import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_soft
 import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
+from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
@@ -60,6 +63,7 @@ FUSED_SDPA = {
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, (aten.scatter.value,), _match_masked, _rewrite_masked)
     rewrite_anchored(graph, ctx, (aten.index.Tensor,), _match_mla, _rewrite_mla)
+    sparse_attention_v4.run(graph, ctx)
 
 
 # ---------------------------------------------------------------------------

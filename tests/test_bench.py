@@ -37,6 +37,29 @@ def test_model_bench_tiny_cpu(tmp_path, capsys):
     assert "Time by stage" not in markdown.read_text() and "Decode" not in markdown.read_text()
 
 
+def test_model_bench_v4_tiny_cpu(tmp_path):
+    """DeepSeek V4 prefill (eager attention, `use_cache=False`): all three attention layers fused, parity with eager;
+    decode is refused for V4 with the reason. The same S=12 graph as the V4 quickstart test (FX cache shared)."""
+    out = tmp_path / "bench.json"
+    assert main(["model", "--preset", "v4-tiny", "--seq", "12", "--device", "cpu", "--configs", "eager,dsfuse",
+                 "--rep-ms", "1", "--json", str(out)]) == 0
+    rows = {r["config"]: r for r in json.loads(out.read_text())["runs"]}
+    assert all(r["ms"] > 0 and "error" not in r for r in rows.values()), rows
+    assert rows["dsfuse"]["rewritten"]["sparse_attention"] == 3
+    assert rows["dsfuse"]["rel_l2_vs_eager"] < 1e-5
+    with pytest.raises(SystemExit):
+        main(["model", "--preset", "v4-tiny", "--device", "cpu", "--mode", "decode"])
+
+
+def test_quickstart_v4_tiny_cpu(capsys):
+    from dsfuse.quickstart import main as quickstart
+
+    assert quickstart(["--preset", "v4-tiny", "--seq", "12", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "preset v4-tiny" in text and "-> PASS" in text
+    assert text.count("V4 ") >= 3 and all(f"V4 {kind} attention" in text for kind in ("sliding", "CSA", "HCA"))
+
+
 def test_prefill_last_logits_under_the_cuda_graph_config(tmp_path):
     """`--logits last` (generate's prefill) through the step wrapper the CUDA-graph configurations use."""
     out, markdown = tmp_path / "bench.json", tmp_path / "bench.md"

@@ -1,0 +1,727 @@
+"""DeepSeek V4 attention (HF `DeepseekV4Attention` with `eager_attention_forward`) into `dsfuse::compressed_attention`.
+
+HF computes, for every layer, dense scores of all heads against one shared K=V row set (the sliding-window rows,
+then the compressor's entries on CSA / HCA layers), adds an additive mask (the sliding-window causal mask, with
+padding, `cat` the compressor's `block_bias`), appends the per-head sink logit, softmaxes in fp32, drops the sink,
+rounds the probabilities to the value dtype and multiplies by the same rows; the layer then undoes RoPE on the
+output (`apply_rotary_pos_emb(out, cos, -sin)`). The anchor is the `cat` of the sink column. From it the matcher
+proves, step by step:
+
+* the softmax over `[scores | sink]` (max-subtracted, fp32), the slice dropping the sink, the cast to the value
+  dtype and `P @ V`, with V and K the same `[B, 1, T, D]` tensor broadcast over the heads (labelled dims);
+* the scores `q . k` scaled by one constant after the product;
+* the window mask: a bool conjunction of `kv > q - window`, `kv <= q`, and optionally the padding read of the
+  attention mask at the key, or HF's packed-sequence test on an `arange` of positions (always true there), where
+  q / kv are query / key positions read either from a `[B, S]` position table or from `arange`s;
+* the compressed part (keys after the window rows): CSA's scatter of the indexer's top-k (`-1` = none, moved to a
+  spare column that is sliced off) into a `-inf` bias, or HCA's causal threshold `entry >= (pos + 1) // m` at the
+  same query positions as the window mask;
+* optionally the inverse interleaved RoPE on the trailing `2R` dims of the output, folded into the op's epilogue.
+
+The rewrite reads the window rows and the compressed entries where they are (not their `cat`) and builds the
+positions from the nodes the mask was built from, with symbolic sizes and no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import torch
+
+import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.dsfuse.compressed_attention)
+
+from .context import NoMatch, PassContext, rewrite_anchored
+from .dims import LAYOUT_TARGETS, apply_op, bmm_labels, contracted, leaf_labels, names
+from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, shape,
+                          val)
+
+ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+IOTA = torch.ops.prims.iota.default
+END = 9223372036854775807  # how a slice to the end appears in the graph
+AND = (aten.bitwise_and.Tensor, aten.logical_and.default)
+FINITE_MASK_BIAS = -1e4  # a bias at most this negative masks a key exactly: every row has its finite sink logit
+SHAPE_OPS = (aten.unsqueeze.default, aten.expand.default, *VIEW_OPS)
+
+
+def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    rewrite_anchored(graph, ctx, (aten.cat.default,), _match, _rewrite)
+
+
+# ---------------------------------------------------------------------------
+# Small helpers
+# ---------------------------------------------------------------------------
+
+
+def _const(node):
+    """A python scalar, or the value of a `full(shape, c)` / `scalar_tensor(c)` node."""
+    if isinstance(node, (bool, int, float)):
+        return node
+    if is_op(node, aten.full.default):
+        return node.args[1]
+    if is_op(node, aten.scalar_tensor.default):
+        return node.args[0]
+    return None
+
+
+def _is_neg_inf(value) -> bool:
+    return isinstance(value, float) and math.isinf(value) and value < 0
+
+
+def _masks(value) -> bool:
+    """A bias that removes a key exactly: -inf, or a large finite negative (exp underflows to 0 next to the sink)."""
+    return isinstance(value, float) and (value <= FINITE_MASK_BIAS)
+
+
+def _strip(node, targets=SHAPE_OPS):
+    while is_op(node, *targets):
+        node = node.args[0]
+    return node
+
+
+def _slice(node) -> tuple:
+    """(dim, start, end, step) of a `slice.Tensor` node, defaults filled in, symbolic bounds as SymInts."""
+    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
+    _, dim, start, end, step = args[:5]
+    return dim, val(start) or 0, END if end is None else val(end), step
+
+
+def _dim_arg(node, index: int, default=0):
+    return node.args[index] if len(node.args) > index else node.kwargs.get("dim", default)
+
+
+def _last(node, dim) -> bool:
+    return isinstance(dim, int) and dim % max(len(shape(node)), 1) == len(shape(node)) - 1
+
+
+def _scale_factor(node) -> float | None:
+    if is_op(node, aten.mul.Tensor, aten.mul.Scalar):
+        a, b = node.args[:2]
+        for x, c in ((a, b), (b, a)):
+            if isinstance(x, torch.fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool):
+                return float(c)
+    if is_op(node, aten.div.Tensor, aten.div.Scalar) and isinstance(node.args[1], (int, float)) and node.args[1]:
+        return 1.0 / float(node.args[1])
+    return None
+
+
+def _chain_back(node) -> list[torch.fx.Node]:
+    """[leaf, ..., node] through layout ops only."""
+    chain = [node]
+    while is_op(node, *LAYOUT_TARGETS):
+        node = node.args[0]
+        chain.append(node)
+    return chain[::-1]
+
+
+def _follow(labels, ops):
+    for op in ops:
+        if labels is None:
+            return None
+        labels = apply_op(labels, op)
+    return labels
+
+
+def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int):
+    """A size as an int, or as a `sym_size` node when it is symbolic (never specialised)."""
+    size = shape(node)[dim]
+    return size if isinstance(size, int) else insert_call(graph, before, aten.sym_size.int, (node, dim))
+
+
+# ---------------------------------------------------------------------------
+# Positions: `arange`s and `[B, S]` position tables read at (batch, query / key) indices
+# ---------------------------------------------------------------------------
+
+
+def _arange(node) -> tuple | None:
+    """(1-d node, length, start) for `iota(n, start, step=1) + c` seen through unsqueeze / expand / view."""
+    node = _strip(node)
+    offset = 0
+    base = node
+    while is_op(node, aten.add.Tensor) and isinstance(val(node.args[1]), (int, torch.SymInt)):
+        node, offset = node.args[0], offset + val(node.args[1])
+    if not is_op(node, IOTA) or node.kwargs.get("step", 1) != 1:
+        return None
+    return base, val(node.args[0]), node.kwargs.get("start", 0) + offset
+
+
+def _index_along(node, rank_dim: int) -> tuple | None:
+    """(1-d node, length, start) when `node` is an arange laid out as a rank-4 tensor wide only in `rank_dim`."""
+    found = _arange(node)
+    dims = shape(node)
+    if found is None or len(dims) != 4:
+        return None
+    wide = [i for i, size in enumerate(dims) if not same_size(size, 1)]
+    if wide not in ([rank_dim], []):
+        return None
+    return found
+
+
+def _table_read(node, rank_dim: int) -> tuple | None:
+    """(table [B', L], index length) for `table[arange(B)[:, None, None, None], arange(L) along rank_dim]`."""
+    if not is_op(node, aten.index.Tensor) or len(node.args[1]) != 2:
+        return None
+    table, (batch, position) = node.args[0], node.args[1]
+    if len(shape(table)) != 2 or any(i is None for i in (batch, position)):
+        return None
+    b = _arange(batch)
+    p = _index_along(position, rank_dim)
+    if b is None or p is None or b[2] != 0 or p[2] != 0 or len(shape(batch)) != 4:
+        return None
+    if not (same_size(shape(batch)[0], shape(table)[0]) and all(same_size(s, 1) for s in shape(batch)[1:])):
+        return None
+    return table, p[1]
+
+
+def _position_term(node, rank_dim: int) -> dict | None:
+    """A query (rank_dim 2) or key (rank_dim 3) position in the mask: a table read or an arange."""
+    read = _table_read(node, rank_dim)
+    if read is not None:
+        return dict(kind="table", table=_strip(read[0], (aten.expand.default,)), length=read[1])
+    found = _index_along(node, rank_dim)
+    if found is not None:
+        return dict(kind="arange", base=found[0], length=found[1], start=found[2])
+    return None
+
+
+def _same_term(a: dict, b: dict) -> bool:
+    if a["kind"] != b["kind"]:
+        return False
+    if a["kind"] == "table":
+        return a["table"] is b["table"]
+    return same_size(a["start"], b["start"])
+
+
+def _packed_sequence_ids(node, table: torch.fx.Node) -> bool:
+    """HF's packed-sequence ids: `cumsum(diff(cat([p[:, :1] - 1, p], -1)) != 1, -1)` of the position table."""
+    if not is_op(node, aten.cumsum.default) or not _last(node, node.args[1]):
+        return False
+    ne = node.args[0]
+    if not (is_op(ne, aten.ne.Scalar) and ne.args[1] == 1 and is_op(ne.args[0], aten.sub.Tensor)):
+        return False
+    later, earlier = ne.args[0].args
+    if not (is_op(later, aten.slice.Tensor) and is_op(earlier, aten.slice.Tensor) and later.args[0] is earlier.args[0]):
+        return False
+    cat = later.args[0]
+    if not (is_op(cat, aten.cat.default) and len(cat.args[0]) == 2 and _strip(cat.args[0][1]) is _strip(table)):
+        return False
+    first = cat.args[0][0]
+    return is_op(first, aten.sub.Tensor) and first.args[1] == 1 and is_op(first.args[0], aten.slice.Tensor) \
+        and _strip(first.args[0].args[0]) is _strip(table)
+
+
+def _conjuncts(node) -> list:
+    """The terms of a bool `and` tree, without `full(True)` constants and broadcasting expands."""
+    node = _strip(node, (aten.expand.default,))
+    if is_op(node, *AND):
+        return [t for a in node.args for t in _conjuncts(a)]
+    if _const(node) is True:
+        return []
+    return [node]
+
+
+def _window_mask(mask: torch.fx.Node, B, S, N) -> dict:
+    """Prove that the bool `mask` [B, 1, S, N] is the sliding-window causal mask (with padding) and say where its
+    query and key positions come from."""
+    q_term = kv_term = None
+    window = causal = padding = packed = None
+
+    def positions(kv, q):
+        nonlocal q_term, kv_term
+        k_t, q_t = _position_term(kv, 3), _position_term(q, 2)
+        if k_t is None or q_t is None:
+            return False
+        for have, new in ((kv_term, k_t), (q_term, q_t)):
+            if have is not None and not _same_term(have, new):
+                raise NoMatch("the window mask compares positions from different sources")
+        kv_term, q_term = k_t, q_t
+        return True
+
+    for term in _conjuncts(mask):
+        if is_op(term, aten.gt.Tensor) and is_op(term.args[1], aten.sub.Tensor) \
+                and isinstance(term.args[1].args[1], int) and positions(term.args[0], term.args[1].args[0]):
+            window = term.args[1].args[1]
+        elif is_op(term, aten.le.Tensor) and positions(*term.args):
+            causal = True
+        elif is_op(term, aten.ge.Tensor) and positions(term.args[1], term.args[0]):
+            causal = True
+        elif is_op(term, aten.eq.Tensor) and all(is_op(a, aten.index.Tensor) for a in term.args) \
+                and term.args[0].args[0] is term.args[1].args[0]:
+            packed = term
+        elif is_op(term, aten.index.Tensor) and _table_read(term, 3) is not None and dtype(term) == torch.bool:
+            padding = _table_read(term, 3)[0]
+        else:
+            raise NoMatch(f"the attention mask has a term ({term.target}) that is not the sliding-window causal "
+                          "mask, padding or HF's packed-sequence test")
+    if q_term is None or not causal:
+        raise NoMatch("the attention mask is not causal in the query and key positions")
+    if window is None or window < 1:
+        raise NoMatch("the attention mask has no sliding window (kv > q - window)")
+    if not same_size(q_term["length"], S) or not same_size(kv_term["length"], N):
+        raise NoMatch("the mask's position ranges do not cover the queries and window rows")
+    if packed is not None:
+        ids = [a.args[0] for a in packed.args]
+        if q_term["kind"] != "table" or _arange(q_term["table"]) is None \
+                or not _packed_sequence_ids(ids[0], q_term["table"]):
+            raise NoMatch("the mask separates packed sequences by their position_ids, which the fused op does not "
+                          "model (only positions that are one arange are proven to hold one sequence)")
+        if not (_table_read(packed.args[0], 2) or _table_read(packed.args[1], 2)):
+            raise NoMatch("the packed-sequence test does not read the query and key positions")
+    if q_term["kind"] == "table":
+        table = q_term["table"]
+        if not same_size(shape(table)[1], S) or not same_size(shape(table)[1], N):
+            raise NoMatch("the position table does not give one position per query and window row")
+        found = _arange(table)
+        if found is None or not (isinstance(found[2], int) and found[2] >= 0):
+            raise NoMatch("the mask's position table is not a non-negative arange (key position -1 marks padding "
+                          "in the fused op)")
+    elif not (isinstance(q_term["start"], int) and q_term["start"] >= 0):
+        raise NoMatch("the mask's positions do not start at a non-negative constant")
+    if padding is not None:
+        padding = _strip(padding, (CONVERT,)) if dtype(_strip(padding, (CONVERT,))) == torch.bool else padding
+        if not same_shape(shape(padding), (B, N)):
+            raise NoMatch(f"the padding mask {shape(padding)} is not [B, N] = [{B}, {N}]")
+    return dict(q=q_term, kv=kv_term, window=window, padding=padding)
+
+
+def _additive_window(node) -> torch.fx.Node | None:
+    """The bool mask of `where(mask, 0, big negative)` (converts allowed), else None."""
+    node = _strip(node, (CONVERT, aten.expand.default))
+    if is_op(node, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar) \
+            and _const(node.args[1]) == 0 and _masks(_const(node.args[2])) and dtype(node.args[0]) == torch.bool:
+        return node.args[0]
+    return None
+
+
+def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
+    """The top-k indices of CSA's `full(-inf, [B, 1, S, T + 1]).scatter(-1, where(i >= 0, i, T)[:, None], 0)[..., :T]`."""
+    bias = _strip(bias, (CONVERT,))
+    if not is_op(bias, aten.slice.Tensor):
+        return None
+    dim, start, end, step = _slice(bias)
+    if not (_last(bias, dim) and start == 0 and same_size(end, T) and step == 1):
+        return None
+    scatter = bias.args[0]
+    if is_op(scatter, aten.scatter.value) and _last(scatter, scatter.args[1]) and scatter.args[3] == 0:
+        base, index = scatter.args[0], scatter.args[2]
+        if not (is_op(base, aten.full.default) and _is_neg_inf(base.args[1])
+                and same_shape(shape(base), (B, 1, S, T + 1))):
+            return None
+    else:
+        # One pick per query (k = 1): Inductor writes the scatter as `where(index == arange(T + 1), 0, -inf)`.
+        if not (is_op(scatter, aten.where.self) and _const(scatter.args[1]) == 0 and _is_neg_inf(_const(scatter.args[2]))
+                and is_op(scatter.args[0], aten.eq.Tensor) and same_shape(shape(scatter), (B, 1, S, T + 1))):
+            return None
+        picked, entries = scatter.args[0].args
+        found = _index_along(entries, 3)
+        if found is None or found[2] != 0 or not same_size(found[1], T + 1) or not is_op(picked, aten.expand.default):
+            return None
+        index = picked.args[0]
+        if not same_size(shape(index)[-1], 1):
+            return None
+    if not (is_op(index, aten.unsqueeze.default) and index.args[1] == 1):
+        return None
+    safe = index.args[0]
+    if not is_op(safe, aten.where.self, aten.where.ScalarOther):
+        return None
+    cond, idx, spare = safe.args
+    if not (is_op(cond, aten.ge.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
+        return None
+    if val(_const(spare)) is None or not same_size(val(_const(spare)), T):
+        return None
+    if dtype(idx) not in INDEX_DTYPES or not same_shape(shape(idx)[:2], (B, S)) or len(shape(idx)) != 3:
+        return None
+    return idx
+
+
+def _hca_threshold(bias: torch.fx.Node, B, S, T) -> tuple | None:
+    """(positions, m) of HCA's `where(arange(T) >= (positions + 1) // m, -inf, 0)` over [B, 1, S, T]."""
+    bias = _strip(bias, (CONVERT,))
+    if not is_op(bias, aten.where.self) or not _is_neg_inf(_const(bias.args[1])) or _const(bias.args[2]) != 0:
+        return None
+    cond = bias.args[0]
+    if not is_op(cond, aten.ge.Tensor):
+        return None
+    entries, threshold = cond.args
+    found = _index_along(entries, 3)
+    if found is None or found[2] != 0 or not same_size(found[1], T):
+        return None
+    div = _strip(threshold, (aten.unsqueeze.default,))
+    if not (is_op(div, aten.div.Tensor_mode) and div.kwargs.get("rounding_mode") == "floor"
+            and isinstance(div.args[1], int) and div.args[1] >= 1) and not is_op(div, aten.floor_divide.default):
+        return None
+    plus = div.args[0]
+    if not (is_op(plus, aten.add.Tensor) and plus.args[1] == 1):
+        return None
+    positions = plus.args[0]
+    if len(shape(positions)) != 2 or not same_size(shape(positions)[1], S) or len(shape(threshold)) != 4 \
+            or not same_size(shape(threshold)[2], S):
+        return None
+    return positions, div.args[1]
+
+
+# ---------------------------------------------------------------------------
+# Inverse RoPE epilogue
+# ---------------------------------------------------------------------------
+
+
+def _repeated_pairs(node) -> torch.fx.Node | None:
+    """The [B', S, R] table x of `x.repeat_interleave(2, -1).unsqueeze(1)` as Inductor writes it (unsqueeze, expand,
+    clone, view, unsqueeze), proven by following its dims to [B', 1, S, (R, 2)]."""
+    chain = []
+    while is_op(node, *LAYOUT_TARGETS, CONVERT):
+        chain.append(node)
+        node = node.args[0]
+    if len(shape(node)) != 3 or not chain:
+        return None
+    B, S, R = shape(node)
+    labels = leaf_labels(node, "bsr")
+    for op in chain[::-1]:
+        if labels is None:
+            return None
+        if is_op(op, CONVERT):
+            continue
+        labels = apply_op(labels, op)
+    pairs = [n for n in chain if is_op(n, aten.expand.default)]
+    if labels is None or len(pairs) != 1 or not same_size(shape(pairs[0])[-1], 2):
+        return None
+    got = names(labels)
+    return node if len(got) == 4 and got[0] == names([(("b", B),)])[0] and got[1] == () \
+        and got[2] == names([(("s", S),)])[0] and got[3] == names([(("r", R), ("*", 2))])[0] else None
+
+
+def _rotate_half_of(node, rope: torch.fx.Node) -> bool:
+    """Whether `node` is `stack((-rope[..., 1::2], rope[..., 0::2]), -1).flatten(-2)` (casts allowed)."""
+    node = _strip(node, (CONVERT, *VIEW_OPS))
+    if not (is_op(node, aten.cat.default) and len(node.args[0]) == 2 and _last(node, _dim_arg(node, 1))):
+        return False
+    parts = node.args[0]
+    if not all(is_op(p, aten.unsqueeze.default) and _last(p, p.args[1]) for p in parts):
+        return False
+    first, second = (p.args[0] for p in parts)
+    if not is_op(first, aten.neg.default):
+        return False
+    odd, even = first.args[0], second
+
+    def strided(s, start):
+        return is_op(s, aten.slice.Tensor) and s.args[0] is rope and _last(rope, _slice(s)[0]) \
+            and _slice(s)[1] == start and same_size(_at(_slice(s)[2], shape(rope)[-1]), shape(rope)[-1]) \
+            and _slice(s)[3] == 2
+
+    return strided(odd, 1) and strided(even, 0)
+
+
+def _at(value, D):
+    """A slice bound as a position in a dim of size D (negative ints count from the end, END is D)."""
+    if isinstance(value, int) and value >= END:
+        return D
+    if isinstance(value, int) and value < 0:
+        return value + D
+    return value
+
+
+def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
+    """`cat([x[..., :-2R], rotate(x[..., -2R:], cos, -sin)], -1)` on the attention output x [B, H, S, D], as HF's
+    `apply_rotary_pos_emb(x, cos, -sin)` writes it (interleaved pairs, fp32 math), or None."""
+    slices = [u for u in out_bhsd.users if is_op(u, aten.slice.Tensor) and _last(u, _slice(u)[0])
+              and _slice(u)[3] == 1]
+    nope = next((s for s in slices if _at(_slice(s)[1], D) == 0), None)
+    rope = next((s for s in slices if s is not nope and same_size(_at(_slice(s)[2], D), D)), None)
+    if nope is None or rope is None or not same_size(_at(_slice(nope)[2], D), _at(_slice(rope)[1], D)):
+        return None
+    width = D - _at(_slice(rope)[1], D)
+    cats = [u for u in nope.users if is_op(u, aten.cat.default) and len(u.args[0]) == 2 and u.args[0][0] is nope
+            and _last(u, _dim_arg(u, 1))]
+    if len(cats) != 1:
+        return None
+    cat = cats[0]
+    rotated = _strip(cat.args[0][1], (CONVERT,))
+    if not is_op(rotated, aten.add.Tensor) or not all(is_op(t, aten.mul.Tensor) for t in rotated.args):
+        return None
+    cos = neg_sin = None
+    for term in rotated.args:
+        for x, table in (term.args, term.args[::-1]):
+            source = _repeated_pairs(table) if isinstance(table, torch.fx.Node) else None
+            if source is None or not isinstance(x, torch.fx.Node):
+                continue
+            x = _strip(x, (CONVERT,))
+            if x is rope:
+                cos = source
+            elif _rotate_half_of(x, rope):
+                neg_sin = source
+    if cos is None or neg_sin is None or not is_op(neg_sin, aten.neg.default):
+        return None
+    sin = neg_sin.args[0]
+    if not same_size(2 * shape(cos)[-1], width) or not same_shape(shape(cos), shape(sin)):
+        return None
+    return dict(cat=cat, cos=cos, sin=sin, rope_dim=width)
+
+
+# ---------------------------------------------------------------------------
+# The matcher
+# ---------------------------------------------------------------------------
+
+
+def _sink_column(part: torch.fx.Node, H) -> torch.fx.Node | None:
+    """The [H] sink parameter broadcast as `sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)`."""
+    leaf = _strip(part, (aten.expand.default, *VIEW_OPS, aten.unsqueeze.default))
+    if len(shape(leaf)) == 1 and same_size(shape(leaf)[0], H) and same_size(shape(part)[-1], 1):
+        return leaf
+    return None
+
+
+def _softmax_of(cat: torch.fx.Node) -> torch.fx.Node:
+    """The probabilities of `softmax(cat - cat.max(-1, keepdim=True))`, max taken as `max.dim` or `amax`."""
+    from .sparse_attention import _softmax_parts
+
+    users = list(cat.users)
+    subs = [u for u in users if is_op(u, aten.sub.Tensor) and u.args[0] is cat]
+    maxes = [u for u in users if is_op(u, aten.max.dim, aten.amax.default)]
+    if len(subs) != 1 or len(maxes) != 1 or len(users) != 2:
+        raise NoMatch("the sink-extended scores are not max-subtracted once before the softmax")
+    row_max = maxes[0]
+    if is_op(row_max, aten.max.dim):
+        values = [g for g in row_max.users if g.target is operator.getitem and g.args[1] == 0]
+        keepdim = len(row_max.args) > 2 and row_max.args[2]
+        if len(values) != 1 or len(row_max.users) != 1 or not _last(cat, row_max.args[1]) or not keepdim:
+            raise NoMatch("the row max is not the keep-dim max over the keys")
+        row_max = values[0]
+    elif not (len(row_max.args) > 2 and row_max.args[2] and len(row_max.args[1]) == 1
+              and _last(cat, row_max.args[1][0])):
+        raise NoMatch("the row max is not the keep-dim max over the keys")
+    if subs[0].args[1] is not row_max:
+        raise NoMatch("the scores are shifted by something other than their row max")
+    soft = _softmax_parts(subs[0])
+    if soft is None or soft["safe"]:
+        raise NoMatch("the shifted scores do not feed a softmax over the keys and the sink")
+    return soft["probs"]
+
+
+def _match(cat: torch.fx.Node) -> dict:
+    parts = cat.args[0]
+    if len(parts) != 2 or len(shape(cat)) != 4 or not _last(cat, _dim_arg(cat, 1)):
+        raise NoMatch("not a cat of scores and a sink column", reported=False)
+    scores_in, sink_part = parts
+    B, H, S, _ = shape(cat)
+    sinks = _sink_column(sink_part, H) if isinstance(sink_part, torch.fx.Node) else None
+    if sinks is None or not is_op(_strip(scores_in, (CONVERT,)), aten.add.Tensor):
+        raise NoMatch("not a cat of scores and a sink column", reported=False)
+    users = list(cat.users)
+    if not any(is_op(u, aten.max.dim, aten.amax.default) for u in users):
+        raise NoMatch("not a cat of scores and a sink column", reported=False)
+    if dtype(sinks) != torch.float32 or dtype(cat) != torch.float32:
+        raise NoMatch(f"sink attention in {dtype(cat)} with {dtype(sinks)} sinks; the fused op's softmax is fp32")
+
+    probs = _softmax_of(cat)
+    # The sink column is dropped, the probabilities rounded to the value dtype and multiplied by the rows.
+    drop = only_user(probs)
+    bounds = _slice(drop) if is_op(drop, aten.slice.Tensor) else None
+    if bounds is None or not (_last(drop, bounds[0]) and bounds[1] == 0 and bounds[3] == 1
+                              and (bounds[2] == -1 or same_size(bounds[2], shape(cat)[3] - 1))):
+        raise NoMatch("the softmax output is not sliced to drop the trailing sink column")
+    node, prob_ops = drop, []
+    while True:
+        nxt = only_user(node)
+        if nxt is None:
+            raise NoMatch("the attention probabilities are also used elsewhere (returned attention weights?)")
+        if is_op(nxt, aten.bmm.default):
+            break
+        if not is_op(nxt, *LAYOUT_TARGETS, CONVERT):
+            raise NoMatch(f"the attention probabilities pass through {nxt.target} before P @ V (dropout?)")
+        prob_ops.append(nxt)
+        node = nxt
+    pv = nxt
+    if pv.args[0] is not node:
+        raise NoMatch("the attention probabilities are not the left operand of P @ V")
+
+    scores_add = _strip(scores_in, (CONVERT,))
+    a, b = scores_add.args
+    score_side = [x for x in (a, b) if isinstance(x, torch.fx.Node) and _chain_back_scaled(x)[0] is not None]
+    if len(score_side) != 1:
+        raise NoMatch("the masked scores are not a scaled q @ k^T product")
+    scaled = score_side[0]
+    mask = b if scaled is a else a
+    qk, score_ops, scale = _chain_back_scaled(scaled)
+
+    # q . k and P . v over one K=V tensor [B, 1, T, D] broadcast over the heads
+    q_chain, k_chain, v_chain = _chain_back(qk.args[0]), _chain_back(qk.args[1]), _chain_back(pv.args[1])
+    q = next((n for n in q_chain if same_shape(shape(n), (B, H, S, shape(n)[-1] if shape(n) else 0))), None)
+    kv_all = k_chain[0]
+    if kv_all is not v_chain[0]:
+        raise NoMatch("keys and values are different tensors (V4 reads one shared K=V row set)")
+    if q is None or len(shape(kv_all)) != 4 or not same_size(shape(kv_all)[1], 1):
+        raise NoMatch("q is not [B, H, S, D] or the K=V rows are not one [B, 1, T, D] head")
+    Dq = shape(q)[-1]
+    T_all, D = shape(kv_all)[2], shape(kv_all)[3]
+    if not same_shape(shape(q), (B, H, S, D)) or not same_size(Dq, D):
+        raise NoMatch(f"q {shape(q)} and the K=V rows {shape(kv_all)} do not fit [B, H, S, D] x [B, 1, T, D]")
+    q_l = _follow(leaf_labels(q, "bhsd"), q_chain[q_chain.index(q) + 1:])
+    k_l = _follow(leaf_labels(kv_all, "bxtd"), k_chain[1:])
+    qk_l = bmm_labels(q_l, k_l) if q_l and k_l else None
+    if qk_l is None or names([contracted(q_l, k_l)]) != names([(("d", D),)]):
+        raise NoMatch("the score product is not q[b,h,s,:] . kv[b,t,:]")
+    s_l = _follow(qk_l, score_ops)
+    want = names([(("b", B),), (("h", H),), (("s", S),), (("t", T_all),)])
+    if s_l is None or names(s_l) != want:
+        raise NoMatch("the scores are not laid out as [B, H, S, T] where the mask is added")
+    p_l = _follow(s_l, [op for op in prob_ops if not is_op(op, CONVERT)])
+    v_l = _follow(leaf_labels(kv_all, "bxtd"), v_chain[1:])
+    pv_l = bmm_labels(p_l, v_l) if p_l and v_l else None
+    if pv_l is None or names([contracted(p_l, v_l)]) != names([(("t", T_all),)]):
+        raise NoMatch("the output product is not P[b,h,s,:] . kv[b,:,e]")
+
+    x_dtype = dtype(q)
+    if x_dtype not in ATTENTION_DTYPES or dtype(kv_all) != x_dtype or dtype(pv) != x_dtype:
+        raise NoMatch(f"q / K=V / P @ V dtypes {x_dtype} / {dtype(kv_all)} / {dtype(pv)} differ or are unsupported")
+    if dtype(qk) != x_dtype or dtype(scores_add) != x_dtype:
+        raise NoMatch(f"the scores are computed in {dtype(scores_add)}, not in the input dtype {x_dtype}")
+    casts = [op for op in prob_ops if is_op(op, CONVERT)]
+    if any(op.args[1] != x_dtype for op in casts):
+        raise NoMatch(f"the probabilities are rounded to {casts[-1].args[1]}, not {x_dtype}")
+
+    # The output: [B, H, S, D] viewed as [B, S, H, D] (eager's transpose), then maybe the inverse RoPE
+    out_l, out, node = _follow(pv_l, []), pv, pv
+    rows_bshd = names([(("b", B),), (("s", S),), (("h", H),), (("d", D),)])
+    rows_bhsd = names([(("b", B),), (("h", H),), (("s", S),), (("d", D),)])
+    bshd = bhsd = None
+    while True:
+        current = names(out_l) if out_l is not None else None
+        if current == rows_bhsd and len(shape(node)) == 4 and bshd is not None:
+            bhsd = node
+            break
+        if current == rows_bshd and len(shape(node)) == 4:
+            bshd = node
+        nxt = only_user(node)
+        if nxt is None or not is_op(nxt, *LAYOUT_TARGETS):
+            break
+        out_l = apply_op(out_l, nxt) if out_l is not None else None
+        node = nxt
+    if bshd is None:
+        raise NoMatch("the attention output is not viewed as [B, S, H, D]")
+    epilogue = _inverse_rope(bhsd, D) if bhsd is not None else None
+
+    # The mask: window part over the N window rows, then the compressed part over the T entries
+    window_bias, block_bias = _mask_parts(mask)
+    window_bool = _additive_window(window_bias)
+    if window_bool is None:
+        raise NoMatch("the window part of the attention mask is not where(bool mask, 0, -inf or finfo.min)")
+    if block_bias is None:
+        kv_rows, compressed, N, T = kv_all, None, T_all, 0
+    else:
+        if not (is_op(kv_all, aten.cat.default) and len(kv_all.args[0]) == 2 and _dim_arg(kv_all, 1) in (2, -2)):
+            raise NoMatch("the mask has a compressed part but the K=V rows are not cat([window rows, compressed])")
+        kv_rows, compressed = kv_all.args[0]
+        N, T = shape(kv_rows)[2], shape(compressed)[2]
+        if not same_size(shape(_strip(window_bias, (CONVERT,)))[-1], N):
+            raise NoMatch("the window mask and the window rows differ in length")
+    win = _window_mask(window_bool, B, S, N)
+    indices = hca = None
+    if block_bias is not None:
+        indices = _csa_indices(block_bias, B, S, T)
+        if indices is None:
+            hca = _hca_threshold(block_bias, B, S, T)
+            if hca is None:
+                raise NoMatch("the compressed entries' block bias is neither CSA's scatter of the indexer's top-k "
+                              "nor HCA's causal threshold (pos + 1) // m")
+            if not _same_positions(hca[0], win["q"]):
+                raise NoMatch("HCA's causal threshold reads other positions than the sliding-window mask")
+    kind = "sliding" if block_bias is None else ("CSA" if indices is not None else "HCA")
+    return dict(q=q, kv_rows=kv_rows, compressed=compressed, indices=indices, sinks=sinks, scale=scale,
+                win=win, compress_rate=hca[1] if hca else 1, out=bshd, epilogue=epilogue, kind=kind, B=B, S=S)
+
+
+def _chain_back_scaled(node) -> tuple:
+    """(bmm, layout ops after it, scale) for `bmm(...)` viewed and multiplied by one constant, else (None, ...)."""
+    ops, scale = [], 1.0
+    while True:
+        factor = _scale_factor(node)
+        if factor is not None:
+            scale *= factor
+            node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else node.args[1]
+        elif is_op(node, *LAYOUT_TARGETS):
+            ops.append(node)
+            node = node.args[0]
+        else:
+            break
+    if not is_op(node, aten.bmm.default):
+        return None, [], 1.0
+    return node, ops[::-1], scale
+
+
+def _mask_parts(mask) -> tuple:
+    """(window part, compressed part or None) of the additive mask: `cat([window, block_bias], -1)` or the window."""
+    node = _strip(mask, (CONVERT, aten.expand.default))
+    if is_op(node, aten.cat.default) and len(node.args[0]) == 2 and _last(node, _dim_arg(node, 1)):
+        return node.args[0][0], node.args[0][1]
+    return mask, None
+
+
+def _same_positions(positions: torch.fx.Node, term: dict) -> bool:
+    """Whether `positions` [B', S] holds the same values as the mask's query positions."""
+    if term["kind"] == "table":
+        return _strip(positions, (aten.expand.default,)) is term["table"]
+    found = _arange(positions)
+    return found is not None and same_size(found[2], term["start"])
+
+
+# ---------------------------------------------------------------------------
+# The rewrite
+# ---------------------------------------------------------------------------
+
+
+def _positions_node(graph, before, term: dict, B) -> torch.fx.Node:
+    """[B, L] int64 positions built from the mask's own position source."""
+    if term["kind"] == "table":
+        rows = term["table"]
+    else:
+        rows = term["base"]
+        while len(shape(rows)) > 1:
+            rows = rows.args[0]
+        rows = insert_call(graph, before, aten.unsqueeze.default, (rows, 0))
+    return insert_call(graph, before, aten.expand.default, (rows, [B, -1]))
+
+
+def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    out, epilogue = m["out"], m["epilogue"]
+    before = epilogue["cat"] if epilogue is not None else out
+    B = _size(graph, before, m["q"], 0)
+    q = insert_call(graph, before, aten.permute.default, (m["q"], [0, 2, 1, 3]))
+    kv = insert_call(graph, before, aten.squeeze.dim, (m["kv_rows"], 1))
+    compressed = m["compressed"]
+    if compressed is not None:
+        compressed = insert_call(graph, before, aten.squeeze.dim, (compressed, 1))
+    win = m["win"]
+    q_positions = _positions_node(graph, before, win["q"], B)
+    kv_positions = _positions_node(graph, before, win["kv"], B)
+    if win["padding"] is not None:
+        kv_positions = insert_call(graph, before, aten.where.ScalarOther, (win["padding"], kv_positions, -1))
+    cos = sin = None
+    if epilogue is not None:
+        cos, sin = (_fp32_rows(graph, before, t, B) for t in (epilogue["cos"], epilogue["sin"]))
+    fused = insert_call(graph, before, torch.ops.dsfuse.compressed_attention.default,
+                        (q, kv, q_positions, kv_positions, compressed, m["indices"], m["sinks"], m["scale"],
+                         win["window"], m["compress_rate"], cos, sin))
+    if epilogue is not None:
+        epilogue["cat"].replace_all_uses_with(insert_call(graph, before, aten.permute.default, (fused, [0, 2, 1, 3])))
+    else:
+        out.replace_all_uses_with(fused)
+    N = shape(m["kv_rows"])[2]
+    if m["kind"] == "CSA":
+        what = f"window {win['window']} + top-{shape(m['indices'])[2]} compressed entries"
+    elif m["kind"] == "HCA":
+        what = f"window {win['window']} + causal compressed entries (m={m['compress_rate']})"
+    else:
+        what = f"window {win['window']}"
+    detail = (f"V4 {m['kind']} attention: {what}, sinks, "
+              f"{'inverse RoPE epilogue' if epilogue is not None else 'no inverse RoPE epilogue'}"
+              f"{', padding' if win['padding'] is not None else ''}, {N} window rows, scale={m['scale']:.6g}")
+    ctx.site(cat, "dsfuse.compressed_attention",
+             [m["q"], m["kv_rows"], m["compressed"], m["indices"], m["sinks"]], detail=detail, call=fused)
+
+
+def _fp32_rows(graph, before, table: torch.fx.Node, B) -> torch.fx.Node:
+    """A [B', S, R] cos / sin table as fp32 [B, S, R] (bf16 tables widen exactly, as HF's fp32 RoPE math does)."""
+    if dtype(table) != torch.float32:
+        table = insert_call(graph, before, CONVERT, (table, torch.float32))
+    return insert_call(graph, before, aten.expand.default, (table, [B, -1, -1]))

@@ -1,0 +1,136 @@
+"""`sparse_attention` on HF DeepSeek V4 (`v4-tiny`: a sliding, a CSA and an HCA layer): each layer's sink attention
+becomes one `dsfuse::compressed_attention` call, logits stay those of eager, and what cannot be proven is a reported
+near-miss with its reason.
+
+The whole model is compiled once (the logits); the other cases compile the model's three attention layers alone on
+one hidden state, with the masks and RoPE tables the model builds (same HF code, a fraction of the compile time)."""
+
+import pytest
+import torch
+from transformers.masking_utils import create_sliding_window_causal_mask
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
+import dsfuse
+from dsfuse.models.presets import build_hf_model
+
+OPTIONS = {"enable": ["sparse_attention"]}
+LAYER_KINDS = ["sliding", "CSA", "HCA"]  # v4-tiny: window 8, CSA m=4 top-4, HCA m'=8
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+
+
+class Attentions(torch.nn.Module):
+    """The model's attention layers on one hidden state, with its own sliding-window mask and RoPE tables."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model.model
+
+    def forward(self, hidden, attention_mask=None):
+        inner = self.inner
+        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = create_sliding_window_causal_mask(config=inner.config, inputs_embeds=hidden,
+                                                 attention_mask=attention_mask, cache=None, position_ids=position_ids)
+        tables = {kind: inner.rotary_emb(hidden, position_ids=position_ids, layer_type=kind)
+                  for kind in ("main", "compress")}
+        return torch.stack([layer.self_attn(hidden, position_embeddings=tables, position_ids=position_ids,
+                                            attention_mask=mask)[0] for layer in inner.layers])
+
+
+def _sites():
+    return [s for s in dsfuse.report().sites if s.pass_name == "sparse_attention"]
+
+
+def _kinds(sites):
+    return [s.detail.split(" attention:")[0].removeprefix("V4 ") for s in sites]
+
+
+def _hidden(batch, seq):
+    return torch.randn(batch, seq, 64, generator=torch.Generator().manual_seed(seq))
+
+
+def _left_padding(batch, seq, pad=3):
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[1:, :pad] = 0
+    return mask
+
+
+def test_every_layer_kind_is_rewritten_and_logits_match_eager(model):
+    """S=21: not a multiple of m=4 nor of m'=8, longer than the window and than index_topk * m."""
+    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).logits
+        logits = torch.compile(model, backend="dsfuse", options=OPTIONS)(ids, use_cache=False).logits
+    torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    sites = _sites()
+    assert rep.counts["sparse_attention"] == 3 and [s.op for s in sites] == ["dsfuse.compressed_attention"] * 3
+    assert _kinds(sites) == LAYER_KINDS, [s.detail for s in sites]
+    assert sites[0].detail.startswith("V4 sliding attention: window 8, sinks, inverse RoPE epilogue")
+    assert sites[1].detail.startswith("V4 CSA attention: window 8 + top-4 compressed entries, sinks, inverse RoPE")
+    assert sites[2].detail.startswith("V4 HCA attention: window 8 + causal compressed entries (m=8), sinks, inverse")
+    assert [m for m in rep.near_misses if m.pass_name == "sparse_attention"] == []
+
+
+@pytest.mark.parametrize("seq", [6, 13])
+def test_short_prompts(model, seq):
+    """S=6: shorter than the window, one CSA entry, no HCA entry yet; S=13: fewer than index_topk * m tokens."""
+    hidden = _hidden(1, seq)
+    attentions = Attentions(model)
+    with torch.no_grad():
+        reference = attentions(hidden)
+        out = torch.compile(attentions, backend="dsfuse", options=OPTIONS)(hidden)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    assert dsfuse.report().counts["sparse_attention"] == 3, str(dsfuse.report())
+    # Before its first full window of m'=8 tokens the HCA layer has no entry and no block bias: sliding attention.
+    assert _kinds(_sites()) == (["sliding", "CSA", "sliding"] if seq < 8 else LAYER_KINDS)
+    if seq == 6:
+        assert "top-1 compressed entries" in _sites()[1].detail  # one pick: Inductor's one-hot form of the scatter
+
+
+def test_left_padding_and_dynamic_lengths_do_not_recompile(model):
+    """Batch 2, the second row left-padded through `attention_mask`; after the first length Dynamo marks the length
+    dynamic and the symbolic graph (positions built from symbolic sizes) serves the next lengths."""
+    attentions = Attentions(model)
+    compiled = torch.compile(attentions, backend="dsfuse", options=OPTIONS)
+    with torch.no_grad():
+        for seq in (17, 21, 26):
+            hidden, mask = _hidden(2, seq), _left_padding(2, seq)
+            torch.testing.assert_close(compiled(hidden, mask), attentions(hidden, mask), rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    assert len(rep.graphs) == 2, str(rep)
+    assert rep.counts["sparse_attention"] == 6 and _kinds(_sites()) == LAYER_KINDS * 2
+    assert all("padding" in s.detail for s in _sites())
+
+
+class _Stub(torch.nn.Module):
+    """What `eager_attention_forward` reads from its module: the sinks, the K=V broadcast and the mode."""
+
+    def __init__(self, heads):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(heads))
+        self.num_key_value_groups = heads
+
+
+def test_unprovable_mask_is_a_reported_near_miss():
+    """A plain causal mask (no sliding window) over the shared K=V rows: HF's sink attention, but not V4's mask."""
+    stub = _Stub(4).eval()
+
+    def attention(q, kv):
+        seq = q.shape[2]
+        allowed = torch.arange(seq).view(1, 1, 1, seq) <= torch.arange(seq).view(1, 1, seq, 1)
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        return eager_attention_forward(stub, q, kv, kv, mask, scaling=0.25)[0]
+
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(1, 4, 10, 16, generator=gen), torch.randn(1, 1, 10, 16, generator=gen)
+    with torch.no_grad():
+        out = torch.compile(attention, backend="dsfuse", options=OPTIONS)(q, kv)
+    torch.testing.assert_close(out, attention(q, kv))
+    rep = dsfuse.report()
+    assert rep.counts["sparse_attention"] == 0
+    reasons = [m.reason for m in rep.near_misses if m.pass_name == "sparse_attention"]
+    assert reasons == ["the attention mask has no sliding window (kv > q - window)"], str(rep)
