@@ -32,9 +32,9 @@ import torch
 import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.dsfuse.compressed_attention)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import LAYOUT_TARGETS, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, shape,
-                          val)
+from .dims import apply_op, bmm_labels, contracted, leaf_labels, names
+from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
+                          same_size, shape, val)
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -109,7 +109,7 @@ def _scale_factor(node) -> float | None:
 def _chain_back(node) -> list[torch.fx.Node]:
     """[leaf, ..., node] through layout ops only."""
     chain = [node]
-    while is_op(node, *LAYOUT_TARGETS):
+    while is_op(node, *LAYOUT_OPS):
         node = node.args[0]
         chain.append(node)
     return chain[::-1]
@@ -370,7 +370,7 @@ def _repeated_pairs(node) -> torch.fx.Node | None:
     """The [B', S, R] table x of `x.repeat_interleave(2, -1).unsqueeze(1)` as Inductor writes it (unsqueeze, expand,
     clone, view, unsqueeze), proven by following its dims to [B', 1, S, (R, 2)]."""
     chain = []
-    while is_op(node, *LAYOUT_TARGETS, CONVERT):
+    while is_op(node, *LAYOUT_OPS, CONVERT):
         chain.append(node)
         node = node.args[0]
     if len(shape(node)) != 3 or not chain:
@@ -527,7 +527,7 @@ def _match(cat: torch.fx.Node) -> dict:
             raise NoMatch("the attention probabilities are also used elsewhere (returned attention weights?)")
         if is_op(nxt, aten.bmm.default):
             break
-        if not is_op(nxt, *LAYOUT_TARGETS, CONVERT):
+        if not is_op(nxt, *LAYOUT_OPS, CONVERT):
             raise NoMatch(f"the attention probabilities pass through {nxt.target} before P @ V (dropout?)")
         prob_ops.append(nxt)
         node = nxt
@@ -581,7 +581,7 @@ def _match(cat: torch.fx.Node) -> dict:
         raise NoMatch(f"the probabilities are rounded to {casts[-1].args[1]}, not {x_dtype}")
 
     # The output: [B, H, S, D] viewed as [B, S, H, D] (eager's transpose), then maybe the inverse RoPE
-    out_l, out, node = _follow(pv_l, []), pv, pv
+    out_l, node = _follow(pv_l, []), pv
     rows_bshd = names([(("b", B),), (("s", S),), (("h", H),), (("d", D),)])
     rows_bhsd = names([(("b", B),), (("h", H),), (("s", S),), (("d", D),)])
     bshd = bhsd = None
@@ -593,7 +593,7 @@ def _match(cat: torch.fx.Node) -> dict:
         if current == rows_bshd and len(shape(node)) == 4:
             bshd = node
         nxt = only_user(node)
-        if nxt is None or not is_op(nxt, *LAYOUT_TARGETS):
+        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
             break
         out_l = apply_op(out_l, nxt) if out_l is not None else None
         node = nxt
@@ -639,7 +639,7 @@ def _chain_back_scaled(node) -> tuple:
         if factor is not None:
             scale *= factor
             node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else node.args[1]
-        elif is_op(node, *LAYOUT_TARGETS):
+        elif is_op(node, *LAYOUT_OPS):
             ops.append(node)
             node = node.args[0]
         else:
