@@ -918,3 +918,16 @@ def test_gpu_complex_rope_equals_eager_cuda(interleaved):
     x, freqs, _, _ = _indexer_rows(torch.bfloat16, heads=16, seq=257, dim=64, c_rope=64)
     rope = apply_rope_interleaved if interleaved else apply_rope_half_split
     _assert_equal(complex_rope(x, _rows_freqs(freqs), interleaved), rope(x, freqs))
+
+
+def test_complex_rope_reference_on_rows_of_odd_stride():
+    """Regression (found by tests/fuzz): fp32 rows of odd width viewed as complex pairs have odd row strides, which
+    `view_as_complex` rejects; the reference copies them first, like an odd storage offset."""
+    x = torch.randn(2, 1, 3, 3)  # rows of 3 fp32 values: strides (9, 9, 3, 1)
+    freqs = torch.polar(torch.ones(1, 1, 3, 1), torch.randn(1, 1, 3, 1))
+    got = rope_quant_fp8(x, freqs, 0, True, 1, False)
+    assert torch.equal(got[0].view(torch.uint8), rope_quant_fp8_reference(x.clone(), freqs, 0, True, 1, False)[0]
+                       .view(torch.uint8))
+    rotated = complex_rope_reference(x[..., :2], freqs, True)
+    want = torch.view_as_real(torch.view_as_complex(x[..., :2].contiguous()) * freqs[..., 0])
+    assert torch.equal(rotated, want)
