@@ -37,8 +37,8 @@ def generator(seed: int) -> torch.Generator:
 
 def values(shape, dtype, seed, scale=1.0, specials=(), grid=None):
     """randn * scale in `dtype` (on multiples of 1/grid when given: few mantissa bits, so products and short sums
-    are exact in fp32 and every rounding order agrees), then a few elements set to each named special: NaN, +-Inf, 0, or a tie (a copy
-    of another element)."""
+    are exact in fp32 and every rounding order agrees), then a few elements set to each named special: NaN,
+    +-Inf, 0, or a tie (a copy of another element)."""
     g = generator(seed)
     x = torch.randn(shape, generator=g) * scale
     if grid is not None:
@@ -114,3 +114,17 @@ def assert_rel_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: st
     diff = (got - want).masked_fill(both, 0).abs().max() if got.numel() else torch.tensor(0.0)
     scale = want.masked_fill(both, 0).abs().max().clamp_min(1e-6) if got.numel() else torch.tensor(1.0)
     assert diff <= tol * scale, (what, diff.item(), scale.item())
+
+
+def reference_output(op, reference, *args):
+    """The reference's output; on CPU also checks that the op (its CPU implementation: input checks, then the
+    reference) gives it bit for bit. On CUDA the op is the kernel, which each test compares with its tolerance."""
+    want = reference(*args)
+    if DEVICE == "cpu":
+        got = op(*args)
+        for one, other in zip(got if isinstance(got, (tuple, list)) else [got],
+                              want if isinstance(want, (tuple, list)) else [want]):
+            if one.dtype == torch.float8_e4m3fn:
+                one, other = one.view(torch.uint8), other.view(torch.uint8)
+            assert_same(one, other, what="op")
+    return want

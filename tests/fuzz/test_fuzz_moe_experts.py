@@ -4,7 +4,7 @@ negative ids (a clear error on the reference path)."""
 
 import pytest
 import torch
-from fuzz_support import DEVICE, assert_rel_close, fuzzes, guarded, seeds, sizes, values
+from fuzz_support import DEVICE, assert_rel_close, fuzzes, guarded, reference_output, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,12 +36,12 @@ def test_moe_bf16_kernel_is_the_reference(case, hidden, inter, router_fp32):
     gate_up = (values((experts, 2 * inter, hidden), torch.float32, seed + 1) * 0.1).to(DEVICE, HALF)
     down = (values((experts, hidden, inter), torch.float32, seed + 2) * 0.1).to(DEVICE, HALF)
     weights = weights.to(DEVICE, torch.float32 if router_fp32 else HALF)
-    want = moe.moe_experts_bf16(x, ids.to(DEVICE), weights, gate_up, down, offset)
-    assert_rel_close(want, moe.moe_experts_bf16_reference(x, ids.to(DEVICE), weights, gate_up, down, offset), 0, "op")
+    want = reference_output(moe.moe_experts_bf16, moe.moe_experts_bf16_reference, x, ids.to(DEVICE), weights,
+                            gate_up, down, offset)
     got = moe.moe_experts_bf16_triton(guarded(x), ids.to(DEVICE), weights, guarded(gate_up), guarded(down), offset)
     assert_rel_close(got, want, 1e-2, "triton")
     with pytest.raises(ValueError, match="negative|>= 0"):
-        moe.moe_experts_bf16(x, -ids.to(DEVICE) - 1, weights, gate_up, down, offset)
+        moe.moe_experts_bf16_reference(x, -ids.to(DEVICE) - 1, weights, gate_up, down, offset)
 
 
 @fuzzes("dsfuse::moe_experts_fp4")
@@ -52,10 +52,9 @@ def test_moe_fp4_kernel_is_the_reference(case, hidden, inter):
     w13, w13_scale = quantize_fp4(values((experts, 2 * inter, hidden), torch.float32, seed + 1) * 0.1)
     w2, w2_scale = quantize_fp4(values((experts, hidden, inter), torch.float32, seed + 2) * 0.1)
     weights_ = (w13.to(DEVICE), w13_scale.to(DEVICE), w2.to(DEVICE), w2_scale.to(DEVICE))
-    want = moe.moe_experts_fp4(x, ids.to(DEVICE), weights.to(DEVICE), *weights_, offset)
-    assert_rel_close(want, moe.moe_experts_reference(x, ids.to(DEVICE), weights.to(DEVICE), *weights_, offset), 0,
-                     "op")
+    want = reference_output(moe.moe_experts_fp4, moe.moe_experts_reference, x, ids.to(DEVICE), weights.to(DEVICE),
+                            *weights_, offset)
     got = moe.moe_experts_fp4_triton(guarded(x), ids.to(DEVICE), weights.to(DEVICE), *weights_, offset)
     assert_rel_close(got, want, 1e-2, "triton")
     with pytest.raises(ValueError, match="negative|>= 0"):
-        moe.moe_experts_fp4(x, -ids.to(DEVICE) - 1, weights.to(DEVICE), *weights_, offset)
+        moe.moe_experts_reference(x, -ids.to(DEVICE) - 1, weights.to(DEVICE), *weights_, offset)
