@@ -2,7 +2,7 @@
 # One H200 session: GPU tests, whole-model and family benchmarks with a profile, kernel benchmarks.
 # From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
 # Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
-# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm hc) runs a subset;
+# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm hc fuzz) runs a subset;
 # MODEL_CONFIGS / MODEL_SEQ / MODEL_LOGITS, DECODE_CONFIGS / DECODE_CONTEXT / DECODE_LIMIT and ABLATE_LIMIT narrow
 # the model steps.
 set -uo pipefail
@@ -17,7 +17,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -1
-STEPS=${STEPS:-tests model families model32k decode ablate indexer sparse moe norm hc}
+STEPS=${STEPS:-tests model families model32k decode ablate indexer sparse moe norm hc fuzz}
 wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step SECONDS TITLE COMMAND...
   local limit=$1 title=$2; shift 2
@@ -46,4 +46,8 @@ wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmar
 wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
 wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/norm_rope_quant_gpu.py
 wanted hc && TAIL=8 step 300 "hyper-connection kernels" python3 -P benchmarks/hyper_connections_gpu.py
+# fuzz: the op fuzz suite with the large example budget, then whole presets at many lengths and batch sizes
+wanted fuzz && TAIL=15 DSFUSE_FUZZ_PROFILE=gpu step ${FUZZ_OPS_LIMIT:-240} "op fuzz (gpu profile)" python3 -P -m pytest -q \
+  tests/fuzz
+wanted fuzz && TAIL=40 step ${FUZZ_MODEL_LIMIT:-480} "model fuzz" python3 -P benchmarks/model_fuzz_gpu.py --out "$OUT"
 true

@@ -124,12 +124,29 @@ class _RecordingInnerCompile:
         return compiled
 
 
+def _recorded_dims(described: str) -> list[str]:
+    """The dims of a site input as the pass recorded it (`name:dtype[d0xd1x...]`, dims concrete or symbolic)."""
+    return described[described.rindex("[") + 1:-1].split("x")
+
+
+def _reads_earlier_tokens(site: _report.Site) -> bool:
+    """An absorbed attention whose keys outnumber its queries (q [B, H, S, D], latent [B, 1, T, C], T != S):
+    the step attends over tokens from before its own, which only a KV cache holds. A prefill without a cache
+    (any S up to the absorbed form's limit) computes its keys from its own S tokens, so T is S, the same
+    number or the same symbol."""
+    if site.op != "dsfuse.absorbed_mla_attention" or len(site.inputs) < 2:
+        return False
+    queries, keys = _recorded_dims(site.inputs[0]), _recorded_dims(site.inputs[1])
+    return len(queries) == 4 and len(keys) == 4 and queries[2] != keys[2]
+
+
 def _decode_without_graphs(sites: Sequence[_report.Site], example_inputs: Sequence[Any],
                            patches: Mapping[str, Any]) -> bool:
-    """A CUDA decode graph that will not be captured: worth telling the user, it costs several times its GPU time."""
+    """A CUDA decode graph (attention over a KV cache) that will not be captured: worth telling the user, it
+    costs several times its GPU time."""
     cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     cudagraphs = patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)
-    return cuda and not cudagraphs and any(site.op == "dsfuse.absorbed_mla_attention" for site in sites)
+    return cuda and not cudagraphs and any(_reads_earlier_tokens(site) for site in sites)
 
 
 def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

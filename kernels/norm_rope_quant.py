@@ -146,7 +146,8 @@ def complex_rope_reference(rot, freqs, interleaved):
         return rot.clone()
     rot32 = rot.float()
     if interleaved:
-        if rot32.storage_offset() % 2:  # view_as_complex needs an even offset (the source's split parts have one)
+        # view_as_complex needs an even offset and even strides but the last (an fp32 row view of odd width has odd ones)
+        if rot32.storage_offset() % 2 or any(stride % 2 for stride in rot32.stride()[:-1]):
             rot32 = rot32.clone()
         pairs = torch.view_as_complex(rot32.unflatten(-1, (-1, 2)))
         return torch.view_as_real(pairs * freqs).flatten(-2).to(rot.dtype)

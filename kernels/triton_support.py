@@ -9,9 +9,35 @@ fp16 and fp8 dots are right, so interpreter tests feed fp16 where the GPU path u
 
 from __future__ import annotations
 
+import functools
 import os
 
 
 def interpreting() -> bool:
     """True when Triton kernels run on the CPU interpreter instead of a GPU."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fma_rounds_once(device: str = "cpu") -> bool:
+    """Whether `tl.fma` on `device` rounds once, as a GPU's `fma.rn.f32` always does. Triton's interpreter
+    computed it as a multiply and then an add (two fp32 roundings) before triton 3.9; tests that compare a
+    kernel's FMA lanes bit for bit expect the rounding that this backend actually performs."""
+    return _fma_probe(str(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _fma_probe(device: str) -> bool:
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma_kernel(a_ptr, c_ptr, out_ptr):
+        a = tl.load(a_ptr)
+        tl.store(out_ptr, tl.fma(a, a, tl.load(c_ptr)))
+
+    a = torch.tensor([1 + 2**-12], dtype=torch.float32, device=device)  # a*a = 1 + 2^-11 + 2^-24: not an fp32
+    c = -(a * a)  # minus a*a rounded to fp32: a single rounding leaves the 2^-24, two roundings leave 0
+    out = torch.empty_like(a)
+    fma_kernel[(1,)](a, c, out)
+    return bool(out.item() != 0.0)

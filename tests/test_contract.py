@@ -1,5 +1,6 @@
 """The public contract of design.md: backend by name, pass names, options, env vars, errors, report."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -115,22 +116,54 @@ def test_training_graphs_are_left_to_inductor():
     assert lin.weight.grad is not None
 
 
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode", "frozen"])
+def test_inference_graphs_carry_no_training_note(context):
+    """Graphs without gradients (no_grad, inference_mode, or no input that requires one) get no note at all."""
+    lin = torch.nn.Linear(4, 4)
+    if context == "frozen":
+        lin.requires_grad_(False)
+    guard = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(context, contextlib.nullcontext)
+    with guard(), torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit would add its own note
+        torch.compile(lin, backend="dsfuse")(torch.randn(2, 4))
+    graphs = dsfuse.report().graphs
+    assert len(graphs) == 1 and graphs[0].note == "" and graphs[0].enabled, graphs
+
+
+class CudaStandIn(torch.Tensor):  # no GPU here: a CPU tensor that says it lives on CUDA
+    @property
+    def is_cuda(self):
+        return True
+
+
+def _absorbed_site(queries: str, keys: str):
+    """An absorbed attention site as the pass records it: q [B, H, S, D], latent [B, 1, T, C], ..."""
+    from dsfuse.report import Site
+
+    return Site("sparse_attention", 0, "scatter", "dsfuse.absorbed_mla_attention",
+                (f"q:bfloat16[2x16x{queries}x192]", f"latent:bfloat16[2x1x{keys}x512]",
+                 f"rope:bfloat16[2x1x{keys}x64]", "w:bfloat16[4096x512]", f"idx:int32[2x{queries}x8]"))
+
+
 def test_a_cuda_decode_graph_without_cuda_graphs_is_flagged():
-    """Absorbed decode attention compiled for CUDA without CUDA graphs runs several times slower than its GPU time:
-    the report says so (and how to fix it); CPU graphs, captured graphs and prefill graphs stay quiet."""
+    """Absorbed attention over a KV cache compiled for CUDA without CUDA graphs runs several times slower than its
+    GPU time: the report says so (and how to fix it); CPU graphs, captured graphs and prefill graphs stay quiet."""
     from dsfuse.backend import _decode_without_graphs
     from dsfuse.report import Site
 
-    decode = [Site("sparse_attention", 0, "scatter", "dsfuse.absorbed_mla_attention", ())]
-    prefill = [Site("sparse_attention", 0, "scatter", "dsfuse.sparse_attention_masked", ())]
-
-    class CudaStandIn(torch.Tensor):  # no GPU here: a CPU tensor that says it lives on CUDA
-        @property
-        def is_cuda(self):
-            return True
-
     on_gpu, on_cpu = [torch.empty(2).as_subclass(CudaStandIn)], [torch.empty(2)]
-    assert _decode_without_graphs(decode, on_gpu, {}) is True
-    assert _decode_without_graphs(decode, on_gpu, {"triton.cudagraphs": True}) is False
-    assert _decode_without_graphs(prefill, on_gpu, {}) is False
-    assert _decode_without_graphs(decode, on_cpu, {}) is False
+    for decode in (_absorbed_site("1", "8193"), _absorbed_site("1", "s0 + 1"), _absorbed_site("4", "s0")):
+        assert _decode_without_graphs([decode], on_gpu, {}) is True, decode
+        assert _decode_without_graphs([decode], on_gpu, {"triton.cudagraphs": True}) is False
+        assert _decode_without_graphs([decode], on_cpu, {}) is False
+    masked = Site("sparse_attention", 0, "scatter", "dsfuse.sparse_attention_masked", ())
+    assert _decode_without_graphs([masked], on_gpu, {}) is False
+
+
+@pytest.mark.parametrize("queries", [str(s) for s in range(1, 10)] + ["64", "s0"])
+def test_a_short_prefill_is_not_a_decode_step(queries):
+    """A prefill of up to ABSORB_MAX_QUERIES tokens without a cache is absorbed too, but its keys are its own
+    tokens (T = S): no decode note for it."""
+    from dsfuse.backend import _decode_without_graphs
+
+    on_gpu = [torch.empty(2).as_subclass(CudaStandIn)]
+    assert _decode_without_graphs([_absorbed_site(queries, queries)], on_gpu, {}) is False

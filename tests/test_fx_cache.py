@@ -42,6 +42,7 @@ def test_toggling_a_pass_never_serves_a_stale_graph(tmp_path, monkeypatch):
     with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
         _, on, hit, miss = _compile_and_run({"enable": ["indexer_topk"]})
         assert (hit, miss) == (0, 1) and on.counts["indexer_topk"] == 1
+        assert on.graphs[0].note == "", "a compiled (not cached) graph carries no cache note"
 
         _, off, hit, miss = _compile_and_run({"disable": ["indexer_topk"]})
         assert (hit, miss) == (0, 1), "a different enabled set must not hit the cached fused graph"
@@ -86,3 +87,20 @@ def test_uuid_follows_what_runs_not_the_flags(monkeypatch):
     assert DsfusePassManager(("indexer_topk",)).uuid() == DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
     monkeypatch.setattr(moe, "IMPLEMENTED", True)
     assert DsfusePassManager(("indexer_topk",)).uuid() != DsfusePassManager(("indexer_topk", "moe_experts")).uuid()
+
+
+def test_a_cache_hit_without_dsfuse_record_says_sites_are_not_counted(tmp_path, monkeypatch):
+    """Inductor's cache can outlive dsfuse's record of a compile (a deleted or foreign record folder): the graph is
+    then served with its fused ops, but the report cannot count them, and says so instead of claiming 0 sites."""
+    from dsfuse.backend import UNRECORDED_NOTE, _records_dir
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        first, _, hit, miss = _compile_and_run({"enable": ["indexer_topk"]})
+        assert (hit, miss) == (0, 1)
+        for record in _records_dir().glob("*.json"):
+            record.unlink()
+        again, rep, hit, miss = _compile_and_run({"enable": ["indexer_topk"]})
+    assert (hit, miss) == (1, 0)
+    assert rep.graphs[0].note == UNRECORDED_NOTE and rep.counts["indexer_topk"] == 0
+    assert torch.equal(again, first)

@@ -42,7 +42,20 @@ def test_hf_tiny_sdpa_fp32_uses_fused_indexer_indices(seq, op):
         assert "decomposed SDPA, bool mask, K=8" in site.detail, site.detail
         assert site.inputs[index_input].startswith("indexer_topk"), site.inputs
         assert f":int32[2x{seq}x8]" in site.inputs[index_input], site.inputs
+    assert not _flagged_as_decode(_sparse_sites()), "a prefill without a cache is no decode step"
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def _flagged_as_decode(sites):
+    """Whether the backend's decode note would fire for these sites in a CUDA graph without CUDA graphs."""
+    from dsfuse.backend import _decode_without_graphs
+
+    class CudaStandIn(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    return _decode_without_graphs(sites, [torch.empty(1).as_subclass(CudaStandIn)], {"triton.cudagraphs": False})
 
 
 def test_hf_tiny_decode_reads_the_latent_cache_absorbed():
@@ -69,6 +82,8 @@ def test_hf_tiny_decode_reads_the_latent_cache_absorbed():
     assert rep.counts["sparse_attention"] == 2 * layers, str(rep)
     assert {s.op for s in _sparse_sites()} == {"dsfuse.absorbed_mla_attention"}, str(rep)
     assert all(s.detail.endswith("top-k indices (no repeats)") for s in _sparse_sites()), str(rep)
+    for graph in rep.graphs:  # the static-length step and the dynamic-length one both read the cache
+        assert _flagged_as_decode([s for s in _sparse_sites() if s.graph == graph.index]), str(rep)
 
 
 def test_hf_tiny_eager_fp32_with_plain_topk(monkeypatch):

@@ -21,6 +21,7 @@ from dsfuse.kernels.norm_rope_quant import (
     rope_quant_fp8_reference,
     rope_quant_fp8_triton,
 )
+from dsfuse.kernels.triton_support import fma_rounds_once
 from dsfuse.models.official import rms_norm_official
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     DeepseekV32RMSNorm,
@@ -424,6 +425,23 @@ COMPLEX_MULS = [("rounded", "rounded"), ("fma_first", "fma_first"), ("fma_second
                 ("fma_first", "fma_second")]
 
 
+def _lanes_performed(complex_mul):
+    """The lane roundings that the kernel's `tl.fma` performs on this backend. The GPU's FMA rounds once; Triton's
+    interpreter before 3.9 multiplied and then added (two roundings), and then fma(a, c, -(b*s)) is
+    round(round(a*c) - round(b*s)): every named rounding is "rounded" there. The comparison then still checks
+    every other rounding and the lane layout; the single rounding of each FMA lane is checked on the GPU (the
+    PTX test and the eager-CUDA tests) and by the interpreter of triton >= 3.9."""
+    return complex_mul if fma_rounds_once(DEVICE) else ("rounded", "rounded")
+
+
+def test_fma_probe_knows_which_backends_round_once():
+    """The probe behind `_lanes_performed`: the GPU and the interpreter of triton >= 3.9 round an FMA once."""
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    assert fma_rounds_once(DEVICE) == (DEVICE == "cuda" or version >= (3, 9))
+
+
 def _indexer_rows(dtype, heads=3, seq=5, batch=2, dim=32, c_rope=8, seed=5):
     """x [B, S, H, D] as a strided view of a wider projection output, the model's complex rotations
     `freqs [S, C_rope/2]`, and a LayerNorm weight / bias."""
@@ -516,7 +534,7 @@ def test_rope_quant_kernel_bit_exact_in_each_complex_rounding(dtype, interleaved
         ln_args = () if layer_norm is None else (*layer_norm, 1e-6)
         got = rope_quant_fp8_triton(x, _rows_freqs(freqs), 0, interleaved, 16, ue8m0, *ln_args,
                                     complex_mul=complex_mul)
-        want = _official_indexer_path(x, freqs, interleaved, 16, ue8m0, layer_norm, complex_mul)
+        want = _official_indexer_path(x, freqs, interleaved, 16, ue8m0, layer_norm, _lanes_performed(complex_mul))
         if layer_norm is not None and dtype == torch.float32:
             _assert_fp8_within_one_ulp(got[0], want[0])
             torch.testing.assert_close(got[1], want[1], rtol=2e-7, atol=0)  # ue8m0: equal (power of two)
@@ -778,7 +796,8 @@ def test_official_kv_kernel_bit_exact_in_each_complex_rounding(dtype, interleave
     a, b = (rows[..., 0], rows[..., 1]) if interleaved else (rows[..., 0, :], rows[..., 1, :])
     per_row = freqs.repeat(x.shape[0] // freqs.shape[0], 1)
     c, s = per_row.real, per_row.imag
-    real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), complex_mul))
+    performed = _lanes_performed(complex_mul)
+    real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), performed))
     want = torch.stack([real, imag], -1 if interleaved else -2).flatten(-2).to(dtype)
     _assert_equal(roped, want)
 
@@ -857,7 +876,8 @@ def test_complex_rope_kernel_bit_exact_in_each_complex_rounding(dtype, interleav
     pairs = x.float().unflatten(-1, (-1, 2) if interleaved else (2, -1))
     a, b = (pairs[..., 0], pairs[..., 1]) if interleaved else (pairs[..., 0, :], pairs[..., 1, :])
     c, s = freqs.real[None, :, None, :], freqs.imag[None, :, None, :]
-    real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), complex_mul))
+    performed = _lanes_performed(complex_mul)
+    real, imag = (lane[mode](a, b, c, s) for lane, mode in zip((REAL_LANE, IMAG_LANE), performed))
     _assert_equal(got, torch.stack([real, imag], -1 if interleaved else -2).flatten(-2).to(dtype))
     rope = apply_rope_interleaved if interleaved else apply_rope_half_split
     _assert_equal(complex_rope(x, _rows_freqs(freqs), interleaved), rope(x, freqs))
@@ -898,3 +918,16 @@ def test_gpu_complex_rope_equals_eager_cuda(interleaved):
     x, freqs, _, _ = _indexer_rows(torch.bfloat16, heads=16, seq=257, dim=64, c_rope=64)
     rope = apply_rope_interleaved if interleaved else apply_rope_half_split
     _assert_equal(complex_rope(x, _rows_freqs(freqs), interleaved), rope(x, freqs))
+
+
+def test_complex_rope_reference_on_rows_of_odd_stride():
+    """Regression (found by tests/fuzz): fp32 rows of odd width viewed as complex pairs have odd row strides, which
+    `view_as_complex` rejects; the reference copies them first, like an odd storage offset."""
+    x = torch.randn(2, 1, 3, 3)  # rows of 3 fp32 values: strides (9, 9, 3, 1)
+    freqs = torch.polar(torch.ones(1, 1, 3, 1), torch.randn(1, 1, 3, 1))
+    got = rope_quant_fp8(x, freqs, 0, True, 1, False)
+    assert torch.equal(got[0].view(torch.uint8), rope_quant_fp8_reference(x.clone(), freqs, 0, True, 1, False)[0]
+                       .view(torch.uint8))
+    rotated = complex_rope_reference(x[..., :2], freqs, True)
+    want = torch.view_as_real(torch.view_as_complex(x[..., :2].contiguous()) * freqs[..., 0])
+    assert torch.equal(rotated, want)

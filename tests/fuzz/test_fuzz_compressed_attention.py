@@ -1,0 +1,73 @@
+"""Fuzz `compressed_attention` (reference and validation; its Triton kernel is still to come): against a
+per-query float64 computation of the same definition, fully masked rows (the sink takes all the mass: 0),
+-1 index entries, positions of padding (-1), and indices out of range (a clear ValueError)."""
+
+import pytest
+import torch
+from fuzz_support import fuzzes, seeds, sizes, values
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsfuse.kernels.compressed_attention import compressed_attention, compressed_attention_reference
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
+
+
+def _per_query(q, kv, q_pos, kv_pos, compressed, indices, sinks, scale, window, rate):
+    """One query at a time in float64: the visible keys' logits plus the sink, softmax, the weighted keys."""
+    B, S, H, D = q.shape
+    out = torch.zeros(B, S, H, D, dtype=torch.float64)
+    for b in range(B):
+        for s in range(S):
+            rows = [kv[b, n] for n in range(kv.shape[1])
+                    if kv_pos[b, n] >= 0 and 0 <= q_pos[b, s] - kv_pos[b, n] < window]
+            if compressed is not None:
+                if indices is None:
+                    picked = range(min(compressed.shape[1], int(q_pos[b, s] + 1) // rate))
+                else:
+                    picked = sorted({int(i) for i in indices[b, s] if i >= 0})
+                rows += [compressed[b, t] for t in picked]
+            if not rows:
+                continue
+            keys = torch.stack(rows).double()
+            for h in range(H):
+                logits = torch.cat([keys @ q[b, s, h].double() * scale, sinks[h:h + 1].double()])
+                out[b, s, h] = torch.softmax(logits, 0)[:-1] @ keys
+    return out
+
+
+@fuzzes("dsfuse::compressed_attention")
+@given(data=st.data(), form=st.sampled_from(["window", "csa", "hca"]), rope=st.booleans())
+def test_compressed_attention_is_its_definition(data, form, rope):
+    B, S, H, N = (data.draw(sizes(1, n)) for n in (2, 5, 3, 9))
+    D = 2 * data.draw(sizes(1, 8))
+    window, rate = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 4))
+    dtype, seed = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), data.draw(seeds())
+    g = torch.Generator().manual_seed(seed)
+    q, kv = values((B, S, H, D), dtype, seed), values((B, N, D), dtype, seed + 1)
+    q_pos = torch.randint(0, 12, (B, S), generator=g)
+    kv_pos = torch.randint(-1, 12, (B, N), generator=g)  # -1: a padded slot
+    sinks = torch.randn(H, generator=g)
+    compressed = indices = None
+    if form != "window":
+        T = data.draw(sizes(1, 9))
+        compressed = values((B, T, D), dtype, seed + 2)
+        if form == "csa":
+            indices = torch.randint(-1, T, (B, S, data.draw(sizes(1, 5))), generator=g)
+    cos = sin = None
+    if rope:
+        R = data.draw(st.integers(1, D // 2))
+        angle = torch.randn(B, S, R, generator=g)
+        cos, sin = angle.cos(), angle.sin()
+    args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
+    out = compressed_attention(*args)
+    assert torch.equal(out, compressed_attention_reference(*args))
+    assert out.shape == q.shape and out.dtype == dtype
+    if not rope:
+        want = _per_query(q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate)
+        torch.testing.assert_close(out.double(), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+    if indices is not None:
+        bad = indices.clone()
+        bad[..., -1] = data.draw(st.sampled_from([-2, -100, compressed.shape[1], compressed.shape[1] + 5]))
+        with pytest.raises(ValueError, match="indices must lie in"):
+            compressed_attention(q, kv, q_pos, kv_pos, compressed, bad, sinks, 0.3, window, rate, cos, sin)

@@ -1,0 +1,61 @@
+"""Fuzz `indexer_topk`: the Triton path (interpreter on CPU) selects keys whose scores are the reference's top-k
+scores (indices may differ between tied scores), distinct and in range, with bool / additive / broadcast masks,
+fully masked rows, tied keys, strided inputs and fp8 key scales."""
+
+import torch
+from fuzz_support import DEVICE, fuzzes, layouts, restride, seeds, sizes, values
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsfuse.kernels.indexer_topk import indexer_topk, indexer_topk_reference, indexer_topk_triton
+
+HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
+
+
+def _scores(q, k, weights, k_scale, mask, scale):
+    index = torch.matmul(weights.unsqueeze(-2),
+                         torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * scale))
+    index = index.squeeze(-2)
+    if k_scale is not None:
+        index = index * k_scale.unsqueeze(1)
+    if mask is not None:
+        index = index.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else index + mask
+    return index
+
+
+@fuzzes("dsfuse::indexer_topk")
+@given(data=st.data(), mask_kind=st.sampled_from(["none", "bool", "additive", "broadcast"]),
+       with_k_scale=st.booleans(), tied_keys=st.booleans())
+def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_k_scale, tied_keys):
+    B, S, H = (data.draw(sizes(1, n)) for n in (2, 9, 5))
+    T, D = data.draw(sizes(1, 65)), data.draw(st.sampled_from([8, 16, 24]))
+    topk = data.draw(st.integers(1, T + 3))
+    dtype, seed = data.draw(st.sampled_from([HALF, torch.float32])), data.draw(seeds())
+    g = torch.Generator().manual_seed(seed)
+    q = restride(values((B, S, H, D), dtype, seed).to(DEVICE), data.draw(layouts(4)))
+    k = values((B, T, D), dtype, seed + 1)
+    if tied_keys:
+        k[:, ::2] = k[:, :1].clone()  # every other key equals the first: many tied scores
+    k = restride(k.to(DEVICE), data.draw(layouts(3)))
+    weights = values((B, S, H), torch.float32, seed + 2).to(DEVICE)
+    k_scale = (torch.rand(B, T, generator=g) + 0.5).to(DEVICE) if with_k_scale else None
+    mask = None
+    if mask_kind != "none":
+        keep = torch.rand(B, S, T, generator=g) < 0.6
+        keep[:, data.draw(st.integers(0, S - 1))] = False  # a fully masked row
+        if mask_kind == "broadcast":
+            keep = keep[:1, :, :]  # [1, S, T], broadcast over the batch
+        mask = keep if mask_kind != "additive" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+        mask = mask.to(DEVICE)
+    args = (q, k, weights, k_scale, mask, 0.125, topk)
+    if DEVICE == "cpu":  # the CPU op is the reference (on CUDA it is the kernel, checked below)
+        assert torch.equal(indexer_topk(*args), indexer_topk_reference(*args))
+    got = indexer_topk_triton(*args).cpu()
+    index = _scores(*(t.cpu() if t is not None else None for t in args[:5]), 0.125).cpu()
+    width = min(topk, T)
+    assert got.dtype == torch.int32 and tuple(got.shape) == (B, S, width)
+    assert int(got.min()) >= 0 and int(got.max()) < T
+    assert not bool((got.sort(-1).values.diff(dim=-1) == 0).any()), "a key selected twice in a row"
+    chosen = torch.gather(index, -1, got.long()).sort(-1).values
+    best = index.topk(width, dim=-1).values.sort(-1).values
+    torch.testing.assert_close(chosen, best, rtol=1e-5, atol=1e-5, equal_nan=True)
