@@ -12,7 +12,8 @@ Per configuration, batch and prompt length: time to first token (a `generate` of
 ms per decoded token (the difference of an N-token and a one-token call over N - 1), tokens/s, the peak memory
 beyond the weights, and the generated tokens against eager's (equal, or the length of the prefix that matches,
 the shortest over the batch). `--padded` left-pads row i of a batch by i * prompt / (2 * batch) tokens. Every
-call is run once before it is timed (compiles), then timed `--repeats` times (median).
+call is run once before it is timed (compiles), then timed `--repeats` times (median); the static cache holds
+the prompt plus the new tokens.
 """
 
 from __future__ import annotations
@@ -105,13 +106,15 @@ def bench_generate(args) -> dict:
                "prompts": args.prompt, "batches": args.batch, "padded": args.padded, "new_tokens": args.new_tokens,
                "prefill_chunk": args.chunk, "weights_gib": round(weights / 2**30, 2), "runs": []}
     print(f"# {results['env']} preset={args.preset} dtype={args.dtype} generate", flush=True)
-    max_cache_len = max(args.prompt) + args.new_tokens
     for batch in args.batch:
         references: dict[int, torch.Tensor] = {}
         for name in args.configs:
-            torch._dynamo.reset()
-            recipe = Recipe(name, model, batch, max_cache_len, args.chunk, not cuda)
             for prompt in args.prompt:
+                # Each prompt gets a cache of its own length (a longer one would slow the decode of HF's attention
+                # over every cached position), so each compiles afresh here; tests/test_generate.py shows that
+                # prompts of new lengths under one cache length do not recompile.
+                torch._dynamo.reset()
+                recipe = Recipe(name, model, batch, prompt + args.new_tokens, args.chunk, not cuda)
                 row = {"config": name, "batch": batch, "prompt": prompt, "padded": args.padded}
                 ids, mask = prompt_batch(model.config.vocab_size, batch, prompt, args.padded, args.device)
                 try:
@@ -144,6 +147,7 @@ def bench_generate(args) -> dict:
                     row["error"] = "out of memory"
                 except Exception as err:  # a broken configuration is reported, the others still run
                     row["error"] = _error_text(err)
+                del recipe
                 _free_device_memory(cuda)
                 results["runs"].append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
