@@ -15,10 +15,10 @@ same compiled call, without patching the model:
   cache allocated inside the compiled prefill would not be marked as static buffers, so the decode step could
   not run as a CUDA graph. One length for every call keeps the graphs' shapes, so prompts of new lengths
   do not recompile.
-* `CompileConfig(backend="dsfuse")` in Inductor's "reduce-overhead" mode with
-  `triton.cudagraph_skip_dynamic_graphs`: the decode step (static shapes) replays as a CUDA graph, the chunk
-  graph, whose length Dynamo marks dynamic after the first recompile, runs without one (a prefill is GPU-bound,
-  and a CUDA graph per chunk length would be recorded again for every new prompt length).
+* `CompileConfig(backend="dsfuse")` in Inductor's "reduce-overhead" mode with dsfuse's `cudagraphs="decode"`:
+  the decode step (static shapes) replays as a CUDA graph, the chunk graphs (the first with a static length, the
+  others with the length Dynamo marks dynamic after the first recompile) run without one: a prefill is
+  GPU-bound, and recorded chunk graphs would hold their memory and be recorded again for each new tail length.
 """
 
 from __future__ import annotations
@@ -31,11 +31,10 @@ DEFAULT_PREFILL_CHUNK = 4096
 
 
 def compile_options(options: Mapping[str, Any] | None = None) -> dict:
-    """dsfuse options for generate: "reduce-overhead" (CUDA graphs for the static decode step), no CUDA graphs
-    for graphs with dynamic shapes (the prefill chunks); `options` adds to them (`disable`, `inductor`, ...)."""
-    merged = {"mode": "reduce-overhead", **dict(options or {})}
-    merged["inductor"] = {"triton.cudagraph_skip_dynamic_graphs": True, **dict(merged.get("inductor") or {})}
-    return merged
+    """dsfuse options for generate: "reduce-overhead" with CUDA graphs for the decode steps only (the prefill chunks
+    are GPU-bound, and a recorded chunk graph would hold its memory and be recorded again for each new tail
+    length); `options` adds to them or overrides them (`disable`, `inductor`, ...)."""
+    return {"mode": "reduce-overhead", "cudagraphs": "decode", **dict(options or {})}
 
 
 def compile_config(options: Mapping[str, Any] | None = None, compile_all_devices: bool = False):
