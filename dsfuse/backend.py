@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from . import report as _report
-from .config import BackendConfig, DsfuseConfigError, resolve_config
+from .config import DECODE_MAX_TOKENS, BackendConfig, DsfuseConfigError, resolve_config
 from .pass_manager import DsfusePassManager, sources_digest
 
 TRAINING_NOTE = (
@@ -49,6 +49,15 @@ def _inductor_patches(cfg: BackendConfig, dynamic: bool | None) -> dict[str, Any
             "options['inductor'] may not set post_grad_custom_post_pass: dsfuse installs its own pass there"
         )
     return patches
+
+
+def _query_tokens(example_inputs: Sequence[Any]) -> int | None:
+    """Tokens per sequence of a step: the length of its 2-D integer inputs (token ids, positions); None if symbolic."""
+    lengths = [t.shape[1] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2
+               and not t.dtype.is_floating_point and t.dtype != torch.bool]
+    if not lengths or not all(isinstance(n, int) for n in lengths):
+        return None
+    return max(lengths)
 
 
 def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig,
@@ -159,6 +168,9 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     cfg = resolve_config(options, mode)
     register_all()
     patches = _inductor_patches(cfg, dynamic=None)
+    if cfg.cudagraphs == "decode" and patches.get("triton.cudagraphs"):
+        tokens = _query_tokens(example_inputs)
+        patches["triton.cudagraphs"] = tokens is not None and tokens <= DECODE_MAX_TOKENS
     note = ""
     manager = None
     if cfg.enabled and _needs_grad(example_inputs):

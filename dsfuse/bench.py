@@ -8,6 +8,7 @@
     python -m dsfuse.bench model --mode decode --decode-batch 1 8 --context 8192 32768
     python -m dsfuse.bench ablate --seq 8192 --json a.json --markdown a.md  # each pass off, each pass alone
     python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, decode, time by stage
+    python -m dsfuse.bench generate --prompt 2048 8192 --batch 1 8         # whole model.generate calls
 
 Every configuration is checked before it is timed: dsfuse with all passes off must reproduce Inductor
 bit for bit, and every compiled model is compared with eager. Times are medians of
@@ -727,6 +728,10 @@ def main(argv: list[str] | None = None) -> int:
     fam.add_argument("--rep-ms", type=int, default=300)
     fam.add_argument("--json", default=None, help="write results here")
     fam.add_argument("--markdown", default=None, help="write a Markdown table here")
+    from dsfuse import bench_generate
+
+    gen = sub.add_parser("generate", help="whole model.generate calls: time to first token, ms/token, peak memory")
+    bench_generate.add_arguments(gen)
     plot = sub.add_parser("plot", help="figure from a `model` or `ablate` --json file (matplotlib)")
     plot.add_argument("results", help="JSON written by `model --json` or `ablate --json`")
     plot.add_argument("--out", required=True, help="image to write, e.g. bench.png")
@@ -739,6 +744,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             parser.error(f"{args.results}: {err}")
         print(f"wrote {args.out}")
+        return 0
+    if args.command == "generate":
+        _write(bench_generate.run(args, parser), args.json, args.markdown, bench_generate.generate_markdown)
         return 0
     if args.command == "families":
         args.size = args.size or ("real" if args.device.startswith("cuda") else "tiny")

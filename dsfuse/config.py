@@ -14,7 +14,11 @@ from typing import Any, Iterable, Mapping
 PASS_NAMES: tuple[str, ...] = ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts",
                                "hyper_connections")
 
-OPTION_NAMES: tuple[str, ...] = ("enable", "disable", "inductor", "mode")
+OPTION_NAMES: tuple[str, ...] = ("enable", "disable", "inductor", "mode", "cudagraphs")
+# `options={"cudagraphs": ...}` under "reduce-overhead": "all" graphs (the default) or only "decode" steps (graphs of
+# at most DECODE_MAX_TOKENS query tokens), so prefill graphs, GPU-bound anyway, run without a CUDA graph.
+CUDAGRAPH_CHOICES: tuple[str, ...] = ("all", "decode")
+DECODE_MAX_TOKENS = 64
 
 ENV_ENABLE = "DSFUSE_ENABLE"
 ENV_DISABLE = "DSFUSE_DISABLE"
@@ -33,6 +37,7 @@ class BackendConfig:
     enabled: tuple[str, ...]
     inductor_options: Mapping[str, Any] = field(default_factory=dict)
     mode: str | None = None
+    cudagraphs: str = "all"
 
     def is_enabled(self, name: str) -> bool:
         return name in self.enabled
@@ -96,4 +101,8 @@ def resolve_config(options: Mapping[str, Any] | None = None, mode: str | None = 
         raise DsfuseConfigError(
             f"unknown mode {mode!r}; valid modes: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs"
         )
-    return BackendConfig(enabled=tuple(enabled), inductor_options=dict(inductor_options), mode=mode)
+    cudagraphs = options.get("cudagraphs", "all")
+    if cudagraphs not in CUDAGRAPH_CHOICES:
+        raise DsfuseConfigError(f"unknown cudagraphs choice {cudagraphs!r}; valid: {', '.join(CUDAGRAPH_CHOICES)}")
+    return BackendConfig(enabled=tuple(enabled), inductor_options=dict(inductor_options), mode=mode,
+                         cudagraphs=cudagraphs)

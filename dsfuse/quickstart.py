@@ -95,7 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     ok = result["finite"] and result["rel_l2"] <= tolerance
     print(f"parity vs eager: rel_l2 {result['rel_l2']:.3e} (tolerance {tolerance:.1e}), max_abs {result['max_abs']:.3e}, "
           f"top-1 agreement {100 * result['top1_agreement']:.2f}% -> {'PASS' if ok else 'FAIL'}")
+    print(GENERATE_RECIPE)
     return 0 if ok else 1
+
+
+GENERATE_RECIPE = """
+model.generate with its prefill (in chunks) and decode steps through dsfuse, decode under CUDA graphs:
+    from dsfuse.generation import generate_kwargs
+    kwargs = generate_kwargs(model, batch_size=1, max_cache_len=prompt_len + new_tokens)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+(python -m dsfuse.bench generate times it against eager and transformers' Inductor recipe)"""
 
 
 if __name__ == "__main__":

@@ -407,7 +407,7 @@ def _sparse_mla_attention_cuda(q_nope, q_pe, kv, pe, idx, scale, sink=None):
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
 
 
-def _check_masked_inputs(q, k, v, idx, attn_mask, scale):
+def _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all=False):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "sparse_attention_masked: q, k, v must be [B,H,S,D], [B,H,T,D], [B,H,T,Dv], got "
@@ -441,6 +441,10 @@ def _check_masked_inputs(q, k, v, idx, attn_mask, scale):
                 f"sparse_attention_masked: attn_mask {tuple(attn_mask.shape)} does not broadcast to {(B, H, S, T)}"
             )
         tensors.append(attn_mask)
+    per_head = attn_mask is not None and attn_mask.dim() >= 3 and attn_mask.shape[-3] != 1
+    if empty_rows_see_all and attn_mask is not None and (attn_mask.dtype != torch.bool or per_head):
+        raise ValueError("sparse_attention_masked: empty_rows_see_all needs a bool attn_mask shared by the heads "
+                         f"([B, 1, S, T]), got {attn_mask.dtype} {tuple(attn_mask.shape)}")
     for t in tensors:
         if t.device != q.device:
             raise ValueError(f"sparse_attention_masked: all inputs must be on {q.device}, found {t.device}")
@@ -454,16 +458,19 @@ def sparse_attention_masked_reference(
     attn_mask: Optional[torch.Tensor],
     scale: float,
     causal: bool = False,
+    empty_rows_see_all: bool = False,
 ) -> torch.Tensor:
     """Exactly the HF graph: scatter the indices into a "not selected" mask, combine it with
     the attention mask (bool: AND; additive: fill with finfo(dtype).min), then SDPA.
-    ``causal`` adds the bottom-right aligned causal mask (key t allowed iff t <= s + T - S)."""
-    _check_masked_inputs(q, k, v, idx, attn_mask, scale)
+    ``causal`` adds the bottom-right aligned causal mask (key t allowed iff t <= s + T - S).
+    ``empty_rows_see_all``: a query row left without any allowed key attends over all T keys unmasked, what
+    a finite bias (cuDNN SDPA's form of a bool mask) gives there; without it such a row is 0 (bool masks)."""
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
     _check_index_range(idx, k.shape[2], False, "sparse_attention_masked")
-    return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal)
+    return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
 
 
-def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False):
+def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
     """The reference math without checks (what benchmarks hand to torch.compile)."""
     B, S, T = q.shape[0], q.shape[2], k.shape[2]
     index_mask = torch.ones((B, S, T), dtype=torch.bool, device=q.device).scatter(-1, idx.long(), False)
@@ -477,6 +484,8 @@ def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False):
         combined = attn_mask & ~index_mask
     else:
         combined = attn_mask.masked_fill(index_mask, torch.finfo(q.dtype).min)
+    if empty_rows_see_all:
+        combined = combined | ~combined.any(dim=-1, keepdim=True)
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=combined, scale=scale)
 
 
@@ -667,6 +676,7 @@ def sparse_attention_masked_triton(
     attn_mask: Optional[torch.Tensor],
     scale: float,
     causal: bool = False,
+    empty_rows_see_all: bool = False,
     *,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -675,7 +685,7 @@ def sparse_attention_masked_triton(
 ) -> torch.Tensor:
     """Build the selection bitmap and active-tile lists, then run the attention kernel.
     Scratch is O(B*S*T/8) bytes for the bitmap plus O(B*S/BLOCK_M*T/BLOCK_N) for the lists."""
-    _check_masked_inputs(q, k, v, idx, attn_mask, scale)
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
     B, H, S, D = q.shape
     T, Dv, K = k.shape[2], v.shape[3], idx.shape[2]
     q, k, v, idx = (_last_dim_contiguous(t) for t in (q, k, v, idx))
@@ -709,6 +719,8 @@ def sparse_attention_masked_triton(
     _selection_bitmap_kernel[(B * S, triton.cdiv(K, block_k))](
         idx, bits, bitmap_mask, idx.stride(0), idx.stride(1), *bitmap_mstrides, S, T, K, words,
         BLOCK_K=block_k, CAUSAL=causal, HAS_MASK=bitmap_mask is not bits)
+    if empty_rows_see_all:
+        bits = _rows_without_keys_see_all(bits, T)
     tile_list = torch.empty((B, num_qb, num_tiles), dtype=torch.int32, device=q.device)
     tile_count = torch.empty((B, num_qb), dtype=torch.int32, device=q.device)
     _active_tiles_kernel[(B * num_qb,)](
@@ -736,6 +748,16 @@ def sparse_attention_masked_triton(
     return out
 
 
+def _rows_without_keys_see_all(bits: torch.Tensor, T: int) -> torch.Tensor:
+    """Set every key t < T in the bitmap rows [B, S, W] that selected none (no host sync: a `where`)."""
+    t = torch.arange(bits.shape[-1] * 32, device=bits.device).view(-1, 32)
+    weights = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)], dtype=torch.int64,
+                           device=bits.device)
+    full = ((t < T).to(torch.int64) * weights).sum(-1).to(torch.int32)  # bit i of word w set iff 32w + i < T
+    empty = (bits == 0).all(dim=-1, keepdim=True)
+    return torch.where(empty, full, bits)
+
+
 @torch.library.custom_op("dsfuse::sparse_attention_masked", mutates_args=())
 def sparse_attention_masked(
     q: torch.Tensor,
@@ -745,20 +767,21 @@ def sparse_attention_masked(
     attn_mask: Optional[torch.Tensor],
     scale: float,
     causal: bool = False,
+    empty_rows_see_all: bool = False,
 ) -> torch.Tensor:
     """HF scatter-mask sparse attention; the default (CPU) implementation is the reference."""
-    return sparse_attention_masked_reference(q, k, v, idx, attn_mask, scale, causal)
+    return sparse_attention_masked_reference(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
 
 
 @sparse_attention_masked.register_fake
-def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False):
-    _check_masked_inputs(q, k, v, idx, attn_mask, scale)
+def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
 @sparse_attention_masked.register_kernel("cuda")
-def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False):
-    return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal)
+def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
+    return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
 
 
 # ---------------------------------------------------------------------------

@@ -435,10 +435,14 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
             if why.reported:
                 found["absorb_refused"] = why.reason
     # A finite bias shifts every key of a row without selected, allowed keys alike, so that row attends over
-    # all T keys; the absorbed op reproduces that, the per-head masked op returns 0 there.
-    if comb.get("bias") == "finite" and not causal and "absorbed" not in found:
-        raise NoMatch("the bool mask becomes a finite bias (cuDNN SDPA), which averages all keys in a fully masked "
-                      "row where the fused op returns 0; only a plain causal mask (no fully masked row) is fused")
+    # all T keys (a left-padding query, or one whose selection holds only padding); both ops reproduce that
+    # for a mask shared by the heads.
+    found["empty_rows_see_all"] = comb.get("bias") == "finite" and not causal
+    mask_dims = shape(comb["attn_mask"])
+    per_head = len(mask_dims) >= 3 and not same_size(mask_dims[-3], 1)
+    if found["empty_rows_see_all"] and "absorbed" not in found and per_head:
+        raise NoMatch("the bool mask becomes a finite bias (cuDNN SDPA), which attends to all keys in a row left "
+                      "without keys; the masked op reproduces that for a mask shared by the heads, not a per-head one")
     return found
 
 
@@ -650,14 +654,14 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     # A provably plain causal mask is applied in-kernel from positions instead of being read.
     attn_mask = None if m["causal"] else comb["attn_mask"]
     absorbed = m.get("absorbed")
+    see_all = m["empty_rows_see_all"]
     if absorbed is not None:
-        finite_bias = comb.get("bias") == "finite"
         args = (m["q"], absorbed["latent"], absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
-                absorbed["nope_dim"], m["causal"], finite_bias and not m["causal"], _top_k_indices(m["idx"]))
+                absorbed["nope_dim"], m["causal"], see_all, _top_k_indices(m["idx"]))
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:
         fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
-                            (m["q"], m["k"], m["v"], m["idx"], attn_mask, m["scale"], m["causal"]))
+                            (m["q"], m["k"], m["v"], m["idx"], attn_mask, m["scale"], m["causal"], see_all))
     if dtype(out) != dtype(fused):
         fused = insert_call(graph, out, CONVERT, (fused, dtype(out)))
     out.replace_all_uses_with(fused)
@@ -669,9 +673,9 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         graph.erase_node(sdpa)
     mask_kind = "causal (from positions)" if m["causal"] else f"{comb['kind']} mask"
     detail = f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}"
+    if see_all:
+        detail += ", rows without keys attend to all keys (finite bias)"
     if absorbed is not None:
-        if finite_bias and not m["causal"]:
-            detail += ", rows without keys attend to all keys (finite bias)"
         if args[-1]:
             detail += ", top-k indices (no repeats)"
         ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],

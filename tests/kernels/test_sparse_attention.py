@@ -274,6 +274,29 @@ def test_masked_fully_masked_rows_match_sdpa():
     torch.testing.assert_close(out_add[1, :, 2], v[1].mean(dim=1), rtol=1e-5, atol=1e-6)
 
 
+def test_masked_empty_rows_see_all_keys():
+    """`empty_rows_see_all` (a finite bias's semantics): a row left without keys, a padding query or one whose
+    selection is all padding, attends over all T keys unmasked (T past the last whole 32-key word too)."""
+    B, H, S, T = 2, 3, 6, 45
+    q, k, v, idx = _masked_inputs(B, H, S, T, 32, 16, 4, torch.float32)
+    mask = _causal_bool(B, S, T)
+    mask[1, :, :, :3] = False  # left padding of 3: ...
+    idx[1, 4] = torch.tensor([0, 1, 2, 1])  # ... and a query that selected only padding
+    mask[1, :, 2] = False
+    allowed = mask & ~torch.ones(B, S, T, dtype=torch.bool, device=q.device).scatter(-1, idx, False).unsqueeze(1)
+    empty = ~allowed.any(-1)
+    assert empty[1, 0, 2] and empty[1, 0, 4] and empty.sum() >= 2
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | empty[..., None], scale=0.3)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3, False, True)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3, False, True)
+    assert _rel_err(out, expected) <= 1e-5 and _rel_err(ref, expected) <= 1e-5
+    assert not torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+    cpu = [t.cpu() for t in (q, k, v, idx, mask)]
+    torch.library.opcheck(torch.ops.dsfuse.sparse_attention_masked.default, (*cpu[:5], 0.3, False, True))
+    with pytest.raises(ValueError, match="empty_rows_see_all needs a bool attn_mask shared by the heads"):
+        sa.sparse_attention_masked_reference(*cpu[:4], cpu[4].expand(B, H, S, T), 0.3, False, True)
+
+
 @pytest.mark.parametrize("mask_kind", ["bool", "additive", "causal_flag"])
 def test_masked_kernel_half_precision(mask_kind):
     B, H, S, T = 2, 3, 17, 50

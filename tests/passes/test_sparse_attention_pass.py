@@ -363,13 +363,29 @@ def test_structural_cudnn_finite_bias_with_causal_mask_is_fused():
     torch.testing.assert_close(gm(q, k, v, idx), sparse_attention_masked_reference(q, k, v, idx, causal, SCALE))
 
 
-def test_structural_cudnn_finite_bias_with_padding_is_a_near_miss():
-    q, k, v, idx, keep = _data()
+def test_structural_cudnn_finite_bias_with_padding_is_fused_with_its_empty_rows():
+    """Left padding under cuDNN's finite bias: a padding query's row has no allowed key, and the bias shifts all
+    of its keys alike, so that row attends over all keys unmasked; the fused op is told to do the same."""
+    q, k, v, idx, keep = _data()  # batch 1: its first three queries see padding keys only
     gm = make_fx(_cudnn_bool, tracing_mode="fake")(*(t.to("meta") for t in (q, k, v, idx, keep)))
     ctx = PassContext(name="sparse_attention")
     run_pass("sparse_attention", gm.graph, ctx)
-    assert ctx.sites == [] and len(ctx.near_misses) == 1
-    assert ctx.near_misses[0].reason.startswith("the bool mask becomes a finite bias (cuDNN SDPA)")
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert ctx.near_misses == [] and len(ctx.sites) == 1, ctx.near_misses
+    assert "rows without keys attend to all keys (finite bias)" in ctx.sites[0].detail
+    fused = next(n for n in gm.graph.nodes if n.target is torch.ops.dsfuse.sparse_attention_masked.default)
+    assert fused.args[6] is False and fused.args[7] is True  # the mask is read; empty rows see all keys
+    allowed = keep & ~torch.full((B, S, S), True).scatter(-1, idx, False).unsqueeze(1)
+    empty = ~allowed.any(-1, keepdim=True)
+    assert empty[1, 0, :3].all()
+    out = gm(q, k, v, idx, keep)
+    # The source: SDPA over the finite bias (adding -65536 rounds the scores of an empty row by up to 2**-8).
+    biased = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=torch.where(allowed, 0.0, -65536.0),
+                                                              scale=SCALE)
+    torch.testing.assert_close(out, biased, atol=5e-3, rtol=0)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed | empty, scale=SCALE))
 
 
 def test_structural_cudnn_finite_bias_over_a_latent_cache_is_absorbed():

@@ -1,0 +1,226 @@
+"""`python -m dsfuse.bench generate`: whole `model.generate(...)` calls, eager / Inductor / dsfuse in one process.
+
+    python -m dsfuse.bench generate --preset v32-real-2l --prompt 2048 8192 32768 --batch 1 8 --json g.json
+    python -m dsfuse.bench generate --preset tiny --device cpu --prompt 17 29 --new-tokens 4   # smoke run
+
+Configurations: `eager` (static cache, nothing compiled), `inductor` (transformers' default recipe: a static cache
+and `CompileConfig()`, which compiles the decode step with Inductor in "reduce-overhead" mode and runs the prefill
+eagerly) and `dsfuse` (`dsfuse.generation.generate_kwargs`: chunked prefill and decode through dsfuse, decode
+under CUDA graphs). Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
+
+Per configuration, batch and prompt length: time to first token (a `generate` of one new token: the prefill),
+ms per decoded token (the difference of an N-token and a one-token call over N - 1), tokens/s, the peak memory
+beyond the weights, and the generated tokens against eager's (equal, or the length of the prefix that matches,
+the shortest over the batch). `--padded` left-pads row i of a batch by i * prompt / (2 * batch) tokens. Every
+call is run once before it is timed (compiles), then timed `--repeats` times (median); the static cache holds
+the prompt plus the new tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from dsfuse.bench import _error_text, _free_device_memory, environment
+
+GENERATE_CONFIGS = ("eager", "inductor", "dsfuse")
+
+
+def prompt_batch(vocab: int, batch: int, length: int, padded: bool, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids [batch, length] and their attention mask; `padded`: row i left-padded by i*length/(2*batch)."""
+    gen = torch.Generator(device).manual_seed(length * 31 + batch)
+    ids = torch.randint(1, vocab, (batch, length), device=device, generator=gen)
+    mask = torch.ones_like(ids)
+    if padded:
+        for row in range(1, batch):
+            pad = row * length // (2 * batch)
+            ids[row, :pad], mask[row, :pad] = 0, 0
+    return ids, mask
+
+
+def matching_prefix(tokens: torch.Tensor, reference: torch.Tensor, prompt: int) -> int:
+    """New tokens equal to the reference's from the first on, the shortest over the batch."""
+    new, ref = tokens[:, prompt:], reference[:, prompt:]
+    length = min(new.shape[1], ref.shape[1])
+    same = (new[:, :length] == ref[:, :length]).to(torch.int64)
+    return int(same.cumprod(dim=1).sum(dim=1).min())
+
+
+class Recipe:
+    """One configuration's keyword arguments for `generate`, built once per batch size (the cache is reused)."""
+
+    def __init__(self, name: str, model, batch: int, max_cache_len: int, chunk: int, cpu: bool):
+        from transformers import CompileConfig
+
+        self.name, self.model, self.batch, self.max_cache_len = name, model, batch, max_cache_len
+        self.chunk, self.cpu, self.cache = chunk, cpu, None
+        self.static = dict(cache_implementation="static", max_cache_len=max_cache_len)
+        if name == "inductor":
+            config = CompileConfig()
+            if cpu:
+                config._compile_all_devices = True
+            self.static["compile_config"] = config
+        elif name == "eager":
+            self.static["disable_compile"] = True
+        elif name != "dsfuse":
+            raise ValueError(f"unknown generate config {name!r}; valid: {', '.join(GENERATE_CONFIGS)}")
+
+    def kwargs(self) -> dict:
+        if self.name != "dsfuse":
+            return dict(self.static)
+        from dsfuse.generation import generate_kwargs
+
+        kwargs = generate_kwargs(self.model, self.batch, self.max_cache_len, cache=self.cache,
+                                 prefill_chunk_size=self.chunk, compile_all_devices=self.cpu)
+        self.cache = kwargs["cache"]
+        return kwargs
+
+
+def _timed_generate(model, recipe: Recipe, ids, mask, new_tokens: int, cuda: bool) -> tuple[float, torch.Tensor]:
+    kwargs = recipe.kwargs()
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3, out
+
+
+def bench_generate(args) -> dict:
+    import dsfuse
+    from dsfuse.models.presets import build_hf_model
+
+    started = time.perf_counter()
+    cuda = args.device.startswith("cuda")
+    model = build_hf_model(args.preset, dtype=getattr(torch, args.dtype), device=args.device,
+                           attn_implementation=args.attn)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    weights = torch.cuda.memory_allocated() if cuda else 0
+    results = {"env": environment(), "kind": "generate", "preset": args.preset, "dtype": args.dtype,
+               "prompts": args.prompt, "batches": args.batch, "padded": args.padded, "new_tokens": args.new_tokens,
+               "prefill_chunk": args.chunk, "weights_gib": round(weights / 2**30, 2), "runs": []}
+    print(f"# {results['env']} preset={args.preset} dtype={args.dtype} generate", flush=True)
+    for batch in args.batch:
+        references: dict[int, torch.Tensor] = {}
+        for name in args.configs:
+            for prompt in args.prompt:
+                # Each prompt gets a cache of its own length (a longer one would slow the decode of HF's attention
+                # over every cached position), so each compiles afresh here; tests/test_generate.py shows that
+                # prompts of new lengths under one cache length do not recompile.
+                torch._dynamo.reset()
+                recipe = Recipe(name, model, batch, prompt + args.new_tokens, args.chunk, not cuda)
+                row = {"config": name, "batch": batch, "prompt": prompt, "padded": args.padded}
+                ids, mask = prompt_batch(model.config.vocab_size, batch, prompt, args.padded, args.device)
+                try:
+                    dsfuse.reset_report()
+                    first_s, out = _timed_generate(model, recipe, ids, mask, args.new_tokens, cuda)
+                    _timed_generate(model, recipe, ids, mask, 1, cuda)
+                    row["first_call_s"] = round(first_s / 1e3, 2)
+                    if name == "dsfuse":
+                        row["rewritten"] = dsfuse.report().counts
+                    graphs = _graph_count()
+                    if cuda:
+                        _free_device_memory(cuda)
+                        torch.cuda.reset_peak_memory_stats()
+                    ttft = [_timed_generate(model, recipe, ids, mask, 1, cuda)[0] for _ in range(args.repeats)]
+                    full = [_timed_generate(model, recipe, ids, mask, args.new_tokens, cuda)[0]
+                            for _ in range(args.repeats)]
+                    row["recompiles_timed"] = _graph_count() - graphs
+                    if cuda:
+                        row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - weights) / 2**30, 2)
+                    row["ttft_ms"] = statistics.median(ttft)
+                    row["generate_ms"] = statistics.median(full)
+                    row["ms_per_token"] = (row["generate_ms"] - row["ttft_ms"]) / max(args.new_tokens - 1, 1)
+                    row["tok_per_s"] = batch * args.new_tokens / row["generate_ms"] * 1e3
+                    if name == "eager":
+                        references[prompt] = out
+                    elif prompt in references:
+                        row["tokens_equal_eager"] = bool(torch.equal(out, references[prompt]))
+                        row["matching_prefix"] = matching_prefix(out, references[prompt], prompt)
+                except torch.OutOfMemoryError:
+                    row["error"] = "out of memory"
+                except Exception as err:  # a broken configuration is reported, the others still run
+                    row["error"] = _error_text(err)
+                del recipe
+                _free_device_memory(cuda)
+                results["runs"].append(row)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    results["wall_s"] = round(time.perf_counter() - started, 1)
+    print(generate_markdown(results), flush=True)
+    return results
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def generate_markdown(results: dict) -> str:
+    env = results["env"]
+    lines = [f"# dsfuse generate benchmark: preset {results['preset']}, {results['dtype']}, "
+             f"{results['new_tokens']} new tokens{', left-padded' if results['padded'] else ''}", "",
+             " · ".join(f"{k} {v}" for k, v in env.items()), "",
+             f"Prefill chunk {results['prefill_chunk']} for dsfuse; weights {results['weights_gib']} GiB. "
+             "ms/token = (N-token call - 1-token call) / (N - 1).", "",
+             "| batch | prompt | config | TTFT ms | ms/token | tok/s | TTFT / Inductor | decode speedup vs Inductor "
+             "| peak GiB beyond weights | tokens vs eager | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["batch"], r["prompt"]): r for r in results["runs"] if r["config"] == "inductor" and "ttft_ms" in r}
+    for r in results["runs"]:
+        ref = base.get((r["batch"], r["prompt"]))
+        ttft_ratio = decode_ratio = "-"
+        if ref and "ttft_ms" in r:
+            ttft_ratio = f"{r['ttft_ms'] / ref['ttft_ms']:.2f}x"
+            decode_ratio = f"{ref['ms_per_token'] / r['ms_per_token']:.2f}x" if r["ms_per_token"] > 0 else "-"
+        if "tokens_equal_eager" in r:
+            check = "equal" if r["tokens_equal_eager"] else f"prefix {r['matching_prefix']}/{results['new_tokens']}"
+        else:
+            check = "-"
+        notes = r.get("error", "")
+        if r.get("recompiles_timed"):
+            notes += f" {r['recompiles_timed']} recompiles while timed"
+        if r.get("rewritten"):
+            notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items())
+        lines.append(f"| {r['batch']} | {r['prompt']} | {r['config']} | {_fmt(r.get('ttft_ms'), '.2f')} | "
+                     f"{_fmt(r.get('ms_per_token'), '.3f')} | {_fmt(r.get('tok_per_s'), '.1f')} | {ttft_ratio} | "
+                     f"{decode_ratio} | {r.get('peak_extra_gib', '-')} | {check} | {notes.strip()} |")
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--preset", default="v32-real-2l")
+    parser.add_argument("--prompt", type=int, nargs="+", default=[2048, 8192], help="prompt lengths")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")
+    parser.add_argument("--padded", action="store_true", help="left-pad the rows of a batch to different lengths")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per call (N)")
+    parser.add_argument("--chunk", type=int, default=None, help="dsfuse's prefill chunk (default: the recipe's)")
+    parser.add_argument("--configs", default=",".join(GENERATE_CONFIGS), help=f"comma list of {GENERATE_CONFIGS}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", default=None, help="write results here")
+    parser.add_argument("--markdown", default=None, help="write a Markdown table here")
+
+
+def run(args, parser) -> dict:
+    from dsfuse.generation import DEFAULT_PREFILL_CHUNK
+
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in args.configs if c not in GENERATE_CONFIGS]
+    if unknown:
+        parser.error(f"unknown generate config(s) {unknown}; valid: {', '.join(GENERATE_CONFIGS)}")
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    args.chunk = args.chunk or DEFAULT_PREFILL_CHUNK
+    return bench_generate(args)

@@ -1,0 +1,38 @@
+"""`python -m dsfuse.bench generate` on the tiny preset: a CPU smoke run of whole `generate` calls and its report."""
+
+import json
+
+import torch
+
+from dsfuse.bench import main
+from dsfuse.bench_generate import matching_prefix, prompt_batch
+
+
+def test_generate_bench_tiny_cpu(tmp_path):
+    out, markdown = tmp_path / "generate.json", tmp_path / "generate.md"
+    assert main(["generate", "--preset", "tiny", "--device", "cpu", "--prompt", "17", "--new-tokens", "2",
+                 "--chunk", "16", "--repeats", "1", "--configs", "eager,dsfuse", "--json", str(out),
+                 "--markdown", str(markdown)]) == 0
+    results = json.loads(out.read_text())
+    assert results["kind"] == "generate" and results["prefill_chunk"] == 16 and results["new_tokens"] == 2
+    rows = {r["config"]: r for r in results["runs"]}
+    assert set(rows) == {"eager", "dsfuse"} and all("error" not in r for r in rows.values())
+    assert all(r["ttft_ms"] > 0 and r["generate_ms"] > 0 and r["tok_per_s"] > 0 for r in rows.values())
+    assert rows["dsfuse"]["tokens_equal_eager"] is True and rows["dsfuse"]["matching_prefix"] == 2
+    assert rows["dsfuse"]["recompiles_timed"] == 0
+    # Three graphs (16-token chunk, one-token tail, decode), each with every family.
+    assert rows["dsfuse"]["rewritten"] == {"norm_rope_quant": 30, "indexer_topk": 6, "sparse_attention": 6,
+                                           "moe_experts": 3}
+    lines = markdown.read_text().splitlines()
+    assert lines[0] == "# dsfuse generate benchmark: preset tiny, float32, 2 new tokens"
+    table = [line for line in lines if line.startswith("| 1 | 17 |")]
+    assert [row.split(" | ")[2] for row in table] == ["eager", "dsfuse"]
+    assert " | equal | " in table[1]
+
+
+def test_padded_prompts_and_matching_prefix():
+    ids, mask = prompt_batch(256, 4, 16, True, "cpu")
+    assert mask.sum(dim=1).tolist() == [16, 14, 12, 10] and (ids[mask == 0] == 0).all()
+    reference = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3]])
+    assert matching_prefix(torch.tensor([[5, 1, 2, 9], [5, 1, 7, 3]]), reference, 1) == 1
+    assert matching_prefix(reference, reference, 1) == 3
