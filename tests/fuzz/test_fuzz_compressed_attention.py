@@ -1,6 +1,7 @@
-"""Fuzz `compressed_attention` (reference and validation; its Triton kernel is still to come): against a
-per-query float64 computation of the same definition, fully masked rows (the sink takes all the mass: 0),
--1 index entries, positions of padding (-1), and indices out of range (a clear ValueError)."""
+"""Fuzz `compressed_attention`: the op and its reference against a per-query float64 computation of the same
+definition, fully masked rows (the sink takes all the mass: 0), -1 index entries, positions of padding (-1), and
+indices out of range (a clear ValueError); then the Triton path (the interpreter on CPU) against the reference on
+the position layouts it is specified for (left padding, then increasing positions)."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from fuzz_support import fuzzes, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsfuse.kernels.compressed_attention import compressed_attention, compressed_attention_reference
+from dsfuse.kernels.compressed_attention import (compressed_attention, compressed_attention_reference,
+                                                compressed_attention_triton)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -71,3 +73,37 @@ def test_compressed_attention_is_its_definition(data, form, rope):
         bad[..., -1] = data.draw(st.sampled_from([-2, -100, compressed.shape[1], compressed.shape[1] + 5]))
         with pytest.raises(ValueError, match="indices must lie in"):
             compressed_attention(q, kv, q_pos, kv_pos, compressed, bad, sinks, 0.3, window, rate, cos, sin)
+
+
+@fuzzes("dsfuse::compressed_attention")
+@given(data=st.data(), form=st.sampled_from(["window", "csa", "hca"]), rope=st.booleans())
+def test_compressed_attention_triton_path_is_the_reference(data, form, rope):
+    B, H, N = data.draw(sizes(1, 2)), data.draw(sizes(1, 3)), data.draw(sizes(1, 13))
+    pad = data.draw(st.integers(0, N - 1))
+    S = data.draw(st.integers(1, N - pad))
+    D = 2 * data.draw(sizes(1, 8))
+    window, rate = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 4))
+    dtype, seed = data.draw(st.sampled_from([torch.float32, torch.float16])), data.draw(seeds())
+    g = torch.Generator().manual_seed(seed)
+    q, kv = values((B, S, H, D), dtype, seed), values((B, N, D), dtype, seed + 1)
+    start = data.draw(st.integers(0, 5))
+    kv_pos = torch.cat([torch.full((pad,), -1), torch.arange(start, start + N - pad)]).expand(B, N).contiguous()
+    q_pos = kv_pos[:, N - S:].contiguous()  # the last S rows: a prefill (S = N - pad) or a few steps over a cache
+    sinks = torch.randn(H, generator=g)
+    compressed = indices = None
+    if form != "window":
+        T = data.draw(sizes(1, 9))
+        compressed = values((B, T, D), dtype, seed + 2)
+        if form == "csa":
+            k = data.draw(st.integers(1, T))
+            picks = torch.stack([torch.randperm(T, generator=g)[:k] for _ in range(B * S)]).view(B, S, k)
+            indices = torch.where(torch.rand(B, S, k, generator=g) < 0.2, -1, picks)  # distinct, as a top-k's
+    cos = sin = None
+    if rope:
+        R = data.draw(st.integers(1, D // 2))
+        angle = torch.randn(B, S, R, generator=g)
+        cos, sin = angle.cos(), angle.sin()
+    args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
+    got = compressed_attention_triton(*args)
+    want = compressed_attention_reference(*args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] * 4)
