@@ -511,10 +511,13 @@ def _latent_cache_source(m: dict) -> dict:
         raise NoMatch("kv_b_proj's weight is not used transposed")
     weight = weight_t.args[0]
     C = shape(weight)[1]
+    # HF views the latents as [B, 1, T, C]; after the canonicaliser folds that view into the next one, the chain
+    # reaches the [B, T, C] latents directly, which the rewrite unsqueezes.
     latent = flat
-    while is_op(latent, *VIEW_OPS) and not same_shape(shape(latent), (B, 1, T, C)):
+    while is_op(latent, *VIEW_OPS) and not any(same_shape(shape(latent), want) for want in ((B, 1, T, C), (B, T, C))):
         latent = latent.args[0]
-    if not same_shape(shape(latent), (B, 1, T, C)):
+    unsqueeze = same_shape(shape(latent), (B, T, C))
+    if not (unsqueeze or same_shape(shape(latent), (B, 1, T, C))):
         raise NoMatch(f"the latents are not viewed as [B, 1, T, C], got {shape(latent)}")
     if not is_op(rope_keys, aten.expand.default):
         raise NoMatch("the rope key is not one tensor expanded over the heads")
@@ -523,7 +526,7 @@ def _latent_cache_source(m: dict) -> dict:
         raise NoMatch(f"the shared rope key is not [B, 1, T, {D - nope_dim}], got {shape(rope)}")
     if len({dtype(q), dtype(latent), dtype(rope), dtype(weight)}) != 1:
         raise NoMatch("q, latent cache, rope key and kv_b_proj weight dtypes differ")
-    return dict(latent=latent, rope=rope, weight=weight, nope_dim=nope_dim)
+    return dict(latent=latent, unsqueeze=unsqueeze, rope=rope, weight=weight, nope_dim=nope_dim)
 
 
 def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) -> bool:
@@ -656,7 +659,10 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     absorbed = m.get("absorbed")
     see_all = m["empty_rows_see_all"]
     if absorbed is not None:
-        args = (m["q"], absorbed["latent"], absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
+        latent = absorbed["latent"]
+        if absorbed["unsqueeze"]:
+            latent = insert_call(graph, out, aten.unsqueeze.default, (latent, 1))
+        args = (m["q"], latent, absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
                 absorbed["nope_dim"], m["causal"], see_all, _top_k_indices(m["idx"]))
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:

@@ -292,8 +292,18 @@ def test_bf16_op_matches_hf_literal(T, k):
 @pytest.mark.parametrize("dtype,router_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
                                                 (torch.float16, torch.float32), (torch.float32, torch.float32)])
 def test_bf16_reference_is_bit_exact_with_installed_hf_function(dtype, router_dtype):
-    """The installed transformers function itself (its CPU `grouped_mm`), every rounding included."""
+    """The installed transformers function itself (its CPU `grouped_mm`), every rounding included. One thread: with
+    more, the CPU `grouped_mm` splits its sums by thread, an order that is the machine's and not the math's."""
     moe_integration = pytest.importorskip("transformers.integrations.moe")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_with_installed_hf_function(moe_integration, dtype, router_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_with_installed_hf_function(moe_integration, dtype, router_dtype):
     x, ids, weights, gate_up, down = [a.cpu() for a in _bf16_inputs(37, 6, dtype=dtype, router_dtype=router_dtype)]
     module = types.SimpleNamespace(num_experts=gate_up.shape[0], has_gate=True, has_bias=False, gate_up_proj=gate_up,
                                    down_proj=down, is_transposed=False, act_fn=F.silu, _is_expert_parallel=False,
