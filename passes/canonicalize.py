@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, fake_call, is_op, same_shape, same_size, scalar_arg,
-                          shape, tensor_val, val)
+                          scalar_constant, shape, tensor_val, val)
 
 # Keys of the canonical forms recorded by the inexact rules.
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding
@@ -128,17 +128,6 @@ def _swap(node: torch.fx.Node, target: Any, args: tuple, kwargs: dict | None = N
         node.graph.erase_node(new)
         return False
     return True
-
-
-def _constant(value: Any) -> float | bool | None:
-    """A python scalar, or the value of a 0-d `full` / `scalar_tensor` node."""
-    if isinstance(value, (bool, int, float)):
-        return value
-    if is_op(value, aten.full.default) and len(shape(value)) == 0:
-        return value.args[1]
-    if is_op(value, aten.scalar_tensor.default):
-        return value.args[0]
-    return None
 
 
 # ---------------------------------------------------------------------------
@@ -250,7 +239,7 @@ def mask_fill_first(node: torch.fx.Node) -> bool:
     """`where(m, x, c)` -> `where(~m, c, x)` for a bool `m`, a constant `c` and a tensor `x`: a mask is
     always read as 'where the condition holds, the fill' (the form `masked_fill` lowers to)."""
     cond, x, fill = node.args
-    if _constant(x) is not None or _constant(fill) is None or dtype(cond) != torch.bool:
+    if scalar_constant(x) is not None or scalar_constant(fill) is None or dtype(cond) != torch.bool:
         return False
     flipped = _call(node, aten.bitwise_not.default, (cond,))
     if flipped is None:

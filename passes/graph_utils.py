@@ -83,6 +83,17 @@ def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def scalar_constant(value: Any) -> float | bool | None:
+    """A python scalar, or the value of a 0-d `full` / `scalar_tensor` node."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    if is_op(value, aten.full.default) and len(shape(value)) == 0:
+        return value.args[1]
+    if is_op(value, aten.scalar_tensor.default):
+        return value.args[0]
+    return None
+
+
 def scalar_arg(node: Any) -> float | None:
     if isinstance(node, (int, float)) and not isinstance(node, bool):
         return float(node)

@@ -39,7 +39,7 @@ from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
-                          same_size, scalar_arg, shape, strip)
+                          same_size, scalar_arg, scalar_constant, shape, strip)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -71,22 +71,11 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _const(node) -> float | bool | None:
-    """A python scalar, or the value of a `full([], c)` / `scalar_tensor(c)` node."""
-    if isinstance(node, (bool, int, float)):
-        return node
-    if is_op(node, aten.full.default) and len(shape(node)) == 0:
-        return node.args[1]
-    if is_op(node, aten.scalar_tensor.default):
-        return node.args[0]
-    return None
-
-
 def _fill(node) -> float | bool | None:
     """The value of a `full(shape, c)` node of any shape, or a constant."""
     if is_op(node, aten.full.default):
         return node.args[1]
-    return _const(node)
+    return scalar_constant(node)
 
 
 def _is_neg_inf(value) -> bool:
@@ -317,7 +306,7 @@ def _combined_mask(scatter: torch.fx.Node) -> dict:
             raise NoMatch(f"the selection is ANDed with a {dtype(other)} mask, not a bool one")
         return dict(kind="bool", combined=user, attn_mask=other, fill=None)
     if is_op(user, *WHERE) and user.args[0] is sel:
-        fill, other = _const(user.args[1]), user.args[2]
+        fill, other = scalar_constant(user.args[1]), user.args[2]
         if not isinstance(other, torch.fx.Node) or not isinstance(fill, float):
             raise NoMatch("the selection mask fills a constant, not an attention mask")
         return dict(kind="additive", combined=user, attn_mask=other, fill=fill)
@@ -333,14 +322,14 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         if is_op(user, aten.logical_not.default, aten.bitwise_not.default):
             flipped = only_user(user)
             if not (is_op(flipped, *WHERE) and flipped.args[0] is user
-                    and _masking_bias(_const(flipped.args[1])) and _const(flipped.args[2]) == 0):
+                    and _masking_bias(scalar_constant(flipped.args[1])) and scalar_constant(flipped.args[2]) == 0):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
-            comb["bias"] = _masking_bias(_const(flipped.args[1]))
+            comb["bias"] = _masking_bias(scalar_constant(flipped.args[1]))
             user = flipped
         elif is_op(user, *WHERE):
-            if not (user.args[0] is node and _const(user.args[1]) == 0 and _masking_bias(_const(user.args[2]))):
+            if not (user.args[0] is node and scalar_constant(user.args[1]) == 0 and _masking_bias(scalar_constant(user.args[2]))):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
-            comb["bias"] = _masking_bias(_const(user.args[2]))
+            comb["bias"] = _masking_bias(scalar_constant(user.args[2]))
         elif user.target not in FUSED_SDPA:
             raise NoMatch(f"the combined bool mask is consumed by {user.target}")
         if is_op(user, *WHERE):
@@ -790,7 +779,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
         raise NoMatch(f"softmax over {dtype(scores)} scores, not fp32")
 
     masked = scores
-    if not (is_op(masked, aten.where.self) and _is_neg_inf(_const(masked.args[1]))):
+    if not (is_op(masked, aten.where.self) and _is_neg_inf(scalar_constant(masked.args[1]))):
         raise NoMatch("the scores are not masked with -inf where the index is -1")
     cond = strip(masked.args[0], LAYOUT_OPS)
     if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
