@@ -38,6 +38,12 @@ def _per_query(q, kv, q_pos, kv_pos, compressed, indices, sinks, scale, window, 
     return out
 
 
+def _rope_tables(data, g, B, S, D):
+    """cos / sin [B, S, R] of random angles for the inverse RoPE epilogue, R drawn up to D / 2."""
+    angle = torch.randn(B, S, data.draw(st.integers(1, D // 2)), generator=g)
+    return angle.cos(), angle.sin()
+
+
 @fuzzes("dsfuse::compressed_attention")
 @given(data=st.data(), form=st.sampled_from(["window", "csa", "hca"]), rope=st.booleans())
 def test_compressed_attention_is_its_definition(data, form, rope):
@@ -56,11 +62,7 @@ def test_compressed_attention_is_its_definition(data, form, rope):
         compressed = values((B, T, D), dtype, seed + 2)
         if form == "csa":
             indices = torch.randint(-1, T, (B, S, data.draw(sizes(1, 5))), generator=g)
-    cos = sin = None
-    if rope:
-        R = data.draw(st.integers(1, D // 2))
-        angle = torch.randn(B, S, R, generator=g)
-        cos, sin = angle.cos(), angle.sin()
+    cos, sin = _rope_tables(data, g, B, S, D) if rope else (None, None)
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
     out = compressed_attention(*args)
     assert torch.equal(out, compressed_attention_reference(*args))
@@ -98,11 +100,7 @@ def test_compressed_attention_triton_path_is_the_reference(data, form, rope):
             k = data.draw(st.integers(1, T))
             picks = torch.stack([torch.randperm(T, generator=g)[:k] for _ in range(B * S)]).view(B, S, k)
             indices = torch.where(torch.rand(B, S, k, generator=g) < 0.2, -1, picks)  # distinct, as a top-k's
-    cos = sin = None
-    if rope:
-        R = data.draw(st.integers(1, D // 2))
-        angle = torch.randn(B, S, R, generator=g)
-        cos, sin = angle.cos(), angle.sin()
+    cos, sin = _rope_tables(data, g, B, S, D) if rope else (None, None)
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
     got = compressed_attention_triton(*args)
     want = compressed_attention_reference(*args)

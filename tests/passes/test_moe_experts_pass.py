@@ -407,6 +407,20 @@ def _clamp_max_spelled(t, limit):
     return torch.where(t > limit, limit, t)
 
 
+def _compile_clamped_moe(swiglu):
+    """Compile a dense MoE block with this SwiGLU on bf16 inputs large enough for the clamps to bite; check parity
+    with eager and return the report. Outputs of a few tens: bf16 GEMMs summed in another order differ by an ulp of
+    that size."""
+    fn = _dense_moe(swiglu=swiglu)
+    gate_up, down = _dense_weights(torch.bfloat16)
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    args = (x, ids, weights, gate_up * 20, down)
+    with torch.no_grad():
+        got, want = _compile(fn)(*args), fn(*args)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+    return dsfuse.report()
+
+
 @pytest.mark.parametrize("swiglu", [
     lambda g, u: F.silu(g.float().clamp(max=V4_LIMIT).to(g.dtype)) * u.float().clamp(-V4_LIMIT, V4_LIMIT).to(u.dtype),
     lambda g, u: (F.silu(_clamp_max_spelled(g, V4_LIMIT))
@@ -415,15 +429,7 @@ def _clamp_max_spelled(t, limit):
 ], ids=["fp32-clamps-rounded-back", "where-and-negations", "fp32-clamp-and-silu"])
 def test_clamped_swiglu_spellings(swiglu):
     """The clamps are recognised by what they compute around the limit, not by their ops."""
-    fn = _dense_moe(swiglu=swiglu)
-    gate_up, down = _dense_weights(torch.bfloat16)
-    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
-    args = (x, ids, weights, gate_up * 20, down)
-    with torch.no_grad():
-        got, want = _compile(fn)(*args), fn(*args)
-    # Outputs of a few tens: bf16 GEMMs summed in another order differ by an ulp of that size.
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    rep = dsfuse.report()
+    rep = _compile_clamped_moe(swiglu)
     sites = _sites("dsfuse.moe_experts_bf16")
     assert len(sites) == 1 and sites[0].detail.endswith("SwiGLU clamped at 10"), str(rep)
 
@@ -440,14 +446,7 @@ def test_clamped_swiglu_spellings(swiglu):
      "silu(gate.clamp(max=L)) * up.clamp(-L, L))"),
 ], ids=["gate-limit-differs", "gate-clamped-below-too", "asymmetric-up", "gate-only"])
 def test_clamps_the_ops_do_not_compute_are_reported(swiglu, reason):
-    fn = _dense_moe(swiglu=swiglu)
-    gate_up, down = _dense_weights(torch.bfloat16)
-    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
-    args = (x, ids, weights, gate_up * 20, down)
-    with torch.no_grad():
-        got, want = _compile(fn)(*args), fn(*args)
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
-    rep = dsfuse.report()
+    rep = _compile_clamped_moe(swiglu)
     assert rep.counts["moe_experts"] == 0
     assert [m.reason for m in rep.near_misses] == [reason], str(rep)
 
