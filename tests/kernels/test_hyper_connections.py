@@ -217,7 +217,10 @@ def test_gpu_kernels_match_reference(dtype):
     fused = hc_exit_collapse(out, x, got[1], got[2], fn, base, scale, NORM_EPS, HC_EPS, iters)
     assert torch.equal(fused[0], mixed), "the fused exit writes the same streams as the exit alone"
     alone = hc_collapse(mixed, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    for f, a in zip(fused[1:], alone):
+    # The fused form's projection sums all streams of a D chunk in one dot, the lone collapse one stream at a
+    # time: the fp32 mixing weights differ in the last bits, so a rounded collapsed value may differ by an ulp.
+    _close(fused[1], alone[0])
+    for f, a in zip(fused[2:], alone[1:]):
         torch.testing.assert_close(f, a, rtol=1e-4, atol=1e-5)
     _close(hc_exit_head(out, x, got[1], got[2], hfn, hbase, hscale, NORM_EPS, HC_EPS),
            hc_head(mixed, hfn, hbase, hscale, NORM_EPS, HC_EPS))
