@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+import operator
+
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -103,6 +106,53 @@ def scalar_arg(node: Any) -> float | None:
 def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
+
+
+def is_last_dim(node: Any, dims_arg: Any) -> bool:
+    """Whether a reduction's dims argument names exactly the last dim of `node`."""
+    rank = len(shape(node))
+    dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
+    return rank > 0 and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % rank == rank - 1
+
+
+PREPARE_SOFTMAX_ONLINE = prims.prepare_softmax_online.default
+
+
+def softmax_parts(x: Any) -> dict | None:
+    """A softmax over the last dim of `x` among its users, in either form Inductor hands the passes:
+    amax / sub / exp / sum / div, or (CUDA, Inductor's online-softmax pattern) `prepare_softmax_online` giving
+    the max and the sum, then sub / exp / div. Returns its nodes (stats: the amax or the online call; row_max,
+    row_sum, sub, exp, probs), or None."""
+    if not isinstance(x, torch.fx.Node):
+        return None
+    stats = [u for u in x.users if is_op(u, aten.amax.default, PREPARE_SOFTMAX_ONLINE) and is_last_dim(x, u.args[1])
+             and (u.target is PREPARE_SOFTMAX_ONLINE or (len(u.args) > 2 and u.args[2]))]
+    if len(stats) != 1:
+        return None
+    online = stats[0].target is PREPARE_SOFTMAX_ONLINE
+    if online:
+        getters = {u.args[1]: u for u in stats[0].users if u.target is operator.getitem}
+        if set(getters) != {0, 1}:
+            return None
+        row_max, row_sum = getters[0], getters[1]
+    else:
+        row_max, row_sum = stats[0], None
+    subs = [u for u in x.users if is_op(u, aten.sub.Tensor) and u.args[0] is x and u.args[1] is row_max]
+    if len(subs) != 1:
+        return None
+    exp = only_user(subs[0])
+    if not is_op(exp, aten.exp.default):
+        return None
+    if row_sum is None:
+        sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and is_last_dim(exp, u.args[1])
+                and len(u.args) > 2 and u.args[2]]
+        if len(sums) != 1:
+            return None
+        row_sum = sums[0]
+    divs = [u for u in exp.users if is_op(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is row_sum]
+    if len(divs) != 1 or len(exp.users) != (1 if online else 2):
+        return None
+    return dict(stats=stats[0], row_max=row_max, row_sum=row_sum, sub=subs[0], exp=exp, probs=divs[0])
 
 
 def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:

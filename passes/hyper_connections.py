@@ -40,7 +40,7 @@ import torch
 import dsfuse.kernels.hyper_connections  # noqa: F401  (registers torch.ops.dsfuse.hc_*)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, insert_call, is_op, same_shape, shape
+from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, fake_call, insert_call, is_op, same_shape, shape, softmax_parts
 
 NAME = "hyper_connections"
 IMPLEMENTED = True
@@ -194,7 +194,7 @@ def _match_collapse(total: torch.fx.Node) -> dict:
         m.update(scale=_param(scale_node, (1,), "scale"), base=_param(base_node, (hc,), "base"))
     else:
         m.update(_match_mixing(w, scale_node, base_node, hc, hc_eps))
-    m["output"] = _collapsed_output(total, x)
+    m["output"], m["upcast"] = _collapsed_output(total, x)
     return m
 
 
@@ -358,22 +358,15 @@ def _match_comb(w_comb, scale, base, hc, hc_eps):
 
 
 def _match_softmax(z):
-    """softmax(z, -1) decomposed (amax, sub, exp, sum, div) or as `_softmax`: its output."""
+    """softmax(z, -1) as `_softmax`, decomposed, or in Inductor's online form (CUDA): its output."""
     rank = len(shape(z))
     soft = _only_user(z, aten._softmax.default)
     if soft is not None and _dim(soft.args[1], rank) == rank - 1:
         return soft
-    users = list(z.users)
-    amax = next((u for u in users if is_op(u, aten.amax.default)), None)
-    sub = next((u for u in users if is_op(u, aten.sub.Tensor) and u.args[1] is amax), None)
-    exp = _only_user(sub, aten.exp.default) if sub is not None else None
-    if amax is None or exp is None or _reduce_dims(amax) != ([rank - 1], True):
+    parts = softmax_parts(z)
+    if parts is None:
         raise NoMatch("hyper-connection: comb is not a softmax over the last dim")
-    total = next((u for u in exp.users if is_op(u, aten.sum.dim_IntList)), None)
-    div = next((u for u in exp.users if is_op(u, aten.div.Tensor) and u.args == (exp, total)), None)
-    if total is None or div is None or _reduce_dims(total) != ([rank - 1], True):
-        raise NoMatch("hyper-connection: comb is not a softmax over the last dim")
-    return div
+    return parts["probs"]
 
 
 def _sinkhorn_step(c, rank):
@@ -391,13 +384,19 @@ def _sinkhorn_step(c, rank):
 
 
 def _collapsed_output(total, x):
-    """The collapse's value in x's dtype: sum.to(x.dtype) (or the sum itself when x is fp32)."""
+    """The collapse's value in x's dtype, `sum.to(x.dtype)` (the sum itself when x is fp32): (node, upcast).
+    With `upcast`, the sum is read only in fp32: Inductor's `pointless_convert` dropped HF's round trip
+    `.to(x.dtype)` then `.float()` of the next norm (as it does on CUDA); the fused op still rounds, as HF does,
+    and its value is upcast for those readers."""
     if dtype(x) == dtype(total):
-        return total
+        return total, False
     cast = _only_user(total, CONVERT)
-    if cast is None or cast.args[1] != dtype(x):
-        raise NoMatch(f"hyper-connection collapse: the fp32 sum is not cast back to the streams' {dtype(x)}")
-    return cast
+    if cast is not None and cast.args[1] == dtype(x):
+        return cast, False
+    if dtype(total) == torch.float32 and dtype(x) in (torch.bfloat16, torch.float16) and not any(
+            is_op(u, CONVERT) for u in total.users):
+        return total, True
+    raise NoMatch(f"hyper-connection collapse: the fp32 sum is not cast back to the streams' {dtype(x)}")
 
 
 def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx: PassContext) -> None:
@@ -407,8 +406,8 @@ def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx:
     first = min(replaced, key=order.__getitem__)
     if m["head"]:
         call = insert_call(graph, first, HC_HEAD, (x, m["fn"], m["base"], m["scale"], m["norm_eps"], m["hc_eps"]))
-        m["output"].replace_all_uses_with(call)
-        ctx.site(total, "dsfuse.hc_head", [x, m["fn"]], f"n={m['hc']} D={m['hidden']}", call=call)
+        m["output"].replace_all_uses_with(_as_read(graph, call, m))
+        ctx.site(total, "dsfuse.hc_head", [x, m["fn"]], f"n={m['hc']} D={m['hidden']}{_upcast_note(m)}", call=call)
         return
     call = insert_call(graph, first, HC_COLLAPSE,
                        (x, m["fn"], m["base"], m["scale"], m["norm_eps"], m["hc_eps"], m["iters"]))
@@ -418,10 +417,25 @@ def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx:
             item = graph.call_function(operator.getitem, (call, i))
             item.meta["val"] = call.meta["val"][i]
             outputs.append(item)
+    outputs[0] = _as_read(graph, outputs[0], m)
     for node, item in zip(replaced, outputs):
         node.replace_all_uses_with(item)
     ctx.site(total, "dsfuse.hc_collapse", [x, m["fn"]],
-             f"n={m['hc']} D={m['hidden']} sinkhorn_iters={m['iters']}", call=call)
+             f"n={m['hc']} D={m['hidden']} sinkhorn_iters={m['iters']}{_upcast_note(m)}", call=call)
+
+
+def _as_read(graph: torch.fx.Graph, collapsed: torch.fx.Node, m: dict) -> torch.fx.Node:
+    """The collapsed value as the graph reads it: upcast to fp32 where Inductor had dropped HF's round trip."""
+    if not m["upcast"]:
+        return collapsed
+    with graph.inserting_after(collapsed):
+        up = graph.call_function(CONVERT, (collapsed, torch.float32))
+    up.meta["val"] = fake_call(CONVERT, (collapsed, torch.float32))
+    return up
+
+
+def _upcast_note(m: dict) -> str:
+    return f", rounded to {dtype(m['x'])} as HF's .to(dtype) (Inductor had dropped the round trip)" if m["upcast"] else ""
 
 
 # --------------------------------------------------------------------------------------------

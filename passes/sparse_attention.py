@@ -30,8 +30,6 @@ import operator
 
 import torch
 
-import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
-
 import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
@@ -39,14 +37,12 @@ from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
-                          same_size, scalar_arg, scalar_constant, shape, strip)
+                          same_size, scalar_arg, scalar_constant, shape, softmax_parts, strip)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
 
 ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Inductor rewrites amax / sub / exp / sum into this on CUDA before dsfuse's passes run.
-PREPARE_SOFTMAX_ONLINE = torch.ops.prims.prepare_softmax_online.default
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Up to this many queries per step (decode, speculative steps) attention over HF's latent cache is rewritten
 # into the absorbed form: it does O(K) work per query instead of expanding all T cached latents each step.
@@ -196,12 +192,6 @@ def _single_user_chain(node, passthrough) -> tuple[torch.fx.Node, torch.fx.Node 
         node = users[0]
 
 
-def _last_dim(node, dims_arg) -> bool:
-    rank = len(shape(node))
-    dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
-    return len(dims) == 1 and dims[0] % rank == rank - 1
-
-
 def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
     """Whether `cond` is `~any(~(x == -inf), dim=-1, keepdim=True)`, with `check` the `x == -inf`."""
     if not is_op(cond, aten.logical_not.default, aten.bitwise_not.default):
@@ -229,34 +219,11 @@ def _softmax_parts(x: torch.fx.Node) -> dict | None:
     if len(users) == 1 and is_op(users[0], CONVERT) and users[0].args[1] == torch.float32:
         x = users[0]
         users = list(x.users)
-    stats = [u for u in users if is_op(u, aten.amax.default, PREPARE_SOFTMAX_ONLINE) and _last_dim(x, u.args[1])]
-    if len(stats) != 1:
+    parts = softmax_parts(x)
+    if parts is None:
         return None
-    if is_op(stats[0], PREPARE_SOFTMAX_ONLINE):
-        getters = {u.args[1]: u for u in stats[0].users if u.target is operator.getitem}
-        if set(getters) != {0, 1}:
-            return None
-        row_max, row_sum = getters[0], getters[1]
-    else:
-        row_max, row_sum = stats[0], None
-    subs = [u for u in users if is_op(u, aten.sub.Tensor) and u.args[0] is x and u.args[1] is row_max]
-    if len(subs) != 1:
-        return None
-    exp = only_user(subs[0])
-    if not is_op(exp, aten.exp.default):
-        return None
-    if row_sum is None:
-        if len(exp.users) != 2:
-            return None
-        sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and _last_dim(exp, u.args[1])]
-        if len(sums) != 1:
-            return None
-        row_sum = sums[0]
-    divs = [u for u in exp.users if is_op(u, aten.div.Tensor) and u.args[0] is exp and u.args[1] is row_sum]
-    if len(divs) != 1 or len(exp.users) != (1 if is_op(stats[0], PREPARE_SOFTMAX_ONLINE) else 2):
-        return None
-    probs, safe = divs[0], False
-    expected_users = {subs[0], stats[0]}
+    probs, safe = parts["probs"], False
+    expected_users = {parts["sub"], parts["stats"]}
     checks = [u for u in users if is_op(u, aten.eq.Scalar) and _is_neg_inf(u.args[1])]
     user = only_user(probs)
     if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and _fill(user.args[1]) == 0 \

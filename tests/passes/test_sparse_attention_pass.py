@@ -3,12 +3,13 @@ and like dsfuse's own absorbed-MLA gather: what matches, what is reported, what 
 dynamic lengths, switching the pass off, and (structurally, on meta tensors) the CUDA fused-SDPA forms."""
 
 import math
-import operator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from inductor_forms import REWRITES, to_online_softmax
 
 import dsfuse
 from dsfuse.kernels.sparse_attention import sparse_attention_masked_reference
@@ -536,47 +537,21 @@ def test_own_mla_mask_from_other_indices_is_a_near_miss():
 
 
 # ---------------------------------------------------------------------------
-# CUDA's online softmax: Inductor rewrites amax / sub / exp / sum into `prepare_softmax_online` on
-# CUDA before dsfuse's passes run. The same rewrite is applied here on CPU graphs.
+# CUDA's online softmax (inductor_forms.to_online_softmax), applied here on CPU graphs.
 # ---------------------------------------------------------------------------
-
-
-ONLINE_REWRITES = []
-
-
-def _to_online_softmax(graph: torch.fx.Graph) -> None:
-    aten = torch.ops.aten
-    for amax in [n for n in graph.nodes if n.target is aten.amax.default]:
-        x = amax.args[0]
-        sums = [s for u in amax.users if u.target is aten.sub.Tensor for e in u.users
-                if e.target is aten.exp.default for s in e.users if s.target is aten.sum.dim_IntList]
-        if len(sums) != 1:
-            continue
-        with graph.inserting_before(amax):
-            online = graph.call_function(torch.ops.prims.prepare_softmax_online.default, (x, amax.args[1][0]))
-            row_max = graph.call_function(operator.getitem, (online, 0))
-            row_sum = graph.call_function(operator.getitem, (online, 1))
-        online.meta["val"] = (amax.meta["val"], sums[0].meta["val"])
-        row_max.meta["val"], row_sum.meta["val"] = amax.meta["val"], sums[0].meta["val"]
-        amax.replace_all_uses_with(row_max)
-        sums[0].replace_all_uses_with(row_sum)
-        graph.erase_node(sums[0])
-        graph.erase_node(amax)
-        ONLINE_REWRITES.append(online)
 
 
 @pytest.mark.parametrize("family", ["sparse attention (HF mask + SDPA)", "sparse MLA (gather, absorbed)"])
 def test_online_softmax_form_is_matched(family):
-    import torch._inductor.inductor_prims  # noqa: F401
 
     from dsfuse.families import families
 
     fam = next(f for f in families("tiny", "cpu", torch.float32) if f.name == family)
     inputs = fam.make_inputs()
-    options = {"enable": ["sparse_attention"], "inductor": {"post_grad_custom_pre_pass": _to_online_softmax}}
-    ONLINE_REWRITES.clear()
+    options = {"enable": ["sparse_attention"], "inductor": {"post_grad_custom_pre_pass": to_online_softmax}}
+    REWRITES.clear()
     out = torch.compile(fam.fn, backend="dsfuse", options=options)(*inputs)
-    assert ONLINE_REWRITES, "the graph had no softmax to put in the online form"
+    assert REWRITES, "the graph had no softmax to put in the online form"
     rep = dsfuse.report()
     assert rep.counts["sparse_attention"] == 1, str(rep)
     torch.testing.assert_close(out, fam.fn(*inputs), rtol=1e-5, atol=1e-5)

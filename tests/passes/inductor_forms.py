@@ -1,0 +1,60 @@
+"""Graph forms other Inductor configurations hand dsfuse's passes, applied to CPU graphs as a
+`post_grad_custom_pre_pass` so the matchers can be tested against them on any machine.
+
+- `to_online_softmax`: on CUDA, Inductor rewrites amax / sub / exp / sum into `prepare_softmax_online`.
+- `drop_narrowing_round_trips`: torch 2.11's `pointless_convert` folds `x.to(bf16).to(fp32)` into
+  `x.to(fp32)` (later versions keep a narrower intermediate); with an fp32 x the chain disappears.
+"""
+
+import operator
+
+import torch
+import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
+
+aten = torch.ops.aten
+CONVERT = torch.ops.prims.convert_element_type.default
+REWRITES: list = []
+
+
+def to_online_softmax(graph: torch.fx.Graph) -> None:
+    for amax in [n for n in graph.nodes if n.target is aten.amax.default]:
+        x = amax.args[0]
+        sums = [s for u in amax.users if u.target is aten.sub.Tensor for e in u.users
+                if e.target is aten.exp.default for s in e.users if s.target is aten.sum.dim_IntList]
+        if len(sums) != 1:
+            continue
+        with graph.inserting_before(amax):
+            online = graph.call_function(torch.ops.prims.prepare_softmax_online.default, (x, amax.args[1][0]))
+            row_max = graph.call_function(operator.getitem, (online, 0))
+            row_sum = graph.call_function(operator.getitem, (online, 1))
+        online.meta["val"] = (amax.meta["val"], sums[0].meta["val"])
+        row_max.meta["val"], row_sum.meta["val"] = amax.meta["val"], sums[0].meta["val"]
+        amax.replace_all_uses_with(row_max)
+        sums[0].replace_all_uses_with(row_sum)
+        graph.erase_node(sums[0])
+        graph.erase_node(amax)
+        REWRITES.append(online)
+
+
+def drop_narrowing_round_trips(graph: torch.fx.Graph) -> None:
+    for outer in [n for n in graph.nodes if n.target is CONVERT and n.args[0].target is CONVERT]:
+        inner = outer.args[0]
+        source = inner.args[0]
+        if outer.args[1] != torch.float32 or inner.args[1] not in (torch.bfloat16, torch.float16):
+            continue
+        if source.meta["val"].dtype == torch.float32:
+            outer.replace_all_uses_with(source)
+        else:
+            with graph.inserting_before(outer):
+                direct = graph.call_function(CONVERT, (source, torch.float32))
+            direct.meta["val"] = outer.meta["val"]
+            outer.replace_all_uses_with(direct)
+        graph.erase_node(outer)
+        if not inner.users:
+            graph.erase_node(inner)
+        REWRITES.append(outer)
+
+
+def as_torch_2_11_on_cuda(graph: torch.fx.Graph) -> None:
+    to_online_softmax(graph)
+    drop_narrowing_round_trips(graph)
