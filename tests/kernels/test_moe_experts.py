@@ -372,6 +372,35 @@ def test_bf16_bad_input_raises():
         op(x, ids, weights, gate_up, down, -1)
 
 
+@pytest.mark.parametrize("T,k,limit", [(1, 1, None), (37, 6, None), (37, 6, 0.5)])
+def test_bf16_grouped_mm_path_matches_reference(T, k, limit):
+    """The prefill path (`torch._grouped_mm` GEMMs over expert-sorted rows, Triton SwiGLU and a combine reading
+    the sorted rows through the inverse permutation), forced at small sizes; in fp32 it is the reference up to
+    summation order."""
+    args = _bf16_inputs(T, k, dtype=torch.float32, seed=T)
+    out = moe.moe_experts_bf16_triton(*args, swiglu_limit=limit, config={"gemm": "grouped_mm"})
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args], swiglu_limit=limit)
+    assert out.dtype == ref.dtype and _rel_err(out, ref.to(out.device)) < 1e-6
+    half = [a.to(HALF) if a.is_floating_point() and a is not args[2] else a for a in args]
+    out = moe.moe_experts_bf16_triton(*half, swiglu_limit=limit, config={"gemm": "grouped_mm"})
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in half], swiglu_limit=limit)
+    assert out.dtype == HALF and _rel_err(out, ref.to(out.device)) < 1e-2
+
+
+def test_bf16_grouped_mm_path_never_reads_non_local_slots():
+    """Other ranks' slots sort past the last group offset, rows `grouped_mm` leaves unwritten: with NaN router
+    weights on them and NaN tokens that have no local slot, nothing may leak into the output."""
+    x, _, weights, gate_up, down = _bf16_inputs(6, 3, num_experts=4)
+    ids = torch.tensor([[8, 1, 11], [0, 2, 3], [9, 10, 8], [15, 20, 9], [11, 0, 100], [4, 5, 6]], device=DEVICE)
+    non_local = (ids < 8) | (ids >= 12)
+    x = x.masked_fill(non_local.all(dim=1, keepdim=True), float("nan"))
+    weights = weights.masked_fill(non_local, float("nan"))
+    out = moe.moe_experts_bf16_triton(x, ids, weights, gate_up, down, local_expert_offset=8,
+                                      config={"gemm": "grouped_mm"})
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in (x, ids, weights, gate_up, down)], local_expert_offset=8)
+    assert torch.isfinite(out).all() and _rel_err(out, ref.to(out.device)) < 1e-2
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_weight_op_tails_and_opcheck():
     """bf16 plain weights on the GPU through the custom op, K and N tails, decode and prefill tile sizes."""
@@ -383,6 +412,7 @@ def test_gpu_bf16_weight_op_tails_and_opcheck():
         gate_up = (torch.randn(16, 2 * 160, 1056, generator=g) * 0.05).to(torch.bfloat16).cuda()
         down = (torch.randn(16, 1056, 160, generator=g) * 0.05).to(torch.bfloat16).cuda()
         args = (x, ids, weights, gate_up, down)
+        assert moe._grouped_mm_applies(x, gate_up, ids.numel()) == (T == 300)  # decode tiles / CUTLASS prefill
         assert _rel_err(torch.ops.dsfuse.moe_experts_bf16(*args, 0), moe.moe_experts_bf16_reference(*args)) < 1e-2
     torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*args, 0))
 
