@@ -40,7 +40,8 @@ import torch
 import dsfuse.kernels.hyper_connections  # noqa: F401  (registers torch.ops.dsfuse.hc_*)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .graph_utils import CONVERT, VIEW_OPS, aten, dtype, fake_call, insert_call, is_op, same_shape, shape, softmax_parts
+from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, fake_call, insert_call, is_op, only_user, same_shape,
+                          scalar_arg, shape, softmax_parts, strip)
 
 NAME = "hyper_connections"
 IMPLEMENTED = True
@@ -61,15 +62,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 # --------------------------------------------------------------------------------------------
 # Small structural helpers
 # --------------------------------------------------------------------------------------------
-def _strip(node, *targets):
-    """Walk back through ops in `targets` (their first argument)."""
-    while is_op(node, *targets):
-        node = node.args[0]
-    return node
-
-
 def _strip_casts(node):
-    return _strip(node, CONVERT)
+    return strip(node, (CONVERT,))
 
 
 def _strip_layout(node):
@@ -100,12 +94,6 @@ def _split_off(node, other_test):
     return None
 
 
-def _constant(value) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    return None
-
-
 def _dim(d, rank: int) -> int:
     return d + rank if d < 0 else d
 
@@ -123,10 +111,10 @@ def _add_const(node) -> tuple[torch.fx.Node, float] | None:
     if ops is None:
         return None
     a, b = ops
-    if _constant(b) is not None and isinstance(a, torch.fx.Node):
-        return a, _constant(b)
-    if _constant(a) is not None and isinstance(b, torch.fx.Node):
-        return b, _constant(a)
+    if scalar_arg(b) is not None and isinstance(a, torch.fx.Node):
+        return a, scalar_arg(b)
+    if scalar_arg(a) is not None and isinstance(b, torch.fx.Node):
+        return b, scalar_arg(a)
     return None
 
 
@@ -138,10 +126,8 @@ def _getitem_of(node, target):
 
 
 def _only_user(node, *targets):
-    users = [u for u in node.users]
-    if len(users) == 1 and is_op(users[0], *targets):
-        return users[0]
-    return None
+    user = only_user(node)
+    return user if is_op(user, *targets) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -235,7 +221,7 @@ def _mixes_of_split(w, hc):
 def _match_projection(mixes, x, hc, hidden, head) -> dict:
     """mixes = view(mm(view(rmsnorm(view(x))), permute(fn))); returns fn and the norm's eps."""
     rows = hc if head else (2 + hc) * hc
-    mm = _strip(mixes, *VIEW_OPS)
+    mm = strip(mixes, VIEW_OPS)
     if not is_op(mm, aten.mm.default):
         raise NoMatch(f"hyper-connection: mixing logits {mixes} are not an fp32 projection (mm)")
     lhs, rhs = mm.args
@@ -244,7 +230,7 @@ def _match_projection(mixes, x, hc, hidden, head) -> dict:
     fn = _param(rhs.args[0], (rows, hc * hidden), "fn")
     if dtype(mm) != torch.float32:
         raise NoMatch(f"hyper-connection: projection runs in {dtype(mm)}, HF's in fp32")
-    normed = _strip(lhs, *VIEW_OPS)
+    normed = strip(lhs, VIEW_OPS)
     ops = _operands(normed, aten.mul.Tensor)
     if ops is None:
         raise NoMatch("hyper-connection: projection input is not x * rsqrt(mean(x^2) + eps)")
@@ -282,7 +268,7 @@ def _scale_piece(node, index, count):
 
 
 def _base_piece(node, index, base=None):
-    node = _strip(node, *VIEW_OPS)
+    node = strip(node, VIEW_OPS)
     found = _getitem_of(node, aten.split_with_sizes.default)
     if found is None or found[1] != index:
         raise NoMatch(f"hyper-connection: bias {node} is not base.split(...)[{index}]")
@@ -312,7 +298,7 @@ def _affine_user(w, scale, base, index):
     mul = _only_user(w, aten.mul.Tensor)
     add = _only_user(mul, aten.add.Tensor) if mul is not None else None
     found = _affine(add) if add is not None else None
-    if found is None or found[0] is not w and _strip(found[0], *VIEW_OPS) is not w:
+    if found is None or found[0] is not w and strip(found[0], VIEW_OPS) is not w:
         return None
     _, s, b = found
     if _scale_piece(s, index, 3) is not scale or _base_piece(b, index, base)[0] is not base:
@@ -324,7 +310,7 @@ def _match_post(w_post, scale, base):
     add = _affine_user(w_post, scale, base, 1)
     sig = _only_user(add, aten.sigmoid.default) if add is not None else None
     post = _only_user(sig, aten.mul.Tensor) if sig is not None else None
-    if post is None or 2.0 not in [_constant(a) for a in post.args]:
+    if post is None or 2.0 not in [scalar_arg(a) for a in post.args]:
         raise NoMatch("hyper-connection: post is not 2 * sigmoid(w * scale[1] + base[n:2n])")
     return post
 
@@ -473,7 +459,7 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
     else:
         raise NoMatch("no hyper-connection post", reported=False)
     call, post_cast, out = found
-    bmm = _strip(mixed, *VIEW_OPS)
+    bmm = strip(mixed, VIEW_OPS)
     if not is_op(bmm, aten.bmm.default):
         raise NoMatch("hyper-connection exit: post * out is added to something other than comb^T @ residual (bmm)")
     lhs, rhs = (_strip_layout(a) for a in bmm.args)
