@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-GPU_PRESETS = ("tiny", "v32-real-2l", "v4-tiny")
+GPU_PRESETS = ("tiny", "glm-tiny", "v32-real-2l", "v4-tiny")
 GPU_LENGTHS = (1, 5, 65, 200, 2049, 8192)
 GPU_BATCHES = (1, 2, 8)
 # the real-dims preset at batch 8 and 8192 tokens does not fit beside eager's materialised attention

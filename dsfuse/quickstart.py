@@ -24,7 +24,7 @@ from dsfuse.config import PASS_NAMES
 FP32_TOLERANCE = 1e-4
 BF16_SLACK = 1.25
 REAL_PRESET_MIN_GPU_BYTES = 60 * 2**30
-SMALL_PRESETS = ("tiny", "v4-tiny")  # CPU-sized: a short prompt by default
+SMALL_PRESETS = ("tiny", "glm-tiny", "v4-tiny")  # CPU-sized: a short prompt by default
 
 
 def default_preset() -> str:

@@ -19,13 +19,14 @@ from dsfuse.models.official import (
     quantize_fp4,
     quantize_fp8_blockwise,
 )
-from dsfuse.models.presets import PRESETS, V4_PRESETS, build_hf_model, build_hf_model_from_dir, hf_config
+from dsfuse.models.presets import GLM_PRESETS, PRESETS, V4_PRESETS, build_hf_model, build_hf_model_from_dir, hf_config
 
 __all__ = [
     "CheckpointError",
     "DsfuseCache",
     "DsfuseDeepseekConfig",
     "DsfuseDeepseekForCausalLM",
+    "GLM_PRESETS",
     "OWN_PRESETS",
     "PRESETS",
     "V4_PRESETS",

@@ -1,4 +1,5 @@
-"""Named configurations of transformers' DeepSeek models (V3.2 and V4) and deterministic random builders.
+"""Named configurations of transformers' DeepSeek models (V3.2, V4, and the DSA relative GLM-MoE-DSA) and
+deterministic random builders.
 
 The passes are developed against the unmodified HF model, so these builders only choose sizes and the
 attention / experts implementation; they never patch the model.
@@ -138,6 +139,9 @@ V4_PRESETS: dict[str, dict[str, Any]] = {
 }
 V4_ATTN_IMPLEMENTATIONS = ("eager",)
 
+# transformers' GlmMoeDsaForCausalLM at a V3.2 preset's dims (the fields GLM's config has).
+GLM_PRESETS: dict[str, str] = {"glm-tiny": "tiny"}
+
 ROUTER_FP32_TENSORS = ("e_score_correction_bias", "gate.weight")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
@@ -145,9 +149,15 @@ EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
 def preset_kwargs(preset: str, registry: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """A deep copy of a preset's config kwargs (V3.2 or V4); unknown names raise with the list of valid ones."""
+    if registry is None and preset in GLM_PRESETS:
+        from transformers import GlmMoeDsaConfig
+
+        fields = GlmMoeDsaConfig.__dataclass_fields__
+        return {k: v for k, v in preset_kwargs(GLM_PRESETS[preset]).items() if k in fields}
+    names = [*PRESETS, *V4_PRESETS, *GLM_PRESETS] if registry is None else list(registry)
     registry = {**PRESETS, **V4_PRESETS} if registry is None else registry
     if preset not in registry:
-        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(registry))}")
+        raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(names))}")
     return json.loads(json.dumps(registry[preset]))
 
 
@@ -156,6 +166,13 @@ def is_v4_preset(preset: Any) -> bool:
     if isinstance(preset, str):
         return preset in V4_PRESETS
     return getattr(preset, "model_type", None) == "deepseek_v4"
+
+
+def is_glm_preset(preset: Any) -> bool:
+    """Whether `preset` (a name or a config) describes a `GlmMoeDsaForCausalLM`."""
+    if isinstance(preset, str):
+        return preset in GLM_PRESETS
+    return getattr(preset, "model_type", None) == "glm_moe_dsa"
 
 
 def _check_choice(kind: str, value: str, valid: tuple[str, ...]) -> None:
@@ -176,7 +193,7 @@ def hf_config(
     `_experts_implementation`): HF's `@use_experts_implementation` experts read the latter at every forward.
     HF V4 supports eager attention only, so a V4 preset's `sdpa` default becomes `eager`.
     """
-    from transformers import DeepseekV4Config, DeepseekV32Config
+    from transformers import DeepseekV4Config, DeepseekV32Config, GlmMoeDsaConfig
 
     v4 = is_v4_preset(preset)
     if v4 and attn_implementation == "sdpa":
@@ -190,7 +207,8 @@ def hf_config(
         kwargs.pop("mlp_layer_types", None)
     if v4 and "num_hidden_layers" in overrides and "layer_types" not in overrides:
         kwargs.pop("layer_types", None)
-    return (DeepseekV4Config if v4 else DeepseekV32Config)(
+    config_class = DeepseekV4Config if v4 else GlmMoeDsaConfig if is_glm_preset(preset) else DeepseekV32Config
+    return config_class(
         **kwargs,
         attn_implementation=attn_implementation,
         experts_implementation=experts_implementation,
@@ -240,13 +258,15 @@ def build_hf_model(
     seed: int = 0,
     **overrides: Any,
 ):
-    """A randomly initialised `DeepseekV32ForCausalLM` (`DeepseekV4ForCausalLM` for a V4 preset) in eval mode.
+    """A randomly initialised `DeepseekV32ForCausalLM` (`DeepseekV4ForCausalLM` for a V4 preset,
+    `GlmMoeDsaForCausalLM` for a GLM one) in eval mode.
 
-    The same seed gives the same weights. `preset` is a `PRESETS` / `V4_PRESETS` name (with `overrides` applied)
+    The same seed gives the same weights. `preset` is a `PRESETS` / `V4_PRESETS` / `GLM_PRESETS` name (with
+    `overrides` applied)
     or a ready config. The router weight and `e_score_correction_bias` stay fp32 whatever `dtype` is, as
     transformers 5.24 keeps them (`keep_fp32_modules`).
     """
-    from transformers import DeepseekV4ForCausalLM, DeepseekV32ForCausalLM
+    from transformers import DeepseekV4ForCausalLM, DeepseekV32ForCausalLM, GlmMoeDsaForCausalLM
 
     v4 = is_v4_preset(preset)
     if v4 and attn_implementation == "sdpa":
@@ -259,7 +279,8 @@ def build_hf_model(
         _check_choice("attn_implementation", attn_implementation, V4_ATTN_IMPLEMENTATIONS if v4 else ATTN_IMPLEMENTATIONS)
         _check_choice("experts_implementation", experts_implementation, EXPERTS_IMPLEMENTATIONS)
         config = copy.deepcopy(preset)
-    model_class = DeepseekV4ForCausalLM if v4 else DeepseekV32ForCausalLM
+    model_class = (DeepseekV4ForCausalLM if v4 else GlmMoeDsaForCausalLM if is_glm_preset(config)
+                   else DeepseekV32ForCausalLM)
     model = seeded_build(
         lambda: model_class._from_config(
             config,

@@ -2,18 +2,16 @@
 every layer with no near-miss, and the logits match eager."""
 
 import torch
-from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+from transformers import GlmMoeDsaForCausalLM
 
 import dsfuse
-from dsfuse.models.presets import preset_kwargs, seeded_build
+from dsfuse.models.presets import build_hf_model
 
 
 def test_glm_moe_dsa_tiny_rewrites_every_family_and_matches_eager():
-    fields = GlmMoeDsaConfig.__dataclass_fields__
-    config = GlmMoeDsaConfig(**{k: v for k, v in preset_kwargs("tiny").items() if k in fields})
-    model = seeded_build(lambda: GlmMoeDsaForCausalLM._from_config(
-        config, dtype=torch.float32, attn_implementation="sdpa", experts_implementation="grouped_mm"),
-        seed=0, device="cpu", dtype=torch.float32).eval()
+    model = build_hf_model("glm-tiny")
+    config = model.config
+    assert isinstance(model, GlmMoeDsaForCausalLM)
     ids = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = model(ids).logits
