@@ -26,6 +26,12 @@ tile before it is stored. Measured alternatives (H200, notes/compressed_attentio
 instead of the scratch (1.45x slower: it spills), one loop over both key sources (1.3-1.6x slower), and an
 online softmax in one pass (no faster at equal structure, and only ~54 % of outputs bit-equal to HF's against
 99.95 %).
+
+`path="split"` runs the two passes as two kernels with small accumulators, so several programs share an SM:
+scores (q.k, max and sum, the logits stored and by default turned into the rounded probabilities in place), then
+p @ v over (query, D chunk) programs with the inverse RoPE in the chunks that hold the rotated dims.  Same
+roundings in the same order, so the same bits as the fused kernel at equal keys per tile (not yet measured on
+the H200; notes/compressed_attention.md).
 """
 
 from __future__ import annotations
@@ -238,6 +244,16 @@ def _entry_keys(c_row_ptr, idx_row_ptr, stride_c_t, slots, T, start, offs_d,
 
 
 @triton.jit
+def _scratch_tile(logits_ptr, block, slot_tiles, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Addresses of the first [BLOCK_H, BLOCK_N] tile of a program's scratch rows.  A row holds slot_tiles * BLOCK_N
+    slots (window tiles, then compressed tiles): a runtime count, so a new number of compressed entries (HCA's
+    grows with the sequence) compiles nothing, and a multiple of BLOCK_N, so the tiles stay aligned."""
+    row = slot_tiles * BLOCK_N
+    return logits_ptr + block * (BLOCK_H * row) + tl.arange(0, BLOCK_H)[:, None] * row \
+        + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
 def _logits(q, keys, ok, scale, DOT_PRECISION: tl.constexpr):
     """HF's rounding: q.k to the input dtype, times scale in the input dtype, then fp32 with -inf where unseen."""
     dtype = q.dtype
@@ -290,7 +306,7 @@ def _inverse_rope(out, cos_row_ptr, sin_row_ptr, first_pair, D: tl.constexpr, R:
     return tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, WIDTH])
 
 
-@triton.jit(do_not_specialize=["S", "H", "T", "window"])
+@triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
 def _compressed_attention_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
     logits_ptr,
@@ -301,16 +317,16 @@ def _compressed_attention_kernel(
     stride_qp_b, stride_kp_b,
     stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
     stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, window, scale,
+    S, H, T, window, slot_tiles, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
     the same rows.  With STORE_LOGITS pass 1 keeps its logits (exact in the input dtype) in this program's
-    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  Then the output tile is
-    rounded, inverse-rotated on its trailing 2R dims and stored."""
+    [BLOCK_H, slot_tiles * BLOCK_N] scratch and pass 2 reads them back instead of repeating q.k.  Then the
+    output tile is rounded, inverse-rotated on its trailing 2R dims and stored."""
     total = tl.num_programs(0).to(tl.int64)
     flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
     b = flat // S
@@ -330,8 +346,8 @@ def _compressed_attention_kernel(
     kvpos_row = kvpos_ptr + b * stride_kp_b
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
-    own_logits = logits_ptr + (flat * tl.num_programs(1) + tl.program_id(1)) * (BLOCK_H * SLOTS) \
-        + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
+    own_logits = _scratch_tile(logits_ptr, flat * tl.num_programs(1) + tl.program_id(1), slot_tiles, BLOCK_H,
+                               BLOCK_N)
 
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
@@ -378,7 +394,7 @@ def _compressed_attention_kernel(
              mask=h_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["S", "H", "T", "window"])
+@triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
 def _attention_scores_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, logits_ptr, stats_ptr,
     stride_q_b, stride_q_s, stride_q_h,
@@ -386,10 +402,10 @@ def _attention_scores_kernel(
     stride_c_b, stride_c_t,
     stride_idx_b, stride_idx_s,
     stride_qp_b, stride_kp_b,
-    S, H, T, window, scale,
+    S, H, T, window, slot_tiles, scale,
     D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr,
 ):
     """Split path, kernel 1: the fused kernel's pass 1 (one query, BLOCK_H heads, every visible key once) with
     only a [BLOCK_H, BLOCK_N] accumulator, so several programs share an SM.  Stores the logits (exact in the
@@ -416,8 +432,7 @@ def _attention_scores_kernel(
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
     block = flat * tl.num_programs(1) + tl.program_id(1)
-    own_logits = logits_ptr + block * (BLOCK_H * SLOTS) \
-        + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
+    own_logits = _scratch_tile(logits_ptr, block, slot_tiles, BLOCK_H, BLOCK_N)
 
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
@@ -448,7 +463,7 @@ def _attention_scores_kernel(
         tl.store(stats_ptr + total * tl.num_programs(1) * BLOCK_H + rows, l)
 
 
-@triton.jit(do_not_specialize=["S", "H", "T", "window"])
+@triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
 def _attention_values_kernel(
     kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, cos_ptr, sin_ptr, out_ptr, logits_ptr, stats_ptr,
     stride_kv_b, stride_kv_n,
@@ -457,10 +472,10 @@ def _attention_values_kernel(
     stride_qp_b, stride_kp_b,
     stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
     stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, window,
+    S, H, T, window, slot_tiles,
     D: tl.constexpr, D_CHUNK: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr, NORMALIZED: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr, NORMALIZED: tl.constexpr,
 ):
     """Split path, kernel 2: one query, BLOCK_H heads and D_CHUNK of the D output columns ([BLOCK_H, D_CHUNK]
     fp32 accumulator).  Reads kernel 1's scratch in the key order kernel 1 wrote it: the rounded probabilities
@@ -488,8 +503,7 @@ def _attention_values_kernel(
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
     block = flat * tl.num_programs(1) + tl.program_id(1)
-    own_logits = logits_ptr + block * (BLOCK_H * SLOTS) \
-        + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
+    own_logits = _scratch_tile(logits_ptr, block, slot_tiles, BLOCK_H, BLOCK_N)
     if not NORMALIZED:
         rows = block * BLOCK_H + tl.arange(0, BLOCK_H)
         m = tl.load(stats_ptr + rows)
@@ -526,12 +540,14 @@ def compressed_attention_default_config(H: int, D: int) -> dict:
     the stored logits: the fastest of the H200 sweeps (2026-12-01, V4-Flash shapes, S=8192: 3.94 ms CSA, 1.52 ms
     HCA; 32 keys per tile, 128 keys with 1 stage and 3 stages were slower or out of shared memory).  The split
     path's keys (`path="split"`: d_chunk, normalize_in_scores, pv_num_warps / pv_num_stages for its second
-    kernel; block_n, num_warps, num_stages for its first) are a first guess, not yet measured."""
+    kernel; block_n, num_warps, num_stages and a register cap scores_maxnreg for its first) are a first guess,
+    not yet measured."""
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
             "num_stages": 2, "accurate_exp": True, "store_logits": True, "check_positions": False,
-            "path": "fused", "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 2}
+            "path": "fused", "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 2,
+            "scores_maxnreg": None}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -545,7 +561,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
-                                pv_num_stages=None):
+                                pv_num_stages=None, scores_maxnreg=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -564,7 +580,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                        ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
                        ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
-                       ("pv_num_stages", pv_num_stages)):
+                       ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
@@ -612,10 +628,10 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         cos.stride(0) if rope else 0, cos.stride(1) if rope else 0,
         sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, window, float(scale),
+        S, H, T, window, slots // block_n, float(scale),
         D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots, SLOTS=slots,
+        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots,
         CHECK_POSITIONS=bool(cfg["check_positions"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -639,8 +655,10 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
     stats = logits if normalize else torch.empty((2 * rows,), dtype=torch.float32, device=q.device)
     common = dict(BLOCK_H=block_h, BLOCK_N=block_n, MODE=mode, ACCURATE_EXP=accurate,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW_SLOTS=window_slots,
-                  SLOTS=slots, CHECK_POSITIONS=bool(cfg["check_positions"]))
+                  CHECK_POSITIONS=bool(cfg["check_positions"]))
     idx_strides = (idx_arg.stride(0), idx_arg.stride(1)) if has_indices else (0, 0)
+    # a register cap lets two 8-warp scores programs share an SM (their 64 x D query tile sits in shared memory)
+    cap = {} if cfg["scores_maxnreg"] is None else {"maxnreg": cfg["scores_maxnreg"]}
     _attention_scores_kernel[(B * S, head_blocks)](
         q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,
         q.stride(0), q.stride(1), q.stride(2),
@@ -648,9 +666,9 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         c_arg.stride(0), c_arg.stride(1),
         *idx_strides,
         q_positions.stride(0), kv_positions.stride(0),
-        S, H, T, window, float(scale),
+        S, H, T, window, slots // block_n, float(scale),
         D=D, DP=dp, NORMALIZE=normalize, **common,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
     )
     _attention_values_kernel[(B * S * triton.cdiv(D, d_chunk), head_blocks)](
         kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
@@ -661,7 +679,7 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         cos_arg.stride(0) if rope else 0, cos_arg.stride(1) if rope else 0,
         sin_arg.stride(0) if rope else 0, sin_arg.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, window,
+        S, H, T, window, slots // block_n,
         D=D, D_CHUNK=d_chunk, R=cos_arg.shape[2] if rope else 0, NORMALIZED=normalize, **common,
         num_warps=cfg["pv_num_warps"], num_stages=cfg["pv_num_stages"],
     )
