@@ -192,16 +192,17 @@ def l2_read_rate():
 
 
 # the split path's sweep: kernel 1 (scores) first with kernel 2 at its default, then kernel 2 (p.v) with kernel
-# 1 at the best of those, then the normaliser's place and the fast exp at the best pair: 12 configs a layer
-SCORES_CONFIGS = {"n64_w8_s2": dict(block_n=64, num_warps=8, num_stages=2),
-                  "n64_w4_s2": dict(block_n=64, num_warps=4, num_stages=2),
+# 1 at the best of those, then the normaliser's place and the fast exp at the best pair: 12 configs a layer, the
+# likeliest first (SPLIT_BUDGET_S cuts the tail)
+SCORES_CONFIGS = {"n32_w4_s1": dict(block_n=32, num_warps=4, num_stages=1),  # 2 programs / SM (96 KiB, 255 regs)
+                  "n32_w8_s1_r128": dict(block_n=32, num_warps=8, num_stages=1, scores_maxnreg=128),  # 2 / SM
+                  "n64_w8_s2": dict(block_n=64, num_warps=8, num_stages=2),  # the fused kernel's tiles
                   "n32_w8_s2": dict(block_n=32, num_warps=8, num_stages=2),
-                  "n32_w4_s1": dict(block_n=32, num_warps=4, num_stages=1),  # 2 programs / SM (96 KiB, 255 regs)
-                  "n32_w8_s1_r128": dict(block_n=32, num_warps=8, num_stages=1, scores_maxnreg=128)}
-VALUES_CONFIGS = {"d128_w8_s2": dict(d_chunk=128, pv_num_warps=8, pv_num_stages=2),
+                  "n64_w4_s2": dict(block_n=64, num_warps=4, num_stages=2)}
+VALUES_CONFIGS = {"d256_w8_s2": dict(d_chunk=256, pv_num_warps=8, pv_num_stages=2),
                   "d128_w4_s3": dict(d_chunk=128, pv_num_warps=4, pv_num_stages=3),
-                  "d256_w4_s2": dict(d_chunk=256, pv_num_warps=4, pv_num_stages=2),
-                  "d256_w8_s2": dict(d_chunk=256, pv_num_warps=8, pv_num_stages=2)}
+                  "d128_w8_s2": dict(d_chunk=128, pv_num_warps=8, pv_num_stages=2),
+                  "d256_w4_s2": dict(d_chunk=256, pv_num_warps=4, pv_num_stages=2)}
 VALUES_DEFAULT = dict(d_chunk=128, pv_num_warps=4, pv_num_stages=2)
 
 
