@@ -11,10 +11,16 @@ HF's additive masks built from positions and indices, as the model builds them) 
 Prints a table last; writes $OUT/compressed_attention.json.  Environment: SEQS (fused op lengths, default
 "4096 8192 16384 32768 65536"), HF_SEQS (default "4096 8192"), COMPILE_SEQS (default "4096 8192 16384"),
 AGREE_SEQS (default "4096 8192"), SWEEP (0 skips).
+
+`python benchmarks/compressed_attention_gpu.py split` runs only the sweep of the two CUDA paths (the fused kernel
+and the split scores / p.v kernels) at S=8192, CSA and HCA, 12 launch configs a layer, then each layer's fastest
+at S=4096, 16384 and 32768; writes $OUT/compressed_attention_split.json.  SPLIT_BUDGET_S (default 170) stops
+the S=8192 sweep early (half of it for each layer), so the whole run stays under 4 minutes with compiles.
 """
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -31,6 +37,7 @@ RESULTS = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device":
            "ceilings": {}, "agreement": {}, "sweep": {}, "timings": {}}
 ROWS = []
 START = time.time()
+SAVE_AS = "compressed_attention.json"
 
 
 def log(msg):
@@ -40,7 +47,7 @@ def log(msg):
 def save():
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "compressed_attention.json"), "w") as f:
+        with open(os.path.join(out, SAVE_AS), "w") as f:
             json.dump(RESULTS, f, indent=1)
 
 
@@ -147,10 +154,10 @@ def probe_default():
             return
 
 
-def compiled_kernels():
-    """Registers, spills and shared memory of every compiled attention kernel variant, by cache key."""
+def compiled_kernels(kernel=ca._compressed_attention_kernel):
+    """Registers, spills and shared memory of every compiled variant of a kernel, by cache key."""
     found = {}
-    for entry in getattr(ca._compressed_attention_kernel, "device_caches", {}).values():
+    for entry in getattr(kernel, "device_caches", {}).values():
         cache = entry[0] if isinstance(entry, tuple) else entry
         for key, kernel in dict(cache).items():
             try:
@@ -182,6 +189,125 @@ def l2_read_rate():
     ms = bench(lambda: _l2_read_kernel[(programs,)](x, out, rows, TILES=tiles, BLOCK_R=block_r, COLS=cols,
                                                      num_warps=8))
     return programs * tiles * block_r * cols * 2 / ms / 1e9
+
+
+# the split path's sweep: kernel 1 (scores) first with kernel 2 at its default, then kernel 2 (p.v) with kernel
+# 1 at the best of those, then the normaliser's place and the fast exp at the best pair: 12 configs a layer, the
+# likeliest first (SPLIT_BUDGET_S cuts the tail)
+SCORES_CONFIGS = {"n32_w4_s1": dict(block_n=32, num_warps=4, num_stages=1),  # 2 programs / SM (96 KiB, 255 regs)
+                  "n32_w8_s1_r128": dict(block_n=32, num_warps=8, num_stages=1, scores_maxnreg=128),  # 2 / SM
+                  "n64_w8_s2": dict(block_n=64, num_warps=8, num_stages=2),  # the fused kernel's tiles
+                  "n32_w8_s2": dict(block_n=32, num_warps=8, num_stages=2),
+                  "n64_w4_s2": dict(block_n=64, num_warps=4, num_stages=2)}
+VALUES_CONFIGS = {"d256_w8_s2": dict(d_chunk=256, pv_num_warps=8, pv_num_stages=2),
+                  "d128_w4_s3": dict(d_chunk=128, pv_num_warps=4, pv_num_stages=3),
+                  "d128_w8_s2": dict(d_chunk=128, pv_num_warps=8, pv_num_stages=2),
+                  "d256_w4_s2": dict(d_chunk=256, pv_num_warps=4, pv_num_stages=2)}
+VALUES_DEFAULT = dict(d_chunk=128, pv_num_warps=4, pv_num_stages=2)
+
+
+def split_sweep():
+    """Both paths at S=8192 (ms, TFLOP/s on the work asked, bit-equality with the reference and with the fused
+    default), then each layer's fastest config against the fused default at the other lengths."""
+    budget = float(os.environ.get("SPLIT_BUDGET_S", "170"))
+    split = RESULTS.setdefault("split", {})
+    best = {}
+    for number, layer in enumerate(LAYERS):
+        layer_deadline = START + budget * (number + 1) / len(LAYERS)  # each layer gets its share
+        args = make_inputs(8192, layer)
+        flops = work_flops(args)
+        want = ca.compressed_attention_reference(*args)
+        torch.cuda.empty_cache()
+        baseline = fused(args)
+        timed = {}
+
+        def measure(name, cfg):
+            key = f"{layer}_{name}"
+            if name != "fused_default" and time.time() > layer_deadline:
+                split[key] = {"skipped": "over this layer's share of SPLIT_BUDGET_S", **cfg}
+                log(f"split sweep {layer} {name}: skipped (over this layer's share of {budget:.0f} s)")
+                return
+            try:
+                got = fused(args, **cfg)
+                ms = bench(lambda: fused(args, **cfg))
+            except Exception as e:  # out of shared memory, or a compile this Triton cannot do
+                split[key] = {"error": repr(e)[:300], **cfg}
+                log(f"split sweep {layer} {name}: {e!r:.200}")
+                return
+            agree = agreement(got, want)
+            split[key] = {"ms": ms, "tflops": flops / ms / 1e9, "bit_equal_ref": agree["bit_equal_fraction"],
+                          "max_abs_diff_ref": agree["max_abs_diff"], "equal_to_fused": bool(torch.equal(got, baseline)),
+                          "equal_to_fused_fraction": (got == baseline).float().mean().item(), **cfg}
+            timed[name] = (ms, cfg)
+            log(f"split sweep {layer} S=8192 {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s, bit-equal to ref "
+                f"{agree['bit_equal_fraction']:.5f} (max {agree['max_abs_diff']:.3g}), same bits as fused "
+                f"{split[key]['equal_to_fused']} ({split[key]['equal_to_fused_fraction']:.5f})")
+            save()
+
+        measure("fused_default", {})
+        for name, cfg in SCORES_CONFIGS.items():
+            measure(f"split_{name}_d128_w4_s2", {"path": "split", **cfg, **VALUES_DEFAULT})
+        splits = {k: v for k, v in timed.items() if k.startswith("split_")}
+        if not splits:
+            continue
+        scores_cfg = {k: v for k, v in min(splits.values(), key=lambda t: t[0])[1].items()
+                      if k not in VALUES_DEFAULT}
+        scores_name = next(n for n, c in SCORES_CONFIGS.items() if {"path": "split", **c} == scores_cfg)
+        for name, cfg in VALUES_CONFIGS.items():
+            measure(f"split_{scores_name}_{name}", {**scores_cfg, **cfg})
+        splits = {k: v for k, v in timed.items() if k.startswith("split_")}
+        top_name, (top_ms, top_cfg) = min(splits.items(), key=lambda kv: kv[1][0])
+        measure(f"{top_name}_normalize_in_pv", {**top_cfg, "normalize_in_scores": False})
+        measure(f"{top_name}_fast_exp", {**top_cfg, "accurate_exp": False})
+        exact = {k: v for k, v in timed.items() if k.startswith("split_") and not k.endswith("_fast_exp")}
+        best[layer] = min(exact.items(), key=lambda kv: kv[1][0])
+        log(f"split sweep {layer}: fastest split with the default roundings {best[layer][0]}: "
+            f"{best[layer][1][0]:.3f} ms")
+        del args, want, baseline
+        torch.cuda.empty_cache()
+    split["kernels"] = {"scores": compiled_kernels(ca._attention_scores_kernel),
+                        "values": compiled_kernels(ca._attention_values_kernel)}
+    for kind, found in split["kernels"].items():
+        for key, res in found.items():
+            log(f"compiled {kind} kernel: {res}")
+    save()
+
+    for S in (4096, 16384, 32768):
+        for layer, (name, (_, cfg)) in best.items():
+            args = make_inputs(S, layer)
+            flops = work_flops(args)
+            row = {"best_split": name, "work_tflop": flops / 1e12}
+            baseline = fused(args)
+            got = fused(args, **cfg)
+            row["equal_to_fused_fraction"] = (got == baseline).float().mean().item()
+            for provider, launch in (("fused_default", {}), ("split_best", cfg)):
+                ms = bench(lambda: fused(args, **launch))
+                row[provider] = {"ms": ms, "tflops": flops / ms / 1e9}
+                ROWS.append((f"{layer} S={S}", provider, ms, flops / ms / 1e9))
+                log(f"{layer} S={S} {provider}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+            split[f"{layer}_S{S}"] = row
+            del args, baseline, got
+            torch.cuda.empty_cache()
+            save()
+
+
+def split_main():
+    RESULTS["device"] = torch.cuda.get_device_name()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192 ** 3 / bench(lambda: a @ a) / 1e9
+    RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
+    del a
+    log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    split_sweep()
+    print(f"\nbf16 matmul ceiling {peak:.0f} TFLOP/s")
+    print(f"{'case':<14} {'config':<44} {'ms':>8} {'TFLOP/s':>8} {'ref bits':>9} {'=fused':>7}")
+    for key, res in RESULTS["split"].items():
+        if "ms" in res and "bit_equal_ref" in res:
+            layer, name = key.split("_", 1)
+            print(f"{layer + ' S=8192':<14} {name:<44} {res['ms']:8.3f} {res['tflops']:8.0f} "
+                  f"{res['bit_equal_ref']:9.5f} {str(res['equal_to_fused']):>7}")
+    for case, name, ms, tf in ROWS:
+        print(f"{case:<14} {name:<44} {ms:8.3f} {tf:8.0f}")
 
 
 def main():
@@ -279,4 +405,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["split"]:
+        SAVE_AS = "compressed_attention_split.json"
+        split_main()
+    else:
+        main()

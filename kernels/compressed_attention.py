@@ -26,6 +26,12 @@ tile before it is stored. Measured alternatives (H200, notes/compressed_attentio
 instead of the scratch (1.45x slower: it spills), one loop over both key sources (1.3-1.6x slower), and an
 online softmax in one pass (no faster at equal structure, and only ~54 % of outputs bit-equal to HF's against
 99.95 %).
+
+`path="split"` runs the two passes as two kernels with small accumulators, so several programs share an SM:
+scores (q.k, max and sum, the logits stored and by default turned into the rounded probabilities in place), then
+p @ v over (query, D chunk) programs with the inverse RoPE in the chunks that hold the rotated dims.  Same
+roundings in the same order, so the same bits as the fused kernel at equal keys per tile (not yet measured on
+the H200; notes/compressed_attention.md).
 """
 
 from __future__ import annotations
@@ -238,6 +244,16 @@ def _entry_keys(c_row_ptr, idx_row_ptr, stride_c_t, slots, T, start, offs_d,
 
 
 @triton.jit
+def _scratch_tile(logits_ptr, block, slot_tiles, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Addresses of the first [BLOCK_H, BLOCK_N] tile of a program's scratch rows.  A row holds slot_tiles * BLOCK_N
+    slots (window tiles, then compressed tiles): a runtime count, so a new number of compressed entries (HCA's
+    grows with the sequence) compiles nothing, and a multiple of BLOCK_N, so the tiles stay aligned."""
+    row = slot_tiles * BLOCK_N
+    return logits_ptr + block * (BLOCK_H * row) + tl.arange(0, BLOCK_H)[:, None] * row \
+        + tl.arange(0, BLOCK_N)[None, :]
+
+
+@triton.jit
 def _logits(q, keys, ok, scale, DOT_PRECISION: tl.constexpr):
     """HF's rounding: q.k to the input dtype, times scale in the input dtype, then fp32 with -inf where unseen."""
     dtype = q.dtype
@@ -255,17 +271,42 @@ def _max_and_sum(x, m, l, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(x, keys, m, l, acc, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc += round(exp(x - m) / l) @ keys: the probabilities HF hands to its p @ v matmul (without ACCURATE_EXP
-    the division is a multiply by 1 / l, which can round differently)."""
+def _probabilities(x, m, l, dtype: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """round(exp(x - m) / l) to the input dtype: the probabilities HF hands to its p @ v matmul (without
+    ACCURATE_EXP the division is a multiply by 1 / l, which can round differently)."""
     if ACCURATE_EXP:
-        p = tl.div_rn(_exp(x - m[:, None], ACCURATE_EXP), l[:, None]).to(keys.dtype)
+        return tl.div_rn(_exp(x - m[:, None], ACCURATE_EXP), l[:, None]).to(dtype)
     else:
-        p = (_exp(x - m[:, None], ACCURATE_EXP) * (1.0 / l)[:, None]).to(keys.dtype)
+        return (_exp(x - m[:, None], ACCURATE_EXP) * (1.0 / l)[:, None]).to(dtype)
+
+
+@triton.jit
+def _accumulate(x, keys, m, l, acc, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc += round(exp(x - m) / l) @ keys."""
+    p = _probabilities(x, m, l, keys.dtype, ACCURATE_EXP)
     return tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
 
 
-@triton.jit(do_not_specialize=["S", "H", "T", "window"])
+@triton.jit
+def _inverse_rope(out, cos_row_ptr, sin_row_ptr, first_pair, D: tl.constexpr, R: tl.constexpr,
+                  BLOCK_H: tl.constexpr, WIDTH: tl.constexpr):
+    """HF's apply_rotary_pos_emb(out, cos, -sin) on the interleaved pairs of the trailing 2R of D dims, in fp32
+    from the rounded output; `out` holds the WIDTH columns from column 2 * first_pair on (an even column, so
+    no pair straddles two tiles)."""
+    even, odd = tl.split(tl.reshape(out, [BLOCK_H, WIDTH // 2, 2]))
+    pair = first_pair + tl.arange(0, WIDTH // 2)
+    j = pair - (D // 2 - R)
+    turn = (j >= 0) & (pair < D // 2)
+    c = tl.load(cos_row_ptr + j, mask=turn, other=1.0)[None, :]
+    neg_sin = -tl.load(sin_row_ptr + j, mask=turn, other=0.0)[None, :]
+    e = even.to(tl.float32)
+    o = odd.to(tl.float32)
+    new_even = tl.where(turn[None, :], (e * c + (-o) * neg_sin).to(out.dtype), even)
+    new_odd = tl.where(turn[None, :], (o * c + e * neg_sin).to(out.dtype), odd)
+    return tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, WIDTH])
+
+
+@triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
 def _compressed_attention_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
     logits_ptr,
@@ -276,16 +317,16 @@ def _compressed_attention_kernel(
     stride_qp_b, stride_kp_b,
     stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
     stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, window, scale,
+    S, H, T, window, slot_tiles, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
+    STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
     the same rows.  With STORE_LOGITS pass 1 keeps its logits (exact in the input dtype) in this program's
-    [BLOCK_H, SLOTS] scratch and pass 2 reads them back instead of repeating q.k.  Then the output tile is
-    rounded, inverse-rotated on its trailing 2R dims and stored."""
+    [BLOCK_H, slot_tiles * BLOCK_N] scratch and pass 2 reads them back instead of repeating q.k.  Then the
+    output tile is rounded, inverse-rotated on its trailing 2R dims and stored."""
     total = tl.num_programs(0).to(tl.int64)
     flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
     b = flat // S
@@ -305,8 +346,8 @@ def _compressed_attention_kernel(
     kvpos_row = kvpos_ptr + b * stride_kp_b
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
-    own_logits = logits_ptr + (flat * tl.num_programs(1) + tl.program_id(1)) * (BLOCK_H * SLOTS) \
-        + tl.arange(0, BLOCK_H)[:, None] * SLOTS + tl.arange(0, BLOCK_N)[None, :]
+    own_logits = _scratch_tile(logits_ptr, flat * tl.num_programs(1) + tl.program_id(1), slot_tiles, BLOCK_H,
+                               BLOCK_N)
 
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
@@ -347,18 +388,149 @@ def _compressed_attention_kernel(
 
     out = acc.to(q.dtype)
     if R > 0:
-        # HF's apply_rotary_pos_emb(out, cos, -sin) on interleaved pairs, in fp32 from the rounded output
-        even, odd = tl.split(tl.reshape(out, [BLOCK_H, DP // 2, 2]))
-        pair = tl.arange(0, DP // 2)
-        j = pair - (D // 2 - R)
-        turn = (j >= 0) & (pair < D // 2)
-        c = tl.load(cos_ptr + b * stride_cs_b + s * stride_cs_s + j, mask=turn, other=1.0)[None, :]
-        neg_sin = -tl.load(sin_ptr + b * stride_sn_b + s * stride_sn_s + j, mask=turn, other=0.0)[None, :]
-        e = even.to(tl.float32)
-        o = odd.to(tl.float32)
-        new_even = tl.where(turn[None, :], (e * c + (-o) * neg_sin).to(q.dtype), even)
-        new_odd = tl.where(turn[None, :], (o * c + e * neg_sin).to(q.dtype), odd)
-        out = tl.reshape(tl.join(new_even, new_odd), [BLOCK_H, DP])
+        out = _inverse_rope(out, cos_ptr + b * stride_cs_b + s * stride_cs_s, sin_ptr + b * stride_sn_b
+                            + s * stride_sn_s, 0, D, R, BLOCK_H, DP)
+    tl.store(out_ptr + b * stride_o_b + s * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :], out,
+             mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
+def _attention_scores_kernel(
+    q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, logits_ptr, stats_ptr,
+    stride_q_b, stride_q_s, stride_q_h,
+    stride_kv_b, stride_kv_n,
+    stride_c_b, stride_c_t,
+    stride_idx_b, stride_idx_s,
+    stride_qp_b, stride_kp_b,
+    S, H, T, window, slot_tiles, scale,
+    D: tl.constexpr, DP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr, NORMALIZE: tl.constexpr,
+):
+    """Split path, kernel 1: the fused kernel's pass 1 (one query, BLOCK_H heads, every visible key once) with
+    only a [BLOCK_H, BLOCK_N] accumulator, so several programs share an SM.  Stores the logits (exact in the
+    input dtype) in the same scratch as the fused kernel; with NORMALIZE it then rewrites them in place as the
+    rounded probabilities (each exp and division once per logit, not once per D chunk of kernel 2), otherwise
+    it stores the row max and sum for kernel 2."""
+    total = tl.num_programs(0).to(tl.int64)
+    flat = total - 1 - tl.program_id(0)  # latest queries (most visible HCA entries) first
+    b = flat // S
+    s = flat % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, DP)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+
+    q = tl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_h[:, None] * stride_q_h + offs_d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    q_pos = tl.load(qpos_ptr + b * stride_qp_b + s).to(tl.int64)
+    lo = tl.load(ranges_ptr + flat)
+    hi = tl.load(ranges_ptr + total + flat)
+    slots = tl.load(ranges_ptr + 2 * total + flat)
+    kv_row = kv_ptr + b * stride_kv_b
+    kvpos_row = kvpos_ptr + b * stride_kp_b
+    c_row = c_ptr + b * stride_c_b
+    idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
+    block = flat * tl.num_programs(1) + tl.program_id(1)
+    own_logits = _scratch_tile(logits_ptr, block, slot_tiles, BLOCK_H, BLOCK_N)
+
+    m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
+    l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
+    for start in range(0, hi - lo, BLOCK_N):
+        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N, CHECK_POSITIONS)
+        x = _logits(q, keys, ok, scale, DOT_PRECISION)
+        tl.store(own_logits + start, x.to(q.dtype))
+        m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+    if MODE != 0:
+        for start in range(0, slots, BLOCK_N):
+            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D, DP, BLOCK_N)
+            x = _logits(q, keys, ok, scale, DOT_PRECISION)
+            tl.store(own_logits + WINDOW_SLOTS + start, x.to(q.dtype))
+            m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
+    if NORMALIZE:
+        tl.debug_barrier()  # the logits were stored by other threads of this program
+        for start in range(0, hi - lo, BLOCK_N):
+            x = tl.load(own_logits + start).to(tl.float32)
+            tl.store(own_logits + start, _probabilities(x, m, l, q.dtype, ACCURATE_EXP))
+        if MODE != 0:
+            for start in range(0, slots, BLOCK_N):
+                x = tl.load(own_logits + WINDOW_SLOTS + start).to(tl.float32)
+                tl.store(own_logits + WINDOW_SLOTS + start, _probabilities(x, m, l, q.dtype, ACCURATE_EXP))
+    else:
+        rows = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        tl.store(stats_ptr + rows, m)
+        tl.store(stats_ptr + total * tl.num_programs(1) * BLOCK_H + rows, l)
+
+
+@triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
+def _attention_values_kernel(
+    kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, cos_ptr, sin_ptr, out_ptr, logits_ptr, stats_ptr,
+    stride_kv_b, stride_kv_n,
+    stride_c_b, stride_c_t,
+    stride_idx_b, stride_idx_s,
+    stride_qp_b, stride_kp_b,
+    stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
+    stride_o_b, stride_o_s, stride_o_h,
+    S, H, T, window, slot_tiles,
+    D: tl.constexpr, D_CHUNK: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr, NORMALIZED: tl.constexpr,
+):
+    """Split path, kernel 2: one query, BLOCK_H heads and D_CHUNK of the D output columns ([BLOCK_H, D_CHUNK]
+    fp32 accumulator).  Reads kernel 1's scratch in the key order kernel 1 wrote it: the rounded probabilities
+    (NORMALIZED) or the logits, turned into them here with the stored max and sum exactly as the fused kernel
+    does, times the chunk's columns of the same key rows.  The chunk holding any of the trailing 2R dims
+    inverse-rotates them before the store.  The chunks of one query are neighbouring programs, so its scratch
+    is read from DRAM once and from L2 by the other chunks."""
+    CHUNKS: tl.constexpr = (D + D_CHUNK - 1) // D_CHUNK
+    queries = tl.num_programs(0).to(tl.int64) // CHUNKS
+    flat = queries - 1 - tl.program_id(0) // CHUNKS  # latest queries first, as kernel 1
+    chunk = tl.program_id(0) % CHUNKS
+    b = flat // S
+    s = flat % S
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = chunk * D_CHUNK + tl.arange(0, D_CHUNK)
+    h_ok = offs_h < H
+    d_ok = offs_d < D
+
+    q_pos = tl.load(qpos_ptr + b * stride_qp_b + s).to(tl.int64)
+    lo = tl.load(ranges_ptr + flat)
+    hi = tl.load(ranges_ptr + queries + flat)
+    slots = tl.load(ranges_ptr + 2 * queries + flat)
+    kv_row = kv_ptr + b * stride_kv_b
+    kvpos_row = kvpos_ptr + b * stride_kp_b
+    c_row = c_ptr + b * stride_c_b
+    idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
+    block = flat * tl.num_programs(1) + tl.program_id(1)
+    own_logits = _scratch_tile(logits_ptr, block, slot_tiles, BLOCK_H, BLOCK_N)
+    if not NORMALIZED:
+        rows = block * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = tl.load(stats_ptr + rows)
+        l = tl.load(stats_ptr + queries * tl.num_programs(1) * BLOCK_H + rows)
+
+    acc = tl.zeros([BLOCK_H, D_CHUNK], tl.float32)
+    for start in range(0, hi - lo, BLOCK_N):
+        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, CHUNKS * D_CHUNK, BLOCK_N, CHECK_POSITIONS)
+        p = tl.load(own_logits + start)
+        if not NORMALIZED:
+            p = _probabilities(p.to(tl.float32), m, l, keys.dtype, ACCURATE_EXP)
+        acc = tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
+    if MODE != 0:
+        for start in range(0, slots, BLOCK_N):
+            keys, ok = _entry_keys(c_row, idx_row, stride_c_t, slots, T, start, offs_d, MODE, D,
+                                   CHUNKS * D_CHUNK, BLOCK_N)
+            p = tl.load(own_logits + WINDOW_SLOTS + start)
+            if not NORMALIZED:
+                p = _probabilities(p.to(tl.float32), m, l, keys.dtype, ACCURATE_EXP)
+            acc = tl.dot(p, keys, acc, input_precision=DOT_PRECISION)
+
+    out = acc.to(out_ptr.dtype.element_ty)
+    if R > 0:
+        if (chunk + 1) * D_CHUNK > D - 2 * R:
+            out = _inverse_rope(out, cos_ptr + b * stride_cs_b + s * stride_cs_s, sin_ptr + b * stride_sn_b
+                                + s * stride_sn_s, chunk * (D_CHUNK // 2), D, R, BLOCK_H, D_CHUNK)
     tl.store(out_ptr + b * stride_o_b + s * stride_o_s + offs_h[:, None] * stride_o_h + offs_d[None, :], out,
              mask=h_ok[:, None] & d_ok[None, :])
 
@@ -366,11 +538,16 @@ def _compressed_attention_kernel(
 def compressed_attention_default_config(H: int, D: int) -> dict:
     """All heads of a query in one program up to 64 (one MMA M tile); 64 keys per tile, 8 warps, 2 stages and
     the stored logits: the fastest of the H200 sweeps (2026-12-01, V4-Flash shapes, S=8192: 3.94 ms CSA, 1.52 ms
-    HCA; 32 keys per tile, 128 keys with 1 stage and 3 stages were slower or out of shared memory)."""
+    HCA; 32 keys per tile, 128 keys with 1 stage and 3 stages were slower or out of shared memory).  The split
+    path's keys (`path="split"`: d_chunk, normalize_in_scores, pv_num_warps / pv_num_stages for its second
+    kernel; block_n, num_warps, num_stages and a register cap scores_maxnreg for its first) are a first guess,
+    not yet measured."""
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
     return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
-            "num_stages": 2, "accurate_exp": True, "store_logits": True, "check_positions": False}
+            "num_stages": 2, "accurate_exp": True, "store_logits": True, "check_positions": False,
+            "path": "fused", "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 2,
+            "scores_maxnreg": None}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -382,12 +559,15 @@ def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
                                 compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
-                                num_stages=None, accurate_exp=None, store_logits=None, check_positions=None):
+                                num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
+                                path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
+                                pv_num_stages=None, scores_maxnreg=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
     input dtype (80 KiB per query at V4-Flash's CSA shapes); `accurate_exp=False` uses the approximate exp and
-    a reciprocal multiply (5-10 % faster, a few more one-ulp differences)."""
+    a reciprocal multiply (5-10 % faster, a few more one-ulp differences).  `path="split"` runs the two passes
+    as two kernels (see `_split_attention`); both paths give the same bits at equal block_n."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
@@ -398,9 +578,14 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     cfg = compressed_attention_default_config(H, D)
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
-                       ("check_positions", check_positions)):
+                       ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
+                       ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
+                       ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg)):
         if value is not None:
             cfg[key] = value
+    _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
+    _check(cfg["d_chunk"] >= 16 and cfg["d_chunk"] & (cfg["d_chunk"] - 1) == 0,
+           f"d_chunk must be a power of two >= 16, got {cfg['d_chunk']}")
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
@@ -425,6 +610,10 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     head_blocks = triton.cdiv(H, block_h)
     window_slots = triton.cdiv(window, block_n) * block_n
     slots = window_slots + triton.cdiv({_SLIDING: 0, _CSA: K, _HCA: T}[mode], block_n) * block_n
+    if cfg["path"] == "split":
+        _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
+                         indices is not None, rope, scale, T, window, mode, cfg, accurate, window_slots, slots)
+        return out
     if cfg["store_logits"]:
         logits = torch.empty((B * S * head_blocks * block_h * slots,), dtype=q.dtype, device=q.device)
     else:
@@ -439,14 +628,61 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         cos.stride(0) if rope else 0, cos.stride(1) if rope else 0,
         sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, window, float(scale),
+        S, H, T, window, slots // block_n, float(scale),
         D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots, SLOTS=slots,
+        STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots,
         CHECK_POSITIONS=bool(cfg["check_positions"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
+
+
+def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
+                     has_indices, rope, scale, T, window, mode, cfg, accurate, window_slots, slots):
+    """The split path: kernel 1 (scores: logits, then probabilities or row max and sum) over (query, head block),
+    kernel 2 (p @ v and the epilogue) over (query x D chunk, head block).  The scratch is the fused kernel's
+    [B * S, head blocks, BLOCK_H, slots] in the input dtype, plus [2, B * S * H] fp32 row statistics only when
+    kernel 2 normalises; nothing is stored in the output until kernel 2."""
+    B, S, H, D = q.shape
+    dp = max(16, triton.next_power_of_2(D))
+    block_h, block_n = cfg["block_h"], cfg["block_n"]
+    head_blocks = triton.cdiv(H, block_h)
+    d_chunk = min(cfg["d_chunk"], dp)
+    normalize = bool(cfg["normalize_in_scores"])
+    rows = B * S * head_blocks * block_h
+    logits = torch.empty((rows * slots,), dtype=q.dtype, device=q.device)
+    stats = logits if normalize else torch.empty((2 * rows,), dtype=torch.float32, device=q.device)
+    common = dict(BLOCK_H=block_h, BLOCK_N=block_n, MODE=mode, ACCURATE_EXP=accurate,
+                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW_SLOTS=window_slots,
+                  CHECK_POSITIONS=bool(cfg["check_positions"]))
+    idx_strides = (idx_arg.stride(0), idx_arg.stride(1)) if has_indices else (0, 0)
+    # a register cap lets two 8-warp scores programs share an SM (their 64 x D query tile sits in shared memory)
+    cap = {} if cfg["scores_maxnreg"] is None else {"maxnreg": cfg["scores_maxnreg"]}
+    _attention_scores_kernel[(B * S, head_blocks)](
+        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1),
+        c_arg.stride(0), c_arg.stride(1),
+        *idx_strides,
+        q_positions.stride(0), kv_positions.stride(0),
+        S, H, T, window, slots // block_n, float(scale),
+        D=D, DP=dp, NORMALIZE=normalize, **common,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
+    )
+    _attention_values_kernel[(B * S * triton.cdiv(D, d_chunk), head_blocks)](
+        kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
+        kv.stride(0), kv.stride(1),
+        c_arg.stride(0), c_arg.stride(1),
+        *idx_strides,
+        q_positions.stride(0), kv_positions.stride(0),
+        cos_arg.stride(0) if rope else 0, cos_arg.stride(1) if rope else 0,
+        sin_arg.stride(0) if rope else 0, sin_arg.stride(1) if rope else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        S, H, T, window, slots // block_n,
+        D=D, D_CHUNK=d_chunk, R=cos_arg.shape[2] if rope else 0, NORMALIZED=normalize, **common,
+        num_warps=cfg["pv_num_warps"], num_stages=cfg["pv_num_stages"],
+    )
 
 
 @torch.library.custom_op("dsfuse::compressed_attention", mutates_args=())

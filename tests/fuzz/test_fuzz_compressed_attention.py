@@ -1,7 +1,8 @@
 """Fuzz `compressed_attention`: the op and its reference against a per-query float64 computation of the same
 definition, fully masked rows (the sink takes all the mass: 0), -1 index entries, positions of padding (-1), and
-indices out of range (a clear ValueError); then the Triton path (the interpreter on CPU) against the reference on
-the position layouts it is specified for (left padding, then increasing positions)."""
+indices out of range (a clear ValueError); then both Triton paths (fused, and split into a scores and a p.v kernel
+over D chunks; the interpreter on CPU) against the reference on the position layouts they are specified for (left
+padding, then increasing positions)."""
 
 import pytest
 import torch
@@ -78,12 +79,13 @@ def test_compressed_attention_is_its_definition(data, form, rope):
 
 
 @fuzzes("dsfuse::compressed_attention")
+@pytest.mark.parametrize("path", ["fused", "split"])
 @given(data=st.data(), form=st.sampled_from(["window", "csa", "hca"]), rope=st.booleans())
-def test_compressed_attention_triton_path_is_the_reference(data, form, rope):
+def test_compressed_attention_triton_path_is_the_reference(path, data, form, rope):
     B, H, N = data.draw(sizes(1, 2)), data.draw(sizes(1, 3)), data.draw(sizes(1, 13))
     pad = data.draw(st.integers(0, N - 1))
     S = data.draw(st.integers(1, N - pad))
-    D = 2 * data.draw(sizes(1, 8))
+    D = 2 * data.draw(sizes(1, 17))  # up to 34: the split path's 16-wide D chunks, and a partial last one
     window, rate = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 4))
     dtype, seed = data.draw(st.sampled_from([torch.float32, torch.float16])), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
@@ -102,6 +104,9 @@ def test_compressed_attention_triton_path_is_the_reference(data, form, rope):
             indices = torch.where(torch.rand(B, S, k, generator=g) < 0.2, -1, picks)  # distinct, as a top-k's
     cos, sin = _rope_tables(data, g, B, S, D) if rope else (None, None)
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
-    got = compressed_attention_triton(*args)
+    launch = {}
+    if path == "split":
+        launch = {"path": "split", "d_chunk": 16, "normalize_in_scores": data.draw(st.booleans())}
+    got = compressed_attention_triton(*args, **launch)
     want = compressed_attention_reference(*args)
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] * 4)

@@ -127,6 +127,11 @@ def _rope(B, S, R, seed=2):
     return angle.cos(), angle.sin()
 
 
+# both CUDA code paths: the fused kernel, and the split scores / p.v kernels with D chunks narrower than the
+# head dim (so the inverse RoPE runs in a chunk of its own or across two)
+PATHS = {"fused": {}, "split": {"path": "split", "d_chunk": 16}}
+
+
 def _assert_matches(got, want):
     """fp32: up to summation order. fp16: the roundings HF makes are the kernel's, so all but a few elements are
     bit-equal (the kernel's q.k and softmax sum run in another order and can flip a rounding by one ulp)."""
@@ -137,8 +142,9 @@ def _assert_matches(got, want):
         assert (got == want).float().mean() > 0.98
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-def test_triton_matches_reference(kind):
+def test_triton_matches_reference(kind, path):
     B, S, H, D, rate = 2, 23, 3, 32, 4  # S not a multiple of the rate
     W = 20 if kind == "sliding" else 5  # sliding: window rows over two 16-key tiles
     T = S // rate if kind != "sliding" else 0
@@ -149,10 +155,12 @@ def test_triton_matches_reference(kind):
     indices = _picks(B, S, T, 3, rate) if kind == "csa" else None
     cos, sin = _rope(B, S, 4) if kind != "sliding" else (None, None)
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, W, rate, cos, sin)
-    _assert_matches(compressed_attention_triton(*args, block_n=16), compressed_attention_reference(*args))
+    got = compressed_attention_triton(*args, block_n=16, **PATHS[path])
+    _assert_matches(got, compressed_attention_reference(*args))
 
 
-def test_triton_fp32_csa_with_rope_head_blocks_recomputed_logits_and_checked_positions():
+@pytest.mark.parametrize("path", PATHS)
+def test_triton_fp32_csa_with_rope_head_blocks_recomputed_logits_and_checked_positions(path):
     B, S, H, D, rate = 1, 19, 20, 16, 2
     T = S // rate
     q, kv, compressed, sinks = _inputs(B, S, H, D, T, torch.float32, seed=3)
@@ -161,30 +169,65 @@ def test_triton_fp32_csa_with_rope_head_blocks_recomputed_logits_and_checked_pos
     cos, sin = _rope(B, S, 2)
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, 6, rate, cos, sin)
     want = compressed_attention_reference(*args)
-    _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16), want)
+    _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, **PATHS[path]), want)
     _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, store_logits=False,
-                                                check_positions=True), want)
+                                                check_positions=True, **PATHS[path]), want)
 
 
-def test_triton_sequence_shorter_than_window_and_untrusted_indices():
+@pytest.mark.parametrize("path", PATHS)
+def test_triton_sequence_shorter_than_window_and_untrusted_indices(path):
     B, S, H, D, rate = 1, 3, 2, 16, 2
     q, kv, compressed, sinks = _inputs(B, S, H, D, 1, torch.float16, seed=4)
     q_pos, kv_pos = _positions(B, S)
     hca = (q, kv, q_pos, kv_pos, compressed, None, sinks, 0.25, 8, rate, None, None)
-    _assert_matches(compressed_attention_triton(*hca), compressed_attention_reference(*hca))
+    _assert_matches(compressed_attention_triton(*hca, **PATHS[path]), compressed_attention_reference(*hca))
     wild = torch.tensor([[[0, 7, -5], [-1, 0, 1], [3, 0, -1]]])  # picks outside [0, T) read nothing
     tame = torch.where((wild >= 0) & (wild < 1), wild, -1)
-    got = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, wild, sinks, 0.25, 8, rate, None, None)
+    got = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, wild, sinks, 0.25, 8, rate, None, None,
+                                      **PATHS[path])
     want = compressed_attention_reference(q, kv, q_pos, kv_pos, compressed, tame, sinks, 0.25, 8, rate, None, None)
     _assert_matches(got, want)
 
 
-def test_triton_fully_masked_rows_give_zero():
+@pytest.mark.parametrize("path", PATHS)
+def test_triton_fully_masked_rows_give_zero(path):
     q, kv, compressed, sinks = _inputs(1, 4, 2, 16, 2, torch.float16, seed=5)
     q_pos = torch.arange(4).view(1, 4)
     kv_pos = torch.full((1, 4), -1)
-    out = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, None, sinks, 0.3, 4, 8, None, None)
+    out = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, None, sinks, 0.3, 4, 8, None, None,
+                                      **PATHS[path])
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_split_path_gives_the_fused_paths_bits(kind):
+    """The split kernels make the fused kernel's roundings in its order (logits, max and sum over the same key
+    tiles, the same exp and division, p @ v over the same tiles), so at equal block_n every output bit agrees:
+    D chunks of 16 and 32 (the 40 rotated dims of D=64 span several), probabilities normalised in either
+    kernel."""
+    B, S, H, D, W, rate = 1, 8, 3, 64, 5, 2
+    T = S // rate
+    q, kv, compressed, sinks = _inputs(B, S, H, D, T, torch.float16, seed=6)
+    q_pos, kv_pos = _positions(B, S)
+    indices = _picks(B, S, T, 4, rate) if kind == "csa" else None
+    cos, sin = _rope(B, S, 20)
+    args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, W, rate, cos, sin)
+    fused = compressed_attention_triton(*args, block_n=16)
+    assert (fused == compressed_attention_reference(*args)).float().mean() > 0.98
+    for d_chunk, normalize_in_scores in ((16, True), (32, False)):
+        split = compressed_attention_triton(*args, block_n=16, path="split", d_chunk=d_chunk,
+                                            normalize_in_scores=normalize_in_scores)
+        assert torch.equal(split, fused), (d_chunk, normalize_in_scores)
+
+
+def test_triton_rejects_unknown_paths_and_chunks():
+    q, kv, compressed, sinks = _inputs(1, 4, 2, 16, 2, torch.float16, seed=5)
+    pos = torch.arange(4).view(1, 4)
+    args = (q, kv, pos, pos, compressed, None, sinks, 0.3, 4, 2, None, None)
+    with pytest.raises(ValueError, match="path must be 'fused' or 'split'"):
+        compressed_attention_triton(*args, path="fast")
+    with pytest.raises(ValueError, match="d_chunk must be a power of two >= 16"):
+        compressed_attention_triton(*args, path="split", d_chunk=48)
 
 
 # --- the CUDA path at V4-Flash head shapes -------------------------------------------------------------------
@@ -202,28 +245,34 @@ def _cuda_case(kind, B=2, S=1024, H=64, D=512, W=128, seed=7):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["fused", "split"])
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
-def test_cuda_matches_reference_in_bf16(kind):
+def test_cuda_matches_reference_in_bf16(kind, path):
     """Same roundings as HF; the kernel's q.k and softmax sums run in another order than cuBLAS and PyTorch's
     softmax, so a rare logit or probability lands one bf16 ulp away and moves an output by about one ulp (H200,
     S=8192: 99.95 % of outputs bit-equal, max diff 0.0039).  Rounding the probabilities after normalising, as
     HF does, is what keeps the equal fraction high: an online softmax gets ~54 %."""
     args = _cuda_case(kind)
-    got = torch.ops.dsfuse.compressed_attention(*args)
+    got = compressed_attention_triton(*args, path=path)
     want = compressed_attention_reference(*args)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert (got == want).float().mean() > 0.95
+    if path == "fused":
+        assert torch.equal(torch.ops.dsfuse.compressed_attention(*args), got)
+    else:  # the fused kernel's roundings in its order, at the same keys per tile
+        assert torch.equal(got, compressed_attention_triton(*args, path="fused"))
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_gives_the_eager_result():
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_cuda_graph_replay_gives_the_eager_result(path):
     """No host sync and no data-dependent shape: the op captures into a CUDA graph and replays exactly."""
     args = _cuda_case("csa", B=1, S=512)
-    eager = torch.ops.dsfuse.compressed_attention(*args)
+    eager = compressed_attention_triton(*args, path=path)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dsfuse.compressed_attention(*args)
+        captured = compressed_attention_triton(*args, path=path)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
