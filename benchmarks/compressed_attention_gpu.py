@@ -137,7 +137,7 @@ def agreement(got, want):
 FALLBACK = {}  # launch options that replace the default, if the default does not compile here
 
 
-def fused(args, **cfg):
+def dsfuse_op(args, **cfg):
     return ca.compressed_attention_triton(*args, **{**FALLBACK, **cfg})
 
 
@@ -146,7 +146,7 @@ def probe_default():
     (the run-1 kernel) if this Triton cannot compile it, so the run still measures."""
     for layer in LAYERS:
         try:
-            fused(make_inputs(512, layer))
+            dsfuse_op(make_inputs(512, layer))
         except Exception as e:
             FALLBACK["check_positions"] = True
             RESULTS["fallback"] = {"options": dict(FALLBACK), "error": repr(e)[-300:]}
@@ -218,7 +218,7 @@ def split_sweep():
         flops = work_flops(args)
         want = ca.compressed_attention_reference(*args)
         torch.cuda.empty_cache()
-        baseline = fused(args)
+        baseline = dsfuse_op(args, path="fused")
         timed = {}
 
         def measure(name, cfg):
@@ -228,8 +228,8 @@ def split_sweep():
                 log(f"split sweep {layer} {name}: skipped (over this layer's share of {budget:.0f} s)")
                 return
             try:
-                got = fused(args, **cfg)
-                ms = bench(lambda: fused(args, **cfg))
+                got = dsfuse_op(args, **cfg)
+                ms = bench(lambda: dsfuse_op(args, **cfg))
             except Exception as e:  # out of shared memory, or a compile this Triton cannot do
                 split[key] = {"error": repr(e)[:300], **cfg}
                 log(f"split sweep {layer} {name}: {e!r:.200}")
@@ -244,7 +244,7 @@ def split_sweep():
                 f"{split[key]['equal_to_fused']} ({split[key]['equal_to_fused_fraction']:.5f})")
             save()
 
-        measure("fused_default", {})
+        measure("fused_default", {"path": "fused"})
         for name, cfg in SCORES_CONFIGS.items():
             measure(f"split_{name}_d128_w4_s2", {"path": "split", **cfg, **VALUES_DEFAULT})
         splits = {k: v for k, v in timed.items() if k.startswith("split_")}
@@ -277,11 +277,11 @@ def split_sweep():
             args = make_inputs(S, layer)
             flops = work_flops(args)
             row = {"best_split": name, "work_tflop": flops / 1e12}
-            baseline = fused(args)
-            got = fused(args, **cfg)
+            baseline = dsfuse_op(args, path="fused")
+            got = dsfuse_op(args, **cfg)
             row["equal_to_fused_fraction"] = (got == baseline).float().mean().item()
-            for provider, launch in (("fused_default", {}), ("split_best", cfg)):
-                ms = bench(lambda: fused(args, **launch))
+            for provider, launch in (("fused_default", {"path": "fused"}), ("split_best", cfg)):
+                ms = bench(lambda: dsfuse_op(args, **launch))
                 row[provider] = {"ms": ms, "tflops": flops / ms / 1e9}
                 ROWS.append((f"{layer} S={S}", provider, ms, flops / ms / 1e9))
                 log(f"{layer} S={S} {provider}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
@@ -329,9 +329,9 @@ def main():
         for layer in LAYERS:
             args = make_inputs(S, layer, seed=S + 1)
             want = ca.compressed_attention_reference(*args)
-            entry = {"fused": agreement(fused(args), want),
-                     "fused_fast_exp": agreement(fused(args, accurate_exp=False), want),
-                     "fused_recompute": agreement(fused(args, store_logits=False), want),
+            entry = {"fused": agreement(dsfuse_op(args), want),
+                     "fused_fast_exp": agreement(dsfuse_op(args, accurate_exp=False), want),
+                     "fused_recompute": agreement(dsfuse_op(args, store_logits=False), want),
                      "hf_eager": agreement(hf_attention(*args), want)}
             if S in seqs("COMPILE_SEQS", "4096 8192 16384"):
                 entry["hf_inductor"] = agreement(compiled(*args), want)
@@ -350,7 +350,7 @@ def main():
             flops = work_flops(args)
             for name, cfg in variants.items():
                 try:
-                    ms = bench(lambda: fused(args, **cfg))
+                    ms = bench(lambda: dsfuse_op(args, **cfg))
                 except Exception as e:  # a config that does not compile (shared memory) is a result too
                     RESULTS["sweep"][f"{layer}_{name}"] = {"error": repr(e)[:300]}
                     log(f"sweep {layer} {name}: {e!r:.200}")
@@ -361,7 +361,7 @@ def main():
             # the epilogue's cost: the same call without the inverse RoPE
             plain = args[:10] + (None, None)
             for name, cfg in (("default_no_rope", {}),):
-                ms = bench(lambda: fused(plain, **cfg))
+                ms = bench(lambda: dsfuse_op(plain, **cfg))
                 RESULTS["sweep"][f"{layer}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9, **cfg}
                 log(f"sweep {layer} S=8192 {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s")
         RESULTS["kernels"] = compiled_kernels()
@@ -376,7 +376,7 @@ def main():
             flops = work_flops(args)
             row = {"S": S, "layer": layer, "work_tflop": flops / 1e12}
             if FALLBACK:
-                providers = [("dsfuse", lambda: fused(args))]
+                providers = [("dsfuse", lambda: dsfuse_op(args))]
             else:
                 providers = [("dsfuse", lambda: torch.ops.dsfuse.compressed_attention(*args))]
             if S in hf_seqs:

@@ -535,19 +535,20 @@ def _attention_values_kernel(
              mask=h_ok[:, None] & d_ok[None, :])
 
 
-def compressed_attention_default_config(H: int, D: int) -> dict:
-    """All heads of a query in one program up to 64 (one MMA M tile); 64 keys per tile, 8 warps, 2 stages and
-    the stored logits: the fastest of the H200 sweeps (2026-12-01, V4-Flash shapes, S=8192: 3.94 ms CSA, 1.52 ms
-    HCA; 32 keys per tile, 128 keys with 1 stage and 3 stages were slower or out of shared memory).  The split
-    path's keys (`path="split"`: d_chunk, normalize_in_scores, pv_num_warps / pv_num_stages for its second
-    kernel; block_n, num_warps, num_stages and a register cap scores_maxnreg for its first) are a first guess,
-    not yet measured."""
+def compressed_attention_default_config(H: int, D: int, path: str = "split") -> dict:
+    """All heads of a query in one program up to 64 (one MMA M tile), the stored logits, and each path's fastest
+    launch of the H200 sweeps (V4-Flash shapes, S=8192, benchmarks/results/2026-12-01_h200_compressed_attention_*):
+    the split path (the default) with 32 keys per scores tile, 4 warps, 1 stage, then p.v over 128-wide D chunks
+    with 4 warps and 3 stages: CSA 3.69 ms, HCA 1.16 ms; the fused kernel with 64 keys per tile, 8 warps, 2 stages:
+    CSA 3.97 ms, HCA 1.55 ms."""
     block_h = max(16, min(64, triton.next_power_of_2(H)))
     dp = max(16, triton.next_power_of_2(D))
-    return {"block_h": block_h, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4,
-            "num_stages": 2, "accurate_exp": True, "store_logits": True, "check_positions": False,
-            "path": "fused", "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 2,
-            "scores_maxnreg": None}
+    common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
+              "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
+              "scores_maxnreg": None}
+    if path == "split":
+        return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
+    return {**common, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4, "num_stages": 2}
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -575,7 +576,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     N = kv.shape[1]
     q, kv, compressed, indices, cos, sin = (_unit_last(t) for t in (q, kv, compressed, indices, cos, sin))
     q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
-    cfg = compressed_attention_default_config(H, D)
+    cfg = compressed_attention_default_config(H, D, path or "split")
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),

@@ -104,7 +104,7 @@ def test_compressed_attention_triton_path_is_the_reference(path, data, form, rop
             indices = torch.where(torch.rand(B, S, k, generator=g) < 0.2, -1, picks)  # distinct, as a top-k's
     cos, sin = _rope_tables(data, g, B, S, D) if rope else (None, None)
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
-    launch = {}
+    launch = {"path": "fused"}
     if path == "split":
         launch = {"path": "split", "d_chunk": 16, "normalize_in_scores": data.draw(st.booleans())}
     got = compressed_attention_triton(*args, **launch)
