@@ -173,33 +173,37 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _hc_collapse_kernel(
-    x_ptr, fn_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
-    out_ptr, res_ptr, post_in_ptr, comb_in_ptr,
-    T, D, width, norm_eps, hc_eps, iters,
-    N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
-    STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MANUAL_BF16_RNE: tl.constexpr,
+def _split_sum(ptrs, mask, splits, split_stride):
+    """The partials at ptrs summed over the K splits in split order (every program sums them alike)."""
+    total = tl.load(ptrs, mask=mask, other=0.0)
+    for s in range(1, splits):
+        total += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
+    return total
+
+
+@triton.jit(do_not_specialize=["T", "d_split"])
+def _hc_partials_kernel(
+    x_ptr, fn_ptr, part_ptr, out_ptr, res_ptr, post_in_ptr, comb_in_ptr, T, D, d_split,
+    N: tl.constexpr, NN: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, EXIT: tl.constexpr, STORE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """With EXIT, the streams x are first computed by the previous block's exit (`_exit_chunk`) in pass 1 and
-    reduced from registers: the exit and this collapse in one pass over the residual. STORE writes them to x
-    (pass 2 reads them back); without it pass 2 computes them again from the residual (the head's streams, which
-    nothing else reads)."""
-    pid = tl.program_id(0)
-    rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    """Split s of a row block, over the D range [s d_split, (s + 1) d_split) of every stream: the partial projection
+    (columns < M) and sum of squares (column M) -> part[s, rows, :]. With EXIT the streams of each chunk are first
+    computed by the previous block's exit (`_exit_chunk`, stored with STORE) and reduced from registers."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
+    split = tl.program_id(1)
     K = N * D
-    M: tl.constexpr = N if HEAD else (2 + N) * N
     cols = tl.arange(0, NP)
     col_ok = cols < M
     x_rows = x_ptr + rows[:, None] * K
-
-    # Pass 1: sum of squares and the projection, D-chunk by D-chunk, every stream of a chunk together.
     acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
+    d_lo = split * d_split
+    d_hi = tl.minimum(d_lo + d_split, D)
+    for d0 in range(d_lo, d_hi, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
-        d_ok = dd < D
+        d_ok = dd < d_hi
         if EXIT:
             new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
                               BLOCK_T, BLOCK_D, STORE, MANUAL_BF16_RNE)
@@ -209,7 +213,7 @@ def _hc_collapse_kernel(
             r_stream = r // BLOCK_D
             r_col = d0 + r % BLOCK_D
             w = tl.load(fn_ptr + cols[None, :] * K + r_stream[:, None] * D + r_col[:, None],
-                        mask=(r_stream < N)[:, None] & (r_col < D)[:, None] & col_ok[None, :], other=0.0)
+                        mask=(r_stream < N)[:, None] & (r_col < d_hi)[:, None] & col_ok[None, :], other=0.0)
             acc = tl.dot(flat, w.to(tl.float32), acc, input_precision=PRECISION)
         else:
             for j in tl.static_range(N):
@@ -219,61 +223,78 @@ def _hc_collapse_kernel(
                 w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
                             other=0.0).to(tl.float32)
                 acc = tl.dot(xj, w, acc, input_precision=PRECISION)
+    acc = tl.where(cols[None, :] == M, sumsq[:, None], acc)
+    tl.store(part_ptr + (split.to(tl.int64) * T + rows)[:, None] * NP + cols[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["T", "splits"])
+def _hc_mix_kernel(
+    x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, out_ptr, res_ptr, post_in_ptr,
+    comb_in_ptr, T, D, splits, width, norm_eps, hc_eps, iters,
+    N: tl.constexpr, NN: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+):
+    """A row block's mixing weights from the partials of `_hc_partials_kernel` (post and comb stored by the first D
+    tile, pre computed by every tile) and its collapsed D tile. With EXIT and without STORE the streams are computed
+    again from the exit's inputs (the head's streams, which nothing else reads)."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    p_rows = part_ptr + rows * NP
+    split_stride = T.to(tl.int64) * NP
+    sumsq = _split_sum(p_rows + M, row_ok, splits, split_stride)
     rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
-    logits = acc * rstd[:, None]
-    # Through a scratch row per token: the pieces are read back in the layouts the mixing needs.
-    tl.store(logits_ptr + rows[:, None] * NP + cols[None, :], logits, mask=row_ok[:, None])
-    tl.debug_barrier()
-    l_rows = logits_ptr + rows * NP
+    k = tl.arange(0, NN)
+    k_ok = k < N
 
     if not HEAD:
-        # post = 2 * sigmoid(post_w * scale[1] + base[n:2n])
-        k = tl.arange(0, NN)
-        k_ok = k < N
-        post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
-        post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
-        tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
-        # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
-        i3 = k[None, :, None]
-        j3 = k[None, None, :]
-        ij_ok = (i3 < N) & (j3 < N)
-        comb_l = tl.load(l_rows[:, None, None] + 2 * N + i3 * N + j3, mask=row_ok[:, None, None] & ij_ok, other=0.0)
-        comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
-        z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
-        z = tl.where(ij_ok, z, float("-inf"))
-        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-        comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
-        comb = tl.where(ij_ok, comb + hc_eps, 0.0)
-        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
-        for _ in range(iters - 1):
-            comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
+        if tl.program_id(1) == 0:
+            # post = 2 * sigmoid(post_w * scale[1] + base[n:2n])
+            post_l = _split_sum(p_rows[:, None] + N + k[None, :], row_ok[:, None] & k_ok[None, :], splits,
+                                split_stride) * rstd[:, None]
+            post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
+            post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
+            tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
+            # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
+            i3 = k[None, :, None]
+            j3 = k[None, None, :]
+            ij_ok = (i3 < N) & (j3 < N)
+            comb_l = _split_sum(p_rows[:, None, None] + 2 * N + i3 * N + j3, row_ok[:, None, None] & ij_ok, splits,
+                                split_stride) * rstd[:, None, None]
+            comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
+            z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
+            z = tl.where(ij_ok, z, float("-inf"))
+            e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+            comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
+            comb = tl.where(ij_ok, comb + hc_eps, 0.0)
             comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
-        tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb, mask=row_ok[:, None, None] & ij_ok)
+            for _ in range(iters - 1):
+                comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
+                comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+            tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb,
+                     mask=row_ok[:, None, None] & ij_ok)
 
-    # Pass 2: collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), D walked backwards.
+    # collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), pre = sigmoid(pre_w * scale[0] + base[:n])
     pre_scale = tl.load(scale_ptr).to(tl.float32)
-    n_chunks = tl.cdiv(D, BLOCK_D)
-    for c in range(n_chunks):
-        dd = (n_chunks - 1 - c) * BLOCK_D + tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (dd < D)[None, :]
-        if EXIT and not STORE:
-            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, dd < D, D, N, NN,
-                              BLOCK_T, BLOCK_D, False, MANUAL_BF16_RNE)
-            k = tl.arange(0, NN)
-            k_ok = k < N
-            pre = _sigmoid(tl.load(l_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                           * pre_scale + tl.load(base_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]) + hc_eps
-            total = tl.sum(tl.where(k_ok[None, :], pre, 0.0)[:, :, None] * new, axis=1)
-        else:
-            total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-            for j in tl.static_range(N):
-                pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
-                                 + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
-                xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-                total += pre_j[:, None] * xj
-        value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
-        tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
+    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = dd < D
+    ok = row_ok[:, None] & d_ok[None, :]
+    if EXIT and not STORE:
+        new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
+                          BLOCK_T, BLOCK_D, False, MANUAL_BF16_RNE)
+        pre_l = _split_sum(p_rows[:, None] + k[None, :], row_ok[:, None] & k_ok[None, :], splits, split_stride)
+        pre = _sigmoid(pre_l * rstd[:, None] * pre_scale
+                       + tl.load(base_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]) + hc_eps
+        total = tl.sum(tl.where(k_ok[None, :], pre, 0.0)[:, :, None] * new, axis=1)
+    else:
+        x_rows = x_ptr + rows[:, None] * (N * D)
+        total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            pre_j = _sigmoid(_split_sum(p_rows + j, row_ok, splits, split_stride) * rstd * pre_scale
+                             + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
+            xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+            total += pre_j[:, None] * xj
+    value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
+    tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -317,27 +338,35 @@ def _hc_expand_mix_kernel(
 # --------------------------------------------------------------------------------------------
 # Launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); no host sync
 # --------------------------------------------------------------------------------------------
-def default_collapse_launch(hidden: int) -> dict:
-    """Tokens per program, D chunk and warps of `hc_collapse` (the GPU benchmark sweeps them); a tensor-core dot
-    needs 16 or more rows and columns."""
-    return dict(block_t=16, block_d=max(16, min(128, triton.next_power_of_2(hidden))), num_warps=4)
+def default_collapse_launch(hidden: int, fused_exit: bool = False) -> dict:
+    """Launch of the collapse kernels from static shapes (the GPU benchmark sweeps them): the partials kernel's
+    tokens per program (16 or more: a tensor-core dot), D chunk, K splits and warps; the mixing kernel's tokens,
+    D tile and warps. `fused_exit`: the exit's streams are computed in the partials kernel too ([BLOCK_T, n,
+    BLOCK_D] fp32 in registers), fewer tokens per program."""
+    block_d = max(16, min(64, triton.next_power_of_2(hidden)))
+    return dict(block_t=32 if fused_exit else 64, block_d=block_d, splits=max(1, min(8, triton.cdiv(hidden, block_d))),
+                num_warps=8 if fused_exit else 4, mix_block_t=8,
+                mix_block_d=max(16, min(256, triton.next_power_of_2(hidden))), mix_warps=4)
 
 
-def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,
-                     num_warps=None, exit_inputs=None):
+def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, exit_inputs=None, **launch):
     """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
     the streams collapsed are the exit's, written to `streams` (not for the head: streams is None, as without
-    `exit_inputs`)."""
+    `exit_inputs`). Two launches: the split-K partials of the projection and the sum of squares, then the mixing
+    and the collapse by D tiles."""
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
+    cfg = default_collapse_launch(x.shape[-1], fused_exit=exit_inputs is not None)
+    unknown = set(launch) - set(cfg)
+    if unknown:
+        raise ValueError(f"{op}: unknown launch parameters {sorted(unknown)}, expected some of {sorted(cfg)}")
+    cfg.update({key: value for key, value in launch.items() if value is not None})
     hc, hidden = x.shape[-2], x.shape[-1]
     lead = tuple(x.shape[:-2])
     source = x.contiguous().view(-1, hc, hidden)
     T = source.shape[0]
-    defaults = default_collapse_launch(hidden)
-    block_t = block_t or defaults["block_t"]
-    block_d = block_d or (max(16, min(64, triton.next_power_of_2(hidden))) if exit_inputs else defaults["block_d"])
-    n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
+    mixes = hc if head else mixes_count(hc)
+    n_pad = max(16, triton.next_power_of_2(mixes + 1))  # the projection's columns, then the sum of squares
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
@@ -351,37 +380,43 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
     else:
         streams, exit_args = source, (source, source, post, comb)
     if T:
-        logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
-        _hc_collapse_kernel[(triton.cdiv(T, block_t),)](
-            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
-            T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
-            STORE=store, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
-            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
-            num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
+        block_d = cfg["block_d"]
+        d_split = triton.cdiv(triton.cdiv(hidden, max(1, cfg["splits"])), block_d) * block_d
+        splits = triton.cdiv(hidden, d_split)
+        partials = torch.empty((splits, T, n_pad), dtype=torch.float32, device=x.device)
+        common = dict(N=hc, NN=triton.next_power_of_2(hc), M=mixes, NP=n_pad, EXIT=exit_inputs is not None,
+                      STORE=store, MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
+        _hc_partials_kernel[(triton.cdiv(T, cfg["block_t"]), splits)](
+            streams, fn.contiguous(), partials, *exit_args, T, hidden, d_split, BLOCK_T=cfg["block_t"],
+            BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION, num_warps=cfg["num_warps"], **common, **COMPILE_OPTIONS)
+        _hc_mix_kernel[(triton.cdiv(T, cfg["mix_block_t"]), triton.cdiv(hidden, cfg["mix_block_d"]))](
+            streams, partials, base.contiguous(), scale.contiguous(), collapsed, post, comb, *exit_args, T, hidden,
+            splits, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters), HEAD=bool(head),
+            BLOCK_T=cfg["mix_block_t"], BLOCK_D=cfg["mix_block_d"], num_warps=cfg["mix_warps"], **common,
+            **COMPILE_OPTIONS)
     return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
             streams.view(lead + (hc, hidden)) if store else None)
 
 
 def hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
-    """One launch of `hc_collapse` (launch overrides: block_t, block_d, num_warps)."""
+    """`hc_collapse` (launch overrides: the keys of `default_collapse_launch`)."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, **launch)[:3]
 
 
 def hc_head_triton(x, fn, base, scale, norm_eps, hc_eps, **launch):
-    """One launch of `hc_head`."""
+    """`hc_head`."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, 1, True, **launch)[0]
 
 
 def hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
-    """One launch of `hc_exit_collapse`: (streams, collapsed, post, comb)."""
+    """`hc_exit_collapse`: (streams, collapsed, post, comb)."""
     collapsed, post_next, comb_next, streams = _collapse_launch(
         residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, exit_inputs=(out, post, comb), **launch)
     return streams, collapsed, post_next, comb_next
 
 
 def hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, **launch):
-    """One launch of `hc_exit_head`: collapsed (the streams are not written)."""
+    """`hc_exit_head`: collapsed (the streams are not written)."""
     return _collapse_launch(residual, fn, base, scale, norm_eps, hc_eps, 1, True, exit_inputs=(out, post, comb),
                             **launch)[0]
 
