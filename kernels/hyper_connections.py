@@ -23,21 +23,26 @@ every op rounded to the streams' dtype as torch rounds it (the product, the matm
 over n, the add).
 
 `torch.ops.dsfuse.hc_exit_collapse(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, iters) ->
-(streams, collapsed, post, comb)`: an exit and the next hyper-connection in one launch; pass 1 computes each
-chunk of the new streams, stores it and reduces it for the projection from registers (one read of the residual
-instead of a write and a read back). `torch.ops.dsfuse.hc_exit_head(out, residual, post, comb, fn, base, scale,
-norm_eps, hc_eps) -> collapsed`: the last exit and the head, the streams never written (nothing else reads them):
-pass 2 computes them again from the residual.
+(streams, collapsed, post, comb)`: an exit and the next hyper-connection; the partials kernel computes each chunk
+of the new streams, stores it and reduces it from registers (the residual read once, the streams not read back
+for the projection). `torch.ops.dsfuse.hc_exit_head(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
+-> collapsed`: the last exit and the head, the streams never written (nothing else reads them): the mixing
+kernel computes them again from the residual.
 
-Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size):
-`hc_collapse` gives each program BLOCK_T tokens. Pass 1 walks D in chunks, and per chunk every stream j:
-the sum of squares, and the projection as a tensor-core dot of the raw streams with fn's columns (`tf32x3`:
-fp32-accurate; bf16 streams are exact in tf32), scaled by the token's rsqrt afterwards (HF scales before the
-dot: the same value up to the rounding of one product). The mixing logits go through a [T, 32] fp32 scratch
-(stored, barrier, read back in the [n, n] layout Sinkhorn needs); softmax and every Sinkhorn step run in
-registers with IEEE divisions (`tl.div_rn`), HF's order and eps. Pass 2 collapses the streams, walking D
-backwards so the chunks pass 1 read last are read first, while they are still in L2. `hc_expand_mix` is one
-pass over the residual and the block output.
+Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size). Two
+launches, neither walks a whole row serially:
+- `_hc_partials_kernel`, grid (row blocks, K splits): each program takes BLOCK_T tokens and one D range of every
+  stream, and writes the partial sum of squares and the partial projection (a tensor-core dot of the raw streams
+  with fn's columns, `tf32x3`: fp32-accurate; bf16 streams are exact in tf32) to an fp32 scratch [splits, T, NP]
+  (the projection in columns < M, the sum of squares in column M). fn is read once per row block and split.
+- `_hc_mix_kernel`, grid (row blocks, D tiles): each program sums its rows' partials over the splits in split
+  order (every tile alike: the tiles agree bit for bit), scales the projection by the token's rsqrt afterwards
+  (HF scales before the dot: the same value up to the rounding of one product), then the mixing: pre in every
+  tile, post and comb (softmax and every Sinkhorn step in registers with IEEE divisions, `tl.div_rn`, HF's order
+  and eps) stored by the first tile only; then its tile of collapsed = sum_j pre_j x_j.
+Each logit piece is loaded straight from the scratch in the layout its step needs (no barrier). The streams are
+read twice (partials, collapse): keeping them on chip in between would need BLOCK_T x n x D x 2 bytes per program
+(32 KiB a token at n = 4, D = 4096, bf16). `hc_expand_mix` is one pass over the residual and the block output.
 """
 
 from __future__ import annotations
@@ -189,7 +194,7 @@ def _hc_partials_kernel(
 ):
     """Split s of a row block, over the D range [s d_split, (s + 1) d_split) of every stream: the partial projection
     (columns < M) and sum of squares (column M) -> part[s, rows, :]. With EXIT the streams of each chunk are first
-    computed by the previous block's exit (`_exit_chunk`, stored with STORE) and reduced from registers."""
+    computed by the previous block's exit (`_exit_stream`, stored with STORE) and reduced from registers."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
     split = tl.program_id(1)
@@ -204,25 +209,19 @@ def _hc_partials_kernel(
     for d0 in range(d_lo, d_hi, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
         d_ok = dd < d_hi
+        ok = row_ok[:, None] & d_ok[None, :]
         if EXIT:
-            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
-                              BLOCK_T, BLOCK_D, STORE, MANUAL_BF16_RNE)
-            flat = tl.reshape(new, [BLOCK_T, NN * BLOCK_D])
-            sumsq += tl.sum(flat * flat, axis=1)
-            r = tl.arange(0, NN * BLOCK_D)
-            r_stream = r // BLOCK_D
-            r_col = d0 + r % BLOCK_D
-            w = tl.load(fn_ptr + cols[None, :] * K + r_stream[:, None] * D + r_col[:, None],
-                        mask=(r_stream < N)[:, None] & (r_col < d_hi)[:, None] & col_ok[None, :], other=0.0)
-            acc = tl.dot(flat, w.to(tl.float32), acc, input_precision=PRECISION)
-        else:
-            for j in tl.static_range(N):
-                xj = tl.load(x_rows + j * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(tl.float32)
-                sumsq += tl.sum(xj * xj, axis=1)
-                w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
-                            other=0.0).to(tl.float32)
-                acc = tl.dot(xj, w, acc, input_precision=PRECISION)
+            o = tl.load(out_ptr + rows[:, None] * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(N):
+            if EXIT:
+                xj = _exit_stream(o, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, ok, D, j, N, STORE,
+                                  MANUAL_BF16_RNE)
+            else:
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+            sumsq += tl.sum(xj * xj, axis=1)
+            w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc = tl.dot(xj, w, acc, input_precision=PRECISION)
     acc = tl.where(cols[None, :] == M, sumsq[:, None], acc)
     tl.store(part_ptr + (split.to(tl.int64) * T + rows)[:, None] * NP + cols[None, :], acc, mask=row_ok[:, None])
 
@@ -241,7 +240,10 @@ def _hc_mix_kernel(
     row_ok = rows < T
     p_rows = part_ptr + rows * NP
     split_stride = T.to(tl.int64) * NP
-    sumsq = _split_sum(p_rows + M, row_ok, splits, split_stride)
+    # The rows' whole partials in one [BLOCK_T, NP] load per split; columns picked from registers (adding zeros).
+    cols = tl.arange(0, NP)
+    part = _split_sum(p_rows[:, None] + cols[None, :], row_ok[:, None], splits, split_stride)
+    sumsq = tl.sum(tl.where(cols[None, :] == M, part, 0.0), axis=1)
     rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
     k = tl.arange(0, NN)
     k_ok = k < N
@@ -289,7 +291,7 @@ def _hc_mix_kernel(
         x_rows = x_ptr + rows[:, None] * (N * D)
         total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(N):
-            pre_j = _sigmoid(_split_sum(p_rows + j, row_ok, splits, split_stride) * rstd * pre_scale
+            pre_j = _sigmoid(tl.sum(tl.where(cols[None, :] == j, part, 0.0), axis=1) * rstd * pre_scale
                              + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
             xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
             total += pre_j[:, None] * xj
@@ -325,6 +327,26 @@ def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd,
 
 
 @triton.jit
+def _exit_stream(o, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd, ok, D, k, N: tl.constexpr,
+                 STORE: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """New stream k [BLOCK_T, BLOCK_D] of one D chunk in fp32 from the block output's chunk o, rounded as
+    `_exit_chunk` rounds it (stored with STORE); one stream at a time keeps the partials kernel's registers few (the
+    residual's chunk is read again from L1 for every k)."""
+    dtype = new_ptr.dtype.element_ty
+    p = _round_to(tl.load(post_ptr + rows * N + k, mask=row_ok, other=0.0).to(tl.float32), dtype, MANUAL_BF16_RNE)
+    expanded = _round_to(p[:, None] * o, dtype, MANUAL_BF16_RNE)
+    mixed = tl.zeros(o.shape, dtype=tl.float32)
+    for j in tl.static_range(N):
+        rj = tl.load(res_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+        cj = tl.load(comb_ptr + rows * (N * N) + j * N + k, mask=row_ok, other=0.0)
+        mixed += _round_to(cj.to(tl.float32), dtype, MANUAL_BF16_RNE)[:, None] * rj
+    new = _round_to(expanded + _round_to(mixed, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
+    if STORE:
+        tl.store(new_ptr + rows[:, None] * (N * D) + k * D + dd[None, :], new.to(dtype), mask=ok)
+    return new
+
+
+@triton.jit
 def _hc_expand_mix_kernel(
     out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, T, D,
     N: tl.constexpr, NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
@@ -341,12 +363,11 @@ def _hc_expand_mix_kernel(
 def default_collapse_launch(hidden: int, fused_exit: bool = False) -> dict:
     """Launch of the collapse kernels from static shapes (the GPU benchmark sweeps them): the partials kernel's
     tokens per program (16 or more: a tensor-core dot), D chunk, K splits and warps; the mixing kernel's tokens,
-    D tile and warps. `fused_exit`: the exit's streams are computed in the partials kernel too ([BLOCK_T, n,
-    BLOCK_D] fp32 in registers), fewer tokens per program."""
-    block_d = max(16, min(64, triton.next_power_of_2(hidden)))
-    return dict(block_t=32 if fused_exit else 64, block_d=block_d, splits=max(1, min(8, triton.cdiv(hidden, block_d))),
-                num_warps=8 if fused_exit else 4, mix_block_t=8,
-                mix_block_d=max(16, min(256, triton.next_power_of_2(hidden))), mix_warps=4)
+    D tile and warps. With `fused_exit` the partials kernel computes the exit's streams too: a narrower D chunk
+    keeps its registers from spilling (sm_90: 64 x 16 x 8 warps 233 registers, 64 x 32 spills)."""
+    block_d = max(16, min(16 if fused_exit else 32, triton.next_power_of_2(hidden)))
+    return dict(block_t=64, block_d=block_d, splits=max(1, min(8, triton.cdiv(hidden, block_d))), num_warps=8,
+                mix_block_t=8, mix_block_d=max(16, min(256, triton.next_power_of_2(hidden))), mix_warps=4)
 
 
 def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, exit_inputs=None, **launch):
