@@ -45,7 +45,8 @@ COLLAPSE_SWEEP = ([{}] + [dict(zip(_PARTIALS, p)) for p in ((128, 32, 8), (32, 3
                                                               (128, 64, 8), (64, 16, 4))]
                   + [dict(splits=s) for s in (4, 16, 32)]
                   + [dict(zip(_MIXING, m)) for m in ((16, 256, 4), (8, 512, 8), (8, 128, 4))])
-EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (4, 8, 16) for d in (128, 256, 512) for w in (4, 8)]
+# The exit alone already streams at ~3.9 TB/s on the H200 (8 x 256, 4 warps): a small sweep around it.
+EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (8, 16) for d in (256, 512) for w in (4, 8)]
 FUSED_SWEEP = ([{}] + [dict(zip(_PARTIALS, p)) for p in ((32, 16, 4), (64, 32, 8), (128, 16, 8), (32, 32, 8),
                                                            (64, 16, 4))]
                + [dict(splits=s) for s in (4, 16)]
