@@ -125,7 +125,8 @@ def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidde
     fn, base, scale = _params(hc, hidden)
     _, post, comb = hc_collapse_reference(residual, *_params(hc, hidden, seed=4), NORM_EPS, HC_EPS, 4)
     want = hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    got = hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16, mix_block_d=16)
+    tiles = dict(block_d=16, mix_block_d=16)
+    got = hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters, **tiles)
     if dtype != torch.float32:
         assert torch.equal(got[0], want[0])
     _close(got[0], want[0])
@@ -134,7 +135,7 @@ def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidde
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
     hfn, hbase, hscale = _params(hc, hidden, head=True)
     want = hc_exit_head_reference(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS)
-    _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16, mix_block_d=16), want)
+    _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, **tiles), want)
 
 
 def test_every_split_and_tile_gives_the_same_mixing():
