@@ -778,12 +778,19 @@ def _match_mla(index: torch.fx.Node) -> dict:
     if dtype(scores) != torch.float32:
         raise NoMatch(f"softmax over {dtype(scores)} scores, not fp32")
 
-    masked = scores
+    # Masking with -inf and upcasting to fp32 commute exactly: a bf16 softmax (upcast inside) over masked bf16
+    # scores is the fp32 softmax of the same masked values.
+    masked = scores.args[0] if _is_float_cast(scores) and _is_widening(scores) else scores
     if not (is_op(masked, aten.where.self) and _is_neg_inf(scalar_constant(masked.args[1]))):
         raise NoMatch("the scores are not masked with -inf where the index is -1")
-    cond = strip(masked.args[0], LAYOUT_OPS)
+    cond_chain = _chain_back(masked.args[0])
+    cond = cond_chain[0]
     if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
         raise NoMatch("the score mask is not `idx < 0` of the gather's indices")
+    cond_l = names(_through(leaf_labels(cond, "bsk"), cond_chain[1:]) or [])
+    want_cond = _expected("bsk", (B, S, K))
+    if len(cond_l) != 4 or cond_l[:2] + cond_l[3:] != want_cond or cond_l[2] not in ((), ("*",)):
+        raise NoMatch("the `idx < 0` mask is not laid out as [B, S, 1, K] over the scores")
     score_chain = _chain_back(masked.args[2])
     summed = score_chain[0]
     if not is_op(summed, aten.add.Tensor) or not all(isinstance(a, torch.fx.Node) for a in summed.args):
