@@ -386,6 +386,10 @@ def _plain_causal(mask: torch.fx.Node, S, T) -> bool:
 
 def _match_masked(scatter: torch.fx.Node) -> dict:
     base, dim, index, value = scatter.args[:4]
+    if is_op(base, aten.full.default) and _is_neg_inf(base.args[1]) and value == 0 and len(shape(base)) == 3 \
+            and dim in (-1, 2) and dtype(_index_source(index)) in INDEX_DTYPES:
+        raise NoMatch("the selection is scattered into a -inf bias (`full(-inf).scatter(-1, idx, 0)`, the official "
+                      "index mask), a form the matcher does not read")
     if not (is_op(base, aten.full.default) and base.args[1] is True and dtype(base) == torch.bool
             and value is False and len(shape(base)) == 3 and dim in (-1, 2)):
         raise NoMatch("not a scatter of False into an all-True [B, S, T] mask", reported=False)
@@ -706,6 +710,17 @@ def _gather_rows(node: torch.fx.Node) -> tuple | None:
     return src, idx, safe
 
 
+def _one_sequence_gather(node: torch.fx.Node) -> bool:
+    """Whether `node` is `src[idx.clamp(min=0)]` for [T, C] rows and [S, K] integer picks, read by two products
+    (keys and values: the latent rows, not the rope rows gathered beside them)."""
+    src, indices = node.args[:2]
+    if len(indices) != 1 or len(shape(src)) != 2 or not is_op(indices[0], aten.clamp_min.default):
+        return False
+    idx = indices[0].args[0]
+    return indices[0].args[1] == 0 and len(shape(idx)) == 2 and dtype(idx) in INDEX_DTYPES \
+        and sum(pos >= 0 for _, pos, _ in _bmms_using(node)) == 2
+
+
 def _product(a, a_names, a_ops, b, b_names, b_ops, over: str, size) -> Labels | None:
     """Labels of `bmm(a', b')` where a', b' are `a`, `b` after their layout ops, or None unless the
     product contracts exactly the dim `over`."""
@@ -734,10 +749,16 @@ def _bmms_using(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, list[torc
 def _match_mla(index: torch.fx.Node) -> dict:
     gather = _gather_rows(index)
     if gather is None:
+        if _one_sequence_gather(index):
+            raise NoMatch("the picked rows are gathered from one sequence (`kv[idx.clamp(min=0)]`, no batch index); "
+                          "the matcher reads per-batch [B, T, C] row gathers")
         raise NoMatch("not a per-batch row gather", reported=False)
     kv, idx, safe = gather
     uses = _bmms_using(index)
     products = [u for u in uses if u[1] >= 0]
+    if len(products) == 1 and any(is_op(u, aten.slice.Tensor) and _last_dim(index, u.args[1]) for u, _, _ in uses):
+        raise NoMatch("the values are a slice of the gathered key rows (one [latent | rope] row per key); the matcher "
+                      "reads latent and rope rows gathered apart")
     if len(products) != 2 or len(uses) != 2:
         raise NoMatch("gathered rows are not used as both keys and values", reported=False)
     # The same rows serve as keys (score product) and values (output product): an MLA sparse attention.
