@@ -63,10 +63,18 @@ def _mla_one_sequence():
     return q_abs[0], q_pe[0], kv[0], pe[0], idx[0]
 
 
-def _mla_full_picks():
-    """Every query picks K keys of the whole cache (a decode step sees every cached key): no -1 slots."""
+def _mla_index_scores():
+    """Index scores over the whole cache (a decode step sees every cached key), for a top-k inside the graph."""
     q_abs, q_pe, kv, pe, _ = _mla()
-    scores = torch.randn(B, S, T, generator=_gen(3))
+    return q_abs, q_pe, kv, pe, torch.randn(B, S, T, generator=_gen(3))
+
+
+def _mla_index_scores_bf16():
+    return tuple(t.to(torch.bfloat16) if i < 4 else t for i, t in enumerate(_mla_index_scores()))
+
+
+def _mla_given_picks():
+    q_abs, q_pe, kv, pe, scores = _mla_index_scores()
     return q_abs, q_pe, kv, pe, scores.topk(K, dim=-1).indices
 
 
@@ -322,8 +330,8 @@ def eager_weights_returned(q, k, v, idx, additive):
 
 def official_prefill(q, k, v, idx, mask):
     """Official V3.2 MLA prefill: per-head scores `einsum('bshd,bthd->bsht')`, `full(-inf).scatter_(-1, topk, 0)`
-    plus the causal mask, added to the scores; fp32 softmax, `type_as`, einsum with v. Not rewritten: besides the
-    unread bias form, a plain softmax over a -inf bias is NaN in a row whose picks are all in the future, where
+    plus the causal mask, added to the scores; fp32 softmax, `type_as`, einsum with v. Not rewritten: a plain
+    softmax over the combined -inf bias is NaN in a row whose picks are all in the future, where
     `sparse_attention_masked` returns 0, so reading it needs proof that every row keeps a causal pick."""
     scores = torch.einsum("bshd,bthd->bsht", q, k) * SCALE
     index_mask = torch.full((q.shape[0], q.shape[1], k.shape[1]), float("-inf")).scatter_(-1, idx, 0)
@@ -332,15 +340,25 @@ def official_prefill(q, k, v, idx, mask):
     return torch.einsum("bsht,bthd->bshd", scores, v)
 
 
-def official_decode_absorbed(q_abs, q_pe, kv, pe, idx):
-    """Official V3.2 MLA decode (absorbed `wkv_b`): scores against the whole latent and rope caches, the index mask
-    `full(-inf).scatter_(-1, topk, 0)` (no causal mask in decode), fp32 softmax, einsum with the latent cache. With
-    top-k picks (no repeats, at least one per row) this is `sparse_mla_attention` over the caches exactly; the
-    matcher does not read the -inf bias form yet, and says so."""
+def _official_decode(q_abs, q_pe, kv, pe, picks):
     scores = (torch.einsum("bshc,btc->bsht", q_abs, kv) + torch.einsum("bshr,btr->bsht", q_pe, pe)) * SCALE
-    index_mask = torch.full((q_abs.shape[0], q_abs.shape[1], kv.shape[1]), float("-inf")).scatter_(-1, idx, 0)
+    index_mask = torch.full((q_abs.shape[0], q_abs.shape[1], kv.shape[1]), float("-inf")).scatter_(-1, picks, 0)
     scores = (scores + index_mask.unsqueeze(2)).softmax(dim=-1, dtype=torch.float32).type_as(q_abs)
     return torch.einsum("bsht,btc->bshc", scores, kv)
+
+
+def official_decode_absorbed(q_abs, q_pe, kv, pe, index_scores):
+    """Official V3.2 MLA decode (absorbed `wkv_b`): the indexer's top-k, scores against the whole latent and rope
+    caches, the index mask `full(-inf).scatter_(-1, topk, 0)` added (no causal mask in decode), fp32 softmax, einsum
+    with the latent cache. Top-k picks have no repeats and at least one per row, so only the picked keys get weight:
+    `sparse_mla_attention` on the caches."""
+    return _official_decode(q_abs, q_pe, kv, pe, index_scores.topk(K, dim=-1).indices)
+
+
+def official_decode_given_picks(q_abs, q_pe, kv, pe, picks):
+    """The same decode attention over picks that are not a top-k's (an input): a pick repeated in a row is merged by
+    the scatter but would count twice in the gathering op."""
+    return _official_decode(q_abs, q_pe, kv, pe, picks)
 
 
 def dense_attention(q, k, v):
@@ -392,8 +410,10 @@ ONE_SEQUENCE = ("the picked rows are gathered from one sequence (`kv[idx.clamp(m
                 "matcher reads per-batch [B, T, C] row gathers")
 CONCATENATED_ROWS = ("the values are a slice of the gathered key rows (one [latent | rope] row per key); the matcher "
                      "reads latent and rope rows gathered apart")
-INDEX_BIAS = ("the selection is scattered into a -inf bias (`full(-inf).scatter(-1, idx, 0)`, the official index "
-              "mask), a form the matcher does not read")
+INDEX_BIAS = ("the -inf index mask is combined with another mask before the scores (a plain softmax over it is NaN "
+              "in rows without keys, which the fused ops do not reproduce)")
+NOT_TOPK = ("the index mask's picks are not a top-k's indices: the scatter merges repeated picks, the gather op would "
+            "count them twice")
 PROBS_USED = "the attention probabilities are also used elsewhere"
 
 CORPUS = {
@@ -416,7 +436,11 @@ CORPUS = {
     "one_sequence_gather": Entry(one_sequence_gather, "vLLM / FlashMLA reference (one sequence)", _mla_one_sequence,
                                  NEAR_MISS, reason=ONE_SEQUENCE),
     "official_decode_absorbed": Entry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode (absorbed)",
-                                      _mla_full_picks, NEAR_MISS, reason=INDEX_BIAS),
+                                      _mla_index_scores, REWRITTEN, 1, GATHER),
+    "official_decode_absorbed_bf16": Entry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode, bf16",
+                                           _mla_index_scores_bf16, REWRITTEN, 1, GATHER, tolerance=2e-2),
+    "official_decode_given_picks": Entry(official_decode_given_picks, "DeepSeek V3.2 inference MLA decode, picks "
+                                         "from outside", _mla_given_picks, NEAR_MISS, reason=NOT_TOPK),
     "hf_v32_sdpa_bool": Entry(hf_v32_sdpa, "transformers DeepseekV32Attention (sdpa)", _hf, REWRITTEN, 1, MASKED),
     "hf_v32_eager_additive": Entry(hf_v32_eager, "transformers DeepseekV32Attention (eager)",
                                    lambda: _hf("additive"), REWRITTEN, 1, MASKED),
