@@ -10,7 +10,8 @@ compile to the same numbers with dsfuse on as with it off. So every rule is one 
   `add.Scalar` spelled `add.Tensor`, a scalar moved to the second operand of a commutative op,
   `clamp_min(x, 0)` as `relu`, `x * x` as `pow(x, 2)` (Inductor lowers both to one multiply), a division
   by a power of two as a multiplication by its exact reciprocal, one mask polarity for `where`,
-  a double `~` on a bool mask, and split/cat coalescing.
+  a double `~` on a bool mask, split/cat coalescing, `~` of an integer comparison as the negated
+  comparison, and `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`.
 * inexact equivalences (`Rule.exact` false): the two forms agree up to rounding (`x / 3` vs `x * (1/3)`,
   a chain of constant scalings vs one collected scale, `sum / n` vs `mean`, a batch-1 `bmm` vs the
   unbatched `mm` Inductor turns it into, which may run another GEMM kernel). These never touch the
@@ -305,6 +306,58 @@ def duplicate_split(node: torch.fx.Node) -> bool:
     return True
 
 
+# The comparison that is true exactly where another is false, for operands without NaN (integers).
+NEGATED_COMPARISON = {
+    aten.lt.Scalar: aten.ge.Scalar, aten.ge.Scalar: aten.lt.Scalar, aten.le.Scalar: aten.gt.Scalar,
+    aten.gt.Scalar: aten.le.Scalar, aten.eq.Scalar: aten.ne.Scalar, aten.ne.Scalar: aten.eq.Scalar,
+    aten.lt.Tensor: aten.ge.Tensor, aten.ge.Tensor: aten.lt.Tensor, aten.le.Tensor: aten.gt.Tensor,
+    aten.gt.Tensor: aten.le.Tensor, aten.eq.Tensor: aten.ne.Tensor, aten.ne.Tensor: aten.eq.Tensor,
+}
+MASK_LAYOUT_OPS = (*VIEW_OPS, aten.unsqueeze.default, aten.expand.default, aten.permute.default,
+                   aten.transpose.int)
+
+
+def _integer(x: Any) -> bool:
+    if isinstance(x, torch.fx.Node):
+        return dtype(x) is not None and not dtype(x).is_floating_point and not dtype(x).is_complex
+    return isinstance(x, int)
+
+
+def not_of_integer_comparison(node: torch.fx.Node) -> bool:
+    """`~(a >= b)` -> `a < b` (and the other five) for integer operands, seen through layout ops between the `~`
+    and the comparison (`~(idx >= 0)[:, :, None]` -> `(idx < 0)[:, :, None]`): exact, integers have no NaN.
+    Top-k indices with -1 for "no key" are tested both ways round (`idx < 0`, `~(idx >= 0)`)."""
+    layouts, inner = [], node.args[0]
+    while is_op(inner, *MASK_LAYOUT_OPS):
+        layouts.append(inner)
+        inner = inner.args[0]
+    if dtype(node) != torch.bool or not is_op(inner, *NEGATED_COMPARISON) or not all(map(_integer, inner.args[:2])):
+        return False
+    negated = _call(node, NEGATED_COMPARISON[inner.target], inner.args, inner.kwargs)
+    built = [negated]
+    for layout in reversed(layouts):
+        if built[-1] is None:
+            break
+        built.append(_call(node, layout.target, (built[-1], *layout.args[1:]), layout.kwargs))
+    if built[-1] is None or not same_shape(shape(built[-1]), shape(node)) or not _replace(node, built[-1], fresh=True):
+        for made in reversed(built):
+            if made is not None:
+                node.graph.erase_node(made)
+        return False
+    return True
+
+
+def negative_to_zero_is_clamp(node: torch.fx.Node) -> bool:
+    """`where(x < 0, 0, x)` -> `clamp_min(x, 0)` for an integer `x` (how -1 "no key" indices are made safe to read
+    with `masked_fill` or `where`, `clamp(min=0)` in other code): exact for every integer."""
+    cond, fill, x = node.args
+    if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is x and cond.args[1] == 0) or not _integer(x):
+        return False
+    if isinstance(scalar_constant(fill), bool) or scalar_constant(fill) != 0:
+        return False
+    return _swap(node, aten.clamp_min.default, (x, 0))
+
+
 def _precedes(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     node = a.next
     while node.op != "root":
@@ -429,6 +482,9 @@ RULES: tuple[Rule, ...] = (
     Rule("collect_scale", (aten.mul.Tensor, aten.div.Tensor), collect_scale, exact=False),
     Rule("batch_one_mm_is_bmm", (aten.unsqueeze.default, *VIEW_OPS), batch_one_mm_is_bmm, exact=False),
     Rule("sum_over_count_is_mean", (aten.div.Tensor, aten.mul.Tensor), sum_over_count_is_mean, exact=False),
+    Rule("not_of_integer_comparison", (aten.bitwise_not.default, aten.logical_not.default),
+         not_of_integer_comparison),
+    Rule("negative_to_zero_is_clamp", (aten.where.self,), negative_to_zero_is_clamp),
 )
 BY_NAME: dict[str, Rule] = {rule.name: rule for rule in RULES}
 

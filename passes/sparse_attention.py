@@ -353,6 +353,9 @@ def _plain_causal(mask: torch.fx.Node, S, T) -> bool:
 
 def _match_masked(scatter: torch.fx.Node) -> dict:
     base, dim, index, value = scatter.args[:4]
+    if is_op(base, aten.full.default) and _is_neg_inf(base.args[1]) and value == 0 and len(shape(base)) == 3 \
+            and dim in (-1, 2) and dtype(_index_source(index)) in INDEX_DTYPES:
+        return _index_bias_attention(scatter, _index_source(index))
     if not (is_op(base, aten.full.default) and base.args[1] is True and dtype(base) == torch.bool
             and value is False and len(shape(base)) == 3 and dim in (-1, 2)):
         raise NoMatch("not a scatter of False into an all-True [B, S, T] mask", reported=False)
@@ -608,7 +611,110 @@ def _top_k_indices(idx: torch.fx.Node) -> bool:
     return is_op(idx, torch.ops.dsfuse.indexer_topk.default)
 
 
+def _rank3_leaf(node, B, T) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """The earliest [B, T, *] node on `node`'s chain back, and the ops after it."""
+    chain = _chain_back(node)
+    for i, leaf in enumerate(chain):
+        dims = shape(leaf)
+        if len(dims) == 3 and same_size(dims[0], B) and same_size(dims[1], T):
+            return leaf, chain[i + 1:]
+    return None
+
+
+def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
+    """The official V3.2 decode form: `full(-inf, [B, S, T]).scatter(-1, idx, 0)` added (unsqueezed over the heads) to
+    absorbed scores against the whole latent and rope caches, an fp32 softmax and P @ latent cache. With top-k picks
+    (no repeats, K >= 1 in range) only the picked keys get weight, so this is `sparse_mla_attention` on the caches."""
+    bias, add = _single_user_chain(scatter, LAYOUT_OPS)
+    if add is None or not is_op(add, aten.add.Tensor):
+        raise NoMatch("the -inf index mask (`full(-inf).scatter(-1, idx, 0)`) is not added to the scores")
+    scores = add.args[0] if add.args[1] is bias else add.args[1]
+    soft = _softmax_parts(add)
+    if soft is None:
+        raise NoMatch("the -inf index mask is combined with another mask before the scores (a plain softmax over it "
+                      "is NaN in rows without keys, which the fused ops do not reproduce)")
+    if len(shape(add)) != 4:
+        raise NoMatch("the -inf index mask is added to scores that are not [B, S, H, T]")
+    B, S, H, T = shape(add)
+    K = shape(idx)[2]
+    if not same_shape(shape(scatter), (B, S, T)) or not same_shape(shape(idx)[:2], (B, S)):
+        raise NoMatch(f"the index mask {shape(scatter)} does not match the scores {shape(add)} as [B, S, H, T]")
+    bias_l = names(_through(leaf_labels(scatter, "bst"), _chain_back(bias)[1:]) or [])
+    if len(bias_l) != 4 or bias_l[:2] + bias_l[3:] != _expected("bst", (B, S, T)) or bias_l[2] not in ((), ("*",)):
+        raise NoMatch("the index mask is not laid out as [B, S, 1, T] over the scores")
+    x = only_user(add) if is_op(only_user(add), CONVERT) else add
+    if dtype(x) != torch.float32:
+        raise NoMatch(f"softmax over {dtype(x)} scores, not fp32")
+    probs_end, pv = _single_user_chain(soft["probs"], LAYOUT_OPS | {CONVERT})
+    if pv is None or not is_op(pv, aten.bmm.default) or pv.args[0] is not probs_end:
+        raise NoMatch("the attention probabilities are not used only by P @ V")
+    prob_ops = _chain_back(probs_end, narrowing=True)
+    prob_ops = prob_ops[prob_ops.index(soft["probs"]) + 1:] if soft["probs"] in prob_ops else None
+    if prob_ops is None:
+        raise NoMatch("the attention probabilities are not reshaped straight into P @ V")
+
+    score_chain = _chain_back(scores)
+    summed = score_chain[0]
+    parts = [_chain_back(a) for a in summed.args] if is_op(summed, aten.add.Tensor) else []
+    if len(parts) != 2 or not all(is_op(c[0], aten.bmm.default) for c in parts):
+        raise NoMatch("the scores are not the sum of a latent and a rope product")
+    found = []
+    for chain in parts:
+        bmm = chain[0]
+        q_pick = _rank3_leaf(bmm.args[1], B, T)
+        if q_pick is None:
+            raise NoMatch("a score product does not read [B, T, *] cache rows")
+        cache, cache_ops = q_pick
+        width = shape(cache)[2]
+        query = _pick(_chain_back(bmm.args[0]), (B, S, H, width))
+        if query is None:
+            raise NoMatch("a score product's query is not [B, S, H, D]")
+        labels = _product(query[0], "bshc", query[1], cache, "btc", cache_ops, "c", width)
+        labels = _through(_through(labels, chain[1:]), score_chain[1:])
+        if labels is None or names(labels) != _expected("bsht", (B, S, H, T)):
+            raise NoMatch("the score products are not q[b,s,h,:] . cache[b,t,:] over [B, S, H, T]")
+        found.append(dict(q=query[0], q_ops=query[1], cache=cache, cache_ops=cache_ops, ops=chain[1:]))
+    latent = next((f for f in found if f["cache"] in _chain_back(pv.args[1])), None)
+    if latent is None:
+        raise NoMatch("the values are not the latent cache the scores read")
+    rope = found[1 - found.index(latent)]
+    v_pick = _rank3_leaf(pv.args[1], B, T)
+    p_l = _through(leaf_labels(add, "bsht"), prob_ops)
+    v_l = _through(leaf_labels(v_pick[0], "btc"), v_pick[1])
+    o_l = bmm_labels(p_l, v_l) if p_l and v_l else None
+    if v_pick[0] is not latent["cache"] or o_l is None or names([contracted(p_l, v_l)]) != _expected("t", (T,)):
+        raise NoMatch("the output product is not P[b,s,h,:] . cache[b,:,c]")
+    C = shape(latent["cache"])[2]
+    out, out_ops = pv, []
+    while not same_shape(shape(out), (B, S, H, C)):
+        nxt = only_user(out)
+        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
+            raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
+        out_ops.append(nxt)
+        out = nxt
+    o_l = _through(o_l, out_ops)
+    if o_l is None or names(o_l) != _expected("bshc", (B, S, H, C)):
+        raise NoMatch("the attention output is not [B, S, H, C]")
+    q_nope, q_pe, kv, pe = latent["q"], rope["q"], latent["cache"], rope["cache"]
+    if dtype(q_nope) not in ATTENTION_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
+        raise NoMatch(f"q/kv/pe dtypes {dtype(q_nope)}/{dtype(q_pe)}/{dtype(kv)}/{dtype(pe)} not supported")
+    prob_cast = [op for op in prob_ops if is_op(op, CONVERT)]
+    if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):
+        raise NoMatch(f"probabilities are multiplied with the values in {dtype(pv)}, not {dtype(q_nope)}")
+    scales = [_scale_of(f["q_ops"]) * _scale_of(f["cache_ops"]) * _scale_of(f["ops"]) for f in (latent, rope)]
+    if not math.isclose(*scales, rel_tol=1e-6):
+        raise NoMatch("the latent and rope scores are scaled differently")
+    if not _top_k_indices(idx):
+        raise NoMatch("the index mask's picks are not a top-k's indices: the scatter merges repeated picks, the "
+                      "gather op would count them twice")
+    return dict(index_bias=True, q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=None,
+                scale=scales[0] * _scale_of(score_chain[1:]), out=out)
+
+
 def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    if m.get("index_bias"):
+        _rewrite_mla(graph, scatter, m, ctx, "official -inf index mask over the latent cache, ")
+        return
     out, comb = m["out"], m["comb"]
     # A provably plain causal mask is applied in-kernel from positions instead of being read.
     attn_mask = None if m["causal"] else comb["attn_mask"]
@@ -673,6 +779,17 @@ def _gather_rows(node: torch.fx.Node) -> tuple | None:
     return src, idx, safe
 
 
+def _one_sequence_gather(node: torch.fx.Node) -> bool:
+    """Whether `node` is `src[idx.clamp(min=0)]` for [T, C] rows and [S, K] integer picks, read by two products
+    (keys and values: the latent rows, not the rope rows gathered beside them)."""
+    src, indices = node.args[:2]
+    if len(indices) != 1 or len(shape(src)) != 2 or not is_op(indices[0], aten.clamp_min.default):
+        return False
+    idx = indices[0].args[0]
+    return indices[0].args[1] == 0 and len(shape(idx)) == 2 and dtype(idx) in INDEX_DTYPES \
+        and sum(pos >= 0 for _, pos, _ in _bmms_using(node)) == 2
+
+
 def _product(a, a_names, a_ops, b, b_names, b_ops, over: str, size) -> Labels | None:
     """Labels of `bmm(a', b')` where a', b' are `a`, `b` after their layout ops, or None unless the
     product contracts exactly the dim `over`."""
@@ -701,10 +818,16 @@ def _bmms_using(node: torch.fx.Node) -> list[tuple[torch.fx.Node, int, list[torc
 def _match_mla(index: torch.fx.Node) -> dict:
     gather = _gather_rows(index)
     if gather is None:
+        if _one_sequence_gather(index):
+            raise NoMatch("the picked rows are gathered from one sequence (`kv[idx.clamp(min=0)]`, no batch index); "
+                          "the matcher reads per-batch [B, T, C] row gathers")
         raise NoMatch("not a per-batch row gather", reported=False)
     kv, idx, safe = gather
     uses = _bmms_using(index)
     products = [u for u in uses if u[1] >= 0]
+    if len(products) == 1 and any(is_op(u, aten.slice.Tensor) and _last_dim(index, u.args[1]) for u, _, _ in uses):
+        raise NoMatch("the values are a slice of the gathered key rows (one [latent | rope] row per key); the matcher "
+                      "reads latent and rope rows gathered apart")
     if len(products) != 2 or len(uses) != 2:
         raise NoMatch("gathered rows are not used as both keys and values", reported=False)
     # The same rows serve as keys (score product) and values (output product): an MLA sparse attention.
@@ -745,12 +868,19 @@ def _match_mla(index: torch.fx.Node) -> dict:
     if dtype(scores) != torch.float32:
         raise NoMatch(f"softmax over {dtype(scores)} scores, not fp32")
 
-    masked = scores
+    # Masking with -inf and upcasting to fp32 commute exactly: a bf16 softmax (upcast inside) over masked bf16
+    # scores is the fp32 softmax of the same masked values.
+    masked = scores.args[0] if _is_float_cast(scores) and _is_widening(scores) else scores
     if not (is_op(masked, aten.where.self) and _is_neg_inf(scalar_constant(masked.args[1]))):
         raise NoMatch("the scores are not masked with -inf where the index is -1")
-    cond = strip(masked.args[0], LAYOUT_OPS)
+    cond_chain = _chain_back(masked.args[0])
+    cond = cond_chain[0]
     if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
         raise NoMatch("the score mask is not `idx < 0` of the gather's indices")
+    cond_l = names(_through(leaf_labels(cond, "bsk"), cond_chain[1:]) or [])
+    want_cond = _expected("bsk", (B, S, K))
+    if len(cond_l) != 4 or cond_l[:2] + cond_l[3:] != want_cond or cond_l[2] not in ((), ("*",)):
+        raise NoMatch("the `idx < 0` mask is not laid out as [B, S, 1, K] over the scores")
     score_chain = _chain_back(masked.args[2])
     summed = score_chain[0]
     if not is_op(summed, aten.add.Tensor) or not all(isinstance(a, torch.fx.Node) for a in summed.args):
@@ -818,10 +948,10 @@ def _match_mla(index: torch.fx.Node) -> dict:
     return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=sink, scale=scale, out=out)
 
 
-def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: PassContext, form: str = "") -> None:
     out = m["out"]
     fused = insert_call(graph, out, torch.ops.dsfuse.sparse_mla_attention.default,
                         (m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["scale"], m["sink"]))
     out.replace_all_uses_with(fused)
     ctx.site(index, "dsfuse.sparse_mla_attention", [m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["sink"]],
-             detail=f"K={shape(m['idx'])[2]}, scale={m['scale']:.6g}{', sink' if m['sink'] is not None else ''}")
+             detail=f"{form}K={shape(m['idx'])[2]}, scale={m['scale']:.6g}{', sink' if m['sink'] is not None else ''}")

@@ -384,3 +384,46 @@ def test_the_pass_manager_canonicalises_a_graph_no_family_rewrites_without_chang
     assert kinds.count(aten.div.Tensor) == 1, "only the divisions by powers of two become multiplications"
     (mean,) = [n for n in gm.graph.nodes if MEAN in n.meta]
     assert mean.target is aten.mul.Tensor and mean.meta[MEAN][1:] == ((1,), False)
+
+
+def _indices():
+    idx = torch.randint(-1, 6, (2, 3, 4), generator=torch.Generator().manual_seed(2))
+    idx[0, 0, 0] = -7  # below -1 too: the rules must hold for every integer
+    return idx
+
+
+def test_not_of_an_integer_comparison_is_the_negated_comparison_through_layout_ops():
+    comparisons = (aten.ge.Scalar, aten.lt.Scalar)
+    gm = _check(lambda i: ~(i >= 0).unsqueeze(2).expand(2, 3, 5, 4), [_indices()], "not_of_integer_comparison",
+                {aten.bitwise_not.default: 1, **dict.fromkeys(comparisons, 0)} | {aten.ge.Scalar: 1},
+                {aten.bitwise_not.default: 0, aten.ge.Scalar: 0, aten.lt.Scalar: 1})
+    lt = next(n for n in gm.graph.nodes if n.target is aten.lt.Scalar)
+    assert [u.target for u in lt.users] == [aten.unsqueeze.default]
+    _check(lambda i, j: ~(i == j), [_indices(), _indices().flip(0)], "not_of_integer_comparison",
+           {aten.bitwise_not.default: 1, aten.eq.Tensor: 1}, {aten.bitwise_not.default: 0, aten.ne.Tensor: 1})
+
+
+def test_not_of_a_float_comparison_is_kept():
+    """`~(x >= 0)` is true at NaN, `x < 0` is not."""
+    _check(lambda x: ~(x >= 0), [_floats(3, 5)], "not_of_integer_comparison", {aten.bitwise_not.default: 1},
+           {aten.bitwise_not.default: 1}, fired=0)
+
+
+@pytest.mark.parametrize("spelling", ["where", "masked_fill", "where_keep"])
+def test_negative_indices_replaced_by_zero_are_a_clamp(spelling):
+    fn = {"where": lambda i: torch.where(i < 0, 0, i), "masked_fill": lambda i: i.masked_fill(i < 0, 0),
+          "where_keep": lambda i: torch.where(i >= 0, i, 0)}[spelling]
+    gm = _trace(fn, [_indices()])
+    want = gm(_indices())
+    canonicalize(gm.graph)
+    gm.recompile()
+    assert _count(gm.graph, [aten.where.self, aten.clamp_min.default]) == {aten.where.self: 0,
+                                                                           aten.clamp_min.default: 1}, gm.code
+    _same(gm(_indices()), want)
+
+
+def test_other_index_replacements_are_kept():
+    _check(lambda i: torch.where(i < 0, 1, i), [_indices()], "negative_to_zero_is_clamp", {aten.where.self: 1},
+           {aten.where.self: 1}, fired=0)
+    _check(lambda x: torch.where(x < 0, 0.0, x), [_floats(3, 5)], "negative_to_zero_is_clamp", {aten.where.self: 1},
+           {aten.where.self: 1}, fired=0)

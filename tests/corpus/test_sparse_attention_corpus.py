@@ -1,0 +1,495 @@
+"""Spelling corpus for DSA sparse attention: independent formulations of attention restricted to the keys an indexer
+picked (and a few that only look like it), each with its declared outcome, compiled with `backend="dsfuse"` on tiny
+CPU shapes. Every entry must end exactly as declared (rewritten into the named op / reported near-miss with that
+reason / left alone) and agree with eager.
+
+Each formulation is written after the code named in its `source`: the official DeepSeek V3.2 inference MLA (absorbed
+`wkv_b`, einsum spellings, a `full(-inf).scatter_(-1, topk, 0)` index mask added to the scores), vLLM's / SGLang's
+torch references for sparse MLA (`kv[indices]` gathers, -1 for no key, dense softmax over the picks), FlashMLA's
+sparse-prefill test reference (gather, log-sum-exp), transformers' DeepseekV32 / GlmMoeDsa attention (bool selection
+mask combined with the attention mask, SDPA and eager) and transformers' DeepseekV4 sink attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dsfuse
+
+B, S, H, K = 2, 8, 2, 4
+T = S
+C, R = 16, 8  # latent (absorbed nope) width and rope width of the gather forms
+D, DV = 16, 8  # per-head q/k and v widths of the HF forms (DV != D keeps CPU SDPA off its flash kernel)
+SCALE = (C + R) ** -0.5
+WINDOW, RATIO = 4, 2  # V4: sliding window, CSA compress rate (S // RATIO compressed entries)
+
+
+# --------------------------------------------------------------------------------------- inputs
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _causal_picks(batch=B, seq=S, keys=T, k=K, seed=0, pad=-1):
+    """[B, S, k] distinct causal picks per query (key t <= s), the slots past a query's causal keys `pad`."""
+    gen = _gen(seed)
+    idx = torch.full((batch, seq, k), pad, dtype=torch.int64)
+    for b in range(batch):
+        for s in range(seq):
+            seen = s + keys - seq + 1
+            picks = torch.randperm(seen, generator=gen)[:k]
+            idx[b, s, : len(picks)] = picks
+    return idx
+
+
+def _mla(dtype=torch.float32, seed=0):
+    """Absorbed MLA operands: q_abs [B,S,H,C], q_pe [B,S,H,R], latent cache [B,T,C], rope keys [B,T,R], picks."""
+    gen = _gen(seed)
+    return (torch.randn(B, S, H, C, generator=gen).to(dtype), torch.randn(B, S, H, R, generator=gen).to(dtype),
+            torch.randn(B, T, C, generator=gen).to(dtype), torch.randn(B, T, R, generator=gen).to(dtype),
+            _causal_picks(seed=seed))
+
+
+def _mla_sink():
+    return (*_mla(), torch.randn(H, generator=_gen(5)))
+
+
+def _mla_one_sequence():
+    q_abs, q_pe, kv, pe, idx = _mla()
+    return q_abs[0], q_pe[0], kv[0], pe[0], idx[0]
+
+
+def _mla_index_scores():
+    """Index scores over the whole cache (a decode step sees every cached key), for a top-k inside the graph."""
+    q_abs, q_pe, kv, pe, _ = _mla()
+    return q_abs, q_pe, kv, pe, torch.randn(B, S, T, generator=_gen(3))
+
+
+def _mla_index_scores_bf16():
+    return tuple(t.to(torch.bfloat16) if i < 4 else t for i, t in enumerate(_mla_index_scores()))
+
+
+def _mla_given_picks():
+    q_abs, q_pe, kv, pe, scores = _mla_index_scores()
+    return q_abs, q_pe, kv, pe, scores.topk(K, dim=-1).indices
+
+
+def _hf(mask_kind="bool", dtype=torch.float32, seed=1):
+    """HF operands [B,H,S,D] / [B,H,T,D] / [B,H,T,DV], in-range picks, and a causal mask with left padding (bool
+    keep mask, or HF's additive finfo.min one)."""
+    gen = _gen(seed)
+    q = torch.randn(B, H, S, D, generator=gen).to(dtype)
+    k = torch.randn(B, H, T, D, generator=gen).to(dtype)
+    v = torch.randn(B, H, T, DV, generator=gen).to(dtype)
+    idx = _causal_picks(seed=seed, pad=0)
+    keep = torch.ones(S, T, dtype=torch.bool).tril().expand(B, 1, S, T).clone()
+    keep[1, :, :, :2] = False  # left padding in the second row
+    keep[1, :, :2, :] = False  # its padding queries see no key at all
+    if mask_kind == "bool":
+        return q, k, v, idx, keep
+    return q, k, v, idx, torch.zeros(B, 1, S, T, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def _official_prefill():
+    """Per-head q [B,S,H,D], k [B,T,H,D], v [B,T,H,DV], picks, and the official [S, T] causal -inf mask."""
+    gen = _gen(2)
+    q, k = torch.randn(B, S, H, D, generator=gen), torch.randn(B, T, H, D, generator=gen)
+    v = torch.randn(B, T, H, DV, generator=gen)
+    mask = torch.full((S, T), float("-inf")).triu(1)
+    return q, k, v, _causal_picks(seed=2, pad=0), mask
+
+
+def _v4_csa():
+    """V4 CSA operands: q [B,H,S,D], window K=V rows [B,1,S,D], compressed entries [B,1,S//RATIO,D], the indexer's
+    picks over the entries (-1 = none), per-head sinks."""
+    gen = _gen(4)
+    entries = S // RATIO
+    idx = torch.full((B, S, 2), -1, dtype=torch.int64)
+    for s in range(S):
+        visible = (s + 1) // RATIO
+        picks = torch.randperm(max(visible, 1), generator=gen)[: min(2, visible)]
+        idx[:, s, : len(picks)] = picks
+    return (torch.randn(B, H, S, D, generator=gen), torch.randn(B, 1, S, D, generator=gen),
+            torch.randn(B, 1, entries, D, generator=gen), idx, torch.randn(H, generator=gen))
+
+
+def _dense():
+    gen = _gen(6)
+    return torch.randn(B, H, S, D, generator=gen), torch.randn(B, H, T, D, generator=gen), \
+        torch.randn(B, H, T, DV, generator=gen)
+
+
+def _embedding_bag():
+    gen = _gen(7)
+    return torch.randn(B, T, C, generator=gen), _causal_picks(seed=7)
+
+
+# --------------------------------------------------------------------------------------- gather forms (absorbed MLA)
+def _batch_rows(src, idx):
+    return src[torch.arange(src.shape[0])[:, None, None], idx]
+
+
+def official_gather_einsum(q_abs, q_pe, kv, pe, idx):
+    """Official V3.2 absorbed MLA written over gathered picks: einsum latent and rope scores, scale, fp32 upcast,
+    `masked_fill(idx < 0, -inf)`, softmax, probabilities back to the input dtype, einsum with the same rows."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    probs = scores.softmax(dim=-1).type_as(q_abs)
+    return torch.einsum("bshk,bskc->bshc", probs, rows)
+
+
+def vllm_gather_matmul(q_abs, q_pe, kv, pe, idx):
+    """vLLM-style torch reference: -1 picks replaced by 0 with `masked_fill` before the gather, matmul products
+    against the transposed rows, softmax with `dtype=float32`, `~valid` as the mask."""
+    valid = idx >= 0
+    safe = idx.masked_fill(~valid, 0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = torch.matmul(q_abs, rows.transpose(-1, -2)) + torch.matmul(q_pe, pe_rows.transpose(-1, -2))
+    scores = (scores * SCALE).masked_fill(~valid[:, :, None, :], float("-inf"))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_abs.dtype)
+    return torch.matmul(probs, rows)
+
+
+def where_keep_polarity(q_abs, q_pe, kv, pe, idx):
+    """The keep polarity throughout: `where(idx >= 0, idx, 0)` for the gather, `torch.where(keep, scores, -inf)` for
+    the mask (canonicalised to `clamp_min(idx, 0)` and `where(idx < 0, -inf, scores)`)."""
+    safe = torch.where(idx >= 0, idx, 0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = torch.einsum("bshc,bskc->bshk", q_abs.float(), rows.float()) + torch.einsum(
+        "bshr,bskr->bshk", q_pe.float(), pe_rows.float())
+    scores = torch.where((idx >= 0).unsqueeze(2), scores * SCALE, float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).to(q_abs.dtype), rows)
+
+
+def sglang_concatenated_rows(q_abs, q_pe, kv, pe, idx):
+    """SGLang / FlashMLA cache layout: one [latent | rope] row per key, gathered once; the scores read the whole row,
+    the values its latent slice. The op takes the latent and rope caches apart (slices of this one would do); the
+    matcher only reads two gathers by the same indices, and says so."""
+    keys = torch.cat([kv, pe], dim=-1)
+    rows = _batch_rows(keys, idx.clamp(min=0))
+    q = torch.cat([q_abs, q_pe], dim=-1)
+    scores = torch.einsum("bshd,bskd->bshk", q.float(), rows.float()) * SCALE
+    scores = scores.masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).to(q_abs.dtype), rows[..., :C])
+
+
+def scale_folded_into_q(q_abs, q_pe, kv, pe, idx):
+    """The softmax scale folded into both query parts before the products (as fused-kernel wrappers pass it)."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = torch.einsum("bshc,bskc->bshk", q_abs * SCALE, rows) + torch.einsum("bshr,bskr->bshk", q_pe * SCALE,
+                                                                                 pe_rows)
+    probs = scores.float().masked_fill((idx < 0)[:, :, None], float("-inf")).softmax(-1)
+    return torch.einsum("bshk,bskc->bshc", probs.to(q_abs.dtype), rows)
+
+
+def scale_after_mask(q_abs, q_pe, kv, pe, idx):
+    """The scale applied after the -1 picks are masked, as the softmax's direct input: Inductor rewrites
+    `softmax(x * c)` into its own scaled form (`exp((x - max x) * c)` with an infinity guard, which rounds otherwise)
+    before dsfuse sees the graph, and the matcher does not read that form."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    raw = torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)
+    masked = raw.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    probs = torch.softmax(masked * SCALE, dim=-1)
+    return torch.einsum("bshk,bskc->bshc", probs.to(q_abs.dtype), rows)
+
+
+def bmm_over_flat_queries(q_abs, q_pe, kv, pe, idx):
+    """Explicit `bmm` over flattened (batch, query) rows: [B*S, H, C] x [B*S, C, K]."""
+    b, s, h, _ = q_abs.shape
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe).flatten(0, 1), _batch_rows(pe, safe).flatten(0, 1)
+    scores = torch.bmm(q_abs.reshape(b * s, h, C), rows.transpose(1, 2)) + torch.bmm(q_pe.reshape(b * s, h, R),
+                                                                                      pe_rows.transpose(1, 2))
+    scores = (scores.view(b, s, h, -1) * SCALE).float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    probs = scores.softmax(dim=-1).to(q_abs.dtype).view(b * s, h, -1)
+    return torch.bmm(probs, rows).view(b, s, h, C)
+
+
+def sink_column(q_abs, q_pe, kv, pe, idx, sink):
+    """Per-head sink logits appended as one more column of the fp32 softmax and dropped after it (V4-style sinks
+    over gathered picks)."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    column = sink.float().view(1, 1, H, 1).expand(scores.shape[0], scores.shape[1], H, 1)
+    probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("bshk,bskc->bshc", probs.type_as(q_abs), rows)
+
+
+def one_sequence_gather(q_abs, q_pe, kv, pe, idx):
+    """vLLM / FlashMLA references hold one flat sequence: q [S,H,C], kv [T,C], idx [S,K], `kv[idx]` without a batch
+    index. The same math as the batched gather at B=1, which the op could take through batch-1 views; the matcher
+    does not build them yet, and says so."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = kv[safe], pe[safe]
+    scores = (torch.einsum("shc,skc->shk", q_abs, rows) + torch.einsum("shr,skr->shk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(1), float("-inf"))
+    return torch.einsum("shk,skc->shc", scores.softmax(-1).to(q_abs.dtype), rows)
+
+
+def bf16_softmax(q_abs, q_pe, kv, pe, idx):
+    """The softmax called on the masked bf16 scores (no explicit upcast): a bf16 softmax upcasts inside, and masking
+    commutes with the exact upcast, so this is the official bf16 form with the cast moved."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    probs = scores.masked_fill((idx < 0).unsqueeze(2), float("-inf")).softmax(dim=-1)
+    return torch.einsum("bshk,bskc->bshc", probs, rows)
+
+
+def minus_one_only(q_abs, q_pe, kv, pe, idx):
+    """Only `idx == -1` is masked: an index below -1 would be read (clamped to row 0) and attended, where the fused
+    op treats every negative index as no key, so the two differ on such indices."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx == -1).unsqueeze(2), float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).type_as(q_abs), rows)
+
+
+def flashmla_lse(q_abs, q_pe, kv, pe, idx):
+    """FlashMLA's sparse-prefill test reference: weights `exp(P - lse)` with the log-sum-exp of an empty row set to
+    +inf, so a query without keys gives 0 (the fused op's softmax gives NaN there): not the softmax form matched."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    p = (torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)).float()
+    p = (p * SCALE).masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(p, dim=-1, keepdim=True)
+    lse = torch.where(torch.isneginf(lse), float("inf"), lse)
+    return torch.einsum("bshk,bskc->bshc", torch.exp(p - lse).to(q_abs.dtype), rows)
+
+
+def softmax_over_heads(q_abs, q_pe, kv, pe, idx):
+    """The softmax normalises over the heads (dim 2), not over the picked keys."""
+    safe = idx.clamp(min=0)
+    rows, pe_rows = _batch_rows(kv, safe), _batch_rows(pe, safe)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=2).type_as(q_abs), rows)
+
+
+def gathered_rows_summed(kv, idx):
+    """A per-batch row gather that is no attention (an embedding-bag style sum of the picked rows)."""
+    return _batch_rows(kv, idx.clamp(min=0)).sum(dim=2)
+
+
+# --------------------------------------------------------------------------------------- scatter-mask forms
+def _not_selected(idx, keys):
+    """HF's `index_mask`: True at the keys the indexer did not pick, [B, 1, S, T]."""
+    b, s, _ = idx.shape
+    return torch.ones(b, s, keys, dtype=torch.bool).scatter(-1, idx, False).unsqueeze(1)
+
+
+def hf_v32_sdpa(q, k, v, idx, keep):
+    """transformers DeepseekV32Attention, SDPA interface: `keep & ~index_mask` as SDPA's bool mask."""
+    mask = keep & ~_not_selected(idx, k.shape[2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE).transpose(1, 2)
+
+
+def hf_v32_eager(q, k, v, idx, additive):
+    """transformers DeepseekV32Attention, eager interface: the additive mask filled with finfo.min where not
+    selected, matmul * scale + mask, fp32 softmax cast back, matmul, transpose."""
+    mask = additive.masked_fill(_not_selected(idx, k.shape[2]), torch.finfo(q.dtype).min)
+    weights = torch.matmul(q, k.transpose(2, 3)) * SCALE + mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
+def glm_sdpa_positions(q, k, v, idx):
+    """transformers GlmMoeDsaAttention with no padding: the bool mask built from query / key positions (causal only),
+    so the fused op applies causality from positions."""
+    s, t = q.shape[2], k.shape[2]
+    causal = torch.arange(t)[None, None, None, :] <= torch.arange(s)[None, None, :, None] + (t - s)
+    mask = causal.expand(q.shape[0], 1, s, t) & ~_not_selected(idx, t)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE)
+
+
+def eager_finite_fill(q, k, v, idx, additive):
+    """The unselected keys filled with -1e4 instead of finfo.min: the fused op's fill differs (a row whose selected
+    keys are all masked would average other keys than eager's)."""
+    mask = additive.masked_fill(_not_selected(idx, k.shape[2]), -1e4)
+    weights = F.softmax(torch.matmul(q, k.transpose(2, 3)) * SCALE + mask, dim=-1, dtype=torch.float32)
+    return torch.matmul(weights.to(q.dtype), v)
+
+
+def eager_weights_returned(q, k, v, idx, additive):
+    """HF eager with `output_attentions`: the probabilities are returned too."""
+    mask = additive.masked_fill(_not_selected(idx, k.shape[2]), torch.finfo(q.dtype).min)
+    weights = F.softmax(torch.matmul(q, k.transpose(2, 3)) * SCALE + mask, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v), weights
+
+
+def official_prefill(q, k, v, idx, mask):
+    """Official V3.2 MLA prefill: per-head scores `einsum('bshd,bthd->bsht')`, `full(-inf).scatter_(-1, topk, 0)`
+    plus the causal mask, added to the scores; fp32 softmax, `type_as`, einsum with v. Not rewritten: a plain
+    softmax over the combined -inf bias is NaN in a row whose picks are all in the future, where
+    `sparse_attention_masked` returns 0, so reading it needs proof that every row keeps a causal pick."""
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * SCALE
+    index_mask = torch.full((q.shape[0], q.shape[1], k.shape[1]), float("-inf")).scatter_(-1, idx, 0)
+    index_mask = index_mask + mask
+    scores = (scores + index_mask.unsqueeze(2)).softmax(dim=-1, dtype=torch.float32).type_as(q)
+    return torch.einsum("bsht,bthd->bshd", scores, v)
+
+
+def _official_decode(q_abs, q_pe, kv, pe, picks):
+    scores = (torch.einsum("bshc,btc->bsht", q_abs, kv) + torch.einsum("bshr,btr->bsht", q_pe, pe)) * SCALE
+    index_mask = torch.full((q_abs.shape[0], q_abs.shape[1], kv.shape[1]), float("-inf")).scatter_(-1, picks, 0)
+    scores = (scores + index_mask.unsqueeze(2)).softmax(dim=-1, dtype=torch.float32).type_as(q_abs)
+    return torch.einsum("bsht,btc->bshc", scores, kv)
+
+
+def official_decode_absorbed(q_abs, q_pe, kv, pe, index_scores):
+    """Official V3.2 MLA decode (absorbed `wkv_b`): the indexer's top-k, scores against the whole latent and rope
+    caches, the index mask `full(-inf).scatter_(-1, topk, 0)` added (no causal mask in decode), fp32 softmax, einsum
+    with the latent cache. Top-k picks have no repeats and at least one per row, so only the picked keys get weight:
+    `sparse_mla_attention` on the caches."""
+    return _official_decode(q_abs, q_pe, kv, pe, index_scores.topk(K, dim=-1).indices)
+
+
+def official_decode_given_picks(q_abs, q_pe, kv, pe, picks):
+    """The same decode attention over picks that are not a top-k's (an input): a pick repeated in a row is merged by
+    the scatter but would count twice in the gathering op."""
+    return _official_decode(q_abs, q_pe, kv, pe, picks)
+
+
+def dense_attention(q, k, v):
+    return F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE, dim=-1) @ v
+
+
+# --------------------------------------------------------------------------------------- V4 sink attention
+def v4_csa_sinks(q, window, compressed, idx, sinks):
+    """transformers DeepseekV4Attention on a CSA layer (eager): sliding-window causal 0 / -inf mask from positions,
+    the indexer's picks scattered into a -inf block bias (-1 moved to a spare column sliced off), both concatenated
+    over [window rows | compressed entries], sink logit column, max-subtracted fp32 softmax, sink dropped."""
+    b, s, entries = q.shape[0], q.shape[2], compressed.shape[2]
+    q_pos, kv_pos = torch.arange(s).view(1, 1, s, 1), torch.arange(s).view(1, 1, 1, s)
+    allowed = (kv_pos > q_pos - WINDOW) & (kv_pos <= q_pos)
+    window_mask = torch.where(allowed, 0.0, float("-inf")).expand(b, 1, s, s)
+    safe = torch.where(idx >= 0, idx, torch.full_like(idx, entries))
+    block_bias = torch.full((b, 1, s, entries + 1), float("-inf")).scatter(-1, safe.unsqueeze(1), 0.0)
+    mask = torch.cat([window_mask, block_bias[..., :entries]], dim=-1)
+    kv = torch.cat([window, compressed], dim=2)
+    logits = torch.matmul(q, kv.expand(-1, q.shape[1], -1, -1).transpose(2, 3)) * SCALE + mask
+    logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(b, -1, s, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1].to(kv.dtype)
+    return torch.matmul(probs, kv.expand(-1, q.shape[1], -1, -1)).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------- the corpus
+REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
+GATHER, MASKED, COMPRESSED = "dsfuse.sparse_mla_attention", "dsfuse.sparse_attention_masked", \
+    "dsfuse.compressed_attention"
+
+
+@dataclass(frozen=True)
+class Entry:
+    fn: Callable
+    source: str
+    inputs: Callable[[], tuple]
+    outcome: str
+    count: int = 0  # sparse_attention sites rewritten
+    op: str = ""  # the fused op of every rewritten site
+    reason: str = ""  # the near-miss reason, word for word
+    tolerance: float = 1e-5
+
+
+NOT_SOFTMAX = "the output product's weights are not a softmax"
+NOT_MINUS_ONE = "the score mask is not `idx < 0` of the gather's indices"
+FINITE_FILL = f"unselected keys are filled with -10000.0, not finfo({torch.float32}).min"
+ONE_SEQUENCE = ("the picked rows are gathered from one sequence (`kv[idx.clamp(min=0)]`, no batch index); the "
+                "matcher reads per-batch [B, T, C] row gathers")
+CONCATENATED_ROWS = ("the values are a slice of the gathered key rows (one [latent | rope] row per key); the matcher "
+                     "reads latent and rope rows gathered apart")
+INDEX_BIAS = ("the -inf index mask is combined with another mask before the scores (a plain softmax over it is NaN "
+              "in rows without keys, which the fused ops do not reproduce)")
+NOT_TOPK = ("the index mask's picks are not a top-k's indices: the scatter merges repeated picks, the gather op would "
+            "count them twice")
+PROBS_USED = "the attention probabilities are also used elsewhere"
+
+CORPUS = {
+    "official_gather_einsum": Entry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), over gathered "
+                                    "picks", _mla, REWRITTEN, 1, GATHER),
+    "official_gather_bf16": Entry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), bf16",
+                                  lambda: _mla(torch.bfloat16), REWRITTEN, 1, GATHER, tolerance=2e-2),
+    "vllm_gather_matmul": Entry(vllm_gather_matmul, "vLLM sparse MLA torch reference", _mla, REWRITTEN, 1, GATHER),
+    "where_keep_polarity": Entry(where_keep_polarity, "written for the corpus (keep polarity)", _mla, REWRITTEN, 1,
+                                 GATHER),
+    "sglang_concatenated_rows": Entry(sglang_concatenated_rows, "SGLang NSA torch fallback / FlashMLA layout", _mla,
+                                      NEAR_MISS, reason=CONCATENATED_ROWS),
+    "scale_folded_into_q": Entry(scale_folded_into_q, "written for the corpus (scale in q)", _mla, REWRITTEN, 1,
+                                 GATHER),
+    "scale_after_mask": Entry(scale_after_mask, "written for the corpus (scale after the mask)", _mla, NEAR_MISS,
+                              reason=NOT_SOFTMAX),
+    "bmm_over_flat_queries": Entry(bmm_over_flat_queries, "written for the corpus (explicit bmm)", _mla, REWRITTEN,
+                                   1, GATHER),
+    "sink_column": Entry(sink_column, "DeepSeek V4-style sinks over gathered picks", _mla_sink, REWRITTEN, 1, GATHER),
+    "one_sequence_gather": Entry(one_sequence_gather, "vLLM / FlashMLA reference (one sequence)", _mla_one_sequence,
+                                 NEAR_MISS, reason=ONE_SEQUENCE),
+    "official_decode_absorbed": Entry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode (absorbed)",
+                                      _mla_index_scores, REWRITTEN, 1, GATHER),
+    "official_decode_absorbed_bf16": Entry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode, bf16",
+                                           _mla_index_scores_bf16, REWRITTEN, 1, GATHER, tolerance=2e-2),
+    "official_decode_given_picks": Entry(official_decode_given_picks, "DeepSeek V3.2 inference MLA decode, picks "
+                                         "from outside", _mla_given_picks, NEAR_MISS, reason=NOT_TOPK),
+    "hf_v32_sdpa_bool": Entry(hf_v32_sdpa, "transformers DeepseekV32Attention (sdpa)", _hf, REWRITTEN, 1, MASKED),
+    "hf_v32_eager_additive": Entry(hf_v32_eager, "transformers DeepseekV32Attention (eager)",
+                                   lambda: _hf("additive"), REWRITTEN, 1, MASKED),
+    "glm_sdpa_positions_causal": Entry(glm_sdpa_positions, "transformers GlmMoeDsaAttention (sdpa, no padding)",
+                                       lambda: _hf()[:4], REWRITTEN, 1, MASKED),
+    "v4_csa_sinks": Entry(v4_csa_sinks, "transformers DeepseekV4Attention (CSA layer, eager)", _v4_csa, REWRITTEN, 1,
+                          COMPRESSED),
+    "official_prefill_index_mask": Entry(official_prefill, "DeepSeek V3.2 inference MLA prefill", _official_prefill,
+                                         NEAR_MISS, reason=INDEX_BIAS),
+    "bf16_softmax": Entry(bf16_softmax, "written for the corpus", lambda: _mla(torch.bfloat16), REWRITTEN, 1,
+                          GATHER, tolerance=2e-2),
+    "minus_one_only": Entry(minus_one_only, "written for the corpus", _mla, NEAR_MISS, reason=NOT_MINUS_ONE),
+    "flashmla_lse": Entry(flashmla_lse, "FlashMLA sparse prefill test reference", _mla, NEAR_MISS, reason=NOT_SOFTMAX),
+    "softmax_over_heads": Entry(softmax_over_heads, "written for the corpus", _mla, NEAR_MISS, reason=NOT_SOFTMAX),
+    "eager_finite_fill": Entry(eager_finite_fill, "written for the corpus", lambda: _hf("additive"), NEAR_MISS,
+                               reason=FINITE_FILL),
+    "eager_weights_returned": Entry(eager_weights_returned, "transformers eager with output_attentions",
+                                    lambda: _hf("additive"), NEAR_MISS, reason=PROBS_USED),
+    "dense_attention": Entry(dense_attention, "plain attention (no selection)", _dense, LEFT_ALONE),
+    "gathered_rows_summed": Entry(gathered_rows_summed, "written for the corpus", _embedding_bag, LEFT_ALONE),
+}
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_entry_ends_as_declared(name):
+    entry = CORPUS[name]
+    args = entry.inputs()
+    with torch.no_grad():
+        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["sparse_attention"]})(*args)
+    rep = dsfuse.report()
+    reasons = [m.reason for m in rep.near_misses if m.pass_name == "sparse_attention"]
+    ops = [s.op for s in rep.sites if s.pass_name == "sparse_attention"]
+    if entry.outcome == REWRITTEN:
+        assert (rep.counts["sparse_attention"], ops, reasons) == (entry.count, [entry.op] * entry.count, []), str(rep)
+    elif entry.outcome == NEAR_MISS:
+        assert (rep.counts["sparse_attention"], reasons) == (0, [entry.reason]), str(rep)
+    else:
+        assert (rep.counts["sparse_attention"], reasons) == (0, []), str(rep)
+
+    want = entry.fn(*args)
+    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=entry.tolerance, atol=entry.tolerance, equal_nan=True)
+
+
+def test_corpus_covers_the_family():
+    """At least 12 independent formulations rewritten, every fused op and every declared outcome kind appears."""
+    rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
+    assert len(rewritten) >= 12
+    assert {e.op for e in rewritten} == {GATHER, MASKED, COMPRESSED}
+    assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
