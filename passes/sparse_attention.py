@@ -36,7 +36,7 @@ import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk
 from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
+from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_last_dim, is_op, only_user, same_shape,
                           same_size, scalar_arg, scalar_constant, shape, softmax_parts, strip)
 
 NAME = "sparse_attention"
@@ -636,7 +636,6 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
     if len(shape(add)) != 4:
         raise NoMatch("the -inf index mask is added to scores that are not [B, S, H, T]")
     B, S, H, T = shape(add)
-    K = shape(idx)[2]
     if not same_shape(shape(scatter), (B, S, T)) or not same_shape(shape(idx)[:2], (B, S)):
         raise NoMatch(f"the index mask {shape(scatter)} does not match the scores {shape(add)} as [B, S, H, T]")
     bias_l = names(_through(leaf_labels(scatter, "bst"), _chain_back(bias)[1:]) or [])
@@ -825,7 +824,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     kv, idx, safe = gather
     uses = _bmms_using(index)
     products = [u for u in uses if u[1] >= 0]
-    if len(products) == 1 and any(is_op(u, aten.slice.Tensor) and _last_dim(index, u.args[1]) for u, _, _ in uses):
+    if len(products) == 1 and any(is_op(u, aten.slice.Tensor) and is_last_dim(index, u.args[1]) for u, _, _ in uses):
         raise NoMatch("the values are a slice of the gathered key rows (one [latent | rope] row per key); the matcher "
                       "reads latent and rope rows gathered apart")
     if len(products) != 2 or len(uses) != 2:
