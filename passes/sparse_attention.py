@@ -36,8 +36,8 @@ import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk
 from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_last_dim, is_op, only_user, same_shape,
-                          same_size, scalar_arg, scalar_constant, shape, softmax_parts, strip)
+from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_last_dim, is_op, only_user,
+                          same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts, strip)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
