@@ -97,7 +97,8 @@ def _assert_decode_sites(report):
     assert report.counts == DECODE_SITES and report.near_misses == [], str(report)
     attention = [s for s in report.sites if s.pass_name == "sparse_attention"]
     assert [s.op for s in attention] == ["dsfuse.compressed_attention"] * 2
-    assert attention[0].detail.startswith("V4 CSA attention: window 8 + top-4 compressed entries"), attention[0].detail
+    # top-min(index_topk, entries): the entry count is a symbol, the pick count stays one for every step
+    assert attention[0].detail.startswith("V4 CSA attention: window 8 + top-Min(4, "), attention[0].detail
     assert attention[1].detail.startswith("V4 HCA attention: window 8 + every compressed entry (one query)")
     assert all("additive input mask (0 = seen)" in s.detail for s in attention)
 
