@@ -72,6 +72,7 @@ def static_cache(model, batch_size: int, max_cache_len: int):
 
 
 def is_v4(model) -> bool:
+    """Whether `model` is a DeepSeek V4 (`DeepseekV4ForCausalLM`), which gets `v4_generate_kwargs`."""
     return getattr(model.config, "model_type", None) == "deepseek_v4"
 
 
@@ -87,8 +88,8 @@ def v4_compile_config(options: Mapping[str, Any] | None = None, compile_all_devi
 
 def v4_generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
                        options: Mapping[str, Any] | None = None, compile_all_devices: bool = False) -> dict:
-    """V4's keyword arguments: a `V4DecodeCache` of `max_cache_len` positions (reset when reused), the eager
-    prefill, the decode step compiled by dsfuse once for every step."""
+    """V4's keyword arguments: a `V4DecodeCache` of `max_cache_len` positions (reset when reused; its buffers take
+    the batch size of the prefill), the eager prefill, the decode step compiled by dsfuse once for every step."""
     from dsfuse.v4_cache import V4DecodeCache
 
     if cache is None:
