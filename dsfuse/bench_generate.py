@@ -6,7 +6,8 @@
 Configurations: `eager` (static cache, nothing compiled), `inductor` (transformers' default recipe: a static cache
 and `CompileConfig()`, which compiles the decode step with Inductor in "reduce-overhead" mode and runs the prefill
 eagerly) and `dsfuse` (`dsfuse.generation.generate_kwargs`: chunked prefill and decode through dsfuse, decode
-under CUDA graphs). Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
+under CUDA graphs). DeepSeek V4 has no static cache: `eager` decodes from HF's growing V4 cache, `inductor` and
+`dsfuse` from `dsfuse.v4_cache.V4DecodeCache` (eager prefill, the decode step compiled once, no CUDA graphs). Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
 
 Per configuration, batch and prompt length: time to first token (a `generate` of one new token: the prefill),
 ms per decoded token (the difference of an N-token and a one-token call over N - 1), tokens/s, the peak memory
@@ -54,20 +55,32 @@ class Recipe:
     def __init__(self, name: str, model, batch: int, max_cache_len: int, chunk: int, cpu: bool):
         from transformers import CompileConfig
 
+        from dsfuse.generation import is_v4
+
         self.name, self.model, self.batch, self.max_cache_len = name, model, batch, max_cache_len
         self.chunk, self.cpu, self.cache = chunk, cpu, None
-        self.static = dict(cache_implementation="static", max_cache_len=max_cache_len)
-        if name == "inductor":
+        self.v4 = is_v4(model)
+        # HF V4 has no static cache: eager decodes from its growing cache, Inductor from dsfuse's V4DecodeCache
+        self.static = {} if self.v4 else dict(cache_implementation="static", max_cache_len=max_cache_len)
+        if name == "inductor" and not self.v4:
             config = CompileConfig()
             if cpu:
                 config._compile_all_devices = True
             self.static["compile_config"] = config
         elif name == "eager":
             self.static["disable_compile"] = True
-        elif name != "dsfuse":
+        elif name not in ("dsfuse", "inductor"):
             raise ValueError(f"unknown generate config {name!r}; valid: {', '.join(GENERATE_CONFIGS)}")
 
     def kwargs(self) -> dict:
+        if self.name == "inductor" and self.v4:
+            from dsfuse.generation import v4_generate_kwargs
+
+            kwargs = v4_generate_kwargs(self.model, self.batch, self.max_cache_len, cache=self.cache,
+                                        compile_all_devices=self.cpu)
+            kwargs["compile_config"].backend = "inductor"
+            self.cache = kwargs["cache"]
+            return kwargs
         if self.name != "dsfuse":
             return dict(self.static)
         from dsfuse.generation import generate_kwargs

@@ -19,6 +19,12 @@ same compiled call, without patching the model:
   the decode step (static shapes) replays as a CUDA graph, the chunk graphs (the first with a static length, the
   others with the length Dynamo marks dynamic after the first recompile) run without one: a prefill is
   GPU-bound, and recorded chunk graphs would hold their memory and be recorded again for each new tail length.
+
+DeepSeek V4 (`DeepseekV4ForCausalLM`) has no static cache (its compressors keep state on HF's own cache layers).
+For V4 the keyword arguments are a `dsfuse.v4_cache.V4DecodeCache` (HF's V4 cache with decode state of fixed
+shapes, so the decode step compiles once for every step) and a `CompileConfig(backend="dsfuse")` without CUDA
+graphs (the compressed entries the step reads grow by one every m tokens, a new shape each time); the prefill runs
+eagerly (`prefill_chunk_size=None`).
 """
 
 from __future__ import annotations
@@ -65,6 +71,36 @@ def static_cache(model, batch_size: int, max_cache_len: int):
     return cache
 
 
+def is_v4(model) -> bool:
+    """Whether `model` is a DeepSeek V4 (`DeepseekV4ForCausalLM`), which gets `v4_generate_kwargs`."""
+    return getattr(model.config, "model_type", None) == "deepseek_v4"
+
+
+def v4_compile_config(options: Mapping[str, Any] | None = None, compile_all_devices: bool = False):
+    """`CompileConfig(backend="dsfuse")` for V4's decode step: no CUDA graphs (the step's compressed entries grow)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="dsfuse", mode=None, options=dict(options) if options else None)
+    if compile_all_devices:
+        config._compile_all_devices = True
+    return config
+
+
+def v4_generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
+                       options: Mapping[str, Any] | None = None, compile_all_devices: bool = False) -> dict:
+    """V4's keyword arguments: a `V4DecodeCache` of `max_cache_len` positions (reset when reused; its buffers take
+    the batch size of the prefill), the eager prefill, the decode step compiled by dsfuse once for every step."""
+    from dsfuse.v4_cache import V4DecodeCache
+
+    if cache is None:
+        cache = V4DecodeCache(model.config, max_cache_len)
+    elif not isinstance(cache, V4DecodeCache) or cache.max_cache_len != max_cache_len:
+        raise ValueError(f"cache {type(cache).__name__} does not hold {max_cache_len} positions of a V4DecodeCache")
+    else:
+        cache.reset()
+    return {"cache": cache, "compile_config": v4_compile_config(options, compile_all_devices)}
+
+
 def generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
                     prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK, options: Mapping[str, Any] | None = None,
                     compile_all_devices: bool = False) -> dict:
@@ -72,8 +108,12 @@ def generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
 
     `max_cache_len` is the longest prompt plus new tokens any call will use: keep it the same across calls (a new
     length recompiles). Pass the `cache` of an earlier call to reuse its buffers (it is reset here): the decode CUDA
-    graph then replays at the same addresses instead of being recorded again.
+    graph then replays at the same addresses instead of being recorded again. A DeepSeek V4 model gets
+    `v4_generate_kwargs` (`prefill_chunk_size` does not apply: its prefill runs eagerly).
     """
+    if is_v4(model):
+        return v4_generate_kwargs(model, batch_size, max_cache_len, cache=cache, options=options,
+                                  compile_all_devices=compile_all_devices)
     if cache is None:
         cache = static_cache(model, batch_size, max_cache_len)
     else:

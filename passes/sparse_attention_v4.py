@@ -597,6 +597,12 @@ def _match(cat: torch.fx.Node) -> dict:
             break
         out_l = apply_op(out_l, nxt) if out_l is not None else None
         node = nxt
+    out_is_bhsd = False
+    if bshd is None and same_size(S, 1) and current == rows_bhsd and len(shape(node)) == 4:
+        # One query per sequence (decode): [B, H, 1, D] and [B, 1, H, D] are one layout, and eager's transposes
+        # around the inverse RoPE are gone from the graph; the output is read as [B, H, S, D].
+        bshd = bhsd = node
+        out_is_bhsd = True
     if bshd is None:
         raise NoMatch("the attention output is not viewed as [B, S, H, D]")
     epilogue = _inverse_rope(bhsd, D) if bhsd is not None else None
@@ -604,7 +610,8 @@ def _match(cat: torch.fx.Node) -> dict:
     # The mask: window part over the N window rows, then the compressed part over the T entries
     window_bias, block_bias = _mask_parts(mask)
     window_bool = _additive_window(window_bias)
-    if window_bool is None:
+    input_mask = _input_mask(window_bias, B, S) if window_bool is None else None
+    if window_bool is None and input_mask is None:
         raise NoMatch("the window part of the attention mask is not where(bool mask, 0, -inf or finfo.min)")
     if block_bias is None:
         kv_rows, compressed, N, T = kv_all, None, T_all, 0
@@ -615,10 +622,22 @@ def _match(cat: torch.fx.Node) -> dict:
         N, T = shape(kv_rows)[2], shape(compressed)[2]
         if not same_size(shape(_strip(window_bias, (CONVERT,)))[-1], N):
             raise NoMatch("the window mask and the window rows differ in length")
-    win = _window_mask(window_bool, B, S, N)
+    if input_mask is not None:
+        # Positions that make the fused op's window and causal tests pass for every row: the query at N - 1 + T,
+        # window row n at T + n (-1 where the mask is not 0), every HCA entry below (q + 1) // 1.
+        win = dict(input=input_mask, window=N, padding=None, T=T)
+    else:
+        win = _window_mask(window_bool, B, S, N)
     indices = hca = None
-    if block_bias is not None:
+    if block_bias is _ZERO_PAD:
+        if input_mask is None:
+            raise NoMatch("the compressed entries are appended with a zero mask, which only a one-query step over "
+                          "an additive input mask is read as (all entries visible)")
+        hca = (None, 1)
+    elif block_bias is not None:
         indices = _csa_indices(block_bias, B, S, T)
+        if input_mask is not None and indices is None:
+            raise NoMatch("the compressed entries' block bias is not CSA's scatter of the indexer's top-k")
         if indices is None:
             hca = _hca_threshold(block_bias, B, S, T)
             if hca is None:
@@ -628,7 +647,8 @@ def _match(cat: torch.fx.Node) -> dict:
                 raise NoMatch("HCA's causal threshold reads other positions than the sliding-window mask")
     kind = "sliding" if block_bias is None else ("CSA" if indices is not None else "HCA")
     return dict(q=q, kv_rows=kv_rows, compressed=compressed, indices=indices, sinks=sinks, scale=scale,
-                win=win, compress_rate=hca[1] if hca else 1, out=bshd, epilogue=epilogue, kind=kind, B=B, S=S)
+                win=win, compress_rate=hca[1] if hca else 1, out=bshd, out_is_bhsd=out_is_bhsd, epilogue=epilogue,
+                kind=kind, B=B, S=S)
 
 
 def _chain_back_scaled(node) -> tuple:
@@ -649,12 +669,30 @@ def _chain_back_scaled(node) -> tuple:
     return node, ops[::-1], scale
 
 
+_ZERO_PAD = object()  # the compressed part of the mask is HF's zero padding (HCA at one query: every entry seen)
+
+
 def _mask_parts(mask) -> tuple:
-    """(window part, compressed part or None) of the additive mask: `cat([window, block_bias], -1)` or the window."""
+    """(window part, compressed part or None) of the additive mask: `cat([window, block_bias], -1)`, the window
+    zero-padded over the compressed entries (`_ZERO_PAD`), or the window."""
     node = _strip(mask, (CONVERT, aten.expand.default))
     if is_op(node, aten.cat.default) and len(node.args[0]) == 2 and _last(node, _dim_arg(node, 1)):
         return node.args[0][0], node.args[0][1]
+    if is_op(node, aten.constant_pad_nd.default) and len(node.args[1]) == 2 and node.args[1][0] == 0 \
+            and (len(node.args) < 3 or node.args[2] == 0):
+        return node.args[0], _ZERO_PAD
     return mask, None
+
+
+def _input_mask(node, B, S) -> torch.fx.Node | None:
+    """The [B, 1, 1, N] additive mask of a one-query step when it is a graph input (as `generate` builds it outside
+    the compiled step: 0 where a row is seen, finfo.min where not), else None."""
+    leaf = _strip(node, (CONVERT, aten.expand.default))
+    if leaf.op != "placeholder" or not same_size(S, 1) or len(shape(leaf)) != 4:
+        return None
+    if not (same_size(shape(leaf)[0], B) and same_size(shape(leaf)[1], 1) and same_size(shape(leaf)[2], 1)):
+        return None
+    return leaf if dtype(leaf).is_floating_point else None
 
 
 def _same_positions(positions: torch.fx.Node, term: dict) -> bool:
@@ -692,8 +730,11 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
     if compressed is not None:
         compressed = insert_call(graph, before, aten.squeeze.dim, (compressed, 1))
     win = m["win"]
-    q_positions = _positions_node(graph, before, win["q"], B)
-    kv_positions = _positions_node(graph, before, win["kv"], B)
+    if "input" in win:
+        q_positions, kv_positions = _input_mask_positions(graph, before, win, m, B)
+    else:
+        q_positions = _positions_node(graph, before, win["q"], B)
+        kv_positions = _positions_node(graph, before, win["kv"], B)
     if win["padding"] is not None:
         kv_positions = insert_call(graph, before, aten.where.ScalarOther, (win["padding"], kv_positions, -1))
     cos = sin = None
@@ -705,19 +746,40 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
     if epilogue is not None:
         epilogue["cat"].replace_all_uses_with(insert_call(graph, before, aten.permute.default, (fused, [0, 2, 1, 3])))
     else:
-        out.replace_all_uses_with(fused)
+        out.replace_all_uses_with(insert_call(graph, before, aten.permute.default, (fused, [0, 2, 1, 3]))
+                                  if m["out_is_bhsd"] else fused)
     N = shape(m["kv_rows"])[2]
     if m["kind"] == "CSA":
         what = f"window {win['window']} + top-{shape(m['indices'])[2]} compressed entries"
+    elif m["kind"] == "HCA" and "input" in win:
+        what = f"window {win['window']} + every compressed entry (one query)"
     elif m["kind"] == "HCA":
         what = f"window {win['window']} + causal compressed entries (m={m['compress_rate']})"
     else:
         what = f"window {win['window']}"
     detail = (f"V4 {m['kind']} attention: {what}, sinks, "
               f"{'inverse RoPE epilogue' if epilogue is not None else 'no inverse RoPE epilogue'}"
-              f"{', padding' if win['padding'] is not None else ''}, {N} window rows, scale={m['scale']:.6g}")
+              f"{', padding' if win['padding'] is not None else ''}"
+              f"{', additive input mask (0 = seen)' if 'input' in win else ''}, {N} window rows, "
+              f"scale={m['scale']:.6g}")
     ctx.site(cat, "dsfuse.compressed_attention",
              [m["q"], m["kv_rows"], m["compressed"], m["indices"], m["sinks"]], detail=detail, call=fused)
+
+
+def _input_mask_positions(graph, before, win: dict, m: dict, B) -> tuple:
+    """[B, 1] query and [B, N] window-row positions for an input mask (see `_match`)."""
+    N = shape(m["kv_rows"])[2]
+    T = _size(graph, before, m["compressed"], 2) if m["compressed"] is not None else 0
+    device = m["q"].meta["val"].device
+    rows = insert_call(graph, before, IOTA, (N,), dict(start=0, step=1, dtype=torch.int64, device=device,
+                                                     requires_grad=False))
+    rows = insert_call(graph, before, aten.add.Tensor, (rows, T))
+    mask = insert_call(graph, before, aten.view.default, (win["input"], [B, N]))
+    seen = insert_call(graph, before, aten.eq.Scalar, (mask, 0))
+    kv_positions = insert_call(graph, before, aten.where.ScalarOther, (seen, rows, -1))
+    last = insert_call(graph, before, aten.add.Tensor, (insert_call(graph, before, aten.full.default, (
+        [B, 1], N - 1), dict(dtype=torch.int64, device=device)), T))
+    return last, kv_positions
 
 
 def _fp32_rows(graph, before, table: torch.fx.Node, B) -> torch.fx.Node:

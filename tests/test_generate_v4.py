@@ -1,0 +1,135 @@
+"""DeepSeek V4 `model.generate` with `dsfuse.generation.generate_kwargs` (CPU, fp32 `v4-tiny`): HF's growing V4 cache
+recompiles the decode step at most steps (Python-int counters, a 0 .. m-1 token pending buffer and the model's
+branches on it); `V4DecodeCache` keeps every step's shapes, so the decode step compiles once and decodes eager's
+tokens, batch 1 and a left-padded batch 2."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import dsfuse
+from dsfuse.generation import generate_kwargs
+from dsfuse.models.presets import build_hf_model
+from dsfuse.v4_cache import V4DecodeCache
+
+NEW_TOKENS = 6
+MAX_CACHE_LEN = 64
+# Per decode graph of the 2-layer model (CSA then HCA): q / kv RMSNorms of both layers plus the CSA indexer's
+# and compressors' norms, the CSA indexer, both MoE blocks, 2 collapses + 2 exits per layer and the head.
+DECODE_SITES = {"norm_rope_quant": 4, "indexer_topk": 1, "sparse_attention": 2, "moe_experts": 2,
+                "hyper_connections": 9}
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _prompt(batch: int, length: int, pad: int = 0):
+    ids = torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(length + batch))
+    mask = torch.ones_like(ids)
+    ids[1:, :pad], mask[1:, :pad] = 0, 0
+    return ids, mask
+
+
+def _decode(model, cache, ids, mask, steps: int) -> torch.Tensor:
+    """Eager prefill, then `steps` one-token forwards with generate's inputs; the logits of every step."""
+    logits = []
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, cache=cache, use_cache=True)
+        for step in range(steps):
+            logits.append(out.logits[:, -1])
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, position_ids=positions, cache=cache,
+                        use_cache=True)
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("batch, pad", [(1, 0), (2, 5)])
+def test_decode_cache_gives_hf_logits_bit_for_bit(batch, pad):
+    """Eager, 13 steps from a 21-token prompt (window 8, CSA m=4, HCA m'=8: windows close and open mid-run): the
+    fixed-shape decode state computes exactly what HF's growing cache does."""
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+    ids, mask = _prompt(batch, 21, pad)
+    reference = _decode(model, DynamicCache(config=model.config), ids, mask, 13)
+    assert torch.equal(_decode(model, V4DecodeCache(model.config, MAX_CACHE_LEN), ids, mask, 13), reference)
+
+
+def test_decode_cache_refuses_a_prefill_after_decoding():
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+    cache = V4DecodeCache(model.config, MAX_CACHE_LEN)
+    ids, mask = _prompt(1, 21)
+    _decode(model, cache, ids, mask, 2)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="reset\\(\\) the cache before a new prefill"):
+        model(ids[:, :4], cache=cache, use_cache=True)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    torch.testing.assert_close(_decode(model, cache, ids, mask, 2),
+                               _decode(model, DynamicCache(config=model.config), ids, mask, 2), rtol=0, atol=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2, num_hidden_layers=2,
+                           layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+                           mlp_layer_types=["moe", "moe"])
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _generate(model, ids, mask, cache=None):
+    """(eager tokens, dsfuse tokens, the cache, graphs compiled, the report of that call)."""
+    with torch.no_grad():
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        kwargs = generate_kwargs(model, ids.shape[0], MAX_CACHE_LEN, cache=cache, compile_all_devices=True)
+        dsfuse.reset_report()
+        before = _graphs()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+    return eager, out, kwargs["cache"], _graphs() - before, dsfuse.report()
+
+
+def _assert_decode_sites(report):
+    """Every family in the one decode graph; the attention reads generate's additive [B, 1, 1, N] input mask."""
+    assert len(report.graphs) == 1
+    assert report.counts == DECODE_SITES and report.near_misses == [], str(report)
+    attention = [s for s in report.sites if s.pass_name == "sparse_attention"]
+    assert [s.op for s in attention] == ["dsfuse.compressed_attention"] * 2
+    # top-min(index_topk, entries): the entry count is a symbol, the pick count stays one for every step
+    assert attention[0].detail.startswith("V4 CSA attention: window 8 + top-Min(4, "), attention[0].detail
+    assert attention[1].detail.startswith("V4 HCA attention: window 8 + every compressed entry (one query)")
+    assert all("additive input mask (0 = seen)" in s.detail for s in attention)
+
+
+def test_generate_batch_one_compiles_the_decode_step_once(model):
+    """21 tokens then 6 steps: one decode graph (the prefill runs eagerly); a 29-token prompt reusing the cache
+    compiles nothing; both give eager's tokens."""
+    torch._dynamo.reset()
+    eager, out, cache, compiled, report = _generate(model, *_prompt(1, 21))
+    assert torch.equal(out, eager) and out.shape == (1, 21 + NEW_TOKENS)
+    assert compiled == 1
+    _assert_decode_sites(report)
+    eager, out, _, compiled, _ = _generate(model, *_prompt(1, 29), cache=cache)
+    assert torch.equal(out, eager) and compiled == 0
+
+
+def test_generate_left_padded_batch_two(model):
+    """Row 1 left-padded by 5: one decode graph for the batch of 2, eager's tokens."""
+    eager, out, _, compiled, report = _generate(model, *_prompt(2, 21, pad=5))
+    assert torch.equal(out, eager)
+    assert compiled == 1
+    _assert_decode_sites(report)
+
+
+def test_generate_kwargs_for_v4(model):
+    from transformers import CompileConfig
+
+    kwargs = generate_kwargs(model, 1, MAX_CACHE_LEN)
+    assert isinstance(kwargs["cache"], V4DecodeCache) and kwargs["cache"].is_compileable
+    assert set(kwargs) == {"cache", "compile_config"} and isinstance(kwargs["compile_config"], CompileConfig)
+    assert kwargs["compile_config"].backend == "dsfuse" and kwargs["compile_config"].mode is None
+    assert generate_kwargs(model, 1, MAX_CACHE_LEN, cache=kwargs["cache"])["cache"] is kwargs["cache"]
+    with pytest.raises(ValueError, match="does not hold 32 positions"):
+        generate_kwargs(model, 1, 32, cache=kwargs["cache"])
