@@ -281,10 +281,39 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     hi = [s for s in slices if _slice(s, rot, half, END)]
     if len(lo) == 1 and len(hi) == 1:
         return _match_half_split(rot, lo[0], hi[0], half, x_dtype)
+    halves = [u for u in rot.users if is_op(u, aten.split_with_sizes.default, aten.split.Tensor)
+              and _is_last_dim(rot, u.args[2] if len(u.args) > 2 else 0)]
+    if len(halves) == 1:
+        return _match_chunked_half_split(rot, halves[0], half, x_dtype)
     for node in _view_chain(part):
         if _complex_rope_entry(node) is not None:
             return _match_official_kv_rope(node, x_dtype)
     raise NoMatch("RMSNorm beside a split part that is not RoPE'd in a known form")
+
+
+def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
+    """vLLM / SGLang's neox rotary (`x1, x2 = chunk(x, 2)`; `cat((x1*c - x2*s, x2*c + x1*s))`, c / s one column
+    per pair): HF's half-split RoPE in other words (each op in x's dtype either way), its tables doubled."""
+    parts = _getitems(chunks)
+    if sorted(parts) != [0, 1] or not all(same_size(shape(p)[-1], half) for p in parts.values()):
+        raise NoMatch("RoPE: the rotated part is split in other than two halves")
+    x1, x2 = parts[0], parts[1]
+    for sub in [u for m, _ in _product(x1) for u in _users(m, aten.sub.Tensor) if u.args[0] is m]:
+        x1_c, x2_s = sub.args
+        c, s = _other(x1_c, x1), _other(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
+        cat = _only(sub, aten.cat.default)
+        if s is None or cat is None or len(cat.args[0]) != 2 or cat.args[0][0] is not sub:
+            continue
+        add = cat.args[0][1]
+        terms = set(add.args) if is_op(add, aten.add.Tensor) else set()
+        if not (any(m in terms for m, f in _product(x2) if f is c) and any(m in terms for m, f in _product(x1) if f is s)):
+            continue
+        if not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+            continue
+        for table in (c, s):
+            _check_table(table, table, x1, half, x_dtype)
+        return {"rope_out": cat, "cos": (c, None, True), "sin": (s, None, True), "interleaved": False, "rot": rot}
+    raise NoMatch("half-split RoPE of two chunks: cat((x1*cos - x2*sin, x2*cos + x1*sin)) not found")
 
 
 def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
@@ -416,8 +445,11 @@ def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot
 
 def _broadcast_to_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple,
                        rot: torch.fx.Node) -> torch.fx.Node:
-    """The cos/sin table in the rotated part's shape (HF's unsqueeze, then broadcast dims expanded)."""
-    table, dim = table_dim
+    """The cos/sin table in the rotated part's shape (HF's unsqueeze, then broadcast dims expanded; a table of
+    one column per pair doubled first, as HF's `cat(freqs, freqs)`)."""
+    table, dim, *doubled = table_dim
+    if doubled and doubled[0]:
+        table = insert_call(graph, before, aten.cat.default, ([table, table], -1))
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
     if not same_shape(shape(table), shape(rot)):
@@ -450,7 +482,7 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
         raise NoMatch("split part unused", reported=False)
     for rope_index in (0, 1):
         rot, kept = parts[rope_index], parts[1 - rope_index]
-        if not _users(rot, aten.slice.Tensor):
+        if not _users(rot, aten.slice.Tensor, aten.split_with_sizes.default, aten.split.Tensor):
             continue
         try:
             rope = _match_rope(rot, dtype(x))

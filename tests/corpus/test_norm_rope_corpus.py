@@ -173,6 +173,17 @@ def divide_by_sqrt(proj, weight, cos, sin):
     return normed, k_rot
 
 
+def vllm_neox_kv_side(proj, weight, cos_half, sin_half):
+    """vLLM's torch RMSNorm and neox rotary (`forward_native`: `x1, x2 = chunk(x, 2)`, one table column per pair,
+    `cat((x1*c - x2*s, x2*c + x1*s))`) on a kv split, k_rot as [tokens, 1 head, R]."""
+    kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
+    h = kv_pass.to(torch.float32)
+    normed = (h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + EPS)).to(proj.dtype) * weight
+    x1, x2 = torch.chunk(k_rot.unsqueeze(-2), 2, dim=-1)
+    cos, sin = cos_half.unsqueeze(-2).to(proj.dtype), sin_half.unsqueeze(-2).to(proj.dtype)
+    return normed, torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
 def gptj_pairs_in_bf16(proj, weight, cos_half, sin_half):
     """vLLM's GPT-J rotary (`x1 = x[..., ::2]`, `x2 = x[..., 1::2]`, stacked back in place) in x's dtype beside an
     RMSNorm: pairs in place with every op rounded, a form none of the ops computes."""
@@ -320,6 +331,8 @@ CORPUS = {
                                         _projection(torch.float32), REWRITTEN, 1, op="dsfuse.rmsnorm_rope"),
     "functional_rms_norm": Entry(functional_rms_norm, "torch F.rms_norm", _projection(), REWRITTEN, 1,
                                  op="dsfuse.rmsnorm_rope"),
+    "vllm_neox_kv_side": Entry(vllm_neox_kv_side, "vLLM RMSNorm + RotaryEmbedding.forward_native (neox)",
+                               _kv_split(tables="half"), REWRITTEN, 1, op="dsfuse.rmsnorm_rope"),
     "hf_v32_query_rope_cat": Entry(hf_v32_query_rope_cat, "transformers DeepseekV32Attention (query)",
                                    _heads("v32"), REWRITTEN, 1, op="dsfuse.rope_cat"),
     "glm_indexer_query_half_split": Entry(glm_indexer_query_half_split, "transformers GlmMoeDsaIndexer (query)",

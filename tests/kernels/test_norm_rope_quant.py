@@ -1037,3 +1037,28 @@ def test_rope_cat_rms_norm_opcheck_and_bad_input():
         rope_cat(q, cos4, sin4, 25, True, fp32_pairs=True)  # pair columns past the end
     with pytest.raises(ValueError, match="rope_cat"):
         rope_cat(q, torch.cat([cos4, cos4], -1), sin4, 24, True, fp32_pairs=True)  # a full-width table
+
+
+@pytest.mark.gpu
+def test_gpu_v4_query_and_kv_head_equal_eager_cuda():
+    """V4-Flash's layer dims (64 heads of 512, rope 64, 1024 tokens): the compiled kernel's q_b_norm + RoPE and
+    kv_norm + RoPE against HF's eager CUDA functions. The RoPE must be bit for bit (fp32 products and sums, no FMA);
+    the norms may differ from eager's reduction order and rsqrt only (within one bf16 ulp)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4UnweightedRMSNorm,
+        apply_rotary_pos_emb as v4_rope,
+    )
+
+    q, kv, weight, cos, sin = _v4_states(torch.bfloat16, heads=64, seq=1024, batch=1, dim=512, c_rope=64)
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 32) for t in (cos, sin))
+    got_q = rope_cat_triton(q, cos4, sin4, d - 64, True, None, None, 0.0, 4, None, 1e-6, True)
+    want_q = v4_rope(DeepseekV4UnweightedRMSNorm(1e-6)(q), cos, sin)
+    kv4 = kv.view(b, s, 1, d).transpose(1, 2)
+    got_kv = rope_cat_triton(kv4, cos.unsqueeze(1), sin.unsqueeze(1), d - 64, True, None, None, 0.0, 1, weight, 1e-6,
+                             True)
+    want_kv = v4_rope(_hf_v4_norm(weight)(kv).view(b, s, 1, d).transpose(1, 2), cos, sin)
+    for got, want in ((got_q, want_q), (got_kv, want_kv)):
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3)
+    roped = rope_cat_triton(q, cos4, sin4, d - 64, True, None, None, 0.0, 0, None, 0.0, True)  # the indexer query
+    _assert_equal(roped, v4_rope(q, cos, sin))
