@@ -232,9 +232,10 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         return {"ROWS": 8, "BLOCK_N": 512, "BLOCK_H": 32, "INTERLEAVED": interleaved, "WEIGHT_FP32": False,
                 "HAS_ROPE": True, "COMPLEX": False, "REAL_MUL": 0, "IMAG_MUL": 0, "MANUAL_BF16_RNE": False}
 
-    def cat(interleaved, layer_norm=False):
-        return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "LAYER_NORM": layer_norm,
-                "MANUAL_BF16_RNE": False}
+    def cat(interleaved, layer_norm=False, v4=False):
+        norm_kind = 1 + RMS_NORMS.index("unweighted_scale_cast") if v4 else int(layer_norm)
+        return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "NORM": norm_kind,
+                "FP32_PAIRS": v4, "MANUAL_BF16_RNE": False}
 
     q_a_norm = {**norm(True), "ROWS": 2, "BLOCK_N": 2048, "HAS_ROPE": False}
 
@@ -244,6 +245,7 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         ["cat_interleaved", [["_rope_cat_block", cat(True)]], COMPILE_OPTIONS],
         ["cat_half_split", [["_rope_cat_block", cat(False)]], COMPILE_OPTIONS],
         ["cat_layer_norm_half_split", [["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
+        ["cat_v4_rms_norm_pairs", [["_rope_cat_block", cat(True, v4=True)]], COMPILE_OPTIONS],
         ["layer_group", [["_rmsnorm_rope_block", norm(True)], ["_rmsnorm_rope_block", q_a_norm],
                          ["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
         ["fusion_on", [["_rmsnorm_rope_block", norm(True)]], {"enable_fp_fusion": True}],
