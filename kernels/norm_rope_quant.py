@@ -34,6 +34,24 @@ sequence torch defines for `layer_norm` (`torch._refs.native_layer_norm`, which 
 The rope then runs on the normed (rounded) columns. Eager's CPU/CUDA `layer_norm` kernels use Welford
 statistics and fused multiply-adds, so they differ from this sequence in the last bit of a few elements.
 
+With `rms_norm` (one of `RMS_NORMS`, index > 0) `rope_cat` first applies an RMSNorm over each row's D columns
+instead (HF V4: `q_b_norm`, unweighted, on the query viewed per head; `kv_norm`, fp32 weight, on the single
+K=V head), with `r = rsqrt(mean(xf^2) + rms_eps)` and one of the sources' roundings:
+
+    "weight_fp32":        (xf * r * weight).to(dtype)          (V4 `DeepseekV4RMSNorm`, official)
+    "weight_after_cast":  weight * (xf * r).to(dtype)          (V3.2 `DeepseekV32RMSNorm`)
+    "unweighted":         (xf * r).to(dtype)
+    "unweighted_scale_cast": x * r.to(dtype)                   (V4 `DeepseekV4UnweightedRMSNorm`)
+
+With `fp32_pairs`, the RoPE is V4's `apply_rotary_pos_emb` (and GPT-J's in fp32): the rotated columns are
+pairs (2j, 2j+1) rotated in place, `cos` / `sin` hold one column per pair ([..., C_rope/2], HF's table before
+its `repeat_interleave(2)`), every product and sum in fp32 and one rounding at the end:
+
+    out[2j] = a*c - b*s,   out[2j+1] = b*c + a*s      (a, b = x[2j], x[2j+1]; c, s = cos[j], sin[j]; fp32)
+
+which is HF's `(rope.float() * cos + rotate_half(rope).float() * sin).to(dtype)` bit for bit (negation is
+exact and fp32 addition commutes).
+
 Rounding: each bf16/fp16 op is computed in fp32 and rounded to x.dtype, which is what torch does for
 each elementwise op; products of two bf16/fp16 values are exact in fp32, so this is bit-exact. The
 mean's summation order may differ from torch's (allowed by the numerics rules).
@@ -83,6 +101,9 @@ COMPILE_OPTIONS = {"enable_fp_fusion": False}
 # fusion on) contracts the real lane as fma_first and the imaginary lane as fma_second. That is the shipped
 # guess, (real, imaginary); benchmarks/norm_rope_quant_gpu.py measures each lane against eager CUDA.
 LANE_ROUNDINGS = ("rounded", "fma_first", "fma_second")
+# `rope_cat`'s RMSNorm roundings, by index (0: no RMSNorm); see the module docstring.
+RMS_NORMS = ("none", "weight_fp32", "weight_after_cast", "unweighted", "unweighted_scale_cast")
+RMS_WEIGHTED = (1, 2)
 CUDA_COMPLEX_MUL = ("fma_first", "fma_first")
 
 
@@ -128,13 +149,42 @@ def layer_norm_reference(x, weight, bias, eps):
     return ((centred * torch.rsqrt(var + eps)) * weight.float() + bias.float()).to(x.dtype)
 
 
-def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0):
+def rms_norm_reference(x, rms_norm, weight, eps):
+    """RMSNorm over the last dim in rounding `RMS_NORMS[rms_norm]`, op by op as the sources write it."""
+    xf = x.float()
+    scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    kind = RMS_NORMS[rms_norm]
+    if kind == "weight_fp32":
+        return (xf * scale * weight.float()).to(x.dtype)
+    if kind == "weight_after_cast":
+        return weight * (xf * scale).to(x.dtype)
+    if kind == "unweighted":
+        return (xf * scale).to(x.dtype)
+    return x * scale.to(x.dtype)
+
+
+def pair_rope_fp32_reference(rot, cos, sin):
+    """V4's RoPE of `rot` (last dim): pairs (2j, 2j+1) rotated in place by cos/sin[..., j] in fp32, one
+    rounding (HF `apply_rotary_pos_emb` of `deepseek_v4`, without its `repeat_interleave`)."""
+    a, b = rot[..., 0::2].float(), rot[..., 1::2].float()
+    c, s = cos.float(), sin.float()
+    return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2).to(rot.dtype)
+
+
+def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
+                       rms_norm=0, rms_weight=None, rms_eps=0.0, fp32_pairs=False):
     """`cat` of x's column parts in their order, the part [rope_start, rope_start + C_rope) RoPE'd; with
-    `ln_weight` / `ln_bias`, x's rows are LayerNorm'd first."""
+    `ln_weight` / `ln_bias`, x's rows are LayerNorm'd first, with `rms_norm` RMSNorm'd first."""
     if ln_weight is not None:
         x = layer_norm_reference(x, ln_weight, ln_bias, ln_eps)
-    end = rope_start + cos.shape[-1]
-    roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved)
+    if rms_norm:
+        x = rms_norm_reference(x, rms_norm, rms_weight, rms_eps)
+    if fp32_pairs:
+        end = rope_start + 2 * cos.shape[-1]
+        roped = pair_rope_fp32_reference(x[..., rope_start:end], cos, sin)
+    else:
+        end = rope_start + cos.shape[-1]
+        roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved)
     return torch.cat([x[..., :rope_start], roped, x[..., end:]], dim=-1)
 
 
@@ -234,23 +284,56 @@ def _validate_rows(op, x):
         raise ValueError(f"{op}: x's last dim must be contiguous")
 
 
-def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0):
+def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
+                       rms_weight=None, rms_eps=0.0, fp32_pairs=False):
     _validate_rows("rope_cat", x)
-    c_rope = cos.shape[-1]
+    table = cos.shape[-1]
+    c_rope = 2 * table if fp32_pairs else table
     if c_rope < 2 or c_rope % 2:
         raise ValueError(f"rope_cat: rope width {c_rope} must be even and positive")
     if not 0 <= rope_start <= x.shape[-1] - c_rope:
         raise ValueError(f"rope_cat: rope columns [{rope_start}, {rope_start + c_rope}) outside x's {x.shape[-1]}")
+    table_dtypes = (x.dtype, torch.float32) if fp32_pairs else (x.dtype,)
     for name, t in (("cos", cos), ("sin", sin)):
-        if tuple(t.shape) != (*x.shape[:-1], c_rope):
-            raise ValueError(f"rope_cat: {name} must be {(*x.shape[:-1], c_rope)}, got {tuple(t.shape)}")
-        if t.dtype != x.dtype:
+        if tuple(t.shape) != (*x.shape[:-1], table):
+            raise ValueError(f"rope_cat: {name} must be {(*x.shape[:-1], table)}, got {tuple(t.shape)}")
+        if t.dtype not in table_dtypes:
             raise TypeError(f"rope_cat: {name} dtype {t.dtype} != x dtype {x.dtype}")
         if t.device != x.device:
             raise ValueError(f"rope_cat: {name} on {t.device}, x on {x.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"rope_cat: {name}'s last dim must be contiguous")
     _validate_layer_norm("rope_cat", x, ln_weight, ln_bias, ln_eps)
+    _validate_rms_norm(x, ln_weight, rms_norm, rms_weight, rms_eps)
+
+
+def _validate_rms_norm(x, ln_weight, rms_norm, rms_weight, rms_eps):
+    if not 0 <= rms_norm < len(RMS_NORMS):
+        raise ValueError(f"rope_cat: rms_norm {rms_norm} is not an index of {RMS_NORMS}")
+    if not rms_norm:
+        if rms_weight is not None:
+            raise ValueError("rope_cat: rms_weight given without an RMSNorm")
+        return
+    if ln_weight is not None:
+        raise ValueError("rope_cat: a LayerNorm and an RMSNorm on the same rows")
+    if not rms_eps >= 0:
+        raise ValueError(f"rope_cat: RMSNorm eps must be >= 0, got {rms_eps}")
+    if (rms_weight is not None) != (rms_norm in RMS_WEIGHTED):
+        raise ValueError(f"rope_cat: RMSNorm {RMS_NORMS[rms_norm]!r} "
+                         f"{'needs' if rms_norm in RMS_WEIGHTED else 'takes no'} weight")
+    if rms_weight is None:
+        return
+    if rms_weight.dim() != 1 or rms_weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"rope_cat: rms_weight must be [{x.shape[-1]}], got {tuple(rms_weight.shape)}")
+    if rms_weight.dtype not in INPUT_DTYPES:
+        raise TypeError(f"rope_cat: rms_weight dtype {rms_weight.dtype} not in {INPUT_DTYPES}")
+    if RMS_NORMS[rms_norm] == "weight_after_cast" and rms_weight.dtype != x.dtype:
+        raise TypeError(f"rope_cat: a weight after the cast must be in x's dtype {x.dtype} (got {rms_weight.dtype}); "
+                        "another dtype would promote the output")
+    if rms_weight.device != x.device:
+        raise ValueError(f"rope_cat: rms_weight on {rms_weight.device}, x on {x.device}")
+    if rms_weight.shape[0] > 1 and rms_weight.stride(0) != 1:
+        raise ValueError("rope_cat: rms_weight must be contiguous")
 
 
 def _validate_layer_norm(op, x, ln_weight, ln_bias, ln_eps):
@@ -394,7 +477,7 @@ def _rmsnorm_rope_block(
     elif HAS_ROPE:
         _rope_rows(x_ptr + rows64[:, None] * sx + C_NORM, cos_ptr + rows64[:, None] * scos,
                    sin_ptr + rows64[:, None] * ssin, roped_ptr + rows64[:, None] * srope, row_ok, HALF,
-                   0.0, 0.0, w_ptr, w_ptr, BLOCK_H, INTERLEAVED, False, MANUAL_BF16_RNE)
+                   0.0, 0.0, w_ptr, w_ptr, BLOCK_H, INTERLEAVED, 0, MANUAL_BF16_RNE)
 
 
 @triton.jit
@@ -406,26 +489,46 @@ def _layer_norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, MANUAL_BF16
 
 
 @triton.jit
+def _norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, NORM: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """The row norm `NORM` of columns xf (fp32) from the rows' statistics, rounded to `dtype` (kept in fp32):
+    1 LayerNorm (`_layer_norm_apply`), 2 + i the RMSNorm rounding `RMS_NORMS[1 + i]` (`rstd` = rsqrt(mean(x^2)
+    + eps); the weight at `w_ptrs`)."""
+    if NORM == 1:
+        return _layer_norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, MANUAL_BF16_RNE)
+    elif NORM == 2:  # (xf * r * w).to(dtype)
+        w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        return _round_to((xf * rstd) * w, dtype, MANUAL_BF16_RNE)
+    elif NORM == 3:  # w * (xf * r).to(dtype)
+        w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
+        return _round_to(_round_to(xf * rstd, dtype, MANUAL_BF16_RNE) * w, dtype, MANUAL_BF16_RNE)
+    elif NORM == 4:  # (xf * r).to(dtype)
+        return _round_to(xf * rstd, dtype, MANUAL_BF16_RNE)
+    else:  # x * r.to(dtype)
+        return _round_to(xf * _round_to(rstd, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
+
+
+@triton.jit
 def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_rstd, ln_w, ln_b,
-               BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr,
-               MANUAL_BF16_RNE: tl.constexpr):
+               BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+               MANUAL_BF16_RNE: tl.constexpr, FP32_PAIRS: tl.constexpr = False):
     """RoPE of 2*HALF columns for a [ROWS, 1] block of row pointers (x and the output at the first rotated
-    column, cos / sin at their row start), in HF's op order and output layout. With LAYER_NORM, x is first
-    normalised with the rows' `ln_mean` / `ln_rstd` ([ROWS]) and the affine at `ln_w` / `ln_b` (pointers at
-    the first rotated column)."""
+    column, cos / sin at their row start), in HF's op order and output layout. With NORM (`_norm_apply`), x is
+    first normalised with the rows' `ln_mean` / `ln_rstd` ([ROWS]) and the weight / bias at `ln_w` / `ln_b`
+    (pointers at the first rotated column). FP32_PAIRS: V4's form (pairs rotated in place in fp32, one table
+    column per pair, one rounding)."""
     dtype = out_rows.dtype.element_ty
     j = tl.arange(0, BLOCK_H)
     hok = row_ok[:, None] & (j < HALF)[None, :]
-    if INTERLEAVED:
+    if INTERLEAVED or FP32_PAIRS:
         # the pairs as one contiguous [ROWS, BLOCK_H, 2] load (vectorised), split into even / odd lanes
         lane = tl.arange(0, 2)
-        pairs = tl.load(x_rows[:, :, None] + 2 * j[None, :, None] + lane[None, None, :],
-                        mask=hok[:, :, None] & (lane < 2)[None, None, :], other=0.0)
-        if LAYER_NORM:
-            pair_cols = 2 * j[None, :, None] + lane[None, None, :]
+        pair_cols = 2 * j[None, :, None] + lane[None, None, :]
+        pair_mask = hok[:, :, None] & (lane < 2)[None, None, :]
+        pairs = tl.load(x_rows[:, :, None] + pair_cols, mask=pair_mask, other=0.0)
+        if NORM:
             pair_ok = (j < HALF)[None, :, None] & (lane < 2)[None, None, :]
-            pairs = _layer_norm_apply(pairs.to(tl.float32), ln_mean[:, None, None], ln_rstd[:, None, None],
-                                      ln_w + pair_cols, ln_b + pair_cols, pair_ok, dtype, MANUAL_BF16_RNE)
+            pairs = _norm_apply(pairs.to(tl.float32), ln_mean[:, None, None], ln_rstd[:, None, None],
+                                ln_w + pair_cols, ln_b + pair_cols, pair_ok, dtype, NORM, MANUAL_BF16_RNE)
         a, b = tl.split(pairs)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -436,26 +539,32 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_r
     else:
         a = tl.load(x_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         b = tl.load(x_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
-        if LAYER_NORM:
+        if NORM:
             jj = j[None, :]
             j_ok = (j < HALF)[None, :]
-            a = _layer_norm_apply(a, ln_mean[:, None], ln_rstd[:, None], ln_w + jj, ln_b + jj, j_ok, dtype,
-                                  MANUAL_BF16_RNE)
-            b = _layer_norm_apply(b, ln_mean[:, None], ln_rstd[:, None], ln_w + HALF + jj, ln_b + HALF + jj,
-                                  j_ok, dtype, MANUAL_BF16_RNE)
+            a = _norm_apply(a, ln_mean[:, None], ln_rstd[:, None], ln_w + jj, ln_b + jj, j_ok, dtype, NORM,
+                            MANUAL_BF16_RNE)
+            b = _norm_apply(b, ln_mean[:, None], ln_rstd[:, None], ln_w + HALF + jj, ln_b + HALF + jj, j_ok,
+                            dtype, NORM, MANUAL_BF16_RNE)
         c_lo = tl.load(cos_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         s_lo = tl.load(sin_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         c_hi = tl.load(cos_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
         s_hi = tl.load(sin_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
-    # each product and each sum rounded to the input dtype, as torch's elementwise ops do
-    ac = _round_to(a * c_lo, dtype, MANUAL_BF16_RNE)
-    bs = _round_to(b * s_lo, dtype, MANUAL_BF16_RNE)
-    bc = _round_to(b * c_hi, dtype, MANUAL_BF16_RNE)
-    as_ = _round_to(a * s_hi, dtype, MANUAL_BF16_RNE)
-    lo = _round_to(ac - bs, dtype, MANUAL_BF16_RNE).to(dtype)
-    hi = _round_to(bc + as_, dtype, MANUAL_BF16_RNE).to(dtype)
-    tl.store(out_rows + j[None, :], lo, mask=hok)
-    tl.store(out_rows + HALF + j[None, :], hi, mask=hok)
+    if FP32_PAIRS:
+        # fp32 products and sums, one rounding; the pair written back in place
+        lo = _round_to(a * c_lo - b * s_lo, dtype, MANUAL_BF16_RNE).to(dtype)
+        hi = _round_to(b * c_lo + a * s_lo, dtype, MANUAL_BF16_RNE).to(dtype)
+        tl.store(out_rows[:, :, None] + pair_cols, tl.join(lo, hi), mask=pair_mask)
+    else:
+        # each product and each sum rounded to the input dtype, as torch's elementwise ops do
+        ac = _round_to(a * c_lo, dtype, MANUAL_BF16_RNE)
+        bs = _round_to(b * s_lo, dtype, MANUAL_BF16_RNE)
+        bc = _round_to(b * c_hi, dtype, MANUAL_BF16_RNE)
+        as_ = _round_to(a * s_hi, dtype, MANUAL_BF16_RNE)
+        lo = _round_to(ac - bs, dtype, MANUAL_BF16_RNE).to(dtype)
+        hi = _round_to(bc + as_, dtype, MANUAL_BF16_RNE).to(dtype)
+        tl.store(out_rows + j[None, :], lo, mask=hok)
+        tl.store(out_rows + HALF + j[None, :], hi, mask=hok)
 
 
 @triton.jit
@@ -472,10 +581,11 @@ def _rope_cat_block(
     N, A1, A2, D, R0, HALF, ln_eps,
     sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    INTERLEAVED: tl.constexpr, LAYER_NORM: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+    INTERLEAVED: tl.constexpr, NORM: tl.constexpr, FP32_PAIRS: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
 ):
     """Program `pid`'s ROWS rows (of the A0*A1*A2 rows of a strided 4-D x): the columns outside
-    [R0, R0 + 2*HALF) copied (LayerNorm'd with LAYER_NORM), those inside RoPE'd, into a contiguous output."""
+    [R0, R0 + 2*HALF) copied (normalised with NORM: 1 LayerNorm, 2.. an RMSNorm, see `_norm_apply`), those
+    inside RoPE'd, into a contiguous output."""
     dtype = out_ptr.dtype.element_ty
     row_ok, r, i0, i1, i2 = _program_rows(pid, N, A1, A2, ROWS)
     x_rows = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
@@ -483,16 +593,20 @@ def _rope_cat_block(
     cols = tl.arange(0, BLOCK_D)
     kept = (cols < D) & ((cols < R0) | (cols >= R0 + 2 * HALF))
     ok = row_ok[:, None] & kept[None, :]
-    if LAYER_NORM:
-        # statistics over the whole row (two passes in fp32, as the reference), then the kept columns
+    if NORM:
+        # statistics over the whole row in fp32 (LayerNorm: two passes, as the reference), then the kept columns
         col_ok = (cols < D)[None, :]
         row_cols_ok = row_ok[:, None] & col_ok
         xf = tl.load(x_rows[:, None] + cols[None, :], mask=row_cols_ok, other=0.0).to(tl.float32)
-        mean = tl.sum(xf, axis=1) / D
-        centred = tl.where(row_cols_ok, xf - mean[:, None], 0.0)
-        rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / D + ln_eps)
-        normed = _layer_norm_apply(xf, mean[:, None], rstd[:, None], lnw_ptr + cols[None, :],
-                                   lnb_ptr + cols[None, :], col_ok, dtype, MANUAL_BF16_RNE)
+        if NORM == 1:
+            mean = tl.sum(xf, axis=1) / D
+            centred = tl.where(row_cols_ok, xf - mean[:, None], 0.0)
+            rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / D + ln_eps)
+        else:
+            mean = tl.zeros([ROWS], dtype=tl.float32)
+            rstd = tl.rsqrt(tl.div_rn(tl.sum(xf * xf, axis=1), D.to(tl.float32)) + ln_eps)
+        normed = _norm_apply(xf, mean[:, None], rstd[:, None], lnw_ptr + cols[None, :], lnb_ptr + cols[None, :],
+                             col_ok, dtype, NORM, MANUAL_BF16_RNE)
         tl.store(out_rows[:, None] + cols[None, :], normed.to(dtype), mask=ok)
     else:
         mean = 0.0
@@ -500,7 +614,7 @@ def _rope_cat_block(
         tl.store(out_rows[:, None] + cols[None, :], tl.load(x_rows[:, None] + cols[None, :], mask=ok), mask=ok)
     _rope_rows(x_rows[:, None] + R0, cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None],
                sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None], out_rows[:, None] + R0, row_ok, HALF,
-               mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, LAYER_NORM, MANUAL_BF16_RNE)
+               mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, NORM, MANUAL_BF16_RNE, FP32_PAIRS)
 
 
 @triton.jit
@@ -667,31 +781,33 @@ def rope_cat_default_rows(n_rows, width):
     return 16 if n_rows >= 1 << 18 and width <= 256 else default_rows(width)
 
 
-def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                    rows_per_program=None, num_warps=None) -> "BlockLaunch":
+def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
+                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rows_per_program=None,
+                    num_warps=None) -> "BlockLaunch":
     """`rope_cat`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
-    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     width = x.shape[3]
     rows = rows_per_program or rope_cat_default_rows(n_rows, width)
-    half = cos.shape[-1] // 2
-    layer_norm = ln_weight is not None
+    half = cos.shape[-1] if fp32_pairs else cos.shape[-1] // 2
+    norm = 1 if ln_weight is not None else 1 + rms_norm if rms_norm else 0
+    weight = ln_weight if ln_weight is not None else rms_weight if rms_weight is not None else x
     return BlockLaunch.bind(
         _rope_cat_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
-        x, cos, sin, out, ln_weight if layer_norm else x, ln_bias if layer_norm else x,
-        n_rows, x.shape[1], x.shape[2], width, rope_start, half, float(ln_eps),
+        x, cos, sin, out, weight, ln_bias if ln_bias is not None else x,
+        n_rows, x.shape[1], x.shape[2], width, rope_start, half, float(ln_eps if ln_weight is not None else rms_eps),
         *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
         ROWS=rows, BLOCK_D=triton.next_power_of_2(width), BLOCK_H=triton.next_power_of_2(half),
-        INTERLEAVED=bool(interleaved), LAYER_NORM=layer_norm,
+        INTERLEAVED=bool(interleaved), NORM=norm, FP32_PAIRS=bool(fp32_pairs),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
 
 
-def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                    rows_per_program=None, num_warps=None):
+def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
+                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rows_per_program=None, num_warps=None):
     """One launch of `rope_cat`."""
-    return launch_blocks([rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps,
-                                          rows_per_program, num_warps)])[0][0]
+    return launch_blocks([rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm,
+                                          rms_weight, rms_eps, fp32_pairs, rows_per_program, num_warps)])[0][0]
 
 
 def _broadcast_strides(t, dims):
@@ -883,24 +999,31 @@ def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
 @torch.library.custom_op("dsfuse::rope_cat", mutates_args=())
 def rope_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_start: int, interleaved: bool,
              ln_weight: Optional[torch.Tensor] = None, ln_bias: Optional[torch.Tensor] = None,
-             ln_eps: float = 0.0) -> torch.Tensor:
+             ln_eps: float = 0.0, rms_norm: int = 0, rms_weight: Optional[torch.Tensor] = None,
+             rms_eps: float = 0.0, fp32_pairs: bool = False) -> torch.Tensor:
     """x ([A0, A1, A2, D], any strides but a contiguous last dim) with columns [rope_start, rope_start +
     C_rope) RoPE'd and the rest copied, contiguous: HF's `cat` of a split's parts after the RoPE of one.
-    cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0). With `ln_weight` / `ln_bias` ([D]),
-    each row is first LayerNorm'd (eps `ln_eps`): HF's indexer key path. Reference math on CPU."""
-    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
-    return rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps).contiguous()
+    cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0; with `fp32_pairs`, V4's RoPE, one column
+    per pair: [A0, A1, A2, C_rope/2]). With `ln_weight` / `ln_bias` ([D]), each row is first LayerNorm'd (eps
+    `ln_eps`): HF's indexer key path; with `rms_norm` (an index of `RMS_NORMS`), RMSNorm'd (weight
+    `rms_weight`, eps `rms_eps`): HF V4's query and K=V head. Reference math on CPU."""
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs)
+    return rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
+                              rms_eps, fp32_pairs).contiguous()
 
 
 @rope_cat.register_fake
-def _rope_cat_fake(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0):
-    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps)
+def _rope_cat_fake(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
+                   rms_weight=None, rms_eps=0.0, fp32_pairs=False):
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @rope_cat.register_kernel("cuda")
-def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0):
-    return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps)
+def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
+                   rms_weight=None, rms_eps=0.0, fp32_pairs=False):
+    return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
+                           rms_eps, fp32_pairs)
 
 
 @torch.library.custom_op("dsfuse::rope_quant_fp8", mutates_args=())
@@ -1060,9 +1183,9 @@ def bytes_moved(T, c_norm, c_rope, itemsize, cos_itemsize=None):
     return T * (c_norm + c_rope) * itemsize * 2 + 2 * T * c_rope * cos_itemsize + c_norm * itemsize
 
 
-__all__ = ["BlockLaunch", "COMPILE_OPTIONS", "GROUP_MEMBERS", "bytes_moved", "complex_rope", "complex_rope_launch",
+__all__ = ["BlockLaunch", "COMPILE_OPTIONS", "GROUP_MEMBERS", "RMS_NORMS", "bytes_moved", "complex_rope", "complex_rope_launch",
            "complex_rope_reference", "complex_rope_triton", "default_num_warps", "default_rows",
-           "group_member_lists", "launch_blocks", "layer_norm_reference", "norm_rope_group", "rmsnorm_rope",
+           "group_member_lists", "launch_blocks", "layer_norm_reference", "pair_rope_fp32_reference", "rms_norm_reference", "norm_rope_group", "rmsnorm_rope",
            "rmsnorm_rope_launch", "rmsnorm_rope_reference", "rmsnorm_rope_triton", "rope_cat", "rope_cat_launch",
            "rope_cat_reference", "rope_cat_triton", "rope_quant_fp8", "rope_quant_fp8_launch",
            "rope_quant_fp8_reference", "rope_quant_fp8_triton", "rope_reference"]

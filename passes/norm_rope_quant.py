@@ -35,11 +35,20 @@ the reason. Two more site kinds, each into one launch:
   /448, optional ue8m0, clamp, e4m3); the key's LayerNorm joins as for `rope_cat`. Both the fp8 values and
   the scales are replaced. The same complex RoPE beside an RMSNorm (the own kv side) is `rmsnorm_rope` with
   `freqs`; a complex RoPE'd split part not concatenated back (the own main query's q_pe) is `dsfuse::complex_rope`.
+- `dsfuse::rope_cat` for DeepSeek V4 (HF `deepseek_v4.apply_rotary_pos_emb`): the anchor is the `cat` of a
+  row's leading slice and the RoPE of its trailing slice (`cat([x[..., :-R], rope(x[..., -R:])], -1)`), the RoPE
+  in fp32 on pairs in place, its tables repeated per pair (`cos.repeat_interleave(2, -1)`):
+
+      (r.float() * cos2 + rotate_half(r).float() * sin2).to(dtype),  rotate_half = stack((-r[1::2], r[0::2])).flatten
+
+  When the row is (a view of: the K=V head's view + transpose, the compressors' unsqueeze) an RMSNorm's output,
+  the norm joins the call (`rope_cat`'s `rms_norm`): `q_b_norm` (unweighted, `x * rsqrt(..).to(dtype)`),
+  `kv_norm` and the compressors' `kv_norm` (fp32 weight). Without a norm: the indexer's query.
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
   `addmm`, `bmm`): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
 
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
-call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 layer.
+call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
+from .canonicalize import MEAN
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
     CONVERT,
@@ -81,6 +91,8 @@ PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     # splits first (kv: norm + rope; q and indexer: rope + cat), then norms left on a projection output (q_a)
     rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match_split, _rewrite_split)
+    # V4: RoPE on the trailing slice of (a norm of) a row, `cat` back (q, the K=V head, the compressors' entries)
+    rewrite_anchored(graph, ctx, (aten.cat.default,), _match_trailing_rope, _rewrite_trailing_rope)
     rewrite_anchored(graph, ctx, (aten.pow.Tensor_Scalar,), _match_projection_norm, _rewrite_projection_norm)
     group_launches(graph, ctx)  # then the independent calls of a layer into one launch each
 
@@ -140,8 +152,10 @@ def _other(node: torch.fx.Node, known: torch.fx.Node):
     return b if a is known else a if b is known else None
 
 
-def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
-    """The RMSNorm of `part`: its final node, weight, eps and rounding (`weight_in_fp32`)."""
+def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool = False) -> dict:
+    """The RMSNorm of `part`: its final node, weight, eps and rounding (`weight_in_fp32`; `rounding`, a name of
+    `RMS_NORMS`). With `unweighted`, a norm without weight too (weight None): `(x * r).to(dtype)` or V4's
+    `x * r.to(dtype)`."""
     xf = part
     if x_dtype != torch.float32:
         casts = [u for u in _users(part, CONVERT) if u.args[1] == torch.float32]
@@ -151,36 +165,62 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     squares = [u for u in _users(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
     if len(squares) != 1:
         raise NoMatch("no square", reported=False)
-    mean = _only(squares[0], aten.mean.dim)
-    if mean is None or list(mean.args[1]) not in ([-1], [len(shape(xf)) - 1]) or not (
-            len(mean.args) > 2 and mean.args[2]):
+    mean = _row_mean(squares[0])
+    if mean is None:
         raise NoMatch("no mean over the last dim", reported=False)
     add = _only(mean, aten.add.Tensor)
     rsqrt = _only(add, aten.rsqrt.default) if add is not None else None
+    if add is not None and _only(add, aten.sqrt.default) is not None:
+        raise NoMatch("RMSNorm: no rsqrt(mean + eps): the norm divides by sqrt(mean + eps), another rounding than "
+                      "the kernel's")
     if rsqrt is None:
         raise NoMatch("no rsqrt(mean + eps)", reported=False)
     eps = scalar_arg(add.args[1])
     if eps is None:
         raise NoMatch(f"RMSNorm: eps {add.args[1]} is a graph input, not a constant")
+    if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)`
+        scale = _only(rsqrt, CONVERT)
+        product = _only(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None
+        if product is not None and _other(product, scale) is part:
+            return {"norm_out": product, "weight": None, "eps": eps, "rounding": "unweighted_scale_cast"}
     scaled = [u for u in _users(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
     if len(scaled) != 1:
         raise NoMatch("RMSNorm: x * rsqrt(...) not found")
     h = scaled[0]
     c_norm = shape(part)[-1]
     if x_dtype == torch.float32:
+        if unweighted and not _users(h, aten.mul.Tensor):
+            return {"norm_out": h, "weight": None, "eps": eps, "rounding": "unweighted"}
         out, weight = _weight_mul(h, c_norm, torch.float32)
-        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": True}
+        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
     narrowed = [u for u in _users(h, CONVERT) if u.args[1] == x_dtype]
     if len(narrowed) == 1 and len(h.users) == 1:
+        if unweighted and not _users(narrowed[0], aten.mul.Tensor):
+            return {"norm_out": narrowed[0], "weight": None, "eps": eps, "rounding": "unweighted"}
         out, weight = _weight_mul(narrowed[0], c_norm, x_dtype)
-        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": False}
+        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": False,
+                "rounding": "weight_after_cast"}
     out32, weight = _weight_mul(h, c_norm, torch.float32)
     final = _only(out32, CONVERT)
     if final is None or final.args[1] != x_dtype:
         raise NoMatch("RMSNorm: the fp32 weight product is not cast back to the input dtype")
     if is_op(weight, CONVERT) and weight.args[1] == torch.float32:
         weight = weight.args[0]
-    return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True}
+    return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
+
+
+def _row_mean(square: torch.fx.Node) -> torch.fx.Node | None:
+    """The node that is `mean(square, -1, keepdim=True)`: a `mean`, or a `sum / C` the canonicaliser marked as
+    one (`MEAN`)."""
+    rank = len(shape(square))
+    mean = _only(square, aten.mean.dim)
+    if mean is not None:
+        keep = len(mean.args) > 2 and mean.args[2]
+        return mean if list(mean.args[1]) in ([-1], [rank - 1]) and keep else None
+    total = _only(square, aten.sum.dim_IntList)
+    scaled = _only(total, aten.div.Tensor, aten.mul.Tensor) if total is not None else None
+    marked = scaled.meta.get(MEAN) if scaled is not None else None
+    return scaled if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
 
 
 def _only(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
@@ -196,7 +236,8 @@ def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[to
     weight = _other(muls[0], h)
     if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 or not same_size(shape(weight)[0], c_norm):
         raise NoMatch(f"RMSNorm: weight {weight} is not a 1-D [{c_norm}] tensor")
-    if dtype(weight) != weight_dtype:
+    if dtype(weight) != weight_dtype and not (weight_dtype == torch.float32 and dtype(weight) in NORM_DTYPES):
+        # an fp32 product may read a narrower weight (`F.rms_norm`): its upcast is exact
         raise NoMatch(f"RMSNorm: weight dtype {dtype(weight)} differs from the product's {weight_dtype}")
     return muls[0], weight
 
@@ -240,10 +281,39 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     hi = [s for s in slices if _slice(s, rot, half, END)]
     if len(lo) == 1 and len(hi) == 1:
         return _match_half_split(rot, lo[0], hi[0], half, x_dtype)
+    halves = [u for u in rot.users if is_op(u, aten.split_with_sizes.default, aten.split.Tensor)
+              and _is_last_dim(rot, u.args[2] if len(u.args) > 2 else 0)]
+    if len(halves) == 1:
+        return _match_chunked_half_split(rot, halves[0], half, x_dtype)
     for node in _view_chain(part):
         if _complex_rope_entry(node) is not None:
             return _match_official_kv_rope(node, x_dtype)
     raise NoMatch("RMSNorm beside a split part that is not RoPE'd in a known form")
+
+
+def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
+    """vLLM / SGLang's neox rotary (`x1, x2 = chunk(x, 2)`; `cat((x1*c - x2*s, x2*c + x1*s))`, c / s one column
+    per pair): HF's half-split RoPE in other words (each op in x's dtype either way), its tables doubled."""
+    parts = _getitems(chunks)
+    if sorted(parts) != [0, 1] or not all(same_size(shape(p)[-1], half) for p in parts.values()):
+        raise NoMatch("RoPE: the rotated part is split in other than two halves")
+    x1, x2 = parts[0], parts[1]
+    for sub in [u for m, _ in _product(x1) for u in _users(m, aten.sub.Tensor) if u.args[0] is m]:
+        x1_c, x2_s = sub.args
+        c, s = _other(x1_c, x1), _other(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
+        cat = _only(sub, aten.cat.default)
+        if s is None or cat is None or len(cat.args[0]) != 2 or cat.args[0][0] is not sub:
+            continue
+        add = cat.args[0][1]
+        terms = set(add.args) if is_op(add, aten.add.Tensor) else set()
+        if not (any(m in terms for m, f in _product(x2) if f is c) and any(m in terms for m, f in _product(x1) if f is s)):
+            continue
+        if not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+            continue
+        for table in (c, s):
+            _check_table(table, table, x1, half, x_dtype)
+        return {"rope_out": cat, "cos": (c, None, True), "sin": (s, None, True), "interleaved": False, "rot": rot}
+    raise NoMatch("half-split RoPE of two chunks: cat((x1*cos - x2*sin, x2*cos + x1*sin)) not found")
 
 
 def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
@@ -297,6 +367,9 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
             continue
         s = _other(odd_s, odd)
         cats = _users(sub, aten.cat.default)
+        if not cats and _users(sub, aten.unsqueeze.default):
+            raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no "
+                          "kernel computes that form")
         for cat in cats:
             items, cat_dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
             if len(items) != 2 or items[0] is not sub or not _is_last_dim(cat, cat_dim):
@@ -372,8 +445,11 @@ def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot
 
 def _broadcast_to_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple,
                        rot: torch.fx.Node) -> torch.fx.Node:
-    """The cos/sin table in the rotated part's shape (HF's unsqueeze, then broadcast dims expanded)."""
-    table, dim = table_dim
+    """The cos/sin table in the rotated part's shape (HF's unsqueeze, then broadcast dims expanded; a table of
+    one column per pair doubled first, as HF's `cat(freqs, freqs)`)."""
+    table, dim, *doubled = table_dim
+    if doubled and doubled[0]:
+        table = insert_call(graph, before, aten.cat.default, ([table, table], -1))
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
     if not same_shape(shape(table), shape(rot)):
@@ -406,7 +482,7 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
         raise NoMatch("split part unused", reported=False)
     for rope_index in (0, 1):
         rot, kept = parts[rope_index], parts[1 - rope_index]
-        if not _users(rot, aten.slice.Tensor):
+        if not _users(rot, aten.slice.Tensor, aten.split_with_sizes.default, aten.split.Tensor):
             continue
         try:
             rope = _match_rope(rot, dtype(x))
@@ -806,3 +882,196 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
     ctx.site(square, "dsfuse.rmsnorm_rope", [part, m["weight"]],
              detail=f"RMSNorm {c_norm} ({rounding}) of a projection output, eps={m['eps']:g}, no RoPE",
              call=fused)
+
+
+# --- DeepSeek V4: RoPE of a row's trailing slice, in fp32, `cat` back; the row optionally RMSNorm'd -------------
+ROW_VIEWS = (*VIEW_OPS, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _last_dim_slice(node: torch.fx.Node, width: int) -> tuple | None:
+    """(source, start, end) of `node` = source[..., start:end] (step 1, negative bounds resolved), or None."""
+    if not is_op(node, aten.slice.Tensor) or not _is_last_dim(node.args[0], node.args[1]):
+        return None
+    args = [val(a) for a in node.args[2:]] + [None] * (3 - len(node.args[2:]))
+    start, end, step = args[0] or 0, END if args[1] is None else args[1], args[2] or 1
+    if step != 1 or not all(isinstance(b, int) for b in (start, end)):
+        return None
+    start, end = (b + width if b < 0 else min(b, width) for b in (start, end))
+    return node.args[0], start, end
+
+
+def _fp32_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """What `node` upcasts to fp32 (`x.float()`), or node itself when it is fp32 already."""
+    if is_op(node, CONVERT) and node.args[1] == torch.float32:
+        return node.args[0]
+    return node if dtype(node) == torch.float32 else None
+
+
+def _pair_table(factor: torch.fx.Node) -> tuple:
+    """`factor` = table.repeat_interleave(2, -1) (decomposed: unsqueeze(-1), expand(..., 2), clone, reshape),
+    then optionally unsqueezed: (table, the unsqueeze's dim or None)."""
+    node, dim = factor, None
+    if is_op(node, aten.unsqueeze.default):
+        node, dim = node.args[0], node.args[1]
+    clone = node.args[0] if is_op(node, *VIEW_OPS) else None
+    expand = clone.args[0] if is_op(clone, aten.clone.default) else None
+    pairs = expand.args[0] if is_op(expand, aten.expand.default) else None
+    if not (is_op(pairs, aten.unsqueeze.default) and pairs.args[1] in (-1, len(shape(pairs)) - 1)
+            and same_size(shape(expand)[-1], 2) and same_size(shape(node)[-1], 2 * shape(pairs.args[0])[-1])):
+        raise NoMatch(f"V4 RoPE: {factor} is not cos/sin.repeat_interleave(2, -1)")
+    return pairs.args[0], dim
+
+
+def _rotate_half_pairs(node: torch.fx.Node, rot: torch.fx.Node) -> bool:
+    """`node` = V4's `rotate_half(rot)`: stack((-rot[..., 1::2], rot[..., 0::2]), -1).flatten(-2)."""
+    cat = node.args[0] if is_op(node, *VIEW_OPS) and same_shape(shape(node), shape(rot)) else None
+    if not (is_op(cat, aten.cat.default) and len(cat.args[0]) == 2 and cat.args[1] in (-1, len(shape(cat)) - 1)):
+        return False
+    first, second = (item.args[0] if is_op(item, aten.unsqueeze.default) else None for item in cat.args[0])
+    neg_odd = first.args[0] if is_op(first, aten.neg.default) else None
+    return _slice(neg_odd, rot, 1, END, 2) and _slice(second, rot, 0, END, 2)
+
+
+def _match_pair_rope(rotated: torch.fx.Node, rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+    """`rotated` = (rot.float() * cos2 + rotate_half(rot).float() * sin2).to(x_dtype), cos2 / sin2 the pair
+    tables repeated (HF V4 `apply_rotary_pos_emb`)."""
+    total = rotated
+    if x_dtype != torch.float32:
+        if not (is_op(rotated, CONVERT) and rotated.args[1] == x_dtype):
+            raise NoMatch("V4 RoPE: the fp32 result is not rounded to the input dtype", reported=False)
+        total = rotated.args[0]
+    if not is_op(total, aten.add.Tensor) or not all(is_op(t, aten.mul.Tensor) for t in total.args[:2]):
+        raise NoMatch("V4 RoPE: not x*cos + rotate_half(x)*sin", reported=False)
+    cos = sin = None
+    for product in total.args[:2]:
+        for i in (0, 1):
+            operand, factor = product.args[i], product.args[1 - i]
+            if _fp32_of(operand) is rot:
+                cos = factor
+            elif _fp32_of(operand) is not None and _rotate_half_pairs(_fp32_of(operand), rot):
+                sin = factor
+    if cos is None or sin is None:
+        raise NoMatch("V4 RoPE: not x*cos + rotate_half(x)*sin", reported=False)
+    tables = []
+    for factor in (cos, sin):
+        table, dim = _pair_table(factor)
+        if dtype(table) not in (x_dtype, torch.float32):
+            raise NoMatch(f"V4 RoPE: cos/sin dtype {dtype(table)} is neither the input's {x_dtype} nor fp32")
+        lead, rows = shape(factor)[:-1], shape(rot)[:-1]
+        if len(lead) != len(rows) or not all(same_size(a, b) or same_size(a, 1) for a, b in zip(lead, rows)):
+            raise NoMatch(f"V4 RoPE: cos/sin rows {list(lead)} do not broadcast to the rotated part's {list(rows)}")
+        if not _last_dim_contiguous(table):
+            raise NoMatch(f"V4 RoPE: {table}'s last dim is not contiguous")
+        tables.append((table, dim))
+    return {"cos": tables[0], "sin": tables[1]}
+
+
+def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, list[torch.fx.Node]]:
+    """The RMSNorm whose output `row` is, or is a view of (through single-user views, permutes, unsqueezes),
+    and the views from the norm output to `row`, in order; (None, []) when there is none."""
+    chain, out = [], row
+    while is_op(out, *ROW_VIEWS) and len(out.args[0].users) == 1:
+        chain.append(out)
+        out = out.args[0]
+    rsqrt = next((n for n in _ancestors(out, 3) if is_op(n, aten.rsqrt.default)), None)
+    add = rsqrt.args[0] if rsqrt is not None else None
+    mean = add.args[0] if is_op(add, aten.add.Tensor) else None
+    square = mean.args[0] if is_op(mean, aten.mean.dim) else mean.meta.get(MEAN, (None,))[0] if mean else None
+    if not (is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
+        return None, []
+    xf = square.args[0]
+    part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
+    if dtype(part) != x_dtype:
+        return None, []
+    try:
+        norm = _match_rmsnorm(part, x_dtype, unweighted=True)
+    except NoMatch:
+        return None, []
+    if norm["norm_out"] is not out:
+        return None, []
+    return {"input": part, **norm}, list(reversed(chain))
+
+
+def _ancestors(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
+    found, frontier = [], [node]
+    for _ in range(depth):
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+        found += frontier
+    return found
+
+
+def _match_trailing_rope(cat: torch.fx.Node) -> dict:
+    """`cat([row[..., :D-R], rope(row[..., D-R:])], -1)` with V4's fp32 pair RoPE, `row` optionally (a view of)
+    an RMSNorm's output (`kv_norm`, `q_b_norm`, the compressors' `kv_norm`)."""
+    items = cat.args[0]
+    if len(items) != 2 or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+        raise NoMatch("not a two-way last-dim cat", reported=False)
+    nope, rotated = items
+    row = nope.args[0] if is_op(nope, aten.slice.Tensor) else None
+    if row is None or dtype(row) not in NORM_DTYPES or not shape(row):
+        raise NoMatch("not a cat of a slice", reported=False)
+    width = shape(row)[-1]
+    if not isinstance(width, int):
+        raise NoMatch("symbolic row width", reported=False)
+    kept = _last_dim_slice(nope, width)
+    rot = next((u for u in row.users if u is not nope and is_op(u, aten.slice.Tensor)
+                and _last_dim_slice(u, width) == (row, kept[2] if kept else -1, width)), None)
+    if kept is None or kept[1] != 0 or rot is None:
+        raise NoMatch("not the leading and trailing slices of one row", reported=False)
+    x_dtype = dtype(row)
+    rope = _match_pair_rope(rotated, rot, x_dtype)
+    c_rope = width - kept[2]
+    if c_rope < 2 or c_rope % 2:
+        raise NoMatch(f"V4 RoPE: rotated width {c_rope} is not even")
+    if len(shape(row)) > 4:
+        raise NoMatch(f"V4 RoPE: row rank {len(shape(row))} above 4")
+    norm, views = _norm_above(row, x_dtype)
+    source = row if norm is None else norm["input"]
+    if not _last_dim_contiguous(source):
+        raise NoMatch(f"V4 RoPE: {source}'s last dim is not contiguous")
+    return {"cat": cat, "row": row, "rot": rot, "c_rope": c_rope, "norm": norm, "views": views, **rope}
+
+
+def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
+    """A pair table ([..., R/2], unsqueezed as the source did) expanded to the rotated part's rows."""
+    table, dim = table_dim
+    if dim is not None:
+        table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
+    rows = [_size(graph, before, rot, d) for d in range(len(shape(rot)) - 1)]
+    if not same_shape(shape(table)[:-1], shape(rot)[:-1]):
+        table = insert_call(graph, before, aten.expand.default, (table, [*rows, shape(table)[-1]]))
+    return table
+
+
+def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    from dsfuse.kernels.norm_rope_quant import RMS_NORMS
+
+    norm, row = m["norm"], m["row"]
+    x = row
+    if norm is not None:  # the norm's input, viewed as the source viewed the norm's output
+        x = norm["input"]
+        for view in m["views"]:
+            x = insert_call(graph, cat, view.target, (x, *view.args[1:]), dict(view.kwargs))
+    pad = 4 - len(shape(row))
+    for _ in range(pad):
+        x = insert_call(graph, cat, aten.unsqueeze.default, (x, 0))
+    tables = []
+    for table_dim in (m["cos"], m["sin"]):
+        table = _pair_rows(graph, cat, table_dim, m["rot"])
+        for _ in range(pad):
+            table = insert_call(graph, cat, aten.unsqueeze.default, (table, 0))
+        tables.append(table)
+    width = shape(row)[-1]
+    rms = (0, None, 0.0) if norm is None else (RMS_NORMS.index(norm["rounding"]), norm["weight"], norm["eps"])
+    fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
+                        (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms, True))
+    sizes = [_size(graph, cat, row, d) for d in range(len(shape(row)))]
+    cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
+    graph.eliminate_dead_code()
+    detail = f"V4 fp32 pair RoPE {m['c_rope']} of the trailing columns of {width}, concatenated in place"
+    inputs = [row, m["cos"][0], m["sin"][0]]
+    if norm is not None:
+        weight = "no weight" if norm["weight"] is None else "weight"
+        detail = f"RMSNorm {width} ({norm['rounding']}, {weight}, eps={norm['eps']:g}) + {detail}"
+        inputs = [norm["input"], m["cos"][0], m["sin"][0]] + ([norm["weight"]] if norm["weight"] is not None else [])
+    ctx.site(cat, "dsfuse.rope_cat", inputs, detail=detail, call=fused)

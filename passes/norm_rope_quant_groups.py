@@ -6,7 +6,8 @@ of equal depth cannot depend on one another, and every dependency between groups
 from a lower depth to a higher one, so merging each depth's calls keeps the graph acyclic. In an HF V3.2
 layer this gives two launches: the q_a RMSNorm, the kv RMSNorm + RoPE and the indexer key's LayerNorm + RoPE
 (all read only the first projections of the layer's input), then the main query's and the indexer query's
-RoPE + cat (both read projections of the q_a norm's output).
+RoPE + cat (both read projections of the q_a norm's output). An HF V4 layer also gives two: the q_a norm, the
+K=V head's and the compressors' norm + RoPE, then q_b's norm + RoPE and the indexer query's RoPE.
 """
 
 from __future__ import annotations

@@ -52,27 +52,41 @@ def test_complex_rope_kernel_is_the_reference(args):
 
 
 @st.composite
-def rope_cat_args(draw, layer_norm=None):
+def rope_cat_args(draw, layer_norm=None, rms_norm=None):
+    """x, cos, sin, rope_start, interleaved, then optionally a LayerNorm or an RMSNorm (`nrq.RMS_NORMS`) and
+    V4's fp32 pair RoPE (half-width tables, in x's dtype or fp32)."""
     x = draw(row_views())
+    fp32_pairs = draw(st.booleans())
     c_rope = 2 * draw(st.integers(1, x.shape[-1] // 2))
     start = draw(st.integers(0, x.shape[-1] - c_rope))
     seed = draw(seeds())
-    angle = values((*x.shape[:-1], c_rope), torch.float32, seed, grid=16).clamp(-1, 1)
-    cos, sin = angle.to(x.dtype).to(DEVICE), angle.flip(-1).to(x.dtype).to(DEVICE)
-    ln = ()
-    if draw(st.booleans()) if layer_norm is None else layer_norm:
+    table_dtype = draw(st.sampled_from([x.dtype, torch.float32])) if fp32_pairs else x.dtype
+    angle = values((*x.shape[:-1], c_rope // 2 if fp32_pairs else c_rope), torch.float32, seed, grid=16).clamp(-1, 1)
+    cos, sin = angle.to(table_dtype).to(DEVICE), angle.flip(-1).to(table_dtype).to(DEVICE)
+    norm = draw(st.sampled_from(["none", "layer", "rms"])) if layer_norm is None else "layer" if layer_norm else "none"
+    if rms_norm is not None:
+        norm = "rms" if rms_norm else "none" if norm == "rms" else norm
+    ln, rms = (None, None, 0.0), (0, None, 0.0)
+    if norm == "layer":
         ln = (values((x.shape[-1],), x.dtype, seed + 1, grid=8).to(DEVICE),
               values((x.shape[-1],), x.dtype, seed + 2, grid=8).to(DEVICE), 1e-6)
-    return (x, cos, sin, start, draw(st.booleans()), *ln)
+    elif norm == "rms":
+        kind = draw(st.integers(1, len(nrq.RMS_NORMS) - 1))
+        weight = None
+        if kind in nrq.RMS_WEIGHTED:
+            weight_dtype = torch.float32 if nrq.RMS_NORMS[kind] == "weight_fp32" else x.dtype
+            weight = values((x.shape[-1],), weight_dtype, seed + 1, grid=8).to(DEVICE)
+        rms = (kind, weight, 1e-6)
+    return (x, cos, sin, start, draw(st.booleans()), *ln, *rms, fp32_pairs)
 
 
 @fuzzes("dsfuse::rope_cat")
 @given(args=rope_cat_args())
 def test_rope_cat_kernel_is_the_reference(args):
-    layer_norm = len(args) > 5
+    normed = args[5] is not None or args[8] != 0
     want = reference_output(nrq.rope_cat, nrq.rope_cat_reference, *args)
-    tol = NORM_TOL[args[0].dtype] if layer_norm else None
-    assert_same(nrq.rope_cat_triton(*args), want, exact=not layer_norm, rtol=tol, atol=tol, what="triton")
+    tol = NORM_TOL[args[0].dtype] if normed else None
+    assert_same(nrq.rope_cat_triton(*args), want, exact=not normed, rtol=tol, atol=tol, what="triton")
 
 
 @st.composite
@@ -104,7 +118,7 @@ def test_rmsnorm_rope_kernel_is_the_reference(args):
     assert_same(got_roped, roped, what="triton roped")
 
 
-MEMBERS = {"complex_rope": complex_rope_args(), "rope_cat": rope_cat_args(layer_norm=False),
+MEMBERS = {"complex_rope": complex_rope_args(), "rope_cat": rope_cat_args(layer_norm=False, rms_norm=False),
            "rmsnorm_rope": rmsnorm_rope_args()}
 
 

@@ -9,6 +9,7 @@ bf16 runs under the interpreter too: the kernel rounds by hand there (the interp
 import pytest
 import torch
 from dsfuse.kernels.norm_rope_quant import (
+    RMS_NORMS,
     complex_rope_reference,
     layer_norm_reference,
     rmsnorm_rope,
@@ -231,9 +232,10 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         return {"ROWS": 8, "BLOCK_N": 512, "BLOCK_H": 32, "INTERLEAVED": interleaved, "WEIGHT_FP32": False,
                 "HAS_ROPE": True, "COMPLEX": False, "REAL_MUL": 0, "IMAG_MUL": 0, "MANUAL_BF16_RNE": False}
 
-    def cat(interleaved, layer_norm=False):
-        return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "LAYER_NORM": layer_norm,
-                "MANUAL_BF16_RNE": False}
+    def cat(interleaved, layer_norm=False, v4=False):
+        norm_kind = 1 + RMS_NORMS.index("unweighted_scale_cast") if v4 else int(layer_norm)
+        return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "NORM": norm_kind,
+                "FP32_PAIRS": v4, "MANUAL_BF16_RNE": False}
 
     q_a_norm = {**norm(True), "ROWS": 2, "BLOCK_N": 2048, "HAS_ROPE": False}
 
@@ -243,6 +245,7 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         ["cat_interleaved", [["_rope_cat_block", cat(True)]], COMPILE_OPTIONS],
         ["cat_half_split", [["_rope_cat_block", cat(False)]], COMPILE_OPTIONS],
         ["cat_layer_norm_half_split", [["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
+        ["cat_v4_rms_norm_pairs", [["_rope_cat_block", cat(True, v4=True)]], COMPILE_OPTIONS],
         ["layer_group", [["_rmsnorm_rope_block", norm(True)], ["_rmsnorm_rope_block", q_a_norm],
                          ["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
         ["fusion_on", [["_rmsnorm_rope_block", norm(True)]], {"enable_fp_fusion": True}],
@@ -931,3 +934,133 @@ def test_complex_rope_reference_on_rows_of_odd_stride():
     rotated = complex_rope_reference(x[..., :2], freqs, True)
     want = torch.view_as_real(torch.view_as_complex(x[..., :2].contiguous()) * freqs[..., 0])
     assert torch.equal(rotated, want)
+
+
+# --------------------------------------------------------------------------------------------
+# DeepSeek V4: an RMSNorm of the whole row, then the fp32 pair RoPE of its trailing slice, in one `rope_cat`
+# --------------------------------------------------------------------------------------------
+def _v4_states(dtype, heads=3, seq=5, batch=2, dim=32, c_rope=8, seed=7):
+    """HF V4's query (`q_b_proj`'s output viewed per head, transposed: strided [B, H, S, D]) on a 1/8 grid (exact
+    sums of squares), its K=V head (`kv_proj`'s [B, S, D]), fp32 norm weights, and V4's half-width cos/sin
+    [B, S, C_rope/2] in x's dtype."""
+    g = torch.Generator().manual_seed(seed)
+    q = ((torch.randn(batch, seq, heads, dim, generator=g) * 16).round() / 8).to(dtype).transpose(1, 2)
+    kv = ((torch.randn(batch, seq, dim, generator=g) * 16).round() / 8).to(dtype)
+    weight = 1 + 0.3 * torch.randn(dim, generator=g)
+    angles = torch.randn(batch, seq, c_rope // 2, generator=g) * 3
+    return *(t.to(DEVICE) for t in (q, kv, weight, angles.cos().to(dtype), angles.sin().to(dtype))),
+
+
+def _hf_v4_norm(weight, eps=1e-6):
+    from types import SimpleNamespace
+
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+    return lambda x: DeepseekV4RMSNorm.forward(SimpleNamespace(weight=weight, variance_epsilon=eps), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_v4_query_and_kv_head_match_hf_bit_for_bit(dtype):
+    """`q_b_norm` (unweighted, rsqrt rounded to x's dtype) + `apply_rotary_pos_emb` on the strided per-head query,
+    `kv_norm` (fp32 weight) + the same RoPE on the K=V head, and the RoPE alone (the indexer's query): reference
+    and kernel (interpreter on CPU) equal HF's eager functions bit for bit."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4UnweightedRMSNorm,
+        apply_rotary_pos_emb as v4_rope,
+    )
+
+    q, kv, weight, cos, sin = _v4_states(dtype)
+    b, h, s, d = q.shape
+    r = 2 * cos.shape[-1]
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, r // 2) for t in (cos, sin))
+    kv4 = kv.view(b, s, 1, d).transpose(1, 2)
+    cases = {
+        "q_b": (v4_rope(DeepseekV4UnweightedRMSNorm(1e-6)(q), cos, sin), (q, cos4, sin4), (4, None, 1e-6)),
+        "kv": (v4_rope(_hf_v4_norm(weight)(kv).view(b, s, 1, d).transpose(1, 2), cos, sin),
+               (kv4, cos.unsqueeze(1), sin.unsqueeze(1)), (1, weight, 1e-6)),
+        "indexer_q": (v4_rope(q, cos, sin), (q, cos4, sin4), (0, None, 0.0)),
+    }
+    for name, (want, (x, c, s_), rms) in cases.items():
+        args = (x, c, s_, d - r, True, None, None, 0.0, *rms, True)
+        for fn in (rope_cat_reference, rope_cat_triton):
+            got = fn(*args)
+            assert torch.equal(got, want), (name, fn.__name__, (got.float() - want.float()).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms_norm", [1, 2, 3, 4], ids=lambda i: RMS_NORMS[i])
+def test_rope_cat_rms_norm_roundings_are_the_sources(dtype, rms_norm):
+    """Each RMSNorm rounding of the reference is its source's expression; the kernel equals the reference."""
+    q, _, weight, cos, sin = _v4_states(dtype)
+    xf = q.float()
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+    w = weight if rms_norm == 1 else weight.to(dtype)
+    source = {1: lambda: (w * (xf * r)).to(dtype), 2: lambda: w * (xf * r).to(dtype),
+              3: lambda: (xf * r).to(dtype), 4: lambda: q * r.to(dtype)}[rms_norm]()
+    weighted = w if rms_norm in (1, 2) else None
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 4) for t in (cos, sin))
+    args = (q, cos4, sin4, 0, True, None, None, 0.0, rms_norm, weighted, 1e-6, True)
+    want = rope_cat_reference(*args)
+    _assert_equal(want[..., 8:], source[..., 8:])
+    _assert_equal(rope_cat_triton(*args), want)
+
+
+def test_pair_rope_is_neither_hf_v3_form():
+    """V4's in-place pairs in fp32 are another function than V3's interleaved (evens then odds, rounded per op)."""
+    q, _, _, cos, sin = _v4_states(torch.bfloat16)
+    b, h, s, d = q.shape
+    half = (t.unsqueeze(1).expand(b, h, s, 4) for t in (cos, sin))
+    pairs = rope_cat_reference(q, *half, 24, True, fp32_pairs=True)
+    full = [torch.cat([t, t], -1).unsqueeze(1).expand(b, h, s, 8) for t in (cos, sin)]
+    for interleaved in (True, False):
+        assert not torch.equal(pairs, rope_cat_reference(q, *full, 24, interleaved))
+
+
+def test_rope_cat_rms_norm_opcheck_and_bad_input():
+    q, kv, weight, cos, sin = _v4_states(torch.bfloat16)
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 4).contiguous() for t in (cos, sin))
+    torch.library.opcheck(rope_cat, (q, cos4, sin4, 24, True, None, None, 0.0, 4, None, 1e-6, True))
+    torch.library.opcheck(rope_cat, (q, cos4, sin4, 24, True, None, None, 0.0, 1, weight, 1e-6, True))
+    bad = {
+        "needs weight": dict(rms_norm=1),
+        "takes no weight": dict(rms_norm=4, rms_weight=weight),
+        "not an index": dict(rms_norm=5),
+        "without an RMSNorm": dict(rms_weight=weight),
+        "LayerNorm and an RMSNorm": dict(ln_weight=weight.to(q.dtype), ln_bias=weight.to(q.dtype), rms_norm=4),
+        "in x's dtype": dict(rms_norm=2, rms_weight=weight),
+        "must be \\[32\\]": dict(rms_norm=1, rms_weight=weight[:8]),
+    }
+    for message, kwargs in bad.items():
+        with pytest.raises((ValueError, TypeError), match=message):
+            rope_cat(q, cos4, sin4, 24, True, fp32_pairs=True, **kwargs)
+    with pytest.raises(ValueError, match="rope_cat"):
+        rope_cat(q, cos4, sin4, 25, True, fp32_pairs=True)  # pair columns past the end
+    with pytest.raises(ValueError, match="rope_cat"):
+        rope_cat(q, torch.cat([cos4, cos4], -1), sin4, 24, True, fp32_pairs=True)  # a full-width table
+
+
+@pytest.mark.gpu
+def test_gpu_v4_query_and_kv_head_equal_eager_cuda():
+    """V4-Flash's layer dims (64 heads of 512, rope 64, 1024 tokens): the compiled kernel's q_b_norm + RoPE and
+    kv_norm + RoPE against HF's eager CUDA functions. The RoPE must be bit for bit (fp32 products and sums, no FMA);
+    the norms may differ from eager's reduction order and rsqrt only (within one bf16 ulp)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4UnweightedRMSNorm,
+        apply_rotary_pos_emb as v4_rope,
+    )
+
+    q, kv, weight, cos, sin = _v4_states(torch.bfloat16, heads=64, seq=1024, batch=1, dim=512, c_rope=64)
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 32) for t in (cos, sin))
+    got_q = rope_cat_triton(q, cos4, sin4, d - 64, True, None, None, 0.0, 4, None, 1e-6, True)
+    want_q = v4_rope(DeepseekV4UnweightedRMSNorm(1e-6)(q), cos, sin)
+    kv4 = kv.view(b, s, 1, d).transpose(1, 2)
+    got_kv = rope_cat_triton(kv4, cos.unsqueeze(1), sin.unsqueeze(1), d - 64, True, None, None, 0.0, 1, weight, 1e-6,
+                             True)
+    want_kv = v4_rope(_hf_v4_norm(weight)(kv).view(b, s, 1, d).transpose(1, 2), cos, sin)
+    for got, want in ((got_q, want_q), (got_kv, want_kv)):
+        torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3)
+    roped = rope_cat_triton(q, cos4, sin4, d - 64, True, None, None, 0.0, 0, None, 0.0, True)  # the indexer query
+    _assert_equal(roped, v4_rope(q, cos, sin))
