@@ -36,31 +36,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
 from dsfuse.kernels import hyper_connections as hck  # noqa: E402
 
 HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
-# Launch overrides of the two collapse kernels (`default_collapse_launch` fills the rest): the partials kernel's
-# (block_t, block_d, num_warps), each compiled once; its K splits (a runtime argument: no compile); the mixing
-# kernel's (mix_block_t, mix_block_d, mix_warps).
-_PARTIALS = ("block_t", "block_d", "num_warps")
-_MIXING = ("mix_block_t", "mix_block_d", "mix_warps")
-COLLAPSE_SWEEP = ([{}] + [dict(zip(_PARTIALS, p)) for p in ((128, 32, 8), (32, 32, 4), (64, 64, 8), (64, 32, 4),
-                                                              (128, 64, 8), (64, 16, 4))]
-                  + [dict(splits=s) for s in (4, 16, 32)]
-                  + [dict(zip(_MIXING, m)) for m in ((16, 256, 4), (8, 512, 8), (8, 128, 4))])
-# The exit alone already streams at ~3.9 TB/s on the H200 (8 x 256, 4 warps): a small sweep around it.
-EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (8, 16) for d in (256, 512) for w in (4, 8)]
-FUSED_SWEEP = ([{}] + [dict(zip(_PARTIALS, p)) for p in ((32, 16, 4), (64, 32, 8), (128, 16, 8), (32, 32, 8),
-                                                           (64, 16, 4))]
-               + [dict(splits=s) for s in (4, 16)]
-               + [dict(zip(_MIXING, m)) for m in ((16, 256, 8), (8, 128, 4), (4, 256, 4))])
-
-
-def launch_bytes(T, hc, hidden, dtype):
-    """The bytes the launches move as designed (the split-K collapse reads the streams twice: once for the
-    partials, once for the collapse; the fused head computes its streams twice from the residual and the output),
-    beside `bytes_moved`'s floor of one read."""
-    size = torch.finfo(dtype).bits // 8
-    streams, row = T * hc * hidden * size, T * hidden * size
-    return {"hc_collapse": 2 * streams + row, "hc_head": 2 * streams + row, "hc_expand_mix": 2 * streams + row,
-            "hc_exit_collapse": 3 * streams + 2 * row, "hc_exit_head": 2 * streams + 3 * row}
+COLLAPSE_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32, 64) for d in (64, 128) for w in (4, 8)]
+EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (4, 8, 16) for d in (128, 256, 512) for w in (4, 8)]
+FUSED_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32) for d in (32, 64) for w in (4, 8)]
 
 
 def timer(device):
@@ -149,12 +127,11 @@ def main():
     out = torch.randn(1, T, D, generator=gen, device=device).to(dtype)
     eps = dict(norm_eps=conn.input_norm.eps, hc_eps=conn.hc_eps)
     nbytes = hck.bytes_moved(T, n, D, dtype)
-    designed = launch_bytes(T, n, D, dtype)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name()
               if device == "cuda" else "cpu (Triton interpreter)", "torch": torch.__version__,
               "triton": __import__("triton").__version__, "shape": dict(T=T, hidden=D, hc_mult=n, iters=iters,
                                                                           dtype=args.dtype),
-              "bytes": nbytes, "launch_bytes": designed, "copy_gbps": copy_gbps(device, bench), "ops": {}}
+              "bytes": nbytes, "copy_gbps": copy_gbps(device, bench), "ops": {}}
 
     with torch.no_grad():
         post, comb, collapsed = conn(x)
@@ -184,14 +161,7 @@ def main():
         sweeps = {"hc_collapse": COLLAPSE_SWEEP, "hc_head": COLLAPSE_SWEEP, "hc_expand_mix": EXIT_SWEEP,
                   "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
         if args.tiny:
-            sweeps = {k: [dict(block_d=16)] if k == "hc_expand_mix" else [dict(block_d=16, mix_block_d=16)]
-                      for k in sweeps}
-
-        def resolved(op, kw):
-            """The whole launch a sweep entry stands for (the collapse kernels' defaults filled in)."""
-            if op == "hc_expand_mix":
-                return kw
-            return {**hck.default_collapse_launch(D, fused_exit=op.startswith("hc_exit")), **kw}
+            sweeps = {k: [dict(block_d=16)] for k in sweeps}
 
         def dsfuse_launch(op, kw):
             if op == "hc_collapse":
@@ -217,10 +187,9 @@ def main():
                 produced = names(fn(*fn_args[op]))
                 row["inductor_vs_eager"] = [agreement(g, w) for g, w in zip(produced, want)]
                 row["inductor_ms"] = bench(lambda: fn(*fn_args[op]))
-            ms, kw, sweep = best(bench, [(resolved(op, kw), dsfuse_launch(op, kw)) for kw in sweeps[op]])
+            ms, kw, sweep = best(bench, [(kw, dsfuse_launch(op, kw)) for kw in sweeps[op]])
             row.update(dsfuse_ms=ms, dsfuse_launch=kw, sweep=sweep, dsfuse_gbps=nbytes[op] / (ms * 1e-3) / 1e9)
             row["fraction_of_hbm"] = row["dsfuse_gbps"] / HBM_GB_PER_S
-            row["dsfuse_launch_gbps"] = designed[op] / (ms * 1e-3) / 1e9
             if result["copy_gbps"]:
                 row["fraction_of_copy"] = row["dsfuse_gbps"] / result["copy_gbps"]
             for base in ("eager", "inductor"):

@@ -23,26 +23,21 @@ every op rounded to the streams' dtype as torch rounds it (the product, the matm
 over n, the add).
 
 `torch.ops.dsfuse.hc_exit_collapse(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, iters) ->
-(streams, collapsed, post, comb)`: an exit and the next hyper-connection; the partials kernel computes each chunk
-of the new streams, stores it and reduces it from registers (the residual read once, the streams not read back
-for the projection). `torch.ops.dsfuse.hc_exit_head(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
--> collapsed`: the last exit and the head, the streams never written (nothing else reads them): the mixing
-kernel computes them again from the residual.
+(streams, collapsed, post, comb)`: an exit and the next hyper-connection in one launch; pass 1 computes each
+chunk of the new streams, stores it and reduces it for the projection from registers (one read of the residual
+instead of a write and a read back). `torch.ops.dsfuse.hc_exit_head(out, residual, post, comb, fn, base, scale,
+norm_eps, hc_eps) -> collapsed`: the last exit and the head, the streams never written (nothing else reads them):
+pass 2 computes them again from the residual.
 
-Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size). Two
-launches, neither walks a whole row serially:
-- `_hc_partials_kernel`, grid (row blocks, K splits): each program takes BLOCK_T tokens and one D range of every
-  stream, and writes the partial sum of squares and the partial projection (a tensor-core dot of the raw streams
-  with fn's columns, `tf32x3`: fp32-accurate; bf16 streams are exact in tf32) to an fp32 scratch [splits, T, NP]
-  (the projection in columns < M, the sum of squares in column M). fn is read once per row block and split.
-- `_hc_mix_kernel`, grid (row blocks, D tiles): each program sums its rows' partials over the splits in split
-  order (every tile alike: the tiles agree bit for bit), scales the projection by the token's rsqrt afterwards
-  (HF scales before the dot: the same value up to the rounding of one product), then the mixing: pre in every
-  tile, post and comb (softmax and every Sinkhorn step in registers with IEEE divisions, `tl.div_rn`, HF's order
-  and eps) stored by the first tile only; then its tile of collapsed = sum_j pre_j x_j.
-Each logit piece is loaded straight from the scratch in the layout its step needs (no barrier). The streams are
-read twice (partials, collapse): keeping them on chip in between would need BLOCK_T x n x D x 2 bytes per program
-(32 KiB a token at n = 4, D = 4096, bf16). `hc_expand_mix` is one pass over the residual and the block output.
+Kernel design (bandwidth: a hyper-connection moves T x n x D stream elements and nothing else of size):
+`hc_collapse` gives each program BLOCK_T tokens. Pass 1 walks D in chunks, and per chunk every stream j:
+the sum of squares, and the projection as a tensor-core dot of the raw streams with fn's columns (`tf32x3`:
+fp32-accurate; bf16 streams are exact in tf32), scaled by the token's rsqrt afterwards (HF scales before the
+dot: the same value up to the rounding of one product). The mixing logits go through a [T, 32] fp32 scratch
+(stored, barrier, read back in the [n, n] layout Sinkhorn needs); softmax and every Sinkhorn step run in
+registers with IEEE divisions (`tl.div_rn`), HF's order and eps. Pass 2 collapses the streams, walking D
+backwards so the chunks pass 1 read last are read first, while they are still in L2. `hc_expand_mix` is one
+pass over the residual and the block output.
 """
 
 from __future__ import annotations
@@ -178,125 +173,107 @@ def _sigmoid(z):
 
 
 @triton.jit
-def _split_sum(ptrs, mask, splits, split_stride):
-    """The partials at ptrs summed over the K splits in split order (every program sums them alike)."""
-    total = tl.load(ptrs, mask=mask, other=0.0)
-    for s in range(1, splits):
-        total += tl.load(ptrs + s * split_stride, mask=mask, other=0.0)
-    return total
-
-
-@triton.jit(do_not_specialize=["T", "d_split"])
-def _hc_partials_kernel(
-    x_ptr, fn_ptr, part_ptr, out_ptr, res_ptr, post_in_ptr, comb_in_ptr, T, D, d_split,
-    N: tl.constexpr, NN: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, EXIT: tl.constexpr, STORE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+def _hc_collapse_kernel(
+    x_ptr, fn_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
+    out_ptr, res_ptr, post_in_ptr, comb_in_ptr,
+    T, D, width, norm_eps, hc_eps, iters,
+    N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
+    STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    MANUAL_BF16_RNE: tl.constexpr,
 ):
-    """Split s of a row block, over the D range [s d_split, (s + 1) d_split) of every stream: the partial projection
-    (columns < M) and sum of squares (column M) -> part[s, rows, :]. With EXIT the streams of each chunk are first
-    computed by the previous block's exit (`_exit_stream`, stored with STORE) and reduced from registers."""
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    """With EXIT, the streams x are first computed by the previous block's exit (`_exit_chunk`) in pass 1 and
+    reduced from registers: the exit and this collapse in one pass over the residual. STORE writes them to x
+    (pass 2 reads them back); without it pass 2 computes them again from the residual (the head's streams, which
+    nothing else reads)."""
+    pid = tl.program_id(0)
+    rows = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
-    split = tl.program_id(1)
     K = N * D
+    M: tl.constexpr = N if HEAD else (2 + N) * N
     cols = tl.arange(0, NP)
     col_ok = cols < M
     x_rows = x_ptr + rows[:, None] * K
+
+    # Pass 1: sum of squares and the projection, D-chunk by D-chunk, every stream of a chunk together.
     acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    d_lo = split * d_split
-    d_hi = tl.minimum(d_lo + d_split, D)
-    for d0 in range(d_lo, d_hi, BLOCK_D):
+    for d0 in range(0, D, BLOCK_D):
         dd = d0 + tl.arange(0, BLOCK_D)
-        d_ok = dd < d_hi
-        ok = row_ok[:, None] & d_ok[None, :]
+        d_ok = dd < D
         if EXIT:
-            o = tl.load(out_ptr + rows[:, None] * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-        for j in tl.static_range(N):
-            if EXIT:
-                xj = _exit_stream(o, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, ok, D, j, N, STORE,
-                                  MANUAL_BF16_RNE)
-            else:
-                xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-            sumsq += tl.sum(xj * xj, axis=1)
-            w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc = tl.dot(xj, w, acc, input_precision=PRECISION)
-    acc = tl.where(cols[None, :] == M, sumsq[:, None], acc)
-    tl.store(part_ptr + (split.to(tl.int64) * T + rows)[:, None] * NP + cols[None, :], acc, mask=row_ok[:, None])
-
-
-@triton.jit(do_not_specialize=["T", "splits"])
-def _hc_mix_kernel(
-    x_ptr, part_ptr, base_ptr, scale_ptr, collapsed_ptr, post_ptr, comb_ptr, out_ptr, res_ptr, post_in_ptr,
-    comb_in_ptr, T, D, splits, width, norm_eps, hc_eps, iters,
-    N: tl.constexpr, NN: tl.constexpr, M: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
-    STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
-):
-    """A row block's mixing weights from the partials of `_hc_partials_kernel` (post and comb stored by the first D
-    tile, pre computed by every tile) and its collapsed D tile. With EXIT and without STORE the streams are computed
-    again from the exit's inputs (the head's streams, which nothing else reads)."""
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    row_ok = rows < T
-    p_rows = part_ptr + rows * NP
-    split_stride = T.to(tl.int64) * NP
-    # The rows' whole partials in one [BLOCK_T, NP] load per split; columns picked from registers (adding zeros).
-    cols = tl.arange(0, NP)
-    part = _split_sum(p_rows[:, None] + cols[None, :], row_ok[:, None], splits, split_stride)
-    sumsq = tl.sum(tl.where(cols[None, :] == M, part, 0.0), axis=1)
+            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
+                              BLOCK_T, BLOCK_D, STORE, MANUAL_BF16_RNE)
+            flat = tl.reshape(new, [BLOCK_T, NN * BLOCK_D])
+            sumsq += tl.sum(flat * flat, axis=1)
+            r = tl.arange(0, NN * BLOCK_D)
+            r_stream = r // BLOCK_D
+            r_col = d0 + r % BLOCK_D
+            w = tl.load(fn_ptr + cols[None, :] * K + r_stream[:, None] * D + r_col[:, None],
+                        mask=(r_stream < N)[:, None] & (r_col < D)[:, None] & col_ok[None, :], other=0.0)
+            acc = tl.dot(flat, w.to(tl.float32), acc, input_precision=PRECISION)
+        else:
+            for j in tl.static_range(N):
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)
+                sumsq += tl.sum(xj * xj, axis=1)
+                w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc = tl.dot(xj, w, acc, input_precision=PRECISION)
     rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
-    k = tl.arange(0, NN)
-    k_ok = k < N
+    logits = acc * rstd[:, None]
+    # Through a scratch row per token: the pieces are read back in the layouts the mixing needs.
+    tl.store(logits_ptr + rows[:, None] * NP + cols[None, :], logits, mask=row_ok[:, None])
+    tl.debug_barrier()
+    l_rows = logits_ptr + rows * NP
 
     if not HEAD:
-        if tl.program_id(1) == 0:
-            # post = 2 * sigmoid(post_w * scale[1] + base[n:2n])
-            post_l = _split_sum(p_rows[:, None] + N + k[None, :], row_ok[:, None] & k_ok[None, :], splits,
-                                split_stride) * rstd[:, None]
-            post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
-            post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
-            tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
-            # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
-            i3 = k[None, :, None]
-            j3 = k[None, None, :]
-            ij_ok = (i3 < N) & (j3 < N)
-            comb_l = _split_sum(p_rows[:, None, None] + 2 * N + i3 * N + j3, row_ok[:, None, None] & ij_ok, splits,
-                                split_stride) * rstd[:, None, None]
-            comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
-            z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
-            z = tl.where(ij_ok, z, float("-inf"))
-            e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-            comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
-            comb = tl.where(ij_ok, comb + hc_eps, 0.0)
+        # post = 2 * sigmoid(post_w * scale[1] + base[n:2n])
+        k = tl.arange(0, NN)
+        k_ok = k < N
+        post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
+        post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
+        tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
+        # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
+        i3 = k[None, :, None]
+        j3 = k[None, None, :]
+        ij_ok = (i3 < N) & (j3 < N)
+        comb_l = tl.load(l_rows[:, None, None] + 2 * N + i3 * N + j3, mask=row_ok[:, None, None] & ij_ok, other=0.0)
+        comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
+        z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
+        z = tl.where(ij_ok, z, float("-inf"))
+        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+        comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
+        comb = tl.where(ij_ok, comb + hc_eps, 0.0)
+        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+        for _ in range(iters - 1):
+            comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
             comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
-            for _ in range(iters - 1):
-                comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
-                comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
-            tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb,
-                     mask=row_ok[:, None, None] & ij_ok)
+        tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb, mask=row_ok[:, None, None] & ij_ok)
 
-    # collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), pre = sigmoid(pre_w * scale[0] + base[:n])
+    # Pass 2: collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), D walked backwards.
     pre_scale = tl.load(scale_ptr).to(tl.float32)
-    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = dd < D
-    ok = row_ok[:, None] & d_ok[None, :]
-    if EXIT and not STORE:
-        new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, d_ok, D, N, NN,
-                          BLOCK_T, BLOCK_D, False, MANUAL_BF16_RNE)
-        pre_l = _split_sum(p_rows[:, None] + k[None, :], row_ok[:, None] & k_ok[None, :], splits, split_stride)
-        pre = _sigmoid(pre_l * rstd[:, None] * pre_scale
-                       + tl.load(base_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]) + hc_eps
-        total = tl.sum(tl.where(k_ok[None, :], pre, 0.0)[:, :, None] * new, axis=1)
-    else:
-        x_rows = x_ptr + rows[:, None] * (N * D)
-        total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(N):
-            pre_j = _sigmoid(tl.sum(tl.where(cols[None, :] == j, part, 0.0), axis=1) * rstd * pre_scale
-                             + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
-            xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-            total += pre_j[:, None] * xj
-    value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
-    tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
+    n_chunks = tl.cdiv(D, BLOCK_D)
+    for c in range(n_chunks):
+        dd = (n_chunks - 1 - c) * BLOCK_D + tl.arange(0, BLOCK_D)
+        ok = row_ok[:, None] & (dd < D)[None, :]
+        if EXIT and not STORE:
+            new = _exit_chunk(out_ptr, res_ptr, post_in_ptr, comb_in_ptr, x_ptr, rows, row_ok, dd, dd < D, D, N, NN,
+                              BLOCK_T, BLOCK_D, False, MANUAL_BF16_RNE)
+            k = tl.arange(0, NN)
+            k_ok = k < N
+            pre = _sigmoid(tl.load(l_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                           * pre_scale + tl.load(base_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]) + hc_eps
+            total = tl.sum(tl.where(k_ok[None, :], pre, 0.0)[:, :, None] * new, axis=1)
+        else:
+            total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(N):
+                pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
+                                 + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
+                xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+                total += pre_j[:, None] * xj
+        value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
+        tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -327,26 +304,6 @@ def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd,
 
 
 @triton.jit
-def _exit_stream(o, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd, ok, D, k, N: tl.constexpr,
-                 STORE: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
-    """New stream k [BLOCK_T, BLOCK_D] of one D chunk in fp32 from the block output's chunk o, rounded as
-    `_exit_chunk` rounds it (stored with STORE); one stream at a time keeps the partials kernel's registers few (the
-    residual's chunk is read again from L1 for every k)."""
-    dtype = new_ptr.dtype.element_ty
-    p = _round_to(tl.load(post_ptr + rows * N + k, mask=row_ok, other=0.0).to(tl.float32), dtype, MANUAL_BF16_RNE)
-    expanded = _round_to(p[:, None] * o, dtype, MANUAL_BF16_RNE)
-    mixed = tl.zeros(o.shape, dtype=tl.float32)
-    for j in tl.static_range(N):
-        rj = tl.load(res_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
-        cj = tl.load(comb_ptr + rows * (N * N) + j * N + k, mask=row_ok, other=0.0)
-        mixed += _round_to(cj.to(tl.float32), dtype, MANUAL_BF16_RNE)[:, None] * rj
-    new = _round_to(expanded + _round_to(mixed, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
-    if STORE:
-        tl.store(new_ptr + rows[:, None] * (N * D) + k * D + dd[None, :], new.to(dtype), mask=ok)
-    return new
-
-
-@triton.jit
 def _hc_expand_mix_kernel(
     out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, T, D,
     N: tl.constexpr, NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
@@ -360,34 +317,27 @@ def _hc_expand_mix_kernel(
 # --------------------------------------------------------------------------------------------
 # Launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); no host sync
 # --------------------------------------------------------------------------------------------
-def default_collapse_launch(hidden: int, fused_exit: bool = False) -> dict:
-    """Launch of the collapse kernels from static shapes (the GPU benchmark sweeps them): the partials kernel's
-    tokens per program (16 or more: a tensor-core dot), D chunk, K splits and warps; the mixing kernel's tokens,
-    D tile and warps. With `fused_exit` the partials kernel computes the exit's streams too: a narrower D chunk
-    keeps its registers from spilling (sm_90: 64 x 16 x 8 warps 233 registers, 64 x 32 spills)."""
-    block_d = max(16, min(16 if fused_exit else 32, triton.next_power_of_2(hidden)))
-    return dict(block_t=64, block_d=block_d, splits=max(1, min(8, triton.cdiv(hidden, block_d))), num_warps=8,
-                mix_block_t=8, mix_block_d=max(16, min(256, triton.next_power_of_2(hidden))), mix_warps=4)
+def default_collapse_launch(hidden: int) -> dict:
+    """Tokens per program, D chunk and warps of `hc_collapse` (the GPU benchmark sweeps them); a tensor-core dot
+    needs 16 or more rows and columns."""
+    return dict(block_t=16, block_d=max(16, min(128, triton.next_power_of_2(hidden))), num_warps=4)
 
 
-def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, exit_inputs=None, **launch):
+def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,
+                     num_warps=None, exit_inputs=None):
     """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
     the streams collapsed are the exit's, written to `streams` (not for the head: streams is None, as without
-    `exit_inputs`). Two launches: the split-K partials of the projection and the sum of squares, then the mixing
-    and the collapse by D tiles."""
+    `exit_inputs`)."""
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
-    cfg = default_collapse_launch(x.shape[-1], fused_exit=exit_inputs is not None)
-    unknown = set(launch) - set(cfg)
-    if unknown:
-        raise ValueError(f"{op}: unknown launch parameters {sorted(unknown)}, expected some of {sorted(cfg)}")
-    cfg.update({key: value for key, value in launch.items() if value is not None})
     hc, hidden = x.shape[-2], x.shape[-1]
     lead = tuple(x.shape[:-2])
     source = x.contiguous().view(-1, hc, hidden)
     T = source.shape[0]
-    mixes = hc if head else mixes_count(hc)
-    n_pad = max(16, triton.next_power_of_2(mixes + 1))  # the projection's columns, then the sum of squares
+    defaults = default_collapse_launch(hidden)
+    block_t = block_t or defaults["block_t"]
+    block_d = block_d or (max(16, min(64, triton.next_power_of_2(hidden))) if exit_inputs else defaults["block_d"])
+    n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
@@ -401,43 +351,37 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
     else:
         streams, exit_args = source, (source, source, post, comb)
     if T:
-        block_d = cfg["block_d"]
-        d_split = triton.cdiv(triton.cdiv(hidden, max(1, cfg["splits"])), block_d) * block_d
-        splits = triton.cdiv(hidden, d_split)
-        partials = torch.empty((splits, T, n_pad), dtype=torch.float32, device=x.device)
-        common = dict(N=hc, NN=triton.next_power_of_2(hc), M=mixes, NP=n_pad, EXIT=exit_inputs is not None,
-                      STORE=store, MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
-        _hc_partials_kernel[(triton.cdiv(T, cfg["block_t"]), splits)](
-            streams, fn.contiguous(), partials, *exit_args, T, hidden, d_split, BLOCK_T=cfg["block_t"],
-            BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION, num_warps=cfg["num_warps"], **common, **COMPILE_OPTIONS)
-        _hc_mix_kernel[(triton.cdiv(T, cfg["mix_block_t"]), triton.cdiv(hidden, cfg["mix_block_d"]))](
-            streams, partials, base.contiguous(), scale.contiguous(), collapsed, post, comb, *exit_args, T, hidden,
-            splits, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters), HEAD=bool(head),
-            BLOCK_T=cfg["mix_block_t"], BLOCK_D=cfg["mix_block_d"], num_warps=cfg["mix_warps"], **common,
-            **COMPILE_OPTIONS)
+        logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
+        _hc_collapse_kernel[(triton.cdiv(T, block_t),)](
+            streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
+            T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
+            STORE=store, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
+            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+            num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
     return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
             streams.view(lead + (hc, hidden)) if store else None)
 
 
 def hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
-    """`hc_collapse` (launch overrides: the keys of `default_collapse_launch`)."""
+    """One launch of `hc_collapse` (launch overrides: block_t, block_d, num_warps)."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, **launch)[:3]
 
 
 def hc_head_triton(x, fn, base, scale, norm_eps, hc_eps, **launch):
-    """`hc_head`."""
+    """One launch of `hc_head`."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, 1, True, **launch)[0]
 
 
 def hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
-    """`hc_exit_collapse`: (streams, collapsed, post, comb)."""
+    """One launch of `hc_exit_collapse`: (streams, collapsed, post, comb)."""
     collapsed, post_next, comb_next, streams = _collapse_launch(
         residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, exit_inputs=(out, post, comb), **launch)
     return streams, collapsed, post_next, comb_next
 
 
 def hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, **launch):
-    """`hc_exit_head`: collapsed (the streams are not written)."""
+    """One launch of `hc_exit_head`: collapsed (the streams are not written)."""
     return _collapse_launch(residual, fn, base, scale, norm_eps, hc_eps, 1, True, exit_inputs=(out, post, comb),
                             **launch)[0]
 

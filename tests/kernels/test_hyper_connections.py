@@ -84,7 +84,7 @@ def test_collapse_kernel_matches_reference(hc, iters, T, hidden, dtype):
     x = _streams(T, hc, hidden, dtype)
     fn, base, scale = _params(hc, hidden)
     want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16, mix_block_d=16)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16)
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
     _close(got[0], want[0])
@@ -98,7 +98,7 @@ def test_collapse_kernel_matches_reference(hc, iters, T, hidden, dtype):
 def test_head_kernel_matches_reference(hc, T, hidden, dtype):
     x = _streams(T, hc, hidden, dtype)
     fn, base, scale = _params(hc, hidden, head=True)
-    _close(hc_head_triton(x, fn, base, scale, NORM_EPS, HC_EPS, block_d=16, mix_block_d=16),
+    _close(hc_head_triton(x, fn, base, scale, NORM_EPS, HC_EPS, block_d=16),
            hc_head_reference(x, fn, base, scale, NORM_EPS, HC_EPS))
 
 
@@ -125,8 +125,7 @@ def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidde
     fn, base, scale = _params(hc, hidden)
     _, post, comb = hc_collapse_reference(residual, *_params(hc, hidden, seed=4), NORM_EPS, HC_EPS, 4)
     want = hc_exit_collapse_reference(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    tiles = dict(block_d=16, mix_block_d=16)
-    got = hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters, **tiles)
+    got = hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16)
     if dtype != torch.float32:
         assert torch.equal(got[0], want[0])
     _close(got[0], want[0])
@@ -135,27 +134,7 @@ def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidde
     torch.testing.assert_close(got[3], want[3], rtol=1e-5, atol=1e-6)
     hfn, hbase, hscale = _params(hc, hidden, head=True)
     want = hc_exit_head_reference(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS)
-    _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, **tiles), want)
-
-
-def test_every_split_and_tile_gives_the_same_mixing():
-    """The mixing weights come from the K splits' partials, summed in split order by every D tile alike: the tiles of
-    a launch agree (the tile size changes no bit), and other splits only change the fp32 sums' last bits."""
-    hc, hidden, T, iters = 4, 64, 19, 5
-    x = _streams(T, hc, hidden, torch.float32)
-    fn, base, scale = _params(hc, hidden)
-    one_tile = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16, splits=4, mix_block_d=64)
-    tiles = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16, splits=4, mix_block_d=16)
-    for a, b in zip(one_tile, tiles):
-        assert torch.equal(a, b)
-    want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    for splits in (1, 3):
-        got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16, splits=splits,
-                                 mix_block_d=32)
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="unknown launch parameters"):
-        hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_k=16)
+    _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16), want)
 
 
 def test_leading_dims_empty_and_non_contiguous_inputs():
@@ -262,34 +241,25 @@ def ptx(kernel, consts, bf16_ptrs):
     options = {"num_warps": 4, **hck.COMPILE_OPTIONS}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
-pattern = r"\b(?:wgmma\.mma_async|mma|div|bar|fma)\.[a-z0-9.]*"
-def partials_ptx(head, exit, store, block_t, block_d, ptrs):
-    consts = dict(N=4, NN=4, M=4 if head else 24, NP=16 if head else 32, EXIT=exit, STORE=store, BLOCK_T=block_t,
-                  BLOCK_D=block_d, PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False)
-    return ptx(hck._hc_partials_kernel, consts, ptrs)
+pattern = r"\b(?:mma|div|bar|fma)\.[a-z0-9.]*"
+def collapse_ptx(head, exit, store, block_d, ptrs):
+    consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, EXIT=exit, STORE=store, BLOCK_T=16, BLOCK_D=block_d,
+                  PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False)
+    return ptx(hck._hc_collapse_kernel, consts, ptrs)
 
-def mix_ptx(head, exit, store, ptrs):
-    consts = dict(N=4, NN=4, M=4 if head else 24, NP=16 if head else 32, HEAD=head, EXIT=exit, STORE=store,
-                  BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False)
-    return ptx(hck._hc_mix_kernel, consts, ptrs)
-
-exit_ptrs = ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr")
-found = {
-    "partials": partials_ptx(False, False, False, 64, 32, ("x_ptr",)),
-    "partials_fused": partials_ptx(False, True, True, 64, 16, exit_ptrs),
-    "partials_fused_head": partials_ptx(True, True, False, 64, 16, exit_ptrs),
-    "mixing": mix_ptx(False, False, False, ("x_ptr", "collapsed_ptr")),
-    "mixing_fused_head": mix_ptx(True, True, False, exit_ptrs),
-    "mix": ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
-               ("out_ptr", "res_ptr", "new_ptr")),
-}
-print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in found.items()}))
+collapse = collapse_ptx(False, False, False, 128, ("x_ptr", "collapsed_ptr"))
+fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
+          ("out_ptr", "res_ptr", "new_ptr"))
+print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
+                  (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix))}))
 """
 
 
 def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
-    """Compiled offline for sm_90 (no GPU, interpreter off): the split-K projection runs on tf32 tensor cores,
-    every division of the mixing weights is IEEE, and the exit's roundings have no FMA."""
+    """Compiled offline for sm_90 (no GPU, interpreter off): the projection runs on tf32 tensor cores, every
+    division of the mixing weights is IEEE, the scratch is fenced by a barrier, and the exit has no FMA."""
     import json
     import os
     import subprocess
@@ -304,10 +274,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    for partials in (found["partials"], found["partials_fused"], found["partials_fused_head"]):
-        assert any(op.startswith(("mma.", "wgmma.")) and ".tf32" in op for op in partials), partials
-    for mixing in (found["mixing"], found["mixing_fused_head"]):
-        assert "div.rn.f32" in mixing and "div.full.f32" not in mixing, mixing
-    for fused in (found["partials_fused"], found["mixing_fused_head"], found["mix"]):
-        assert not [op for op in fused if op.startswith("fma")], fused
+    for collapse in (found["collapse"], found["fused"], found["fused_head"]):
+        assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
+        assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
     assert not [op for op in found["mix"] if op.startswith("fma")], found["mix"]
