@@ -40,9 +40,7 @@ def test_v4_tiny_counts_parity_batch_two_and_dynamic_lengths():
     ops, details = _ops(0)
     assert sorted(ops) == _expected_ops(2), str(rep)
     assert all("sinkhorn_iters=3" in d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse")
-    # Each exit shares its launch with the collapse of its streams: 3 with the next layer's, the last with the head.
-    assert sum(d.endswith("one launch: dsfuse.hc_exit_collapse") for d in details) == 6, details
-    assert sum(d.endswith("one launch: dsfuse.hc_exit_head") for d in details) == 2, details
+    assert not any("one launch" in d for d in details), details  # exits and collapses stay separate launches
     assert rep.counts["hyper_connections"] == 9 and not rep.near_misses, str(rep)
 
 
@@ -57,7 +55,7 @@ def test_default_twenty_sinkhorn_iterations():
     ops, details = _ops()
     assert sorted(ops) == _expected_ops(1), str(dsfuse.report())
     assert [d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse"] == [
-        "n=4 D=64 sinkhorn_iters=20", "n=4 D=64 sinkhorn_iters=20, one launch: dsfuse.hc_exit_collapse"]
+        "n=4 D=64 sinkhorn_iters=20", "n=4 D=64 sinkhorn_iters=20"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,7 +110,7 @@ def test_block_is_rewritten_and_equals_eager(dtype, hc_mult):
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     ops, details = _ops()
     assert sorted(ops) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix", "dsfuse.hc_head"], str(dsfuse.report())
-    assert sorted(details)[1:] == [f"n={hc_mult} D=32, one launch: dsfuse.hc_exit_head"] * 2, details
+    assert sorted(details)[1:] == [f"n={hc_mult} D=32"] * 2, details
 
 
 def test_disabled_pass_rewrites_nothing():
