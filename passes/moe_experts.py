@@ -6,12 +6,17 @@ over expert-sorted rows, or a `bmm` of per-slot gathered expert weights `W[ids]`
 
     slots      s = t*k + j of `ids [T,k]`, visited in `perm = sort(ids.flatten())` order (grouped, own model) or
                in place (HF batched_mm); rows `x[perm // k]` or `x.repeat_interleave(k)`
-    offsets    `cumsum(histc(sorted_ids, bins=E, min=0, max=E-1))` (grouped)
-    gate       `split(h, I)` -> `silu(gate) * up` in x's dtype (SiLU checked by evaluating the gate's ops), or
-               DeepSeek V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (both clamps evaluated around +-L: one L)
-    weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first)
-    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched) or
-               `zeros(T, H).index_add_(0, perm // k, out)` (own model)
+    offsets    `cumsum(counts)` of `histc(ids, bins=E, min=0, max=E-1)` or a one-hot sum `(ids[:, None] ==
+               arange(E)).sum(0)` (of the sorted or the flat ids: a count ignores order), or the group ends
+               `searchsorted(sorted_ids, arange(E), right=True)` (grouped)
+    gate       `split(h, I)` or slices `[:, :I]`, `[:, I:]` -> `silu(gate) * up` in x's dtype (SiLU checked by
+               evaluating the gate's ops), or DeepSeek V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (both
+               clamps evaluated around +-L: one L)
+    weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first); batched also
+               `out.view(T, k, H) * w.view(T, k, 1)`
+    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched),
+               `einsum('tkh,tk->th', out.view(T, k, H).float(), w)` (fp32 weights), or an accumulation into
+               `zeros(T, H)` at `perm // k`: `index_add_` (own model), `scatter_add_`, `scatter_reduce(sum)`
 
 Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; weights decoded in the graph from FP4
 (E2M1 nibbles + E8M0 per-32 scales) become `moe_experts_fp4` on the packed bytes. The decode is recognised by
@@ -21,6 +26,9 @@ on all 256 byte values and compared with the format (LUT gather, `exp2`, `ldexp`
 transformers' expert-parallel path (`_is_expert_parallel`) gives local ids with the sentinel `E` for other
 ranks' slots and masks those rows to 0 (grouped) or clamps the ids and zeroes their weights (batched); the fused
 ops skip every id outside `[0, E)`, so it maps to `local_expert_offset=0` on the local ids.
+
+Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows) are reported, not fused: the ops
+read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights.
 
 A bmm that does not gather expert weights, and the second GEMM of a block, are skipped silently; a first expert
 GEMM that cannot be rewritten is reported with the reason. transformers' eager experts loop never reaches a
