@@ -542,10 +542,11 @@ def _one_hot_counted(node, num_experts) -> torch.fx.Node | None:
     return column.args[0]
 
 
-def _counted_ids(offsets, num_experts) -> torch.fx.Node:
+def _counted_ids(offsets, num_experts) -> tuple[torch.fx.Node, bool]:
     """The expert ids whose per-expert counts, accumulated, are the group offsets: `cumsum(counts)` with `counts`
     a `histc(ids, bins=E, min=0, max=E-1)` or a one-hot sum, or the group ends `searchsorted(sorted_ids, arange(E),
-    right=True)` (slots with an expert at most e). Each counts only ids in `[0, E)`, as the fused ops route."""
+    right=True)` (slots with an expert at most e), and whether those ids must be the sorted ones (a search does, a
+    count does not). Each counts only ids in `[0, E)`, as the fused ops route."""
     while is_op(offsets, CONVERT) and dtype(offsets) in INDEX_DTYPES + (torch.float32,):
         offsets = offsets.args[0]
     if is_op(offsets, aten.searchsorted.Tensor):
@@ -553,7 +554,7 @@ def _counted_ids(offsets, num_experts) -> torch.fx.Node:
         right = offsets.kwargs.get("right", False) or offsets.kwargs.get("side") == "right"
         if offsets.kwargs.get("sorter") is None and (_iota_from(ends, 0, num_experts) if right
                                                      else _iota_from(ends, 1, num_experts)):
-            return located
+            return located, True
         raise NoMatch("the group offsets are searched for in the sorted ids, but not as the ends of groups 0..E-1")
     if not (is_op(offsets, aten.cumsum.default) and offsets.args[1] in (0, -1)):
         raise NoMatch("the group offsets are not a cumulative sum of per-expert counts")
@@ -565,17 +566,17 @@ def _counted_ids(offsets, num_experts) -> torch.fx.Node:
                       "ids (a torch.bincount of the ids breaks the graph: its output size depends on their values)")
     counted = _one_hot_counted(counts, num_experts)
     if counted is not None:
-        return counted
+        return counted, False
     if not is_op(counts, aten.histc.default):
         raise NoMatch("the per-expert counts are not a histogram of the sorted expert ids")
     params = dict(zip(("input", "bins", "min", "max"), counts.args))
     params.update(counts.kwargs)
     if (params.get("bins", 100), params.get("min", 0), params.get("max", 0)) != (num_experts, 0, num_experts - 1):
         raise NoMatch(f"the expert histogram is not bins={num_experts} over [0, {num_experts - 1}]")
-    return params["input"]
+    return params["input"], False
 
 
-def _expert_sort(counted) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+def _expert_sort(counted, must_be_sorted: bool) -> tuple[torch.fx.Node, torch.fx.Node | None]:
     """(the sort of the flattened ids, its sorted values or None) for the ids the offsets count: the sorted values
     themselves, or the flattened ids that are sorted (a count does not depend on the order)."""
     while is_op(counted, CONVERT):
@@ -583,6 +584,8 @@ def _expert_sort(counted) -> tuple[torch.fx.Node, torch.fx.Node | None]:
     if counted.target is operator.getitem and counted.args[1] == 0 and is_op(counted.args[0], *SORTS):
         return counted.args[0], counted
     sorts = [u for u in counted.users if is_op(u, *SORTS)]
+    if must_be_sorted:
+        raise NoMatch("the group ends are searched for in ids that are not the sorted expert ids")
     if len(sorts) != 1:
         raise NoMatch("the expert GEMM's groups do not come from sorting the flattened expert ids")
     values = [u for u in sorts[0].users if u.target is operator.getitem and u.args[1] == 0]
@@ -592,7 +595,7 @@ def _expert_sort(counted) -> tuple[torch.fx.Node, torch.fx.Node | None]:
 def _routing(g1: ExpertGemm, num_experts) -> dict:
     """Slot order and the expert ids: `order` is the sort permutation or None for slots in place."""
     if g1.kind == "grouped":
-        sort, sorted_ids = _expert_sort(_counted_ids(g1.route, num_experts))
+        sort, sorted_ids = _expert_sort(*_counted_ids(g1.route, num_experts))
     else:
         sorted_ids = g1.route
         clamped = _clamped_ids(sorted_ids, num_experts)
@@ -767,8 +770,11 @@ def _halves(out1: torch.fx.Node, inter) -> dict:
         if not (is_op(user, aten.slice.Tensor) and user.args[1] in (-1, 1)):
             break
         start = user.args[2] if len(user.args) > 2 else 0
-        end = min(user.args[3] if len(user.args) > 3 else width, width)
-        slices[(start, end)] = user
+        end = user.args[3] if len(user.args) > 3 else width
+        step = user.args[4] if len(user.args) > 4 else 1
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start and end >= 0 and step == 1):
+            break
+        slices[(start, min(end, width))] = user
     else:
         if set(slices) == {(0, inter), (inter, width)} and len(out1.users) == 2:
             return {0: slices[(0, inter)], 1: slices[(inter, width)]}
@@ -812,22 +818,25 @@ def _second_gemm(act: torch.fx.Node, g1: ExpertGemm) -> ExpertGemm:
                 if g2.route is not g1.route:
                     raise NoMatch("the two expert GEMMs are grouped by different routings")
                 return g2
-    if any(_expert_gemm(n) is not None for n in _pointwise_consumers(act) if n.target in _gemm_targets()):
+    if any(_feeds_expert_gemm(user) for user in act.users if is_op(user, aten.mul.Tensor)
+           and all(isinstance(a, torch.fx.Node) for a in user.args)):
         raise NoMatch("the SwiGLU activation is multiplied by another tensor before the down projection; the fused "
                       "ops apply the router weights to each expert's output, after it (another rounding)")
     raise NoMatch("the SwiGLU activation does not feed a second expert GEMM")
 
 
-def _pointwise_consumers(node: torch.fx.Node, depth: int = 6) -> list[torch.fx.Node]:
-    """The nodes reading `node` through pointwise and order-keeping layout ops (those ops included)."""
-    found, frontier = [], [(node, 0)]
+def _feeds_expert_gemm(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Whether `node` reaches the rows of an expert GEMM through casts and order-keeping layout ops."""
+    frontier = [(node, 0)]
     while frontier:
         n, d = frontier.pop()
         for user in n.users:
-            found.append(user)
-            if d < depth and user.op == "call_function" and (_is_pointwise(user) or user.target in ORDER_KEEPING_OPS):
+            if user.target in _gemm_targets() and _expert_gemm(user) is not None:
+                return True
+            if d < depth and user.op == "call_function" and (user.target is CONVERT
+                                                            or user.target in ORDER_KEEPING_OPS):
                 frontier.append((user, d + 1))
-    return found
+    return False
 
 
 def _rows_gemms(g1: ExpertGemm) -> list[torch.fx.Node]:
