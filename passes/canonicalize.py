@@ -11,7 +11,8 @@ compile to the same numbers with dsfuse on as with it off. So every rule is one 
   `clamp_min(x, 0)` as `relu`, `x * x` as `pow(x, 2)` (Inductor lowers both to one multiply), a division
   by a power of two as a multiplication by its exact reciprocal, one mask polarity for `where`,
   a double `~` on a bool mask, split/cat coalescing, `~` of an integer comparison as the negated
-  comparison, and `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`.
+  comparison, `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`, `select` of a size-1 dim as
+  `squeeze`, a `repeat` of size-1 dims as `expand` + `clone`, and `t[t.argsort()]` as the sort's own values.
 * inexact equivalences (`Rule.exact` false): the two forms agree up to rounding (`x / 3` vs `x * (1/3)`,
   a chain of constant scalings vs one collected scale, `sum / n` vs `mean`, a batch-1 `bmm` vs the
   unbatched `mm` Inductor turns it into, which may run another GEMM kernel). These never touch the
@@ -367,6 +368,54 @@ def _precedes(a: torch.fx.Node, b: torch.fx.Node) -> bool:
     return False
 
 
+def select_of_unit_dim_is_squeeze(node: torch.fx.Node) -> bool:
+    """`x.select(d, 0)` of a size-1 dim `d` -> `x.squeeze(d)` (`t[:, :, 0]` and `t.squeeze(-1)` read the same
+    elements)."""
+    x, dim, index = node.args[:3]
+    rank = len(shape(x))
+    if not rank or index not in (0, -1) or not same_size(shape(x)[dim % rank], 1):
+        return False
+    return _swap(node, aten.squeeze.dim, (x, dim % rank))
+
+
+def repeat_of_unit_dims_is_expand(node: torch.fx.Node) -> bool:
+    """`x.repeat(r)` that repeats only size-1 dims -> `x.expand(...).clone()`: the same elements in the same order
+    in a fresh contiguous tensor (`x.view(T, 1, H).repeat(1, k, 1)` is each row repeated k times, as `expand` says)."""
+    x, repeats = node.args[:2]
+    dims = shape(x)
+    if len(repeats) != len(dims) or not all(r == 1 or same_size(d, 1) for r, d in zip(repeats, dims)):
+        return False
+    expanded = _call(node, aten.expand.default, (x, list(shape(node))))
+    if expanded is None:
+        return False
+    if not _swap(node, aten.clone.default, (expanded,), {"memory_format": torch.contiguous_format}):
+        node.graph.erase_node(expanded)
+        return False
+    return True
+
+
+def gather_by_own_sort_is_sorted(node: torch.fx.Node) -> bool:
+    """`t[t.argsort()]` -> `t.sort().values` for a 1-D `t`: the elements the permutation gathers are the sorted
+    values, bit for bit (argsort is the permutation output of the same sort)."""
+    t, indices = node.args[:2]
+    if len(indices) != 1 or len(shape(t)) != 1:
+        return False
+    perm = indices[0]
+    if not (is_op(perm, operator.getitem) and perm.args[1] == 1):
+        return False
+    sort = perm.args[0]
+    if not is_op(sort, aten.sort.default, aten.sort.stable) or sort.args[0] is not t:
+        return False
+    values = next((u for u in sort.users if is_op(u, operator.getitem) and u.args[1] == 0), None)
+    if values is None:
+        with sort.graph.inserting_after(sort):
+            values = sort.graph.call_function(operator.getitem, (sort, 0))
+        values.meta["val"] = sort.meta["val"][0]
+    if not _precedes(values, node):
+        return False
+    return _replace(node, values)
+
+
 # ---------------------------------------------------------------------------
 # Inexact equivalences: recorded in node.meta, never rewritten
 # ---------------------------------------------------------------------------
@@ -479,6 +528,9 @@ RULES: tuple[Rule, ...] = (
     Rule("div_by_power_of_two", (aten.div.Tensor,), div_by_power_of_two),
     Rule("mask_fill_first", (aten.where.self,), mask_fill_first),
     Rule("double_not", (aten.bitwise_not.default, aten.logical_not.default), double_not),
+    Rule("select_of_unit_dim_is_squeeze", (aten.select.int,), select_of_unit_dim_is_squeeze),
+    Rule("repeat_of_unit_dims_is_expand", (aten.repeat.default,), repeat_of_unit_dims_is_expand),
+    Rule("gather_by_own_sort_is_sorted", (aten.index.Tensor,), gather_by_own_sort_is_sorted),
     Rule("collect_scale", (aten.mul.Tensor, aten.div.Tensor), collect_scale, exact=False),
     Rule("batch_one_mm_is_bmm", (aten.unsqueeze.default, *VIEW_OPS), batch_one_mm_is_bmm, exact=False),
     Rule("sum_over_count_is_mean", (aten.div.Tensor, aten.mul.Tensor), sum_over_count_is_mean, exact=False),

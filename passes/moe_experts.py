@@ -6,12 +6,17 @@ over expert-sorted rows, or a `bmm` of per-slot gathered expert weights `W[ids]`
 
     slots      s = t*k + j of `ids [T,k]`, visited in `perm = sort(ids.flatten())` order (grouped, own model) or
                in place (HF batched_mm); rows `x[perm // k]` or `x.repeat_interleave(k)`
-    offsets    `cumsum(histc(sorted_ids, bins=E, min=0, max=E-1))` (grouped)
-    gate       `split(h, I)` -> `silu(gate) * up` in x's dtype (SiLU checked by evaluating the gate's ops), or
-               DeepSeek V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (both clamps evaluated around +-L: one L)
-    weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first)
-    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched) or
-               `zeros(T, H).index_add_(0, perm // k, out)` (own model)
+    offsets    `cumsum(counts)` of `histc(ids, bins=E, min=0, max=E-1)` or a one-hot sum `(ids[:, None] ==
+               arange(E)).sum(0)` (of the sorted or the flat ids: a count ignores order), or the group ends
+               `searchsorted(sorted_ids, arange(E), right=True)` (grouped)
+    gate       `split(h, I)` or slices `[:, :I]`, `[:, I:]` -> `silu(gate) * up` in x's dtype (SiLU checked by
+               evaluating the gate's ops), or DeepSeek V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (both
+               clamps evaluated around +-L: one L)
+    weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first); batched also
+               `out.view(T, k, H) * w.view(T, k, 1)`
+    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched),
+               `einsum('tkh,tk->th', out.view(T, k, H).float(), w)` (fp32 weights), or an accumulation into
+               `zeros(T, H)` at `perm // k`: `index_add_` (own model), `scatter_add_`, `scatter_reduce(sum)`
 
 Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; weights decoded in the graph from FP4
 (E2M1 nibbles + E8M0 per-32 scales) become `moe_experts_fp4` on the packed bytes. The decode is recognised by
@@ -21,6 +26,9 @@ on all 256 byte values and compared with the format (LUT gather, `exp2`, `ldexp`
 transformers' expert-parallel path (`_is_expert_parallel`) gives local ids with the sentinel `E` for other
 ranks' slots and masks those rows to 0 (grouped) or clamps the ids and zeroes their weights (batched); the fused
 ops skip every id outside `[0, E)`, so it maps to `local_expert_offset=0` on the local ids.
+
+Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows) are reported, not fused: the ops
+read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights.
 
 A bmm that does not gather expert weights, and the second GEMM of a block, are skipped silently; a first expert
 GEMM that cannot be rewritten is reported with the reason. transformers' eager experts loop never reaches a
@@ -509,22 +517,85 @@ def _clamped_ids(node, num_experts) -> torch.fx.Node | None:
     return None
 
 
+def _iota_from(node, start: int, num_experts) -> bool:
+    """Whether `node` is `arange(start, start + E)`."""
+    return (is_op(node, torch.ops.prims.iota.default) and node.args[0] == num_experts
+            and node.kwargs.get("start", 0) == start and node.kwargs.get("step", 1) == 1)
+
+
+def _one_hot_counted(node, num_experts) -> torch.fx.Node | None:
+    """`ids` for `(ids[:, None] == arange(E)).sum(0)` (what `F.one_hot(ids, E).sum(0)` lowers to), else None."""
+    if not (is_op(node, aten.sum.dim_IntList) and [d % 2 for d in node.args[1]] == [0]
+            and not (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))):
+        return None
+    hits = node.args[0]
+    while is_op(hits, CONVERT):
+        hits = hits.args[0]
+    if not is_op(hits, aten.eq.Tensor):
+        return None
+    column, classes = hits.args
+    if not _iota_from(classes, 0, num_experts):
+        column, classes = classes, column
+    if not (_iota_from(classes, 0, num_experts) and is_op(column, aten.unsqueeze.default)
+            and column.args[1] in (-1, 1) and len(shape(column.args[0])) == 1):
+        return None
+    return column.args[0]
+
+
+def _counted_ids(offsets, num_experts) -> tuple[torch.fx.Node, bool]:
+    """The expert ids whose per-expert counts, accumulated, are the group offsets: `cumsum(counts)` with `counts`
+    a `histc(ids, bins=E, min=0, max=E-1)` or a one-hot sum, or the group ends `searchsorted(sorted_ids, arange(E),
+    right=True)` (slots with an expert at most e), and whether those ids must be the sorted ones (a search does, a
+    count does not). Each counts only ids in `[0, E)`, as the fused ops route."""
+    while is_op(offsets, CONVERT) and dtype(offsets) in INDEX_DTYPES + (torch.float32,):
+        offsets = offsets.args[0]
+    if is_op(offsets, aten.searchsorted.Tensor):
+        located, ends = offsets.args[:2]
+        right = offsets.kwargs.get("right", False) or offsets.kwargs.get("side") == "right"
+        if offsets.kwargs.get("sorter") is None and (_iota_from(ends, 0, num_experts) if right
+                                                     else _iota_from(ends, 1, num_experts)):
+            return located, True
+        raise NoMatch("the group offsets are searched for in the sorted ids, but not as the ends of groups 0..E-1")
+    if not (is_op(offsets, aten.cumsum.default) and offsets.args[1] in (0, -1)):
+        raise NoMatch("the group offsets are not a cumulative sum of per-expert counts")
+    counts = offsets.args[0]
+    while is_op(counts, CONVERT):
+        counts = counts.args[0]
+    if counts.op == "placeholder":
+        raise NoMatch("the per-expert counts are an input of the compiled graph, not computed in it from the expert "
+                      "ids (a torch.bincount of the ids breaks the graph: its output size depends on their values)")
+    counted = _one_hot_counted(counts, num_experts)
+    if counted is not None:
+        return counted, False
+    if not is_op(counts, aten.histc.default):
+        raise NoMatch("the per-expert counts are not a histogram of the sorted expert ids")
+    params = dict(zip(("input", "bins", "min", "max"), counts.args))
+    params.update(counts.kwargs)
+    if (params.get("bins", 100), params.get("min", 0), params.get("max", 0)) != (num_experts, 0, num_experts - 1):
+        raise NoMatch(f"the expert histogram is not bins={num_experts} over [0, {num_experts - 1}]")
+    return params["input"], False
+
+
+def _expert_sort(counted, must_be_sorted: bool) -> tuple[torch.fx.Node, torch.fx.Node | None]:
+    """(the sort of the flattened ids, its sorted values or None) for the ids the offsets count: the sorted values
+    themselves, or the flattened ids that are sorted (a count does not depend on the order)."""
+    while is_op(counted, CONVERT):
+        counted = counted.args[0]
+    if counted.target is operator.getitem and counted.args[1] == 0 and is_op(counted.args[0], *SORTS):
+        return counted.args[0], counted
+    sorts = [u for u in counted.users if is_op(u, *SORTS)]
+    if must_be_sorted:
+        raise NoMatch("the group ends are searched for in ids that are not the sorted expert ids")
+    if len(sorts) != 1:
+        raise NoMatch("the expert GEMM's groups do not come from sorting the flattened expert ids")
+    values = [u for u in sorts[0].users if u.target is operator.getitem and u.args[1] == 0]
+    return sorts[0], values[0] if values else None
+
+
 def _routing(g1: ExpertGemm, num_experts) -> dict:
     """Slot order and the expert ids: `order` is the sort permutation or None for slots in place."""
     if g1.kind == "grouped":
-        offsets = g1.route
-        if not (is_op(offsets, aten.cumsum.default) and offsets.args[1] in (0, -1)):
-            raise NoMatch("the group offsets are not a cumulative sum of per-expert counts")
-        counts = offsets.args[0]
-        if not is_op(counts, aten.histc.default):
-            raise NoMatch("the per-expert counts are not a histogram of the sorted expert ids")
-        params = dict(zip(("input", "bins", "min", "max"), counts.args))
-        params.update(counts.kwargs)
-        if (params.get("bins", 100), params.get("min", 0), params.get("max", 0)) != (num_experts, 0, num_experts - 1):
-            raise NoMatch(f"the expert histogram is not bins={num_experts} over [0, {num_experts - 1}]")
-        sorted_ids = params["input"]
-        while is_op(sorted_ids, CONVERT):
-            sorted_ids = sorted_ids.args[0]
+        sort, sorted_ids = _expert_sort(*_counted_ids(g1.route, num_experts))
     else:
         sorted_ids = g1.route
         clamped = _clamped_ids(sorted_ids, num_experts)
@@ -535,9 +606,10 @@ def _routing(g1: ExpertGemm, num_experts) -> dict:
             return {"ids": flat, "flat": clamped, "order": None, "sorted": None, "sentinel": sorted_ids}
         if _flattened(sorted_ids) is not None:
             return {"ids": _flattened(sorted_ids), "flat": sorted_ids, "order": None, "sorted": None, "sentinel": None}
-    if not (sorted_ids.target is operator.getitem and sorted_ids.args[1] == 0 and is_op(sorted_ids.args[0], *SORTS)):
-        raise NoMatch("the expert GEMM's groups do not come from sorting the flattened expert ids")
-    sort = sorted_ids.args[0]
+        if not (sorted_ids.target is operator.getitem and sorted_ids.args[1] == 0
+                and is_op(sorted_ids.args[0], *SORTS)):
+            raise NoMatch("the expert GEMM's groups do not come from sorting the flattened expert ids")
+        sort = sorted_ids.args[0]
     params = dict(zip(("self", "stable", "dim", "descending") if sort.target is aten.sort.stable
                       else ("self", "dim", "descending"), sort.args))
     params.update(sort.kwargs)
@@ -686,14 +758,33 @@ def _swiglu_product(gate: torch.fx.Node, up: torch.fx.Node) -> tuple[torch.fx.No
     raise NoMatch("the up half is not multiplied by the gate activation (or is cast first)")
 
 
+def _halves(out1: torch.fx.Node, inter) -> dict:
+    """{0: gate, 1: up} for `out1.split(I, -1)` (or `chunk(2, -1)`) or the two slices `[:, :I]` and `[:, I:]`."""
+    split = only_user(out1)
+    if is_op(split, aten.split.Tensor) and split.args[1] == inter and (
+            split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 1):
+        return {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    width = shape(out1)[1]
+    slices = {}
+    for user in out1.users:
+        if not (is_op(user, aten.slice.Tensor) and user.args[1] in (-1, 1)):
+            break
+        start = user.args[2] if len(user.args) > 2 else 0
+        end = user.args[3] if len(user.args) > 3 else width
+        step = user.args[4] if len(user.args) > 4 else 1
+        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start and end >= 0 and step == 1):
+            break
+        slices[(start, min(end, width))] = user
+    else:
+        if set(slices) == {(0, inter), (inter, width)} and len(out1.users) == 2:
+            return {0: slices[(0, inter)], 1: slices[(inter, width)]}
+    raise NoMatch("the first expert GEMM's output is not split into gate and up halves")
+
+
 def _swiglu(out1: torch.fx.Node, inter) -> tuple[torch.fx.Node, torch.fx.Node, float | None]:
     """(act, gate, swiglu limit or None) for `gate, up = out1.chunk(2, -1); act = silu(gate) * up`, or DeepSeek
     V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (one constant L, each clamp in the halves' dtype)."""
-    split = only_user(out1)
-    if not (is_op(split, aten.split.Tensor) and split.args[1] == inter
-            and (split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 1)):
-        raise NoMatch("the first expert GEMM's output is not split into gate and up halves")
-    halves = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    halves = _halves(out1, inter)
     if set(halves) != {0, 1} or len(halves[1].users) != 1:
         raise NoMatch("the gate/up halves are used outside the SwiGLU")
     gate, up = halves[0], halves[1]
@@ -727,7 +818,38 @@ def _second_gemm(act: torch.fx.Node, g1: ExpertGemm) -> ExpertGemm:
                 if g2.route is not g1.route:
                     raise NoMatch("the two expert GEMMs are grouped by different routings")
                 return g2
+    if any(_feeds_expert_gemm(user) for user in act.users if is_op(user, aten.mul.Tensor)
+           and all(isinstance(a, torch.fx.Node) for a in user.args)):
+        raise NoMatch("the SwiGLU activation is multiplied by another tensor before the down projection; the fused "
+                      "ops apply the router weights to each expert's output, after it (another rounding)")
     raise NoMatch("the SwiGLU activation does not feed a second expert GEMM")
+
+
+def _feeds_expert_gemm(node: torch.fx.Node, depth: int = 4) -> bool:
+    """Whether `node` reaches the rows of an expert GEMM through casts and order-keeping layout ops."""
+    frontier = [(node, 0)]
+    while frontier:
+        n, d = frontier.pop()
+        for user in n.users:
+            if user.target in _gemm_targets() and _expert_gemm(user) is not None:
+                return True
+            if d < depth and user.op == "call_function" and (user.target is CONVERT
+                                                            or user.target in ORDER_KEEPING_OPS):
+                frontier.append((user, d + 1))
+    return False
+
+
+def _rows_gemms(g1: ExpertGemm) -> list[torch.fx.Node]:
+    """Every expert GEMM (the anchor included) over the same rows and routing as `g1`, in graph order."""
+    readers = list(g1.rows.users) + [u for r in g1.rows.users if is_op(r, aten.unsqueeze.default) for u in r.users]
+    gemms = []
+    for n in readers:
+        if n.target in _gemm_targets() and n not in gemms:
+            other = _expert_gemm(n)
+            if other is not None and other.rows is g1.rows and other.route is g1.route:
+                gemms.append(n)
+    order = {n: i for i, n in enumerate(g1.rows.graph.nodes)}
+    return sorted(gemms, key=order.__getitem__)
 
 
 def _slot_weights(sw: torch.fx.Node, route: dict, num_experts) -> tuple[torch.fx.Node, torch.dtype | None]:
@@ -754,9 +876,30 @@ def _slot_weights(sw: torch.fx.Node, route: dict, num_experts) -> tuple[torch.fx
             raise NoMatch("clamped expert ids without zeroed router weights at the sentinel slots")
         node = unmasked
     weights = _flattened(node)
+    if weights is None and is_op(node, *VIEW_OPS) and len(shape(node.args[0])) == 2 \
+            and same_shape(shape(node), (shape(sw)[0], 1)):
+        weights = node.args[0]  # `w.reshape(-1, 1)`: the flattened column in one view
     if weights is None:
         raise NoMatch("the per-slot router weights are not the router's [T, k] weights flattened")
     return weights, cast
+
+
+def _token_slot_weights(sw: torch.fx.Node, T, top_k) -> tuple[torch.fx.Node, torch.dtype | None]:
+    """(router weights [T, k], the dtype they are cast to first or None) for a `[T, k, 1]` weight factor of the
+    slot outputs viewed `[T, k, H]`: `w.view(T, k, 1)` or `w.unsqueeze(-1)`, optionally cast."""
+    cast = None
+    node = sw
+    if is_op(node, CONVERT):
+        cast, node = node.args[1], node.args[0]
+    if not same_shape(shape(sw), (T, top_k, 1)):
+        raise NoMatch("the expert outputs are not scaled by one router weight per slot")
+    if is_op(node, aten.unsqueeze.default) and node.args[1] in (-1, 2) or is_op(node, *VIEW_OPS):
+        node = node.args[0]
+        if is_op(node, CONVERT) and cast is None:
+            cast, node = node.args[1], node.args[0]
+        if same_shape(shape(node), (T, top_k)):
+            return node, cast
+    raise NoMatch("the per-slot router weights are not the router's [T, k] weights")
 
 
 def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch.fx.Node, str]:
@@ -769,7 +912,7 @@ def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch
             raise NoMatch("the index_add_ does not add each slot's output to its own token")
         if not (is_op(zeros, aten.full.default) and zeros.args[1] == 0 and same_shape(shape(zeros), (T, H))):
             raise NoMatch("the index_add_ accumulates into something other than zeros [T, H]")
-        return user, "index_add"
+        return user, "index_add" if is_op(user, aten.index_add.default, aten.index_put.default) else "scatter_add"
     node, combine = weighted, "sum"
     if route["order"] is not None:
         inverse = user.args[1][0] if is_op(user, aten.index.Tensor) and len(user.args[1]) == 1 else None
@@ -791,12 +934,74 @@ def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch
     return out, combine
 
 
+def _weighted_combine(out2, weighted, per_token: bool, route: dict, x, T, top_k, num_experts) -> tuple:
+    """(router weights, their cast or None, the block's output, the combine's name) for slot outputs `out2` times
+    the router weights in `weighted`, then combined per token."""
+    if not is_op(weighted, aten.mul.Tensor) or out2 not in weighted.args:
+        raise NoMatch("the expert outputs are not multiplied by the router weights")
+    sw = weighted.args[1] if weighted.args[0] is out2 else weighted.args[0]
+    if not isinstance(sw, torch.fx.Node):
+        raise NoMatch("the expert outputs are scaled by a constant, not by router weights")
+    weights, cast = _token_slot_weights(sw, T, top_k) if per_token else _slot_weights(sw, route, num_experts)
+    out, combine = _per_token_sum(weighted) if per_token else _combine(weighted, route, x, top_k)
+    return weights, cast, out, combine
+
+
+def _contracted_combine(viewed: torch.fx.Node, T, H) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(router weights, the product node, the block's output) for slot outputs viewed `[T, k, H]` and contracted with fp32 weights
+    over k (`einsum('tkh,tk->th', out.float(), w)`: a bmm of `[T, H, k] @ [T, k, 1]`), else None. Each product is
+    an fp32 product of the slot output and its weight summed in fp32, which is what the fused op computes for fp32
+    weights; a bf16 contraction would round differently, so only fp32 is taken."""
+    node = only_user(viewed)
+    if is_op(node, CONVERT):
+        if node.args[1] != torch.float32:
+            return None
+        node = only_user(node)
+    if not (is_op(node, aten.permute.default) and [d % 3 for d in node.args[1]] == [0, 2, 1]):
+        return None
+    bmm = only_user(node)
+    if not (is_op(bmm, aten.bmm.default) and bmm.args[0] is node and dtype(bmm) == torch.float32):
+        return None
+    column = bmm.args[1]
+    if not (is_op(column, aten.unsqueeze.default) and column.args[1] in (-1, 2)):
+        return None
+    total = only_user(bmm)
+    if not (is_op(total, *VIEW_OPS) and same_shape(shape(total), (T, H))):
+        return None
+    cast = only_user(total)
+    return column.args[0], bmm, (cast if is_op(cast, CONVERT) else total)
+
+
+def _per_token_sum(weighted: torch.fx.Node) -> tuple[torch.fx.Node, str]:
+    """(the block's output node, the combine's name) for weighted `[T, k, H]` slot outputs summed over k."""
+    total = only_user(weighted)
+    if not (is_op(total, aten.sum.dim_IntList) and [d % 3 for d in total.args[1]] == [1]
+            and not (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False))
+            and total.kwargs.get("dtype") is None):
+        raise NoMatch("each token's k slot outputs are not summed")
+    cast = only_user(total)
+    return (cast if is_op(cast, CONVERT) else total), "[T, k, H] weighted + sum"
+
+
 def _is_accumulate(node) -> bool:
-    """`index_add(base, 0, index, src)` or its decomposition `index_put(base, [index], src, accumulate=True)`."""
-    if is_op(node, aten.index_add.default):
+    """`index_add(base, 0, index, src)`, its decomposition `index_put(base, [index], src, accumulate=True)`, or
+    `scatter_add` / `scatter_reduce(..., "sum")` of whole rows (the index column expanded over H)."""
+    if is_op(node, aten.index_add.default, aten.scatter_add.default):
         return True
+    if is_op(node, aten.scatter_reduce.two):
+        return (node.args[4] if len(node.args) > 4 else node.kwargs.get("reduce")) == "sum"
     return is_op(node, aten.index_put.default) and (node.args[3] if len(node.args) > 3
                                                      else node.kwargs.get("accumulate", False))
+
+
+def _row_index(index, source) -> torch.fx.Node | None:
+    """`i` for a scatter index `i[:, None].expand(S, H)` that sends each whole source row to row `i`."""
+    if not (is_op(index, aten.expand.default) and same_shape(shape(index), shape(source))):
+        return None
+    column = index.args[0]
+    if is_op(column, aten.unsqueeze.default) and column.args[1] in (-1, 1) and len(shape(column.args[0])) == 1:
+        return column.args[0]
+    return None
 
 
 def _accumulate_args(node) -> tuple:
@@ -804,6 +1009,9 @@ def _accumulate_args(node) -> tuple:
     if is_op(node, aten.index_add.default):
         alpha = node.args[4] if len(node.args) > 4 else node.kwargs.get("alpha", 1)
         return (*node.args[:4], alpha)
+    if is_op(node, aten.scatter_add.default, aten.scatter_reduce.two):
+        base, dim, index, source = node.args[:4]
+        return base, dim, _row_index(index, source), source, 1
     base, indices, source = node.args[:3]
     if len(indices) != 1 or indices[0] is None:
         return base, None, None, source, 1
@@ -854,6 +1062,12 @@ def _match(anchor: torch.fx.Node) -> Block:
         if len(sentinel_users) != 1 or len(out1.users) != 1:
             raise NoMatch("expert-parallel: the first GEMM's sentinel rows are not masked to zero")
         out1 = sentinel_users[0]
+    siblings = _rows_gemms(g1)
+    if len(siblings) > 1:
+        if siblings[0] is not anchor:
+            raise NoMatch("the up GEMM of separate gate/up stacks", reported=False)
+        raise NoMatch("gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read one "
+                      "[E, 2I, H] gate_up stack (concatenating the stacks would copy every expert's weights per call)")
     act, _, swiglu_limit = _swiglu(out1, inter)
     g2 = _second_gemm(act, g1)
     if g2.out is None:
@@ -867,15 +1081,17 @@ def _match(anchor: torch.fx.Node) -> Block:
             raise NoMatch("expert-parallel: the second GEMM's sentinel rows are not masked to zero")
         out2 = user
     weighted = only_user(out2)
-    if not is_op(weighted, aten.mul.Tensor) or out2 not in weighted.args:
-        raise NoMatch("the expert outputs are not multiplied by the router weights")
-    sw = weighted.args[1] if weighted.args[0] is out2 else weighted.args[0]
-    if not isinstance(sw, torch.fx.Node):
-        raise NoMatch("the expert outputs are scaled by a constant, not by router weights")
-    weights, cast = _slot_weights(sw, route, E)
+    per_token = route["order"] is None and is_op(weighted, *VIEW_OPS) and same_shape(shape(weighted), (T, top_k, H))
+    contracted = _contracted_combine(weighted, T, H) if per_token else None
+    if contracted is not None:
+        (weights, product, out), cast, combine = contracted, None, "[T, k, H] contracted with the weights"
+    else:
+        if per_token:  # the slot outputs viewed [T, k, H], then weighted by [T, k, 1] and summed over k
+            out2, weighted = weighted, only_user(weighted)
+        weights, cast, out, combine = _weighted_combine(out2, weighted, per_token, route, x, T, top_k, E)
+        product = weighted
     if not same_shape(shape(weights), (T, top_k)) or dtype(weights) not in FLOAT_DTYPES:
         raise NoMatch(f"router weights {shape(weights)} {dtype(weights)} are not a float [T, k] tensor")
-    out, combine = _combine(weighted, route, x, top_k)
     if dtype(out) != dtype(x) or not same_shape(shape(out), (T, H)):
         raise NoMatch(f"the block's output is {dtype(out)}, not the activations' {dtype(x)}")
 
@@ -886,8 +1102,8 @@ def _match(anchor: torch.fx.Node) -> Block:
     if all(isinstance(d, Fp4Weights) for d in decoded):
         if any(d.dtype != dtype(x) for d in decoded):
             raise NoMatch("the FP4 weights are decoded to a dtype other than the activations'")
-        if dtype(weighted) != dtype(x):
-            raise NoMatch(f"the router-weight product is {dtype(weighted)}; moe_experts_fp4 rounds it to "
+        if dtype(product) != dtype(x):
+            raise NoMatch(f"the router-weight product is {dtype(product)}; moe_experts_fp4 rounds it to "
                           f"{dtype(x)}")
         block.fp4 = (decoded[0], decoded[1])
         return block

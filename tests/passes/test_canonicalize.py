@@ -427,3 +427,43 @@ def test_other_index_replacements_are_kept():
            {aten.where.self: 1}, fired=0)
     _check(lambda x: torch.where(x < 0, 0.0, x), [_floats(3, 5)], "negative_to_zero_is_clamp", {aten.where.self: 1},
            {aten.where.self: 1}, fired=0)
+
+
+def test_select_of_a_unit_dim_is_squeeze():
+    """`t[:, :, 0]` of a `[S, N, 1]` bmm output reads the elements `squeeze(-1)` does."""
+    _check(lambda a, b: torch.bmm(a, b)[:, :, 0] * 2, [_floats(3, 4, 5), _floats(3, 5, 1)],
+           "select_of_unit_dim_is_squeeze", {aten.select.int: 1, aten.squeeze.dim: 0},
+           {aten.select.int: 0, aten.squeeze.dim: 1})
+
+
+def test_select_of_a_longer_dim_is_kept():
+    _check(lambda t: t[:, 1] * 2, [_floats(3, 4)], "select_of_unit_dim_is_squeeze", {aten.select.int: 1},
+           {aten.select.int: 1}, fired=0)
+
+
+def test_repeat_of_unit_dims_is_an_expanded_copy():
+    """`x.view(T, 1, H).repeat(1, k, 1)` repeats each row k times: the elements of an expand, copied."""
+    _check(lambda t: t.view(3, 1, 4).repeat(1, 2, 1).reshape(6, 4) * 2, [_floats(3, 4)],
+           "repeat_of_unit_dims_is_expand", {aten.repeat.default: 1, aten.expand.default: 0},
+           {aten.repeat.default: 0, aten.expand.default: 1, aten.clone.default: 1}, decompose=False)
+
+
+def test_repeat_of_a_longer_dim_is_kept():
+    """Tiling a dim of size 3 interleaves differently from an expand: not this rule's."""
+    _check(lambda t: t.repeat(2, 1) * 2, [_floats(3, 4)], "repeat_of_unit_dims_is_expand",
+           {aten.repeat.default: 1}, {aten.repeat.default: 1}, fired=0, decompose=False)
+
+
+def test_gather_by_own_argsort_is_the_sorted_values():
+    """`t[t.argsort()]` -> the sort's values (a getitem 0 of the same sort), for ints and floats with NaN."""
+    for t in (torch.tensor([3, 1, 2, 1, 0, 3]), _floats(7)):
+        gm = _check(lambda v: v[torch.argsort(v, stable=True)] + 1, [t], "gather_by_own_sort_is_sorted",
+                    {aten.index.Tensor: 1}, {aten.index.Tensor: 0})
+        reads = [n for n in gm.graph.nodes if n.target is operator.getitem]
+        assert [n.args[1] for n in reads] == [0], gm.code
+
+
+def test_gather_of_another_tensor_by_a_sort_is_kept():
+    """The sort permutation applied to another tensor (the router weights in slot order) is a real gather."""
+    _check(lambda ids, w: w[torch.sort(ids)[1]] * 2, [torch.tensor([3, 1, 2, 0]), _floats(4)],
+           "gather_by_own_sort_is_sorted", {aten.index.Tensor: 1}, {aten.index.Tensor: 1}, fired=0)
