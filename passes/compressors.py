@@ -20,7 +20,8 @@ gate's with `+ position_bias [m, C]`):
 
 A softmax over slots whose weights pool values (`sum(KVs * P, 2)`) but whose surroundings differ is reported with
 the reason; other softmaxes over dim 2 are skipped silently. Not fused (reported): window 0's first half taken from
-a cache's overlap state (a prefill continued from a cache), a gate without a [m, C] bias.
+the cache's overlap state (a step that continues from a cache: a later prefill chunk, the decode step that closes a
+window), a gate without a [m, C] bias.
 """
 
 from __future__ import annotations
@@ -315,8 +316,8 @@ def _overlap_source(slots, fill: float, what: str):
     """X of HF's two-series layout `slots` [B, W, 2m, D] (module docstring), proven slice by slice."""
     miss = f"compressor {what} slots are not HF's two overlapping series"
     if is_op(slots, aten.select_scatter.default):
-        raise NoMatch(f"{miss}: window 0's first half is filled from a cache's overlap state (a prefill continued "
-                      "from a cache), not fused")
+        raise NoMatch(f"{miss}: window 0's first half is filled from the cache's overlap state (a step that "
+                      "continues from a cache), not fused yet")
     B, W, L, D = shape(slots)
     m = L // 2
     if not same_size(L, 2 * m):
