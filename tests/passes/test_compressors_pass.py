@@ -29,7 +29,7 @@ def test_v4_tiny_counts_parity_batch_two_and_dynamic_lengths():
     compiled = torch.compile(model, backend="dsfuse", options={"enable": ["compressors"]})
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for length in (21, 26, 31):  # S // 4 > index_topk: HF's min(topk, entries) takes one branch
+        for length in (21, 29, 37):  # one S % 8 (the compiled graph guards on S % 4), S // 4 > index_topk
             ids = torch.randint(0, 256, (2, length), generator=gen)
             torch._dynamo.mark_dynamic(ids, 1)
             torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
