@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 PASS_NAMES: tuple[str, ...] = ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts",
-                               "hyper_connections")
+                               "hyper_connections", "compressors")
 
 OPTION_NAMES: tuple[str, ...] = ("enable", "disable", "inductor", "mode", "cudagraphs")
 # `options={"cudagraphs": ...}` under "reduce-overhead": "all" graphs (the default) or only "decode" steps (graphs of

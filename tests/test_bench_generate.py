@@ -22,7 +22,8 @@ def test_generate_bench_tiny_cpu(tmp_path):
     assert rows["dsfuse"]["recompiles_timed"] == 0
     # Three graphs (16-token chunk, one-token tail, decode), each with every family.
     assert rows["dsfuse"]["rewritten"] == {"norm_rope_quant": 30, "indexer_topk": 6, "sparse_attention": 6,
-                                           "moe_experts": 3, "hyper_connections": 0}
+                                           "moe_experts": 3, "hyper_connections": 0,
+                                           "compressors": 0}
     lines = markdown.read_text().splitlines()
     assert lines[0] == "# dsfuse generate benchmark: preset tiny, float32, 2 new tokens"
     table = [line for line in lines if line.startswith("| 1 | 17 |")]

@@ -38,19 +38,24 @@ def test_import_does_not_register_backend_itself():
 
 
 def test_pass_names():
-    assert {"norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts", "hyper_connections"} <= set(
+    assert {"norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts", "hyper_connections",
+            "compressors"} <= set(
         dsfuse.PASS_NAMES)
 
 
 @pytest.mark.parametrize(
     "options, environ, expected",
     [
-        ({}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts", "hyper_connections")),
-        ({"disable": ["moe_experts"]}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention", "hyper_connections")),
-        ({"disable": ["hyper_connections"]}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts")),
+        ({}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts", "hyper_connections",
+                  "compressors")),
+        ({"disable": ["moe_experts"]}, {}, ("norm_rope_quant", "indexer_topk", "sparse_attention", "hyper_connections",
+                                            "compressors")),
+        ({"disable": ["hyper_connections", "compressors"]}, {},
+         ("norm_rope_quant", "indexer_topk", "sparse_attention", "moe_experts")),
         ({"enable": ["indexer_topk"]}, {}, ("indexer_topk",)),
         ({"enable": "indexer_topk,moe_experts", "disable": ["moe_experts"]}, {}, ("indexer_topk",)),
-        ({}, {"DSFUSE_DISABLE": "indexer_topk, sparse_attention"}, ("norm_rope_quant", "moe_experts", "hyper_connections")),
+        ({}, {"DSFUSE_DISABLE": "indexer_topk, sparse_attention"},
+         ("norm_rope_quant", "moe_experts", "hyper_connections", "compressors")),
         ({}, {"DSFUSE_ENABLE": "sparse_attention"}, ("sparse_attention",)),
         ({"disable": list(dsfuse.PASS_NAMES)}, {}, ()),
     ],
@@ -86,7 +91,8 @@ def test_unknown_pass_raises_through_torch_compile():
 def test_env_flags_reach_the_backend(monkeypatch):
     monkeypatch.setenv("DSFUSE_DISABLE", "moe_experts")
     torch.compile(lambda x: x.relu(), backend="dsfuse")(torch.randn(4))
-    assert dsfuse.report().graphs[0].enabled == ("norm_rope_quant", "indexer_topk", "sparse_attention", "hyper_connections")
+    assert dsfuse.report().graphs[0].enabled == ("norm_rope_quant", "indexer_topk", "sparse_attention", "hyper_connections",
+                                                 "compressors")
 
 
 def test_inductor_options_pass_through_and_mode_is_checked():

@@ -19,6 +19,7 @@ def test_glm_moe_dsa_tiny_rewrites_every_family_and_matches_eager():
     report = dsfuse.report()
     layers, moe_layers = config.num_hidden_layers, sum(t == "sparse" for t in config.mlp_layer_types)
     assert report.counts == {"norm_rope_quant": 5 * layers, "indexer_topk": layers, "sparse_attention": layers,
-                             "moe_experts": moe_layers, "hyper_connections": 0}, str(report)
+                             "moe_experts": moe_layers, "hyper_connections": 0,
+                             "compressors": 0}, str(report)
     assert report.near_misses == [], str(report)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -285,7 +285,7 @@ def test_disabled_by_option_or_environment(monkeypatch):
         torch.compile(hf_sdpa, backend="dsfuse")(*args)
         assert dsfuse.report().counts["sparse_attention"] == 0
         assert dsfuse.report().graphs[-1].enabled == ("norm_rope_quant", "indexer_topk", "moe_experts",
-                                                      "hyper_connections")
+                                                      "hyper_connections", "compressors")
         torch._dynamo.reset()
         assert torch.equal(out, torch.compile(hf_sdpa, backend="inductor")(*args))
 
