@@ -64,15 +64,16 @@ class FamilyPass:
 
 
 # In run order: indices produced by the indexer feed sparse attention, so the indexer is rewritten first;
-# the norm/rope glue goes after them because the other families only read its outputs; the V4 compressors after
-# those (the indexer and the attention only read the compressed entries); the hyper-connections last: they only
-# read the blocks' outputs, so the other families see the graph they were written against.
+# the V4 compressors next (the indexer and the attention only read the compressed entries), before the norm/rope
+# glue, which would otherwise take a compressor's own RMSNorm + RoPE and leave its pooling unfused; the glue after
+# them because the other families only read its outputs; the hyper-connections last: they only read the blocks'
+# outputs, so the other families see the graph they were written against.
 FAMILIES: tuple[FamilyPass, ...] = (
     FamilyPass(indexer_topk),
     FamilyPass(sparse_attention),
     FamilyPass(moe_experts),
-    FamilyPass(norm_rope_quant, helpers=(norm_rope_quant_groups,)),
     FamilyPass(compressors),
+    FamilyPass(norm_rope_quant, helpers=(norm_rope_quant_groups,)),
     FamilyPass(hyper_connections),
 )
 
