@@ -576,9 +576,9 @@ def test_own_tiny_model_sites_per_layer_and_parity():
 def test_hf_v4_tiny_every_glue_site_per_layer_in_two_launches():
     """HF `DeepseekV4ForCausalLM` (v4-tiny's CSA and HCA layers, bf16), every pass on. Per layer: q_a's RMSNorm
     (`rmsnorm_rope`, no RoPE), q_b's unweighted per-head RMSNorm + the trailing-slice RoPE and kv_norm + the same
-    RoPE on the K=V head (`rope_cat` with an RMSNorm and the fp32 pair RoPE), the compressor's kv_norm + RoPE of
-    its entries; on the CSA layer also the indexer's compressor and the indexer query's RoPE. Two launches per
-    layer (the sites that read the layer's first projections, then the queries), no near-miss, logits as eager's
+    RoPE on the K=V head (`rope_cat` with an RMSNorm and the fp32 pair RoPE); on the CSA layer also the indexer
+    query's RoPE (the compressors' norms are the compressors family's). Two launches per layer (the sites that read
+    the layer's first projections, then the queries), no near-miss, logits as eager's
     within bf16 noise (the glue alone is bit for bit: `test_hf_v4_attention_glue_is_bit_exact`)."""
     from dsfuse.models.presets import build_hf_model
 
