@@ -1,7 +1,8 @@
 """`compressors`: DeepSeek V4's KV compressors (HF `DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` and the
 compressor inside `DeepseekV4Indexer`) rewritten into one `dsfuse::kv_compress` call each.
 
-The anchor is the softmax over the window slots, `amax(G, [2], keepdim)` of a 4-D gate G [B, W, slots, D]; the
+The anchor is the softmax over the window slots, `amax(G, [2], keepdim)` (on CUDA Inductor's
+`prepare_softmax_online(G, 2)`) of a 4-D gate G [B, W, slots, D]; the
 match proves, from there, the whole compressor (the projections stay where they are, GEMMs for Inductor):
 
     P      = exp(G - amax(G)) / sum(exp(G - amax(G)), 2)  [.to(kv dtype)]
@@ -31,8 +32,8 @@ import torch
 import dsfuse.kernels.compressor  # noqa: F401  (registers torch.ops.dsfuse.kv_compress)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .graph_utils import (CONVERT, VIEW_OPS, aten, describe, dtype, insert_call, is_op, same_shape, same_size,
-                          scalar_arg, scalar_constant, shape)
+from .graph_utils import (CONVERT, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call, is_op,
+                          same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts)
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -40,7 +41,7 @@ END = 9223372036854775807  # how a slice to the end appears in the graph
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.amax.default,), _match, _rewrite)
+    rewrite_anchored(graph, ctx, (aten.amax.default, PREPARE_SOFTMAX_ONLINE), _match, _rewrite)
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,14 +119,16 @@ def _cast_user(node, to: torch.dtype):
 # --------------------------------------------------------------------------------------------
 # Matching
 # --------------------------------------------------------------------------------------------
-def _match(amax: torch.fx.Node) -> dict:
-    G = amax.args[0]
-    if len(shape(G)) != 4 or not _dims_are(amax.args[1], G, (2,)) or not (len(amax.args) > 2 and amax.args[2]):
+def _match(stats: torch.fx.Node) -> dict:
+    G = stats.args[0]
+    keepdim = stats.target is PREPARE_SOFTMAX_ONLINE or (len(stats.args) > 2 and stats.args[2])
+    dims = stats.args[1] if isinstance(stats.args[1], (list, tuple)) else [stats.args[1]]
+    if len(shape(G)) != 4 or not _dims_are(dims, G, (2,)) or not keepdim:
         raise NoMatch("not a softmax over the slots of 4-D windows", reported=False)
-    probs = _softmax(G, amax)
-    if probs is None:
+    parts = softmax_parts(G, dim=2)
+    if parts is None or parts["stats"] is not stats:
         raise NoMatch("amax over dim 2 that is not a softmax", reported=False)
-    pooled, kv_slots = _pooling(probs)
+    pooled, kv_slots = _pooling(parts["probs"])
     kv_dtype = dtype(pooled)
     if dtype(G) != torch.float32:
         raise NoMatch(f"compressor softmax over a {dtype(G)} gate, not fp32 (HF: softmax(dtype=float32))")
@@ -133,23 +136,6 @@ def _match(amax: torch.fx.Node) -> dict:
     rope = _rope(norm["out"], kv_dtype)
     layout = _slots(G, kv_slots)
     return dict(pooled=pooled, **norm, **rope, **layout)
-
-
-def _softmax(G, amax):
-    """exp(G - amax) / sum(exp(G - amax), 2, keepdim): its div node, or None."""
-    sub = _one_user(amax, aten.sub.Tensor)
-    if sub is None or sub.args[0] is not G or sub.args[1] is not amax:
-        return None
-    exp = [u for u in sub.users if is_op(u, aten.exp.default)]
-    if len(exp) != 1 or len(sub.users) != 1:
-        return None
-    exp = exp[0]
-    sums = [u for u in _users(exp, aten.sum.dim_IntList) if _dims_are(u.args[1], exp, (2,)) and len(u.args) > 2
-            and u.args[2]]
-    divs = [u for u in _users(exp, aten.div.Tensor) if u.args[0] is exp and sums and u.args[1] is sums[0]]
-    if len(sums) != 1 or len(divs) != 1 or len(exp.users) != 2:
-        return None
-    return divs[0]
 
 
 def _pooling(probs):
@@ -379,7 +365,7 @@ def _copied(value, base_ok, dim: int, start, end):
 # --------------------------------------------------------------------------------------------
 # Rewrite
 # --------------------------------------------------------------------------------------------
-def _rewrite(graph: torch.fx.Graph, amax: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+def _rewrite(graph: torch.fx.Graph, stats: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     final = m["final"]
     args = (m["kv"], m["gate"], m["position_bias"], m["norm_weight"], m["cos"], m["sin"], float(m["eps"]),
             bool(m["overlap"]))
@@ -389,5 +375,5 @@ def _rewrite(graph: torch.fx.Graph, amax: torch.fx.Node, m: dict, ctx: PassConte
     B, W, m_slots, C = shape(m["kv"])
     D = shape(m["norm_weight"])[0]
     kind = "two overlapping series" if m["overlap"] else "one series"
-    ctx.site(amax, "dsfuse.kv_compress", [m["kv"], m["gate"]],
+    ctx.site(stats, "dsfuse.kv_compress", [m["kv"], m["gate"]],
              f"m={m_slots} D={D} R={2 * shape(m['cos'])[-1]}, {kind}", call=call)

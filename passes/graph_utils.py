@@ -108,24 +108,24 @@ def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return users[0] if len(users) == 1 else None
 
 
-def is_last_dim(node: Any, dims_arg: Any) -> bool:
-    """Whether a reduction's dims argument names exactly the last dim of `node`."""
+def is_last_dim(node: Any, dims_arg: Any, dim: int = -1) -> bool:
+    """Whether a reduction's dims argument names exactly the last dim of `node` (or `dim`)."""
     rank = len(shape(node))
     dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
-    return rank > 0 and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % rank == rank - 1
+    return rank > 0 and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % rank == dim % rank
 
 
 PREPARE_SOFTMAX_ONLINE = prims.prepare_softmax_online.default
 
 
-def softmax_parts(x: Any) -> dict | None:
-    """A softmax over the last dim of `x` among its users, in either form Inductor hands the passes:
+def softmax_parts(x: Any, dim: int = -1) -> dict | None:
+    """A softmax over the last dim of `x` (or `dim`) among its users, in either form Inductor hands the passes:
     amax / sub / exp / sum / div, or (CUDA, Inductor's online-softmax pattern) `prepare_softmax_online` giving
     the max and the sum, then sub / exp / div. Returns its nodes (stats: the amax or the online call; row_max,
     row_sum, sub, exp, probs), or None."""
     if not isinstance(x, torch.fx.Node):
         return None
-    stats = [u for u in x.users if is_op(u, aten.amax.default, PREPARE_SOFTMAX_ONLINE) and is_last_dim(x, u.args[1])
+    stats = [u for u in x.users if is_op(u, aten.amax.default, PREPARE_SOFTMAX_ONLINE) and is_last_dim(x, u.args[1], dim)
              and (u.target is PREPARE_SOFTMAX_ONLINE or (len(u.args) > 2 and u.args[2]))]
     if len(stats) != 1:
         return None
@@ -144,7 +144,7 @@ def softmax_parts(x: Any) -> dict | None:
     if not is_op(exp, aten.exp.default):
         return None
     if row_sum is None:
-        sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and is_last_dim(exp, u.args[1])
+        sums = [u for u in exp.users if is_op(u, aten.sum.dim_IntList) and is_last_dim(exp, u.args[1], dim)
                 and len(u.args) > 2 and u.args[2]]
         if len(sums) != 1:
             return None

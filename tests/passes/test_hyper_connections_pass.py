@@ -5,8 +5,6 @@ import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-from inductor_forms import CONVERT, REWRITES, as_torch_2_11_on_cuda
-
 import dsfuse
 from dsfuse.models.presets import build_hf_model, hf_config
 
@@ -142,27 +140,3 @@ def test_sinkhorn_ending_on_rows_is_a_near_miss():
         "hyper-connection: Sinkhorn steps ['col', 'row', 'col', 'row', 'col', 'row', 'col', 'row'] are not HF's "
         "col, (row, col)*"], str(rep)
 
-
-def test_torch_2_11_cuda_graph_forms_are_rewritten():
-    """On CUDA, torch 2.11's Inductor hands the pass the online softmax and drops HF's `collapsed.to(bf16)` then
-    `.float()` of the next norm (inductor_forms): every site still rewrites, the collapsed value rounded as HF's
-    eager rounds it, so the logits are bit for bit those of the graph without these forms. (The attention pass
-    runs too: the CPU backend cannot lower an online softmax, so every softmax must be rewritten.)"""
-    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
-                           layer_types=["sliding_attention"], mlp_layer_types=["moe"])
-    enable = ["hyper_connections", "sparse_attention"]
-    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = torch.compile(model, backend="dsfuse", options={"enable": enable})(ids).logits
-        torch._dynamo.reset()
-        REWRITES.clear()
-        options = {"enable": enable, "inductor": {"post_grad_custom_pre_pass": as_torch_2_11_on_cuda}}
-        got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
-    rewritten = {n.target for n in REWRITES}
-    assert rewritten == {torch.ops.prims.prepare_softmax_online.default, CONVERT}, rewritten
-    rep = dsfuse.report()
-    ops, details = _ops(1)  # graph 1: the compile with the torch 2.11 CUDA forms
-    assert sorted(ops) == _expected_ops(1) and rep.counts["sparse_attention"] == 2, str(rep)
-    assert not rep.near_misses, str(rep)
-    assert sum("Inductor had dropped the round trip" in d for d in details) == 3, details
-    assert torch.equal(got, want)
