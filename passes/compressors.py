@@ -290,6 +290,9 @@ def _slots(G, kv_slots) -> dict:
         overlap = True
     else:
         gate_x, kv_x, overlap = G, kv_slots, False
+    if is_op(gate_x, aten.select_scatter.default):
+        raise NoMatch(f"compressor gate {describe(gate_x)} is a window written into a cache buffer (select_scatter: "
+                      "a decode step's pending window), not windows viewed from the projection: not fused")
     gate, bias = _windows(gate_x)
     if bias is None:
         raise NoMatch(f"compressor gate {describe(gate_x)} has no [m, C] position bias added to its windows")

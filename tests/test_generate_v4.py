@@ -14,10 +14,12 @@ from dsfuse.v4_cache import V4DecodeCache
 
 NEW_TOKENS = 6
 MAX_CACHE_LEN = 64
-# Per decode graph of the 2-layer model (CSA then HCA): q / kv RMSNorms of both layers plus the CSA indexer's
-# and compressors' norms, the CSA indexer, both MoE blocks, 2 collapses + 2 exits per layer and the head.
-DECODE_SITES = {"norm_rope_quant": 4, "indexer_topk": 1, "sparse_attention": 2, "moe_experts": 2,
-                "hyper_connections": 9}
+# Per decode graph of the 2-layer model (CSA then HCA): the q / kv glue of both layers, the CSA compressors' norms
+# and the indexer query, the CSA indexer, both MoE blocks, 2 collapses + 2 exits per layer and the head, the HCA
+# compressor. The CSA compressor and its indexer's read the decode cache's pending window (reported, not fused).
+DECODE_SITES = {"norm_rope_quant": 9, "indexer_topk": 1, "sparse_attention": 2, "moe_experts": 2,
+                "hyper_connections": 9, "compressors": 1}
+PENDING_WINDOW = "is a window written into a cache buffer (select_scatter: a decode step's pending window)"
 
 
 def _graphs() -> int:
@@ -94,7 +96,9 @@ def _generate(model, ids, mask, cache=None):
 def _assert_decode_sites(report):
     """Every family in the one decode graph; the attention reads generate's additive [B, 1, 1, N] input mask."""
     assert len(report.graphs) == 1
-    assert report.counts == DECODE_SITES and report.near_misses == [], str(report)
+    assert report.counts == DECODE_SITES, str(report)
+    reasons = [(m.pass_name, PENDING_WINDOW in m.reason) for m in report.near_misses]
+    assert reasons == [("compressors", True)] * 2, str(report)
     attention = [s for s in report.sites if s.pass_name == "sparse_attention"]
     assert [s.op for s in attention] == ["dsfuse.compressed_attention"] * 2
     # top-min(index_topk, entries): the entry count is a symbol, the pick count stays one for every step
