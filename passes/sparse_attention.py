@@ -684,22 +684,8 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
     if v_pick[0] is not latent["cache"] or o_l is None or names([contracted(p_l, v_l)]) != _expected("t", (T,)):
         raise NoMatch("the output product is not P[b,s,h,:] . cache[b,:,c]")
     C = shape(latent["cache"])[2]
-    out, out_ops = pv, []
-    while not same_shape(shape(out), (B, S, H, C)):
-        nxt = only_user(out)
-        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
-            raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
-        out_ops.append(nxt)
-        out = nxt
-    o_l = _through(o_l, out_ops)
-    if o_l is None or names(o_l) != _expected("bshc", (B, S, H, C)):
-        raise NoMatch("the attention output is not [B, S, H, C]")
     q_nope, q_pe, kv, pe = latent["q"], rope["q"], latent["cache"], rope["cache"]
-    if dtype(q_nope) not in ATTENTION_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
-        raise NoMatch(f"q/kv/pe dtypes {dtype(q_nope)}/{dtype(q_pe)}/{dtype(kv)}/{dtype(pe)} not supported")
-    prob_cast = [op for op in prob_ops if is_op(op, CONVERT)]
-    if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):
-        raise NoMatch(f"probabilities are multiplied with the values in {dtype(pv)}, not {dtype(q_nope)}")
+    out = _mla_output(pv, o_l, (B, S, H, C), (q_nope, q_pe, kv, pe), prob_ops)
     scales = [_scale_of(f["q_ops"]) * _scale_of(f["cache_ops"]) * _scale_of(f["ops"]) for f in (latent, rope)]
     if not math.isclose(*scales, rel_tol=1e-6):
         raise NoMatch("the latent and rope scores are scaled differently")
@@ -923,28 +909,35 @@ def _match_mla(index: torch.fx.Node) -> dict:
     o_l = bmm_labels(p_l, v_l) if p_l and v_l else None
     if o_l is None or names([contracted(p_l, v_l)]) != _expected("k", (K,)):
         raise NoMatch("the output product is not P[b,s,h,:] . rows[b,s,:,c]")
-    out, out_ops = pv, []
-    while not same_shape(shape(out), (B, S, H, C)):
-        nxt = only_user(out)
-        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
-            raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
-        out_ops.append(nxt)
-        out = nxt
-    o_l = _through(o_l, out_ops)
-    if o_l is None or names(o_l) != _expected("bshc", (B, S, H, C)):
-        raise NoMatch("the attention output is not [B, S, H, C]")
-
-    prob_cast = [op for op in p_ops if is_op(op, CONVERT)]
-    if dtype(q_nope) not in ATTENTION_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
-        raise NoMatch(f"q/kv/pe dtypes {dtype(q_nope)}/{dtype(q_pe)}/{dtype(kv)}/{dtype(pe)} not supported")
-    if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):
-        raise NoMatch(f"probabilities are multiplied with the values in {dtype(pv)}, not {dtype(q_nope)}")
+    out = _mla_output(pv, o_l, (B, S, H, C), (q_nope, q_pe, kv, pe), p_ops)
     nope_scale = _scale_of(q_ops) * _scale_of(kv_ops_k) * _scale_of(nope_bmm[1])
     pe_scale = _scale_of(qpe_ops) * _scale_of(pe_ops) * _scale_of(pe_bmm[1])
     if not math.isclose(nope_scale, pe_scale, rel_tol=1e-6):
         raise NoMatch("the latent and rope scores are scaled differently")
     scale = nope_scale * _scale_of(score_chain[1:])
     return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=sink, scale=scale, out=out)
+
+
+def _mla_output(pv: torch.fx.Node, o_l: Labels, bshc: tuple, operands: tuple, prob_ops: list) -> torch.fx.Node:
+    """The MLA output product `pv` followed through layout ops to its [B, S, H, C] view (labels proven), with
+    q / kv / pe in one attention dtype and the probabilities multiplied in it: the output node."""
+    out, out_ops = pv, []
+    while not same_shape(shape(out), bshc):
+        nxt = only_user(out)
+        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
+            raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
+        out_ops.append(nxt)
+        out = nxt
+    o_l = _through(o_l, out_ops)
+    if o_l is None or names(o_l) != _expected("bshc", bshc):
+        raise NoMatch("the attention output is not [B, S, H, C]")
+    q_nope, q_pe, kv, pe = operands
+    if dtype(q_nope) not in ATTENTION_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
+        raise NoMatch(f"q/kv/pe dtypes {dtype(q_nope)}/{dtype(q_pe)}/{dtype(kv)}/{dtype(pe)} not supported")
+    prob_cast = [op for op in prob_ops if is_op(op, CONVERT)]
+    if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):
+        raise NoMatch(f"probabilities are multiplied with the values in {dtype(pv)}, not {dtype(q_nope)}")
+    return out
 
 
 def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: PassContext, form: str = "") -> None:
