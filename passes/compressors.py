@@ -33,7 +33,7 @@ import dsfuse.kernels.compressor  # noqa: F401  (registers torch.ops.dsfuse.kv_c
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (CONVERT, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call, is_op,
-                          same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts)
+                          only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts, users_of)
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -49,15 +49,6 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 # --------------------------------------------------------------------------------------------
 def _dim(node, dim) -> int:
     return dim % len(shape(node))
-
-
-def _users(node: torch.fx.Node, *targets) -> list[torch.fx.Node]:
-    return [u for u in node.users if is_op(u, *targets)]
-
-
-def _one_user(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 and is_op(users[0], *targets) else None
 
 
 def _other(node: torch.fx.Node, known) -> object:
@@ -112,7 +103,7 @@ def _cast_user(node, to: torch.dtype):
     canonicaliser drops casts to a tensor's own dtype)."""
     if dtype(node) == to:
         return node
-    casts = [u for u in _users(node, CONVERT) if u.args[1] == to]
+    casts = [u for u in users_of(node, CONVERT) if u.args[1] == to]
     return casts[0] if len(casts) == 1 else None
 
 
@@ -140,10 +131,10 @@ def _match(stats: torch.fx.Node) -> dict:
 
 def _pooling(probs):
     """(pooled, KVs) of sum(KVs * P.to(KVs.dtype), 2): the softmax weights pooling values over the slots."""
-    weights = [probs] + [c for c in _users(probs, CONVERT)]
+    weights = [probs] + [c for c in users_of(probs, CONVERT)]
     for w in weights:
-        for mul in _users(w, aten.mul.Tensor):
-            total = _one_user(mul, aten.sum.dim_IntList)
+        for mul in users_of(w, aten.mul.Tensor):
+            total = only_user(mul, aten.sum.dim_IntList)
             if total is None or not _dims_are(total.args[1], mul, (2,)) or (len(total.args) > 2 and total.args[2]):
                 continue
             values = _other(mul, w)
@@ -162,21 +153,21 @@ def _rmsnorm(pooled, kv_dtype) -> dict:
     xf = _cast_user(pooled, torch.float32)
     if xf is None:
         raise NoMatch(f"{miss} (no single fp32 upcast)")
-    squares = [u for u in _users(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
+    squares = [u for u in users_of(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
     if len(squares) != 1:
         raise NoMatch(f"{miss} (no square)")
-    mean = _one_user(squares[0], aten.mean.dim)
+    mean = only_user(squares[0], aten.mean.dim)
     if mean is None or not _dims_are(mean.args[1], squares[0], (len(shape(xf)) - 1,)) or not (len(mean.args) > 2 and mean.args[2]):
         raise NoMatch(f"{miss} (no mean over the last dim)")
-    add = _one_user(mean, aten.add.Tensor)
-    rsqrt = _one_user(add, aten.rsqrt.default) if add is not None else None
+    add = only_user(mean, aten.add.Tensor)
+    rsqrt = only_user(add, aten.rsqrt.default) if add is not None else None
     eps = scalar_arg(add.args[1]) if add is not None else None
     if rsqrt is None or eps is None:
         raise NoMatch(f"{miss} (no rsqrt(mean + eps) with a constant eps)")
-    scaled = [u for u in _users(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
+    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
     if len(scaled) != 1 or len(xf.users) != 2:
         raise NoMatch(f"{miss} (x * rsqrt(...) not found, or x has other readers)")
-    weighted = _one_user(scaled[0], aten.mul.Tensor)
+    weighted = only_user(scaled[0], aten.mul.Tensor)
     weight = _other(weighted, scaled[0]) if weighted is not None else None
     if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 \
             or not same_size(shape(weight)[0], shape(pooled)[-1]) or dtype(weighted) != torch.float32:
@@ -218,7 +209,7 @@ def _rope(normed, kv_dtype) -> dict:
         base = lifted[0]
     D = shape(normed)[-1]
     last = len(shape(base)) - 1
-    slices = _users(base, aten.slice.Tensor)
+    slices = users_of(base, aten.slice.Tensor)
     for rope_part in [s for s in slices if _dim(base, s.args[1]) == last]:
         R = shape(rope_part)[-1]
         if not _is_slice(rope_part, base, last, D - R, D):
@@ -230,7 +221,7 @@ def _rope(normed, kv_dtype) -> dict:
         if found is None:
             raise NoMatch(f"{miss} (x*cos + rotate_half(x)*sin over interleaved pairs not found)")
         rotated, cos, sin = found
-        cat = [c for c in _users(rotated, aten.cat.default) if list(c.args[0]) == [nope[0], rotated]
+        cat = [c for c in users_of(rotated, aten.cat.default) if list(c.args[0]) == [nope[0], rotated]
                and _dim(c, c.args[1] if len(c.args) > 1 else 0) == last]
         if len(cat) != 1:
             raise NoMatch(f"{miss} (the roped part is not cat'ed back after the rest)")
@@ -241,25 +232,25 @@ def _rope(normed, kv_dtype) -> dict:
 def _rotation(r, kv_dtype, rows):
     """(rotated, cos, sin) of ((r.float() * c2) + (rotate_half(r).float() * s2)).to(dtype)."""
     rf = _cast_user(r, torch.float32) if kv_dtype != torch.float32 else r
-    odd = [s for s in _users(r, aten.slice.Tensor) if _is_strided_slice(s, r, 1)]
-    even = [s for s in _users(r, aten.slice.Tensor) if _is_strided_slice(s, r, 0)]
+    odd = [s for s in users_of(r, aten.slice.Tensor) if _is_strided_slice(s, r, 1)]
+    even = [s for s in users_of(r, aten.slice.Tensor) if _is_strided_slice(s, r, 0)]
     if rf is None or len(odd) != 1 or len(even) != 1:
         return None
-    neg = _one_user(odd[0], aten.neg.default)
-    lift_odd = _one_user(neg, aten.unsqueeze.default) if neg is not None else None
-    lift_even = _one_user(even[0], aten.unsqueeze.default)
+    neg = only_user(odd[0], aten.neg.default)
+    lift_odd = only_user(neg, aten.unsqueeze.default) if neg is not None else None
+    lift_even = only_user(even[0], aten.unsqueeze.default)
     if lift_odd is None or lift_even is None:
         return None
-    stack = _one_user(lift_odd, aten.cat.default)
+    stack = only_user(lift_odd, aten.cat.default)
     if stack is None or list(stack.args[0]) != [lift_odd, lift_even] \
             or _dim(stack, stack.args[1]) != len(shape(stack)) - 1 or not same_size(shape(stack)[-1], 2):
         return None
-    flat = _one_user(stack, *VIEW_OPS)
+    flat = only_user(stack, *VIEW_OPS)
     if flat is None or not same_shape(shape(flat), shape(r)):
         return None
     turned = _cast_user(flat, torch.float32)
-    for cos_mul in _users(rf, aten.mul.Tensor):
-        for add in _users(cos_mul, aten.add.Tensor):
+    for cos_mul in users_of(rf, aten.mul.Tensor):
+        for add in users_of(cos_mul, aten.add.Tensor):
             sin_mul = _other(add, cos_mul)
             if not is_op(sin_mul, aten.mul.Tensor) or turned is None or turned not in sin_mul.args:
                 continue

@@ -103,9 +103,15 @@ def scalar_arg(node: Any) -> float | None:
     return None
 
 
-def only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+def only_user(node: torch.fx.Node, *targets: Any) -> torch.fx.Node | None:
+    """The node's single user (one of `targets`' calls, when given), or None."""
     users = list(node.users)
-    return users[0] if len(users) == 1 else None
+    return users[0] if len(users) == 1 and (not targets or is_op(users[0], *targets)) else None
+
+
+def users_of(node: torch.fx.Node, *targets: Any) -> list[torch.fx.Node]:
+    """The node's users that call one of `targets`."""
+    return [u for u in node.users if is_op(u, *targets)]
 
 
 def is_last_dim(node: Any, dims_arg: Any, dim: int = -1) -> bool:

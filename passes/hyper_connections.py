@@ -120,11 +120,6 @@ def _getitem_of(node, target):
     return None
 
 
-def _only_user(node, *targets):
-    user = only_user(node)
-    return user if is_op(user, *targets) else None
-
-
 # --------------------------------------------------------------------------------------------
 # The collapse and what it proves
 # --------------------------------------------------------------------------------------------
@@ -290,8 +285,8 @@ def _match_mixing(w_pre, pre_scale, pre_base, hc, hc_eps) -> dict:
 
 def _affine_user(w, scale, base, index):
     """The (unique) user chain w * scale[index] + base[index] of logits w: the add node."""
-    mul = _only_user(w, aten.mul.Tensor)
-    add = _only_user(mul, aten.add.Tensor) if mul is not None else None
+    mul = only_user(w, aten.mul.Tensor)
+    add = only_user(mul, aten.add.Tensor) if mul is not None else None
     found = _affine(add) if add is not None else None
     if found is None or found[0] is not w and strip(found[0], VIEW_OPS) is not w:
         return None
@@ -303,22 +298,22 @@ def _affine_user(w, scale, base, index):
 
 def _match_post(w_post, scale, base):
     add = _affine_user(w_post, scale, base, 1)
-    sig = _only_user(add, aten.sigmoid.default) if add is not None else None
-    post = _only_user(sig, aten.mul.Tensor) if sig is not None else None
+    sig = only_user(add, aten.sigmoid.default) if add is not None else None
+    post = only_user(sig, aten.mul.Tensor) if sig is not None else None
     if post is None or 2.0 not in [scalar_arg(a) for a in post.args]:
         raise NoMatch("hyper-connection: post is not 2 * sigmoid(w * scale[1] + base[n:2n])")
     return post
 
 
 def _match_comb(w_comb, scale, base, hc, hc_eps):
-    view = _only_user(w_comb, *VIEW_OPS)
+    view = only_user(w_comb, *VIEW_OPS)
     if view is None or not same_shape(shape(view)[-2:], (hc, hc)):
         raise NoMatch(f"hyper-connection: comb logits are not viewed as {hc} x {hc}")
     add = _affine_user(view, scale, base, 2)
     if add is None:
         raise NoMatch("hyper-connection: comb is not w * scale[2] + base[2n:]")
     soft = _match_softmax(add)
-    c = soft.users and _only_user(soft, aten.add.Tensor)
+    c = soft.users and only_user(soft, aten.add.Tensor)
     if not c or _add_const(c) is None or _add_const(c)[1] != hc_eps:
         raise NoMatch("hyper-connection: comb is not softmax(...) + hc_eps (the pre's eps)")
     rank = len(shape(c))
@@ -341,7 +336,7 @@ def _match_comb(w_comb, scale, base, hc, hc_eps):
 def _match_softmax(z):
     """softmax(z, -1) as `_softmax`, decomposed, or in Inductor's online form (CUDA): its output."""
     rank = len(shape(z))
-    soft = _only_user(z, aten._softmax.default)
+    soft = only_user(z, aten._softmax.default)
     if soft is not None and _dim(soft.args[1], rank) == rank - 1:
         return soft
     parts = softmax_parts(z)
@@ -356,9 +351,9 @@ def _sinkhorn_step(c, rank):
         if not is_op(total, aten.sum.dim_IntList):
             continue
         dims, keepdim = _reduce_dims(total)
-        add = _only_user(total, aten.add.Tensor)
+        add = only_user(total, aten.add.Tensor)
         found = _add_const(add) if add is not None else None
-        div = _only_user(add, aten.div.Tensor) if found else None
+        div = only_user(add, aten.div.Tensor) if found else None
         if keepdim and len(dims) == 1 and div is not None and div.args == (c, add):
             return dims[0], found[1], div
     return None
@@ -371,7 +366,7 @@ def _collapsed_output(total, x):
     and its value is upcast for those readers."""
     if dtype(x) == dtype(total):
         return total, False
-    cast = _only_user(total, CONVERT)
+    cast = only_user(total, CONVERT)
     if cast is not None and cast.args[1] == dtype(x):
         return cast, False
     if dtype(total) == torch.float32 and dtype(x) in (torch.bfloat16, torch.float16) and not any(

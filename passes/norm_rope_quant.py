@@ -74,6 +74,7 @@ from .graph_utils import (
     scalar_arg,
     shape,
     strip,
+    users_of,
     val,
 )
 from .norm_rope_quant_groups import group_launches
@@ -118,8 +119,8 @@ def _rewrite_split(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: Pa
 
 def _starts_rmsnorm(part: torch.fx.Node) -> bool:
     """Whether `part` is upcast (or fp32) and squared: the head of an RMSNorm (the rest is then checked)."""
-    heads = [part] + [u for u in _users(part, CONVERT) if u.args[1] == torch.float32]
-    return any(u.args[1] == 2 for h in heads for u in _users(h, aten.pow.Tensor_Scalar))
+    heads = [part] + [u for u in users_of(part, CONVERT) if u.args[1] == torch.float32]
+    return any(u.args[1] == 2 for h in heads for u in users_of(h, aten.pow.Tensor_Scalar))
 
 def _getitems(split: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return {u.args[1]: u for u in split.users if u.target is operator.getitem}
@@ -143,10 +144,6 @@ def _match(split: torch.fx.Node) -> dict:
     return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
 
 
-def _users(node: torch.fx.Node, *targets) -> list[torch.fx.Node]:
-    return [u for u in node.users if is_op(u, *targets)]
-
-
 def _other(node: torch.fx.Node, known: torch.fx.Node):
     a, b = node.args[0], node.args[1]
     return b if a is known else a if b is known else None
@@ -158,11 +155,11 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     `x * r.to(dtype)`."""
     xf = part
     if x_dtype != torch.float32:
-        casts = [u for u in _users(part, CONVERT) if u.args[1] == torch.float32]
+        casts = [u for u in users_of(part, CONVERT) if u.args[1] == torch.float32]
         if len(casts) != 1:
             raise NoMatch("no fp32 upcast", reported=False)
         xf = casts[0]
-    squares = [u for u in _users(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
+    squares = [u for u in users_of(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
     if len(squares) != 1:
         raise NoMatch("no square", reported=False)
     mean = _row_mean(squares[0])
@@ -183,19 +180,19 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
         product = _only(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None
         if product is not None and _other(product, scale) is part:
             return {"norm_out": product, "weight": None, "eps": eps, "rounding": "unweighted_scale_cast"}
-    scaled = [u for u in _users(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
+    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
     if len(scaled) != 1:
         raise NoMatch("RMSNorm: x * rsqrt(...) not found")
     h = scaled[0]
     c_norm = shape(part)[-1]
     if x_dtype == torch.float32:
-        if unweighted and not _users(h, aten.mul.Tensor):
+        if unweighted and not users_of(h, aten.mul.Tensor):
             return {"norm_out": h, "weight": None, "eps": eps, "rounding": "unweighted"}
         out, weight = _weight_mul(h, c_norm, torch.float32)
         return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
-    narrowed = [u for u in _users(h, CONVERT) if u.args[1] == x_dtype]
+    narrowed = [u for u in users_of(h, CONVERT) if u.args[1] == x_dtype]
     if len(narrowed) == 1 and len(h.users) == 1:
-        if unweighted and not _users(narrowed[0], aten.mul.Tensor):
+        if unweighted and not users_of(narrowed[0], aten.mul.Tensor):
             return {"norm_out": narrowed[0], "weight": None, "eps": eps, "rounding": "unweighted"}
         out, weight = _weight_mul(narrowed[0], c_norm, x_dtype)
         return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": False,
@@ -230,7 +227,7 @@ def _only(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
 
 
 def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
-    muls = _users(h, aten.mul.Tensor)
+    muls = users_of(h, aten.mul.Tensor)
     if len(muls) != 1 or len(h.users) != 1:
         raise NoMatch("RMSNorm: normalised value is not multiplied by a weight (or has other users)")
     weight = _other(muls[0], h)
@@ -272,7 +269,7 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     if not same_size(width % 2, 0):
         raise NoMatch(f"RoPE width {width} is not provably even")
     half = width // 2
-    slices = _users(rot, aten.slice.Tensor)
+    slices = users_of(rot, aten.slice.Tensor)
     even = [s for s in slices if _slice(s, rot, 0, END, 2)]
     odd = [s for s in slices if _slice(s, rot, 1, END, 2)]
     if len(even) == 1 and len(odd) == 1:
@@ -298,7 +295,7 @@ def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
     if sorted(parts) != [0, 1] or not all(same_size(shape(p)[-1], half) for p in parts.values()):
         raise NoMatch("RoPE: the rotated part is split in other than two halves")
     x1, x2 = parts[0], parts[1]
-    for sub in [u for m, _ in _product(x1) for u in _users(m, aten.sub.Tensor) if u.args[0] is m]:
+    for sub in [u for m, _ in _product(x1) for u in users_of(m, aten.sub.Tensor) if u.args[0] is m]:
         x1_c, x2_s = sub.args
         c, s = _other(x1_c, x1), _other(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
         cat = _only(sub, aten.cat.default)
@@ -331,7 +328,7 @@ def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
 
 def _product(a: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """Users `a * f` of `a`: (mul node, f)."""
-    return [(u, _other(u, a)) for u in _users(a, aten.mul.Tensor) if _other(u, a) is not None and _other(u, a) is not a]
+    return [(u, _other(u, a)) for u in users_of(a, aten.mul.Tensor) if _other(u, a) is not None and _other(u, a) is not a]
 
 
 def _cos_source(factor: torch.fx.Node, rot: torch.fx.Node, half, width, x_dtype) -> tuple:
@@ -360,14 +357,14 @@ def _check_table(table, factor, rot, width, x_dtype) -> None:
 
 def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
     width = shape(rot)[-1]
-    for sub in [u for m, _ in _product(even) for u in _users(m, aten.sub.Tensor) if u.args[0] is m]:
+    for sub in [u for m, _ in _product(even) for u in users_of(m, aten.sub.Tensor) if u.args[0] is m]:
         even_c, odd_s = sub.args
         c = _other(even_c, even)
         if not (is_op(odd_s, aten.mul.Tensor) and _other(odd_s, odd) is not None):
             continue
         s = _other(odd_s, odd)
-        cats = _users(sub, aten.cat.default)
-        if not cats and _users(sub, aten.unsqueeze.default):
+        cats = users_of(sub, aten.cat.default)
+        if not cats and users_of(sub, aten.unsqueeze.default):
             raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no "
                           "kernel computes that form")
         for cat in cats:
@@ -392,12 +389,12 @@ def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
     neg = _only(hi, aten.neg.default)
     if neg is None:
         raise NoMatch("half-split RoPE: no -x[..., h:]")
-    rotated = [c for c in _users(neg, aten.cat.default) if list(c.args[0]) == [neg, lo]
+    rotated = [c for c in users_of(neg, aten.cat.default) if list(c.args[0]) == [neg, lo]
                and _is_last_dim(c, c.args[1] if len(c.args) > 1 else 0)]
     if len(rotated) != 1:
         raise NoMatch("half-split RoPE: no cat(-x2, x1)")
     for m_sin, sin in _product(rotated[0]):
-        for add in _users(m_sin, aten.add.Tensor):
+        for add in users_of(m_sin, aten.add.Tensor):
             m_cos = _other(add, m_sin)
             if is_op(m_cos, aten.mul.Tensor) and _other(m_cos, rot) is not None:
                 cos = _other(m_cos, rot)
@@ -482,7 +479,7 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
         raise NoMatch("split part unused", reported=False)
     for rope_index in (0, 1):
         rot, kept = parts[rope_index], parts[1 - rope_index]
-        if not _users(rot, aten.slice.Tensor, aten.split_with_sizes.default, aten.split.Tensor):
+        if not users_of(rot, aten.slice.Tensor, aten.split_with_sizes.default, aten.split.Tensor):
             continue
         try:
             rope = _match_rope(rot, dtype(x))
@@ -738,12 +735,12 @@ def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
 
     with views (the key's squeeze) allowed between `cat` and the blocks (fp32 inputs have no upcast)."""
     blocks = cat
-    while not (dtype(blocks) == torch.float32 and _users(blocks, aten.abs.default)):
+    while not (dtype(blocks) == torch.float32 and users_of(blocks, aten.abs.default)):
         blocks = _only(blocks, *LAYER_NORM_VIEWS, CONVERT)
         if blocks is None or (is_op(blocks, CONVERT) and blocks.args[1] != torch.float32):
             break
     width = shape(cat)[-1]
-    if (blocks is None or not _users(blocks, aten.abs.default) or len(shape(blocks)) < 2
+    if (blocks is None or not users_of(blocks, aten.abs.default) or len(shape(blocks)) < 2
             or not same_size(shape(blocks)[-2] * shape(blocks)[-1], width)):
         raise NoMatch("complex RoPE + cat not followed by the fp8 per-block quantisation (no fused kernel for "
                       "the unquantised output)")
