@@ -44,7 +44,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item() if ref.numel() else 0.0
 
 
-def run_case(model, preset: str, batch: int, seq: int, device) -> dict:
+def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bool = True) -> dict:
     import dsfuse
 
     ids, mask = _inputs(model.config.vocab_size, batch, seq, device)
@@ -55,8 +55,10 @@ def run_case(model, preset: str, batch: int, seq: int, device) -> dict:
         with torch.no_grad():
             eager = model(input_ids=ids, attention_mask=mask).logits
             torch._dynamo.reset()
-            inductor = torch.compile(model, backend="inductor")(input_ids=ids, attention_mask=mask).logits
-            torch._dynamo.reset()
+            inductor = None
+            if with_inductor:
+                inductor = torch.compile(model, backend="inductor")(input_ids=ids, attention_mask=mask).logits
+                torch._dynamo.reset()
             dsfuse.reset_report()
             fused = torch.compile(model, backend="dsfuse")(input_ids=ids, attention_mask=mask).logits
         rep = dsfuse.report()
@@ -66,7 +68,7 @@ def run_case(model, preset: str, batch: int, seq: int, device) -> dict:
             notes=[g.note for g in rep.graphs if g.note],
             graphs=len(rep.graphs),
             dsfuse_err=_rel_err(fused, eager, keep),
-            inductor_err=_rel_err(inductor, eager, keep),
+            inductor_err=None if inductor is None else _rel_err(inductor, eager, keep),
             nan=bool(fused[keep].isnan().any()),
         )
     except Exception as error:  # a failing case is a finding: record it and go on
@@ -75,6 +77,17 @@ def run_case(model, preset: str, batch: int, seq: int, device) -> dict:
     case["seconds"] = round(time.perf_counter() - start, 1)
     torch._dynamo.reset()
     return case
+
+
+def _fmt_err(err) -> str:
+    return "-" if err is None else f"{err:.2e}"
+
+
+def write(out: Path, cases: list[dict]) -> None:
+    """Both files after every case: a run cut short by its time limit still leaves what it measured."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_fuzz.json").write_text(json.dumps(cases, indent=1))
+    (out / "model_fuzz.md").write_text(markdown(cases))
 
 
 def markdown(cases: list[dict]) -> str:
@@ -87,7 +100,7 @@ def markdown(cases: list[dict]) -> str:
             continue
         sites = ", ".join(f"{k} {v}" for k, v in c["sites"].items()) or "-"
         lines.append(f"| {c['preset']} | {c['batch']} | {c['seq']} | {sites} | {len(c['near_misses'])} | "
-                     f"{c['dsfuse_err']:.2e} | {c['inductor_err']:.2e} | {c['seconds']} |")
+                     f"{c['dsfuse_err']:.2e} | {_fmt_err(c['inductor_err'])} | {c['seconds']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -98,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", nargs="*", type=int, default=None)
     parser.add_argument("--batches", nargs="*", type=int, default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--no-inductor", action="store_true", help="compare dsfuse with eager only (faster)")
     args = parser.parse_args(argv)
 
     from dsfuse.models.presets import build_hf_model
@@ -111,23 +125,21 @@ def main(argv=None) -> int:
         presets, lengths = args.presets or GPU_PRESETS, args.lengths or GPU_LENGTHS
         batches = args.batches or GPU_BATCHES
         overrides = {}
-    cases = []
+    cases, out = [], Path(args.out)
     for preset in presets:
         model = build_hf_model(preset, dtype=dtype, device=device, **overrides)
         for batch in batches:
             for seq in lengths:
                 if (preset, batch, seq) in SKIP and not args.cpu_smoke:
                     continue
-                case = run_case(model, preset, batch, seq, device)
+                case = run_case(model, preset, batch, seq, device, with_inductor=not args.no_inductor)
                 cases.append(case)
+                write(out, cases)
                 print(json.dumps({k: v for k, v in case.items() if k != "traceback"}), flush=True)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "model_fuzz.json").write_text(json.dumps(cases, indent=1))
-    (out / "model_fuzz.md").write_text(markdown(cases))
+    write(out, cases)
     print(markdown(cases))
     return 1 if any("error" in c for c in cases) else 0
 
