@@ -49,7 +49,7 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
 
     ids, mask = _inputs(model.config.vocab_size, batch, seq, device)
     keep = mask.bool()
-    case = {"preset": preset, "batch": batch, "seq": seq}
+    case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq}
     start = time.perf_counter()
     try:
         with torch.no_grad():
@@ -111,6 +111,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", nargs="*", type=int, default=None)
     parser.add_argument("--batches", nargs="*", type=int, default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="the models' attention implementation")
     parser.add_argument("--no-inductor", action="store_true", help="compare dsfuse with eager only (faster)")
     args = parser.parse_args(argv)
 
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
         overrides = {}
     cases, out = [], Path(args.out)
     for preset in presets:
-        model = build_hf_model(preset, dtype=dtype, device=device, **overrides)
+        model = build_hf_model(preset, dtype=dtype, device=device, attn_implementation=args.attn, **overrides)
         for batch in batches:
             for seq in lengths:
                 if (preset, batch, seq) in SKIP and not args.cpu_smoke:
