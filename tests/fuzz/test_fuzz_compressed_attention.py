@@ -6,12 +6,17 @@ padding, then increasing positions)."""
 
 import pytest
 import torch
-from fuzz_support import fuzzes, seeds, sizes, values
+from fuzz_support import DEVICE, fuzzes, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dsfuse.kernels.compressed_attention import (compressed_attention, compressed_attention_reference,
                                                 compressed_attention_triton)
+
+
+def _on_device(*args):
+    """The op's arguments on the device the suite runs on (its kernel path on CUDA, the interpreter on CPU)."""
+    return tuple(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 4e-3}
 
@@ -103,7 +108,7 @@ def test_compressed_attention_triton_path_is_the_reference(path, data, form, rop
             picks = torch.stack([torch.randperm(T, generator=g)[:k] for _ in range(B * S)]).view(B, S, k)
             indices = torch.where(torch.rand(B, S, k, generator=g) < 0.2, -1, picks)  # distinct, as a top-k's
     cos, sin = _rope_tables(data, g, B, S, D) if rope else (None, None)
-    args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
+    args = _on_device(q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
     launch = {"path": "fused"}
     if path == "split":
         launch = {"path": "split", "d_chunk": 16, "normalize_in_scores": data.draw(st.booleans())}
