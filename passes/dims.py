@@ -9,7 +9,7 @@ mismatch, so a dynamic graph is never specialised.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -35,18 +35,25 @@ def layout_chain(node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     return chain[0], chain[1:]
 
 
+def views_along(chain: list[torch.fx.Node], keep: Callable[[torch.fx.Node], bool]) -> list[tuple[torch.fx.Node, list]]:
+    """Every (node, the ops after it) on `chain` ([leaf, ..., node]) that `keep` accepts, nearest the leaf first."""
+    return [(node, chain[i + 1:]) for i, node in enumerate(chain) if keep(node)]
+
+
+def views_of_rank(node, rank: int) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """Every (tensor, ops after it) on `layout_chain(node)` with `rank` dims, nearest the leaf first."""
+    leaf, ops = layout_chain(node)
+    return views_along([leaf, *ops], lambda n: len(shape(n)) == rank)
+
+
 def leaf_of_rank(node, rank: int) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """Like `layout_chain`, but stop at the node nearest the true leaf that has `rank` dims.
 
     A fused op wants, say, keys as [B, T, D]; a model may hold them as [B, T, 1, D] and squeeze. The
     dims are checked afterwards, so picking a view of the leaf never accepts a wrong contraction.
     """
-    leaf, ops = layout_chain(node)
-    chain = [leaf] + ops
-    for i, candidate in enumerate(chain):
-        if len(shape(candidate)) == rank:
-            return candidate, ops[i:]
-    return leaf, ops
+    found = views_of_rank(node, rank)
+    return found[0] if found else layout_chain(node)
 
 
 def leaf_labels(node, names: Sequence[str]) -> Labels | None:
@@ -126,11 +133,12 @@ def apply_op(labels: Labels, node: torch.fx.Node) -> Labels | None:
     return None
 
 
-def follow(labels: Labels, ops: list[torch.fx.Node]) -> Labels | None:
+def follow(labels: Labels | None, ops: list[torch.fx.Node]) -> Labels | None:
+    """`labels` after each of `ops` in order; None once an op does not carry them (or they are None)."""
     for op in ops:
-        labels = apply_op(labels, op)
         if labels is None:
             return None
+        labels = apply_op(labels, op)
     return labels
 
 
