@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .graph_utils import CONVERT, LAYOUT_OPS, VIEW_OPS, aten, is_op, same_size, shape, walk_back
+from .graph_utils import LAYOUT_OPS, VIEW_OPS, aten, is_op, is_upcast, same_size, shape, walk_back
 
 Atom = tuple[str, object]
 Labels = list[tuple[Atom, ...]]
@@ -25,13 +25,9 @@ def _is_one(size) -> bool:
     return same_size(size, 1)
 
 
-def _is_upcast(node) -> bool:
-    return is_op(node, CONVERT) and node.args[1] == torch.float32
-
-
 def layout_chain(node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """(leaf, ops): walk back through layout ops and fp32 upcasts; `ops` run from the leaf forward."""
-    chain = walk_back(node, lambda n: is_op(n, *LAYOUT_OPS) or _is_upcast(n))
+    chain = walk_back(node, lambda n: is_op(n, *LAYOUT_OPS) or is_upcast(n))
     return chain[0], chain[1:]
 
 
@@ -107,7 +103,7 @@ def apply_op(labels: Labels, node: torch.fx.Node) -> Labels | None:
     """Labels of `node`'s output given its input's labels, or None for an op this cannot follow."""
     target, args = node.target, node.args
     rank = len(labels)
-    if target in (aten.clone.default, aten.contiguous.default) or _is_upcast(node):
+    if target in (aten.clone.default, aten.contiguous.default) or is_upcast(node):
         return list(labels)
     if target is aten.unsqueeze.default:
         dim = args[1] % (rank + 1)

@@ -112,6 +112,11 @@ def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def is_upcast(node: Any) -> bool:
+    """A convert to fp32 (`x.float()`)."""
+    return is_op(node, CONVERT) and node.args[1] == torch.float32
+
+
 def scalar_constant(value: Any) -> float | bool | None:
     """A python scalar, or the value of a 0-d `full` / `scalar_tensor` node."""
     if isinstance(value, (bool, int, float)):

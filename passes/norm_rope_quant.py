@@ -74,6 +74,7 @@ from .graph_utils import (
     is_last_dim,
     is_last_dim_cat,
     is_op,
+    is_upcast,
     node_arg,
     only_user,
     same_shape,
@@ -206,7 +207,7 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     final = only_user(out32, CONVERT)
     if final is None or final.args[1] != x_dtype:
         raise NoMatch("RMSNorm: the fp32 weight product is not cast back to the input dtype")
-    if is_op(weight, CONVERT) and weight.args[1] == torch.float32:
+    if is_upcast(weight):
         weight = weight.args[0]
     return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
 
@@ -535,7 +536,7 @@ def _match_layer_norm(x: torch.fx.Node) -> dict | None:
         return None
     source = xf
     if x_dtype != torch.float32:
-        if not (is_op(xf, CONVERT) and xf.args[1] == torch.float32 and dtype(xf.args[0]) == x_dtype):
+        if not (is_upcast(xf) and dtype(xf.args[0]) == x_dtype):
             return None
         source = xf.args[0]
     if not _last_dim_contiguous(source):
@@ -835,7 +836,7 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     if square.args[1] != 2:
         raise NoMatch("not a square", reported=False)
     xf = square.args[0]
-    part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
+    part = xf.args[0] if is_upcast(xf) else xf
     if dtype(part) not in FLOAT_DTYPES or (part is not xf and dtype(part) == torch.float32):
         raise NoMatch("not an RMSNorm input", reported=False)
     source = strip(part, VIEW_OPS)
@@ -880,7 +881,7 @@ def _last_dim_slice(node: torch.fx.Node, width: int) -> tuple | None:
 
 def _fp32_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """What `node` upcasts to fp32 (`x.float()`), or node itself when it is fp32 already."""
-    if is_op(node, CONVERT) and node.args[1] == torch.float32:
+    if is_upcast(node):
         return node.args[0]
     return node if dtype(node) == torch.float32 else None
 
@@ -955,7 +956,7 @@ def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, 
     if not (is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
         return None, []
     xf = square.args[0]
-    part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
+    part = xf.args[0] if is_upcast(xf) else xf
     if dtype(part) != x_dtype:
         return None, []
     try:

@@ -35,11 +35,11 @@ import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk
 
 from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names, views_along
+from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
-                          dtype, fill_value, insert_call, is_last_dim, is_neg_inf, is_op, masking_bias, node_arg,
-                          only_user, same_shape, same_size, scalar_constant, scale_factor, scaled_input, shape,
-                          softmax_parts, strip, walk_back, walk_forward)
+                          dtype, fill_value, insert_call, is_last_dim, is_neg_inf, is_op, is_upcast, masking_bias,
+                          node_arg, only_user, same_shape, same_size, scalar_constant, scale_factor, scaled_input,
+                          shape, softmax_parts, strip, walk_back, walk_forward)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -105,13 +105,7 @@ def _scale_of(ops: list[torch.fx.Node]) -> float:
 
 def _through(labels: Labels | None, ops: list[torch.fx.Node]) -> Labels | None:
     """Follow labels through layout ops; casts and constant scalings keep them."""
-    for op in ops:
-        if labels is None:
-            return None
-        if _is_float_cast(op) or scale_factor(op) is not None:
-            continue
-        labels = apply_op(labels, op)
-    return labels
+    return follow(labels, [op for op in ops if not (_is_float_cast(op) or scale_factor(op) is not None)])
 
 
 def _expected(letters: str, sizes: tuple) -> list[tuple[str, ...]]:
@@ -177,7 +171,7 @@ def _softmax_parts(x: torch.fx.Node) -> dict | None:
     sum, then sub / exp / div), and the SDPA math's `where(row all -inf, 0, probs)` around it."""
     source = x
     users = list(x.users)
-    if len(users) == 1 and is_op(users[0], CONVERT) and users[0].args[1] == torch.float32:
+    if len(users) == 1 and is_upcast(users[0]):
         x = users[0]
         users = list(x.users)
     parts = softmax_parts(x)
