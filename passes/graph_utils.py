@@ -108,6 +108,14 @@ def node_arg(node: torch.fx.Node, index: int, name: str, default: Any = None) ->
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
+def broadcasts_to(small: Iterable, target: Iterable) -> bool:
+    """Proven (no guard) that a tensor of shape `small` broadcasts to `target` (dims aligned from the right)."""
+    small, target = tuple(small), tuple(target)
+    if len(small) > len(target):
+        return False
+    return all(same_size(a, 1) or same_size(a, b) for a, b in zip(small[::-1], target[::-1]))
+
+
 def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
@@ -173,6 +181,16 @@ def slice_args(node: torch.fx.Node) -> tuple:
     args = list(node.args[1:5]) + [0, None, None, 1][len(node.args) - 1:]
     dim, start, end, step = (val(a) for a in args[:4])
     return dim, start or 0, END if end is None else end, step or 1
+
+
+def slice_position(bound: Any, size: Any) -> Any:
+    """A slice bound (of `slice_args`) as a position in a dim of `size`: `END` is the size, a negative int counts
+    from the end."""
+    if isinstance(bound, int) and bound >= END:
+        return size
+    if isinstance(bound, int) and bound < 0:
+        return bound + size
+    return bound
 
 
 def scalar_arg(node: Any) -> float | None:

@@ -69,6 +69,7 @@ from .graph_utils import (
     SPLIT_OPS,
     VIEW_OPS,
     aten,
+    broadcasts_to,
     dtype,
     insert_call,
     is_last_dim,
@@ -341,7 +342,7 @@ def _check_table(table, factor, rot, width, x_dtype) -> None:
     if not same_size(shape(table)[-1], width):
         raise NoMatch(f"RoPE: cos/sin width {shape(table)[-1]} is not the rotated width {width}")
     lead, rows = shape(factor)[:-1], shape(rot)[:-1]
-    if len(lead) != len(rows) or not all(same_size(a, b) or same_size(a, 1) for a, b in zip(lead, rows)):
+    if len(lead) != len(rows) or not broadcasts_to(lead, rows):
         raise NoMatch(f"RoPE: cos/sin rows {lead} do not broadcast to the rotated part's {rows}")
 
 
@@ -655,7 +656,7 @@ def _match_complex_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict | Non
     rows = shape(entry["complex"])
     if not (isinstance(freqs, torch.fx.Node) and dtype(freqs) == torch.complex64 and len(shape(freqs)) == len(rows)
             and same_size(shape(freqs)[-1], rows[-1])
-            and all(same_size(f, r) or same_size(f, 1) for f, r in zip(shape(freqs)[:-1], rows[:-1]))):
+            and broadcasts_to(shape(freqs)[:-1], rows[:-1])):
         raise NoMatch(f"complex RoPE: the rotations {freqs} are not a complex64 tensor broadcast over the rows")
     back = only_user(product, aten.view_as_real.default)
     if back is None:
@@ -937,7 +938,7 @@ def _match_pair_rope(rotated: torch.fx.Node, rot: torch.fx.Node, x_dtype: torch.
         if dtype(table) not in (x_dtype, torch.float32):
             raise NoMatch(f"V4 RoPE: cos/sin dtype {dtype(table)} is neither the input's {x_dtype} nor fp32")
         lead, rows = shape(factor)[:-1], shape(rot)[:-1]
-        if len(lead) != len(rows) or not all(same_size(a, b) or same_size(a, 1) for a, b in zip(lead, rows)):
+        if len(lead) != len(rows) or not broadcasts_to(lead, rows):
             raise NoMatch(f"V4 RoPE: cos/sin rows {list(lead)} do not broadcast to the rotated part's {list(rows)}")
         if not _last_dim_contiguous(table):
             raise NoMatch(f"V4 RoPE: {table}'s last dim is not contiguous")

@@ -37,9 +37,9 @@ from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
-                          dtype, fill_value, insert_call, is_last_dim, is_neg_inf, is_op, is_upcast, masking_bias,
-                          node_arg, only_user, same_shape, same_size, scalar_constant, scale_factor, scaled_input,
-                          shape, softmax_parts, strip, walk_back, walk_forward)
+                          broadcasts_to, dtype, fill_value, insert_call, is_last_dim, is_neg_inf, is_op, is_upcast,
+                          masking_bias, node_arg, only_user, same_shape, same_size, scalar_constant, scale_factor,
+                          scaled_input, shape, softmax_parts, strip, walk_back, walk_forward)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -156,13 +156,6 @@ def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
         return False
     inner = row_any.args[0]
     return is_op(inner, *NOT_OPS) and inner.args[0] is check
-
-
-def _broadcasts_to(small: tuple, target: tuple) -> bool:
-    """Proven (no guard) that a tensor of shape `small` broadcasts to `target`."""
-    if len(small) > len(target):
-        return False
-    return all(same_size(a, 1) or same_size(a, b) for a, b in zip(small[::-1], target[::-1]))
 
 
 def _softmax_parts(x: torch.fx.Node) -> dict | None:
@@ -332,7 +325,7 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
             raise NoMatch(f"unselected keys are filled with {comb['fill']}, not finfo({dtype(q)}).min")
         if not dtype(comb["attn_mask"]).is_floating_point:
             raise NoMatch(f"additive attention mask has dtype {dtype(comb['attn_mask'])}")
-    if not _broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
+    if not broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
         raise NoMatch(f"attention mask {shape(comb['attn_mask'])} does not broadcast to [B, H, S, T]")
     if not _selection_in_place(scatter, bias, B, S, T):
         raise NoMatch("the selection mask is not laid out as [B, 1, S, T] where it meets the scores")

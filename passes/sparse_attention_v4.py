@@ -32,10 +32,10 @@ import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.d
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, contracted, follow, leaf_labels, names
-from .graph_utils import (AND_OPS, CONVERT, END, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten,
-                          dtype, fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
+from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten, dtype,
+                          fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
                           node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
-                          slice_args, strip, val, walk_back)
+                          slice_args, slice_position, strip, val, walk_back)
 
 IOTA = torch.ops.prims.iota.default
 # What position tables and aranges are broadcast through on their way into the mask.
@@ -334,20 +334,13 @@ def _rotate_half_of(node, rope: torch.fx.Node) -> bool:
     odd, even = first.args[0], second
 
     def strided(s, start):
-        return is_op(s, aten.slice.Tensor) and s.args[0] is rope and is_last_dim(rope, slice_args(s)[0]) \
-            and slice_args(s)[1] == start and same_size(_at(slice_args(s)[2], shape(rope)[-1]), shape(rope)[-1]) \
-            and slice_args(s)[3] == 2
+        if not (is_op(s, aten.slice.Tensor) and s.args[0] is rope):
+            return False
+        dim, first, end, step = slice_args(s)
+        width = shape(rope)[-1]
+        return is_last_dim(rope, dim) and first == start and same_size(slice_position(end, width), width) and step == 2
 
     return strided(odd, 1) and strided(even, 0)
-
-
-def _at(value, D):
-    """A slice bound as a position in a dim of size D (negative ints count from the end, END is D)."""
-    if isinstance(value, int) and value >= END:
-        return D
-    if isinstance(value, int) and value < 0:
-        return value + D
-    return value
 
 
 def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
@@ -355,11 +348,12 @@ def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
     `apply_rotary_pos_emb(x, cos, -sin)` writes it (interleaved pairs, fp32 math), or None."""
     slices = [u for u in out_bhsd.users if is_op(u, aten.slice.Tensor) and is_last_dim(u, slice_args(u)[0])
               and slice_args(u)[3] == 1]
-    nope = next((s for s in slices if _at(slice_args(s)[1], D) == 0), None)
-    rope = next((s for s in slices if s is not nope and same_size(_at(slice_args(s)[2], D), D)), None)
-    if nope is None or rope is None or not same_size(_at(slice_args(nope)[2], D), _at(slice_args(rope)[1], D)):
+    span = {s: [slice_position(bound, D) for bound in slice_args(s)[1:3]] for s in slices}
+    nope = next((s for s in slices if span[s][0] == 0), None)
+    rope = next((s for s in slices if s is not nope and same_size(span[s][1], D)), None)
+    if nope is None or rope is None or not same_size(span[nope][1], span[rope][0]):
         return None
-    width = D - _at(slice_args(rope)[1], D)
+    width = D - span[rope][0]
     cats = [u for u in nope.users if is_last_dim_cat(u) and len(u.args[0]) == 2 and u.args[0][0] is nope]
     if len(cats) != 1:
         return None

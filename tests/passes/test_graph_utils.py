@@ -9,9 +9,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dsfuse.passes.dims import follow, leaf_labels, leaf_of_rank, views_along, views_of_rank
-from dsfuse.passes.graph_utils import (END, fake_call, fill_value, insert_call, is_last_dim_cat, is_neg_inf,
-                                       masking_bias, node_arg, scale_factor, scaled_input, size_arg, size_args,
-                                       slice_args, walk_back, walk_forward)
+from dsfuse.passes.graph_utils import (CONVERT, END, broadcasts_to, fake_call, fill_value, insert_call,
+                                       is_last_dim_cat, is_neg_inf, is_upcast, masking_bias, node_arg, scale_factor,
+                                       scaled_input, size_arg, size_args, slice_args, slice_position, walk_back,
+                                       walk_forward)
 
 aten = torch.ops.aten
 
@@ -91,6 +92,29 @@ def test_slice_args_fill_defaults_and_keep_symbols():
     dim, start, end, step = slice_args(b.call(aten.slice.Tensor, x, 1, 0, width))
     assert (dim, start, step) == (1, 0, 1) and isinstance(end, torch.SymInt)
     assert end.node.expr == sym.node.expr  # the symbol itself, never a guess at its value
+
+
+def test_slice_position_resolves_open_and_negative_bounds():
+    b = Builder(dynamic=True)
+    width = b.input(4, 8).meta["val"].shape[1]
+    assert slice_position(END, 8) == 8 and slice_position(-2, 8) == 6 and slice_position(3, 8) == 3
+    assert slice_position(END, width) is width
+    assert (slice_position(-2, width) - width + 2).node.expr == 0  # symbolic: width - 2, no guard taken
+
+
+def test_broadcasts_to_is_proven_not_guessed():
+    b = Builder(dynamic=True)
+    rows, cols = b.input(3, 5).meta["val"].shape
+    assert broadcasts_to((1, cols), (rows, cols)) and broadcasts_to((cols,), (rows, cols))
+    assert not broadcasts_to((rows, cols), (cols,)) and not broadcasts_to((rows,), (rows, cols))
+    assert broadcasts_to((1, 5), (3, 5)) and not broadcasts_to((2, 5), (3, 5))
+
+
+def test_is_upcast():
+    b = Builder()
+    x = b.input(2, 3, dtype=torch.bfloat16)
+    assert is_upcast(b.call(CONVERT, x, torch.float32)) and not is_upcast(b.call(CONVERT, x, torch.float16))
+    assert not is_upcast(x)
 
 
 def test_node_arg_and_last_dim_cat():
