@@ -262,6 +262,15 @@ def softmax_parts(x: Any, dim: int = -1) -> dict | None:
     return dict(stats=stats[0], row_max=row_max, row_sum=row_sum, sub=subs[0], exp=exp, probs=divs[0])
 
 
+def in_graph_order(nodes: Iterable[torch.fx.Node]) -> list[torch.fx.Node]:
+    """`nodes` (of one graph) sorted in the order the graph runs them."""
+    nodes = list(nodes)
+    if not nodes:
+        return []
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
 def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
     """`target(*args, **kwargs)` on the fake values of the argument nodes: what a new node would hold."""
     kwargs = kwargs or {}

@@ -48,8 +48,8 @@ import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
 from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype,
-                          fill_value, insert_call, is_op, node_arg, only_user, same_shape, same_size, shape, strip,
-                          walk_back)
+                          fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape, same_size,
+                          shape, strip, walk_back)
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -709,8 +709,7 @@ def _gate_path(side: torch.fx.Node, gate: torch.fx.Node) -> list[torch.fx.Node]:
             found.append(n)
             if n is not gate:
                 stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(gate.graph.nodes)}
-    return sorted(found, key=order.__getitem__)
+    return in_graph_order(found)
 
 
 def _clamped_silu_side(side: torch.fx.Node, gate: torch.fx.Node, limit: torch.Tensor) -> bool:
@@ -834,8 +833,7 @@ def _rows_gemms(g1: ExpertGemm) -> list[torch.fx.Node]:
             other = _expert_gemm(n)
             if other is not None and other.rows is g1.rows and other.route is g1.route:
                 gemms.append(n)
-    order = {n: i for i, n in enumerate(g1.rows.graph.nodes)}
-    return sorted(gemms, key=order.__getitem__)
+    return in_graph_order(gemms)
 
 
 def _slot_weights(sw: torch.fx.Node, route: dict, num_experts) -> tuple[torch.fx.Node, torch.dtype | None]:

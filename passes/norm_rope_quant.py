@@ -71,6 +71,7 @@ from .graph_utils import (
     aten,
     broadcasts_to,
     dtype,
+    in_graph_order,
     insert_call,
     is_last_dim,
     is_last_dim_cat,
@@ -396,7 +397,7 @@ def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
 
 
 def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
-    before = m["rope_out"] if _position(graph, m["rope_out"]) > _position(graph, m["norm_out"]) else m["norm_out"]
+    before = in_graph_order([m["rope_out"], m["norm_out"]])[-1]
     width = shape(m["proj"])[-1]
     x = insert_call(graph, before, aten.reshape.default, (m["proj"], [-1, width]))
     if "freqs" in m:  # the official complex RoPE: freqs' rows, which the flattened rows repeat
@@ -451,13 +452,6 @@ def _with_unit_dims(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx
     for _ in range(count):
         node = insert_call(graph, before, aten.unsqueeze.default, (node, 0))
     return node
-
-
-def _position(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    raise ValueError(f"{node} not in graph")
 
 
 def _match_rope_cat(split: torch.fx.Node) -> dict:

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dsfuse.passes.dims import follow, leaf_labels, leaf_of_rank, views_along, views_of_rank
-from dsfuse.passes.graph_utils import (CONVERT, END, broadcasts_to, fake_call, fill_value, insert_call,
+from dsfuse.passes.graph_utils import (CONVERT, END, broadcasts_to, fake_call, fill_value, in_graph_order, insert_call,
                                        is_last_dim_cat, is_neg_inf, is_upcast, masking_bias, node_arg, scale_factor,
                                        scaled_input, size_arg, size_args, slice_args, slice_position, walk_back,
                                        walk_forward)
@@ -108,6 +108,13 @@ def test_broadcasts_to_is_proven_not_guessed():
     assert broadcasts_to((1, cols), (rows, cols)) and broadcasts_to((cols,), (rows, cols))
     assert not broadcasts_to((rows, cols), (cols,)) and not broadcasts_to((rows,), (rows, cols))
     assert broadcasts_to((1, 5), (3, 5)) and not broadcasts_to((2, 5), (3, 5))
+
+
+def test_in_graph_order():
+    b = Builder()
+    x = b.input(2)
+    first, second, third = (b.call(aten.neg.default, x) for _ in range(3))
+    assert in_graph_order([third, first, second]) == [first, second, third] and in_graph_order([]) == []
 
 
 def test_is_upcast():
