@@ -120,6 +120,12 @@ def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def other_operand(node: torch.fx.Node, known: Any) -> Any:
+    """The operand of a binary call that is not `known`, or None when neither is."""
+    a, b = node.args[:2]
+    return b if a is known else a if b is known else None
+
+
 def is_upcast(node: Any) -> bool:
     """A convert to fp32 (`x.float()`)."""
     return is_op(node, CONVERT) and node.args[1] == torch.float32

@@ -79,6 +79,7 @@ from .graph_utils import (
     is_upcast,
     node_arg,
     only_user,
+    other_operand,
     same_shape,
     same_size,
     scalar_arg,
@@ -152,11 +153,6 @@ def _match(split: torch.fx.Node) -> dict:
     return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
 
 
-def _other(node: torch.fx.Node, known: torch.fx.Node):
-    a, b = node.args[0], node.args[1]
-    return b if a is known else a if b is known else None
-
-
 def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool = False) -> dict:
     """The RMSNorm of `part`: its final node, weight, eps and rounding (`weight_in_fp32`; `rounding`, a name of
     `RMS_NORMS`). With `unweighted`, a norm without weight too (weight None): `(x * r).to(dtype)` or V4's
@@ -186,9 +182,9 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)`
         scale = only_user(rsqrt, CONVERT)
         product = only_user(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None
-        if product is not None and _other(product, scale) is part:
+        if product is not None and other_operand(product, scale) is part:
             return {"norm_out": product, "weight": None, "eps": eps, "rounding": "unweighted_scale_cast"}
-    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
+    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if other_operand(u, rsqrt) is xf]
     if len(scaled) != 1:
         raise NoMatch("RMSNorm: x * rsqrt(...) not found")
     h = scaled[0]
@@ -232,7 +228,7 @@ def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[to
     muls = users_of(h, aten.mul.Tensor)
     if len(muls) != 1 or len(h.users) != 1:
         raise NoMatch("RMSNorm: normalised value is not multiplied by a weight (or has other users)")
-    weight = _other(muls[0], h)
+    weight = other_operand(muls[0], h)
     if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 or not same_size(shape(weight)[0], c_norm):
         raise NoMatch(f"RMSNorm: weight {weight} is not a 1-D [{c_norm}] tensor")
     if dtype(weight) != weight_dtype and not (weight_dtype == torch.float32 and dtype(weight) in FLOAT_DTYPES):
@@ -289,7 +285,7 @@ def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
     x1, x2 = parts[0], parts[1]
     for sub in [u for m, _ in _product(x1) for u in users_of(m, aten.sub.Tensor) if u.args[0] is m]:
         x1_c, x2_s = sub.args
-        c, s = _other(x1_c, x1), _other(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
+        c, s = other_operand(x1_c, x1), other_operand(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
         cat = only_user(sub, aten.cat.default)
         if s is None or cat is None or len(cat.args[0]) != 2 or cat.args[0][0] is not sub:
             continue
@@ -320,7 +316,7 @@ def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
 
 def _product(a: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """Users `a * f` of `a`: (mul node, f)."""
-    return [(u, _other(u, a)) for u in users_of(a, aten.mul.Tensor) if _other(u, a) is not None and _other(u, a) is not a]
+    return [(u, other_operand(u, a)) for u in users_of(a, aten.mul.Tensor) if other_operand(u, a) is not None and other_operand(u, a) is not a]
 
 
 def _cos_source(factor: torch.fx.Node, rot: torch.fx.Node, half, width, x_dtype) -> tuple:
@@ -351,10 +347,10 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
     width = shape(rot)[-1]
     for sub in [u for m, _ in _product(even) for u in users_of(m, aten.sub.Tensor) if u.args[0] is m]:
         even_c, odd_s = sub.args
-        c = _other(even_c, even)
-        if not (is_op(odd_s, aten.mul.Tensor) and _other(odd_s, odd) is not None):
+        c = other_operand(even_c, even)
+        if not (is_op(odd_s, aten.mul.Tensor) and other_operand(odd_s, odd) is not None):
             continue
-        s = _other(odd_s, odd)
+        s = other_operand(odd_s, odd)
         cats = users_of(sub, aten.cat.default)
         if not cats and users_of(sub, aten.unsqueeze.default):
             raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no "
@@ -387,9 +383,9 @@ def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
         raise NoMatch("half-split RoPE: no cat(-x2, x1)")
     for m_sin, sin in _product(rotated[0]):
         for add in users_of(m_sin, aten.add.Tensor):
-            m_cos = _other(add, m_sin)
-            if is_op(m_cos, aten.mul.Tensor) and _other(m_cos, rot) is not None:
-                cos = _other(m_cos, rot)
+            m_cos = other_operand(add, m_sin)
+            if is_op(m_cos, aten.mul.Tensor) and other_operand(m_cos, rot) is not None:
+                cos = other_operand(m_cos, rot)
                 for table in (cos, sin):
                     _check_table(table, table, rot, width, x_dtype)
                 return {"rope_out": add, "cos": (cos, None), "sin": (sin, None), "interleaved": False, "rot": rot}
@@ -510,12 +506,12 @@ def _match_layer_norm(x: torch.fx.Node) -> dict | None:
         return None
     scaled = _private_operand(affine, aten.mul.Tensor)  # (normalized * weight) + bias
     normalized = _private_operand(scaled, aten.mul.Tensor) if scaled is not None else None
-    if normalized is None or not all(_is_affine_param(p, width) for p in (_other(scaled, normalized),
-                                                                           _other(affine, scaled))):
+    if normalized is None or not all(_is_affine_param(p, width) for p in (other_operand(scaled, normalized),
+                                                                           other_operand(affine, scaled))):
         return None
-    weight, bias = _other(scaled, normalized), _other(affine, scaled)
+    weight, bias = other_operand(scaled, normalized), other_operand(affine, scaled)
     centred = _private_operand(normalized, aten.sub.Tensor)  # (xf - mean) * rsqrt(var + eps)
-    rsqrt = _other(normalized, centred) if centred is not None else None
+    rsqrt = other_operand(normalized, centred) if centred is not None else None
     if not (is_op(rsqrt, aten.rsqrt.default) and len(rsqrt.users) == 1):
         return None
     add_eps = rsqrt.args[0]

@@ -10,9 +10,9 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dsfuse.passes.dims import follow, leaf_labels, leaf_of_rank, views_along, views_of_rank
 from dsfuse.passes.graph_utils import (CONVERT, END, broadcasts_to, fake_call, fill_value, in_graph_order, insert_call,
-                                       is_last_dim_cat, is_neg_inf, is_upcast, masking_bias, node_arg, scale_factor,
-                                       scaled_input, size_arg, size_args, slice_args, slice_position, walk_back,
-                                       walk_forward)
+                                       is_last_dim_cat, is_neg_inf, is_upcast, masking_bias, node_arg, other_operand,
+                                       scale_factor, scaled_input, size_arg, size_args, slice_args, slice_position,
+                                       walk_back, walk_forward)
 
 aten = torch.ops.aten
 
@@ -115,6 +115,13 @@ def test_in_graph_order():
     x = b.input(2)
     first, second, third = (b.call(aten.neg.default, x) for _ in range(3))
     assert in_graph_order([third, first, second]) == [first, second, third] and in_graph_order([]) == []
+
+
+def test_other_operand():
+    b = Builder()
+    x, y = b.input(2), b.input(2)
+    product = b.call(aten.mul.Tensor, x, y)
+    assert other_operand(product, x) is y and other_operand(product, y) is x and other_operand(product, product) is None
 
 
 def test_is_upcast():
