@@ -33,8 +33,8 @@ from typing import Any, Callable
 
 import torch
 
-from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, fake_call, is_op, same_shape, same_size, scalar_arg,
-                          scalar_constant, shape, tensor_val, val)
+from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op,
+                          same_shape, same_size, scalar_arg, scalar_constant, shape, tensor_val, val)
 
 # Keys of the canonical forms recorded by the inexact rules.
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding
@@ -255,7 +255,7 @@ def mask_fill_first(node: torch.fx.Node) -> bool:
 def double_not(node: torch.fx.Node) -> bool:
     """`~~m` -> `m` for a bool mask."""
     inner = node.args[0]
-    return (is_op(inner, aten.bitwise_not.default, aten.logical_not.default) and dtype(inner.args[0]) == torch.bool
+    return (is_op(inner, *NOT_OPS) and dtype(inner.args[0]) == torch.bool
             and dtype(node) == torch.bool and _replace(node, inner.args[0]))
 
 
@@ -286,9 +286,6 @@ def split_of_cat_identity(node: torch.fx.Node) -> bool:
     return True
 
 
-SPLITS = (aten.split_with_sizes.default, aten.split.Tensor)
-
-
 def duplicate_split(node: torch.fx.Node) -> bool:
     """A second split of the same tensor with the same sizes -> the first one's pieces."""
     twin = next((u for u in node.args[0].users if u is not node and u.target is node.target
@@ -314,8 +311,7 @@ NEGATED_COMPARISON = {
     aten.lt.Tensor: aten.ge.Tensor, aten.ge.Tensor: aten.lt.Tensor, aten.le.Tensor: aten.gt.Tensor,
     aten.gt.Tensor: aten.le.Tensor, aten.eq.Tensor: aten.ne.Tensor, aten.ne.Tensor: aten.eq.Tensor,
 }
-MASK_LAYOUT_OPS = (*VIEW_OPS, aten.unsqueeze.default, aten.expand.default, aten.permute.default,
-                   aten.transpose.int)
+MASK_LAYOUT_OPS = VIEW_OPS | TRANSPOSE_OPS | {aten.unsqueeze.default, aten.expand.default}
 
 
 def _integer(x: Any) -> bool:
@@ -516,7 +512,7 @@ def canonical_scale(node: Any) -> tuple[Any, float]:
 
 RULES: tuple[Rule, ...] = (
     Rule("split_of_cat_identity", None, split_of_cat_identity),
-    Rule("duplicate_split", SPLITS, duplicate_split),
+    Rule("duplicate_split", tuple(SPLIT_OPS), duplicate_split),
     Rule("view_of_view", tuple(VIEW_OPS), view_of_view),
     Rule("no_op_layout", (*VIEW_OPS, aten.expand.default, aten.permute.default, aten.transpose.int), no_op_layout),
     Rule("convert_to_own_dtype", (CONVERT,), convert_to_own_dtype),
@@ -527,14 +523,14 @@ RULES: tuple[Rule, ...] = (
     Rule("square_is_pow", (aten.mul.Tensor,), square_is_pow),
     Rule("div_by_power_of_two", (aten.div.Tensor,), div_by_power_of_two),
     Rule("mask_fill_first", (aten.where.self,), mask_fill_first),
-    Rule("double_not", (aten.bitwise_not.default, aten.logical_not.default), double_not),
+    Rule("double_not", tuple(NOT_OPS), double_not),
     Rule("select_of_unit_dim_is_squeeze", (aten.select.int,), select_of_unit_dim_is_squeeze),
     Rule("repeat_of_unit_dims_is_expand", (aten.repeat.default,), repeat_of_unit_dims_is_expand),
     Rule("gather_by_own_sort_is_sorted", (aten.index.Tensor,), gather_by_own_sort_is_sorted),
     Rule("collect_scale", (aten.mul.Tensor, aten.div.Tensor), collect_scale, exact=False),
     Rule("batch_one_mm_is_bmm", (aten.unsqueeze.default, *VIEW_OPS), batch_one_mm_is_bmm, exact=False),
     Rule("sum_over_count_is_mean", (aten.div.Tensor, aten.mul.Tensor), sum_over_count_is_mean, exact=False),
-    Rule("not_of_integer_comparison", (aten.bitwise_not.default, aten.logical_not.default),
+    Rule("not_of_integer_comparison", tuple(NOT_OPS),
          not_of_integer_comparison),
     Rule("negative_to_zero_is_clamp", (aten.where.self,), negative_to_zero_is_clamp),
 )

@@ -9,11 +9,11 @@ mismatch, so a dynamic graph is never specialised.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .graph_utils import CONVERT, LAYOUT_OPS, VIEW_OPS, aten, is_op, same_size, shape, walk_back
+from .graph_utils import LAYOUT_OPS, VIEW_OPS, aten, is_op, is_upcast, same_size, shape, walk_back
 
 Atom = tuple[str, object]
 Labels = list[tuple[Atom, ...]]
@@ -25,14 +25,21 @@ def _is_one(size) -> bool:
     return same_size(size, 1)
 
 
-def _is_upcast(node) -> bool:
-    return is_op(node, CONVERT) and node.args[1] == torch.float32
-
-
 def layout_chain(node) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     """(leaf, ops): walk back through layout ops and fp32 upcasts; `ops` run from the leaf forward."""
-    chain = walk_back(node, lambda n: is_op(n, *LAYOUT_OPS) or _is_upcast(n))
+    chain = walk_back(node, lambda n: is_op(n, *LAYOUT_OPS) or is_upcast(n))
     return chain[0], chain[1:]
+
+
+def views_along(chain: list[torch.fx.Node], keep: Callable[[torch.fx.Node], bool]) -> list[tuple[torch.fx.Node, list]]:
+    """Every (node, the ops after it) on `chain` ([leaf, ..., node]) that `keep` accepts, nearest the leaf first."""
+    return [(node, chain[i + 1:]) for i, node in enumerate(chain) if keep(node)]
+
+
+def views_of_rank(node, rank: int) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:
+    """Every (tensor, ops after it) on `layout_chain(node)` with `rank` dims, nearest the leaf first."""
+    leaf, ops = layout_chain(node)
+    return views_along([leaf, *ops], lambda n: len(shape(n)) == rank)
 
 
 def leaf_of_rank(node, rank: int) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
@@ -41,12 +48,8 @@ def leaf_of_rank(node, rank: int) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
     A fused op wants, say, keys as [B, T, D]; a model may hold them as [B, T, 1, D] and squeeze. The
     dims are checked afterwards, so picking a view of the leaf never accepts a wrong contraction.
     """
-    leaf, ops = layout_chain(node)
-    chain = [leaf] + ops
-    for i, candidate in enumerate(chain):
-        if len(shape(candidate)) == rank:
-            return candidate, ops[i:]
-    return leaf, ops
+    found = views_of_rank(node, rank)
+    return found[0] if found else layout_chain(node)
 
 
 def leaf_labels(node, names: Sequence[str]) -> Labels | None:
@@ -100,7 +103,7 @@ def apply_op(labels: Labels, node: torch.fx.Node) -> Labels | None:
     """Labels of `node`'s output given its input's labels, or None for an op this cannot follow."""
     target, args = node.target, node.args
     rank = len(labels)
-    if target in (aten.clone.default, aten.contiguous.default) or _is_upcast(node):
+    if target in (aten.clone.default, aten.contiguous.default) or is_upcast(node):
         return list(labels)
     if target is aten.unsqueeze.default:
         dim = args[1] % (rank + 1)
@@ -126,11 +129,12 @@ def apply_op(labels: Labels, node: torch.fx.Node) -> Labels | None:
     return None
 
 
-def follow(labels: Labels, ops: list[torch.fx.Node]) -> Labels | None:
+def follow(labels: Labels | None, ops: list[torch.fx.Node]) -> Labels | None:
+    """`labels` after each of `ops` in order; None once an op does not carry them (or they are None)."""
     for op in ops:
-        labels = apply_op(labels, op)
         if labels is None:
             return None
+        labels = apply_op(labels, op)
     return labels
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+import math
 import operator
 
 import torch
@@ -25,6 +26,17 @@ TRANSPOSE_OPS = frozenset({aten.permute.default, aten.transpose.int})
 ORDER_KEEPING_OPS = VIEW_OPS | SQUEEZE_OPS | {aten.unsqueeze.default, aten.clone.default, aten.contiguous.default}
 # Every op that only moves or repeats elements: what a matcher looks through to find a tensor's source.
 LAYOUT_OPS = ORDER_KEEPING_OPS | TRANSPOSE_OPS | {aten.expand.default}
+WHERE_OPS = frozenset({aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar})
+SPLIT_OPS = frozenset({aten.split_with_sizes.default, aten.split.Tensor})
+NOT_OPS = frozenset({aten.bitwise_not.default, aten.logical_not.default})
+AND_OPS = frozenset({aten.bitwise_and.Tensor, aten.logical_and.default})
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+END = 9223372036854775807  # how a slice to the end appears in the graph
+# A finite bias this negative masks a key exactly (exp underflows to 0) except in a row where every key is
+# masked: the cuDNN path of SDPA turns bool masks into such a bias (-65536 in bf16), and a row with a finite
+# sink logit (V4) always keeps one.
+FINITE_MASK_BIAS = -1e4
 
 
 def walk_back(node: Any, through: Callable[[Any], bool]) -> list:
@@ -34,6 +46,15 @@ def walk_back(node: Any, through: Callable[[Any], bool]) -> list:
         node = node.args[0]
         chain.append(node)
     return chain[::-1]
+
+
+def walk_forward(node: Any, through: Callable[[Any], bool]) -> list:
+    """[node, ..., last]: follow single users forward while `through(user)` holds."""
+    chain = [node]
+    while len(node.users) == 1 and through(next(iter(node.users))):
+        node = next(iter(node.users))
+        chain.append(node)
+    return chain
 
 
 def strip(node: Any, targets: Iterable) -> Any:
@@ -82,8 +103,32 @@ def same_shape(a: Iterable, b: Iterable) -> bool:
     return len(a) == len(b) and all(same_size(x, y) for x, y in zip(a, b))
 
 
+def node_arg(node: torch.fx.Node, index: int, name: str, default: Any = None) -> Any:
+    """A call's argument, given at position `index` or as keyword `name` (else `default`)."""
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def broadcasts_to(small: Iterable, target: Iterable) -> bool:
+    """Proven (no guard) that a tensor of shape `small` broadcasts to `target` (dims aligned from the right)."""
+    small, target = tuple(small), tuple(target)
+    if len(small) > len(target):
+        return False
+    return all(same_size(a, 1) or same_size(a, b) for a, b in zip(small[::-1], target[::-1]))
+
+
 def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def other_operand(node: torch.fx.Node, known: Any) -> Any:
+    """The operand of a binary call that is not `known`, or None when neither is."""
+    a, b = node.args[:2]
+    return b if a is known else a if b is known else None
+
+
+def is_upcast(node: Any) -> bool:
+    """A convert to fp32 (`x.float()`)."""
+    return is_op(node, CONVERT) and node.args[1] == torch.float32
 
 
 def scalar_constant(value: Any) -> float | bool | None:
@@ -95,6 +140,63 @@ def scalar_constant(value: Any) -> float | bool | None:
     if is_op(value, aten.scalar_tensor.default):
         return value.args[0]
     return None
+
+
+def fill_value(value: Any) -> float | bool | None:
+    """The value of a `full(shape, c)` node of any shape, or a `scalar_constant`."""
+    if is_op(value, aten.full.default):
+        return value.args[1]
+    return scalar_constant(value)
+
+
+def is_neg_inf(value: Any) -> bool:
+    return isinstance(value, float) and math.isinf(value) and value < 0
+
+
+def masking_bias(value: Any) -> str | None:
+    """'inf' for a -inf bias, 'finite' for one at most `FINITE_MASK_BIAS`, None for one that masks nothing."""
+    if is_neg_inf(value):
+        return "inf"
+    if isinstance(value, float) and value <= FINITE_MASK_BIAS:
+        return "finite"
+    return None
+
+
+def scale_factor(node: Any) -> float | None:
+    """The constant factor of `x * c`, `c * x` or `x / c` (c a python number), else None."""
+    if is_op(node, aten.mul.Tensor, aten.mul.Scalar):
+        a, b = node.args[:2]
+        if scalar_arg(b) is not None and isinstance(a, torch.fx.Node):
+            return scalar_arg(b)
+        if scalar_arg(a) is not None and isinstance(b, torch.fx.Node):
+            return scalar_arg(a)
+    if is_op(node, aten.div.Tensor, aten.div.Scalar) and scalar_arg(node.args[1]) not in (None, 0.0):
+        return 1.0 / scalar_arg(node.args[1])
+    return None
+
+
+def scaled_input(node: torch.fx.Node) -> Any:
+    """The tensor operand of a constant scaling (`scale_factor` is not None)."""
+    a, b = node.args[:2]
+    return a if isinstance(a, torch.fx.Node) else b
+
+
+def slice_args(node: torch.fx.Node) -> tuple:
+    """(dim, start, end, step) of a `slice.Tensor` node, defaults filled in (an open end is `END`), symbolic
+    bounds as SymInts."""
+    args = list(node.args[1:5]) + [0, None, None, 1][len(node.args) - 1:]
+    dim, start, end, step = (val(a) for a in args[:4])
+    return dim, start or 0, END if end is None else end, step or 1
+
+
+def slice_position(bound: Any, size: Any) -> Any:
+    """A slice bound (of `slice_args`) as a position in a dim of `size`: `END` is the size, a negative int counts
+    from the end."""
+    if isinstance(bound, int) and bound >= END:
+        return size
+    if isinstance(bound, int) and bound < 0:
+        return bound + size
+    return bound
 
 
 def scalar_arg(node: Any) -> float | None:
@@ -119,6 +221,11 @@ def is_last_dim(node: Any, dims_arg: Any, dim: int = -1) -> bool:
     rank = len(shape(node))
     dims = dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg]
     return rank > 0 and len(dims) == 1 and isinstance(dims[0], int) and dims[0] % rank == dim % rank
+
+
+def is_last_dim_cat(node: Any) -> bool:
+    """Whether `node` is a `cat` along its last dim."""
+    return is_op(node, aten.cat.default) and is_last_dim(node, node_arg(node, 1, "dim", 0))
 
 
 PREPARE_SOFTMAX_ONLINE = prims.prepare_softmax_online.default
@@ -161,6 +268,15 @@ def softmax_parts(x: Any, dim: int = -1) -> dict | None:
     return dict(stats=stats[0], row_max=row_max, row_sum=row_sum, sub=subs[0], exp=exp, probs=divs[0])
 
 
+def in_graph_order(nodes: Iterable[torch.fx.Node]) -> list[torch.fx.Node]:
+    """`nodes` (of one graph) sorted in the order the graph runs them."""
+    nodes = list(nodes)
+    if not nodes:
+        return []
+    order = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    return sorted(nodes, key=order.__getitem__)
+
+
 def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
     """`target(*args, **kwargs)` on the fake values of the argument nodes: what a new node would hold."""
     kwargs = kwargs or {}
@@ -172,6 +288,18 @@ def fake_call(target: Any, args: tuple, kwargs: dict | None = None) -> Any:
         raise RuntimeError(f"no fake mode found on the inputs of {target}")
     with fake_mode:
         return target(*fake_args[0], **fake_args[1])
+
+
+def size_arg(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int) -> Any:
+    """`node`'s size at `dim` as a new node's argument: the int, or a `sym_size` node inserted before `before`
+    when it is symbolic (never specialised)."""
+    size = shape(node)[dim]
+    return size if isinstance(size, int) else insert_call(graph, before, aten.sym_size.int, (node, dim))
+
+
+def size_args(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node) -> list:
+    """Every size of `node` as new nodes' arguments (`size_arg`)."""
+    return [size_arg(graph, before, node, d) for d in range(len(shape(node)))]
 
 
 def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:

@@ -25,7 +25,6 @@ one that is but cannot be rewritten is reported with the reason.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -34,10 +33,10 @@ import dsfuse.kernels.indexer_topk  # noqa: F401  (registers torch.ops.dsfuse.in
 
 from .canonicalize import canonical_scale
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names,
-                   normalise)
-from .graph_utils import (CONVERT, aten, dtype, insert_call, is_op, only_user, same_shape, same_size, scalar_arg,
-                          shape)
+from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
+                   views_of_rank)
+from .graph_utils import (CONVERT, NOT_OPS, aten, dtype, insert_call, is_neg_inf, is_op, only_user, same_shape,
+                          same_size, scalar_arg, shape, size_arg)
 
 NAME = "indexer_topk"
 IMPLEMENTED = True
@@ -101,8 +100,7 @@ def _slot_uniform(node: torch.fx.Node, traced: set) -> bool:
 
 
 def _neg_inf(node) -> bool:
-    value = node.args[1] if is_op(node, aten.full.default) else scalar_arg(node)
-    return isinstance(value, float) and math.isinf(value) and value < 0
+    return is_neg_inf(node.args[1] if is_op(node, aten.full.default) else scalar_arg(node))
 
 
 def _split_mask(x: torch.fx.Node) -> tuple:
@@ -114,7 +112,7 @@ def _split_mask(x: torch.fx.Node) -> tuple:
         cond, fill, scores = x.args
         if not _neg_inf(fill):
             raise NoMatch("masked with a fill value other than -inf", reported=False)
-        if is_op(cond, aten.bitwise_not.default, aten.logical_not.default):
+        if is_op(cond, *NOT_OPS):
             return scores, ("keep", cond.args[0])
         return scores, ("drop", cond)
     if is_op(x, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in x.args):
@@ -202,8 +200,10 @@ def _match(topk: torch.fx.Node) -> dict:
     weights, w_ops = leaf_of_rank(head["weights"], 2 + extra)
     k_scale = leaf_of_rank(head["k_scale"], 1 + extra) if head["k_scale"] is not None else None
     found = None
-    pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _views_of_rank(qk.args[q_pos], 3 + extra)
-             for k in _views_of_rank(qk.args[1 - q_pos], 2 + extra))
+    # the op reads any strided view, and the dims check picks the one laid out as it wants (V4 keeps q as
+    # [B, H, S, D] until a transpose)
+    pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in views_of_rank(qk.args[q_pos], 3 + extra)
+             for k in views_of_rank(qk.args[1 - q_pos], 2 + extra))
     for q_pos, (q, q_ops), (k_node, k_ops) in pairs:
         if len(shape(weights)) == 2 + extra and _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops,
                                                                    relu_ops, weights, w_ops, k_scale):
@@ -233,15 +233,6 @@ def _match(topk: torch.fx.Node) -> dict:
     return dict(q=q, k=k_node, weights=weights, k_scale=k_scale, mask=mask, scale=softmax_scale,
                 topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
                 ordered=bool(ordered) and _order_observed(list(topk.users)))
-
-
-def _views_of_rank(node, rank: int) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]]:
-    """Every (tensor, ops after it) along the layout chain above `node` with `rank` dims, nearest the leaf
-    first: the op reads any strided view, and the dims check picks the one laid out as it wants
-    (V4 keeps q as [B, H, S, D] until a transpose)."""
-    leaf, ops = layout_chain(node)
-    chain = [leaf] + ops
-    return [(c, ops[i:]) for i, c in enumerate(chain) if len(shape(c)) == rank]
 
 
 def _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale) -> bool:
@@ -348,11 +339,6 @@ def _rewrite(graph: torch.fx.Graph, topk: torch.fx.Node, m: dict, ctx: PassConte
     ctx.site(topk, "dsfuse.indexer_topk", [m["q"], m["k"], m["weights"], m["k_scale"], mask_node], detail=detail)
 
 
-def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int):
-    size = shape(node)[dim]
-    return size if isinstance(size, int) else insert_call(graph, before, aten.sym_size.int, (node, dim))
-
-
 def _replace_masked_checks(graph: torch.fx.Graph, topk: torch.fx.Node, fused: torch.fx.Node, mask_node, m: dict) -> None:
     """`values == -inf` marks the picks that landed on masked keys (the scores are finite elsewhere), so
     it is the mask read at the picked indices: O(S*k) work instead of keeping the values."""
@@ -360,7 +346,8 @@ def _replace_masked_checks(graph: torch.fx.Graph, topk: torch.fx.Node, fused: to
     if mask_node is None:
         masked = insert_call(graph, topk, aten.lt.Scalar, (picked, 0))
     else:
-        sizes = [_size(graph, topk, fused, d) for d in range(len(shape(fused)) - 1)] + [_size(graph, topk, m["k"], -2)]
+        sizes = [size_arg(graph, topk, fused, d) for d in range(len(shape(fused)) - 1)]
+        sizes.append(size_arg(graph, topk, m["k"], -2))
         full = insert_call(graph, topk, aten.expand.default, (mask_node, sizes))
         gathered = insert_call(graph, topk, aten.gather.default, (full, -1, picked))
         if dtype(mask_node) == torch.bool:

@@ -47,14 +47,13 @@ import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
-from .graph_utils import (CONVERT, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, insert_call,
-                          is_op, only_user, same_shape, same_size, shape)
+from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype,
+                          fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape, same_size,
+                          shape, strip, walk_back)
 
 NAME = "moe_experts"
 IMPLEMENTED = True
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 SORTS = (aten.sort.default, aten.sort.stable)
 BROADCASTING = {aten.expand.default}
 LIFT = aten.lift_fresh_copy.default
@@ -229,9 +228,7 @@ class Fp4Weights:
 def _fp4_decode(weight: torch.fx.Node) -> Fp4Weights | str | None:
     """The FP4 bytes `weight [E, N, K]` is decoded from, a reason if it is decoded from bytes in a form the
     fused op does not compute, or None if it is not computed from bytes at all."""
-    node = weight
-    while is_op(node, CONVERT) or is_op(node, *ORDER_KEEPING_OPS):
-        node = node.args[0]
+    node = strip(weight, (CONVERT, *ORDER_KEEPING_OPS))
     if is_op(node, aten.cat.default):
         return _fp4_chunks(weight, node)
     mul = node
@@ -308,7 +305,7 @@ def _interleave_of(values) -> tuple[torch.fx.Node, torch.fx.Node] | None:
     if node is None:
         return None
     parts = node.args[0]
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    dim = node_arg(node, 1, "dim", 0)
     if len(parts) != 2 or dim % len(shape(node)) != len(shape(node)) - 1 or not same_size(shape(node)[-1], 2):
         return None
     roots = _roots(parts[0]) | _roots(parts[1])
@@ -323,7 +320,7 @@ def _interleave_of(values) -> tuple[torch.fx.Node, torch.fx.Node] | None:
 def _fp4_chunks(weight, cat) -> Fp4Weights | str | None:
     """A stack decoded a few experts at a time: `cat([decode(P_i, S_i) ...])` over `P.split(c)`, `S.split(c)`."""
     parts = cat.args[0]
-    dim = cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    dim = node_arg(cat, 1, "dim", 0)
     if dim != 0:
         return _bytes_reason(weight)
     decoded = [_fp4_decode(part) for part in parts]
@@ -336,7 +333,7 @@ def _fp4_chunks(weight, cat) -> Fp4Weights | str | None:
         if not all(c.target is operator.getitem and is_op(c.args[0], aten.split.Tensor) for c in chunks):
             return "the FP4 stack is decoded in pieces that are not consecutive splits of one packed tensor"
         split = chunks[0].args[0]
-        split_dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        split_dim = node_arg(split, 2, "dim", 0)
         if split_dim != 0 or any(c.args[0] is not split or c.args[1] != i for i, c in enumerate(chunks)) \
                 or len(split.users) != len(chunks):
             return "the FP4 stack is decoded in pieces that are not consecutive splits of one packed tensor"
@@ -481,13 +478,8 @@ def _floordiv(node, by: int) -> torch.fx.Node | None:
 
 
 def _scalar_value(node):
-    if isinstance(node, (int, float, bool)):
-        return node
-    if is_op(node, aten.full.default) and all(same_size(s, 1) for s in shape(node)):
-        return node.args[1]
-    if is_op(node, aten.scalar_tensor.default):
-        return node.args[0]
-    return None
+    """A constant of one element: a python scalar, or a `full` / `scalar_tensor` node of size-1 dims."""
+    return fill_value(node) if all(same_size(s, 1) for s in shape(node)) else None
 
 
 def _sentinel_masked(node, ids: torch.fx.Node, num_experts, unsqueezed: bool) -> torch.fx.Node | None:
@@ -526,11 +518,9 @@ def _iota_from(node, start: int, num_experts) -> bool:
 def _one_hot_counted(node, num_experts) -> torch.fx.Node | None:
     """`ids` for `(ids[:, None] == arange(E)).sum(0)` (what `F.one_hot(ids, E).sum(0)` lowers to), else None."""
     if not (is_op(node, aten.sum.dim_IntList) and [d % 2 for d in node.args[1]] == [0]
-            and not (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))):
+            and not node_arg(node, 2, "keepdim", False)):
         return None
-    hits = node.args[0]
-    while is_op(hits, CONVERT):
-        hits = hits.args[0]
+    hits = strip(node.args[0], (CONVERT,))
     if not is_op(hits, aten.eq.Tensor):
         return None
     column, classes = hits.args
@@ -547,8 +537,7 @@ def _counted_ids(offsets, num_experts) -> tuple[torch.fx.Node, bool]:
     a `histc(ids, bins=E, min=0, max=E-1)` or a one-hot sum, or the group ends `searchsorted(sorted_ids, arange(E),
     right=True)` (slots with an expert at most e), and whether those ids must be the sorted ones (a search does, a
     count does not). Each counts only ids in `[0, E)`, as the fused ops route."""
-    while is_op(offsets, CONVERT) and dtype(offsets) in INDEX_DTYPES + (torch.float32,):
-        offsets = offsets.args[0]
+    offsets = walk_back(offsets, lambda n: is_op(n, CONVERT) and dtype(n) in INDEX_DTYPES + (torch.float32,))[0]
     if is_op(offsets, aten.searchsorted.Tensor):
         located, ends = offsets.args[:2]
         right = offsets.kwargs.get("right", False) or offsets.kwargs.get("side") == "right"
@@ -558,9 +547,7 @@ def _counted_ids(offsets, num_experts) -> tuple[torch.fx.Node, bool]:
         raise NoMatch("the group offsets are searched for in the sorted ids, but not as the ends of groups 0..E-1")
     if not (is_op(offsets, aten.cumsum.default) and offsets.args[1] in (0, -1)):
         raise NoMatch("the group offsets are not a cumulative sum of per-expert counts")
-    counts = offsets.args[0]
-    while is_op(counts, CONVERT):
-        counts = counts.args[0]
+    counts = strip(offsets.args[0], (CONVERT,))
     if counts.op == "placeholder":
         raise NoMatch("the per-expert counts are an input of the compiled graph, not computed in it from the expert "
                       "ids (a torch.bincount of the ids breaks the graph: its output size depends on their values)")
@@ -579,8 +566,7 @@ def _counted_ids(offsets, num_experts) -> tuple[torch.fx.Node, bool]:
 def _expert_sort(counted, must_be_sorted: bool) -> tuple[torch.fx.Node, torch.fx.Node | None]:
     """(the sort of the flattened ids, its sorted values or None) for the ids the offsets count: the sorted values
     themselves, or the flattened ids that are sorted (a count does not depend on the order)."""
-    while is_op(counted, CONVERT):
-        counted = counted.args[0]
+    counted = strip(counted, (CONVERT,))
     if counted.target is operator.getitem and counted.args[1] == 0 and is_op(counted.args[0], *SORTS):
         return counted.args[0], counted
     sorts = [u for u in counted.users if is_op(u, *SORTS)]
@@ -723,8 +709,7 @@ def _gate_path(side: torch.fx.Node, gate: torch.fx.Node) -> list[torch.fx.Node]:
             found.append(n)
             if n is not gate:
                 stack.extend(n.all_input_nodes)
-    order = {n: i for i, n in enumerate(gate.graph.nodes)}
-    return sorted(found, key=order.__getitem__)
+    return in_graph_order(found)
 
 
 def _clamped_silu_side(side: torch.fx.Node, gate: torch.fx.Node, limit: torch.Tensor) -> bool:
@@ -762,7 +747,7 @@ def _halves(out1: torch.fx.Node, inter) -> dict:
     """{0: gate, 1: up} for `out1.split(I, -1)` (or `chunk(2, -1)`) or the two slices `[:, :I]` and `[:, I:]`."""
     split = only_user(out1)
     if is_op(split, aten.split.Tensor) and split.args[1] == inter and (
-            split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)) in (-1, 1):
+            node_arg(split, 2, "dim", 0)) in (-1, 1):
         return {u.args[1]: u for u in split.users if u.target is operator.getitem}
     width = shape(out1)[1]
     slices = {}
@@ -848,8 +833,7 @@ def _rows_gemms(g1: ExpertGemm) -> list[torch.fx.Node]:
             other = _expert_gemm(n)
             if other is not None and other.rows is g1.rows and other.route is g1.route:
                 gemms.append(n)
-    order = {n: i for i, n in enumerate(g1.rows.graph.nodes)}
-    return sorted(gemms, key=order.__getitem__)
+    return in_graph_order(gemms)
 
 
 def _slot_weights(sw: torch.fx.Node, route: dict, num_experts) -> tuple[torch.fx.Node, torch.dtype | None]:
@@ -924,7 +908,7 @@ def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch
         raise NoMatch("the weighted slot outputs are not viewed as [T, k, H]")
     total = only_user(view)
     if not (is_op(total, aten.sum.dim_IntList) and [d % 3 for d in total.args[1]] == [1]
-            and not (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False))
+            and not node_arg(total, 2, "keepdim", False)
             and total.kwargs.get("dtype") is None):
         raise NoMatch("each token's k slot outputs are not summed")
     out = total
@@ -976,7 +960,7 @@ def _per_token_sum(weighted: torch.fx.Node) -> tuple[torch.fx.Node, str]:
     """(the block's output node, the combine's name) for weighted `[T, k, H]` slot outputs summed over k."""
     total = only_user(weighted)
     if not (is_op(total, aten.sum.dim_IntList) and [d % 3 for d in total.args[1]] == [1]
-            and not (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False))
+            and not node_arg(total, 2, "keepdim", False)
             and total.kwargs.get("dtype") is None):
         raise NoMatch("each token's k slot outputs are not summed")
     cast = only_user(total)

@@ -64,18 +64,34 @@ from .canonicalize import MEAN
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
     CONVERT,
+    END,
+    FLOAT_DTYPES,
+    SPLIT_OPS,
     VIEW_OPS,
     aten,
+    broadcasts_to,
     dtype,
+    in_graph_order,
     insert_call,
+    is_last_dim,
+    is_last_dim_cat,
     is_op,
+    is_upcast,
+    node_arg,
+    only_user,
+    other_operand,
     same_shape,
     same_size,
     scalar_arg,
     shape,
+    size_arg,
+    size_args,
+    slice_args,
     strip,
     users_of,
     val,
+    walk_back,
+    walk_forward,
 )
 from .norm_rope_quant_groups import group_launches
 
@@ -84,8 +100,6 @@ NAME = "norm_rope_quant"
 # H200 on 2026-11-29 were `fma.rn.bf16` contractions; see kernels/norm_rope_quant.py).
 IMPLEMENTED = True
 
-NORM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-END = 9223372036854775807  # how a slice to the end appears in the graph
 PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
 
 
@@ -126,15 +140,10 @@ def _getitems(split: torch.fx.Node) -> dict[int, torch.fx.Node]:
     return {u.args[1]: u for u in split.users if u.target is operator.getitem}
 
 
-def _is_last_dim(node: torch.fx.Node, dim) -> bool:
-    rank = len(shape(node))
-    return dim in (-1, rank - 1)
-
-
 def _match(split: torch.fx.Node) -> dict:
     proj, sizes = split.args[0], split.args[1]
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if len(sizes) != 2 or not _is_last_dim(proj, dim) or dtype(proj) not in NORM_DTYPES:
+    dim = node_arg(split, 2, "dim", 0)
+    if len(sizes) != 2 or not is_last_dim(proj, dim) or dtype(proj) not in FLOAT_DTYPES:
         raise NoMatch("not a two-way split of the last dim", reported=False)
     parts = _getitems(split)
     if 0 not in parts or 1 not in parts:
@@ -142,11 +151,6 @@ def _match(split: torch.fx.Node) -> dict:
     norm = _match_rmsnorm(parts[0], dtype(proj))
     rope = _match_rope(parts[1], dtype(proj))
     return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
-
-
-def _other(node: torch.fx.Node, known: torch.fx.Node):
-    a, b = node.args[0], node.args[1]
-    return b if a is known else a if b is known else None
 
 
 def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool = False) -> dict:
@@ -165,9 +169,9 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     mean = _row_mean(squares[0])
     if mean is None:
         raise NoMatch("no mean over the last dim", reported=False)
-    add = _only(mean, aten.add.Tensor)
-    rsqrt = _only(add, aten.rsqrt.default) if add is not None else None
-    if add is not None and _only(add, aten.sqrt.default) is not None:
+    add = only_user(mean, aten.add.Tensor)
+    rsqrt = only_user(add, aten.rsqrt.default) if add is not None else None
+    if add is not None and only_user(add, aten.sqrt.default) is not None:
         raise NoMatch("RMSNorm: no rsqrt(mean + eps): the norm divides by sqrt(mean + eps), another rounding than "
                       "the kernel's")
     if rsqrt is None:
@@ -176,11 +180,11 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     if eps is None:
         raise NoMatch(f"RMSNorm: eps {add.args[1]} is a graph input, not a constant")
     if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)`
-        scale = _only(rsqrt, CONVERT)
-        product = _only(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None
-        if product is not None and _other(product, scale) is part:
+        scale = only_user(rsqrt, CONVERT)
+        product = only_user(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None
+        if product is not None and other_operand(product, scale) is part:
             return {"norm_out": product, "weight": None, "eps": eps, "rounding": "unweighted_scale_cast"}
-    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
+    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if other_operand(u, rsqrt) is xf]
     if len(scaled) != 1:
         raise NoMatch("RMSNorm: x * rsqrt(...) not found")
     h = scaled[0]
@@ -198,10 +202,10 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
         return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": False,
                 "rounding": "weight_after_cast"}
     out32, weight = _weight_mul(h, c_norm, torch.float32)
-    final = _only(out32, CONVERT)
+    final = only_user(out32, CONVERT)
     if final is None or final.args[1] != x_dtype:
         raise NoMatch("RMSNorm: the fp32 weight product is not cast back to the input dtype")
-    if is_op(weight, CONVERT) and weight.args[1] == torch.float32:
+    if is_upcast(weight):
         weight = weight.args[0]
     return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
 
@@ -210,61 +214,45 @@ def _row_mean(square: torch.fx.Node) -> torch.fx.Node | None:
     """The node that is `mean(square, -1, keepdim=True)`: a `mean`, or a `sum / C` the canonicaliser marked as
     one (`MEAN`)."""
     rank = len(shape(square))
-    mean = _only(square, aten.mean.dim)
+    mean = only_user(square, aten.mean.dim)
     if mean is not None:
         keep = len(mean.args) > 2 and mean.args[2]
-        return mean if list(mean.args[1]) in ([-1], [rank - 1]) and keep else None
-    total = _only(square, aten.sum.dim_IntList)
-    scaled = _only(total, aten.div.Tensor, aten.mul.Tensor) if total is not None else None
+        return mean if is_last_dim(square, mean.args[1]) and keep else None
+    total = only_user(square, aten.sum.dim_IntList)
+    scaled = only_user(total, aten.div.Tensor, aten.mul.Tensor) if total is not None else None
     marked = scaled.meta.get(MEAN) if scaled is not None else None
     return scaled if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
-
-
-def _only(node: torch.fx.Node, *targets) -> torch.fx.Node | None:
-    """node's single user, if it calls one of `targets`."""
-    users = list(node.users)
-    return users[0] if len(users) == 1 and is_op(users[0], *targets) else None
 
 
 def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
     muls = users_of(h, aten.mul.Tensor)
     if len(muls) != 1 or len(h.users) != 1:
         raise NoMatch("RMSNorm: normalised value is not multiplied by a weight (or has other users)")
-    weight = _other(muls[0], h)
+    weight = other_operand(muls[0], h)
     if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 or not same_size(shape(weight)[0], c_norm):
         raise NoMatch(f"RMSNorm: weight {weight} is not a 1-D [{c_norm}] tensor")
-    if dtype(weight) != weight_dtype and not (weight_dtype == torch.float32 and dtype(weight) in NORM_DTYPES):
+    if dtype(weight) != weight_dtype and not (weight_dtype == torch.float32 and dtype(weight) in FLOAT_DTYPES):
         # an fp32 product may read a narrower weight (`F.rms_norm`): its upcast is exact
         raise NoMatch(f"RMSNorm: weight dtype {dtype(weight)} differs from the product's {weight_dtype}")
     return muls[0], weight
 
 
-def _strip_views(node: torch.fx.Node) -> torch.fx.Node:
-    """The single view chain below `node` (HF views k_rot as [B, 1, S, C_rope])."""
-    return _view_chain(node)[-1]
-
-
 def _view_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """`node` and the single-user views / unsqueezes below it, in order."""
-    chain = [node]
-    while len(node.users) == 1 and is_op(next(iter(node.users)), *VIEW_OPS, aten.unsqueeze.default):
-        node = next(iter(node.users))
-        chain.append(node)
-    return chain
+    """`node` and the single-user views / unsqueezes below it, in order (HF views k_rot as [B, 1, S, C_rope])."""
+    return walk_forward(node, lambda user: is_op(user, *VIEW_OPS, aten.unsqueeze.default))
 
 
 def _slice(node: torch.fx.Node, src: torch.fx.Node, start, end, step=1) -> bool:
-    if not is_op(node, aten.slice.Tensor) or node.args[0] is not src or not _is_last_dim(src, node.args[1]):
+    if not is_op(node, aten.slice.Tensor) or node.args[0] is not src or not is_last_dim(src, node.args[1]):
         return False
-    args = [val(a) for a in node.args[2:]] + [None] * (3 - len(node.args[2:]))
-    got_start, got_end, got_step = args[0] or 0, args[1] if args[1] is not None else END, args[2] or 1
+    _, got_start, got_end, got_step = slice_args(node)
     full = shape(src)[-1]
     return (same_size(got_start, start) and got_step == step
             and (got_end == end or same_size(got_end, end) or (end == END and same_size(got_end, full))))
 
 
 def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
-    rot = _strip_views(part)
+    rot = _view_chain(part)[-1]
     width = shape(rot)[-1]
     if not same_size(width % 2, 0):
         raise NoMatch(f"RoPE width {width} is not provably even")
@@ -278,8 +266,8 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     hi = [s for s in slices if _slice(s, rot, half, END)]
     if len(lo) == 1 and len(hi) == 1:
         return _match_half_split(rot, lo[0], hi[0], half, x_dtype)
-    halves = [u for u in rot.users if is_op(u, aten.split_with_sizes.default, aten.split.Tensor)
-              and _is_last_dim(rot, u.args[2] if len(u.args) > 2 else 0)]
+    halves = [u for u in rot.users if is_op(u, *SPLIT_OPS)
+              and is_last_dim(rot, node_arg(u, 2, "dim", 0))]
     if len(halves) == 1:
         return _match_chunked_half_split(rot, halves[0], half, x_dtype)
     for node in _view_chain(part):
@@ -297,15 +285,15 @@ def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
     x1, x2 = parts[0], parts[1]
     for sub in [u for m, _ in _product(x1) for u in users_of(m, aten.sub.Tensor) if u.args[0] is m]:
         x1_c, x2_s = sub.args
-        c, s = _other(x1_c, x1), _other(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
-        cat = _only(sub, aten.cat.default)
+        c, s = other_operand(x1_c, x1), other_operand(x2_s, x2) if is_op(x2_s, aten.mul.Tensor) else None
+        cat = only_user(sub, aten.cat.default)
         if s is None or cat is None or len(cat.args[0]) != 2 or cat.args[0][0] is not sub:
             continue
         add = cat.args[0][1]
         terms = set(add.args) if is_op(add, aten.add.Tensor) else set()
         if not (any(m in terms for m, f in _product(x2) if f is c) and any(m in terms for m, f in _product(x1) if f is s)):
             continue
-        if not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+        if not is_last_dim_cat(cat):
             continue
         for table in (c, s):
             _check_table(table, table, x1, half, x_dtype)
@@ -328,7 +316,7 @@ def _match_official_kv_rope(rot: torch.fx.Node, x_dtype: torch.dtype) -> dict:
 
 def _product(a: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node]]:
     """Users `a * f` of `a`: (mul node, f)."""
-    return [(u, _other(u, a)) for u in users_of(a, aten.mul.Tensor) if _other(u, a) is not None and _other(u, a) is not a]
+    return [(u, other_operand(u, a)) for u in users_of(a, aten.mul.Tensor) if other_operand(u, a) is not None and other_operand(u, a) is not a]
 
 
 def _cos_source(factor: torch.fx.Node, rot: torch.fx.Node, half, width, x_dtype) -> tuple:
@@ -351,7 +339,7 @@ def _check_table(table, factor, rot, width, x_dtype) -> None:
     if not same_size(shape(table)[-1], width):
         raise NoMatch(f"RoPE: cos/sin width {shape(table)[-1]} is not the rotated width {width}")
     lead, rows = shape(factor)[:-1], shape(rot)[:-1]
-    if len(lead) != len(rows) or not all(same_size(a, b) or same_size(a, 1) for a, b in zip(lead, rows)):
+    if len(lead) != len(rows) or not broadcasts_to(lead, rows):
         raise NoMatch(f"RoPE: cos/sin rows {lead} do not broadcast to the rotated part's {rows}")
 
 
@@ -359,17 +347,17 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
     width = shape(rot)[-1]
     for sub in [u for m, _ in _product(even) for u in users_of(m, aten.sub.Tensor) if u.args[0] is m]:
         even_c, odd_s = sub.args
-        c = _other(even_c, even)
-        if not (is_op(odd_s, aten.mul.Tensor) and _other(odd_s, odd) is not None):
+        c = other_operand(even_c, even)
+        if not (is_op(odd_s, aten.mul.Tensor) and other_operand(odd_s, odd) is not None):
             continue
-        s = _other(odd_s, odd)
+        s = other_operand(odd_s, odd)
         cats = users_of(sub, aten.cat.default)
         if not cats and users_of(sub, aten.unsqueeze.default):
             raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no "
                           "kernel computes that form")
         for cat in cats:
-            items, cat_dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else 0
-            if len(items) != 2 or items[0] is not sub or not _is_last_dim(cat, cat_dim):
+            items = cat.args[0]
+            if len(items) != 2 or items[0] is not sub or not is_last_dim_cat(cat):
                 continue
             add = items[1]
             if not is_op(add, aten.add.Tensor):
@@ -386,18 +374,18 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
 
 def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
     width = shape(rot)[-1]
-    neg = _only(hi, aten.neg.default)
+    neg = only_user(hi, aten.neg.default)
     if neg is None:
         raise NoMatch("half-split RoPE: no -x[..., h:]")
     rotated = [c for c in users_of(neg, aten.cat.default) if list(c.args[0]) == [neg, lo]
-               and _is_last_dim(c, c.args[1] if len(c.args) > 1 else 0)]
+               and is_last_dim_cat(c)]
     if len(rotated) != 1:
         raise NoMatch("half-split RoPE: no cat(-x2, x1)")
     for m_sin, sin in _product(rotated[0]):
         for add in users_of(m_sin, aten.add.Tensor):
-            m_cos = _other(add, m_sin)
-            if is_op(m_cos, aten.mul.Tensor) and _other(m_cos, rot) is not None:
-                cos = _other(m_cos, rot)
+            m_cos = other_operand(add, m_sin)
+            if is_op(m_cos, aten.mul.Tensor) and other_operand(m_cos, rot) is not None:
+                cos = other_operand(m_cos, rot)
                 for table in (cos, sin):
                     _check_table(table, table, rot, width, x_dtype)
                 return {"rope_out": add, "cos": (cos, None), "sin": (sin, None), "interleaved": False, "rot": rot}
@@ -405,7 +393,7 @@ def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
 
 
 def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
-    before = m["rope_out"] if _position(graph, m["rope_out"]) > _position(graph, m["norm_out"]) else m["norm_out"]
+    before = in_graph_order([m["rope_out"], m["norm_out"]])[-1]
     width = shape(m["proj"])[-1]
     x = insert_call(graph, before, aten.reshape.default, (m["proj"], [-1, width]))
     if "freqs" in m:  # the official complex RoPE: freqs' rows, which the flattened rows repeat
@@ -417,8 +405,8 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, m["weight"], m["eps"], *rope_args))
     normed = insert_call(graph, before, operator.getitem, (fused, 0))
     roped = insert_call(graph, before, operator.getitem, (fused, 1))
-    proj_lead = [_size(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
-    rot_shape = [_size(graph, before, m["rot"], d) for d in range(len(shape(m["rot"])))]
+    proj_lead = [size_arg(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
+    rot_shape = size_args(graph, before, m["rot"])
     for out, flat, sizes in ((m["norm_out"], normed, proj_lead + [m["c_norm"]]), (m["rope_out"], roped, rot_shape)):
         restored = insert_call(graph, before, aten.reshape.default, (flat, sizes))
         out.replace_all_uses_with(restored)
@@ -450,36 +438,30 @@ def _broadcast_to_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: 
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
     if not same_shape(shape(table), shape(rot)):
-        sizes = [_size(graph, before, rot, d) for d in range(len(shape(rot)))]
+        sizes = size_args(graph, before, rot)
         table = insert_call(graph, before, aten.expand.default, (table, sizes))
     return table
 
 
-def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int):
-    """A size as an int, or as a `sym_size` node when it is symbolic (never specialised)."""
-    size = shape(node)[dim]
-    return size if isinstance(size, int) else insert_call(graph, before, aten.sym_size.int, (node, dim))
-
-
-def _position(graph: torch.fx.Graph, node: torch.fx.Node) -> int:
-    for i, n in enumerate(graph.nodes):
-        if n is node:
-            return i
-    raise ValueError(f"{node} not in graph")
+def _with_unit_dims(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, count: int) -> torch.fx.Node:
+    """`node` with `count` leading dims of size 1 (the kernels read rank-4 tensors)."""
+    for _ in range(count):
+        node = insert_call(graph, before, aten.unsqueeze.default, (node, 0))
+    return node
 
 
 def _match_rope_cat(split: torch.fx.Node) -> dict:
     """`cat` of a two-way last-dim split's parts, in order, after one part went through a RoPE."""
     x, sizes = split.args[0], split.args[1]
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if len(sizes) != 2 or not _is_last_dim(x, dim) or dtype(x) not in NORM_DTYPES or len(shape(x)) > 4:
+    dim = node_arg(split, 2, "dim", 0)
+    if len(sizes) != 2 or not is_last_dim(x, dim) or dtype(x) not in FLOAT_DTYPES or len(shape(x)) > 4:
         raise NoMatch("not a two-way split of the last dim", reported=False)
     parts = _getitems(split)
     if sorted(parts) != [0, 1]:
         raise NoMatch("split part unused", reported=False)
     for rope_index in (0, 1):
         rot, kept = parts[rope_index], parts[1 - rope_index]
-        if not users_of(rot, aten.slice.Tensor, aten.split_with_sizes.default, aten.split.Tensor):
+        if not users_of(rot, aten.slice.Tensor, *SPLIT_OPS):
             continue
         try:
             rope = _match_rope(rot, dtype(x))
@@ -488,8 +470,8 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
         if rope["rot"] is not rot:
             continue  # a viewed part (the kv side's k_rot) is not concatenated back here
         order = [rope["rope_out"], kept] if rope_index == 0 else [kept, rope["rope_out"]]
-        cat = _only(rope["rope_out"], aten.cat.default)
-        if cat is None or list(cat.args[0]) != order or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+        cat = only_user(rope["rope_out"], aten.cat.default)
+        if cat is None or list(cat.args[0]) != order or not is_last_dim_cat(cat):
             raise NoMatch("RoPE of a split part not concatenated back with the other part in order")
         for node in (x, rope["cos"][0], rope["sin"][0]):
             if not _last_dim_contiguous(node):
@@ -502,12 +484,15 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
 LAYER_NORM_VIEWS = (*VIEW_OPS, aten.unsqueeze.default, aten.squeeze.dim)
 
 
+def _sole_views(node: torch.fx.Node, targets: tuple) -> list[torch.fx.Node]:
+    """[source, view, ..., node]: back through `targets` ops whose input nothing else reads."""
+    return walk_back(node, lambda n: is_op(n, *targets) and len(n.args[0].users) == 1)
+
+
 def _match_layer_norm(x: torch.fx.Node) -> dict | None:
     """The LayerNorm that `x` is a view of (torch's decomposition of `layer_norm` over the last dim, with
     weight, bias and a constant eps, nothing else reading its intermediates), or None."""
-    out = x
-    while is_op(out, *LAYER_NORM_VIEWS) and len(out.args[0].users) == 1:
-        out = out.args[0]
+    out = _sole_views(x, LAYER_NORM_VIEWS)[0]
     width = shape(x)[-1] if shape(x) else None
     if width is None or not shape(out) or not same_size(shape(out)[-1], width) or len(out.users) != 1:
         return None
@@ -521,12 +506,12 @@ def _match_layer_norm(x: torch.fx.Node) -> dict | None:
         return None
     scaled = _private_operand(affine, aten.mul.Tensor)  # (normalized * weight) + bias
     normalized = _private_operand(scaled, aten.mul.Tensor) if scaled is not None else None
-    if normalized is None or not all(_is_affine_param(p, width) for p in (_other(scaled, normalized),
-                                                                           _other(affine, scaled))):
+    if normalized is None or not all(_is_affine_param(p, width) for p in (other_operand(scaled, normalized),
+                                                                           other_operand(affine, scaled))):
         return None
-    weight, bias = _other(scaled, normalized), _other(affine, scaled)
+    weight, bias = other_operand(scaled, normalized), other_operand(affine, scaled)
     centred = _private_operand(normalized, aten.sub.Tensor)  # (xf - mean) * rsqrt(var + eps)
-    rsqrt = _other(normalized, centred) if centred is not None else None
+    rsqrt = other_operand(normalized, centred) if centred is not None else None
     if not (is_op(rsqrt, aten.rsqrt.default) and len(rsqrt.users) == 1):
         return None
     add_eps = rsqrt.args[0]
@@ -542,7 +527,7 @@ def _match_layer_norm(x: torch.fx.Node) -> dict | None:
         return None
     source = xf
     if x_dtype != torch.float32:
-        if not (is_op(xf, CONVERT) and xf.args[1] == torch.float32 and dtype(xf.args[0]) == x_dtype):
+        if not (is_upcast(xf) and dtype(xf.args[0]) == x_dtype):
             return None
         source = xf.args[0]
     if not _last_dim_contiguous(source):
@@ -557,16 +542,15 @@ def _private_operand(node: torch.fx.Node, target) -> torch.fx.Node | None:
 
 def _is_affine_param(node, width) -> bool:
     return (isinstance(node, torch.fx.Node) and len(shape(node)) == 1 and same_size(shape(node)[0], width)
-            and dtype(node) in NORM_DTYPES)
+            and dtype(node) in FLOAT_DTYPES)
 
 
 def _is_last_dim_var_mean(stats, xf) -> bool:
     """`var_mean(xf, [last], correction=0, keepdim=True)`: the biased variance and mean of each row."""
     if not is_op(stats, aten.var_mean.correction) or stats.args[0] is not xf:
         return False
-    dims = stats.args[1] if len(stats.args) > 1 else stats.kwargs.get("dim")
-    rank = len(shape(xf))
-    return (dims is not None and list(dims) in ([-1], [rank - 1]) and stats.kwargs.get("correction") == 0
+    dims = node_arg(stats, 1, "dim")
+    return (dims is not None and is_last_dim(xf, dims) and stats.kwargs.get("correction") == 0
             and stats.kwargs.get("keepdim") is True)
 
 
@@ -582,20 +566,15 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
     norm = m["layer_norm"]
     x = m["x"]
     if norm is not None:  # the LayerNorm's input in x's shape (x is a view of the LayerNorm output)
-        sizes = [_size(graph, cat, m["x"], d) for d in range(len(shape(m["x"])))]
+        sizes = size_args(graph, cat, m["x"])
         x = insert_call(graph, cat, aten.reshape.default, (norm["input"], sizes))
-    for _ in range(pad):
-        x = insert_call(graph, cat, aten.unsqueeze.default, (x, 0))
-    tables = []
-    for table_dim in (m["cos"], m["sin"]):
-        table = _broadcast_to_rows(graph, cat, table_dim, m["rot"])
-        for _ in range(pad):
-            table = insert_call(graph, cat, aten.unsqueeze.default, (table, 0))
-        tables.append(table)
+    x = _with_unit_dims(graph, cat, x, pad)
+    tables = [_with_unit_dims(graph, cat, _broadcast_to_rows(graph, cat, table_dim, m["rot"]), pad)
+              for table_dim in (m["cos"], m["sin"])]
     norm_args = () if norm is None else (norm["weight"], norm["bias"], norm["eps"])
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
                         (x, tables[0], tables[1], m["rope_start"], m["interleaved"], *norm_args))
-    sizes = [_size(graph, cat, m["x"], d) for d in range(len(shape(m["x"])))]
+    sizes = size_args(graph, cat, m["x"])
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     form = "interleaved" if m["interleaved"] else "half-split"
@@ -617,7 +596,7 @@ def _upcast(node: torch.fx.Node) -> torch.fx.Node | None:
     """`node.float()`: the convert to fp32 that is node's only user, or node itself when it is fp32."""
     if dtype(node) == torch.float32:
         return node
-    cast = _only(node, CONVERT)
+    cast = only_user(node, CONVERT)
     return cast if cast is not None and cast.args[1] == torch.float32 else None
 
 
@@ -635,18 +614,18 @@ def _complex_rope_entry(part: torch.fx.Node) -> dict | None:
     Each form is recognised by its own structure (pairs as the last dim, or the two halves transposed into
     it), so one is never taken for the other. None if `part` does not start one."""
     upcast = _upcast(part)
-    pairs = _only(upcast, *VIEW_OPS) if upcast is not None else None
+    pairs = only_user(upcast, *VIEW_OPS) if upcast is not None else None
     if pairs is None or len(shape(pairs)) != len(shape(part)) + 1:
         return None
     width = shape(part)[-1]
-    to_complex = _only(pairs, aten.view_as_complex.default)
+    to_complex = only_user(pairs, aten.view_as_complex.default)
     if to_complex is not None and same_size(shape(pairs)[-1], 2) and same_size(shape(pairs)[-2] * 2, width):
         return {"complex": to_complex, "interleaved": True}
-    permute = _only(pairs, aten.permute.default)
+    permute = only_user(pairs, aten.permute.default)
     if permute is None or not _swaps_last_two(permute) or not same_size(shape(pairs)[-2], 2):
         return None
-    contiguous = _only(permute, aten.clone.default)
-    to_complex = _only(contiguous, aten.view_as_complex.default) if contiguous is not None else None
+    contiguous = only_user(permute, aten.clone.default)
+    to_complex = only_user(contiguous, aten.view_as_complex.default) if contiguous is not None else None
     if to_complex is None or not same_size(shape(pairs)[-1] * 2, width):
         return None
     return {"complex": to_complex, "interleaved": False}
@@ -658,7 +637,7 @@ def _match_complex_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict | Non
     entry = _complex_rope_entry(part)
     if entry is None:
         return None
-    product = _only(entry["complex"], aten.mul.Tensor)
+    product = only_user(entry["complex"], aten.mul.Tensor)
     if product is None:
         raise NoMatch("complex RoPE: view_as_complex(...) is not multiplied by the rotations")
     if product.args[0] is not entry["complex"]:  # eager's complex product rounds by operand order
@@ -667,22 +646,22 @@ def _match_complex_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict | Non
     rows = shape(entry["complex"])
     if not (isinstance(freqs, torch.fx.Node) and dtype(freqs) == torch.complex64 and len(shape(freqs)) == len(rows)
             and same_size(shape(freqs)[-1], rows[-1])
-            and all(same_size(f, r) or same_size(f, 1) for f, r in zip(shape(freqs)[:-1], rows[:-1]))):
+            and broadcasts_to(shape(freqs)[:-1], rows[:-1])):
         raise NoMatch(f"complex RoPE: the rotations {freqs} are not a complex64 tensor broadcast over the rows")
-    back = _only(product, aten.view_as_real.default)
+    back = only_user(product, aten.view_as_real.default)
     if back is None:
         raise NoMatch("complex RoPE: the product is not viewed back as reals")
     if not entry["interleaved"]:
-        permute = _only(back, aten.permute.default)
-        back = _only(permute, aten.clone.default) if permute is not None and _swaps_last_two(permute) else None
+        permute = only_user(back, aten.permute.default)
+        back = only_user(permute, aten.clone.default) if permute is not None and _swaps_last_two(permute) else None
         if back is None:
             raise NoMatch("half-split complex RoPE: the halves are not transposed back")
-    flat = _only(back, *VIEW_OPS)
+    flat = only_user(back, *VIEW_OPS)
     if flat is None or not same_shape(shape(flat), shape(part)):
         raise NoMatch("complex RoPE: the result is not flattened back to the rotated part's shape")
     out = flat
     if x_dtype != torch.float32:
-        out = _only(flat, CONVERT)
+        out = only_user(flat, CONVERT)
         if out is None or out.args[1] != x_dtype:
             raise NoMatch(f"complex RoPE: the fp32 result is not rounded to the input's {x_dtype}")
     return {"rope_out": out, "freqs": freqs, "interleaved": entry["interleaved"], "rot": part}
@@ -693,21 +672,21 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
     k), the split input optionally a LayerNorm's output (k_norm); or, when the RoPE'd part is not concatenated
     back, the complex RoPE alone (`kind` "complex_rope": DsfuseAttention's q_pe)."""
     x, sizes = split.args[0], split.args[1]
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    dim = node_arg(split, 2, "dim", 0)
     parts = _getitems(split)
-    if (len(sizes) != 2 or not _is_last_dim(x, dim) or dtype(x) not in NORM_DTYPES or len(shape(x)) > 4
+    if (len(sizes) != 2 or not is_last_dim(x, dim) or dtype(x) not in FLOAT_DTYPES or len(shape(x)) > 4
             or sorted(parts) != [0, 1]):
         raise NoMatch("not a two-way split of the last dim", reported=False)
     rope_index = 0 if _complex_rope_entry(parts[0]) is not None else 1
     rope = _match_complex_rope(parts[rope_index], dtype(x))
     kept = parts[1 - rope_index]
     order = [rope["rope_out"], kept] if rope_index == 0 else [kept, rope["rope_out"]]
-    cat = _only(rope["rope_out"], aten.cat.default)
+    cat = only_user(rope["rope_out"], aten.cat.default)
     if cat is None:
         if not _last_dim_contiguous(rope["rot"]):
             raise NoMatch(f"complex RoPE: {rope['rot']}'s last dim is not contiguous")
         return {"kind": "complex_rope", "rope_start": 0 if rope_index == 0 else sizes[0], **rope}
-    if list(cat.args[0]) != order or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+    if list(cat.args[0]) != order or not is_last_dim_cat(cat):
         raise NoMatch("complex RoPE of a split part not concatenated back with the other part in order")
     if not _last_dim_contiguous(x):
         raise NoMatch(f"complex RoPE + quantisation: {x}'s last dim is not contiguous")
@@ -736,7 +715,7 @@ def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     with views (the key's squeeze) allowed between `cat` and the blocks (fp32 inputs have no upcast)."""
     blocks = cat
     while not (dtype(blocks) == torch.float32 and users_of(blocks, aten.abs.default)):
-        blocks = _only(blocks, *LAYER_NORM_VIEWS, CONVERT)
+        blocks = only_user(blocks, *LAYER_NORM_VIEWS, CONVERT)
         if blocks is None or (is_op(blocks, CONVERT) and blocks.args[1] != torch.float32):
             break
     width = shape(cat)[-1]
@@ -748,30 +727,30 @@ def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     if not isinstance(block_size, int) or block_size & (block_size - 1):
         raise NoMatch(f"fp8 quantisation: block size {block_size} is not a power of two")
     magnitude = next((u for u in blocks.users if is_op(u, aten.abs.default)), None)
-    amax = _only(magnitude, aten.amax.default) if magnitude is not None else None
-    if amax is None or list(amax.args[1]) not in ([-1], [len(shape(blocks)) - 1]) or (
+    amax = only_user(magnitude, aten.amax.default) if magnitude is not None else None
+    if amax is None or not is_last_dim(blocks, amax.args[1]) or (
             len(amax.args) > 2 and amax.args[2]):
         raise NoMatch("fp8 quantisation: no per-block amax of |x|")
-    floor = _only(amax, aten.clamp_min.default)
-    scale = _only(floor, aten.div.Tensor) if floor is not None and _constant_arg(floor, AMAX_FLOOR) else None
+    floor = only_user(amax, aten.clamp_min.default)
+    scale = only_user(floor, aten.div.Tensor) if floor is not None and _constant_arg(floor, AMAX_FLOOR) else None
     if scale is None or not _constant_arg(scale, FP8_MAX):
         raise NoMatch("fp8 quantisation: the scale is not max(amax, 1e-4) / 448")
     ue8m0 = False
-    log2 = _only(scale, aten.log2.default)
+    log2 = only_user(scale, aten.log2.default)
     if log2 is not None:
-        ceil = _only(log2, aten.ceil.default)
-        power = _only(ceil, aten.exp2.default) if ceil is not None else None
+        ceil = only_user(log2, aten.ceil.default)
+        power = only_user(ceil, aten.exp2.default) if ceil is not None else None
         if power is None:
             raise NoMatch("fp8 quantisation: log2 of the scale is not exp2(ceil(log2(scale)))")
         scale, ue8m0 = power, True
     expanded = next((u for u in scale.users if is_op(u, aten.unsqueeze.default) and u.args[1] in (-1, len(shape(scale)))),
                     None)
-    divided = _only(expanded, aten.div.Tensor) if expanded is not None else None
+    divided = only_user(expanded, aten.div.Tensor) if expanded is not None else None
     if divided is None or divided.args[0] is not blocks or set(blocks.users) != {magnitude, divided}:
         raise NoMatch("fp8 quantisation: the blocks are not divided by their scale (or are read elsewhere)")
-    low = _only(divided, aten.clamp_min.default)
-    high = _only(low, aten.clamp_max.default) if low is not None and _constant_arg(low, -FP8_MAX) else None
-    fp8 = _only(high, CONVERT) if high is not None and _constant_arg(high, FP8_MAX) else None
+    low = only_user(divided, aten.clamp_min.default)
+    high = only_user(low, aten.clamp_max.default) if low is not None and _constant_arg(low, -FP8_MAX) else None
+    fp8 = only_user(high, CONVERT) if high is not None and _constant_arg(high, FP8_MAX) else None
     if fp8 is None or fp8.args[1] != torch.float8_e4m3fn:
         raise NoMatch("fp8 quantisation: x / scale is not clamped to +-448 and cast to float8_e4m3fn")
     return {"blocks": blocks, "scale": scale, "fp8": fp8, "block_size": block_size, "ue8m0": ue8m0}
@@ -785,7 +764,7 @@ def _sizes_like(graph: torch.fx.Graph, before: torch.fx.Node, target: torch.fx.N
             sizes.append(size)
         else:
             dim = next(d for d, s in enumerate(shape(source)) if same_size(s, size))
-            sizes.append(_size(graph, before, source, dim))
+            sizes.append(size_arg(graph, before, source, dim))
     return sizes
 
 
@@ -804,10 +783,7 @@ def _rewrite_rope_quant(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ct
     x = m["x"]
     if norm is not None:
         x = insert_call(graph, before, aten.reshape.default, (norm["input"], _sizes_like(graph, before, x, m["source"])))
-    freqs = m["freqs"]
-    for _ in range(pad):
-        x = insert_call(graph, before, aten.unsqueeze.default, (x, 0))
-        freqs = insert_call(graph, before, aten.unsqueeze.default, (freqs, 0))
+    x, freqs = (_with_unit_dims(graph, before, node, pad) for node in (x, m["freqs"]))
     norm_args = () if norm is None else (norm["weight"], norm["bias"], norm["eps"])
     fused = insert_call(graph, before, torch.ops.dsfuse.rope_quant_fp8.default,
                         (x, freqs, m["rope_start"], m["interleaved"], m["block_size"], m["ue8m0"], *norm_args))
@@ -832,12 +808,10 @@ def _rewrite_rope_quant(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ct
 
 def _rewrite_complex_rope(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     before = m["rope_out"]
-    x, freqs = m["rot"], m["freqs"]
-    for _ in range(4 - len(shape(x))):
-        x = insert_call(graph, before, aten.unsqueeze.default, (x, 0))
-        freqs = insert_call(graph, before, aten.unsqueeze.default, (freqs, 0))
+    pad = 4 - len(shape(m["rot"]))
+    x, freqs = (_with_unit_dims(graph, before, node, pad) for node in (m["rot"], m["freqs"]))
     fused = insert_call(graph, before, torch.ops.dsfuse.complex_rope.default, (x, freqs, m["interleaved"]))
-    sizes = [_size(graph, before, m["rot"], d) for d in range(len(shape(m["rot"])))]
+    sizes = size_args(graph, before, m["rot"])
     m["rope_out"].replace_all_uses_with(insert_call(graph, before, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     form = "interleaved" if m["interleaved"] else "half-split"
@@ -853,8 +827,8 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     if square.args[1] != 2:
         raise NoMatch("not a square", reported=False)
     xf = square.args[0]
-    part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
-    if dtype(part) not in NORM_DTYPES or (part is not xf and dtype(part) == torch.float32):
+    part = xf.args[0] if is_upcast(xf) else xf
+    if dtype(part) not in FLOAT_DTYPES or (part is not xf and dtype(part) == torch.float32):
         raise NoMatch("not an RMSNorm input", reported=False)
     source = strip(part, VIEW_OPS)
     if not is_op(source, *PROJECTIONS) or not shape(part):
@@ -872,7 +846,7 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
     fused = insert_call(graph, out, torch.ops.dsfuse.rmsnorm_rope.default,
                         (x, m["weight"], m["eps"], None, None, True, m["weight_in_fp32"]))
     normed = insert_call(graph, out, operator.getitem, (fused, 0))
-    sizes = [_size(graph, out, part, d) for d in range(len(shape(part)))]
+    sizes = size_args(graph, out, part)
     out.replace_all_uses_with(insert_call(graph, out, aten.reshape.default, (normed, sizes)))
     graph.eliminate_dead_code()
     rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
@@ -882,15 +856,14 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
 
 
 # --- DeepSeek V4: RoPE of a row's trailing slice, in fp32, `cat` back; the row optionally RMSNorm'd -------------
-ROW_VIEWS = (*VIEW_OPS, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim)
+ROW_VIEWS = (*LAYER_NORM_VIEWS, aten.permute.default)
 
 
 def _last_dim_slice(node: torch.fx.Node, width: int) -> tuple | None:
     """(source, start, end) of `node` = source[..., start:end] (step 1, negative bounds resolved), or None."""
-    if not is_op(node, aten.slice.Tensor) or not _is_last_dim(node.args[0], node.args[1]):
+    if not is_op(node, aten.slice.Tensor) or not is_last_dim(node.args[0], node.args[1]):
         return None
-    args = [val(a) for a in node.args[2:]] + [None] * (3 - len(node.args[2:]))
-    start, end, step = args[0] or 0, END if args[1] is None else args[1], args[2] or 1
+    _, start, end, step = slice_args(node)
     if step != 1 or not all(isinstance(b, int) for b in (start, end)):
         return None
     start, end = (b + width if b < 0 else min(b, width) for b in (start, end))
@@ -899,7 +872,7 @@ def _last_dim_slice(node: torch.fx.Node, width: int) -> tuple | None:
 
 def _fp32_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """What `node` upcasts to fp32 (`x.float()`), or node itself when it is fp32 already."""
-    if is_op(node, CONVERT) and node.args[1] == torch.float32:
+    if is_upcast(node):
         return node.args[0]
     return node if dtype(node) == torch.float32 else None
 
@@ -922,7 +895,7 @@ def _pair_table(factor: torch.fx.Node) -> tuple:
 def _rotate_half_pairs(node: torch.fx.Node, rot: torch.fx.Node) -> bool:
     """`node` = V4's `rotate_half(rot)`: stack((-rot[..., 1::2], rot[..., 0::2]), -1).flatten(-2)."""
     cat = node.args[0] if is_op(node, *VIEW_OPS) and same_shape(shape(node), shape(rot)) else None
-    if not (is_op(cat, aten.cat.default) and len(cat.args[0]) == 2 and cat.args[1] in (-1, len(shape(cat)) - 1)):
+    if not (is_last_dim_cat(cat) and len(cat.args[0]) == 2):
         return False
     first, second = (item.args[0] if is_op(item, aten.unsqueeze.default) else None for item in cat.args[0])
     neg_odd = first.args[0] if is_op(first, aten.neg.default) else None
@@ -955,7 +928,7 @@ def _match_pair_rope(rotated: torch.fx.Node, rot: torch.fx.Node, x_dtype: torch.
         if dtype(table) not in (x_dtype, torch.float32):
             raise NoMatch(f"V4 RoPE: cos/sin dtype {dtype(table)} is neither the input's {x_dtype} nor fp32")
         lead, rows = shape(factor)[:-1], shape(rot)[:-1]
-        if len(lead) != len(rows) or not all(same_size(a, b) or same_size(a, 1) for a, b in zip(lead, rows)):
+        if len(lead) != len(rows) or not broadcasts_to(lead, rows):
             raise NoMatch(f"V4 RoPE: cos/sin rows {list(lead)} do not broadcast to the rotated part's {list(rows)}")
         if not _last_dim_contiguous(table):
             raise NoMatch(f"V4 RoPE: {table}'s last dim is not contiguous")
@@ -966,10 +939,7 @@ def _match_pair_rope(rotated: torch.fx.Node, rot: torch.fx.Node, x_dtype: torch.
 def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, list[torch.fx.Node]]:
     """The RMSNorm whose output `row` is, or is a view of (through single-user views, permutes, unsqueezes),
     and the views from the norm output to `row`, in order; (None, []) when there is none."""
-    chain, out = [], row
-    while is_op(out, *ROW_VIEWS) and len(out.args[0].users) == 1:
-        chain.append(out)
-        out = out.args[0]
+    out, *views = _sole_views(row, ROW_VIEWS)
     rsqrt = next((n for n in _ancestors(out, 3) if is_op(n, aten.rsqrt.default)), None)
     add = rsqrt.args[0] if rsqrt is not None else None
     mean = add.args[0] if is_op(add, aten.add.Tensor) else None
@@ -977,7 +947,7 @@ def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, 
     if not (is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
         return None, []
     xf = square.args[0]
-    part = xf.args[0] if is_op(xf, CONVERT) and xf.args[1] == torch.float32 else xf
+    part = xf.args[0] if is_upcast(xf) else xf
     if dtype(part) != x_dtype:
         return None, []
     try:
@@ -986,7 +956,7 @@ def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, 
         return None, []
     if norm["norm_out"] is not out:
         return None, []
-    return {"input": part, **norm}, list(reversed(chain))
+    return {"input": part, **norm}, views
 
 
 def _ancestors(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
@@ -1001,11 +971,11 @@ def _match_trailing_rope(cat: torch.fx.Node) -> dict:
     """`cat([row[..., :D-R], rope(row[..., D-R:])], -1)` with V4's fp32 pair RoPE, `row` optionally (a view of)
     an RMSNorm's output (`kv_norm`, `q_b_norm`, the compressors' `kv_norm`)."""
     items = cat.args[0]
-    if len(items) != 2 or not _is_last_dim(cat, cat.args[1] if len(cat.args) > 1 else 0):
+    if len(items) != 2 or not is_last_dim_cat(cat):
         raise NoMatch("not a two-way last-dim cat", reported=False)
     nope, rotated = items
     row = nope.args[0] if is_op(nope, aten.slice.Tensor) else None
-    if row is None or dtype(row) not in NORM_DTYPES or not shape(row):
+    if row is None or dtype(row) not in FLOAT_DTYPES or not shape(row):
         raise NoMatch("not a cat of a slice", reported=False)
     width = shape(row)[-1]
     if not isinstance(width, int):
@@ -1034,7 +1004,7 @@ def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, r
     table, dim = table_dim
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
-    rows = [_size(graph, before, rot, d) for d in range(len(shape(rot)) - 1)]
+    rows = [size_arg(graph, before, rot, d) for d in range(len(shape(rot)) - 1)]
     if not same_shape(shape(table)[:-1], shape(rot)[:-1]):
         table = insert_call(graph, before, aten.expand.default, (table, [*rows, shape(table)[-1]]))
     return table
@@ -1050,19 +1020,14 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
         for view in m["views"]:
             x = insert_call(graph, cat, view.target, (x, *view.args[1:]), dict(view.kwargs))
     pad = 4 - len(shape(row))
-    for _ in range(pad):
-        x = insert_call(graph, cat, aten.unsqueeze.default, (x, 0))
-    tables = []
-    for table_dim in (m["cos"], m["sin"]):
-        table = _pair_rows(graph, cat, table_dim, m["rot"])
-        for _ in range(pad):
-            table = insert_call(graph, cat, aten.unsqueeze.default, (table, 0))
-        tables.append(table)
+    x = _with_unit_dims(graph, cat, x, pad)
+    tables = [_with_unit_dims(graph, cat, _pair_rows(graph, cat, table_dim, m["rot"]), pad)
+              for table_dim in (m["cos"], m["sin"])]
     width = shape(row)[-1]
     rms = (0, None, 0.0) if norm is None else (RMS_NORMS.index(norm["rounding"]), norm["weight"], norm["eps"])
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
                         (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms, True))
-    sizes = [_size(graph, cat, row, d) for d in range(len(shape(row)))]
+    sizes = size_args(graph, cat, row)
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     detail = f"V4 fp32 pair RoPE {m['c_rope']} of the trailing columns of {width}, concatenated in place"

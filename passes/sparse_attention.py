@@ -35,19 +35,18 @@ import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk
 
 from . import sparse_attention_v4
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import Labels, apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_last_dim, is_op, only_user,
-                          same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts, strip)
+from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
+from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
+                          broadcasts_to, dtype, fill_value, insert_call, is_last_dim, is_neg_inf, is_op, is_upcast,
+                          masking_bias, node_arg, only_user, same_shape, same_size, scalar_constant, scale_factor,
+                          scaled_input, shape, softmax_parts, strip, walk_back, walk_forward)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
 
-ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 # Up to this many queries per step (decode, speculative steps) attention over HF's latent cache is rewritten
 # into the absorbed form: it does O(K) work per query instead of expanding all T cached latents each step.
 ABSORB_MAX_QUERIES = 64
-WHERE = (aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
 # Fused SDPA ops and the name of their mask argument (flash takes none, so never carries a selection).
 FUSED_SDPA = {
     aten._scaled_dot_product_efficient_attention.default: "attn_bias",
@@ -67,51 +66,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _fill(node) -> float | bool | None:
-    """The value of a `full(shape, c)` node of any shape, or a constant."""
-    if is_op(node, aten.full.default):
-        return node.args[1]
-    return scalar_constant(node)
-
-
-def _is_neg_inf(value) -> bool:
-    return isinstance(value, float) and math.isinf(value) and value < 0
-
-
-# A finite bias this negative masks a key exactly (exp underflows to 0) except in a row where every
-# key is masked: the cuDNN path of SDPA turns bool masks into such a bias (-65536 in bf16).
-FINITE_MASK_BIAS = -1e4
-
-
-def _masking_bias(value) -> str | None:
-    """'inf' for a -inf bias, 'finite' for a large finite negative one, None otherwise."""
-    if _is_neg_inf(value):
-        return "inf"
-    if isinstance(value, float) and value <= FINITE_MASK_BIAS:
-        return "finite"
-    return None
-
-
-def _scale_factor(node) -> float | None:
-    """The constant factor of `x * c`, `c * x` or `x / c`, else None."""
-    if is_op(node, aten.mul.Tensor, aten.mul.Scalar):
-        a, b = node.args[:2]
-        if scalar_arg(b) is not None and isinstance(a, torch.fx.Node):
-            return scalar_arg(b)
-        if scalar_arg(a) is not None and isinstance(b, torch.fx.Node):
-            return scalar_arg(a)
-    if is_op(node, aten.div.Tensor, aten.div.Scalar) and scalar_arg(node.args[1]) not in (None, 0.0):
-        return 1.0 / scalar_arg(node.args[1])
-    return None
-
-
-def _scaled_input(node):
-    a, b = node.args[:2]
-    return a if isinstance(a, torch.fx.Node) else b
-
-
 def _is_float_cast(node) -> bool:
-    return is_op(node, CONVERT) and node.args[1] in ATTENTION_DTYPES
+    return is_op(node, CONVERT) and node.args[1] in FLOAT_DTYPES
 
 
 def _is_widening(node) -> bool:
@@ -126,8 +82,8 @@ def _chain_back(node, narrowing: bool = False) -> list[torch.fx.Node]:
     while True:
         if is_op(node, *LAYOUT_OPS) or _is_float_cast(node) and (narrowing or _is_widening(node)):
             node = node.args[0]
-        elif _scale_factor(node) is not None:
-            node = _scaled_input(node)
+        elif scale_factor(node) is not None:
+            node = scaled_input(node)
         else:
             return chain[::-1]
         chain.append(node)
@@ -135,16 +91,13 @@ def _chain_back(node, narrowing: bool = False) -> list[torch.fx.Node]:
 
 def _pick(chain: list[torch.fx.Node], want: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """The earliest node of `chain` whose shape is `want`, and the ops after it."""
-    for i, node in enumerate(chain):
-        if same_shape(shape(node), want):
-            return node, chain[i + 1:]
-    return None
+    return next(iter(views_along(chain, lambda node: same_shape(shape(node), want))), None)
 
 
 def _scale_of(ops: list[torch.fx.Node]) -> float:
     scale = 1.0
     for op in ops:
-        factor = _scale_factor(op)
+        factor = scale_factor(op)
         if factor is not None:
             scale *= factor
     return scale
@@ -152,13 +105,7 @@ def _scale_of(ops: list[torch.fx.Node]) -> float:
 
 def _through(labels: Labels | None, ops: list[torch.fx.Node]) -> Labels | None:
     """Follow labels through layout ops; casts and constant scalings keep them."""
-    for op in ops:
-        if labels is None:
-            return None
-        if _is_float_cast(op) or _scale_factor(op) is not None:
-            continue
-        labels = apply_op(labels, op)
-    return labels
+    return follow(labels, [op for op in ops if not (_is_float_cast(op) or scale_factor(op) is not None)])
 
 
 def _expected(letters: str, sizes: tuple) -> list[tuple[str, ...]]:
@@ -183,31 +130,32 @@ def _single_user_chain(node, passthrough) -> tuple[torch.fx.Node, torch.fx.Node 
     """Follow single users through ops in `passthrough` (a set of targets or a predicate):
     (last node, its single user or None if shared)."""
     passes = passthrough if callable(passthrough) else (lambda n: is_op(n, *passthrough))
-    while True:
-        users = list(node.users)
-        if len(users) != 1:
-            return node, None
-        if not passes(users[0]):
-            return node, users[0]
-        node = users[0]
+    last = walk_forward(node, passes)[-1]
+    return last, only_user(last)
+
+
+def _viewed_as(out: torch.fx.Node, want: tuple, dims: str) -> tuple[torch.fx.Node, list[torch.fx.Node]]:
+    """The attention output `out` followed through single-user layout ops to its view of shape `want`, and
+    those ops."""
+    ops = []
+    while not same_shape(shape(out), want):
+        nxt = only_user(out, *LAYOUT_OPS)
+        if nxt is None:
+            raise NoMatch(f"the attention output is not viewed back to [{dims}]")
+        ops.append(nxt)
+        out = nxt
+    return out, ops
 
 
 def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
     """Whether `cond` is `~any(~(x == -inf), dim=-1, keepdim=True)`, with `check` the `x == -inf`."""
-    if not is_op(cond, aten.logical_not.default, aten.bitwise_not.default):
+    if not is_op(cond, *NOT_OPS):
         return False
     row_any = cond.args[0]
     if not (is_op(row_any, aten.any.dim) and row_any.args[1] in (-1, len(shape(check)) - 1)):
         return False
     inner = row_any.args[0]
-    return is_op(inner, aten.logical_not.default, aten.bitwise_not.default) and inner.args[0] is check
-
-
-def _broadcasts_to(small: tuple, target: tuple) -> bool:
-    """Proven (no guard) that a tensor of shape `small` broadcasts to `target`."""
-    if len(small) > len(target):
-        return False
-    return all(same_size(a, 1) or same_size(a, b) for a, b in zip(small[::-1], target[::-1]))
+    return is_op(inner, *NOT_OPS) and inner.args[0] is check
 
 
 def _softmax_parts(x: torch.fx.Node) -> dict | None:
@@ -216,7 +164,7 @@ def _softmax_parts(x: torch.fx.Node) -> dict | None:
     sum, then sub / exp / div), and the SDPA math's `where(row all -inf, 0, probs)` around it."""
     source = x
     users = list(x.users)
-    if len(users) == 1 and is_op(users[0], CONVERT) and users[0].args[1] == torch.float32:
+    if len(users) == 1 and is_upcast(users[0]):
         x = users[0]
         users = list(x.users)
     parts = softmax_parts(x)
@@ -224,9 +172,9 @@ def _softmax_parts(x: torch.fx.Node) -> dict | None:
         return None
     probs, safe = parts["probs"], False
     expected_users = {parts["sub"], parts["stats"]}
-    checks = [u for u in users if is_op(u, aten.eq.Scalar) and _is_neg_inf(u.args[1])]
+    checks = [u for u in users if is_op(u, aten.eq.Scalar) and is_neg_inf(u.args[1])]
     user = only_user(probs)
-    if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and _fill(user.args[1]) == 0 \
+    if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and fill_value(user.args[1]) == 0 \
             and _rows_all_neg_inf(user.args[0], checks[0]):
         probs, safe = user, True
         expected_users |= set(checks)
@@ -248,9 +196,7 @@ def _schema_args(node: torch.fx.Node) -> dict:
 
 def _index_source(index) -> torch.fx.Node:
     """The index tensor before integer casts (the indexer's int32 output or topk's int64)."""
-    while is_op(index, CONVERT) and dtype(index.args[0]) in INDEX_DTYPES:
-        index = index.args[0]
-    return index
+    return walk_back(index, lambda n: is_op(n, CONVERT) and dtype(n.args[0]) in INDEX_DTYPES)[0]
 
 
 # ---------------------------------------------------------------------------
@@ -263,16 +209,16 @@ def _combined_mask(scatter: torch.fx.Node) -> dict:
     sel, user = _single_user_chain(scatter, LAYOUT_OPS)
     if user is None:
         raise NoMatch("the selection mask is also used outside the attention mask")
-    if is_op(user, aten.bitwise_not.default, aten.logical_not.default):
+    if is_op(user, *NOT_OPS):
         inverted = user
         user = only_user(inverted)
-        if not is_op(user, aten.bitwise_and.Tensor, aten.logical_and.default) or inverted not in user.args:
+        if not is_op(user, *AND_OPS) or inverted not in user.args:
             raise NoMatch("the inverted selection mask is not ANDed with the attention mask")
         other = user.args[0] if user.args[1] is inverted else user.args[1]
         if dtype(other) != torch.bool:
             raise NoMatch(f"the selection is ANDed with a {dtype(other)} mask, not a bool one")
         return dict(kind="bool", combined=user, attn_mask=other, fill=None)
-    if is_op(user, *WHERE) and user.args[0] is sel:
+    if is_op(user, *WHERE_OPS) and user.args[0] is sel:
         fill, other = scalar_constant(user.args[1]), user.args[2]
         if not isinstance(other, torch.fx.Node) or not isinstance(fill, float):
             raise NoMatch("the selection mask fills a constant, not an attention mask")
@@ -286,20 +232,20 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
     if user is None:
         raise NoMatch("the combined attention mask is also used elsewhere")
     if comb["kind"] == "bool":
-        if is_op(user, aten.logical_not.default, aten.bitwise_not.default):
+        if is_op(user, *NOT_OPS):
             flipped = only_user(user)
-            if not (is_op(flipped, *WHERE) and flipped.args[0] is user
-                    and _masking_bias(scalar_constant(flipped.args[1])) and scalar_constant(flipped.args[2]) == 0):
+            if not (is_op(flipped, *WHERE_OPS) and flipped.args[0] is user
+                    and masking_bias(scalar_constant(flipped.args[1])) and scalar_constant(flipped.args[2]) == 0):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
-            comb["bias"] = _masking_bias(scalar_constant(flipped.args[1]))
+            comb["bias"] = masking_bias(scalar_constant(flipped.args[1]))
             user = flipped
-        elif is_op(user, *WHERE):
-            if not (user.args[0] is node and scalar_constant(user.args[1]) == 0 and _masking_bias(scalar_constant(user.args[2]))):
+        elif is_op(user, *WHERE_OPS):
+            if not (user.args[0] is node and scalar_constant(user.args[1]) == 0 and masking_bias(scalar_constant(user.args[2]))):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
-            comb["bias"] = _masking_bias(scalar_constant(user.args[2]))
+            comb["bias"] = masking_bias(scalar_constant(user.args[2]))
         elif user.target not in FUSED_SDPA:
             raise NoMatch(f"the combined bool mask is consumed by {user.target}")
-        if is_op(user, *WHERE):
+        if is_op(user, *WHERE_OPS):
             node, user = _single_user_chain(user, _bias_passthrough)
             if user is None:
                 raise NoMatch("the attention bias is also used elsewhere")
@@ -331,10 +277,8 @@ def _positions(node) -> tuple | None:
 def _plain_causal(mask: torch.fx.Node, S, T) -> bool:
     """Whether the bool `mask` is provably `key <= query + T - S` (bottom-right causal) and nothing else:
     built from two position ranges, no padding input."""
-    node = mask
-    while is_op(node, aten.expand.default):
-        node = node.args[0]
-    while is_op(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+    node = strip(mask, (aten.expand.default,))
+    while is_op(node, *AND_OPS):
         consts = [i for i, a in enumerate(node.args) if is_op(a, aten.full.default) and a.args[1] is True]
         if not consts:
             return False
@@ -353,7 +297,7 @@ def _plain_causal(mask: torch.fx.Node, S, T) -> bool:
 
 def _match_masked(scatter: torch.fx.Node) -> dict:
     base, dim, index, value = scatter.args[:4]
-    if is_op(base, aten.full.default) and _is_neg_inf(base.args[1]) and value == 0 and len(shape(base)) == 3 \
+    if is_op(base, aten.full.default) and is_neg_inf(base.args[1]) and value == 0 and len(shape(base)) == 3 \
             and dim in (-1, 2) and dtype(_index_source(index)) in INDEX_DTYPES:
         return _index_bias_attention(scatter, _index_source(index))
     if not (is_op(base, aten.full.default) and base.args[1] is True and dtype(base) == torch.bool
@@ -374,14 +318,14 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
     T = shape(att["k"])[2]
     if not same_shape(shape(base), (B, S, T)) or not same_shape(shape(idx)[:2], (B, S)):
         raise NoMatch(f"selection mask {shape(base)} does not match attention over q {shape(q)}, k {shape(att['k'])}")
-    if dtype(q) not in ATTENTION_DTYPES or dtype(att["k"]) != dtype(q) or dtype(att["v"]) != dtype(q):
+    if dtype(q) not in FLOAT_DTYPES or dtype(att["k"]) != dtype(q) or dtype(att["v"]) != dtype(q):
         raise NoMatch(f"q/k/v dtypes {dtype(q)}/{dtype(att['k'])}/{dtype(att['v'])} not supported by the fused op")
     if comb["kind"] == "additive":
         if comb["fill"] != torch.finfo(dtype(q)).min:
             raise NoMatch(f"unselected keys are filled with {comb['fill']}, not finfo({dtype(q)}).min")
         if not dtype(comb["attn_mask"]).is_floating_point:
             raise NoMatch(f"additive attention mask has dtype {dtype(comb['attn_mask'])}")
-    if not _broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
+    if not broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
         raise NoMatch(f"attention mask {shape(comb['attn_mask'])} does not broadcast to [B, H, S, T]")
     if not _selection_in_place(scatter, bias, B, S, T):
         raise NoMatch("the selection mask is not laid out as [B, 1, S, T] where it meets the scores")
@@ -421,7 +365,7 @@ def _copied_into(scatter: torch.fx.Node, start: int, end: int | None) -> torch.f
 def _key_parts(k: torch.fx.Node, D: int) -> tuple[torch.fx.Node, torch.fx.Node]:
     """(per-head nope part, shared rope part) of a key built as HF `expand_kv` does: two slice copies
     into an empty tensor (or a `cat` on the last dim)."""
-    if is_op(k, aten.cat.default) and len(k.args[0]) == 2 and (k.args[1] if len(k.args) > 1 else 0) in (-1, 3):
+    if is_op(k, aten.cat.default) and len(k.args[0]) == 2 and node_arg(k, 1, "dim", 0) in (-1, 3):
         return k.args[0][0], k.args[0][1]
     outer = k
     if not is_op(outer, aten.slice_scatter.default) or not is_op(outer.args[0], aten.slice_scatter.default):
@@ -452,7 +396,7 @@ def _latent_cache_source(m: dict) -> dict:
         raise NoMatch("k_nope and v are not the two parts of one projection")
     split = nope.args[0]
     nope_dim, v_dim = split.args[1]
-    if (split.args[2] if len(split.args) > 2 else 0) not in (-1, 3) or shape(nope)[-1] != nope_dim:
+    if node_arg(split, 2, "dim", 0) not in (-1, 3) or shape(nope)[-1] != nope_dim:
         raise NoMatch("k_nope and v are not split on the head dim")
     heads = split.args[0]
     if not (is_op(heads, aten.permute.default) and list(heads.args[1]) == [0, 2, 1, 3]):
@@ -542,13 +486,7 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
         raise NoMatch("q, k or v is not a [B, H, *, D] tensor")
     (q, q_ops), (k, k_ops), (v, v_ops) = q_pick, k_pick, v_pick
 
-    out, out_ops = pv, []
-    while not same_shape(shape(out), (B, H, S, Dv)):
-        nxt = only_user(out)
-        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
-            raise NoMatch("the attention output is not viewed back to [B, H, S, Dv]")
-        out_ops.append(nxt)
-        out = nxt
+    out, out_ops = _viewed_as(pv, (B, H, S, Dv), "B, H, S, Dv")
     cast = only_user(out)
     if is_op(cast, CONVERT) and cast.args[1] == dtype(q):
         out = cast
@@ -613,12 +551,8 @@ def _top_k_indices(idx: torch.fx.Node) -> bool:
 
 def _rank3_leaf(node, B, T) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """The earliest [B, T, *] node on `node`'s chain back, and the ops after it."""
-    chain = _chain_back(node)
-    for i, leaf in enumerate(chain):
-        dims = shape(leaf)
-        if len(dims) == 3 and same_size(dims[0], B) and same_size(dims[1], T):
-            return leaf, chain[i + 1:]
-    return None
+    found = views_along(_chain_back(node), lambda n: len(shape(n)) == 3 and same_shape(shape(n)[:2], (B, T)))
+    return found[0] if found else None
 
 
 def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
@@ -839,7 +773,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     scores = soft["input"]
     H = shape(scores)[2]
     if is_op(scores, aten.cat.default):
-        parts, cat_dim = scores.args[0], scores.args[1] if len(scores.args) > 1 else 0
+        parts, cat_dim = scores.args[0], node_arg(scores, 1, "dim", 0)
         if len(parts) != 2 or cat_dim % 4 != 3 or len(sliced) != 1 or sliced[0].args[1] % 4 != 3 \
                 or sliced[0].args[2] not in (0, None) or sliced[0].args[3] not in (-1, K):
             raise NoMatch("softmax over concatenated scores that is not a trailing sink column")
@@ -856,7 +790,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     # Masking with -inf and upcasting to fp32 commute exactly: a bf16 softmax (upcast inside) over masked bf16
     # scores is the fp32 softmax of the same masked values.
     masked = scores.args[0] if _is_float_cast(scores) and _is_widening(scores) else scores
-    if not (is_op(masked, aten.where.self) and _is_neg_inf(scalar_constant(masked.args[1]))):
+    if not (is_op(masked, aten.where.self) and is_neg_inf(scalar_constant(masked.args[1]))):
         raise NoMatch("the scores are not masked with -inf where the index is -1")
     cond_chain = _chain_back(masked.args[0])
     cond = cond_chain[0]
@@ -921,18 +855,12 @@ def _match_mla(index: torch.fx.Node) -> dict:
 def _mla_output(pv: torch.fx.Node, o_l: Labels, bshc: tuple, operands: tuple, prob_ops: list) -> torch.fx.Node:
     """The MLA output product `pv` followed through layout ops to its [B, S, H, C] view (labels proven), with
     q / kv / pe in one attention dtype and the probabilities multiplied in it: the output node."""
-    out, out_ops = pv, []
-    while not same_shape(shape(out), bshc):
-        nxt = only_user(out)
-        if nxt is None or not is_op(nxt, *LAYOUT_OPS):
-            raise NoMatch("the attention output is not viewed back to [B, S, H, C]")
-        out_ops.append(nxt)
-        out = nxt
+    out, out_ops = _viewed_as(pv, bshc, "B, S, H, C")
     o_l = _through(o_l, out_ops)
     if o_l is None or names(o_l) != _expected("bshc", bshc):
         raise NoMatch("the attention output is not [B, S, H, C]")
     q_nope, q_pe, kv, pe = operands
-    if dtype(q_nope) not in ATTENTION_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
+    if dtype(q_nope) not in FLOAT_DTYPES or {dtype(q_pe), dtype(kv), dtype(pe)} != {dtype(q_nope)}:
         raise NoMatch(f"q/kv/pe dtypes {dtype(q_nope)}/{dtype(q_pe)}/{dtype(kv)}/{dtype(pe)} not supported")
     prob_cast = [op for op in prob_ops if is_op(op, CONVERT)]
     if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):

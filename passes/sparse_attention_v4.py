@@ -24,7 +24,6 @@ positions from the nodes the mask was built from, with symbolic sizes and no hos
 
 from __future__ import annotations
 
-import math
 import operator
 
 import torch
@@ -32,16 +31,14 @@ import torch
 import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.dsfuse.compressed_attention)
 
 from .context import NoMatch, PassContext, rewrite_anchored
-from .dims import apply_op, bmm_labels, contracted, leaf_labels, names
-from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, insert_call, is_op, only_user, same_shape,
-                          same_size, shape, val)
+from .dims import apply_op, bmm_labels, contracted, follow, leaf_labels, names
+from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten, dtype,
+                          fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
+                          node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
+                          slice_args, slice_position, strip, val, walk_back)
 
-ATTENTION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 IOTA = torch.ops.prims.iota.default
-END = 9223372036854775807  # how a slice to the end appears in the graph
-AND = (aten.bitwise_and.Tensor, aten.logical_and.default)
-FINITE_MASK_BIAS = -1e4  # a bias at most this negative masks a key exactly: every row has its finite sink logit
+# What position tables and aranges are broadcast through on their way into the mask.
 SHAPE_OPS = (aten.unsqueeze.default, aten.expand.default, *VIEW_OPS)
 
 
@@ -54,79 +51,9 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 # ---------------------------------------------------------------------------
 
 
-def _const(node):
-    """A python scalar, or the value of a `full(shape, c)` / `scalar_tensor(c)` node."""
-    if isinstance(node, (bool, int, float)):
-        return node
-    if is_op(node, aten.full.default):
-        return node.args[1]
-    if is_op(node, aten.scalar_tensor.default):
-        return node.args[0]
-    return None
-
-
-def _is_neg_inf(value) -> bool:
-    return isinstance(value, float) and math.isinf(value) and value < 0
-
-
-def _masks(value) -> bool:
-    """A bias that removes a key exactly: -inf, or a large finite negative (exp underflows to 0 next to the sink)."""
-    return isinstance(value, float) and (value <= FINITE_MASK_BIAS)
-
-
-def _strip(node, targets=SHAPE_OPS):
-    while is_op(node, *targets):
-        node = node.args[0]
-    return node
-
-
-def _slice(node) -> tuple:
-    """(dim, start, end, step) of a `slice.Tensor` node, defaults filled in, symbolic bounds as SymInts."""
-    args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
-    _, dim, start, end, step = args[:5]
-    return dim, val(start) or 0, END if end is None else val(end), step
-
-
-def _dim_arg(node, index: int, default=0):
-    return node.args[index] if len(node.args) > index else node.kwargs.get("dim", default)
-
-
-def _last(node, dim) -> bool:
-    return isinstance(dim, int) and dim % max(len(shape(node)), 1) == len(shape(node)) - 1
-
-
-def _scale_factor(node) -> float | None:
-    if is_op(node, aten.mul.Tensor, aten.mul.Scalar):
-        a, b = node.args[:2]
-        for x, c in ((a, b), (b, a)):
-            if isinstance(x, torch.fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool):
-                return float(c)
-    if is_op(node, aten.div.Tensor, aten.div.Scalar) and isinstance(node.args[1], (int, float)) and node.args[1]:
-        return 1.0 / float(node.args[1])
-    return None
-
-
-def _chain_back(node) -> list[torch.fx.Node]:
+def _layout_chain(node) -> list[torch.fx.Node]:
     """[leaf, ..., node] through layout ops only."""
-    chain = [node]
-    while is_op(node, *LAYOUT_OPS):
-        node = node.args[0]
-        chain.append(node)
-    return chain[::-1]
-
-
-def _follow(labels, ops):
-    for op in ops:
-        if labels is None:
-            return None
-        labels = apply_op(labels, op)
-    return labels
-
-
-def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim: int):
-    """A size as an int, or as a `sym_size` node when it is symbolic (never specialised)."""
-    size = shape(node)[dim]
-    return size if isinstance(size, int) else insert_call(graph, before, aten.sym_size.int, (node, dim))
+    return walk_back(node, lambda n: is_op(n, *LAYOUT_OPS))
 
 
 # ---------------------------------------------------------------------------
@@ -136,7 +63,7 @@ def _size(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, dim
 
 def _arange(node) -> tuple | None:
     """(1-d node, length, start) for `iota(n, start, step=1) + c` seen through unsqueeze / expand / view."""
-    node = _strip(node)
+    node = strip(node, SHAPE_OPS)
     offset = 0
     base = node
     while is_op(node, aten.add.Tensor) and isinstance(val(node.args[1]), (int, torch.SymInt)):
@@ -178,7 +105,7 @@ def _position_term(node, rank_dim: int) -> dict | None:
     """A query (rank_dim 2) or key (rank_dim 3) position in the mask: a table read or an arange."""
     read = _table_read(node, rank_dim)
     if read is not None:
-        return dict(kind="table", table=_strip(read[0], (aten.expand.default,)), length=read[1])
+        return dict(kind="table", table=strip(read[0], (aten.expand.default,)), length=read[1])
     found = _index_along(node, rank_dim)
     if found is not None:
         return dict(kind="arange", base=found[0], length=found[1], start=found[2])
@@ -195,7 +122,7 @@ def _same_term(a: dict, b: dict) -> bool:
 
 def _packed_sequence_ids(node, table: torch.fx.Node) -> bool:
     """HF's packed-sequence ids: `cumsum(diff(cat([p[:, :1] - 1, p], -1)) != 1, -1)` of the position table."""
-    if not is_op(node, aten.cumsum.default) or not _last(node, node.args[1]):
+    if not is_op(node, aten.cumsum.default) or not is_last_dim(node, node.args[1]):
         return False
     ne = node.args[0]
     if not (is_op(ne, aten.ne.Scalar) and ne.args[1] == 1 and is_op(ne.args[0], aten.sub.Tensor)):
@@ -204,19 +131,20 @@ def _packed_sequence_ids(node, table: torch.fx.Node) -> bool:
     if not (is_op(later, aten.slice.Tensor) and is_op(earlier, aten.slice.Tensor) and later.args[0] is earlier.args[0]):
         return False
     cat = later.args[0]
-    if not (is_op(cat, aten.cat.default) and len(cat.args[0]) == 2 and _strip(cat.args[0][1]) is _strip(table)):
+    source = strip(table, SHAPE_OPS)
+    if not (is_op(cat, aten.cat.default) and len(cat.args[0]) == 2 and strip(cat.args[0][1], SHAPE_OPS) is source):
         return False
     first = cat.args[0][0]
     return is_op(first, aten.sub.Tensor) and first.args[1] == 1 and is_op(first.args[0], aten.slice.Tensor) \
-        and _strip(first.args[0].args[0]) is _strip(table)
+        and strip(first.args[0].args[0], SHAPE_OPS) is source
 
 
 def _conjuncts(node) -> list:
     """The terms of a bool `and` tree, without `full(True)` constants and broadcasting expands."""
-    node = _strip(node, (aten.expand.default,))
-    if is_op(node, *AND):
+    node = strip(node, (aten.expand.default,))
+    if is_op(node, *AND_OPS):
         return [t for a in node.args for t in _conjuncts(a)]
-    if _const(node) is True:
+    if fill_value(node) is True:
         return []
     return [node]
 
@@ -279,7 +207,7 @@ def _window_mask(mask: torch.fx.Node, B, S, N) -> dict:
     elif not (isinstance(q_term["start"], int) and q_term["start"] >= 0):
         raise NoMatch("the mask's positions do not start at a non-negative constant")
     if padding is not None:
-        padding = _strip(padding, (CONVERT,)) if dtype(_strip(padding, (CONVERT,))) == torch.bool else padding
+        padding = strip(padding, (CONVERT,)) if dtype(strip(padding, (CONVERT,))) == torch.bool else padding
         if not same_shape(shape(padding), (B, N)):
             raise NoMatch(f"the padding mask {shape(padding)} is not [B, N] = [{B}, {N}]")
     return dict(q=q_term, kv=kv_term, window=window, padding=padding)
@@ -287,30 +215,31 @@ def _window_mask(mask: torch.fx.Node, B, S, N) -> dict:
 
 def _additive_window(node) -> torch.fx.Node | None:
     """The bool mask of `where(mask, 0, big negative)` (converts allowed), else None."""
-    node = _strip(node, (CONVERT, aten.expand.default))
-    if is_op(node, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar) \
-            and _const(node.args[1]) == 0 and _masks(_const(node.args[2])) and dtype(node.args[0]) == torch.bool:
+    node = strip(node, (CONVERT, aten.expand.default))
+    if is_op(node, *WHERE_OPS) \
+            and fill_value(node.args[1]) == 0 and masking_bias(fill_value(node.args[2])) is not None \
+            and dtype(node.args[0]) == torch.bool:
         return node.args[0]
     return None
 
 
 def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
     """The top-k indices of CSA's `full(-inf, [B, 1, S, T + 1]).scatter(-1, where(i >= 0, i, T)[:, None], 0)[..., :T]`."""
-    bias = _strip(bias, (CONVERT,))
+    bias = strip(bias, (CONVERT,))
     if not is_op(bias, aten.slice.Tensor):
         return None
-    dim, start, end, step = _slice(bias)
-    if not (_last(bias, dim) and start == 0 and same_size(end, T) and step == 1):
+    dim, start, end, step = slice_args(bias)
+    if not (is_last_dim(bias, dim) and start == 0 and same_size(end, T) and step == 1):
         return None
     scatter = bias.args[0]
-    if is_op(scatter, aten.scatter.value) and _last(scatter, scatter.args[1]) and scatter.args[3] == 0:
+    if is_op(scatter, aten.scatter.value) and is_last_dim(scatter, scatter.args[1]) and scatter.args[3] == 0:
         base, index = scatter.args[0], scatter.args[2]
-        if not (is_op(base, aten.full.default) and _is_neg_inf(base.args[1])
+        if not (is_op(base, aten.full.default) and is_neg_inf(base.args[1])
                 and same_shape(shape(base), (B, 1, S, T + 1))):
             return None
     else:
         # One pick per query (k = 1): Inductor writes the scatter as `where(index == arange(T + 1), 0, -inf)`.
-        if not (is_op(scatter, aten.where.self) and _const(scatter.args[1]) == 0 and _is_neg_inf(_const(scatter.args[2]))
+        if not (is_op(scatter, aten.where.self) and fill_value(scatter.args[1]) == 0 and is_neg_inf(fill_value(scatter.args[2]))
                 and is_op(scatter.args[0], aten.eq.Tensor) and same_shape(shape(scatter), (B, 1, S, T + 1))):
             return None
         picked, entries = scatter.args[0].args
@@ -328,7 +257,7 @@ def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
     cond, idx, spare = safe.args
     if not (is_op(cond, aten.ge.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
         return None
-    if val(_const(spare)) is None or not same_size(val(_const(spare)), T):
+    if val(fill_value(spare)) is None or not same_size(val(fill_value(spare)), T):
         return None
     if dtype(idx) not in INDEX_DTYPES or not same_shape(shape(idx)[:2], (B, S)) or len(shape(idx)) != 3:
         return None
@@ -337,8 +266,8 @@ def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
 
 def _hca_threshold(bias: torch.fx.Node, B, S, T) -> tuple | None:
     """(positions, m) of HCA's `where(arange(T) >= (positions + 1) // m, -inf, 0)` over [B, 1, S, T]."""
-    bias = _strip(bias, (CONVERT,))
-    if not is_op(bias, aten.where.self) or not _is_neg_inf(_const(bias.args[1])) or _const(bias.args[2]) != 0:
+    bias = strip(bias, (CONVERT,))
+    if not is_op(bias, aten.where.self) or not is_neg_inf(fill_value(bias.args[1])) or fill_value(bias.args[2]) != 0:
         return None
     cond = bias.args[0]
     if not is_op(cond, aten.ge.Tensor):
@@ -347,7 +276,7 @@ def _hca_threshold(bias: torch.fx.Node, B, S, T) -> tuple | None:
     found = _index_along(entries, 3)
     if found is None or found[2] != 0 or not same_size(found[1], T):
         return None
-    div = _strip(threshold, (aten.unsqueeze.default,))
+    div = strip(threshold, (aten.unsqueeze.default,))
     if not (is_op(div, aten.div.Tensor_mode) and div.kwargs.get("rounding_mode") == "floor"
             and isinstance(div.args[1], int) and div.args[1] >= 1) and not is_op(div, aten.floor_divide.default):
         return None
@@ -393,11 +322,11 @@ def _repeated_pairs(node) -> torch.fx.Node | None:
 
 def _rotate_half_of(node, rope: torch.fx.Node) -> bool:
     """Whether `node` is `stack((-rope[..., 1::2], rope[..., 0::2]), -1).flatten(-2)` (casts allowed)."""
-    node = _strip(node, (CONVERT, *VIEW_OPS))
-    if not (is_op(node, aten.cat.default) and len(node.args[0]) == 2 and _last(node, _dim_arg(node, 1))):
+    node = strip(node, (CONVERT, *VIEW_OPS))
+    if not (is_last_dim_cat(node) and len(node.args[0]) == 2):
         return False
     parts = node.args[0]
-    if not all(is_op(p, aten.unsqueeze.default) and _last(p, p.args[1]) for p in parts):
+    if not all(is_op(p, aten.unsqueeze.default) and is_last_dim(p, p.args[1]) for p in parts):
         return False
     first, second = (p.args[0] for p in parts)
     if not is_op(first, aten.neg.default):
@@ -405,38 +334,31 @@ def _rotate_half_of(node, rope: torch.fx.Node) -> bool:
     odd, even = first.args[0], second
 
     def strided(s, start):
-        return is_op(s, aten.slice.Tensor) and s.args[0] is rope and _last(rope, _slice(s)[0]) \
-            and _slice(s)[1] == start and same_size(_at(_slice(s)[2], shape(rope)[-1]), shape(rope)[-1]) \
-            and _slice(s)[3] == 2
+        if not (is_op(s, aten.slice.Tensor) and s.args[0] is rope):
+            return False
+        dim, first, end, step = slice_args(s)
+        width = shape(rope)[-1]
+        return is_last_dim(rope, dim) and first == start and same_size(slice_position(end, width), width) and step == 2
 
     return strided(odd, 1) and strided(even, 0)
-
-
-def _at(value, D):
-    """A slice bound as a position in a dim of size D (negative ints count from the end, END is D)."""
-    if isinstance(value, int) and value >= END:
-        return D
-    if isinstance(value, int) and value < 0:
-        return value + D
-    return value
 
 
 def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
     """`cat([x[..., :-2R], rotate(x[..., -2R:], cos, -sin)], -1)` on the attention output x [B, H, S, D], as HF's
     `apply_rotary_pos_emb(x, cos, -sin)` writes it (interleaved pairs, fp32 math), or None."""
-    slices = [u for u in out_bhsd.users if is_op(u, aten.slice.Tensor) and _last(u, _slice(u)[0])
-              and _slice(u)[3] == 1]
-    nope = next((s for s in slices if _at(_slice(s)[1], D) == 0), None)
-    rope = next((s for s in slices if s is not nope and same_size(_at(_slice(s)[2], D), D)), None)
-    if nope is None or rope is None or not same_size(_at(_slice(nope)[2], D), _at(_slice(rope)[1], D)):
+    slices = [u for u in out_bhsd.users if is_op(u, aten.slice.Tensor) and is_last_dim(u, slice_args(u)[0])
+              and slice_args(u)[3] == 1]
+    span = {s: [slice_position(bound, D) for bound in slice_args(s)[1:3]] for s in slices}
+    nope = next((s for s in slices if span[s][0] == 0), None)
+    rope = next((s for s in slices if s is not nope and same_size(span[s][1], D)), None)
+    if nope is None or rope is None or not same_size(span[nope][1], span[rope][0]):
         return None
-    width = D - _at(_slice(rope)[1], D)
-    cats = [u for u in nope.users if is_op(u, aten.cat.default) and len(u.args[0]) == 2 and u.args[0][0] is nope
-            and _last(u, _dim_arg(u, 1))]
+    width = D - span[rope][0]
+    cats = [u for u in nope.users if is_last_dim_cat(u) and len(u.args[0]) == 2 and u.args[0][0] is nope]
     if len(cats) != 1:
         return None
     cat = cats[0]
-    rotated = _strip(cat.args[0][1], (CONVERT,))
+    rotated = strip(cat.args[0][1], (CONVERT,))
     if not is_op(rotated, aten.add.Tensor) or not all(is_op(t, aten.mul.Tensor) for t in rotated.args):
         return None
     cos = neg_sin = None
@@ -445,7 +367,7 @@ def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
             source = _repeated_pairs(table) if isinstance(table, torch.fx.Node) else None
             if source is None or not isinstance(x, torch.fx.Node):
                 continue
-            x = _strip(x, (CONVERT,))
+            x = strip(x, (CONVERT,))
             if x is rope:
                 cos = source
             elif _rotate_half_of(x, rope):
@@ -465,7 +387,7 @@ def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
 
 def _sink_column(part: torch.fx.Node, H) -> torch.fx.Node | None:
     """The [H] sink parameter broadcast as `sinks.reshape(1, -1, 1, 1).expand(B, -1, S, -1)`."""
-    leaf = _strip(part, (aten.expand.default, *VIEW_OPS, aten.unsqueeze.default))
+    leaf = strip(part, (aten.expand.default, *VIEW_OPS, aten.unsqueeze.default))
     if len(shape(leaf)) == 1 and same_size(shape(leaf)[0], H) and same_size(shape(part)[-1], 1):
         return leaf
     return None
@@ -484,11 +406,11 @@ def _softmax_of(cat: torch.fx.Node) -> torch.fx.Node:
     if is_op(row_max, aten.max.dim):
         values = [g for g in row_max.users if g.target is operator.getitem and g.args[1] == 0]
         keepdim = len(row_max.args) > 2 and row_max.args[2]
-        if len(values) != 1 or len(row_max.users) != 1 or not _last(cat, row_max.args[1]) or not keepdim:
+        if len(values) != 1 or len(row_max.users) != 1 or not is_last_dim(cat, row_max.args[1]) or not keepdim:
             raise NoMatch("the row max is not the keep-dim max over the keys")
         row_max = values[0]
     elif not (len(row_max.args) > 2 and row_max.args[2] and len(row_max.args[1]) == 1
-              and _last(cat, row_max.args[1][0])):
+              and is_last_dim(cat, row_max.args[1][0])):
         raise NoMatch("the row max is not the keep-dim max over the keys")
     if subs[0].args[1] is not row_max:
         raise NoMatch("the scores are shifted by something other than their row max")
@@ -500,12 +422,12 @@ def _softmax_of(cat: torch.fx.Node) -> torch.fx.Node:
 
 def _match(cat: torch.fx.Node) -> dict:
     parts = cat.args[0]
-    if len(parts) != 2 or len(shape(cat)) != 4 or not _last(cat, _dim_arg(cat, 1)):
+    if len(parts) != 2 or len(shape(cat)) != 4 or not is_last_dim_cat(cat):
         raise NoMatch("not a cat of scores and a sink column", reported=False)
     scores_in, sink_part = parts
     B, H, S, _ = shape(cat)
     sinks = _sink_column(sink_part, H) if isinstance(sink_part, torch.fx.Node) else None
-    if sinks is None or not is_op(_strip(scores_in, (CONVERT,)), aten.add.Tensor):
+    if sinks is None or not is_op(strip(scores_in, (CONVERT,)), aten.add.Tensor):
         raise NoMatch("not a cat of scores and a sink column", reported=False)
     users = list(cat.users)
     if not any(is_op(u, aten.max.dim, aten.amax.default) for u in users):
@@ -516,8 +438,8 @@ def _match(cat: torch.fx.Node) -> dict:
     probs = _softmax_of(cat)
     # The sink column is dropped, the probabilities rounded to the value dtype and multiplied by the rows.
     drop = only_user(probs)
-    bounds = _slice(drop) if is_op(drop, aten.slice.Tensor) else None
-    if bounds is None or not (_last(drop, bounds[0]) and bounds[1] == 0 and bounds[3] == 1
+    bounds = slice_args(drop) if is_op(drop, aten.slice.Tensor) else None
+    if bounds is None or not (is_last_dim(drop, bounds[0]) and bounds[1] == 0 and bounds[3] == 1
                               and (bounds[2] == -1 or same_size(bounds[2], shape(cat)[3] - 1))):
         raise NoMatch("the softmax output is not sliced to drop the trailing sink column")
     node, prob_ops = drop, []
@@ -535,7 +457,7 @@ def _match(cat: torch.fx.Node) -> dict:
     if pv.args[0] is not node:
         raise NoMatch("the attention probabilities are not the left operand of P @ V")
 
-    scores_add = _strip(scores_in, (CONVERT,))
+    scores_add = strip(scores_in, (CONVERT,))
     a, b = scores_add.args
     score_side = [x for x in (a, b) if isinstance(x, torch.fx.Node) and _chain_back_scaled(x)[0] is not None]
     if len(score_side) != 1:
@@ -545,7 +467,7 @@ def _match(cat: torch.fx.Node) -> dict:
     qk, score_ops, scale = _chain_back_scaled(scaled)
 
     # q . k and P . v over one K=V tensor [B, 1, T, D] broadcast over the heads
-    q_chain, k_chain, v_chain = _chain_back(qk.args[0]), _chain_back(qk.args[1]), _chain_back(pv.args[1])
+    q_chain, k_chain, v_chain = _layout_chain(qk.args[0]), _layout_chain(qk.args[1]), _layout_chain(pv.args[1])
     q = next((n for n in q_chain if same_shape(shape(n), (B, H, S, shape(n)[-1] if shape(n) else 0))), None)
     kv_all = k_chain[0]
     if kv_all is not v_chain[0]:
@@ -556,23 +478,23 @@ def _match(cat: torch.fx.Node) -> dict:
     T_all, D = shape(kv_all)[2], shape(kv_all)[3]
     if not same_shape(shape(q), (B, H, S, D)) or not same_size(Dq, D):
         raise NoMatch(f"q {shape(q)} and the K=V rows {shape(kv_all)} do not fit [B, H, S, D] x [B, 1, T, D]")
-    q_l = _follow(leaf_labels(q, "bhsd"), q_chain[q_chain.index(q) + 1:])
-    k_l = _follow(leaf_labels(kv_all, "bxtd"), k_chain[1:])
+    q_l = follow(leaf_labels(q, "bhsd"), q_chain[q_chain.index(q) + 1:])
+    k_l = follow(leaf_labels(kv_all, "bxtd"), k_chain[1:])
     qk_l = bmm_labels(q_l, k_l) if q_l and k_l else None
     if qk_l is None or names([contracted(q_l, k_l)]) != names([(("d", D),)]):
         raise NoMatch("the score product is not q[b,h,s,:] . kv[b,t,:]")
-    s_l = _follow(qk_l, score_ops)
+    s_l = follow(qk_l, score_ops)
     want = names([(("b", B),), (("h", H),), (("s", S),), (("t", T_all),)])
     if s_l is None or names(s_l) != want:
         raise NoMatch("the scores are not laid out as [B, H, S, T] where the mask is added")
-    p_l = _follow(s_l, [op for op in prob_ops if not is_op(op, CONVERT)])
-    v_l = _follow(leaf_labels(kv_all, "bxtd"), v_chain[1:])
+    p_l = follow(s_l, [op for op in prob_ops if not is_op(op, CONVERT)])
+    v_l = follow(leaf_labels(kv_all, "bxtd"), v_chain[1:])
     pv_l = bmm_labels(p_l, v_l) if p_l and v_l else None
     if pv_l is None or names([contracted(p_l, v_l)]) != names([(("t", T_all),)]):
         raise NoMatch("the output product is not P[b,h,s,:] . kv[b,:,e]")
 
     x_dtype = dtype(q)
-    if x_dtype not in ATTENTION_DTYPES or dtype(kv_all) != x_dtype or dtype(pv) != x_dtype:
+    if x_dtype not in FLOAT_DTYPES or dtype(kv_all) != x_dtype or dtype(pv) != x_dtype:
         raise NoMatch(f"q / K=V / P @ V dtypes {x_dtype} / {dtype(kv_all)} / {dtype(pv)} differ or are unsupported")
     if dtype(qk) != x_dtype or dtype(scores_add) != x_dtype:
         raise NoMatch(f"the scores are computed in {dtype(scores_add)}, not in the input dtype {x_dtype}")
@@ -581,7 +503,7 @@ def _match(cat: torch.fx.Node) -> dict:
         raise NoMatch(f"the probabilities are rounded to {casts[-1].args[1]}, not {x_dtype}")
 
     # The output: [B, H, S, D] viewed as [B, S, H, D] (eager's transpose), then maybe the inverse RoPE
-    out_l, node = _follow(pv_l, []), pv
+    out_l, node = follow(pv_l, []), pv
     rows_bshd = names([(("b", B),), (("s", S),), (("h", H),), (("d", D),)])
     rows_bhsd = names([(("b", B),), (("h", H),), (("s", S),), (("d", D),)])
     bshd = bhsd = None
@@ -616,11 +538,12 @@ def _match(cat: torch.fx.Node) -> dict:
     if block_bias is None:
         kv_rows, compressed, N, T = kv_all, None, T_all, 0
     else:
-        if not (is_op(kv_all, aten.cat.default) and len(kv_all.args[0]) == 2 and _dim_arg(kv_all, 1) in (2, -2)):
+        if not (is_op(kv_all, aten.cat.default) and len(kv_all.args[0]) == 2
+                and node_arg(kv_all, 1, "dim", 0) in (2, -2)):
             raise NoMatch("the mask has a compressed part but the K=V rows are not cat([window rows, compressed])")
         kv_rows, compressed = kv_all.args[0]
         N, T = shape(kv_rows)[2], shape(compressed)[2]
-        if not same_size(shape(_strip(window_bias, (CONVERT,)))[-1], N):
+        if not same_size(shape(strip(window_bias, (CONVERT,)))[-1], N):
             raise NoMatch("the window mask and the window rows differ in length")
     if input_mask is not None:
         # Positions that make the fused op's window and causal tests pass for every row: the query at N - 1 + T,
@@ -655,10 +578,10 @@ def _chain_back_scaled(node) -> tuple:
     """(bmm, layout ops after it, scale) for `bmm(...)` viewed and multiplied by one constant, else (None, ...)."""
     ops, scale = [], 1.0
     while True:
-        factor = _scale_factor(node)
+        factor = scale_factor(node)
         if factor is not None:
             scale *= factor
-            node = node.args[0] if isinstance(node.args[0], torch.fx.Node) else node.args[1]
+            node = scaled_input(node)
         elif is_op(node, *LAYOUT_OPS):
             ops.append(node)
             node = node.args[0]
@@ -675,8 +598,8 @@ _ZERO_PAD = object()  # the compressed part of the mask is HF's zero padding (HC
 def _mask_parts(mask) -> tuple:
     """(window part, compressed part or None) of the additive mask: `cat([window, block_bias], -1)`, the window
     zero-padded over the compressed entries (`_ZERO_PAD`), or the window."""
-    node = _strip(mask, (CONVERT, aten.expand.default))
-    if is_op(node, aten.cat.default) and len(node.args[0]) == 2 and _last(node, _dim_arg(node, 1)):
+    node = strip(mask, (CONVERT, aten.expand.default))
+    if is_last_dim_cat(node) and len(node.args[0]) == 2:
         return node.args[0][0], node.args[0][1]
     if is_op(node, aten.constant_pad_nd.default) and len(node.args[1]) == 2 and node.args[1][0] == 0 \
             and (len(node.args) < 3 or node.args[2] == 0):
@@ -687,7 +610,7 @@ def _mask_parts(mask) -> tuple:
 def _input_mask(node, B, S) -> torch.fx.Node | None:
     """The [B, 1, 1, N] additive mask of a one-query step when it is a graph input (as `generate` builds it outside
     the compiled step: 0 where a row is seen, finfo.min where not), else None."""
-    leaf = _strip(node, (CONVERT, aten.expand.default))
+    leaf = strip(node, (CONVERT, aten.expand.default))
     if leaf.op != "placeholder" or not same_size(S, 1) or len(shape(leaf)) != 4:
         return None
     if not (same_size(shape(leaf)[0], B) and same_size(shape(leaf)[1], 1) and same_size(shape(leaf)[2], 1)):
@@ -698,7 +621,7 @@ def _input_mask(node, B, S) -> torch.fx.Node | None:
 def _same_positions(positions: torch.fx.Node, term: dict) -> bool:
     """Whether `positions` [B', S] holds the same values as the mask's query positions."""
     if term["kind"] == "table":
-        return _strip(positions, (aten.expand.default,)) is term["table"]
+        return strip(positions, (aten.expand.default,)) is term["table"]
     found = _arange(positions)
     return found is not None and same_size(found[2], term["start"])
 
@@ -723,7 +646,7 @@ def _positions_node(graph, before, term: dict, B) -> torch.fx.Node:
 def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     out, epilogue = m["out"], m["epilogue"]
     before = epilogue["cat"] if epilogue is not None else out
-    B = _size(graph, before, m["q"], 0)
+    B = size_arg(graph, before, m["q"], 0)
     q = insert_call(graph, before, aten.permute.default, (m["q"], [0, 2, 1, 3]))
     kv = insert_call(graph, before, aten.squeeze.dim, (m["kv_rows"], 1))
     compressed = m["compressed"]
@@ -769,7 +692,7 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
 def _input_mask_positions(graph, before, win: dict, m: dict, B) -> tuple:
     """[B, 1] query and [B, N] window-row positions for an input mask (see `_match`)."""
     N = shape(m["kv_rows"])[2]
-    T = _size(graph, before, m["compressed"], 2) if m["compressed"] is not None else 0
+    T = size_arg(graph, before, m["compressed"], 2) if m["compressed"] is not None else 0
     device = m["q"].meta["val"].device
     rows = insert_call(graph, before, IOTA, (N,), dict(start=0, step=1, dtype=torch.int64, device=device,
                                                      requires_grad=False))

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-import dsfuse
+from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, Entry, check_coverage, run_entry
 
 B, S, H, D, K = 2, 12, 8, 16, 4
 T = S
@@ -261,17 +259,8 @@ def _router():
 
 
 # --------------------------------------------------------------------------------------- the corpus
-REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
-
-
 @dataclass(frozen=True)
-class Entry:
-    fn: Callable
-    source: str
-    inputs: Callable[[], tuple]
-    outcome: str
-    count: int = 0  # indexer_topk sites rewritten
-    reason: str = ""  # the near-miss reason, word for word
+class IndexerEntry(Entry):
     order_seen: bool = True  # False: compare each row's picks as a set (sorted=False, nothing sees the order)
     in_topk_order: bool | None = None  # for a rewrite: whether the op is asked for torch.topk's slot order
 
@@ -282,34 +271,34 @@ TENSOR_SCALE = "scores are scaled by a tensor, not a constant"
 SMALLEST = "top-k of the smallest scores"
 
 CORPUS = {
-    "hf_v32_bool_mask": Entry(hf_v32, "transformers DeepseekV32Indexer", _v32(), REWRITTEN, 1, in_topk_order=True),
-    "hf_v32_additive_mask": Entry(hf_v32_additive, "transformers DeepseekV32Indexer", _v32_additive, REWRITTEN, 1),
-    "glm_moe_dsa_scattered": Entry(glm_moe_dsa, "transformers GlmMoeDsaIndexer + attention", _glm, REWRITTEN, 1,
+    "hf_v32_bool_mask": IndexerEntry(hf_v32, "transformers DeepseekV32Indexer", _v32(), REWRITTEN, 1, in_topk_order=True),
+    "hf_v32_additive_mask": IndexerEntry(hf_v32_additive, "transformers DeepseekV32Indexer", _v32_additive, REWRITTEN, 1),
+    "glm_moe_dsa_scattered": IndexerEntry(glm_moe_dsa, "transformers GlmMoeDsaIndexer + attention", _glm, REWRITTEN, 1,
                                    in_topk_order=False),
-    "official_fp8_k_scale": Entry(official_fp8, "DeepSeek V3.2 inference Indexer + fp8_index", _fp8(), REWRITTEN, 1),
-    "official_fp8_one_sequence": Entry(official_fp8_one_sequence, "DeepSeek V3.2 inference fp8_index, one sequence",
+    "official_fp8_k_scale": IndexerEntry(official_fp8, "DeepSeek V3.2 inference Indexer + fp8_index", _fp8(), REWRITTEN, 1),
+    "official_fp8_one_sequence": IndexerEntry(official_fp8_one_sequence, "DeepSeek V3.2 inference fp8_index, one sequence",
                                        _fp8(one_sequence=True), REWRITTEN, 1, order_seen=False),
-    "vllm_ref_mqa_logits": Entry(vllm_ref_logits, "vLLM ref_fp8_mqa_logits", _vllm, REWRITTEN, 1),
-    "sglang_keys_first_mm": Entry(sglang_keys_first, "SGLang NSA indexer torch fallback", _one_sequence, REWRITTEN, 1,
+    "vllm_ref_mqa_logits": IndexerEntry(vllm_ref_logits, "vLLM ref_fp8_mqa_logits", _vllm, REWRITTEN, 1),
+    "sglang_keys_first_mm": IndexerEntry(sglang_keys_first, "SGLang NSA indexer torch fallback", _one_sequence, REWRITTEN, 1,
                                   order_seen=False),
-    "clamp_min_where_keep": Entry(clamp_min_mul_sum, "written for the corpus (clamp_min, where polarity)", _v32(),
+    "clamp_min_where_keep": IndexerEntry(clamp_min_mul_sum, "written for the corpus (clamp_min, where polarity)", _v32(),
                                   REWRITTEN, 1),
-    "div_sqrt_d_transposed_head_sum": Entry(div_sqrt_d, "written for the corpus (x / sqrt(D))", _v32(), REWRITTEN, 1,
+    "div_sqrt_d_transposed_head_sum": IndexerEntry(div_sqrt_d, "written for the corpus (x / sqrt(D))", _v32(), REWRITTEN, 1,
                                             order_seen=False),
-    "scale_folded_into_q": Entry(scale_folded_into_q, "written for the corpus (scale in q)", _v32(), REWRITTEN, 1),
-    "keys_first_then_transpose": Entry(keys_first_then_transpose, "written for the corpus (k @ q^T)", _v32(),
+    "scale_folded_into_q": IndexerEntry(scale_folded_into_q, "written for the corpus (scale in q)", _v32(), REWRITTEN, 1),
+    "keys_first_then_transpose": IndexerEntry(keys_first_then_transpose, "written for the corpus (k @ q^T)", _v32(),
                                        REWRITTEN, 1),
-    "fp32_relu_times_scale": Entry(fp32_relu_times_scale, "transformers DeepseekV4IndexerScorer (fp32 inputs)",
+    "fp32_relu_times_scale": IndexerEntry(fp32_relu_times_scale, "transformers DeepseekV4IndexerScorer (fp32 inputs)",
                                    _fp32, REWRITTEN, 1),
-    "hf_v4_csa_minus_one": Entry(hf_v4_csa, "transformers DeepseekV4Indexer", _v4, REWRITTEN, 1, in_topk_order=True),
-    "first_picks_scattered": Entry(first_picks_scattered, "written for the corpus (slots read, then scattered)", _v32(),
+    "hf_v4_csa_minus_one": IndexerEntry(hf_v4_csa, "transformers DeepseekV4Indexer", _v4, REWRITTEN, 1, in_topk_order=True),
+    "first_picks_scattered": IndexerEntry(first_picks_scattered, "written for the corpus (slots read, then scattered)", _v32(),
                                    REWRITTEN, 1, in_topk_order=True),
-    "bf16_product": Entry(bf16_scores, "written for the corpus", _v32(), NEAR_MISS, reason=NOT_FP32),
-    "values_returned": Entry(values_returned, "written for the corpus", _v32(), NEAR_MISS, reason=VALUES_USED),
-    "per_query_tensor_scale": Entry(per_query_scale, "written for the corpus", _v32(), NEAR_MISS, reason=TENSOR_SCALE),
-    "smallest_k": Entry(smallest_scores, "written for the corpus", _v32(), NEAR_MISS, reason=SMALLEST),
-    "softmax_attention_topk": Entry(softmax_attention_topk, "written for the corpus", _v32(), LEFT_ALONE),
-    "router_topk": Entry(router_topk, "DeepSeek MoE router", _router, LEFT_ALONE),
+    "bf16_product": IndexerEntry(bf16_scores, "written for the corpus", _v32(), NEAR_MISS, reason=NOT_FP32),
+    "values_returned": IndexerEntry(values_returned, "written for the corpus", _v32(), NEAR_MISS, reason=VALUES_USED),
+    "per_query_tensor_scale": IndexerEntry(per_query_scale, "written for the corpus", _v32(), NEAR_MISS, reason=TENSOR_SCALE),
+    "smallest_k": IndexerEntry(smallest_scores, "written for the corpus", _v32(), NEAR_MISS, reason=SMALLEST),
+    "softmax_attention_topk": IndexerEntry(softmax_attention_topk, "written for the corpus", _v32(), LEFT_ALONE),
+    "router_topk": IndexerEntry(router_topk, "DeepSeek MoE router", _router, LEFT_ALONE),
 }
 
 
@@ -320,22 +309,10 @@ def _as_set(x):
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
     entry = CORPUS[name]
-    args = entry.inputs()
-    got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["indexer_topk"]})(*args)
-    rep = dsfuse.report()
-    reasons = [m.reason for m in rep.near_misses if m.pass_name == "indexer_topk"]
-    if entry.outcome == REWRITTEN:
-        assert (rep.counts["indexer_topk"], reasons) == (entry.count, []), str(rep)
-        if entry.in_topk_order is not None:
-            assert ("in topk order" in rep.sites[0].detail) == entry.in_topk_order, rep.sites[0].detail
-    elif entry.outcome == NEAR_MISS:
-        assert (rep.counts["indexer_topk"], reasons) == (0, [entry.reason]), str(rep)
-    else:
-        assert (rep.counts["indexer_topk"], reasons) == (0, []), str(rep)
-
-    want = entry.fn(*args)
-    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
-    for g, w in zip(got, want, strict=True):
+    got, want, rep = run_entry(entry, "indexer_topk")
+    if entry.outcome == REWRITTEN and entry.in_topk_order is not None:
+        assert ("in topk order" in rep.sites[0].detail) == entry.in_topk_order, rep.sites[0].detail
+    for g, w in zip(got, want):
         if not entry.order_seen:
             g, w = _as_set(g), _as_set(w)
         if g.dtype.is_floating_point:
@@ -346,6 +323,4 @@ def test_corpus_entry_ends_as_declared(name):
 
 def test_corpus_covers_the_issue():
     """At least 12 independent indexer formulations, and each declared outcome kind appears."""
-    rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
-    assert len(rewritten) >= 12
-    assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
+    check_coverage(CORPUS)

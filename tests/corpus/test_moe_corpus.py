@@ -12,13 +12,12 @@ experts implementations (`grouped_mm`, `batched_mm`, the eager loop) with their 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, Entry, check_coverage, run_entry
 
-import dsfuse
 from dsfuse.models.official import E2M1_VALUES, quantize_fp4
 
 T, H, E, I, K = 6, 32, 8, 32, 2  # FP4 needs H and I multiples of 32
@@ -386,19 +385,9 @@ def _fp8():
 
 
 # --------------------------------------------------------------------------------------- the corpus
-REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
-
-
 @dataclass(frozen=True)
-class Entry:
-    fn: Callable
-    source: str
-    inputs: Callable[[], tuple]
-    outcome: str
-    count: int = 0  # moe_experts sites rewritten
-    reason: str = ""  # the near-miss reason, word for word
-    op: str = "dsfuse.moe_experts_bf16"  # the fused op of a rewrite
-    detail: str = ""  # what the site's detail must contain
+class MoeEntry(Entry):
+    op: str = "dsfuse.moe_experts_bf16"
 
 
 COUNTS_OUTSIDE = ("the per-expert counts are an input of the compiled graph, not computed in it from the expert ids "
@@ -413,78 +402,58 @@ NOT_WEIGHTED = "the expert outputs are not multiplied by the router weights"
 NOT_PER_SLOT = "the expert outputs are not scaled by one router weight per slot"
 
 CORPUS = {
-    "hf_grouped_mm": Entry(hf_grouped_mm, "transformers grouped_mm_experts_forward", _plain, REWRITTEN, 1,
+    "hf_grouped_mm": MoeEntry(hf_grouped_mm, "transformers grouped_mm_experts_forward", _plain, REWRITTEN, 1,
                            detail="grouped GEMMs, inverse permutation + sum, E=8, k=2"),
-    "hf_batched_mm": Entry(hf_batched_mm, "transformers batched_mm_experts_forward", _plain, REWRITTEN, 1,
+    "hf_batched_mm": MoeEntry(hf_batched_mm, "transformers batched_mm_experts_forward", _plain, REWRITTEN, 1,
                            detail="batched GEMMs, sum, E=8, k=2"),
-    "sorted_index_add": Entry(sorted_index_add, "dsfuse's own FP4 experts' grouped forward (plain stacks)", _plain,
+    "sorted_index_add": MoeEntry(sorted_index_add, "dsfuse's own FP4 experts' grouped forward (plain stacks)", _plain,
                               REWRITTEN, 1, detail="grouped GEMMs, index_add"),
-    "searchsorted_offsets": Entry(searchsorted_offsets, "written for the corpus (searchsorted group ends)", _plain,
+    "searchsorted_offsets": MoeEntry(searchsorted_offsets, "written for the corpus (searchsorted group ends)", _plain,
                                   REWRITTEN, 1),
-    "one_hot_count_offsets": Entry(one_hot_count_offsets, "written for the corpus (one-hot counts)", _plain,
+    "one_hot_count_offsets": MoeEntry(one_hot_count_offsets, "written for the corpus (one-hot counts)", _plain,
                                    REWRITTEN, 1),
-    "argsort_then_gather": Entry(argsort_then_gather, "written for the corpus (argsort + gather)", _plain,
+    "argsort_then_gather": MoeEntry(argsort_then_gather, "written for the corpus (argsort + gather)", _plain,
                                  REWRITTEN, 1, detail="index_add"),
-    "sigmoid_spelled_silu": Entry(sigmoid_spelled_silu, "written for the corpus (g * sigmoid(g), matmul)", _plain,
+    "sigmoid_spelled_silu": MoeEntry(sigmoid_spelled_silu, "written for the corpus (g * sigmoid(g), matmul)", _plain,
                                   REWRITTEN, 1, detail="batched GEMMs, sum"),
-    "v4_clamped_swiglu": Entry(v4_clamped_swiglu, "transformers DeepseekV4 experts (swiglu_limit)", _clamped,
+    "v4_clamped_swiglu": MoeEntry(v4_clamped_swiglu, "transformers DeepseekV4 experts (swiglu_limit)", _clamped,
                                REWRITTEN, 1, detail="SwiGLU clamped at 4"),
-    "router_renormalised": Entry(router_renormalised, "DeepSeek V3 MoEGate (noaux_tc) + transformers grouped_mm",
+    "router_renormalised": MoeEntry(router_renormalised, "DeepSeek V3 MoEGate (noaux_tc) + transformers grouped_mm",
                                  _router, REWRITTEN, 1),
-    "weights_after_view": Entry(weights_after_view, "vLLM torch_moe / SGLang torch-native MoE combine", _plain,
+    "weights_after_view": MoeEntry(weights_after_view, "vLLM torch_moe / SGLang torch-native MoE combine", _plain,
                                 REWRITTEN, 1),
-    "einsum_combine": Entry(einsum_combine, "written for the corpus (einsum combine)", _plain, REWRITTEN, 1),
-    "scatter_add_combine": Entry(scatter_add_combine, "written for the corpus (scatter_add_)", _plain, REWRITTEN, 1),
-    "scatter_reduce_combine": Entry(scatter_reduce_combine, "written for the corpus (scatter_reduce sum)", _plain,
+    "einsum_combine": MoeEntry(einsum_combine, "written for the corpus (einsum combine)", _plain, REWRITTEN, 1),
+    "scatter_add_combine": MoeEntry(scatter_add_combine, "written for the corpus (scatter_add_)", _plain, REWRITTEN, 1),
+    "scatter_reduce_combine": MoeEntry(scatter_reduce_combine, "written for the corpus (scatter_reduce sum)", _plain,
                                     REWRITTEN, 1),
-    "fp4_experts": Entry(fp4_experts, "DeepSeek V4 inference FP4 experts", _fp4, REWRITTEN, 1,
+    "fp4_experts": MoeEntry(fp4_experts, "DeepSeek V4 inference FP4 experts", _fp4, REWRITTEN, 1,
                          op="dsfuse.moe_experts_fp4"),
-    "fp8_block_dequant": Entry(fp8_block_dequant, "DeepSeek V3 FP8 block-scaled weights, dequantised", _fp8,
+    "fp8_block_dequant": MoeEntry(fp8_block_dequant, "DeepSeek V3 FP8 block-scaled weights, dequantised", _fp8,
                                REWRITTEN, 1),
-    "official_v3_loop": Entry(official_v3_loop, "DeepSeek V3 inference MoE.forward", _plain, LEFT_ALONE),
-    "vllm_dense_masks": Entry(vllm_dense_masks, "vLLM torch_moe (tests reference)", _plain, LEFT_ALONE),
-    "dense_all_experts": Entry(dense_all_experts, "written for the corpus (all experts, dense weights)", _plain,
+    "official_v3_loop": MoeEntry(official_v3_loop, "DeepSeek V3 inference MoE.forward", _plain, LEFT_ALONE),
+    "vllm_dense_masks": MoeEntry(vllm_dense_masks, "vLLM torch_moe (tests reference)", _plain, LEFT_ALONE),
+    "dense_all_experts": MoeEntry(dense_all_experts, "written for the corpus (all experts, dense weights)", _plain,
                                LEFT_ALONE),
-    "bincount_graph_break": Entry(bincount_offsets, "DeepSeek V3 inference MoE (bincount counts)", _plain, NEAR_MISS,
+    "bincount_graph_break": MoeEntry(bincount_offsets, "DeepSeek V3 inference MoE (bincount counts)", _plain, NEAR_MISS,
                                   reason=COUNTS_OUTSIDE),
-    "separate_gate_up": Entry(separate_gate_up, "DeepSeek V3 / V4 inference Expert (w1, w3, w2)", _separate,
+    "separate_gate_up": MoeEntry(separate_gate_up, "DeepSeek V3 / V4 inference Expert (w1, w3, w2)", _separate,
                               NEAR_MISS, reason=SEPARATE_STACKS),
-    "gelu_gate": Entry(gelu_gate, "written for the corpus (GeGLU)", _plain, NEAR_MISS, reason=NOT_SILU),
-    "weights_before_down": Entry(weights_before_down, "written for the corpus", _plain, NEAR_MISS,
+    "gelu_gate": MoeEntry(gelu_gate, "written for the corpus (GeGLU)", _plain, NEAR_MISS, reason=NOT_SILU),
+    "weights_before_down": MoeEntry(weights_before_down, "written for the corpus", _plain, NEAR_MISS,
                                  reason=WEIGHTED_BEFORE_DOWN),
-    "unweighted_mean": Entry(unweighted_mean, "written for the corpus", _plain, NEAR_MISS, reason=NOT_WEIGHTED),
-    "per_channel_expert_scale": Entry(per_channel_expert_scale, "written for the corpus", _channel_scale, NEAR_MISS,
+    "unweighted_mean": MoeEntry(unweighted_mean, "written for the corpus", _plain, NEAR_MISS, reason=NOT_WEIGHTED),
+    "per_channel_expert_scale": MoeEntry(per_channel_expert_scale, "written for the corpus", _channel_scale, NEAR_MISS,
                                       reason=NOT_PER_SLOT),
 }
 
 
-def _moe_near_misses(rep):
-    return [m.reason for m in rep.near_misses if m.pass_name == "moe_experts"]
-
-
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
-    entry = CORPUS[name]
-    args = entry.inputs()
-    with torch.no_grad():
-        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["moe_experts"]})(*args)
-        want = entry.fn(*args)
-    rep = dsfuse.report()
-    reasons = _moe_near_misses(rep)
-    if entry.outcome == REWRITTEN:
-        assert (rep.counts["moe_experts"], reasons) == (entry.count, []), str(rep)
-        assert {s.op for s in rep.sites} == {entry.op}, str(rep)
-        assert all(entry.detail in s.detail for s in rep.sites), str(rep)
-    elif entry.outcome == NEAR_MISS:
-        assert (rep.counts["moe_experts"], reasons) == (0, [entry.reason]), str(rep)
-    else:
-        assert (rep.counts["moe_experts"], reasons) == (0, []), str(rep)
+    (got,), (want,), _ = run_entry(CORPUS[name], "moe_experts")
     # bf16 GEMMs summed in another order differ by an ulp of the output's size.
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 def test_corpus_covers_the_family():
     """At least 12 independent rewritten formulations, and each declared outcome kind appears."""
-    rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
-    assert len(rewritten) >= 12
-    assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
+    check_coverage(CORPUS)

@@ -11,12 +11,10 @@ GLM-MoE-DSA norms and RoPE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import pytest
 import torch
 import torch.nn.functional as F
+from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, Entry, check_coverage, run_entry
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4UnweightedRMSNorm,
     apply_rotary_pos_emb as v4_rope,
@@ -26,8 +24,6 @@ from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     apply_rotary_pos_emb as hf_half_split_rope,
     apply_rotary_pos_emb_interleave as hf_interleaved_rope,
 )
-
-import dsfuse
 
 B, S, H = 2, 4, 2
 C_NORM, C_ROPE, HIDDEN = 16, 8, 16
@@ -297,20 +293,6 @@ def _residual():
 
 
 # --------------------------------------------------------------------------------------- the corpus
-REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
-
-
-@dataclass(frozen=True)
-class Entry:
-    fn: Callable
-    source: str
-    inputs: Callable[[], tuple]
-    outcome: str
-    count: int = 0  # norm_rope_quant sites rewritten
-    reason: str = ""  # the near-miss reason, word for word
-    op: str = ""  # for a rewrite: the fused op of the site
-
-
 GPTJ_IN_PLACE = ("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no kernel "
                  "computes that form")
 NO_RSQRT = "RMSNorm: no rsqrt(mean + eps): the norm divides by sqrt(mean + eps), another rounding than the kernel's"
@@ -363,27 +345,11 @@ CORPUS = {
 }
 
 
-def _outputs(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
     entry = CORPUS[name]
-    args = entry.inputs()
-    with torch.no_grad():
-        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["norm_rope_quant"]})(*args)
-        want = entry.fn(*args)
-    rep = dsfuse.report()
-    reasons = [m.reason for m in rep.near_misses if m.pass_name == "norm_rope_quant"]
-    if entry.outcome == REWRITTEN:
-        assert (rep.counts["norm_rope_quant"], reasons) == (entry.count, []), str(rep)
-        assert [s.op for s in rep.sites] == [entry.op] * entry.count, str(rep)
-    elif entry.outcome == NEAR_MISS:
-        assert (rep.counts["norm_rope_quant"], reasons) == (0, [entry.reason]), str(rep)
-    else:
-        assert (rep.counts["norm_rope_quant"], reasons) == (0, []), str(rep)
-    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+    got, want, _ = run_entry(entry, "norm_rope_quant")
+    for g, w in zip(got, want):
         if g.dtype == torch.float8_e4m3fn:
             g, w = g.view(torch.uint8), w.view(torch.uint8)
         if entry.outcome == REWRITTEN:  # the glue ops keep the source's roundings
@@ -395,8 +361,5 @@ def test_corpus_entry_ends_as_declared(name):
 def test_corpus_covers_the_family():
     """At least 12 independent formulations rewritten, every fused op of the family among them, and each declared
     outcome kind appears."""
-    rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
-    assert len(rewritten) >= 12
-    assert {e.op for e in rewritten} == {"dsfuse.rmsnorm_rope", "dsfuse.rope_cat", "dsfuse.rope_quant_fp8",
-                                         "dsfuse.complex_rope"}
-    assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
+    check_coverage(CORPUS, ops={"dsfuse.rmsnorm_rope", "dsfuse.rope_cat", "dsfuse.rope_quant_fp8",
+                                "dsfuse.complex_rope"})

@@ -13,13 +13,11 @@ mask combined with the attention mask, SDPA and eager) and transformers' Deepsee
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-import dsfuse
+from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, Entry, check_coverage, run_entry
 
 B, S, H, K = 2, 8, 2, 4
 T = S
@@ -386,20 +384,12 @@ def v4_csa_sinks(q, window, compressed, idx, sinks):
 
 
 # --------------------------------------------------------------------------------------- the corpus
-REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
 GATHER, MASKED, COMPRESSED = "dsfuse.sparse_mla_attention", "dsfuse.sparse_attention_masked", \
     "dsfuse.compressed_attention"
 
 
 @dataclass(frozen=True)
-class Entry:
-    fn: Callable
-    source: str
-    inputs: Callable[[], tuple]
-    outcome: str
-    count: int = 0  # sparse_attention sites rewritten
-    op: str = ""  # the fused op of every rewritten site
-    reason: str = ""  # the near-miss reason, word for word
+class AttentionEntry(Entry):
     tolerance: float = 1e-5
 
 
@@ -417,79 +407,62 @@ NOT_TOPK = ("the index mask's picks are not a top-k's indices: the scatter merge
 PROBS_USED = "the attention probabilities are also used elsewhere"
 
 CORPUS = {
-    "official_gather_einsum": Entry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), over gathered "
+    "official_gather_einsum": AttentionEntry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), over gathered "
                                     "picks", _mla, REWRITTEN, 1, GATHER),
-    "official_gather_bf16": Entry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), bf16",
+    "official_gather_bf16": AttentionEntry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), bf16",
                                   lambda: _mla(torch.bfloat16), REWRITTEN, 1, GATHER, tolerance=2e-2),
-    "vllm_gather_matmul": Entry(vllm_gather_matmul, "vLLM sparse MLA torch reference", _mla, REWRITTEN, 1, GATHER),
-    "where_keep_polarity": Entry(where_keep_polarity, "written for the corpus (keep polarity)", _mla, REWRITTEN, 1,
+    "vllm_gather_matmul": AttentionEntry(vllm_gather_matmul, "vLLM sparse MLA torch reference", _mla, REWRITTEN, 1, GATHER),
+    "where_keep_polarity": AttentionEntry(where_keep_polarity, "written for the corpus (keep polarity)", _mla, REWRITTEN, 1,
                                  GATHER),
-    "sglang_concatenated_rows": Entry(sglang_concatenated_rows, "SGLang NSA torch fallback / FlashMLA layout", _mla,
+    "sglang_concatenated_rows": AttentionEntry(sglang_concatenated_rows, "SGLang NSA torch fallback / FlashMLA layout", _mla,
                                       NEAR_MISS, reason=CONCATENATED_ROWS),
-    "scale_folded_into_q": Entry(scale_folded_into_q, "written for the corpus (scale in q)", _mla, REWRITTEN, 1,
+    "scale_folded_into_q": AttentionEntry(scale_folded_into_q, "written for the corpus (scale in q)", _mla, REWRITTEN, 1,
                                  GATHER),
-    "scale_after_mask": Entry(scale_after_mask, "written for the corpus (scale after the mask)", _mla, NEAR_MISS,
+    "scale_after_mask": AttentionEntry(scale_after_mask, "written for the corpus (scale after the mask)", _mla, NEAR_MISS,
                               reason=NOT_SOFTMAX),
-    "bmm_over_flat_queries": Entry(bmm_over_flat_queries, "written for the corpus (explicit bmm)", _mla, REWRITTEN,
+    "bmm_over_flat_queries": AttentionEntry(bmm_over_flat_queries, "written for the corpus (explicit bmm)", _mla, REWRITTEN,
                                    1, GATHER),
-    "sink_column": Entry(sink_column, "DeepSeek V4-style sinks over gathered picks", _mla_sink, REWRITTEN, 1, GATHER),
-    "one_sequence_gather": Entry(one_sequence_gather, "vLLM / FlashMLA reference (one sequence)", _mla_one_sequence,
+    "sink_column": AttentionEntry(sink_column, "DeepSeek V4-style sinks over gathered picks", _mla_sink, REWRITTEN, 1, GATHER),
+    "one_sequence_gather": AttentionEntry(one_sequence_gather, "vLLM / FlashMLA reference (one sequence)", _mla_one_sequence,
                                  NEAR_MISS, reason=ONE_SEQUENCE),
-    "official_decode_absorbed": Entry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode (absorbed)",
+    "official_decode_absorbed": AttentionEntry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode (absorbed)",
                                       _mla_index_scores, REWRITTEN, 1, GATHER),
-    "official_decode_absorbed_bf16": Entry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode, bf16",
+    "official_decode_absorbed_bf16": AttentionEntry(official_decode_absorbed, "DeepSeek V3.2 inference MLA decode, bf16",
                                            _mla_index_scores_bf16, REWRITTEN, 1, GATHER, tolerance=2e-2),
-    "official_decode_given_picks": Entry(official_decode_given_picks, "DeepSeek V3.2 inference MLA decode, picks "
+    "official_decode_given_picks": AttentionEntry(official_decode_given_picks, "DeepSeek V3.2 inference MLA decode, picks "
                                          "from outside", _mla_given_picks, NEAR_MISS, reason=NOT_TOPK),
-    "hf_v32_sdpa_bool": Entry(hf_v32_sdpa, "transformers DeepseekV32Attention (sdpa)", _hf, REWRITTEN, 1, MASKED),
-    "hf_v32_eager_additive": Entry(hf_v32_eager, "transformers DeepseekV32Attention (eager)",
+    "hf_v32_sdpa_bool": AttentionEntry(hf_v32_sdpa, "transformers DeepseekV32Attention (sdpa)", _hf, REWRITTEN, 1, MASKED),
+    "hf_v32_eager_additive": AttentionEntry(hf_v32_eager, "transformers DeepseekV32Attention (eager)",
                                    lambda: _hf("additive"), REWRITTEN, 1, MASKED),
-    "glm_sdpa_positions_causal": Entry(glm_sdpa_positions, "transformers GlmMoeDsaAttention (sdpa, no padding)",
+    "glm_sdpa_positions_causal": AttentionEntry(glm_sdpa_positions, "transformers GlmMoeDsaAttention (sdpa, no padding)",
                                        lambda: _hf()[:4], REWRITTEN, 1, MASKED),
-    "v4_csa_sinks": Entry(v4_csa_sinks, "transformers DeepseekV4Attention (CSA layer, eager)", _v4_csa, REWRITTEN, 1,
+    "v4_csa_sinks": AttentionEntry(v4_csa_sinks, "transformers DeepseekV4Attention (CSA layer, eager)", _v4_csa, REWRITTEN, 1,
                           COMPRESSED),
-    "official_prefill_index_mask": Entry(official_prefill, "DeepSeek V3.2 inference MLA prefill", _official_prefill,
+    "official_prefill_index_mask": AttentionEntry(official_prefill, "DeepSeek V3.2 inference MLA prefill", _official_prefill,
                                          NEAR_MISS, reason=INDEX_BIAS),
-    "bf16_softmax": Entry(bf16_softmax, "written for the corpus", lambda: _mla(torch.bfloat16), REWRITTEN, 1,
+    "bf16_softmax": AttentionEntry(bf16_softmax, "written for the corpus", lambda: _mla(torch.bfloat16), REWRITTEN, 1,
                           GATHER, tolerance=2e-2),
-    "minus_one_only": Entry(minus_one_only, "written for the corpus", _mla, NEAR_MISS, reason=NOT_MINUS_ONE),
-    "flashmla_lse": Entry(flashmla_lse, "FlashMLA sparse prefill test reference", _mla, NEAR_MISS, reason=NOT_SOFTMAX),
-    "softmax_over_heads": Entry(softmax_over_heads, "written for the corpus", _mla, NEAR_MISS, reason=NOT_SOFTMAX),
-    "eager_finite_fill": Entry(eager_finite_fill, "written for the corpus", lambda: _hf("additive"), NEAR_MISS,
+    "minus_one_only": AttentionEntry(minus_one_only, "written for the corpus", _mla, NEAR_MISS, reason=NOT_MINUS_ONE),
+    "flashmla_lse": AttentionEntry(flashmla_lse, "FlashMLA sparse prefill test reference", _mla, NEAR_MISS, reason=NOT_SOFTMAX),
+    "softmax_over_heads": AttentionEntry(softmax_over_heads, "written for the corpus", _mla, NEAR_MISS, reason=NOT_SOFTMAX),
+    "eager_finite_fill": AttentionEntry(eager_finite_fill, "written for the corpus", lambda: _hf("additive"), NEAR_MISS,
                                reason=FINITE_FILL),
-    "eager_weights_returned": Entry(eager_weights_returned, "transformers eager with output_attentions",
+    "eager_weights_returned": AttentionEntry(eager_weights_returned, "transformers eager with output_attentions",
                                     lambda: _hf("additive"), NEAR_MISS, reason=PROBS_USED),
-    "dense_attention": Entry(dense_attention, "plain attention (no selection)", _dense, LEFT_ALONE),
-    "gathered_rows_summed": Entry(gathered_rows_summed, "written for the corpus", _embedding_bag, LEFT_ALONE),
+    "dense_attention": AttentionEntry(dense_attention, "plain attention (no selection)", _dense, LEFT_ALONE),
+    "gathered_rows_summed": AttentionEntry(gathered_rows_summed, "written for the corpus", _embedding_bag, LEFT_ALONE),
 }
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
     entry = CORPUS[name]
-    args = entry.inputs()
-    with torch.no_grad():
-        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["sparse_attention"]})(*args)
-    rep = dsfuse.report()
-    reasons = [m.reason for m in rep.near_misses if m.pass_name == "sparse_attention"]
-    ops = [s.op for s in rep.sites if s.pass_name == "sparse_attention"]
-    if entry.outcome == REWRITTEN:
-        assert (rep.counts["sparse_attention"], ops, reasons) == (entry.count, [entry.op] * entry.count, []), str(rep)
-    elif entry.outcome == NEAR_MISS:
-        assert (rep.counts["sparse_attention"], reasons) == (0, [entry.reason]), str(rep)
-    else:
-        assert (rep.counts["sparse_attention"], reasons) == (0, []), str(rep)
-
-    want = entry.fn(*args)
-    got, want = (got, want) if isinstance(want, tuple) else ((got,), (want,))
-    for g, w in zip(got, want, strict=True):
+    got, want, _ = run_entry(entry, "sparse_attention")
+    for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
         torch.testing.assert_close(g, w, rtol=entry.tolerance, atol=entry.tolerance, equal_nan=True)
 
 
 def test_corpus_covers_the_family():
     """At least 12 independent formulations rewritten, every fused op and every declared outcome kind appears."""
-    rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
-    assert len(rewritten) >= 12
-    assert {e.op for e in rewritten} == {GATHER, MASKED, COMPRESSED}
-    assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
+    check_coverage(CORPUS, ops={GATHER, MASKED, COMPRESSED})

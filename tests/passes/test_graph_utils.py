@@ -1,0 +1,180 @@
+"""The shared graph helpers every pass walks with, each on a small graph built call by call (fake values on
+every node, symbolic sizes where a helper must not specialise)."""
+
+import operator
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+from dsfuse.passes.dims import follow, leaf_labels, leaf_of_rank, views_along, views_of_rank
+from dsfuse.passes.graph_utils import (CONVERT, END, broadcasts_to, fake_call, fill_value, in_graph_order, insert_call,
+                                       is_last_dim_cat, is_neg_inf, is_upcast, masking_bias, node_arg, other_operand,
+                                       scale_factor, scaled_input, size_arg, size_args, slice_args, slice_position,
+                                       walk_back, walk_forward)
+
+aten = torch.ops.aten
+
+
+class Builder:
+    """A graph built call by call; `dynamic` makes every input size a symbol."""
+
+    def __init__(self, dynamic: bool = False):
+        self.graph = torch.fx.Graph()
+        self.mode = FakeTensorMode(shape_env=ShapeEnv()) if dynamic else FakeTensorMode()
+        self.dynamic = dynamic
+
+    def input(self, *sizes, dtype=torch.float32) -> torch.fx.Node:
+        node = self.graph.placeholder(f"x{len(self.graph.nodes)}")
+        real = torch.zeros(*sizes, dtype=dtype)
+        if self.dynamic:
+            from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+            context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * len(sizes))
+            node.meta["val"] = self.mode.from_tensor(real, symbolic_context=context)
+        else:
+            node.meta["val"] = self.mode.from_tensor(real)
+        return node
+
+    def call(self, target, *args, **kwargs) -> torch.fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        if node.all_input_nodes:
+            node.meta["val"] = fake_call(target, args, kwargs)
+        else:  # a constant (`full`): no input to take the fake mode from
+            with self.mode:
+                node.meta["val"] = target(*args, **kwargs)
+        return node
+
+
+def test_walk_back_and_forward_follow_one_chain():
+    b = Builder()
+    x = b.input(2, 3, 4)
+    v = b.call(aten.view.default, x, [6, 4])
+    u = b.call(aten.unsqueeze.default, v, 0)
+    e = b.call(aten.exp.default, u)
+    through_views = lambda n: n.target in (aten.view.default, aten.unsqueeze.default)  # noqa: E731
+    assert walk_back(e, lambda n: through_views(n) or n.target is aten.exp.default) == [x, v, u, e]
+    assert walk_forward(x, through_views) == [x, v, u]
+    b.call(aten.neg.default, v)  # a second reader of v: the single-user chain ends there
+    assert walk_forward(x, through_views) == [x, v]
+
+
+def test_fill_value_and_masking_bias():
+    b = Builder()
+    full = b.call(aten.full.default, [2, 3], float("-inf"), dtype=torch.float32, device="cpu", pin_memory=False)
+    scalar = b.call(aten.scalar_tensor.default, -2e4, dtype=torch.float32, device="cpu")
+    x = b.input(2, 3)
+    assert fill_value(full) == float("-inf") and fill_value(scalar) == -2e4 and fill_value(1.5) == 1.5
+    assert fill_value(x) is None
+    assert is_neg_inf(fill_value(full)) and not is_neg_inf(-1e30) and not is_neg_inf(float("inf"))
+    assert masking_bias(float("-inf")) == "inf" and masking_bias(fill_value(scalar)) == "finite"
+    assert masking_bias(-1.0) is None and masking_bias(x) is None
+
+
+def test_scale_factor_reads_constant_scalings_only():
+    b = Builder()
+    x, y = b.input(2, 3), b.input(2, 3)
+    right, left = b.call(aten.mul.Tensor, x, 0.5), b.call(aten.mul.Tensor, 2, x)
+    div, by_zero = b.call(aten.div.Tensor, x, 4.0), b.call(aten.div.Tensor, x, 0.0)
+    assert (scale_factor(right), scale_factor(left), scale_factor(div)) == (0.5, 2.0, 0.25)
+    assert scaled_input(right) is x and scaled_input(left) is x
+    assert scale_factor(by_zero) is None and scale_factor(b.call(aten.mul.Tensor, x, y)) is None
+    assert scale_factor(b.call(aten.mul.Tensor, x, True)) is None
+
+
+def test_slice_args_fill_defaults_and_keep_symbols():
+    b = Builder(dynamic=True)
+    x = b.input(4, 8)
+    sym = x.meta["val"].shape[1]
+    assert slice_args(b.call(aten.slice.Tensor, x)) == (0, 0, END, 1)
+    assert slice_args(b.call(aten.slice.Tensor, x, -1, 1, None, 2)) == (-1, 1, END, 2)
+    width = b.call(aten.sym_size.int, x, 1)
+    dim, start, end, step = slice_args(b.call(aten.slice.Tensor, x, 1, 0, width))
+    assert (dim, start, step) == (1, 0, 1) and isinstance(end, torch.SymInt)
+    assert end.node.expr == sym.node.expr  # the symbol itself, never a guess at its value
+
+
+def test_slice_position_resolves_open_and_negative_bounds():
+    b = Builder(dynamic=True)
+    width = b.input(4, 8).meta["val"].shape[1]
+    assert slice_position(END, 8) == 8 and slice_position(-2, 8) == 6 and slice_position(3, 8) == 3
+    assert slice_position(END, width) is width
+    assert (slice_position(-2, width) - width + 2).node.expr == 0  # symbolic: width - 2, no guard taken
+
+
+def test_broadcasts_to_is_proven_not_guessed():
+    b = Builder(dynamic=True)
+    rows, cols = b.input(3, 5).meta["val"].shape
+    assert broadcasts_to((1, cols), (rows, cols)) and broadcasts_to((cols,), (rows, cols))
+    assert not broadcasts_to((rows, cols), (cols,)) and not broadcasts_to((rows,), (rows, cols))
+    assert broadcasts_to((1, 5), (3, 5)) and not broadcasts_to((2, 5), (3, 5))
+
+
+def test_in_graph_order():
+    b = Builder()
+    x = b.input(2)
+    first, second, third = (b.call(aten.neg.default, x) for _ in range(3))
+    assert in_graph_order([third, first, second]) == [first, second, third] and in_graph_order([]) == []
+
+
+def test_other_operand():
+    b = Builder()
+    x, y = b.input(2), b.input(2)
+    product = b.call(aten.mul.Tensor, x, y)
+    assert other_operand(product, x) is y and other_operand(product, y) is x and other_operand(product, product) is None
+
+
+def test_is_upcast():
+    b = Builder()
+    x = b.input(2, 3, dtype=torch.bfloat16)
+    assert is_upcast(b.call(CONVERT, x, torch.float32)) and not is_upcast(b.call(CONVERT, x, torch.float16))
+    assert not is_upcast(x)
+
+
+def test_node_arg_and_last_dim_cat():
+    b = Builder()
+    x = b.input(2, 3)
+    positional, keyword, default = (b.call(aten.cat.default, [x, x], -1), b.call(aten.cat.default, [x, x], dim=1),
+                                    b.call(aten.cat.default, [x, x]))
+    assert node_arg(positional, 1, "dim", 0) == -1 and node_arg(keyword, 1, "dim", 0) == 1
+    assert node_arg(default, 1, "dim", 0) == 0
+    assert is_last_dim_cat(positional) and is_last_dim_cat(keyword) and not is_last_dim_cat(default)
+    assert not is_last_dim_cat(b.call(aten.stack.default, [x, x], -1))
+
+
+def test_size_args_are_ints_or_sym_size_nodes():
+    b = Builder(dynamic=True)
+    x = b.input(3, 5)
+    y = b.call(aten.view.default, x, [-1])
+    flat = b.call(aten.unsqueeze.default, y, 0)
+    assert size_arg(b.graph, flat, flat, 0) == 1
+    sizes = size_args(b.graph, flat, x)
+    assert all(s.target is aten.sym_size.int for s in sizes) and [s.args[1] for s in sizes] == [0, 1]
+    assert sizes[0].meta["val"].node.expr == x.meta["val"].shape[0].node.expr
+    reshaped = insert_call(b.graph, flat, aten.reshape.default, (y, sizes))
+    assert reshaped.meta["val"].shape == x.meta["val"].shape
+
+
+def test_views_of_rank_lists_every_view_nearest_the_leaf_first():
+    b = Builder()
+    x = b.input(2, 3, 4)
+    t = b.call(aten.permute.default, x, [0, 2, 1])
+    u = b.call(aten.unsqueeze.default, t, 1)
+    v = b.call(aten.view.default, u, [2, 4, 3])
+    assert views_of_rank(v, 3) == [(x, [t, u, v]), (t, [u, v]), (v, [])]
+    assert leaf_of_rank(v, 4) == (u, [v]) and leaf_of_rank(v, 2) == (x, [t, u, v])
+    assert views_along([x, t, u, v], lambda n: n is u) == [(u, [v])]
+    labels = follow(leaf_labels(x, "abc"), [t, u, v])
+    assert [tuple(a[0] for a in dim) for dim in labels] == [("a",), ("c",), ("b",)]
+    assert follow(None, [t]) is None
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_walk_forward_stops_at_a_getitem(index):
+    b = Builder()
+    x = b.input(2, 4)
+    split = b.call(aten.split_with_sizes.default, x, [1, 3], -1)
+    part = b.call(operator.getitem, split, index)
+    assert walk_forward(x, lambda n: n.target is aten.split_with_sizes.default) == [x, split]
+    assert walk_forward(split, lambda n: n.target is aten.view.default) == [split]
+    assert part.meta["val"].shape[-1] == (1, 3)[index]
