@@ -499,6 +499,15 @@ def batch_one_mm_is_bmm(node: torch.fx.Node) -> bool:
     return True
 
 
+def canonical_bmm(node: Any) -> tuple[Any, Any] | None:
+    """(a, b) when `node` is `bmm(a, b)`, as written or as the batch-1 `mm` that the recorded `BMM` marks."""
+    if is_op(node, aten.bmm.default):
+        return node.args[0], node.args[1]
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get(BMM)
+    return None
+
+
 def canonical_scale(node: Any) -> tuple[Any, float]:
     """(x, c) with `node == x * c` up to rounding, from the recorded `SCALE`; (node, 1.0) when unscaled."""
     if isinstance(node, torch.fx.Node) and SCALE in node.meta:

@@ -37,9 +37,10 @@ import torch
 
 import dsfuse.kernels.hyper_connections  # noqa: F401  (registers torch.ops.dsfuse.hc_*)
 
+from .canonicalize import canonical_bmm
 from .context import NoMatch, PassContext, rewrite_anchored
-from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, fake_call, insert_call, is_op, only_user, same_shape,
-                          scalar_arg, shape, softmax_parts, strip)
+from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, fake_call, insert_call, is_op, only_user, op_name,
+                          same_shape, scalar_arg, shape, softmax_parts, strip)
 
 NAME = "hyper_connections"
 IMPLEMENTED = True
@@ -449,10 +450,12 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
     else:
         raise NoMatch("no hyper-connection post", reported=False)
     call, post_cast, out = found
-    bmm = strip(mixed, VIEW_OPS)
-    if not is_op(bmm, aten.bmm.default):
-        raise NoMatch("hyper-connection exit: post * out is added to something other than comb^T @ residual (bmm)")
-    lhs, rhs = (_strip_layout(a) for a in bmm.args)
+    mix = strip(mixed, VIEW_OPS)
+    operands = canonical_bmm(mix)
+    if operands is None:
+        raise NoMatch(f"hyper-connection exit: post * out is added to {op_name(mix)}, not to comb^T @ residual "
+                      "(a bmm)")
+    lhs, rhs = (_strip_layout(a) for a in operands)
     permute = lhs
     rank = len(shape(permute))
     if not (is_op(permute, aten.permute.default)

@@ -2,6 +2,8 @@
 `post_grad_custom_pre_pass` so the matchers can be tested against them on any machine.
 
 - `to_online_softmax`: on CUDA, Inductor rewrites amax / sub / exp / sum into `prepare_softmax_online`.
+- `batch_one_bmm_as_mm`: on CUDA, Inductor's joint-graph `bmm_to_mm` computes a bmm of batch 1 as
+  `mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)` (a decode step's one token makes the batch of a per-token bmm 1).
 - `drop_narrowing_round_trips`: torch 2.11's `pointless_convert` folds `x.to(bf16).to(fp32)` into
   `x.to(fp32)` (later versions keep a narrower intermediate); with an fp32 x the chain disappears.
 """
@@ -53,6 +55,24 @@ def drop_narrowing_round_trips(graph: torch.fx.Graph) -> None:
         if not inner.users:
             graph.erase_node(inner)
         REWRITES.append(outer)
+
+
+def batch_one_bmm_as_mm(graph: torch.fx.Graph) -> None:
+    for bmm in [n for n in graph.nodes if n.target is aten.bmm.default]:
+        a, b = bmm.args
+        if a.meta["val"].shape[0] != 1 or b.meta["val"].shape[0] != 1:
+            continue
+        with graph.inserting_before(bmm):
+            squeezed = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (a, b)]
+            mm = graph.call_function(aten.mm.default, tuple(squeezed))
+            out = graph.call_function(aten.unsqueeze.default, (mm, 0))
+        for node, value in zip(squeezed, (a.meta["val"][0], b.meta["val"][0])):
+            node.meta["val"] = value
+        mm.meta["val"] = torch.mm(*(n.meta["val"] for n in squeezed))
+        out.meta["val"] = bmm.meta["val"]
+        bmm.replace_all_uses_with(out)
+        graph.erase_node(bmm)
+        REWRITES.append(mm)
 
 
 def as_torch_2_11_on_cuda(graph: torch.fx.Graph) -> None:

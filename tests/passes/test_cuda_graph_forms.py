@@ -5,7 +5,7 @@ compile without these forms. (Every pass runs: the CPU backend cannot lower an o
 must be rewritten.)"""
 
 import torch
-from inductor_forms import CONVERT, REWRITES, as_torch_2_11_on_cuda
+from inductor_forms import CONVERT, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model
@@ -30,4 +30,24 @@ def test_v4_families_rewrite_on_torch_2_11_cuda_graph_forms():
     assert not rep.near_misses, str(rep)
     details = [s.detail for s in rep.sites if s.pass_name == "hyper_connections"]
     assert sum("Inductor had dropped the round trip" in d for d in details) == 5, details
+    assert torch.equal(got, want)
+
+
+def test_hyper_connection_exits_rewrite_when_cuda_computes_the_one_token_bmm_as_mm():
+    """A decode step's exit mixes one token's streams: on CUDA its bmm arrives as a batch-1 mm."""
+    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
+                           layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = torch.compile(model, backend="dsfuse")(ids).logits
+        torch._dynamo.reset()
+        dsfuse.reset_report()
+        REWRITES.clear()
+        options = {"inductor": {"post_grad_custom_pre_pass": batch_one_bmm_as_mm}}
+        got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
+    assert REWRITES, "the forward has no batch-1 bmm to turn into an mm"
+    rep = dsfuse.report()
+    exits = [s for s in rep.sites if s.op == "dsfuse.hc_expand_mix"]
+    assert rep.counts["hyper_connections"] == 5 and len(exits) == 2, str(rep)
+    assert not [m for m in rep.near_misses if m.pass_name == "hyper_connections"], str(rep)
     assert torch.equal(got, want)
