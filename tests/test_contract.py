@@ -153,16 +153,36 @@ def _absorbed_site(queries: str, keys: str):
 def test_a_cuda_decode_graph_without_cuda_graphs_is_flagged():
     """Absorbed attention over a KV cache compiled for CUDA without CUDA graphs runs several times slower than its
     GPU time: the report says so (and how to fix it); CPU graphs, captured graphs and prefill graphs stay quiet."""
-    from dsfuse.backend import _decode_without_graphs
+    from dsfuse.backend import DECODE_WITHOUT_GRAPHS_NOTE, _decode_without_graphs
     from dsfuse.report import Site
 
     on_gpu, on_cpu = [torch.empty(2).as_subclass(CudaStandIn)], [torch.empty(2)]
     for decode in (_absorbed_site("1", "8193"), _absorbed_site("1", "s0 + 1"), _absorbed_site("4", "s0")):
-        assert _decode_without_graphs([decode], on_gpu, {}) is True, decode
-        assert _decode_without_graphs([decode], on_gpu, {"triton.cudagraphs": True}) is False
-        assert _decode_without_graphs([decode], on_cpu, {}) is False
+        assert _decode_without_graphs([decode], on_gpu, {}) is DECODE_WITHOUT_GRAPHS_NOTE, decode
+        assert _decode_without_graphs([decode], on_gpu, {"triton.cudagraphs": True}) is None
+        assert _decode_without_graphs([decode], on_cpu, {}) is None
     masked = Site("sparse_attention", 0, "scatter", "dsfuse.sparse_attention_masked", ())
-    assert _decode_without_graphs([masked], on_gpu, {}) is False
+    assert _decode_without_graphs([masked], on_gpu, {}) is None
+
+
+def _v4_site(queries: str, keys: str):
+    """A V4 attention site as the pass records it: q [B, H, S, D], the K=V window [B, 1, T, D], ..."""
+    from dsfuse.report import Site
+
+    return Site("sparse_attention", 0, "cat", "dsfuse.compressed_attention",
+                (f"q:bfloat16[1x64x{queries}x512]", f"kv:bfloat16[1x1x{keys}x512]", "pos:int64[1x1]",
+                 "sinks:float32[64]"))
+
+
+def test_a_v4_cuda_decode_graph_says_it_runs_without_cuda_graphs():
+    """V4's decode step cannot be captured (its cache hands every step a new token count): the report says so,
+    with the host-bound step time, and nothing fires for a V4 prefill or a CPU graph."""
+    from dsfuse.backend import V4_DECODE_WITHOUT_GRAPHS_NOTE, _decode_without_graphs
+
+    on_gpu, on_cpu = [torch.empty(2).as_subclass(CudaStandIn)], [torch.empty(2)]
+    assert _decode_without_graphs([_v4_site("1", "128")], on_gpu, {}) is V4_DECODE_WITHOUT_GRAPHS_NOTE
+    assert _decode_without_graphs([_v4_site("1", "128")], on_cpu, {}) is None
+    assert _decode_without_graphs([_v4_site("s0", "s0")], on_gpu, {}) is None
 
 
 @pytest.mark.parametrize("queries", [str(s) for s in range(1, 10)] + ["64", "s0"])
@@ -172,4 +192,4 @@ def test_a_short_prefill_is_not_a_decode_step(queries):
     from dsfuse.backend import _decode_without_graphs
 
     on_gpu = [torch.empty(2).as_subclass(CudaStandIn)]
-    assert _decode_without_graphs([_absorbed_site(queries, queries)], on_gpu, {}) is False
+    assert _decode_without_graphs([_absorbed_site(queries, queries)], on_gpu, {}) is None
