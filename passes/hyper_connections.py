@@ -80,7 +80,7 @@ def _streams_of(operand, streams_shape):
     node nearest the leaf with that shape (HF multiplies the streams themselves; the official code their fp32
     flattened copy viewed back)."""
     chain = walk_back(operand, lambda n: is_op(n, *VIEW_OPS) or _is_upcast(n))
-    return next(n for n in chain if same_shape(shape(n), streams_shape))
+    return next((n for n in chain if same_shape(shape(n), streams_shape)), None)
 
 
 def _nearest(operand, accept):
@@ -226,7 +226,12 @@ def _sum_collapse(total: torch.fx.Node) -> tuple:
     factor, streams_operand = picked
     if dims != [rank - 2]:
         raise NoMatch("a sum of sigmoid-weighted values that is not a collapse over the stream dim", reported=False)
-    return _pre_source(factor), _streams_of(strip(streams_operand, CASTS), shape(prod)), total
+    x = _streams_of(strip(streams_operand, CASTS), shape(prod))
+    if x is None:
+        raise NoMatch("a sum of sigmoid-weighted values broadcast over the streams", reported=False)
+    if dtype(prod) != torch.float32:
+        raise NoMatch(f"hyper-connection collapse: pre * x is computed in {dtype(prod)}, HF's products are fp32")
+    return _pre_source(factor), x, total
 
 
 def _bmm_collapse(bmm: torch.fx.Node) -> tuple:
@@ -602,6 +607,9 @@ def _comb_mix(mixed, call, streams_shape):
     if is_op(core, aten.bmm.default):
         pairs = [core.args[:2]]
     elif is_op(core, aten.sum.dim_IntList) and _operands(core.args[0], aten.mul.Tensor) is not None:
+        if dtype(core.args[0]) != torch.float32:
+            raise NoMatch(f"hyper-connection exit: comb^T @ residual is a sum of {dtype(core.args[0])} products (each "
+                          "rounded), HF's matmul sums exact products")
         pairs = [core.args[0].args, core.args[0].args[::-1]]
     else:
         raise NoMatch("hyper-connection exit: post * out is added to something other than comb^T @ residual")

@@ -243,6 +243,21 @@ def norm_divides_by_sqrt(x, fn, base, scale):
     return _collapse(pre, x), post, comb
 
 
+def collapse_in_stream_dtype(x):
+    """HF's weights, the collapse with pre cast to the streams' bf16 first: every product rounded to bf16."""
+    flat = _hf_norm(x.flatten(2).float())
+    pre, post, comb = _hf_weights(F.linear(flat, HF_HC.fn), HF_HC.base, HF_HC.scale)
+    return (pre.to(x.dtype).unsqueeze(-1) * x).sum(dim=-2), post, comb
+
+
+def exit_as_bf16_products(x, out):
+    """HF's hyper-connection, the exit's mix as a broadcast sum of bf16 products (post and comb cast first, as HF
+    does, but each product rounded before the sum)."""
+    post, comb, collapsed = HF_HC(x)
+    mixed = (comb.to(x.dtype).unsqueeze(-1) * x.unsqueeze(-2)).sum(dim=2)
+    return post.to(x.dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed, collapsed
+
+
 def gated_stream_sum(x, gate_weight):
     """A sigmoid-gated sum over the streams with the gate read from each stream alone: no hyper-connection."""
     gates = torch.sigmoid(x.float() @ gate_weight).squeeze(-1)
@@ -293,6 +308,9 @@ NO_SINKHORN_EPS = "hyper-connection: Sinkhorn steps none are not HF's col, (row,
 COLUMN_SOFTMAX = "hyper-connection: comb is not a softmax over the last dim"
 FP32_EXIT = ("hyper-connection exit: mixes out torch.bfloat16, post torch.float32, comb torch.float32 into "
              "torch.float32 streams, HF casts all to the streams' torch.bfloat16")
+BF16_COLLAPSE = "hyper-connection collapse: pre * x is computed in torch.bfloat16, HF's products are fp32"
+BF16_MIX = ("hyper-connection exit: comb^T @ residual is a sum of torch.bfloat16 products (each rounded), HF's "
+            "matmul sums exact products")
 NO_RSQRT = "hyper-connection: projection input is not x * rsqrt(mean(x^2) + eps)"
 
 CORPUS = {
@@ -332,6 +350,10 @@ CORPUS = {
                                   _with_params(), NEAR_MISS, reason=COLUMN_SOFTMAX),
     "norm_divides_by_sqrt": Entry(norm_divides_by_sqrt, "written for the corpus (a / sqrt)", _with_params(),
                                   NEAR_MISS, reason=NO_RSQRT),
+    "collapse_in_stream_dtype": Entry(collapse_in_stream_dtype, "written for the corpus (pre.to(bf16) * x)",
+                                      _only_streams(torch.bfloat16), NEAR_MISS, reason=BF16_COLLAPSE),
+    "exit_as_bf16_products": Entry(exit_as_bf16_products, "written for the corpus (bf16 broadcast sum)",
+                                   _with_block_output(torch.bfloat16), NEAR_MISS, (COLLAPSE,), reason=BF16_MIX),
     "gated_stream_sum": Entry(gated_stream_sum, "written for the corpus (per-stream sigmoid gate)", _with_gate(),
                               LEFT_ALONE),
 }
