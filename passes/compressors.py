@@ -19,10 +19,13 @@ gate's with `+ position_bias [m, C]`):
     CSA (overlap, C = 2D): full([B, W, 2m, D], -inf / 0) with slots [m, 2m) <- X[..., D:] and, when W > 1, slots
         [0, m) of windows [1, W) <- X[:, :-1, :, :D], as `slice_scatter`s of `copy`s (HF's slice assignments).
 
-A softmax over slots whose weights pool values (`sum(KVs * P, 2)`) but whose surroundings differ is reported with
-the reason; other softmaxes over dim 2 are skipped silently. Not fused (reported): window 0's first half taken from
+The weighted sum may be any contraction over the slots (`einsum('bwld,bwld->bwd')`: a bmm, or Inductor's mul + sum
+of it), proven with `dims.py` labels; the bias may be broadcast from [m, C] explicitly; the norm's mean may be
+`sum / D`. A softmax over slots whose weights pool values but whose surroundings differ is reported with the
+reason; other softmaxes over dim 2 are skipped silently. Not fused (reported): window 0's first half taken from
 the cache's overlap state (a step that continues from a cache: a later prefill chunk, the decode step that closes a
-window), a gate without a [m, C] bias.
+window), a gate without a [m, C] bias, a gate rounded to bf16 before the fp32 softmax, RoPE in another spelling
+than HF's (the official complex product).
 """
 
 from __future__ import annotations

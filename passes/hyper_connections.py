@@ -1,28 +1,32 @@
 """`hyper_connections`: DeepSeek V4's manifold-constrained hyper-connections (HF `DeepseekV4HyperConnection`,
-`DeepseekV4HyperHead`, and the expand + mix of `DeepseekV4DecoderLayer.forward`) rewritten into
-`dsfuse::hc_collapse` / `dsfuse::hc_head` and `dsfuse::hc_expand_mix`.
+`DeepseekV4HyperHead`, and the expand + mix of `DeepseekV4DecoderLayer.forward`; the official inference code's
+`hc_pre` / `hc_post`) rewritten into `dsfuse::hc_collapse` / `dsfuse::hc_head` and `dsfuse::hc_expand_mix`.
 
-The anchor is the collapse, `sum(unsqueeze(pre, -1) * x, stream_dim)` (then `.to(x.dtype)`), where x is the
-[*, n, D] streams and `pre` traces back (through views and casts) to
+The anchor is the collapse, `sum(unsqueeze(pre, -1) * x, stream_dim)` in fp32 (then `.to(x.dtype)`), or the same
+contraction over the streams as a bmm (`pre[..., None, :] @ x`, `einsum`), where x is the [*, n, D] streams (or
+their fp32 flattened copy viewed back) and `pre` traces back (through views and casts) to
 
-    pre    = sigmoid(w * scale + b) + hc_eps
-    w      = split(mixes, [n, n, n*n], -1)[0]            (hyper-connection; the head: w = mixes, n columns)
-    mixes  = view(mm(view(h), fn^T))                      (F.linear in fp32)
-    h      = a * rsqrt(mean(a^2, -1, keepdim) + eps)      (unweighted RMSNorm; a = x.flatten(-2).float())
+    pre    = sigmoid(w * scale + b) + hc_eps                 (sigmoid also as 1 / (1 + exp(-z)))
+    w      = mixes[..., :n]                                  (split or slice; the head: w = mixes, n columns)
+    mixes  = flat @ fn^T,  flat = a * rsqrt(mean(a^2, -1, keepdim) + eps)   (unweighted RMSNorm of the flattened
+             fp32 streams a; any mm / bmm / einsum spelling, its dims followed through layout ops (`dims.py`), or
+             `(a @ fn^T) * rsqrt(...)`, the rsqrt applied after the projection as the kernel does)
 
-For a hyper-connection the other two pieces of the same split are then proven:
+For a hyper-connection the other two pieces of the same mixes are then proven:
 
-    post   = 2 * sigmoid(split[1] * scale[1] + base[n:2n])
-    comb   = softmax(view(split[2], n, n) * scale[2] + view(base[2n:], n, n), -1) + hc_eps, then Sinkhorn:
-             a column step c / (sum(c, -2, keepdim) + hc_eps), then (iters - 1) row + column steps,
+    post   = 2 * sigmoid(mixes[..., n:2n] * scale[1] + base[n:2n])
+    comb   = softmax(view(mixes[..., 2n:], n, n) * scale[2] + view(base[2n:], n, n), -1) + hc_eps (or the affine
+             map viewed afterwards), then Sinkhorn: a column step c / (sum(c, -2, keepdim) + hc_eps), then
+             (iters - 1) row + column steps,
 
-where the chain of steps is walked to its end (the Sinkhorn loop is unrolled in the graph: any iteration
-count), and it must alternate column, row, ..., column with the same eps, as HF's loop does. The collapse,
-`post` and `comb` are replaced by the outputs of one `hc_collapse` call.
+where scale[i] is `scale.unbind(0)[i]` or `scale[i]`, the chain of steps is walked to its end (the Sinkhorn loop is
+unrolled in the graph: any iteration count), and it must alternate column, row, ..., column with the same eps, as
+HF's loop does. The collapse, `post` and `comb` are replaced by the outputs of one `hc_collapse` call.
 
-Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + bmm(comb.to(dtype)^T, residual)` (the
-`matmul` as Inductor lowers it: views and no-op expands around a `bmm`) whose post and comb are one
-`hc_collapse` call's outputs become one `hc_expand_mix` call.
+Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + comb.to(dtype)^T @ residual`, the mix a bmm
+(`matmul`, `einsum`, `.mT`) or a broadcast sum of fp32 products (`hc_post`), its dims followed through layout ops,
+whose post and comb are one `hc_collapse` call's outputs, become one `hc_expand_mix` call. A collapse or a mix
+whose products are rounded to bf16 is reported (the ops multiply in fp32, as HF's promotion and matmul do).
 
 The exit and the next collapse stay two launches: one kernel computing both (`hc_exit_collapse` /
 `hc_exit_head`) measured slower on the H200 than the two it replaces (1.71 against 0.16 + 0.65 ms at T=8192,
