@@ -8,7 +8,7 @@ compile to the same numbers with dsfuse on as with it off. So every rule is one 
   NaN, infinities and signed zeros included, both in eager and in Inductor's lowering. Only these
   change the graph: layout no-ops, a cast to a tensor's own dtype or through an exact widening,
   `add.Scalar` spelled `add.Tensor`, a scalar moved to the second operand of a commutative op,
-  `clamp_min(x, 0)` as `relu`, `x * x` as `pow(x, 2)` (Inductor lowers both to one multiply), a division
+  `clamp_min(x, 0)` as `relu`, `x * 1` as `x`, `x * x` as `pow(x, 2)` (Inductor lowers both to one multiply), a division
   by a power of two as a multiplication by its exact reciprocal, one mask polarity for `where`,
   a double `~` on a bool mask, split/cat coalescing, `~` of an integer comparison as the negated
   comparison, `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`, `select` of a size-1 dim as
@@ -215,6 +215,16 @@ def square_is_pow(node: torch.fx.Node) -> bool:
     if a is not b or not isinstance(a, torch.fx.Node) or dtype(a) is None or not dtype(a).is_floating_point:
         return False
     return _swap(node, aten.pow.Tensor_Scalar, (a, 2))
+
+
+def mul_by_one(node: torch.fx.Node) -> bool:
+    """`x * 1` -> `x` for a float `x` (`1 / t` is traced as `reciprocal(t) * 1`): the product is x, bit for bit,
+    NaN and signed zeros included."""
+    x, one = node.args[:2]
+    if node.kwargs or scalar_arg(one) != 1.0 or isinstance(one, bool) or dtype(x) is None \
+            or not dtype(x).is_floating_point or dtype(node) != dtype(x) or not same_shape(shape(node), shape(x)):
+        return False
+    return _replace(node, x)
 
 
 def _exact_reciprocal(c: Any) -> float | None:
@@ -515,6 +525,24 @@ def canonical_scale(node: Any) -> tuple[Any, float]:
     return node, 1.0
 
 
+def row_mean(square: Any) -> torch.fx.Node | None:
+    """The single reader of `square` that is `mean(square, -1, keepdim=True)`: a `mean`, or a `sum / C` recorded as
+    one (`MEAN`); None otherwise."""
+    users = list(square.users) if isinstance(square, torch.fx.Node) else []
+    if len(users) != 1:
+        return None
+    rank = len(shape(square))
+    if is_op(users[0], aten.mean.dim):
+        mean = users[0]
+        dims = [d % rank for d in mean.args[1]] if len(mean.args) > 1 and mean.args[1] else []
+        keepdim = len(mean.args) > 2 and mean.args[2]
+        return mean if dims == [rank - 1] and keepdim else None
+    total = users[0]
+    scaled = list(total.users) if is_op(total, aten.sum.dim_IntList) else []
+    marked = scaled[0].meta.get(MEAN) if len(scaled) == 1 else None
+    return scaled[0] if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
+
+
 # ---------------------------------------------------------------------------
 # The pass
 # ---------------------------------------------------------------------------
@@ -530,6 +558,7 @@ RULES: tuple[Rule, ...] = (
     Rule("scalar_second", (aten.mul.Tensor, aten.add.Tensor), scalar_second),
     Rule("clamp_min_zero_is_relu", (aten.clamp_min.default, aten.clamp.default), clamp_min_zero_is_relu),
     Rule("square_is_pow", (aten.mul.Tensor,), square_is_pow),
+    Rule("mul_by_one", (aten.mul.Tensor,), mul_by_one),
     Rule("div_by_power_of_two", (aten.div.Tensor,), div_by_power_of_two),
     Rule("mask_fill_first", (aten.where.self,), mask_fill_first),
     Rule("double_not", tuple(NOT_OPS), double_not),

@@ -19,10 +19,13 @@ gate's with `+ position_bias [m, C]`):
     CSA (overlap, C = 2D): full([B, W, 2m, D], -inf / 0) with slots [m, 2m) <- X[..., D:] and, when W > 1, slots
         [0, m) of windows [1, W) <- X[:, :-1, :, :D], as `slice_scatter`s of `copy`s (HF's slice assignments).
 
-A softmax over slots whose weights pool values (`sum(KVs * P, 2)`) but whose surroundings differ is reported with
-the reason; other softmaxes over dim 2 are skipped silently. Not fused (reported): window 0's first half taken from
+The weighted sum may be any contraction over the slots (`einsum('bwld,bwld->bwd')`: a bmm, or Inductor's mul + sum
+of it), proven with `dims.py` labels; the bias may be broadcast from [m, C] explicitly; the norm's mean may be
+`sum / D`. A softmax over slots whose weights pool values but whose surroundings differ is reported with the
+reason; other softmaxes over dim 2 are skipped silently. Not fused (reported): window 0's first half taken from
 the cache's overlap state (a step that continues from a cache: a later prefill chunk, the decode step that closes a
-window), a gate without a [m, C] bias.
+window), a gate without a [m, C] bias, a gate rounded to bf16 before the fp32 softmax, RoPE in another spelling
+than HF's (the official complex product).
 """
 
 from __future__ import annotations
@@ -31,9 +34,12 @@ import torch
 
 import dsfuse.kernels.compressor  # noqa: F401  (registers torch.ops.dsfuse.kv_compress)
 
+from .canonicalize import row_mean
 from .context import NoMatch, PassContext, rewrite_anchored
-from .graph_utils import (CONVERT, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call, is_op,
-                          only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts, users_of)
+from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labels, names
+from .graph_utils import (CONVERT, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call,
+                          is_op, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts,
+                          users_of, walk_back)
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -144,7 +150,68 @@ def _pooling(probs):
             if not same_shape(shape(values), shape(mul)):
                 raise NoMatch(f"softmax-pooled values {describe(values)} are broadcast over the windows")
             return total, values
+        found = _contracted_pooling(w)
+        if found is not None:
+            return found
     raise NoMatch("softmax over dim 2 that pools no values", reported=False)
+
+
+def _forward_layout(node, labels):
+    """Follow `node`'s single-reader chain of layout ops forward: (the first reader that is not one, its input,
+    the input's labels)."""
+    while True:
+        reader = only_user(node)
+        if not is_op(reader, *LAYOUT_OPS):
+            return reader, node, labels
+        labels = apply_op(labels, reader) if labels is not None else None
+        node = reader
+
+
+def _contracted_pooling(w):
+    """(pooled [B, W, D], KVs) of the weighted sum spelled as a contraction over the slots (`einsum('bwld,bwld->
+    bwd')`: a bmm, or Inductor's mul + sum of its operands laid out [B*W*D, l]), dims followed through layout ops;
+    None otherwise."""
+    core, w_end, w_labels = _forward_layout(w, leaf_labels(w, "bwld"))
+    if w_labels is None or not is_op(core, aten.mul.Tensor, aten.bmm.default) or len(core.args) != 2:
+        return None
+    other = _other(core, w_end)
+    if not isinstance(other, torch.fx.Node):
+        return None
+    chain = walk_back(other, lambda n: is_op(n, *LAYOUT_OPS))
+    at = next((i for i in range(len(chain) - 1, -1, -1) if same_shape(shape(chain[i]), shape(w))), None)
+    if at is None:
+        return None
+    values, ops = chain[at], chain[at + 1:]
+    v_labels = follow(leaf_labels(values, "bwld"), ops)
+    if v_labels is None:
+        return None
+    if is_op(core, aten.bmm.default):
+        pair = (w_labels, v_labels) if core.args[0] is w_end else (v_labels, w_labels)
+        labels = bmm_labels(*pair)
+        if labels is None or names([contracted(*pair)]) != [("l",)]:
+            return None
+        node = core
+    else:
+        product = broadcast(w_labels, v_labels)
+        total = only_user(core, aten.sum.dim_IntList)
+        if product is None or total is None or len(total.args[1]) != 1:
+            return None
+        dim = total.args[1][0] % len(product)
+        keepdim = len(total.args) > 2 and total.args[2]
+        if names([product[dim]]) != [("l",)]:
+            return None
+        labels = product[:dim] + ([()] if keepdim else []) + product[dim + 1:]
+        node = total
+    while not (names(labels) == names(leaf_labels(values, "bwld"))[:2] + [("d",)] and len(shape(node)) == 3):
+        reader = only_user(node, *LAYOUT_OPS)
+        labels = apply_op(labels, reader) if reader is not None else None
+        if labels is None:
+            return None
+        node = reader
+    if dtype(w) != dtype(values) or dtype(node) != dtype(values):
+        raise NoMatch(f"softmax-pooled values {describe(values)} are not multiplied by the weights cast to their "
+                      "dtype (HF: softmax(...).to(kv.dtype))")
+    return node, values
 
 
 def _rmsnorm(pooled, kv_dtype) -> dict:
@@ -156,8 +223,8 @@ def _rmsnorm(pooled, kv_dtype) -> dict:
     squares = [u for u in users_of(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
     if len(squares) != 1:
         raise NoMatch(f"{miss} (no square)")
-    mean = only_user(squares[0], aten.mean.dim)
-    if mean is None or not _dims_are(mean.args[1], squares[0], (len(shape(xf)) - 1,)) or not (len(mean.args) > 2 and mean.args[2]):
+    mean = row_mean(squares[0])
+    if mean is None:
         raise NoMatch(f"{miss} (no mean over the last dim)")
     add = only_user(mean, aten.add.Tensor)
     rsqrt = only_user(add, aten.rsqrt.default) if add is not None else None
@@ -262,11 +329,26 @@ def _rotation(r, kv_dtype, rows):
     return None
 
 
+def _broadcast_source(bias):
+    """The [m, C] tensor that `bias` broadcasts over leading dims: through unsqueezes, expands and views that keep
+    the trailing [m, C] (`bias[None, None]`, `bias.expand(B, W, m, C)`)."""
+    while is_op(bias, aten.unsqueeze.default, aten.expand.default, *VIEW_OPS) and len(shape(bias)) > 2:
+        source = bias.args[0]
+        if not isinstance(source, torch.fx.Node) or len(shape(source)) < 2 \
+                or not same_shape(shape(source)[-2:], shape(bias)[-2:]) \
+                or not all(same_size(s, 1) for s in shape(source)[:-2]):
+            break
+        bias = source
+    return bias
+
+
 def _windows(X):
-    """(kv or gate windows [B, W, m, C], position bias or None) of X = windows [+ bias [m, C]]."""
+    """(kv or gate windows [B, W, m, C], position bias [m, C] or None) of X = windows [+ bias broadcast from
+    [m, C]]."""
     if is_op(X, aten.add.Tensor):
-        for bias in X.args[:2]:
-            windows = _other(X, bias)
+        for added in X.args[:2]:
+            windows = _other(X, added)
+            bias = _broadcast_source(added)
             if isinstance(bias, torch.fx.Node) and len(shape(bias)) == 2 and len(shape(windows)) == 4 \
                     and same_shape(shape(bias), shape(windows)[2:]):
                 return windows, bias
@@ -284,6 +366,9 @@ def _slots(G, kv_slots) -> dict:
     if is_op(gate_x, aten.select_scatter.default):
         raise NoMatch(f"compressor gate {describe(gate_x)} is a window written into a cache buffer (select_scatter: "
                       "a decode step's pending window), not windows viewed from the projection: not fused")
+    if is_op(gate_x, CONVERT) and dtype(gate_x.args[0]) in (torch.bfloat16, torch.float16):
+        raise NoMatch(f"compressor gate {describe(gate_x)} is the fp32 upcast of a {dtype(gate_x.args[0])} gate: the "
+                      "windows + position bias are rounded before the softmax (HF adds the fp32 bias in fp32)")
     gate, bias = _windows(gate_x)
     if bias is None:
         raise NoMatch(f"compressor gate {describe(gate_x)} has no [m, C] position bias added to its windows")

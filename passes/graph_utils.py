@@ -317,3 +317,49 @@ def insert_call(graph: torch.fx.Graph, before: torch.fx.Node, target: Any, args:
         node = graph.call_function(target, args, kwargs or {})
     node.meta["val"] = value
     return node
+
+
+SLICE_END = 9223372036854775807  # how a slice to the end appears in the graph
+
+
+def piece_of(node: Any) -> tuple[torch.fx.Node, int, Any, Any] | None:
+    """(source, dim, start, end) when `node` is the contiguous range [start, end) of `source` along `dim`: a step-1
+    `slice`, or a piece of `split_with_sizes` (`split(...)[i]` and `x[..., a:b]` read the same elements); dim is
+    non-negative and the bounds are sizes (SymInts where the graph's are)."""
+    if is_op(node, aten.slice.Tensor):
+        source = node.args[0]
+        args = list(node.args[1:]) + [None] * (4 - len(node.args[1:]))
+        dim, start, end, step = (0 if args[0] is None else args[0]), args[1], args[2], args[3]
+        if step not in (None, 1) or not shape(source):
+            return None
+        dim %= len(shape(source))
+        size = shape(source)[dim]
+        start = 0 if start is None else size + start if isinstance(start, int) and start < 0 else start
+        end = size if end is None or isinstance(end, int) and end >= SLICE_END else (
+            size + end if isinstance(end, int) and end < 0 else end)
+        return source, dim, start, end
+    if is_op(node, operator.getitem) and is_op(node.args[0], aten.split_with_sizes.default):
+        split, index = node.args
+        source, sizes = split.args[0], list(split.args[1])
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if not shape(source):
+            return None
+        return source, dim % len(shape(source)), sum(sizes[:index]), sum(sizes[:index + 1])
+    return None
+
+
+def element_of(node: Any) -> tuple[torch.fx.Node, int, int] | None:
+    """(source, dim, index) when `node` is `source.select(dim, index)` or `source.unbind(dim)[index]` (the same
+    view); dim and index non-negative."""
+    if is_op(node, aten.select.int):
+        source, dim, index = node.args[:3]
+    elif is_op(node, operator.getitem) and is_op(node.args[0], aten.unbind.int):
+        source = node.args[0].args[0]
+        dim = node.args[0].args[1] if len(node.args[0].args) > 1 else node.args[0].kwargs.get("dim", 0)
+        index = node.args[1]
+    else:
+        return None
+    if not shape(source) or not isinstance(index, int):
+        return None
+    dim %= len(shape(source))
+    return source, dim, index % shape(source)[dim] if isinstance(shape(source)[dim], int) else index

@@ -1,28 +1,32 @@
 """`hyper_connections`: DeepSeek V4's manifold-constrained hyper-connections (HF `DeepseekV4HyperConnection`,
-`DeepseekV4HyperHead`, and the expand + mix of `DeepseekV4DecoderLayer.forward`) rewritten into
-`dsfuse::hc_collapse` / `dsfuse::hc_head` and `dsfuse::hc_expand_mix`.
+`DeepseekV4HyperHead`, and the expand + mix of `DeepseekV4DecoderLayer.forward`; the official inference code's
+`hc_pre` / `hc_post`) rewritten into `dsfuse::hc_collapse` / `dsfuse::hc_head` and `dsfuse::hc_expand_mix`.
 
-The anchor is the collapse, `sum(unsqueeze(pre, -1) * x, stream_dim)` (then `.to(x.dtype)`), where x is the
-[*, n, D] streams and `pre` traces back (through views and casts) to
+The anchor is the collapse, `sum(unsqueeze(pre, -1) * x, stream_dim)` in fp32 (then `.to(x.dtype)`), or the same
+contraction over the streams as a bmm (`pre[..., None, :] @ x`, `einsum`), where x is the [*, n, D] streams (or
+their fp32 flattened copy viewed back) and `pre` traces back (through views and casts) to
 
-    pre    = sigmoid(w * scale + b) + hc_eps
-    w      = split(mixes, [n, n, n*n], -1)[0]            (hyper-connection; the head: w = mixes, n columns)
-    mixes  = view(mm(view(h), fn^T))                      (F.linear in fp32)
-    h      = a * rsqrt(mean(a^2, -1, keepdim) + eps)      (unweighted RMSNorm; a = x.flatten(-2).float())
+    pre    = sigmoid(w * scale + b) + hc_eps                 (sigmoid also as 1 / (1 + exp(-z)))
+    w      = mixes[..., :n]                                  (split or slice; the head: w = mixes, n columns)
+    mixes  = flat @ fn^T,  flat = a * rsqrt(mean(a^2, -1, keepdim) + eps)   (unweighted RMSNorm of the flattened
+             fp32 streams a; any mm / bmm / einsum spelling, its dims followed through layout ops (`dims.py`), or
+             `(a @ fn^T) * rsqrt(...)`, the rsqrt applied after the projection as the kernel does)
 
-For a hyper-connection the other two pieces of the same split are then proven:
+For a hyper-connection the other two pieces of the same mixes are then proven:
 
-    post   = 2 * sigmoid(split[1] * scale[1] + base[n:2n])
-    comb   = softmax(view(split[2], n, n) * scale[2] + view(base[2n:], n, n), -1) + hc_eps, then Sinkhorn:
-             a column step c / (sum(c, -2, keepdim) + hc_eps), then (iters - 1) row + column steps,
+    post   = 2 * sigmoid(mixes[..., n:2n] * scale[1] + base[n:2n])
+    comb   = softmax(view(mixes[..., 2n:], n, n) * scale[2] + view(base[2n:], n, n), -1) + hc_eps (or the affine
+             map viewed afterwards), then Sinkhorn: a column step c / (sum(c, -2, keepdim) + hc_eps), then
+             (iters - 1) row + column steps,
 
-where the chain of steps is walked to its end (the Sinkhorn loop is unrolled in the graph: any iteration
-count), and it must alternate column, row, ..., column with the same eps, as HF's loop does. The collapse,
-`post` and `comb` are replaced by the outputs of one `hc_collapse` call.
+where scale[i] is `scale.unbind(0)[i]` or `scale[i]`, the chain of steps is walked to its end (the Sinkhorn loop is
+unrolled in the graph: any iteration count), and it must alternate column, row, ..., column with the same eps, as
+HF's loop does. The collapse, `post` and `comb` are replaced by the outputs of one `hc_collapse` call.
 
-Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + bmm(comb.to(dtype)^T, residual)` (the
-`matmul` as Inductor lowers it: views and no-op expands around a `bmm`) whose post and comb are one
-`hc_collapse` call's outputs become one `hc_expand_mix` call.
+Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + comb.to(dtype)^T @ residual`, the mix a bmm
+(`matmul`, `einsum`, `.mT`) or a broadcast sum of fp32 products (`hc_post`), its dims followed through layout ops,
+whose post and comb are one `hc_collapse` call's outputs, become one `hc_expand_mix` call. A collapse or a mix
+whose products are rounded to bf16 is reported (the ops multiply in fp32, as HF's promotion and matmul do).
 
 The exit and the next collapse stay two launches: one kernel computing both (`hc_exit_collapse` /
 `hc_exit_head`) measured slower on the H200 than the two it replaces (1.71 against 0.16 + 0.65 ms at T=8192,
@@ -37,10 +41,12 @@ import torch
 
 import dsfuse.kernels.hyper_connections  # noqa: F401  (registers torch.ops.dsfuse.hc_*)
 
-from .canonicalize import canonical_bmm
+from .canonicalize import MEAN, canonical_bmm
 from .context import NoMatch, PassContext, rewrite_anchored
-from .graph_utils import (CONVERT, VIEW_OPS, aten, dtype, fake_call, insert_call, is_op, only_user, op_name,
-                          same_shape, scalar_arg, shape, softmax_parts, strip)
+from .dims import apply_op, bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, names
+from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, element_of, fake_call, insert_call, is_op,
+                          only_user, op_name, piece_of, same_shape, same_size, scalar_arg, shape, softmax_parts, strip,
+                          users_of, walk_back)
 
 NAME = "hyper_connections"
 IMPLEMENTED = True
@@ -51,26 +57,44 @@ HC_EXPAND_MIX = torch.ops.dsfuse.hc_expand_mix.default
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.sum.dim_IntList,), _match_collapse, _rewrite_collapse)
+    rewrite_anchored(graph, ctx, (aten.sum.dim_IntList, aten.bmm.default), _match_collapse, _rewrite_collapse)
     rewrite_anchored(graph, ctx, (aten.add.Tensor,), _match_expand_mix, _rewrite_expand_mix)
 
 
 # --------------------------------------------------------------------------------------------
 # Small structural helpers
 # --------------------------------------------------------------------------------------------
-def _strip_casts(node):
-    return strip(node, (CONVERT,))
+CASTS = (CONVERT,)
+
+
+def _is_upcast(node) -> bool:
+    """A cast that holds every value of its input exactly (bf16 / fp16 -> fp32)."""
+    return is_op(node, CONVERT) and node.args[1] == torch.float32 and dtype(node.args[0]) in (
+        torch.bfloat16, torch.float16, torch.float32)
 
 
 def _strip_layout(node):
     """Through views, casts and no-op expands."""
-    while True:
-        if is_op(node, CONVERT, *VIEW_OPS):
-            node = node.args[0]
-        elif is_op(node, aten.expand.default) and same_shape(shape(node.args[0]), shape(node)):
-            node = node.args[0]
-        else:
-            return node
+    return walk_back(node, lambda n: is_op(n, CONVERT, *VIEW_OPS) or (
+        is_op(n, aten.expand.default) and same_shape(shape(n.args[0]), shape(n))))[0]
+
+
+def _streams_of(operand, streams_shape):
+    """The tensor the collapse reads as streams [*, n, D]: `operand` back through views and exact upcasts to the
+    node nearest the leaf with that shape (HF multiplies the streams themselves; the official code their fp32
+    flattened copy viewed back)."""
+    chain = walk_back(operand, lambda n: is_op(n, *VIEW_OPS) or _is_upcast(n))
+    return next((n for n in chain if same_shape(shape(n), streams_shape)), None)
+
+
+def _nearest(operand, accept):
+    """(node, layout ops from it to `operand`): back from `operand` through layout ops and fp32 upcasts, the first
+    node `accept` takes (the streams a bmm reads, not the embedding they were expanded from), else the leaf."""
+    chain = walk_back(operand, lambda n: is_op(n, *LAYOUT_OPS) or _is_upcast(n))
+    for i in range(len(chain) - 1, -1, -1):
+        if accept(chain[i]):
+            return chain[i], chain[i + 1:]
+    return chain[0], chain[1:]
 
 
 def _operands(node, target):
@@ -121,6 +145,59 @@ def _getitem_of(node, target):
     return None
 
 
+def _sigmoid_arg(node):
+    """z of `sigmoid(z)` (through casts), also spelled `1 / (1 + exp(-z))`, the kernel's own form; else None."""
+    node = strip(node, CASTS)
+    if is_op(node, aten.sigmoid.default):
+        return node.args[0]
+    found = _add_const(node.args[0]) if is_op(node, aten.reciprocal.default) else None
+    if found is not None and found[1] == 1.0 and is_op(found[0], aten.exp.default) \
+            and is_op(found[0].args[0], aten.neg.default):
+        return found[0].args[0].args[0]
+    return None
+
+
+def _sigmoid_user(z):
+    """The sigmoid of z that is z's only reader (`sigmoid`, or `1 / (1 + exp(-z))`), or None."""
+    sig = only_user(z, aten.sigmoid.default)
+    if sig is not None:
+        return sig
+    neg = only_user(z, aten.neg.default)
+    exp = only_user(neg, aten.exp.default) if neg is not None else None
+    add = only_user(exp, aten.add.Tensor) if exp is not None else None
+    if add is None or _add_const(add) != (exp, 1.0):
+        return None
+    return only_user(add, aten.reciprocal.default)
+
+
+def _follow(labels, ops):
+    """`dims.follow` that passes None (a leaf of another rank) through."""
+    return follow(labels, ops) if labels is not None else None
+
+
+def _bmm_labels(a, b):
+    return bmm_labels(a, b) if a is not None and b is not None else None
+
+
+def _flat_labels(node, tokens: int, hc: int, hidden: int):
+    """Labels of the streams' values as `node` holds them: [tokens..., (n, c)] flattened or [tokens..., n, c]."""
+    dims = shape(node)
+    lead = [((f"t{i}", size),) if not same_size(size, 1) else () for i, size in enumerate(dims[:tokens])]
+    if len(dims) == tokens + 1:
+        return lead + [(("n", hc), ("c", hidden))]
+    if len(dims) == tokens + 2:
+        return lead + [(("n", hc),), (("c", hidden),)]
+    return None
+
+
+def _lead_names(rank: int) -> list[str]:
+    return [f"t{i}" for i in range(rank)]
+
+
+def _names_without(labels, dim: int):
+    return [n for i, n in enumerate(names(labels)) if i != dim]
+
+
 # --------------------------------------------------------------------------------------------
 # The collapse and what it proves
 # --------------------------------------------------------------------------------------------
@@ -131,15 +208,16 @@ def _pre_source(factor):
     rank = len(shape(factor))
     if _dim(factor.args[1], rank) != rank - 1:
         return None
-    return _strip_casts(factor.args[0])
+    return strip(factor.args[0], CASTS)
 
 
 def _is_sigmoid_plus_eps(node) -> bool:
     found = _add_const(node)
-    return found is not None and is_op(_strip_casts(found[0]), aten.sigmoid.default)
+    return found is not None and _sigmoid_arg(found[0]) is not None
 
 
-def _match_collapse(total: torch.fx.Node) -> dict:
+def _sum_collapse(total: torch.fx.Node) -> tuple:
+    """(pre, streams, total) of `sum(unsqueeze(pre, -1) * x, -2)`."""
     dims, keepdim = _reduce_dims(total)
     prod = total.args[0]
     ops = _operands(prod, aten.mul.Tensor)
@@ -150,27 +228,62 @@ def _match_collapse(total: torch.fx.Node) -> dict:
     if picked is None:
         raise NoMatch("no sigmoid weights", reported=False)
     factor, streams_operand = picked
-    pre = _pre_source(factor)
-    x = _strip_casts(streams_operand)
-    if dims != [rank - 2] or not same_shape(shape(x), shape(prod)):
+    if dims != [rank - 2]:
         raise NoMatch("a sum of sigmoid-weighted values that is not a collapse over the stream dim", reported=False)
+    x = _streams_of(strip(streams_operand, CASTS), shape(prod))
+    if x is None:
+        raise NoMatch("a sum of sigmoid-weighted values broadcast over the streams", reported=False)
+    if dtype(prod) != torch.float32:
+        raise NoMatch(f"hyper-connection collapse: pre * x is computed in {dtype(prod)}, HF's products are fp32")
+    return _pre_source(factor), x, total
+
+
+def _bmm_collapse(bmm: torch.fx.Node) -> tuple:
+    """(pre, streams, the collapse's value [*, D]) of the collapse spelled as a contraction over the streams by a
+    bmm (`pre[..., None, :] @ x`, `einsum('bsn,bsnd->bsd')`), dims followed through layout ops and fp32 upcasts."""
+    pre, pre_ops = layout_chain(bmm.args[0])
+    if not _is_sigmoid_plus_eps(pre):
+        raise NoMatch("no sigmoid weights", reported=False)
+    x, x_ops = _nearest(bmm.args[1], lambda n: len(shape(n)) == len(shape(pre)) + 1
+                        and same_shape(shape(n)[:-1], shape(pre)))
+    rank = len(shape(x))
+    if rank < 3 or len(shape(pre)) != rank - 1 or dtype(bmm) != torch.float32:
+        raise NoMatch("a bmm of sigmoid weights that is not an fp32 collapse of streams", reported=False)
+    lead = _lead_names(rank - 2)
+    x_labels = leaf_labels(x, lead + ["j", "d"])
+    a, b = _follow(leaf_labels(pre, lead + ["j"]), pre_ops), _follow(x_labels, x_ops)
+    labels = _bmm_labels(a, b)
+    if labels is None or names([contracted(a, b)]) != [("j",)]:
+        raise NoMatch("a bmm of sigmoid weights that does not contract the streams", reported=False)
+    expected, node = _names_without(x_labels, rank - 2), bmm
+    while names(labels) != expected or len(shape(node)) != rank - 1:
+        user = only_user(node, *LAYOUT_OPS)
+        labels = apply_op(labels, user) if user is not None else None
+        if labels is None:
+            raise NoMatch("a bmm of sigmoid weights whose result is not viewed as [*, D]", reported=False)
+        node = user
+    return pre, x, node
+
+
+def _match_collapse(anchor: torch.fx.Node) -> dict:
+    pre, x, total = (_bmm_collapse if is_op(anchor, aten.bmm.default) else _sum_collapse)(anchor)
     hc, hidden = shape(x)[-2], shape(x)[-1]
     if not isinstance(hc, int) or not isinstance(hidden, int):
         raise NoMatch(f"hyper-connection collapse: stream count {hc} / hidden {hidden} not static")
     sig_arg, hc_eps = _add_const(pre)
-    z = _strip_casts(sig_arg).args[0]
-    found = _affine(z)
+    found = _affine(_sigmoid_arg(sig_arg))
     if found is None:
         raise NoMatch("hyper-connection collapse: pre is not sigmoid(w * scale + base) + eps")
     w, scale_node, base_node = found
-    head = not is_op(w, operator.getitem)
-    mixes = w if head else _mixes_of_split(w, hc)
+    piece = piece_of(w)
+    head = piece is None
+    mixes = w if head else _mixes_of_pieces(piece, hc)
     norm = _match_projection(mixes, x, hc, hidden, head)
     m = dict(x=x, hc=hc, hidden=hidden, hc_eps=hc_eps, head=head, norm_eps=norm["eps"], fn=norm["fn"], total=total)
     if head:
         m.update(scale=_param(scale_node, (1,), "scale"), base=_param(base_node, (hc,), "base"))
     else:
-        m.update(_match_mixing(w, scale_node, base_node, hc, hc_eps))
+        m.update(_match_mixing(mixes, scale_node, base_node, hc, hc_eps))
     m["output"], m["upcast"] = _collapsed_output(total, x)
     return m
 
@@ -191,115 +304,143 @@ def _affine(z):
 
 def _param(node, expected_shape, name):
     """A weight tensor (through fp32 casts) of the given shape; the op upcasts as HF's `.float()` does."""
-    node = _strip_casts(node)
+    node = strip(node, CASTS)
     if not same_shape(shape(node), expected_shape):
         raise NoMatch(f"hyper-connection: {name} {node} has shape {list(shape(node))}, expected {list(expected_shape)}")
     return node
 
 
-def _mixes_of_split(w, hc):
-    split, index = _getitem_of(w, aten.split_with_sizes.default) or (None, None)
-    if split is None or index != 0:
-        raise NoMatch("hyper-connection collapse: pre weights are not the first piece of a split of the mixes")
-    sizes = list(split.args[1])
-    dim = split.args[2] if len(split.args) > 2 else 0
-    if sizes != [hc, hc, hc * hc] or _dim(dim, len(shape(split.args[0]))) != len(shape(split.args[0])) - 1:
-        raise NoMatch(f"hyper-connection collapse: mixes split {sizes} (dim {dim}), expected [{hc}, {hc}, {hc * hc}] "
-                      "over the last dim")
-    return split.args[0]
+def _ranges(hc):
+    return {"pre": (0, hc), "post": (hc, 2 * hc), "comb": (2 * hc, (2 + hc) * hc)}
+
+
+def _mixes_of_pieces(piece, hc):
+    """The mixes of which the pre weights are the first n columns (`split(...)[0]` or `mixes[..., :n]`)."""
+    mixes, dim, start, end = piece
+    if dim != len(shape(mixes)) - 1 or not same_shape(shape(mixes)[-1:], ((2 + hc) * hc,)) \
+            or (start, end) != _ranges(hc)["pre"]:
+        raise NoMatch(f"hyper-connection collapse: pre weights are columns [{start}, {end}) of dim {dim} of "
+                      f"{list(shape(mixes))}, expected the first {hc} of {(2 + hc) * hc} mixes over the last dim")
+    return mixes
+
+
+def _row_mean_input(mean):
+    """x of `mean(x, -1, keepdim=True)`, also spelled `sum(x, -1, keepdim=True) / C` (`MEAN`), else None."""
+    if is_op(mean, aten.mean.dim):
+        return mean.args[0] if _reduce_dims(mean) == ([len(shape(mean)) - 1], True) else None
+    marked = mean.meta.get(MEAN) if isinstance(mean, torch.fx.Node) else None
+    if marked is not None and marked[1:] == ((len(shape(mean)) - 1,), True):
+        return marked[0]
+    return None
 
 
 def _match_projection(mixes, x, hc, hidden, head) -> dict:
-    """mixes = view(mm(view(rmsnorm(view(x))), permute(fn))); returns fn and the norm's eps."""
+    """mixes = fn-projection of the unweighted RMSNorm of the flattened streams: `mm(view(rmsnorm(flat)), fn^T)`
+    (F.linear), any bmm / einsum spelling of that contraction, or the norm's rsqrt applied after the projection
+    (`F.linear(flat, fn) * rsqrt`, the official code; the kernel scales after its dot as well). Returns fn and the
+    norm's eps."""
     rows = hc if head else (2 + hc) * hc
-    mm = strip(mixes, VIEW_OPS)
-    if not is_op(mm, aten.mm.default):
+    chain = walk_back(mixes, lambda n: is_op(n, *LAYOUT_OPS))
+    rsqrt_after = None
+    ops = _operands(chain[0], aten.mul.Tensor)
+    picked = _split_off(ops, lambda r: is_op(strip(r, CASTS), aten.rsqrt.default)) if ops is not None else None
+    if picked is not None:
+        rsqrt_after = picked[0]
+        chain = walk_back(picked[1], lambda n: is_op(n, *LAYOUT_OPS)) + chain[1:]
+    proj, out_ops = chain[0], chain[1:]
+    if not is_op(proj, aten.mm.default, aten.bmm.default):
         raise NoMatch(f"hyper-connection: mixing logits {mixes} are not an fp32 projection (mm)")
-    lhs, rhs = mm.args
-    if not is_op(rhs, aten.permute.default) or list(rhs.args[1]) != [1, 0]:
-        raise NoMatch("hyper-connection: projection weight is not fn^T")
-    fn = _param(rhs.args[0], (rows, hc * hidden), "fn")
-    if dtype(mm) != torch.float32:
-        raise NoMatch(f"hyper-connection: projection runs in {dtype(mm)}, HF's in fp32")
-    normed = strip(lhs, VIEW_OPS)
-    ops = _operands(normed, aten.mul.Tensor)
-    if ops is None:
-        raise NoMatch("hyper-connection: projection input is not x * rsqrt(mean(x^2) + eps)")
-    picked = _split_off(ops, lambda r: is_op(_strip_casts(r), aten.rsqrt.default))
-    if picked is None:
-        raise NoMatch("hyper-connection: projection input is not x * rsqrt(mean(x^2) + eps)")
-    rsqrt, a = picked
-    found = _add_const(_strip_casts(rsqrt).args[0])
-    mean = found[0] if found else None
-    if not is_op(mean, aten.mean.dim) or _reduce_dims(mean) != ([len(shape(mean)) - 1], True):
+    if dtype(proj) != torch.float32:
+        raise NoMatch(f"hyper-connection: projection runs in {dtype(proj)}, HF's in fp32")
+    lhs_chain = walk_back(proj.args[0], lambda n: is_op(n, *LAYOUT_OPS))
+    a, lhs_ops = lhs_chain[0], lhs_chain[1:]
+    fn_leaf, fn_ops = layout_chain(proj.args[1])
+    tokens = len(shape(x)) - 2
+    fn_labels = [(("r", rows),), (("n", hc), ("c", hidden))] if len(shape(fn_leaf)) == 2 else None
+    labels = _bmm_labels(_follow(_flat_labels(a, tokens, hc, hidden), lhs_ops), _follow(fn_labels, fn_ops))
+    labels = _follow(labels, out_ops)
+    if labels is None or names(labels) != names(_flat_labels(x, tokens, hc, hidden))[:-2] + [("r",)]:
+        raise NoMatch("hyper-connection: projection is not the flattened streams times fn^T")
+    fn = _param(fn_leaf, (rows, hc * hidden), "fn")
+    if rsqrt_after is None:
+        ops = _operands(a, aten.mul.Tensor)
+        picked = _split_off(ops, lambda r: is_op(strip(r, CASTS), aten.rsqrt.default)) if ops is not None else None
+        if picked is None:
+            raise NoMatch("hyper-connection: projection input is not x * rsqrt(mean(x^2) + eps)")
+        rsqrt, a = picked
+    else:
+        rsqrt = rsqrt_after
+    found = _add_const(strip(rsqrt, CASTS).args[0])
+    sq = _row_mean_input(found[0]) if found else None
+    if sq is None:
         raise NoMatch("hyper-connection: norm is not rsqrt(mean(x^2, -1, keepdim) + eps)")
-    sq = mean.args[0]
-    if not (is_op(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2) and not (
-            is_op(sq, aten.mul.Tensor) and sq.args[0] is sq.args[1]):
+    if not (is_op(sq, aten.pow.Tensor_Scalar) and sq.args[1] == 2):
         raise NoMatch("hyper-connection: norm statistic is not a mean of squares")
-    if _strip_layout(sq.args[0]) is not _strip_layout(a):
+    flat = sq.args[0]
+    if _strip_layout(flat) is not _strip_layout(a):
         raise NoMatch("hyper-connection: the norm's square and its scaled value read different tensors")
     if _strip_layout(a) is not _strip_layout(x):
         raise NoMatch("hyper-connection: the norm reads other values than the collapsed streams")
-    if dtype(a) != torch.float32 or not same_shape(shape(a)[-1:], (hc * hidden,)):
-        raise NoMatch(f"hyper-connection: norm over {list(shape(a))} in {dtype(a)}, expected the flattened "
+    if dtype(flat) != torch.float32 or dtype(a) != torch.float32 or not same_shape(shape(flat)[-1:], (hc * hidden,)):
+        raise NoMatch(f"hyper-connection: norm over {list(shape(flat))} in {dtype(flat)}, expected the flattened "
                       f"{hc} x {hidden} streams in fp32")
-    if not same_shape(shape(a)[:-1], shape(x)[:-2]):
+    if not same_shape(shape(flat)[:-1], shape(x)[:-2]):
         raise NoMatch("hyper-connection: norm rows are not the streams' tokens")
     return dict(fn=fn, eps=found[1])
 
 
 def _scale_piece(node, index, count):
-    """getitem(unbind(scale), index) (through casts): scale."""
-    found = _getitem_of(_strip_casts(node), aten.unbind.int)
-    if found is None or found[1] != index:
+    """`scale.unbind(0)[index]` or `scale[index]` (through casts): scale."""
+    found = element_of(strip(node, CASTS))
+    if found is None or found[1:] != (0, index):
         raise NoMatch(f"hyper-connection: scale {node} is not scale.unbind(0)[{index}]")
-    scale = _param(found[0].args[0], (count,), "scale")
-    return scale
+    return _param(found[0], (count,), "scale")
 
 
-def _base_piece(node, index, base=None):
-    node = strip(node, VIEW_OPS)
-    found = _getitem_of(node, aten.split_with_sizes.default)
-    if found is None or found[1] != index:
-        raise NoMatch(f"hyper-connection: bias {node} is not base.split(...)[{index}]")
-    src = _strip_casts(found[0].args[0])
+def _base_piece(node, columns, base=None):
+    """`base.split(...)[i]` or `base[a:b]` (through views) of the given columns: base."""
+    found = piece_of(strip(node, VIEW_OPS))
+    if found is None or found[1] != 0 or (found[2], found[3]) != columns:
+        raise NoMatch(f"hyper-connection: bias {node} is not base[{columns[0]}:{columns[1]}]")
+    src = strip(found[0], CASTS)
     if base is not None and src is not base:
         raise NoMatch("hyper-connection: pre, post and comb biases come from different tensors")
-    return src, list(found[0].args[1])
+    return src
 
 
-def _match_mixing(w_pre, pre_scale, pre_base, hc, hc_eps) -> dict:
-    split = w_pre.args[0]
+def _match_mixing(mixes, pre_scale, pre_base, hc, hc_eps) -> dict:
+    ranges = _ranges(hc)
     scale = _scale_piece(pre_scale, 0, 3)
-    base, sizes = _base_piece(pre_base, 0)
-    if sizes != [hc, hc, hc * hc]:
-        raise NoMatch(f"hyper-connection: bias split {sizes}, expected [{hc}, {hc}, {hc * hc}]")
-    base = _param(base, ((2 + hc) * hc,), "base")
-    pieces = {u.args[1]: u for u in split.users if is_op(u, operator.getitem)}
-    if set(pieces) != {0, 1, 2}:
+    base = _param(_base_piece(pre_base, ranges["pre"]), ((2 + hc) * hc,), "base")
+    pieces = {}
+    for reader in [mixes, *users_of(mixes, aten.split_with_sizes.default)]:
+        for user in reader.users:
+            found = piece_of(user)
+            if found is not None and found[0] is mixes and found[1] == len(shape(mixes)) - 1:
+                pieces[(found[2], found[3])] = user
+    if ranges["post"] not in pieces or ranges["comb"] not in pieces:
         raise NoMatch("hyper-connection: post / comb logits unused (not a hyper-connection's three outputs)")
-    post = _match_post(pieces[1], scale, base)
-    comb, iters = _match_comb(pieces[2], scale, base, hc, hc_eps)
+    post = _match_post(pieces[ranges["post"]], scale, base, ranges["post"])
+    comb, iters = _match_comb(pieces[ranges["comb"]], scale, base, hc, hc_eps)
     return dict(scale=scale, base=base, post=post, comb=comb, iters=iters)
 
 
-def _affine_user(w, scale, base, index):
-    """The (unique) user chain w * scale[index] + base[index] of logits w: the add node."""
+def _affine_user(w, scale, base, index, columns):
+    """The (unique) user chain w * scale[index] + base[columns] of logits w: the add node."""
     mul = only_user(w, aten.mul.Tensor)
     add = only_user(mul, aten.add.Tensor) if mul is not None else None
     found = _affine(add) if add is not None else None
     if found is None or found[0] is not w and strip(found[0], VIEW_OPS) is not w:
         return None
     _, s, b = found
-    if _scale_piece(s, index, 3) is not scale or _base_piece(b, index, base)[0] is not base:
+    if _scale_piece(s, index, 3) is not scale or _base_piece(b, columns, base) is not base:
         return None
     return add
 
 
-def _match_post(w_post, scale, base):
-    add = _affine_user(w_post, scale, base, 1)
-    sig = only_user(add, aten.sigmoid.default) if add is not None else None
+def _match_post(w_post, scale, base, columns):
+    add = _affine_user(w_post, scale, base, 1, columns)
+    sig = _sigmoid_user(add) if add is not None else None
     post = only_user(sig, aten.mul.Tensor) if sig is not None else None
     if post is None or 2.0 not in [scalar_arg(a) for a in post.args]:
         raise NoMatch("hyper-connection: post is not 2 * sigmoid(w * scale[1] + base[n:2n])")
@@ -307,13 +448,18 @@ def _match_post(w_post, scale, base):
 
 
 def _match_comb(w_comb, scale, base, hc, hc_eps):
+    """softmax(view(w) * scale[2] + view(base[2n:]), -1) + eps (HF), or the affine map viewed afterwards (the
+    official code), then the Sinkhorn steps."""
+    columns = _ranges(hc)["comb"]
     view = only_user(w_comb, *VIEW_OPS)
-    if view is None or not same_shape(shape(view)[-2:], (hc, hc)):
-        raise NoMatch(f"hyper-connection: comb logits are not viewed as {hc} x {hc}")
-    add = _affine_user(view, scale, base, 2)
-    if add is None:
-        raise NoMatch("hyper-connection: comb is not w * scale[2] + base[2n:]")
-    soft = _match_softmax(add)
+    if view is not None:
+        z = _affine_user(view, scale, base, 2, columns)
+    else:
+        add = _affine_user(w_comb, scale, base, 2, columns)
+        z = only_user(add, *VIEW_OPS) if add is not None else None
+    if z is None or not same_shape(shape(z)[-2:], (hc, hc)):
+        raise NoMatch(f"hyper-connection: comb is not w * scale[2] + base[2n:] viewed as {hc} x {hc}")
+    soft = _match_softmax(z)
     c = soft.users and only_user(soft, aten.add.Tensor)
     if not c or _add_const(c) is None or _add_const(c)[1] != hc_eps:
         raise NoMatch("hyper-connection: comb is not softmax(...) + hc_eps (the pre's eps)")
@@ -329,8 +475,8 @@ def _match_comb(w_comb, scale, base, hc, hc_eps):
         steps.append(axis)
     expected = [rank - 2 if i % 2 == 0 else rank - 1 for i in range(len(steps))]
     if not steps or steps != expected or len(steps) % 2 == 0:
-        names = ["col" if a == rank - 2 else "row" for a in steps]
-        raise NoMatch(f"hyper-connection: Sinkhorn steps {names or 'none'} are not HF's col, (row, col)*")
+        names_ = ["col" if a == rank - 2 else "row" for a in steps]
+        raise NoMatch(f"hyper-connection: Sinkhorn steps {names_ or 'none'} are not HF's col, (row, col)*")
     return c, (len(steps) + 1) // 2
 
 
@@ -420,7 +566,7 @@ def _upcast_note(m: dict) -> str:
 # --------------------------------------------------------------------------------------------
 def _hc_output(node, index):
     """getitem(hc_collapse call, index) through casts: the call, or None."""
-    found = _getitem_of(_strip_casts(node), HC_COLLAPSE)
+    found = _getitem_of(strip(node, CASTS), HC_COLLAPSE)
     return found[0] if found is not None and found[1] == index else None
 
 
@@ -439,6 +585,57 @@ def _expanded_post(node):
     return None
 
 
+def _mix_labels(core, comb, comb_ops, residual, residual_ops, comb_dims):
+    """Labels of the mix `core` computes from comb (its [n, n] dims labelled `comb_dims`) and residual (j, d), or
+    None: a bmm contracting j, or a product of the two broadcast and summed over j."""
+    lead = _lead_names(len(shape(residual)) - 2)
+    a = _follow(leaf_labels(comb, lead + comb_dims), comb_ops)
+    b = _follow(leaf_labels(residual, lead + ["j", "d"]), residual_ops)
+    if a is None or b is None:
+        return None
+    if canonical_bmm(core) is not None:
+        return bmm_labels(a, b) if names([contracted(a, b)]) == [("j",)] else None
+    product = broadcast(a, b)
+    dims, keepdim = _reduce_dims(core)
+    if product is None or keepdim or len(dims) != 1 or names([product[dims[0]]]) != [("j",)]:
+        return None
+    return product[:dims[0]] + product[dims[0] + 1:]
+
+
+def _comb_mix(mixed, call, streams_shape):
+    """(comb operand, residual) when `mixed` is comb^T @ residual per token, comb one of `call`'s outputs: a bmm
+    (`matmul`, `einsum`, `.mT`) or the broadcast sum `sum(comb[..., :, :, None] * residual[..., :, None, :], -3)`
+    (the official `hc_post`), dims followed through layout ops."""
+    # a batch-1 bmm that CUDA computes as `mm(...)[None]` is recorded on its unsqueeze: the walk stops there
+    chain = walk_back(mixed, lambda n: is_op(n, *LAYOUT_OPS) and canonical_bmm(n) is None)
+    core, out_ops = chain[0], chain[1:]
+    if canonical_bmm(core) is not None:
+        pairs = [canonical_bmm(core)]
+    elif is_op(core, aten.sum.dim_IntList) and _operands(core.args[0], aten.mul.Tensor) is not None:
+        if dtype(core.args[0]) != torch.float32:
+            raise NoMatch(f"hyper-connection exit: comb^T @ residual is a sum of {dtype(core.args[0])} products (each "
+                          "rounded), HF's matmul sums exact products")
+        pairs = [core.args[0].args, core.args[0].args[::-1]]
+    else:
+        raise NoMatch(f"hyper-connection exit: post * out is added to {op_name(core)}, not to comb^T @ residual")
+    for comb_operand, residual_operand in pairs:
+        comb, comb_ops = layout_chain(comb_operand)
+        residual, residual_ops = _nearest(residual_operand, lambda n: same_shape(shape(n), streams_shape))
+        if _hc_output(comb, 2) is None or len(shape(comb)) != len(shape(residual)):
+            continue
+        if _hc_output(comb, 2) is not call:
+            raise NoMatch("hyper-connection exit: post and comb come from different hyper-connections")
+        expected = names(leaf_labels(residual, _lead_names(len(shape(residual)) - 2) + ["k", "d"]))
+        for comb_dims, transposed in ((["j", "k"], True), (["k", "j"], False)):
+            labels = _mix_labels(core, comb, comb_ops, residual, residual_ops, comb_dims)
+            labels = _follow(labels, out_ops)
+            if labels is not None and names(labels) == expected:
+                if not transposed:
+                    raise NoMatch("hyper-connection exit: the mix does not read comb transposed")
+                return comb, residual
+    raise NoMatch("hyper-connection exit: post * out is added to something other than comb^T @ residual")
+
+
 def _match_expand_mix(add: torch.fx.Node) -> dict:
     ops = _operands(add, aten.add.Tensor)
     if ops is None:
@@ -450,21 +647,7 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
     else:
         raise NoMatch("no hyper-connection post", reported=False)
     call, post_cast, out = found
-    mix = strip(mixed, VIEW_OPS)
-    operands = canonical_bmm(mix)
-    if operands is None:
-        raise NoMatch(f"hyper-connection exit: post * out is added to {op_name(mix)}, not to comb^T @ residual "
-                      "(a bmm)")
-    lhs, rhs = (_strip_layout(a) for a in operands)
-    permute = lhs
-    rank = len(shape(permute))
-    if not (is_op(permute, aten.permute.default)
-            and list(permute.args[1]) == list(range(rank - 2)) + [rank - 1, rank - 2]):
-        raise NoMatch("hyper-connection exit: the mix does not read comb transposed")
-    comb_cast = permute.args[0]
-    if _hc_output(comb_cast, 2) is not call:
-        raise NoMatch("hyper-connection exit: post and comb come from different hyper-connections")
-    residual = rhs
+    comb_cast, residual = _comb_mix(mixed, call, shape(add))
     hc, hidden = shape(call.args[0])[-2:]
     rdtype = dtype(residual)
     if not same_shape(shape(residual), shape(add)) or not same_shape(shape(out), shape(add)[:-2] + (hidden,)):

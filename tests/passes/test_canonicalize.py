@@ -15,7 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsfuse.passes.graph_utils import fake_call
-from dsfuse.passes.canonicalize import BMM, BY_NAME, MEAN, RULES, SCALE, apply_rule, canonical_scale, canonicalize
+from dsfuse.passes.canonicalize import (BMM, BY_NAME, MEAN, RULES, SCALE, apply_rule, canonical_scale, canonicalize,
+                                        row_mean)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 NEG_INF = float("-inf")
@@ -198,6 +199,21 @@ def test_square_is_pow():
            {aten.mul.Tensor: 1, aten.pow.Tensor_Scalar: 0}, {aten.mul.Tensor: 0, aten.pow.Tensor_Scalar: 1})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_product_with_one_is_the_value(dtype):
+    """`1 / t` traces as `reciprocal(t) * 1`; NaN, infinities and signed zeros pass through unchanged."""
+    _check(lambda t: (1 / t) + t * 1.0, [_floats(4, 5, dtype=dtype)], "mul_by_one",
+           {aten.mul.Tensor: 2, aten.reciprocal.default: 1}, {aten.mul.Tensor: 0, aten.reciprocal.default: 1},
+           fired=2)
+
+
+def test_product_with_one_that_changes_dtype_or_shape_is_kept():
+    """A bool mask times 1 is an integer tensor, a broadcast against a ones tensor is not a scalar product."""
+    mask = torch.tensor([True, False, True])
+    _check(lambda m, t: (m * 1) + (t * torch.ones(2, 1, 3)).sum(), [mask, _floats(2, 3)], "mul_by_one",
+           {aten.mul.Tensor: 2}, {aten.mul.Tensor: 2}, fired=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_division_by_a_power_of_two_is_a_multiplication(dtype):
     x = _floats(4, 5, dtype=dtype)
@@ -313,6 +329,28 @@ def test_sum_over_its_count_records_a_mean_and_keeps_the_graph():
     assert gm.code == code
     (mean,) = [n for n in gm.graph.nodes if MEAN in n.meta]
     assert mean.meta[MEAN][1:] == ((1,), True) and mean.meta[MEAN][0].op == "placeholder"
+
+
+@pytest.mark.parametrize("spelling", ["mean", "sum_over_count"])
+def test_row_mean_reads_a_mean_in_either_spelling(spelling):
+    def fn(t):
+        square = t.pow(2)
+        return square.mean(-1, keepdim=True) if spelling == "mean" else square.sum(-1, keepdim=True) / 5
+
+    gm = _trace(fn, [_floats(3, 5)])
+    canonicalize(gm.graph)
+    (square,) = [n for n in gm.graph.nodes if n.target is aten.pow.Tensor_Scalar]
+    mean = row_mean(square)
+    assert mean is not None and list(mean.users)[0].op == "output"
+
+
+@pytest.mark.parametrize("fn", [lambda t: t.pow(2).mean(0, keepdim=True), lambda t: t.pow(2).mean(-1),
+                                lambda t: t.pow(2).sum(-1, keepdim=True) / 4])
+def test_row_mean_is_none_for_other_reductions(fn):
+    gm = _trace(fn, [_floats(3, 5)])
+    canonicalize(gm.graph)
+    (square,) = [n for n in gm.graph.nodes if n.target is aten.pow.Tensor_Scalar]
+    assert row_mean(square) is None
 
 
 def test_sum_over_a_symbolic_count_is_a_mean():

@@ -1,0 +1,290 @@
+"""Spelling corpus for DeepSeek V4's KV compressors (`compressors`): independent formulations of the same math (and
+a few that only look like it), each with its declared outcome, compiled with `backend="dsfuse"` on tiny CPU shapes.
+Every entry must end exactly as declared (rewritten with that many `kv_compress` sites / reported near-miss with
+that reason / left alone) and agree with eager.
+
+Each formulation is written after the code named in its `source`: transformers' `DeepseekV4HCACompressor`,
+`DeepseekV4CSACompressor` (its two overlapping series, and the indexer's compressor it runs) and
+`DeepseekV4Indexer` (the modules themselves, stateless: no cache), HF's compressor math on given projections, or
+an algebraic re-spelling of one of its parts (softmax, position bias, weighted sum, RMSNorm, RoPE).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+    DeepseekV4CSACompressor,
+    DeepseekV4HCACompressor,
+    DeepseekV4Indexer,
+    apply_rotary_pos_emb,
+)
+
+import dsfuse
+from dsfuse.models.presets import hf_config
+
+B, S, HIDDEN = 2, 16, 32
+M = 4  # window of the functional entries
+D, R = 16, 8  # compressed width, RoPE width (the trailing R channels)
+W = S // M
+EPS = 1e-6
+CONFIG = hf_config("v4-tiny", hidden_size=HIDDEN, compress_rates={"compressed_sparse_attention": 4,
+                                                                   "heavily_compressed_attention": 8})
+
+
+# --------------------------------------------------------------------------------------- HF's modules
+def _initialised(module, seed):
+    """HF leaves the compressor parameters `torch.empty`: small random weights, norm weights near 1."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in module.named_parameters():
+        value = torch.randn(p.shape, generator=g, dtype=torch.float32)
+        p.data = (1 + 0.1 * value if name.endswith("norm.weight") else 0.2 * value).to(p.dtype)
+    return module.eval()
+
+
+HCA = _initialised(DeepseekV4HCACompressor(CONFIG), 0)
+CSA = _initialised(DeepseekV4CSACompressor(CONFIG), 1)
+INDEXER = _initialised(DeepseekV4Indexer(CONFIG), 2)
+
+
+def hf_hca_compressor(hidden, q_residual, position_ids):
+    """transformers `DeepseekV4HCACompressor` (m' = 8, one series), no cache."""
+    return HCA(hidden, q_residual, position_ids, None, 0)
+
+
+def hf_csa_compressor(hidden, q_residual, position_ids):
+    """transformers `DeepseekV4CSACompressor` (m = 4, two overlapping series), no cache: its own compressor and
+    its indexer's (index_head_dim)."""
+    return CSA(hidden, q_residual, position_ids, None, 0)
+
+
+def hf_indexer(hidden, q_residual, position_ids):
+    """transformers `DeepseekV4Indexer` alone: its compressor, then the scorer's top-k."""
+    return INDEXER(hidden, q_residual, position_ids, None, 0)
+
+
+# --------------------------------------------------------------------------------------- HF's math, re-spelled
+def _windows(kv, gate, bias):
+    """HF's windows of the first W * m tokens, the bias added to the gate's windows."""
+    return kv[:, :W * M].view(B, W, M, -1), gate[:, :W * M].view(B, W, M, -1) + bias
+
+
+def _hf_norm(pooled, weight):
+    x = pooled.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return (weight * x).to(pooled.dtype)
+
+
+def _hf_rope(normed, cos, sin):
+    return apply_rotary_pos_emb(normed.unsqueeze(1), cos, sin).squeeze(1)
+
+
+def _compress(pool=None, norm=_hf_norm, rope=_hf_rope, windows=_windows):
+    """HF's HCA compressor on given projections with one part replaced."""
+
+    def compressor(kv, gate, bias, weight, cos, sin):
+        chunk_kv, chunk_gate = windows(kv, gate, bias)
+        if pool is None:
+            pooled = (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
+        else:
+            pooled = pool(chunk_kv, chunk_gate)
+        return rope(norm(pooled, weight), cos, sin)
+
+    return compressor
+
+
+def _written_out_softmax(kv, gate):
+    """`exp(g - max) / sum` of the fp32 gate, `torch.sum(p * kv, dim=2)` (operands swapped)."""
+    g = gate.float()
+    e = torch.exp(g - g.amax(dim=2, keepdim=True))
+    return torch.sum((e / e.sum(dim=2, keepdim=True)).to(kv.dtype) * kv, dim=2)
+
+
+def _einsum_pool(kv, gate):
+    """The weighted sum over the slots as `einsum('bwld,bwld->bwd')`."""
+    return torch.einsum("bwld,bwld->bwd", kv, torch.softmax(gate.float(), dim=2).to(kv.dtype))
+
+
+def _weights_not_cast_back(kv, gate):
+    """The fp32 softmax weights multiplied into bf16 values without `.to(kv.dtype)`: fp32 products."""
+    return (kv * gate.softmax(dim=2, dtype=torch.float32)).sum(dim=2).to(kv.dtype)
+
+
+def _gate_dtype_bias(kv, gate, bias):
+    """The bias cast to the gate's dtype, so the gate stays bf16."""
+    return _windows(kv, gate, bias.to(gate.dtype))
+
+
+def _softmax_in_gate_dtype(kv, gate):
+    """The softmax in the gate's own dtype (no `dtype=float32`)."""
+    return (kv * gate.softmax(dim=2)).sum(dim=2)
+
+
+def _broadcast_bias(kv, gate, bias):
+    """The bias broadcast explicitly, `bias[None, None]`."""
+    return kv[:, :W * M].view(B, W, M, -1), gate[:, :W * M].view(B, W, M, -1) + bias[None, None]
+
+
+def _bias_before_windows(kv, gate, bias):
+    """The bias tiled over the tokens (`bias.repeat(W, 1)`) and added before the windows are viewed."""
+    return kv[:, :W * M].view(B, W, M, -1), (gate[:, :W * M] + bias.repeat(W, 1)).view(B, W, M, -1)
+
+
+def _sum_over_width_norm(pooled, weight):
+    """The mean spelled `sum(x * x) / D`."""
+    x = pooled.float()
+    return (weight * (x * torch.rsqrt((x * x).sum(-1, keepdim=True) / D + EPS))).to(pooled.dtype)
+
+
+def _functional_norm(pooled, weight):
+    """`F.rms_norm` of the fp32 pooled entries with the fp32 weight."""
+    return F.rms_norm(pooled.float(), (D,), weight, EPS).to(pooled.dtype)
+
+
+def _expanded_tables_rope(normed, cos, sin):
+    """RoPE with the tables widened by `unsqueeze(-1).expand(..., 2).flatten(-2)` and rotate_half as `stack`,
+    on [B, W, D] (no head dim)."""
+    nope, rope = normed[..., :-R], normed[..., -R:]
+    c2, s2 = (t.unsqueeze(-1).expand(*t.shape, 2).flatten(-2) for t in (cos, sin))
+    turned = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    return torch.cat([nope, ((rope.float() * c2) + (turned.float() * s2)).to(normed.dtype)], dim=-1)
+
+
+def _complex_rope(normed, cos, sin):
+    """The official inference code's RoPE: the trailing pairs as complex numbers times `cos + i sin`."""
+    pairs = torch.view_as_complex(normed[..., -R:].float().unflatten(-1, (-1, 2)).contiguous())
+    rotated = torch.view_as_real(pairs * torch.complex(cos.float(), sin.float())).flatten(-2).to(normed.dtype)
+    return torch.cat([normed[..., :-R], rotated], dim=-1)
+
+
+def slot_attention(q, k, v):
+    """A softmax over dim 2 of a 4-D tensor that is attention over keys, not a compressor."""
+    return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=2), v)
+
+
+# --------------------------------------------------------------------------------------- inputs
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _module_inputs(seq=S):
+    g = _gen(3)
+    hidden = torch.randn(B, seq, HIDDEN, generator=g)
+    q_residual = torch.randn(B, seq, CONFIG.q_lora_rank, generator=g)
+    return hidden, q_residual, torch.arange(seq).expand(B, seq)
+
+
+def _projections(dtype=torch.float32):
+    def make():
+        g = _gen(4)
+        kv = torch.randn(B, S, D, generator=g).to(dtype)
+        gate = torch.randn(B, S, D, generator=g).to(dtype)
+        bias, weight = torch.randn(M, D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+        angles = torch.rand(B, W, R // 2, generator=g) * 3
+        return kv, gate, bias, weight, angles.cos().to(dtype), angles.sin().to(dtype)
+
+    return make
+
+
+def _attention():
+    g = _gen(5)
+    return tuple(torch.randn(B, 2, 6, 8, generator=g) for _ in range(3))
+
+
+# --------------------------------------------------------------------------------------- the corpus
+REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
+ONE, TWO = "one series", "two overlapping series"
+
+
+@dataclass(frozen=True)
+class Entry:
+    fn: Callable
+    source: str
+    inputs: Callable[[], tuple]
+    outcome: str
+    kinds: tuple[str, ...] = ()  # for a rewrite: each site's slot layout, sorted
+    reason: str = ""  # the near-miss reason, word for word
+
+
+BF16_GATE = ("compressor gate convert_element_type_1:float32[2x4x4x16] is the fp32 upcast of a torch.bfloat16 "
+             "gate: the windows + position bias are rounded before the softmax (HF adds the fp32 bias in fp32)")
+FP32_PRODUCTS = ("softmax-pooled values view:bfloat16[2x4x4x16] are not multiplied by the weights cast to their dtype "
+                 "(HF: softmax(...).to(kv.dtype))")
+NOT_HF_ROPE = ("compressor: the normed entries are not roped as HF's apply_rotary_pos_emb (x*cos + rotate_half(x)*sin "
+               "over interleaved pairs not found)")
+NO_WINDOW_BIAS = "compressor gate view_1:float32[2x4x4x16] has no [m, C] position bias added to its windows"
+
+CORPUS = {
+    "hf_hca_compressor": Entry(hf_hca_compressor, "transformers DeepseekV4HCACompressor", _module_inputs, REWRITTEN,
+                               (ONE,)),
+    "hf_csa_compressor": Entry(hf_csa_compressor, "transformers DeepseekV4CSACompressor (+ its indexer's)",
+                               _module_inputs, REWRITTEN, (TWO, TWO)),
+    "hf_indexer": Entry(hf_indexer, "transformers DeepseekV4Indexer", _module_inputs, REWRITTEN, (TWO,)),
+    "hf_math_bf16": Entry(_compress(), "transformers DeepseekV4HCACompressor.forward on given projections (bf16)",
+                          _projections(torch.bfloat16), REWRITTEN, (ONE,)),
+    "written_out_softmax": Entry(_compress(pool=_written_out_softmax), "written for the corpus (exp / sum)",
+                                 _projections(), REWRITTEN, (ONE,)),
+    "einsum_weighted_sum": Entry(_compress(pool=_einsum_pool), "written for the corpus (einsum pooling)",
+                                 _projections(), REWRITTEN, (ONE,)),
+    "broadcast_bias": Entry(_compress(windows=_broadcast_bias), "written for the corpus (bias[None, None])",
+                            _projections(), REWRITTEN, (ONE,)),
+    "sum_over_width_norm": Entry(_compress(norm=_sum_over_width_norm), "written for the corpus (sum(x * x) / D)",
+                                 _projections(), REWRITTEN, (ONE,)),
+    "functional_rms_norm": Entry(_compress(norm=_functional_norm), "torch F.rms_norm", _projections(), REWRITTEN,
+                                 (ONE,)),
+    "expanded_tables_rope": Entry(_compress(rope=_expanded_tables_rope), "written for the corpus (expand tables)",
+                                  _projections(), REWRITTEN, (ONE,)),
+    "complex_rope": Entry(_compress(rope=_complex_rope), "DeepSeek V4 inference apply_rotary_emb (complex)",
+                          _projections(), NEAR_MISS, reason=NOT_HF_ROPE),
+    "bias_before_windows": Entry(_compress(windows=_bias_before_windows), "written for the corpus (bias.repeat)",
+                                 _projections(), NEAR_MISS, reason=NO_WINDOW_BIAS),
+    "weights_not_cast_back": Entry(_compress(pool=_weights_not_cast_back), "written for the corpus (fp32 products)",
+                                   _projections(torch.bfloat16), NEAR_MISS, reason=FP32_PRODUCTS),
+    "bf16_softmax": Entry(_compress(pool=_softmax_in_gate_dtype, windows=_gate_dtype_bias), "written for the corpus "
+                          "(softmax in bf16)", _projections(torch.bfloat16), NEAR_MISS, reason=BF16_GATE),
+    "slot_attention": Entry(slot_attention, "written for the corpus (softmax over dim 2, attention)", _attention,
+                            LEFT_ALONE),
+}
+
+
+def _outputs(out):
+    return [o for o in (out if isinstance(out, (tuple, list)) else [out]) if o is not None]
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_corpus_entry_ends_as_declared(name):
+    entry = CORPUS[name]
+    args = entry.inputs()
+    with torch.no_grad():
+        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["compressors"]})(*args)
+        want = entry.fn(*args)
+    rep = dsfuse.report()
+    kinds = sorted(s.detail.split(", ")[-1] for s in rep.sites if s.pass_name == "compressors")
+    reasons = [m.reason for m in rep.near_misses if m.pass_name == "compressors"]
+    if entry.outcome == REWRITTEN:
+        assert (kinds, reasons) == (sorted(entry.kinds), []), str(rep)
+    elif entry.outcome == NEAR_MISS:
+        assert (kinds, reasons) == ([], [entry.reason]), str(rep)
+    else:
+        assert (kinds, reasons) == ([], []), str(rep)
+    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+        assert g.dtype == w.dtype
+        if not g.dtype.is_floating_point:
+            assert torch.equal(g, w)
+        elif g.dtype == torch.bfloat16:  # products and sums rounded to bf16 in another order: a bf16 ulp or two
+            torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_corpus_covers_the_family():
+    """At least 10 independent formulations rewritten, both slot layouts among them, and each declared outcome
+    kind appears."""
+    rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
+    assert len(rewritten) >= 10
+    assert {kind for e in rewritten for kind in e.kinds} == {ONE, TWO}
+    assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
