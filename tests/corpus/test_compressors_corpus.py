@@ -24,7 +24,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
-import dsfuse
+from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, compile_entry
+
 from dsfuse.models.presets import hf_config
 
 B, S, HIDDEN = 2, 16, 32
@@ -196,7 +197,6 @@ def _attention():
 
 
 # --------------------------------------------------------------------------------------- the corpus
-REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
 ONE, TWO = "one series", "two overlapping series"
 
 
@@ -251,18 +251,14 @@ CORPUS = {
 }
 
 
-def _outputs(out):
-    return [o for o in (out if isinstance(out, (tuple, list)) else [out]) if o is not None]
+def _present(outs):
+    return [o for o in outs if o is not None]
 
 
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
     entry = CORPUS[name]
-    args = entry.inputs()
-    with torch.no_grad():
-        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["compressors"]})(*args)
-        want = entry.fn(*args)
-    rep = dsfuse.report()
+    got, want, rep = compile_entry(entry, "compressors")
     kinds = sorted(s.detail.split(", ")[-1] for s in rep.sites if s.pass_name == "compressors")
     reasons = [m.reason for m in rep.near_misses if m.pass_name == "compressors"]
     if entry.outcome == REWRITTEN:
@@ -271,7 +267,7 @@ def test_corpus_entry_ends_as_declared(name):
         assert (kinds, reasons) == ([], [entry.reason]), str(rep)
     else:
         assert (kinds, reasons) == ([], []), str(rep)
-    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+    for g, w in zip(_present(got), _present(want), strict=True):
         assert g.dtype == w.dtype
         if not g.dtype.is_floating_point:
             assert torch.equal(g, w)

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-import dsfuse
+from harness import LEFT_ALONE, MIN_REWRITTEN, NEAR_MISS, REWRITTEN, compile_entry
+
 from dsfuse.models.presets import hf_config
 
 B, S, N, D = 2, 3, 4, 16  # batch, tokens, hc_mult streams, hidden
@@ -287,7 +288,6 @@ def _with_gate():
 
 
 # --------------------------------------------------------------------------------------- the corpus
-REWRITTEN, NEAR_MISS, LEFT_ALONE = "rewritten", "near-miss", "left alone"
 COLLAPSE, HEAD, EXIT = "dsfuse.hc_collapse", "dsfuse.hc_head", "dsfuse.hc_expand_mix"
 
 
@@ -359,18 +359,10 @@ CORPUS = {
 }
 
 
-def _outputs(out):
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
     entry = CORPUS[name]
-    args = entry.inputs()
-    with torch.no_grad():
-        got = torch.compile(entry.fn, backend="dsfuse", options={"enable": ["hyper_connections"]})(*args)
-        want = entry.fn(*args)
-    rep = dsfuse.report()
+    got, want, rep = compile_entry(entry, "hyper_connections")
     sites = [s for s in rep.sites if s.pass_name == "hyper_connections"]
     reasons = [m.reason for m in rep.near_misses if m.pass_name == "hyper_connections"]
     if entry.outcome == REWRITTEN:
@@ -380,7 +372,7 @@ def test_corpus_entry_ends_as_declared(name):
         assert (sorted(s.op for s in sites), reasons) == (sorted(entry.ops), [entry.reason]), str(rep)
     else:
         assert (sites, reasons) == ([], []), str(rep)
-    for g, w in zip(_outputs(got), _outputs(want), strict=True):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype
         if g.dtype == torch.bfloat16:  # a product or sum rounded to bf16 in another order: one bf16 ulp
             torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
@@ -392,6 +384,6 @@ def test_corpus_covers_the_family():
     """At least 12 independent formulations rewritten, every fused op of the family among them, and each declared
     outcome kind appears."""
     rewritten = [e for e in CORPUS.values() if e.outcome == REWRITTEN]
-    assert len(rewritten) >= 12
+    assert len(rewritten) >= MIN_REWRITTEN
     assert {op for e in rewritten for op in e.ops} == {COLLAPSE, HEAD, EXIT}
     assert {e.outcome for e in CORPUS.values()} == {REWRITTEN, NEAR_MISS, LEFT_ALONE}
