@@ -38,6 +38,14 @@ dot: the same value up to the rounding of one product). The mixing logits go thr
 registers with IEEE divisions (`tl.div_rn`), HF's order and eps. Pass 2 collapses the streams, walking D
 backwards so the chunks pass 1 read last are read first, while they are still in L2. `hc_expand_mix` is one
 pass over the residual and the block output.
+
+The second path of `hc_collapse` / `hc_head` (`path="two_pass"` in the launch, `COLLAPSE_PATH` the default) reads
+the streams twice but in bandwidth-shaped kernels: `_hc_project_kernel` walks each row block's contiguous flattened
+rows (K = n D) in wide [BLOCK_T, BLOCK_K] tiles that load straight into a software-pipelined dot and writes the
+mixing weights (pre [T, n], post, comb: the mixing code above, shared); `_hc_weighted_sum_kernel` is a 2-D grid
+like the exit's. For bf16 streams the dot is a bf16 tensor-core dot of the raw tiles with fn split once per call
+into three bf16 pieces, fn = hi + mid + lo exactly (`split_projection_weights`): every product is exact, the sums
+fp32, as accurate as tf32x3 at twice tf32's MMA rate and with no conversion of the stream tiles.
 """
 
 from __future__ import annotations
