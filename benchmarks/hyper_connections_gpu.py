@@ -34,6 +34,7 @@ if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from triton.compiler.errors import CompilationError  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from transformers import DeepseekV4Config  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
@@ -112,12 +113,12 @@ def agreement(got, want):
 
 def best(bench, launches):
     """(best ms, its launch, every launch's ms) over a sweep of keyword launches; a launch whose tiles do not fit
-    the SM's shared memory is listed with ms None."""
+    the SM's shared memory (or that this Triton cannot compile) is listed with ms None."""
     timings = []
     for kw, fn in launches:
         try:
             timings.append((bench(fn), kw))
-        except OutOfResources:
+        except (OutOfResources, CompilationError):
             timings.append((None, kw))
     ms, kw = min((r for r in timings if r[0] is not None), key=lambda r: r[0])
     return ms, kw, [{"launch": k, "ms": t} for t, k in timings]
@@ -136,7 +137,7 @@ def coordinate_best(bench, make, start, axes):
         if key not in timings:
             try:
                 timings[key] = (bench(make(kw)), kw)
-            except OutOfResources:
+            except (OutOfResources, CompilationError):
                 timings[key] = (None, kw)
 
     time_one(start)
