@@ -217,7 +217,8 @@ def main():
         unknown = sorted(set(ops_run) - set(sources))
         if unknown:
             parser.error(f"unknown ops {unknown}; valid: {list(sources)}")
-        weights = {"hc_collapse": (conn.fn, conn.base, conn.scale), "hc_head": (head.hc_fn, head.hc_base, head.hc_scale)}
+        weights = {"hc_collapse": (conn.fn, conn.base, conn.scale),
+                   "hc_head": (head.hc_fn, head.hc_base, head.hc_scale)}
         weighted_sum = {}
 
         def two_pass(op):
