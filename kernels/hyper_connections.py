@@ -362,10 +362,11 @@ def _hc_project_kernel(
 def _hc_weighted_sum_kernel(x_ptr, pre_ptr, collapsed_ptr, T, D, N: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
     """collapsed = sum_j pre_j * x_j over a [BLOCK_T, BLOCK_D] tile: fp32 products summed in stream order, as
-    `_hc_collapse_kernel`'s pass 2 sums them."""
+    `_hc_collapse_kernel`'s pass 2 sums them. The D blocks run last to first (programs start row block fastest):
+    the projection read the rows' last columns last, so the first programs find some of them still in L2."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
-    dd = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dd = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = row_ok[:, None] & (dd < D)[None, :]
     total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(N):
