@@ -348,25 +348,24 @@ fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr"
 fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
 mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
           ("out_ptr", "res_ptr", "new_ptr"))
-def project_ptx(head, split):
+def project_ptx(head):
     launch = hck.default_collapse_launch(4096, "two_pass")
-    consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, PIECES=3 if split else 1, FP32_DOT=not split,
-                  PRECISION="ieee" if split else hck.PROJECTION_PRECISION, BLOCK_T=launch["block_t"],
-                  BLOCK_K=launch["block_k"])
-    return ptx(hck._hc_project_kernel, consts, ("x_ptr", "w_ptr") if split else ("x_ptr",))
+    consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, PIECES=3, FP32_DOT=False, PRECISION="ieee",
+                  BLOCK_T=launch["block_t"], BLOCK_K=launch["block_k"])
+    return ptx(hck._hc_project_kernel, consts, ("x_ptr", "w_ptr"))
 weighted = ptx(hck._hc_weighted_sum_kernel, dict(N=4, BLOCK_T=8, BLOCK_D=128, MANUAL_BF16_RNE=False),
                ("x_ptr", "collapsed_ptr"))
 split = ptx(hck._hc_split_weights_kernel, dict(BLOCK=1024, MANUAL_BF16_RNE=False), ("pieces_ptr",))
 print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
                   (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix),
-                   ("project", project_ptx(False, True)), ("project_head", project_ptx(True, True)),
-                   ("project_fp32", project_ptx(False, False)), ("weighted", weighted), ("split", split))}))
+                   ("project", project_ptx(False)), ("project_head", project_ptx(True)), ("weighted", weighted),
+                   ("split", split))}))
 """
 
 
 def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
     """Compiled offline for sm_90 (no GPU, interpreter off): the one-pass projection runs on tf32 tensor cores,
-    the two-pass one (default launch) on bf16 warpgroup MMAs fed by asynchronous copies (tf32 for fp32 streams),
+    the two-pass one of bf16 streams (default launch) on bf16 warpgroup MMAs fed by asynchronous copies,
     every division of the mixing weights is IEEE, the scratch is fenced by a barrier, and neither the exit, the
     weighted sum nor the weight split has an FMA."""
     import json
@@ -389,8 +388,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
     for project in (found["project"], found["project_head"]):
         assert any(op.startswith("wgmma.mma_async") and op.endswith(".bf16.bf16") for op in project), project
         assert "cp.async.cg.shared.global" in project, project
-    assert any(".tf32" in op for op in found["project_fp32"]), found["project_fp32"]
-    for project in (found["project"], found["project_head"], found["project_fp32"]):
+    for project in (found["project"], found["project_head"]):
         assert "div.rn.f32" in project and "bar.sync" in project and "div.full.f32" not in project, project
     for name in ("mix", "weighted", "split"):
         assert not [op for op in found[name] if op.startswith("fma")], found[name]
