@@ -434,7 +434,7 @@ def default_collapse_launch(hidden: int, path: str | None = None) -> dict:
     two_pass (reasoned, not yet measured): the projection with 64 tokens per program, one warpgroup's MMA tile
     (128 programs at T=8192: one wave on 132 SMs; every program reads fn's 2.25 MiB of bf16 pieces from L2, so
     fewer, taller row blocks keep that traffic near the streams' own 268 MB), 128-wide K tiles in 3 stages
-    (3 x 40 KiB of shared memory); the weighted sum in 8 x 128 tiles with 4 warps, the shape of the exit's
+    (104 KiB of shared memory compiled for sm_90); the weighted sum in 8 x 128 tiles with 4 warps, the shape of the exit's
     kernel, which reaches 3.9 TB/s."""
     path = path or COLLAPSE_PATH
     if path == "one_pass":
