@@ -45,7 +45,7 @@ wanted indexer && TAIL=12 step 90 "indexer_topk kernels" python3 -P benchmarks/i
 wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmarks/sparse_attention_gpu.py
 wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
 wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/norm_rope_quant_gpu.py
-wanted hc && TAIL=8 step 300 "hyper-connection kernels" python3 -P benchmarks/hyper_connections_gpu.py
+wanted hc && TAIL=14 step 300 "hyper-connection kernels" python3 -P benchmarks/hyper_connections_gpu.py
 # fuzz: the op fuzz suite with the large example budget, then whole presets at many lengths and batch sizes
 wanted fuzz && TAIL=15 DSFUSE_FUZZ_PROFILE=gpu step ${FUZZ_OPS_LIMIT:-240} "op fuzz (gpu profile)" python3 -P -m pytest -q \
   tests/fuzz

@@ -8,12 +8,20 @@ iterations, bf16 streams (fp32 hyper-connection weights, as HF keeps them).
 2. Timings: medians of `triton.testing.do_bench` (L2 flushed between runs) in ms, GB/s against the bytes each op
    must move (streams read once, the block input / output and new streams once: `bytes_moved`), and the fraction
    of a device-to-device copy's bandwidth measured in the same run; a launch sweep of each dsfuse kernel.
+   `hc_collapse` / `hc_head` are swept on both paths: one_pass (`_hc_collapse_kernel`: block_t x num_stages) and
+   two_pass, whose kernels are timed and swept apart (the projection, fn's split included, by a coordinate search
+   over block_t {8,16,32,64}, block_k {64,128,256}, num_warps {4,8}, num_stages {2,3,4} from the default; the
+   weighted sum, shared by both ops, over block_t {4,8,16}, block_d {128,256,512}, num_warps {4,8}), then the path
+   end to end at the best of each. An op's row reports its best path; each path's best launch is printed.
+   About 45 Triton compilations (~1-3 s each) plus 5 Inductor compiles: ~2-2.5 min on the H200 host
+   (`--no-compile` skips Inductor, `--ops` picks ops).
 3. The whole hyper-connection work of a 2-layer model from the best launches: as the pass emits it (the first
    collapse, each exit fused with the next collapse or the head: `hc_exit_collapse`, `hc_exit_head`) and as
    separate ops (4 collapses, 4 exits, 1 head).
 
     python benchmarks/hyper_connections_gpu.py             # on the GPU; writes $OUT/hyper_connections.json
     python benchmarks/hyper_connections_gpu.py --tiny      # CPU smoke run through Triton's interpreter
+    python benchmarks/hyper_connections_gpu.py --ops hc_collapse,hc_head --no-compile   # the two paths only
 """
 
 import argparse
@@ -26,6 +34,7 @@ if "--tiny" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from triton.compiler.errors import CompilationError  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 from transformers import DeepseekV4Config  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
@@ -36,9 +45,18 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (  # noqa: E402
 from dsfuse.kernels import hyper_connections as hck  # noqa: E402
 
 HBM_GB_PER_S = 4800  # the H200's HBM3e bandwidth (specification)
-COLLAPSE_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32, 64) for d in (64, 128) for w in (4, 8)]
-EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (4, 8, 16) for d in (128, 256, 512) for w in (4, 8)]
-FUSED_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t in (16, 32) for d in (32, 64) for w in (4, 8)]
+# Trimmed to the regions runs 23 and 26 found competitive (8 warps and 128-wide D chunks were 1.5-2x slower on the
+# one-pass kernel; the fused exits' 64-wide chunks and 8 warps 2-20x): the benchmark stays near 2 minutes.
+ONE_PASS_SWEEP = [dict(path="one_pass", block_t=t, block_d=64, num_warps=4, num_stages=s) for t in (16, 32)
+                  for s in (1, 2, 3)]
+# Coordinate searches from the default launch: (key, values) axes walked in order, each from the best so far.
+PROJECT_AXES = (("block_t", (8, 16, 32, 64)), ("block_k", (64, 128, 256)), ("num_warps", (4, 8)),
+                ("num_stages", (2, 3, 4)))
+WEIGHTED_SUM_AXES = (("block_t", (4, 8, 16)), ("block_d", (128, 256, 512)), ("num_warps", (4, 8)))
+EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t, d, w in
+              ((4, 256, 4), (8, 128, 4), (4, 512, 8), (8, 256, 8), (16, 128, 8), (8, 128, 8))]
+FUSED_SWEEP = [dict(block_t=t, block_d=32, num_warps=4) for t in (16, 32)]
+PATH_OPS = ("hc_collapse", "hc_head")
 
 
 def timer(device):
@@ -95,15 +113,40 @@ def agreement(got, want):
 
 def best(bench, launches):
     """(best ms, its launch, every launch's ms) over a sweep of keyword launches; a launch whose tiles do not fit
-    the SM's shared memory is listed with ms None."""
+    the SM's shared memory (or that this Triton cannot compile) is listed with ms None."""
     timings = []
     for kw, fn in launches:
         try:
             timings.append((bench(fn), kw))
-        except OutOfResources:
+        except (OutOfResources, CompilationError):
             timings.append((None, kw))
     ms, kw = min((r for r in timings if r[0] is not None), key=lambda r: r[0])
     return ms, kw, [{"launch": k, "ms": t} for t, k in timings]
+
+
+def coordinate_best(bench, make, start, axes):
+    """best() over a coordinate search: `start`, then along each (key, values) axis the launches that change only
+    that key of the best launch so far (each launch timed once)."""
+    timings = {}
+
+    def leader():
+        return min((r for r in timings.values() if r[0] is not None), key=lambda r: r[0])[1]
+
+    def time_one(kw):
+        key = tuple(sorted(kw.items()))
+        if key not in timings:
+            try:
+                timings[key] = (bench(make(kw)), kw)
+            except (OutOfResources, CompilationError):
+                timings[key] = (None, kw)
+
+    time_one(start)
+    for key, values in axes:
+        base = leader()
+        for value in values:
+            time_one({**base, key: value})
+    ms, kw = min((r for r in timings.values() if r[0] is not None), key=lambda r: r[0])
+    return ms, kw, [{"launch": k, "ms": t} for t, k in timings.values()]
 
 
 def main():
@@ -115,6 +158,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: T=7, hidden 64, interpreter, no sweep")
     parser.add_argument("--no-compile", action="store_true", help="skip the Inductor baseline")
+    parser.add_argument("--ops", default=None, help="comma list of ops to run (default: all five)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
@@ -158,10 +202,46 @@ def main():
         exit_args = (out, x, post, comb)
         fn_args = {"hc_collapse": (x,), "hc_head": (x,), "hc_expand_mix": exit_args, "hc_exit_collapse": exit_args,
                    "hc_exit_head": exit_args}
-        sweeps = {"hc_collapse": COLLAPSE_SWEEP, "hc_head": COLLAPSE_SWEEP, "hc_expand_mix": EXIT_SWEEP,
+        sweeps = {"hc_collapse": ONE_PASS_SWEEP, "hc_head": ONE_PASS_SWEEP, "hc_expand_mix": EXIT_SWEEP,
                   "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
+        project_start = {k: v for k, v in hck.default_collapse_launch(D, "two_pass").items()
+                         if k in ("block_t", "block_k", "num_warps", "num_stages")}
+        sum_start = dict(block_t=hck.default_collapse_launch(D, "two_pass")["sum_block_t"],
+                         block_d=hck.default_collapse_launch(D, "two_pass")["sum_block_d"], num_warps=4)
+        project_axes, sum_axes = PROJECT_AXES, WEIGHTED_SUM_AXES
         if args.tiny:
-            sweeps = {k: [dict(block_d=16)] for k in sweeps}
+            sweeps = {k: [dict(block_d=16, **({"path": "one_pass"} if k in PATH_OPS else {}))] for k in sweeps}
+            project_start, sum_start = dict(block_t=16, block_k=32), dict(block_t=4, block_d=16)
+            project_axes = sum_axes = ()
+        ops_run = args.ops.split(",") if args.ops else list(sources)
+        unknown = sorted(set(ops_run) - set(sources))
+        if unknown:
+            parser.error(f"unknown ops {unknown}; valid: {list(sources)}")
+        weights = {"hc_collapse": (conn.fn, conn.base, conn.scale),
+                   "hc_head": (head.hc_fn, head.hc_base, head.hc_scale)}
+        weighted_sum = {}
+
+        def two_pass(op):
+            """The two-pass path of a path op: each kernel swept alone (the weighted sum once for both ops: same
+            kernel, same shapes), then the path end to end at the best of both."""
+            fn_, base_, scale_ = weights[op]
+
+            def project(kw):
+                return lambda: hck.hc_project_triton(x, fn_, base_, scale_, **eps, sinkhorn_iters=iters,
+                                                     head=op == "hc_head", **kw)
+
+            p_ms, p_kw, p_sweep = coordinate_best(bench, project, project_start, project_axes)
+            if not weighted_sum:
+                pre = hck.hc_project_triton(x, fn_, base_, scale_, **eps, sinkhorn_iters=iters)[0]
+                w_ms, w_kw, w_sweep = coordinate_best(
+                    bench, lambda kw: lambda: hck.hc_weighted_sum_triton(x, pre, **kw), sum_start, sum_axes)
+                weighted_sum.update(ms=w_ms, launch=w_kw, sweep=w_sweep)
+            launch = {"path": "two_pass", **p_kw, **{f"sum_{k}": v for k, v in weighted_sum["launch"].items()}}
+            fn = dsfuse_launch(op, launch)
+            return {"ms": bench(fn), "launch": launch, "vs_eager": [agreement(g, w) for g, w in zip(fn(), want)],
+                    "split_ms": bench(lambda: hck.split_projection_weights(fn_)) if x.dtype == torch.bfloat16
+                    else None,
+                    "projection": {"ms": p_ms, "launch": p_kw, "sweep": p_sweep}, "weighted_sum": weighted_sum}
 
         def dsfuse_launch(op, kw):
             if op == "hc_collapse":
@@ -177,7 +257,8 @@ def main():
                                                         **eps, **kw),)
             return lambda: (hck.hc_expand_mix_triton(out, x, post, comb, **kw),)
 
-        for op, (eager_fn, want, names) in sources.items():
+        for op in ops_run:
+            eager_fn, want, names = sources[op]
             row = {"bytes": nbytes[op]}
             got = dsfuse_launch(op, {})()
             row["dsfuse_vs_eager"] = [agreement(g, w) for g, w in zip(got, want)]
@@ -188,6 +269,14 @@ def main():
                 row["inductor_vs_eager"] = [agreement(g, w) for g, w in zip(produced, want)]
                 row["inductor_ms"] = bench(lambda: fn(*fn_args[op]))
             ms, kw, sweep = best(bench, [(kw, dsfuse_launch(op, kw)) for kw in sweeps[op]])
+            if op in PATH_OPS:
+                row["paths"] = {"one_pass": {"ms": ms, "launch": kw}, "two_pass": two_pass(op)}
+                for path, found in row["paths"].items():
+                    extra = "" if path == "one_pass" else (
+                        f" (projection alone {found['projection']['ms']:.4f} ms, weighted sum alone "
+                        f"{found['weighted_sum']['ms']:.4f} ms, fn split {found['split_ms'] or 0:.4f} ms)")
+                    print(f"{op:14s} {path}: best {found['ms']:8.4f} ms launch {found['launch']}{extra}", flush=True)
+                ms, kw = min(((p["ms"], p["launch"]) for p in row["paths"].values()), key=lambda r: r[0])
             row.update(dsfuse_ms=ms, dsfuse_launch=kw, sweep=sweep, dsfuse_gbps=nbytes[op] / (ms * 1e-3) / 1e9)
             row["fraction_of_hbm"] = row["dsfuse_gbps"] / HBM_GB_PER_S
             if result["copy_gbps"]:
@@ -208,6 +297,8 @@ def main():
              "separate": {"hc_collapse": 2 * layers, "hc_expand_mix": 2 * layers, "hc_head": 1}}
     result["two_layer_model"] = {}
     for plan, sites in plans.items():
+        if not all(op in ops for op in sites):
+            continue
         model = {"launches": sites}
         for provider in ("dsfuse", "inductor", "eager"):
             if all(f"{provider}_ms" in ops[op] for op in sites):

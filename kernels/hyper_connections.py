@@ -38,6 +38,14 @@ dot: the same value up to the rounding of one product). The mixing logits go thr
 registers with IEEE divisions (`tl.div_rn`), HF's order and eps. Pass 2 collapses the streams, walking D
 backwards so the chunks pass 1 read last are read first, while they are still in L2. `hc_expand_mix` is one
 pass over the residual and the block output.
+
+The second path of `hc_collapse` / `hc_head` (`path="two_pass"` in the launch, `COLLAPSE_PATH` the default) reads
+the streams twice but in bandwidth-shaped kernels: `_hc_project_kernel` walks each row block's contiguous flattened
+rows (K = n D) in wide [BLOCK_T, BLOCK_K] tiles that load straight into a software-pipelined dot and writes the
+mixing weights (pre [T, n], post, comb: the mixing code above, shared); `_hc_weighted_sum_kernel` is a 2-D grid
+like the exit's. For bf16 streams the dot is a bf16 tensor-core dot of the raw tiles with fn split once per call
+into three bf16 pieces, fn = hi + mid + lo exactly (`split_projection_weights`): every product is exact, the sums
+fp32, as accurate as tf32x3 at twice tf32's MMA rate and with no conversion of the stream tiles.
 """
 
 from __future__ import annotations
@@ -173,6 +181,51 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr, rows, row_ok, cols, NP: tl.constexpr):
+    """The mixing logits acc * rsqrt(mean(x^2) + eps) of a row block through a scratch row per token (fenced by a
+    barrier), so the pieces are read back in the layouts the mixing needs: the scratch rows of the block."""
+    rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros(sumsq.shape, dtype=tl.float32) + width) + norm_eps)
+    tl.store(logits_ptr + rows[:, None] * NP + cols[None, :], acc * rstd[:, None], mask=row_ok[:, None])
+    tl.debug_barrier()
+    return logits_ptr + rows * NP
+
+
+@triton.jit
+def _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j: tl.constexpr):
+    """pre_j = sigmoid(logit_j * scale[0] + base[j]) + hc_eps of every token of a row block."""
+    return _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
+                    + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
+
+
+@triton.jit
+def _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N: tl.constexpr,
+                   NN: tl.constexpr):
+    """post = 2 * sigmoid(post_w * scale[1] + base[n:2n]) and comb: softmax over each row of the n x n logits,
+    + eps, then Sinkhorn as HF iterates it (IEEE divisions), stored for every token of a row block."""
+    k = tl.arange(0, NN)
+    k_ok = k < N
+    post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
+    post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
+    tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
+    i3 = k[None, :, None]
+    j3 = k[None, None, :]
+    ij_ok = (i3 < N) & (j3 < N)
+    comb_l = tl.load(l_rows[:, None, None] + 2 * N + i3 * N + j3, mask=row_ok[:, None, None] & ij_ok, other=0.0)
+    comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
+    z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
+    z = tl.where(ij_ok, z, float("-inf"))
+    e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+    comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
+    comb = tl.where(ij_ok, comb + hc_eps, 0.0)
+    comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+    for _ in range(iters - 1):
+        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
+        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+    tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb, mask=row_ok[:, None, None] & ij_ok)
+
+
+@triton.jit
 def _hc_collapse_kernel(
     x_ptr, fn_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
     out_ptr, res_ptr, post_in_ptr, comb_in_ptr,
@@ -219,37 +272,9 @@ def _hc_collapse_kernel(
                 w = tl.load(fn_ptr + cols[None, :] * K + j * D + dd[:, None], mask=d_ok[:, None] & col_ok[None, :],
                             other=0.0).to(tl.float32)
                 acc = tl.dot(xj, w, acc, input_precision=PRECISION)
-    rstd = tl.rsqrt(tl.div_rn(sumsq, tl.zeros([BLOCK_T], dtype=tl.float32) + width) + norm_eps)
-    logits = acc * rstd[:, None]
-    # Through a scratch row per token: the pieces are read back in the layouts the mixing needs.
-    tl.store(logits_ptr + rows[:, None] * NP + cols[None, :], logits, mask=row_ok[:, None])
-    tl.debug_barrier()
-    l_rows = logits_ptr + rows * NP
-
+    l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr, rows, row_ok, cols, NP)
     if not HEAD:
-        # post = 2 * sigmoid(post_w * scale[1] + base[n:2n])
-        k = tl.arange(0, NN)
-        k_ok = k < N
-        post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        post_b = tl.load(base_ptr + N + k, mask=k_ok, other=0.0).to(tl.float32)
-        post = 2.0 * _sigmoid(post_l * tl.load(scale_ptr + 1).to(tl.float32) + post_b[None, :])
-        tl.store(post_ptr + rows[:, None] * N + k[None, :], post, mask=row_ok[:, None] & k_ok[None, :])
-        # comb: softmax over each row of the n x n logits, + eps, then Sinkhorn as HF iterates it.
-        i3 = k[None, :, None]
-        j3 = k[None, None, :]
-        ij_ok = (i3 < N) & (j3 < N)
-        comb_l = tl.load(l_rows[:, None, None] + 2 * N + i3 * N + j3, mask=row_ok[:, None, None] & ij_ok, other=0.0)
-        comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
-        z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
-        z = tl.where(ij_ok, z, float("-inf"))
-        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
-        comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
-        comb = tl.where(ij_ok, comb + hc_eps, 0.0)
-        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
-        for _ in range(iters - 1):
-            comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
-            comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
-        tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb, mask=row_ok[:, None, None] & ij_ok)
+        _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
 
     # Pass 2: collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), D walked backwards.
     pre_scale = tl.load(scale_ptr).to(tl.float32)
@@ -268,12 +293,88 @@ def _hc_collapse_kernel(
         else:
             total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
             for j in tl.static_range(N):
-                pre_j = _sigmoid(tl.load(l_rows + j, mask=row_ok, other=0.0) * pre_scale
-                                 + tl.load(base_ptr + j).to(tl.float32)) + hc_eps
+                pre_j = _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j)
                 xj = tl.load(x_rows + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
                 total += pre_j[:, None] * xj
         value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
         tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _hc_split_weights_kernel(fn_ptr, pieces_ptr, numel, BLOCK: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """fn (fp32) = hi + mid + lo, three bf16 pieces stored one after the other (pieces [3, rows, n D]): hi and mid
+    rounded to nearest, each remainder exact in fp32, and lo, at most 8 significant bits, exact in bf16."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    w = tl.load(fn_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    hi = _round_to(w, tl.bfloat16, MANUAL_BF16_RNE)
+    rest = w - hi
+    mid = _round_to(rest, tl.bfloat16, MANUAL_BF16_RNE)
+    lo = rest - mid
+    tl.store(pieces_ptr + offs, hi.to(tl.bfloat16), mask=ok)
+    tl.store(pieces_ptr + numel + offs, mid.to(tl.bfloat16), mask=ok)
+    tl.store(pieces_ptr + 2 * numel + offs, lo.to(tl.bfloat16), mask=ok)
+
+
+@triton.jit
+def _hc_project_kernel(
+    x_ptr, w_ptr, base_ptr, scale_ptr, logits_ptr, pre_ptr, post_ptr, comb_ptr,
+    T, K, width, norm_eps, hc_eps, iters,
+    N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, PIECES: tl.constexpr,
+    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """The projection and mixing of a row block, one pass over its contiguous flattened rows (K = n D) in
+    [BLOCK_T, BLOCK_K] tiles that feed the dot straight from their loads (software-pipelined by `num_stages`).
+    w is fn as PIECES pieces [PIECES, rows, K]: bf16 streams dot their raw tiles with fn's three bf16 pieces
+    (exact products, fp32 sums: fp32-accurate at the bf16 MMA rate); FP32_DOT streams (fp16, fp32, and bf16 under
+    the interpreter, whose bf16 dot is wrong) dot their fp32 tiles with fp32 pieces. Writes pre [T, n] (and post,
+    comb) for `_hc_weighted_sum_kernel`."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    M: tl.constexpr = N if HEAD else (2 + N) * N
+    cols = tl.arange(0, NP)
+    col_ok = cols < M
+    x_rows = x_ptr + rows[:, None] * K
+    w_cols = w_ptr + cols[None, :] * K
+    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        xf = x.to(tl.float32)
+        sumsq += tl.sum(xf * xf, axis=1)
+        for p in tl.static_range(PIECES):
+            w = tl.load(w_cols + p * M * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if FP32_DOT:
+                acc = tl.dot(xf, w.to(tl.float32), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(x, w, acc)
+    l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr, rows, row_ok, cols, NP)
+    if not HEAD:
+        _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
+    pre_scale = tl.load(scale_ptr).to(tl.float32)
+    for j in tl.static_range(N):
+        tl.store(pre_ptr + rows * N + j, _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j), mask=row_ok)
+
+
+@triton.jit
+def _hc_weighted_sum_kernel(x_ptr, pre_ptr, collapsed_ptr, T, D, N: tl.constexpr, BLOCK_T: tl.constexpr,
+                            BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """collapsed = sum_j pre_j * x_j over a [BLOCK_T, BLOCK_D] tile: fp32 products summed in stream order, as
+    `_hc_collapse_kernel`'s pass 2 sums them. The D blocks run last to first (programs start row block fastest):
+    the projection read the rows' last columns last, so the first programs find some of them still in L2."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    dd = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (dd < D)[None, :]
+    total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(N):
+        pre_j = tl.load(pre_ptr + rows * N + j, mask=row_ok, other=0.0)
+        xj = tl.load(x_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+        total += pre_j[:, None] * xj
+    value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
+    tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -317,27 +418,67 @@ def _hc_expand_mix_kernel(
 # --------------------------------------------------------------------------------------------
 # Launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); no host sync
 # --------------------------------------------------------------------------------------------
-def default_collapse_launch(hidden: int) -> dict:
-    """Tokens per program, D chunk and warps of `hc_collapse` / `hc_head`: the H200 sweep's best for both at T=8192,
-    D=4096 (benchmarks/results/2026-12-01_h200_hyper_connections_run23.json: collapse 0.656 ms, head 0.436 ms;
-    128-wide D chunks 0.95 / 0.76 ms); a tensor-core dot needs 16 or more rows and columns."""
-    return dict(block_t=32, block_d=max(16, min(64, triton.next_power_of_2(hidden))), num_warps=4)
+COLLAPSE_PATHS = ("one_pass", "two_pass")
+# The path `hc_collapse` / `hc_head` launch by default: "one_pass" (`_hc_collapse_kernel`: one program per row block
+# projects, mixes and collapses it) or "two_pass" (`_hc_project_kernel` then `_hc_weighted_sum_kernel`). The fused
+# exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass.
+COLLAPSE_PATH = "one_pass"
 
 
-def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, block_t=None, block_d=None,
-                     num_warps=None, exit_inputs=None):
+def default_collapse_launch(hidden: int, path: str | None = None) -> dict:
+    """Launch parameters of `hc_collapse` / `hc_head` on `path` (default `COLLAPSE_PATH`).
+
+    one_pass: tokens per program, D chunk and warps are the H200 sweep's best for both ops at T=8192, D=4096
+    (benchmarks/results/2026-12-01_h200_hyper_connections_run23.json: collapse 0.656 ms, head 0.436 ms; 128-wide D
+    chunks 0.95 / 0.76 ms), num_stages Triton's default.
+    two_pass (reasoned, not yet measured): the projection with 64 tokens per program, one warpgroup's MMA tile
+    (128 programs at T=8192: one wave on 132 SMs; every program reads fn's 2.25 MiB of bf16 pieces from L2, so
+    fewer, taller row blocks keep that traffic near the streams' own 268 MB), 128-wide K tiles in 3 stages
+    (104 KiB of shared memory compiled for sm_90); the weighted sum in 8 x 128 tiles with 4 warps, the shape of the exit's
+    kernel, which reaches 3.9 TB/s."""
+    path = path or COLLAPSE_PATH
+    if path == "one_pass":
+        return dict(path=path, block_t=32, block_d=max(16, min(64, triton.next_power_of_2(hidden))), num_warps=4,
+                    num_stages=3)
+    if path == "two_pass":
+        return dict(path=path, block_t=64, block_k=128, num_warps=4, num_stages=3, sum_block_t=8,
+                    sum_block_d=max(16, min(128, triton.next_power_of_2(hidden))), sum_num_warps=4)
+    raise ValueError(f"hyper-connection path must be one of {COLLAPSE_PATHS}, got {path!r}")
+
+
+def _resolve_launch(op, hidden, launch, exit_inputs):
+    """default_collapse_launch for the requested path with the given overrides (None keeps a default)."""
+    path = launch.get("path") or ("one_pass" if exit_inputs else None)
+    if exit_inputs and path != "one_pass":
+        raise ValueError(f"{op}: the fused exit runs one_pass only, got path={path!r}")
+    config = default_collapse_launch(hidden, path)
+    unknown = sorted(set(launch) - set(config))
+    if unknown:
+        raise ValueError(f"{op}: unknown launch parameter(s) {unknown} for path {config['path']!r}; valid: "
+                         f"{sorted(config)}")
+    config.update({key: value for key, value in launch.items() if value is not None})
+    return config
+
+
+def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, exit_inputs=None, **launch):
     """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
     the streams collapsed are the exit's, written to `streams` (not for the head: streams is None, as without
     `exit_inputs`)."""
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     hc, hidden = x.shape[-2], x.shape[-1]
+    config = _resolve_launch(op, hidden, launch, exit_inputs)
     lead = tuple(x.shape[:-2])
+    if config["path"] == "two_pass":
+        x = x.contiguous()
+        pre, post, comb = hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=head,
+                                            block_t=config["block_t"], block_k=config["block_k"],
+                                            num_warps=config["num_warps"], num_stages=config["num_stages"])
+        collapsed = hc_weighted_sum_triton(x, pre, block_t=config["sum_block_t"], block_d=config["sum_block_d"],
+                                           num_warps=config["sum_num_warps"])
+        return collapsed, post, comb, None
     source = x.contiguous().view(-1, hc, hidden)
     T = source.shape[0]
-    defaults = default_collapse_launch(hidden)
-    block_t = block_t or defaults["block_t"]
-    block_d = block_d or (max(16, min(64, triton.next_power_of_2(hidden))) if exit_inputs else defaults["block_d"])
     n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
@@ -353,24 +494,91 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
         streams, exit_args = source, (source, source, post, comb)
     if T:
         logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
-        _hc_collapse_kernel[(triton.cdiv(T, block_t),)](
+        _hc_collapse_kernel[(triton.cdiv(T, config["block_t"]),)](
             streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
             T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
-            STORE=store, BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=PROJECTION_PRECISION,
+            STORE=store, BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], PRECISION=PROJECTION_PRECISION,
             MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
-            num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
+            num_warps=config["num_warps"], num_stages=config["num_stages"], **COMPILE_OPTIONS)
     return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
             streams.view(lead + (hc, hidden)) if store else None)
 
 
+def split_projection_weights(fn: torch.Tensor) -> torch.Tensor:
+    """fn [rows, K] (fp32) as three bf16 pieces [3, rows, K] with fn = hi + mid + lo exactly (one launch): the
+    operands of the two-pass projection's bf16 dot. Exact for |fn| above 2^-110 (below that lo falls under bf16's
+    normal range) and below bf16's largest value (hi would round to infinity)."""
+    source = fn.contiguous()
+    pieces = torch.empty((3, *source.shape), dtype=torch.bfloat16, device=fn.device)
+    numel, block = source.numel(), 1024
+    if numel:
+        _hc_split_weights_kernel[(triton.cdiv(numel, block),)](
+            source, pieces, numel, BLOCK=block, MANUAL_BF16_RNE=interpreting(), num_warps=4, **COMPILE_OPTIONS)
+    return pieces
+
+
+def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, block_t=None, block_k=None,
+                      num_warps=None, num_stages=None):
+    """The two-pass path's first kernel: (pre [*, n], post [*, n], comb [*, n, n]), all fp32 (the head's post
+    and comb are None). bf16 streams dot their raw tiles with `split_projection_weights(fn)` (split per call);
+    fp16 and fp32 streams dot their fp32 tiles with fn (`PROJECTION_PRECISION`)."""
+    op = "hc_head" if head else "hc_collapse"
+    _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
+    defaults = default_collapse_launch(x.shape[-1], "two_pass")
+    hc, hidden = x.shape[-2], x.shape[-1]
+    lead = tuple(x.shape[:-2])
+    source = x.contiguous().view(-1, hc * hidden)
+    T = source.shape[0]
+    pre = torch.empty((T, hc), dtype=torch.float32, device=x.device)
+    post = pre if head else torch.empty((T, hc), dtype=torch.float32, device=x.device)
+    comb = pre if head else torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
+    if T:
+        split = x.dtype == torch.bfloat16
+        weights = split_projection_weights(fn) if split else fn.contiguous()
+        n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
+        logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
+        block_t = block_t or defaults["block_t"]
+        _hc_project_kernel[(triton.cdiv(T, block_t),)](
+            source, weights, base.contiguous(), scale.contiguous(), logits, pre, post, comb,
+            T, hc * hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=3 if split else 1,
+            FP32_DOT=not split or interpreting(), PRECISION="ieee" if split else PROJECTION_PRECISION,
+            BLOCK_T=block_t, BLOCK_K=block_k or defaults["block_k"], num_warps=num_warps or defaults["num_warps"],
+            num_stages=num_stages or defaults["num_stages"], **COMPILE_OPTIONS)
+    if head:
+        return pre.view(lead + (hc,)), None, None
+    return pre.view(lead + (hc,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc))
+
+
+def hc_weighted_sum_triton(x, pre, block_t=None, block_d=None, num_warps=None):
+    """The two-pass path's second kernel: collapsed [*, D] = sum_j pre[..., j] * x[..., j, :] in x's dtype."""
+    _check_streams("hc_weighted_sum", x)
+    hc, hidden = x.shape[-2], x.shape[-1]
+    lead = tuple(x.shape[:-2])
+    if not isinstance(pre, torch.Tensor) or tuple(pre.shape) != lead + (hc,) or pre.dtype != torch.float32:
+        raise ValueError(f"hc_weighted_sum: pre must be fp32 {lead + (hc,)}, got "
+                         f"{getattr(pre, 'dtype', type(pre))} {getattr(pre, 'shape', '')}")
+    defaults = default_collapse_launch(hidden, "two_pass")
+    source = x.contiguous().view(-1, hc, hidden)
+    T = source.shape[0]
+    collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
+    block_t, block_d = block_t or defaults["sum_block_t"], block_d or defaults["sum_block_d"]
+    if T:
+        _hc_weighted_sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(hidden, block_d))](
+            source, pre.contiguous().view(T, hc), collapsed, T, hidden, N=hc, BLOCK_T=block_t, BLOCK_D=block_d,
+            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+            num_warps=num_warps or defaults["sum_num_warps"], **COMPILE_OPTIONS)
+    return collapsed.view(lead + (hidden,))
+
+
 def hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, **launch):
-    """One launch of `hc_collapse` (launch overrides: block_t, block_d, num_warps)."""
+    """`hc_collapse` on the GPU (launch overrides: `default_collapse_launch`'s keys for the path asked for)."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False, **launch)[:3]
 
 
 def hc_head_triton(x, fn, base, scale, norm_eps, hc_eps, **launch):
-    """One launch of `hc_head`."""
+    """`hc_head` on the GPU."""
     return _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, 1, True, **launch)[0]
 
 
@@ -523,7 +731,9 @@ def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_
     return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
 
 
-__all__ = ["bytes_moved", "default_collapse_launch", "hc_collapse", "hc_collapse_reference", "hc_collapse_triton",
+__all__ = ["COLLAPSE_PATH", "COLLAPSE_PATHS", "bytes_moved", "default_collapse_launch", "hc_collapse",
+           "hc_collapse_reference", "hc_collapse_triton",
            "hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
            "hc_exit_head_reference", "hc_exit_head_triton", "hc_expand_mix", "hc_expand_mix_reference",
-           "hc_expand_mix_triton", "hc_head", "hc_head_reference", "hc_head_triton", "mixes_count"]
+           "hc_expand_mix_triton", "hc_head", "hc_head_reference", "hc_head_triton", "hc_project_triton",
+           "hc_weighted_sum_triton", "mixes_count", "split_projection_weights"]

@@ -46,17 +46,22 @@ def _compare(got, want, dtype, what):
 
 
 @fuzzes("dsfuse::hc_collapse", "dsfuse::hc_head")
-@given(case=streams())
-def test_collapse_and_head(case):
+@given(case=streams(), block_k=st.sampled_from([16, 128]))
+def test_collapse_and_head(case, block_k):
+    """Both launch paths (one pass; projection then weighted sum) on every example: the one pass at its default
+    launch, the projection's K tiles of the drawn width (16: several tiles and a tail)."""
     x, fn, base, scale, iters, dtype = case
-    want = reference_output(hc_ops.hc_collapse, hc_ops.hc_collapse_reference, x, fn, base, scale, NORM_EPS, HC_EPS,
-                            iters)
-    _compare(hc_ops.hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters), want, dtype, "collapse")
     n = x.shape[1]
     head_fn, head_base, head_scale = fn[:n], base[:n], scale[:1]
-    want = reference_output(hc_ops.hc_head, hc_ops.hc_head_reference, x, head_fn, head_base, head_scale, NORM_EPS,
-                            HC_EPS)
-    _compare([hc_ops.hc_head_triton(x, head_fn, head_base, head_scale, NORM_EPS, HC_EPS)], [want], dtype, "head")
+    want = reference_output(hc_ops.hc_collapse, hc_ops.hc_collapse_reference, x, fn, base, scale, NORM_EPS, HC_EPS,
+                            iters)
+    want_head = reference_output(hc_ops.hc_head, hc_ops.hc_head_reference, x, head_fn, head_base, head_scale,
+                                 NORM_EPS, HC_EPS)
+    for path, launch in (("one_pass", {}), ("two_pass", dict(block_k=block_k))):
+        got = hc_ops.hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, path=path, **launch)
+        _compare(got, want, dtype, f"{path} collapse")
+        got = hc_ops.hc_head_triton(x, head_fn, head_base, head_scale, NORM_EPS, HC_EPS, path=path, **launch)
+        _compare([got], [want_head], dtype, f"{path} head")
 
 
 @fuzzes("dsfuse::hc_expand_mix", "dsfuse::hc_exit_collapse", "dsfuse::hc_exit_head")

@@ -7,6 +7,7 @@ from transformers import DeepseekV4Config
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
 from dsfuse.kernels.hyper_connections import (
+    COLLAPSE_PATHS,
     hc_collapse,
     hc_collapse_reference,
     hc_collapse_triton,
@@ -22,10 +23,17 @@ from dsfuse.kernels.hyper_connections import (
     hc_head,
     hc_head_reference,
     hc_head_triton,
+    hc_project_triton,
+    hc_weighted_sum_triton,
     mixes_count,
+    split_projection_weights,
 )
 
 NORM_EPS, HC_EPS = 1e-6, 1e-6
+# Small tiles per path, so the interpreter walks several chunks and their tails: D chunks of 16 (one pass); 16
+# tokens x 32 columns of the flattened rows, and 4 x 16 weighted-sum tiles (two passes).
+SMALL_LAUNCH = {"one_pass": dict(path="one_pass", block_d=16),
+                "two_pass": dict(path="two_pass", block_t=16, block_k=32, sum_block_t=4, sum_block_d=16)}
 
 
 def _streams(T, hc, hidden, dtype, seed=0):
@@ -73,18 +81,21 @@ def test_references_equal_hf_modules_bit_for_bit(hc, iters, dtype):
         assert torch.equal(hc_expand_mix_reference(out, x, post, comb), hf_mix)
 
 
+@pytest.mark.parametrize("path", COLLAPSE_PATHS)
 @pytest.mark.parametrize("hc, iters, T, hidden, dtype", [
     (4, 20, 5, 64, torch.float32),
     (4, 1, 17, 32, torch.float32),
     (2, 20, 3, 40, torch.float32),   # hidden not a multiple of the chunk
     (2, 3, 1, 16, torch.float16),
     (4, 3, 7, 48, torch.bfloat16),
+    (4, 2, 65, 37, torch.float16),   # odd hidden, more tokens than a row block
+    (2, 4, 7, 21, torch.bfloat16),
 ])
-def test_collapse_kernel_matches_reference(hc, iters, T, hidden, dtype):
+def test_collapse_kernel_matches_reference(path, hc, iters, T, hidden, dtype):
     x = _streams(T, hc, hidden, dtype)
     fn, base, scale = _params(hc, hidden)
     want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_d=16)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, **SMALL_LAUNCH[path])
     for g, w in zip(got, want):
         assert g.dtype == w.dtype and g.shape == w.shape
     _close(got[0], want[0])
@@ -94,12 +105,76 @@ def test_collapse_kernel_matches_reference(hc, iters, T, hidden, dtype):
     torch.testing.assert_close(got[2].sum(-2), torch.ones(T, hc), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("hc, T, hidden, dtype", [(4, 5, 64, torch.float32), (2, 9, 24, torch.bfloat16)])
-def test_head_kernel_matches_reference(hc, T, hidden, dtype):
+@pytest.mark.parametrize("path", COLLAPSE_PATHS)
+@pytest.mark.parametrize("hc, T, hidden, dtype", [
+    (4, 5, 64, torch.float32), (2, 9, 24, torch.bfloat16), (4, 65, 37, torch.float16), (2, 1, 21, torch.float32)])
+def test_head_kernel_matches_reference(path, hc, T, hidden, dtype):
     x = _streams(T, hc, hidden, dtype)
     fn, base, scale = _params(hc, hidden, head=True)
-    _close(hc_head_triton(x, fn, base, scale, NORM_EPS, HC_EPS, block_d=16),
+    _close(hc_head_triton(x, fn, base, scale, NORM_EPS, HC_EPS, **SMALL_LAUNCH[path]),
            hc_head_reference(x, fn, base, scale, NORM_EPS, HC_EPS))
+
+
+def test_split_projection_weights_are_exact():
+    """fn = hi + mid + lo in bf16 pieces, exactly (summed in either order), hi fn rounded to nearest: over
+    magnitudes from 2^-100 to 2^100, both signs, zeros and values already in bf16."""
+    g = torch.Generator().manual_seed(5)
+    magnitude = (1 + torch.rand(6, 1000, generator=g)) * torch.exp2(torch.randint(-100, 100, (6, 1000), generator=g))
+    fn = torch.where(torch.rand(6, 1000, generator=g) < 0.5, -magnitude, magnitude)
+    fn[0, :10] = 0.0
+    fn[1, :10] = fn[1, :10].bfloat16().float()
+    pieces = split_projection_weights(fn)
+    assert pieces.dtype == torch.bfloat16 and pieces.shape == (3, 6, 1000)
+    hi, mid, lo = pieces.float()
+    assert torch.equal(pieces[0], fn.bfloat16())
+    assert torch.equal(hi + mid + lo, fn) and torch.equal(hi + (mid + lo), fn)
+    assert torch.equal(mid[1, :10], torch.zeros(10)) and torch.equal(lo[1, :10], torch.zeros(10))
+
+
+@pytest.mark.parametrize("hc, T, hidden, dtype", [
+    (4, 7, 37, torch.bfloat16), (2, 65, 24, torch.float16), (4, 1, 16, torch.float32)])
+def test_weighted_sum_kernel_sums_in_stream_order_bit_for_bit(hc, T, hidden, dtype):
+    """The two-pass collapse: fp32 products of pre and each stream, added in stream order, rounded once."""
+    x = _streams(T, hc, hidden, dtype)
+    pre = torch.rand(T, hc, generator=torch.Generator().manual_seed(2)) + 0.5
+    total = torch.zeros(T, hidden)
+    for j in range(hc):
+        total = total + pre[:, j, None] * x[:, j].float()
+    got = hc_weighted_sum_triton(x, pre, block_t=4, block_d=16)
+    assert got.dtype == dtype and torch.equal(got, total.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_pass_projection_writes_the_mixing_weights(dtype):
+    """pre / post / comb of the projection kernel against the reference's (pre is what the collapse weighs)."""
+    hc, hidden, T, iters = 4, 40, 9, 6
+    x = _streams(T, hc, hidden, dtype)
+    fn, base, scale = _params(hc, hidden)
+    pre, post, comb = hc_project_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, block_t=16, block_k=64)
+    flat = x.flatten(-2).float()
+    mixes = (flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + NORM_EPS)) @ fn.T
+    torch.testing.assert_close(pre, torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + HC_EPS, rtol=1e-5,
+                               atol=1e-6)
+    _, want_post, want_comb = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    torch.testing.assert_close(post, want_post, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(comb, want_comb, rtol=1e-5, atol=1e-6)
+    hfn, hbase, hscale = _params(hc, hidden, head=True)
+    head_pre, none_post, none_comb = hc_project_triton(x, hfn, hbase, hscale, NORM_EPS, HC_EPS, 1, head=True)
+    assert none_post is None and none_comb is None and head_pre.shape == (T, hc)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda x, p: hc_collapse_triton(x, *p, 1e-6, 1e-6, 2, path="three_pass"), "path must be one of"),
+    (lambda x, p: hc_collapse_triton(x, *p, 1e-6, 1e-6, 2, path="one_pass", block_k=64), "unknown launch"),
+    (lambda x, p: hc_collapse_triton(x, *p, 1e-6, 1e-6, 2, path="two_pass", block_d=64), "unknown launch"),
+    (lambda x, p: hc_exit_collapse_triton(x[:, 0], x, x[..., 0], x[..., :4], *p, 1e-6, 1e-6, 2, path="two_pass"),
+     "one_pass only"),
+    (lambda x, p: hc_weighted_sum_triton(x, x[..., 0].double()), "pre must be fp32"),
+])
+def test_bad_launch_raises(call, match):
+    x = _streams(3, 4, 8, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        call(x, _params(4, 8))
 
 
 @pytest.mark.parametrize("hc, T, hidden, dtype", [
@@ -137,26 +212,28 @@ def test_exit_fused_with_the_next_collapse_matches_reference(hc, iters, T, hidde
     _close(hc_exit_head_triton(out, residual, post, comb, hfn, hbase, hscale, NORM_EPS, HC_EPS, block_d=16), want)
 
 
-def test_leading_dims_empty_and_non_contiguous_inputs():
+@pytest.mark.parametrize("path", COLLAPSE_PATHS)
+def test_leading_dims_empty_and_non_contiguous_inputs(path):
     hc, hidden = 4, 16
     fn, base, scale = _params(hc, hidden)
     x = _streams(6, hc, hidden, torch.float32).view(2, 3, hc, hidden)
-    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 2)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 2, path=path)
     assert [tuple(t.shape) for t in got] == [(2, 3, hidden), (2, 3, hc), (2, 3, hc, hc)]
     _close(got[0], hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 2)[0])
-    empty = hc_collapse_triton(x[:, :0], fn, base, scale, NORM_EPS, HC_EPS, 2)
+    empty = hc_collapse_triton(x[:, :0], fn, base, scale, NORM_EPS, HC_EPS, 2, path=path)
     assert [tuple(t.shape) for t in empty] == [(2, 0, hidden), (2, 0, hc), (2, 0, hc, hc)]
     strided = _streams(3, hc, 2 * hidden, torch.float32)[..., ::2]
-    _close(hc_collapse_triton(strided, fn, base, scale, NORM_EPS, HC_EPS, 2)[0],
+    _close(hc_collapse_triton(strided, fn, base, scale, NORM_EPS, HC_EPS, 2, path=path)[0],
            hc_collapse_reference(strided, fn, base, scale, NORM_EPS, HC_EPS, 2)[0])
 
 
-def test_nan_propagates_like_the_reference():
+@pytest.mark.parametrize("path", COLLAPSE_PATHS)
+def test_nan_propagates_like_the_reference(path):
     hc, hidden = 2, 16
     x = _streams(3, hc, hidden, torch.float32)
     x[1, 0, 3] = float("nan")
     fn, base, scale = _params(hc, hidden)
-    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 3)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 3, path=path)
     want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 3)
     for g, w in zip(got, want):
         assert torch.equal(g.isnan(), w.isnan())
@@ -226,6 +303,25 @@ def test_gpu_kernels_match_reference(dtype):
            hc_head(mixed, hfn, hbase, hscale, NORM_EPS, HC_EPS))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_two_pass_matches_reference_and_one_pass(dtype):
+    """The two-pass path at its default launch (bf16: the split-weight bf16 MMA) against the reference, as tightly
+    as the one-pass path, and its collapse against the one-pass collapse."""
+    hc, hidden, T, iters = 4, 512, 257, 20
+    x = _streams(T, hc, hidden, dtype).cuda()
+    fn, base, scale = (t.cuda() for t in _params(hc, hidden))
+    hfn, hbase, hscale = (t.cuda() for t in _params(hc, hidden, head=True))
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, path="two_pass")
+    want = hc_collapse_reference(x.cpu(), fn.cpu(), base.cpu(), scale.cpu(), NORM_EPS, HC_EPS, iters)
+    _close(got[0].cpu(), want[0])
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-5)
+    _close(got[0], hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, path="one_pass")[0])
+    _close(hc_head_triton(x, hfn, hbase, hscale, NORM_EPS, HC_EPS, path="two_pass").cpu(),
+           hc_head_reference(x.cpu(), hfn.cpu(), hbase.cpu(), hscale.cpu(), NORM_EPS, HC_EPS))
+
+
 _PTX_PROBE = r"""
 import json, re
 import triton
@@ -236,12 +332,12 @@ def ptx(kernel, consts, bf16_ptrs):
     names = list(kernel.arg_names)
     sig = {n: "constexpr" if n in consts else ("*bf16" if n in bf16_ptrs else "*fp32") if n.endswith("_ptr") else
            "fp32" if n in ("norm_eps", "hc_eps", "width") else "i32" for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n == "D"}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n in ("D", "K")}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     options = {"num_warps": 4, **hck.COMPILE_OPTIONS}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
-pattern = r"\b(?:mma|div|bar|fma)\.[a-z0-9.]*"
+pattern = r"\b(?:wgmma\.mma_async|mma|div|bar|fma|cp\.async)\.[a-z0-9.]*"
 def collapse_ptx(head, exit, store, block_d, ptrs):
     consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, EXIT=exit, STORE=store, BLOCK_T=16, BLOCK_D=block_d,
                   PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False)
@@ -252,14 +348,26 @@ fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr"
 fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
 mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
           ("out_ptr", "res_ptr", "new_ptr"))
+def project_ptx(head):
+    launch = hck.default_collapse_launch(4096, "two_pass")
+    consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, PIECES=3, FP32_DOT=False, PRECISION="ieee",
+                  BLOCK_T=launch["block_t"], BLOCK_K=launch["block_k"])
+    return ptx(hck._hc_project_kernel, consts, ("x_ptr", "w_ptr"))
+weighted = ptx(hck._hc_weighted_sum_kernel, dict(N=4, BLOCK_T=8, BLOCK_D=128, MANUAL_BF16_RNE=False),
+               ("x_ptr", "collapsed_ptr"))
+split = ptx(hck._hc_split_weights_kernel, dict(BLOCK=1024, MANUAL_BF16_RNE=False), ("pieces_ptr",))
 print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
-                  (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix))}))
+                  (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix),
+                   ("project", project_ptx(False)), ("project_head", project_ptx(True)), ("weighted", weighted),
+                   ("split", split))}))
 """
 
 
 def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
-    """Compiled offline for sm_90 (no GPU, interpreter off): the projection runs on tf32 tensor cores, every
-    division of the mixing weights is IEEE, the scratch is fenced by a barrier, and the exit has no FMA."""
+    """Compiled offline for sm_90 (no GPU, interpreter off): the one-pass projection runs on tf32 tensor cores,
+    the two-pass one of bf16 streams (default launch) on bf16 warpgroup MMAs fed by asynchronous copies,
+    every division of the mixing weights is IEEE, the scratch is fenced by a barrier, and neither the exit, the
+    weighted sum nor the weight split has an FMA."""
     import json
     import os
     import subprocess
@@ -277,4 +385,10 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
     for collapse in (found["collapse"], found["fused"], found["fused_head"]):
         assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
         assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
-    assert not [op for op in found["mix"] if op.startswith("fma")], found["mix"]
+    for project in (found["project"], found["project_head"]):
+        assert any(op.startswith("wgmma.mma_async") and op.endswith(".bf16.bf16") for op in project), project
+        assert "cp.async.cg.shared.global" in project, project
+    for project in (found["project"], found["project_head"]):
+        assert "div.rn.f32" in project and "bar.sync" in project and "div.full.f32" not in project, project
+    for name in ("mix", "weighted", "split"):
+        assert not [op for op in found[name] if op.startswith("fma")], found[name]
