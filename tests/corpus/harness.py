@@ -23,11 +23,16 @@ MIN_REWRITTEN = 12  # independent formulations a family's corpus must rewrite
 
 
 @dataclass(frozen=True)
-class Entry:
+class Formulation:
+    """What every corpus entry has; a family whose outcome needs other fields extends it."""
     fn: Callable
     source: str  # the code the formulation is written after
     inputs: Callable[[], tuple]
     outcome: str  # REWRITTEN, NEAR_MISS or LEFT_ALONE
+
+
+@dataclass(frozen=True)
+class Entry(Formulation):
     count: int = 0  # for a rewrite: the family's sites rewritten
     op: str = ""  # for a rewrite: the fused op of every site ("": not checked)
     reason: str = ""  # for a near-miss: the reason, word for word

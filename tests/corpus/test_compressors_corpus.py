@@ -12,7 +12,6 @@ an algebraic re-spelling of one of its parts (softmax, position bias, weighted s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
-from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, compile_entry
+from harness import LEFT_ALONE, Formulation, NEAR_MISS, REWRITTEN, compile_entry
 
 from dsfuse.models.presets import hf_config
 
@@ -201,11 +200,7 @@ ONE, TWO = "one series", "two overlapping series"
 
 
 @dataclass(frozen=True)
-class Entry:
-    fn: Callable
-    source: str
-    inputs: Callable[[], tuple]
-    outcome: str
+class Entry(Formulation):
     kinds: tuple[str, ...] = ()  # for a rewrite: each site's slot layout, sorted
     reason: str = ""  # the near-miss reason, word for word
 

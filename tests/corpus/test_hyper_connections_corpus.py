@@ -12,14 +12,13 @@ broadcast sum of fp32 products) and `hc_split_sinkhorn`'s torch reference, or an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
-from harness import LEFT_ALONE, MIN_REWRITTEN, NEAR_MISS, REWRITTEN, compile_entry
+from harness import LEFT_ALONE, Formulation, MIN_REWRITTEN, NEAR_MISS, REWRITTEN, compile_entry
 
 from dsfuse.models.presets import hf_config
 
@@ -292,11 +291,7 @@ COLLAPSE, HEAD, EXIT = "dsfuse.hc_collapse", "dsfuse.hc_head", "dsfuse.hc_expand
 
 
 @dataclass(frozen=True)
-class Entry:
-    fn: Callable
-    source: str
-    inputs: Callable[[], tuple]
-    outcome: str
+class Entry(Formulation):
     ops: tuple[str, ...] = ()  # the fused ops of its rewritten sites
     reason: str = ""  # the near-miss reason, word for word
     iters: int = ITERS  # the Sinkhorn iterations a rewritten collapse reports
