@@ -1,5 +1,5 @@
-"""`model.generate` with `dsfuse.generation.generate_kwargs` on the tiny preset (CPU, fp32): eager's tokens exactly,
-batch 1 and left-padded batch 2, no recompile per prompt length or per decode step, every family rewritten in
+"""`model.generate` with `dsfuse.generation.generate_kwargs` on the tiny preset (CPU, fp32; left-padded batch 2 on
+GLM-MoE-DSA too): eager's tokens exactly, batch 1 and left-padded batch 2, no recompile per prompt length or per decode step, every family rewritten in
 every graph the recipe compiles (prefill chunks against the static cache, and the decode step)."""
 
 import pytest
@@ -22,10 +22,10 @@ def _graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _model(attn: str):
+def _model(attn: str, preset: str = "tiny"):
     from dsfuse.models.presets import build_hf_model
 
-    model = build_hf_model("tiny", dtype=torch.float32, device="cpu", attn_implementation=attn)
+    model = build_hf_model(preset, dtype=torch.float32, device="cpu", attn_implementation=attn)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     return model
@@ -97,11 +97,12 @@ def test_every_family_rewritten_in_the_prefill_and_decode_graphs(batch_one):
     assert all("bool mask" in s.detail for s in attention)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_left_padded_batch_two_gives_eager_tokens(attn):
+@pytest.mark.parametrize("attn, preset", [("sdpa", "tiny"), ("eager", "tiny"), ("sdpa", "glm-tiny")])
+def test_left_padded_batch_two_gives_eager_tokens(attn, preset):
     """Row 1 left-padded by 5: its padding queries see no key (SDPA's bool mask gives them 0, the eager interface's
-    finfo.min bias the mean of all values); the fused ops keep that, and the tokens are eager's."""
-    model = _model(attn)
+    finfo.min bias the mean of all values); the fused ops keep that, and the tokens are eager's. GLM-MoE-DSA (the
+    tiny preset's dims) compiles the same graphs with the same sites."""
+    model = _model(attn, preset)
     eager, out, _, compiled, report = _generate(model, *_prompt(2, 29, pad=5))
     assert torch.equal(out, eager)
     assert compiled == 3  # the 16-token chunk, the 13-token tail, decode
