@@ -15,7 +15,8 @@ compile to the same numbers with dsfuse on as with it off. So every rule is one 
   `squeeze`, a `repeat` of size-1 dims as `expand` + `clone`, and `t[t.argsort()]` as the sort's own values.
 * inexact equivalences (`Rule.exact` false): the two forms agree up to rounding (`x / 3` vs `x * (1/3)`,
   a chain of constant scalings vs one collected scale, `sum / n` vs `mean`, a batch-1 `bmm` vs the
-  unbatched `mm` Inductor turns it into, which may run another GEMM kernel). These never touch the
+  unbatched `mm` Inductor turns it into, a bmm vs the zero-padded bmm Inductor's pad_mm benchmarks faster; each
+  may run another GEMM kernel). These never touch the
   graph: they record the canonical form in `node.meta` (`SCALE`, `MEAN`, `BMM`), which a structure matcher may
   read, and a family that then fuses the site owns the rounding difference (and says so in its own
   numerics notes).
@@ -34,7 +35,7 @@ from typing import Any, Callable
 import torch
 
 from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op,
-                          same_shape, same_size, scalar_arg, scalar_constant, shape, tensor_val, val)
+                          only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, tensor_val, val)
 
 # Keys of the canonical forms recorded by the inexact rules.
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding
@@ -509,12 +510,72 @@ def batch_one_mm_is_bmm(node: torch.fx.Node) -> bool:
     return True
 
 
+def _zero_padded(node: Any) -> tuple[Any, int, int] | None:
+    """(x, pad of dim -1, pad of dim -2) for `constant_pad_nd(x, [0, p1, 0, p2, (0, 0)])` with value 0 (padding at
+    the end of a [B, R, C] operand's two matrix dims, as Inductor's pad_mm writes it); (node, 0, 0) unpadded."""
+    if not is_op(node, aten.constant_pad_nd.default):
+        return node, 0, 0
+    pads = list(node.args[1])
+    value = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if value != 0 or len(pads) not in (4, 6) or any(p != 0 for p in pads[0::2]) or pads[4:] not in ([], [0, 0]):
+        return None
+    return node.args[0], pads[1], pads[3]
+
+
+def padded_bmm_is_bmm(node: torch.fx.Node) -> bool:
+    """Record `BMM = (a, b)` where Inductor's pad_mm computes `a @ b` as `bmm(pad(a), pad(b))` sliced back: zeros
+    appended to the contraction dim of both operands (and to M / N, cut off again by the slices that follow).
+    Recorded on the bmm, or on the slice that has `a @ b`'s shape. Not rewritten: the padded GEMM may run another
+    kernel."""
+    left, right = _zero_padded(node.args[0]), _zero_padded(node.args[1])
+    if left is None or right is None or len(shape(node)) != 3:
+        return False
+    (a, k_left, m_pad), (b, n_pad, k_right) = left, right
+    if k_left != k_right or not (k_left or m_pad or n_pad) or len(shape(a)) != 3 or len(shape(b)) != 3:
+        return False
+    want = (shape(a)[0], shape(a)[1], shape(b)[2])
+    product = node
+    while not same_shape(shape(product), want):
+        product = only_user(product)
+        if not is_op(product, aten.slice.Tensor) or product.args[1] not in (1, 2) or not _slice_from_zero(product):
+            return False
+    if BMM in product.meta:
+        return False
+    product.meta[BMM] = (a, b)
+    return True
+
+
+def _slice_from_zero(node: torch.fx.Node) -> bool:
+    """A `slice` that keeps a leading range with step 1."""
+    start, step = (node.args[2] if len(node.args) > 2 else 0), (node.args[4] if len(node.args) > 4 else 1)
+    return start == 0 and step == 1
+
+
+def padded_product(left: Any) -> torch.fx.Node | None:
+    """The node that computes `left @ b` for `left`'s only use: its bmm, or the product recorded where Inductor's
+    pad_mm padded `left` first (`padded_bmm_is_bmm`)."""
+    user = only_user(left)
+    if is_op(user, aten.bmm.default) and user.args[0] is left:
+        return user
+    if not is_op(user, aten.constant_pad_nd.default):
+        return None
+    node = only_user(user)
+    while node is not None:
+        if canonical_bmm(node) is not None and canonical_bmm(node)[0] is left and BMM in node.meta:
+            return node
+        if not is_op(node, aten.bmm.default, aten.slice.Tensor):
+            return None
+        node = only_user(node)
+    return None
+
+
 def canonical_bmm(node: Any) -> tuple[Any, Any] | None:
-    """(a, b) when `node` is `bmm(a, b)`, as written or as the batch-1 `mm` that the recorded `BMM` marks."""
+    """(a, b) when `node` computes `bmm(a, b)`: as written, or as recorded (`BMM`: a batch-1 `mm`, or a padded bmm
+    sliced back)."""
+    if isinstance(node, torch.fx.Node) and BMM in node.meta:
+        return node.meta[BMM]
     if is_op(node, aten.bmm.default):
         return node.args[0], node.args[1]
-    if isinstance(node, torch.fx.Node):
-        return node.meta.get(BMM)
     return None
 
 
@@ -567,6 +628,7 @@ RULES: tuple[Rule, ...] = (
     Rule("gather_by_own_sort_is_sorted", (aten.index.Tensor,), gather_by_own_sort_is_sorted),
     Rule("collect_scale", (aten.mul.Tensor, aten.div.Tensor), collect_scale, exact=False),
     Rule("batch_one_mm_is_bmm", (aten.unsqueeze.default, *VIEW_OPS), batch_one_mm_is_bmm, exact=False),
+    Rule("padded_bmm_is_bmm", (aten.bmm.default,), padded_bmm_is_bmm, exact=False),
     Rule("sum_over_count_is_mean", (aten.div.Tensor, aten.mul.Tensor), sum_over_count_is_mean, exact=False),
     Rule("not_of_integer_comparison", tuple(NOT_OPS),
          not_of_integer_comparison),

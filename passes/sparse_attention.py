@@ -34,6 +34,7 @@ import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfus
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
 from . import sparse_attention_v4
+from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
@@ -79,14 +80,15 @@ def _chain_back(node, narrowing: bool = False) -> list[torch.fx.Node]:
     """[leaf, ..., node]: walk back through layout ops, constant scalings and widening float casts
     (narrowing ones too if asked: a tensor read before a rounding cast is not the tensor used)."""
     chain = [node]
-    while True:
+    while canonical_bmm(node) is None:  # a product Inductor wrote another way stops the walk where it is recorded
         if is_op(node, *LAYOUT_OPS) or _is_float_cast(node) and (narrowing or _is_widening(node)):
             node = node.args[0]
         elif scale_factor(node) is not None:
             node = scaled_input(node)
         else:
-            return chain[::-1]
+            break
         chain.append(node)
+    return chain[::-1]
 
 
 def _pick(chain: list[torch.fx.Node], want: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
@@ -462,26 +464,28 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
         raise NoMatch("the masked scores do not feed a softmax over the keys")
     if comb["kind"] == "bool" and not soft["safe"] and comb.get("bias") != "finite":
         raise NoMatch("plain softmax over a -inf bias gives NaN for fully masked rows; the fused op returns 0")
-    probs_end, pv = _single_user_chain(soft["probs"], LAYOUT_OPS | {CONVERT})
-    if pv is None:
+    probs_end, after = _single_user_chain(soft["probs"], LAYOUT_OPS | {CONVERT})
+    if after is None:
         raise NoMatch("the attention probabilities are also used elsewhere")
-    if not is_op(pv, aten.bmm.default) or pv.args[0] is not probs_end:
-        raise NoMatch(f"the attention probabilities pass through {pv.target} before P @ V (dropout?)")
+    pv = padded_product(probs_end)  # the bmm, or the product Inductor computes by zero-padding it (pad_mm)
+    if pv is None:
+        raise NoMatch(f"the attention probabilities pass through {after.target} before P @ V (dropout?)")
+    pv_right = canonical_bmm(pv)[1]
     prob_ops = _chain_back(probs_end, narrowing=True)
     if soft["probs"] not in prob_ops:
         raise NoMatch("the attention probabilities are not reshaped straight into P @ V")
     prob_ops = prob_ops[prob_ops.index(soft["probs"]) + 1:]
 
     score_chain = _chain_back(scores)
-    qk = score_chain[0]
-    if not is_op(qk, aten.bmm.default):
+    qk = canonical_bmm(score_chain[0])
+    if qk is None:
         raise NoMatch("the masked scores are not a q @ k^T product")
     B, H, S, T = shape(add)
-    D = shape(qk.args[0])[-1]
+    D = shape(qk[0])[-1]
     Dv = shape(pv)[-1]
-    q_pick = _pick(_chain_back(qk.args[0]), (B, H, S, D))
-    k_pick = _pick(_chain_back(qk.args[1]), (B, H, T, D))
-    v_pick = _pick(_chain_back(pv.args[1]), (B, H, T, Dv))
+    q_pick = _pick(_chain_back(qk[0]), (B, H, S, D))
+    k_pick = _pick(_chain_back(qk[1]), (B, H, T, D))
+    v_pick = _pick(_chain_back(pv_right), (B, H, T, Dv))
     if q_pick is None or k_pick is None or v_pick is None:
         raise NoMatch("q, k or v is not a [B, H, *, D] tensor")
     (q, q_ops), (k, k_ops), (v, v_ops) = q_pick, k_pick, v_pick

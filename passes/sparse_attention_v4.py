@@ -30,6 +30,7 @@ import torch
 
 import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.dsfuse.compressed_attention)
 
+from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, contracted, follow, leaf_labels, names
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten, dtype,
@@ -447,15 +448,16 @@ def _match(cat: torch.fx.Node) -> dict:
         nxt = only_user(node)
         if nxt is None:
             raise NoMatch("the attention probabilities are also used elsewhere (returned attention weights?)")
-        if is_op(nxt, aten.bmm.default):
+        pv = padded_product(node)  # the bmm, or the product Inductor computes by zero-padding it (pad_mm)
+        if pv is not None or is_op(nxt, aten.bmm.default):
             break
         if not is_op(nxt, *LAYOUT_OPS, CONVERT):
             raise NoMatch(f"the attention probabilities pass through {nxt.target} before P @ V (dropout?)")
         prob_ops.append(nxt)
         node = nxt
-    pv = nxt
-    if pv.args[0] is not node:
+    if pv is None:
         raise NoMatch("the attention probabilities are not the left operand of P @ V")
+    _, pv_right = canonical_bmm(pv)
 
     scores_add = strip(scores_in, (CONVERT,))
     a, b = scores_add.args
@@ -467,7 +469,8 @@ def _match(cat: torch.fx.Node) -> dict:
     qk, score_ops, scale = _chain_back_scaled(scaled)
 
     # q . k and P . v over one K=V tensor [B, 1, T, D] broadcast over the heads
-    q_chain, k_chain, v_chain = _layout_chain(qk.args[0]), _layout_chain(qk.args[1]), _layout_chain(pv.args[1])
+    q_operand, k_operand = canonical_bmm(qk)
+    q_chain, k_chain, v_chain = _layout_chain(q_operand), _layout_chain(k_operand), _layout_chain(pv_right)
     q = next((n for n in q_chain if same_shape(shape(n), (B, H, S, shape(n)[-1] if shape(n) else 0))), None)
     kv_all = k_chain[0]
     if kv_all is not v_chain[0]:
@@ -575,9 +578,10 @@ def _match(cat: torch.fx.Node) -> dict:
 
 
 def _chain_back_scaled(node) -> tuple:
-    """(bmm, layout ops after it, scale) for `bmm(...)` viewed and multiplied by one constant, else (None, ...)."""
+    """(bmm, layout ops after it, scale) for `bmm(...)` (as written or recorded by the canonicaliser) viewed and
+    multiplied by one constant, else (None, ...)."""
     ops, scale = [], 1.0
-    while True:
+    while canonical_bmm(node) is None:
         factor = scale_factor(node)
         if factor is not None:
             scale *= factor
@@ -587,7 +591,7 @@ def _chain_back_scaled(node) -> tuple:
             node = node.args[0]
         else:
             break
-    if not is_op(node, aten.bmm.default):
+    if canonical_bmm(node) is None:
         return None, [], 1.0
     return node, ops[::-1], scale
 

@@ -4,6 +4,9 @@
 - `to_online_softmax`: on CUDA, Inductor rewrites amax / sub / exp / sum into `prepare_softmax_online`.
 - `batch_one_bmm_as_mm`: on CUDA, Inductor's joint-graph `bmm_to_mm` computes a bmm of batch 1 as
   `mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)` (a decode step's one token makes the batch of a per-token bmm 1).
+- `pad_matmuls`: on CUDA, Inductor's pad_mm (when its benchmark finds it faster: compute-bound products with dims
+  that are not multiples of the dtype's alignment) computes `a @ b` as `bmm(pad(a), pad(b))` with zeros appended to
+  the contraction dim and to M / N, then slices M / N back.
 - `drop_narrowing_round_trips`: torch 2.11's `pointless_convert` folds `x.to(bf16).to(fp32)` into
   `x.to(fp32)` (later versions keep a narrower intermediate); with an fp32 x the chain disappears.
 """
@@ -11,6 +14,7 @@
 import operator
 
 import torch
+from dsfuse.passes.graph_utils import fake_call
 import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
 
 aten = torch.ops.aten
@@ -73,6 +77,37 @@ def batch_one_bmm_as_mm(graph: torch.fx.Graph) -> None:
         bmm.replace_all_uses_with(out)
         graph.erase_node(bmm)
         REWRITES.append(mm)
+
+
+def _padding(size: int, align: int = 8) -> int:
+    return -size % align
+
+
+def pad_matmuls(graph: torch.fx.Graph, min_dim: int = 16) -> None:
+    """Every bmm with all of M, K, N at least `min_dim` (the compute-bound ones pad_mm considers), one of them not a
+    multiple of 8, written as pad_mm writes it."""
+    for bmm in [n for n in graph.nodes if n.target is aten.bmm.default]:
+        a, b = bmm.args
+        _, M, K = a.meta["val"].shape
+        N = b.meta["val"].shape[2]
+        pm, pk, pn = _padding(M), _padding(K), _padding(N)
+        if min(M, K, N) < min_dim or not (pm or pk or pn):
+            continue
+        with graph.inserting_before(bmm):
+            a_pad = graph.call_function(aten.constant_pad_nd.default, (a, [0, pk, 0, pm, 0, 0]))
+            a_pad.meta["val"] = fake_call(aten.constant_pad_nd.default, (a, [0, pk, 0, pm, 0, 0]))
+            b_pad = graph.call_function(aten.constant_pad_nd.default, (b, [0, pn, 0, pk, 0, 0]))
+            b_pad.meta["val"] = fake_call(aten.constant_pad_nd.default, (b, [0, pn, 0, pk, 0, 0]))
+            out = graph.call_function(aten.bmm.default, (a_pad, b_pad))
+            out.meta["val"] = fake_call(aten.bmm.default, (a_pad, b_pad))
+            for dim, pad in ((1, pm), (2, pn)):
+                if pad:
+                    cut = graph.call_function(aten.slice.Tensor, (out, dim, 0, -pad))
+                    cut.meta["val"] = fake_call(aten.slice.Tensor, (out, dim, 0, -pad))
+                    out = cut
+        bmm.replace_all_uses_with(out)
+        graph.erase_node(bmm)
+        REWRITES.append(out)
 
 
 def as_torch_2_11_on_cuda(graph: torch.fx.Graph) -> None:

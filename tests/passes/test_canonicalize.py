@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsfuse.passes.graph_utils import fake_call
-from dsfuse.passes.canonicalize import (BMM, BY_NAME, MEAN, RULES, SCALE, apply_rule, canonical_scale, canonicalize,
-                                        row_mean)
+from dsfuse.passes.canonicalize import (BMM, BY_NAME, MEAN, RULES, SCALE, apply_rule, canonical_bmm, canonical_scale,
+                                        canonicalize, padded_product, row_mean)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 NEG_INF = float("-inf")
@@ -76,7 +76,8 @@ def _floats(*shape, dtype=torch.float32):
 
 def test_every_rule_is_classified_and_named_once():
     assert len(BY_NAME) == len(RULES)
-    assert {r.name for r in RULES if not r.exact} == {"collect_scale", "sum_over_count_is_mean", "batch_one_mm_is_bmm"}
+    assert {r.name for r in RULES if not r.exact} == {"collect_scale", "sum_over_count_is_mean", "batch_one_mm_is_bmm",
+                                                     "padded_bmm_is_bmm"}
 
 
 def test_view_of_view_collapses():
@@ -505,3 +506,46 @@ def test_gather_of_another_tensor_by_a_sort_is_kept():
     """The sort permutation applied to another tensor (the router weights in slot order) is a real gather."""
     _check(lambda ids, w: w[torch.sort(ids)[1]] * 2, [torch.tensor([3, 1, 2, 0]), _floats(4)],
            "gather_by_own_sort_is_sorted", {aten.index.Tensor: 1}, {aten.index.Tensor: 1}, fired=0)
+
+
+def _pad_mm_form(a, b, pm, pk, pn, value=0.0):
+    """`a @ b` as Inductor's pad_mm writes it: zeros appended to K (both operands) and to M / N, sliced back."""
+    out = torch.bmm(torch.constant_pad_nd(a, [0, pk, 0, pm, 0, 0], value),
+                    torch.constant_pad_nd(b, [0, pn, 0, pk, 0, 0], value))
+    if pm:
+        out = out[:, :-pm]
+    if pn:
+        out = out[:, :, :-pn]
+    return out + 1
+
+
+@pytest.mark.parametrize("pm, pk, pn", [(0, 3, 0), (2, 3, 1), (5, 0, 0), (0, 0, 7)])
+def test_a_zero_padded_bmm_sliced_back_is_recorded_as_the_bmm(pm, pk, pn):
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(2, 3, 5, generator=gen), torch.randn(2, 5, 4, generator=gen)
+    gm = _trace(lambda x, y: _pad_mm_form(x, y, pm, pk, pn), [a, b], decompose=False)
+    code, want = gm.code, gm(a, b)
+    assert apply_rule(gm.graph, "padded_bmm_is_bmm") == 1
+    gm.recompile()
+    assert gm.code == code
+    (node,) = [n for n in gm.graph.nodes if BMM in n.meta]
+    assert node.meta["val"].shape == (2, 3, 4)
+    assert [x.name for x in node.meta[BMM]] == [p.name for p in gm.graph.find_nodes(op="placeholder")]
+    assert padded_product(node.meta[BMM][0]) is node and canonical_bmm(node) == node.meta[BMM]
+    torch.testing.assert_close(torch.bmm(a, b) + 1, want)
+
+
+@pytest.mark.parametrize("case", ["nonzero pad", "pad in front", "padded rows kept"])
+def test_padding_pad_mm_does_not_write_is_not_recorded(case):
+    """Only pad_mm's form: zeros at the end of the matrix dims, M / N cut off again (ones in K would add to every
+    sum; rows padded and kept change the product's shape)."""
+    gen = torch.Generator().manual_seed(6)
+    a, b = torch.randn(2, 3, 5, generator=gen), torch.randn(2, 5, 4, generator=gen)
+    fns = {
+        "nonzero pad": lambda x, y: _pad_mm_form(x, y, 0, 3, 0, value=1.0),
+        "pad in front": lambda x, y: torch.bmm(torch.constant_pad_nd(x, [3, 0, 0, 0, 0, 0]),
+                                               torch.constant_pad_nd(y, [0, 0, 3, 0, 0, 0])),
+        "padded rows kept": lambda x, y: torch.bmm(torch.constant_pad_nd(x, [0, 0, 0, 2, 0, 0]), y),
+    }
+    gm = _trace(fns[case], [a, b], decompose=False)
+    assert apply_rule(gm.graph, "padded_bmm_is_bmm") == 0

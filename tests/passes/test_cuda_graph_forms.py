@@ -1,14 +1,20 @@
-"""The graph forms torch 2.11's Inductor hands the passes on CUDA (online softmax; `x.to(bf16).to(fp32)` round
-trips folded away: see inductor_forms), applied to HF `DeepseekV4ForCausalLM` (v4-tiny's CSA and HCA layers, bf16)
-on CPU: every family still rewrites every site, with no near-miss, and the logits are bit for bit those of the
-compile without these forms. (Every pass runs: the CPU backend cannot lower an online softmax, so every softmax
-must be rewritten.)"""
+"""The graph forms Inductor hands the passes on CUDA (torch 2.11's online softmax and folded `x.to(bf16).to(fp32)`
+round trips, pad_mm's zero-padded products, a batch-1 bmm as `mm`: see inductor_forms), applied on CPU to HF
+`DeepseekV4ForCausalLM` (v4-tiny's CSA and HCA layers, bf16) and V3.2's eager attention: every family still rewrites
+every site, with no near-miss, and the logits are bit for bit those of the compile without these forms. (Every pass
+runs: the CPU backend cannot lower an online softmax, so every softmax must be rewritten.)"""
 
 import torch
-from inductor_forms import CONVERT, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm
+from inductor_forms import CONVERT, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm, pad_matmuls
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model
+
+
+def _cuda_forms_and_padding(graph: torch.fx.Graph) -> None:
+    """torch 2.11's CUDA forms, and pad_mm's padding of the products at this odd length (33 tokens)."""
+    as_torch_2_11_on_cuda(graph)
+    pad_matmuls(graph)
 
 
 def test_v4_families_rewrite_on_torch_2_11_cuda_graph_forms():
@@ -22,9 +28,10 @@ def test_v4_families_rewrite_on_torch_2_11_cuda_graph_forms():
         torch._dynamo.reset()
         dsfuse.reset_report()
         REWRITES.clear()
-        options = {"inductor": {"post_grad_custom_pre_pass": as_torch_2_11_on_cuda}}
+        options = {"inductor": {"post_grad_custom_pre_pass": _cuda_forms_and_padding}}
         got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
-    assert {n.target for n in REWRITES} == {torch.ops.prims.prepare_softmax_online.default, CONVERT}
+    assert {n.target for n in REWRITES} == {torch.ops.prims.prepare_softmax_online.default, CONVERT,
+                                            torch.ops.aten.slice.Tensor}
     rep = dsfuse.report()
     assert rep.counts == plain and plain["compressors"] == 3 and plain["hyper_connections"] == 9, (plain, str(rep))
     assert not rep.near_misses, str(rep)
@@ -50,4 +57,27 @@ def test_hyper_connection_exits_rewrite_when_cuda_computes_the_one_token_bmm_as_
     exits = [s for s in rep.sites if s.op == "dsfuse.hc_expand_mix"]
     assert rep.counts["hyper_connections"] == 5 and len(exits) == 2, str(rep)
     assert not [m for m in rep.near_misses if m.pass_name == "hyper_connections"], str(rep)
+    assert torch.equal(got, want)
+
+
+def test_v32_eager_attention_rewrites_when_cuda_pads_its_products():
+    """The same for HF V3.2's eager attention (decomposed softmax between two bmms), a left-padded batch of 2."""
+    import functools
+
+    model = build_hf_model("tiny", attn_implementation="eager")
+    ids = torch.randint(1, 256, (2, 37), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    with torch.no_grad():
+        want = torch.compile(model, backend="dsfuse")(ids, attention_mask=mask).logits
+        plain = dict(dsfuse.report().counts)
+        torch._dynamo.reset()
+        dsfuse.reset_report()
+        REWRITES.clear()
+        options = {"inductor": {"post_grad_custom_pre_pass": functools.partial(pad_matmuls, min_dim=8)}}
+        got = torch.compile(model, backend="dsfuse", options=options)(ids, attention_mask=mask).logits
+    assert REWRITES, "no product was padded"
+    rep = dsfuse.report()
+    assert rep.counts == plain and plain["sparse_attention"] == 2, (plain, str(rep))
+    assert not rep.near_misses, str(rep)
     assert torch.equal(got, want)
