@@ -4,22 +4,20 @@ rules that bring equal math to one spelling, so no family has to know every spel
 Numerics policy. dsfuse computes what the source computes, and a graph that no family rewrites must
 compile to the same numbers with dsfuse on as with it off. So every rule is one of two kinds:
 
-* exact (`Rule.exact`): the rewritten graph computes the same bits as the original, for every input,
-  NaN, infinities and signed zeros included, both in eager and in Inductor's lowering. Only these
-  change the graph: layout no-ops, a cast to a tensor's own dtype or through an exact widening,
-  `add.Scalar` spelled `add.Tensor`, a scalar moved to the second operand of a commutative op,
-  `clamp_min(x, 0)` as `relu`, `x * 1` as `x`, `x * x` as `pow(x, 2)` (Inductor lowers both to one multiply), a division
-  by a power of two as a multiplication by its exact reciprocal, one mask polarity for `where`,
-  a double `~` on a bool mask, split/cat coalescing, `~` of an integer comparison as the negated
-  comparison, `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`, `select` of a size-1 dim as
+* exact (`Rule.exact`): the rewritten graph computes the same bits as the original, for every input, NaN, infinities
+  and signed zeros included, both in eager and in Inductor's lowering. Only these change the graph: layout no-ops, a
+  cast to a tensor's own dtype or through an exact widening, `add.Scalar` spelled `add.Tensor`, a scalar moved to
+  the second operand of a commutative op, `clamp_min(x, 0)` as `relu`, `x * 1` as `x`, `x * x` as `pow(x, 2)`
+  (Inductor lowers both to one multiply), a division by a power of two as a multiplication by its exact reciprocal,
+  one mask polarity for `where`, a double `~` on a bool mask, split/cat coalescing, `~` of an integer comparison as
+  the negated comparison, `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`, `select` of a size-1 dim as
   `squeeze`, a `repeat` of size-1 dims as `expand` + `clone`, and `t[t.argsort()]` as the sort's own values.
-* inexact equivalences (`Rule.exact` false): the two forms agree up to rounding (`x / 3` vs `x * (1/3)`,
-  a chain of constant scalings vs one collected scale, `sum / n` vs `mean`, a batch-1 `bmm` vs the
-  unbatched `mm` Inductor turns it into, a bmm vs the zero-padded bmm Inductor's pad_mm benchmarks faster; each
-  may run another GEMM kernel). These never touch the
-  graph: they record the canonical form in `node.meta` (`SCALE`, `MEAN`, `BMM`), which a structure matcher may
-  read, and a family that then fuses the site owns the rounding difference (and says so in its own
-  numerics notes).
+* inexact equivalences (`Rule.exact` false): the two forms agree up to rounding (`x / 3` vs `x * (1/3)`, a chain of
+  constant scalings vs one collected scale, `sum / n` vs `mean`, a batch-1 `bmm` vs the unbatched `mm` Inductor
+  turns it into, a bmm vs the zero-padded bmm Inductor's pad_mm benchmarks faster; each may run another GEMM
+  kernel). These never touch the graph: they record the canonical form in `node.meta` (`SCALE`, `MEAN`, `BMM`),
+  which a structure matcher may read, and a family that then fuses the site owns the rounding difference (and says
+  so in its own numerics notes).
 
 Each rule looks at nodes of a few targets and either rewrites one node (returning True) or leaves it.
 `canonicalize` applies them until nothing changes; `apply_rule` applies one, for its tests.
@@ -560,11 +558,9 @@ def padded_product(left: Any) -> torch.fx.Node | None:
     if not is_op(user, aten.constant_pad_nd.default):
         return None
     node = only_user(user)
-    while node is not None:
-        if canonical_bmm(node) is not None and canonical_bmm(node)[0] is left and BMM in node.meta:
+    while is_op(node, aten.bmm.default, aten.slice.Tensor):
+        if BMM in node.meta and node.meta[BMM][0] is left:
             return node
-        if not is_op(node, aten.bmm.default, aten.slice.Tensor):
-            return None
         node = only_user(node)
     return None
 

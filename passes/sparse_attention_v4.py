@@ -36,7 +36,7 @@ from .dims import apply_op, bmm_labels, contracted, follow, leaf_labels, names
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten, dtype,
                           fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
                           node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
-                          slice_args, slice_position, strip, val, walk_back)
+                          slice_args, slice_position, strip, val, walk_back, walk_forward)
 
 IOTA = torch.ops.prims.iota.default
 # What position tables and aranges are broadcast through on their way into the mask.
@@ -443,20 +443,16 @@ def _match(cat: torch.fx.Node) -> dict:
     if bounds is None or not (is_last_dim(drop, bounds[0]) and bounds[1] == 0 and bounds[3] == 1
                               and (bounds[2] == -1 or same_size(bounds[2], shape(cat)[3] - 1))):
         raise NoMatch("the softmax output is not sliced to drop the trailing sink column")
-    node, prob_ops = drop, []
-    while True:
-        nxt = only_user(node)
-        if nxt is None:
-            raise NoMatch("the attention probabilities are also used elsewhere (returned attention weights?)")
-        pv = padded_product(node)  # the bmm, or the product Inductor computes by zero-padding it (pad_mm)
-        if pv is not None or is_op(nxt, aten.bmm.default):
-            break
-        if not is_op(nxt, *LAYOUT_OPS, CONVERT):
-            raise NoMatch(f"the attention probabilities pass through {nxt.target} before P @ V (dropout?)")
-        prob_ops.append(nxt)
-        node = nxt
-    if pv is None:
+    chain = walk_forward(drop, lambda n: is_op(n, *LAYOUT_OPS, CONVERT))
+    node, prob_ops = chain[-1], chain[1:]
+    nxt = only_user(node)
+    if nxt is None:
+        raise NoMatch("the attention probabilities are also used elsewhere (returned attention weights?)")
+    pv = padded_product(node)  # the bmm, or the product Inductor computes by zero-padding it (pad_mm)
+    if pv is None and is_op(nxt, aten.bmm.default):
         raise NoMatch("the attention probabilities are not the left operand of P @ V")
+    if pv is None:
+        raise NoMatch(f"the attention probabilities pass through {nxt.target} before P @ V (dropout?)")
     _, pv_right = canonical_bmm(pv)
 
     scores_add = strip(scores_in, (CONVERT,))
