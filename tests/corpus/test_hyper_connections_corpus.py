@@ -180,19 +180,6 @@ def written_out_softmax_and_sigmoid(x, fn, base, scale):
     return _collapse(pre, x), post, comb
 
 
-def alternating_sinkhorn_loop(x, fn, base, scale):
-    """Sinkhorn as one loop of 2 * iters - 1 alternating steps (column first), two iterations."""
-    flat = _hf_norm(x.flatten(2).float())
-    (pre_w, post_w, comb_w), (pre_b, post_b, comb_b), (pre_s, post_s, comb_s) = _split(F.linear(flat, fn), base,
-                                                                                       scale)
-    pre = torch.sigmoid(pre_w * pre_s + pre_b) + HC_EPS
-    post = 2 * torch.sigmoid(post_w * post_s + post_b)
-    comb = torch.softmax(comb_w * comb_s + comb_b, dim=-1) + HC_EPS
-    for step in range(2 * 2 - 1):
-        comb = comb / (comb.sum(dim=-2 if step % 2 == 0 else -1, keepdim=True) + HC_EPS)
-    return _collapse(pre, x), post, comb
-
-
 def bmm_exit(x, out):
     """HF's hyper-connection, the exit's mix as an explicit `bmm` of the token-flattened comb^T (`.mT`) and
     residual."""
@@ -213,6 +200,14 @@ def _with_comb(comb_fn):
         return _collapse(pre, x), post, comb_fn(comb_w * comb_s + comb_b)
 
     return hc
+
+
+def _alternating_loop(z):
+    """Sinkhorn as one loop of 2 * iters - 1 alternating steps (column first), two iterations."""
+    comb = torch.softmax(z, dim=-1) + HC_EPS
+    for step in range(2 * 2 - 1):
+        comb = comb / (comb.sum(dim=-2 if step % 2 == 0 else -1, keepdim=True) + HC_EPS)
+    return comb
 
 
 def _rows_first(z):
@@ -333,7 +328,7 @@ CORPUS = {
                              (COLLAPSE,)),
     "written_out_softmax_and_sigmoid": Entry(written_out_softmax_and_sigmoid, "written for the corpus (exp forms)",
                                              _with_params(), REWRITTEN, (COLLAPSE,)),
-    "alternating_sinkhorn_loop": Entry(alternating_sinkhorn_loop, "written for the corpus (one alternating loop)",
+    "alternating_sinkhorn_loop": Entry(_with_comb(_alternating_loop), "written for the corpus (one alternating loop)",
                                        _with_params(), REWRITTEN, (COLLAPSE,), iters=2),
     "bmm_exit": Entry(bmm_exit, "written for the corpus (bmm of comb.mT)", _with_block_output(), REWRITTEN,
                       (COLLAPSE, EXIT)),

@@ -192,26 +192,26 @@ def einsum_combine(x, ids, weights, gate_up, down):
     return torch.einsum("tkh,tk->th", out.view(T, K, H).float(), weights).to(x.dtype)
 
 
-def scatter_add_combine(x, ids, weights, gate_up, down):
-    """Sort-based dispatch whose weighted outputs are scattered back with `scatter_add_` over an expanded token
-    index."""
+def _sorted_weighted_outputs(x, ids, weights, gate_up, down):
+    """Sort-based dispatch: (each sorted slot's token, its weighted expert output)."""
     sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
     token = perm // K
     offsets = _histc_offsets(sorted_ids)
     gate, up = _grouped_linear(x[token], gate_up, offsets).chunk(2, dim=-1)
     out = _grouped_linear(F.silu(gate) * up, down, offsets)
-    out = out * weights.reshape(-1)[perm].to(out.dtype)[:, None]
+    return token, out * weights.reshape(-1)[perm].to(out.dtype)[:, None]
+
+
+def scatter_add_combine(x, ids, weights, gate_up, down):
+    """Sort-based dispatch whose weighted outputs are scattered back with `scatter_add_` over an expanded token
+    index."""
+    token, out = _sorted_weighted_outputs(x, ids, weights, gate_up, down)
     return torch.zeros_like(x).scatter_add_(0, token[:, None].expand(-1, H), out)
 
 
 def scatter_reduce_combine(x, ids, weights, gate_up, down):
     """The same combine as `scatter_reduce(0, index, src, 'sum')`."""
-    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
-    token = perm // K
-    offsets = _histc_offsets(sorted_ids)
-    gate, up = _grouped_linear(x[token], gate_up, offsets).chunk(2, dim=-1)
-    out = _grouped_linear(F.silu(gate) * up, down, offsets)
-    out = out * weights.reshape(-1)[perm].to(out.dtype)[:, None]
+    token, out = _sorted_weighted_outputs(x, ids, weights, gate_up, down)
     return torch.zeros_like(x).scatter_reduce(0, token[:, None].expand(-1, H), out, reduce="sum")
 
 
