@@ -44,6 +44,10 @@ def _read(buffer: torch.Tensor, index) -> torch.Tensor:
 class _TokenCount:
     """The layer's token count as the size of an empty tensor (a symbol under Dynamo, not a guarded constant)."""
 
+    is_compileable = True
+    is_croppable = False
+    _layer_type = None  # never registered in transformers' layer-type mappings
+
     def _init_count(self) -> None:
         self._count = torch.empty((0, 0))
 
@@ -83,10 +87,6 @@ class _TokenCount:
 class V4SlidingWindowLayer(_TokenCount, DynamicSlidingWindowLayer):
     """A V4 sliding-attention layer's cache: HF's sliding window, its token count a tensor size."""
 
-    is_compileable = True
-    is_croppable = False
-    _layer_type = None  # never registered in transformers' layer-type mappings
-
     def __init__(self, sliding_window: int, **kwargs):
         DynamicSlidingWindowLayer.__init__(self, sliding_window=sliding_window)
         self._init_count()
@@ -102,7 +102,11 @@ class V4SlidingWindowLayer(_TokenCount, DynamicSlidingWindowLayer):
 
 class _CompressedDecode(_TokenCount):
     """Fixed-shape compressor state for one-token calls (see the module docstring), filled from HF's state at the
-    end of every multi-token call."""
+    end of every multi-token call; the HF cache layer it is mixed into is set up first."""
+
+    def __init__(self, config, max_cache_len: int, **kwargs):
+        super().__init__(config)
+        self._init_decode(max_cache_len)
 
     def _init_decode(self, max_cache_len: int) -> None:
         self._init_count()
@@ -194,25 +198,9 @@ class _CompressedDecode(_TokenCount):
 class V4HCALayer(_CompressedDecode, DeepseekV4HCACache):
     """An HCA layer's cache (window + heavily compressed entries) with fixed-shape decode state."""
 
-    is_compileable = True
-    is_croppable = False
-    _layer_type = None
-
-    def __init__(self, config, max_cache_len: int, **kwargs):
-        DeepseekV4HCACache.__init__(self, config)
-        self._init_decode(max_cache_len)
-
 
 class V4CSALayer(_CompressedDecode, DeepseekV4CSACache):
     """A CSA layer's cache (window + compressed entries + the indexer's own) with fixed-shape decode state."""
-
-    is_compileable = True
-    is_croppable = False
-    _layer_type = None
-
-    def __init__(self, config, max_cache_len: int, **kwargs):
-        DeepseekV4CSACache.__init__(self, config)
-        self._init_decode(max_cache_len)
 
 
 _LAYERS = {"compressed_sparse_attention": V4CSALayer, "heavily_compressed_attention": V4HCALayer}
