@@ -93,14 +93,6 @@ def describe(node: Any) -> str:
     return f"{node}:{str(v.dtype).replace('torch.', '')}[{dims}]"
 
 
-def op_name(node: Any) -> str:
-    """What a node computes, for near-miss reasons: `aten.mm.default`, a placeholder's name, or the value."""
-    if isinstance(node, torch.fx.Node) and node.op == "call_function":
-        return str(node.target) if isinstance(node.target, torch._ops.OpOverload) else getattr(
-            node.target, "__name__", str(node.target))
-    return str(node)
-
-
 def same_size(a: Any, b: Any) -> bool:
     """True only when a == b is proven for every value of the graph's symbols (no new guard)."""
     return statically_known_true(a == b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else a == b

@@ -45,7 +45,7 @@ from .canonicalize import MEAN, canonical_bmm
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, element_of, fake_call, insert_call, is_op,
-                          only_user, op_name, piece_of, same_shape, same_size, scalar_arg, shape, softmax_parts, strip,
+                          only_user, piece_of, same_shape, same_size, scalar_arg, shape, softmax_parts, strip,
                           users_of, walk_back)
 
 NAME = "hyper_connections"
@@ -617,7 +617,7 @@ def _comb_mix(mixed, call, streams_shape):
                           "rounded), HF's matmul sums exact products")
         pairs = [core.args[0].args, core.args[0].args[::-1]]
     else:
-        raise NoMatch(f"hyper-connection exit: post * out is added to {op_name(core)}, not to comb^T @ residual")
+        raise NoMatch(f"hyper-connection exit: post * out is added to {core.target}, not to comb^T @ residual")
     for comb_operand, residual_operand in pairs:
         comb, comb_ops = layout_chain(comb_operand)
         residual, residual_ops = _nearest(residual_operand, lambda n: same_shape(shape(n), streams_shape))
