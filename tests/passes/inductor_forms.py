@@ -14,8 +14,9 @@
 import operator
 
 import torch
-from dsfuse.passes.graph_utils import fake_call
 import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
+
+from dsfuse.passes.graph_utils import insert_call
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default
@@ -66,15 +67,9 @@ def batch_one_bmm_as_mm(graph: torch.fx.Graph) -> None:
         a, b = bmm.args
         if a.meta["val"].shape[0] != 1 or b.meta["val"].shape[0] != 1:
             continue
-        with graph.inserting_before(bmm):
-            squeezed = [graph.call_function(aten.squeeze.dim, (t, 0)) for t in (a, b)]
-            mm = graph.call_function(aten.mm.default, tuple(squeezed))
-            out = graph.call_function(aten.unsqueeze.default, (mm, 0))
-        for node, value in zip(squeezed, (a.meta["val"][0], b.meta["val"][0])):
-            node.meta["val"] = value
-        mm.meta["val"] = torch.mm(*(n.meta["val"] for n in squeezed))
-        out.meta["val"] = bmm.meta["val"]
-        bmm.replace_all_uses_with(out)
+        squeezed = tuple(insert_call(graph, bmm, aten.squeeze.dim, (t, 0)) for t in (a, b))
+        mm = insert_call(graph, bmm, aten.mm.default, squeezed)
+        bmm.replace_all_uses_with(insert_call(graph, bmm, aten.unsqueeze.default, (mm, 0)))
         graph.erase_node(bmm)
         REWRITES.append(mm)
 
@@ -93,18 +88,12 @@ def pad_matmuls(graph: torch.fx.Graph, min_dim: int = 16) -> None:
         pm, pk, pn = _padding(M), _padding(K), _padding(N)
         if min(M, K, N) < min_dim or not (pm or pk or pn):
             continue
-        with graph.inserting_before(bmm):
-            a_pad = graph.call_function(aten.constant_pad_nd.default, (a, [0, pk, 0, pm, 0, 0]))
-            a_pad.meta["val"] = fake_call(aten.constant_pad_nd.default, (a, [0, pk, 0, pm, 0, 0]))
-            b_pad = graph.call_function(aten.constant_pad_nd.default, (b, [0, pn, 0, pk, 0, 0]))
-            b_pad.meta["val"] = fake_call(aten.constant_pad_nd.default, (b, [0, pn, 0, pk, 0, 0]))
-            out = graph.call_function(aten.bmm.default, (a_pad, b_pad))
-            out.meta["val"] = fake_call(aten.bmm.default, (a_pad, b_pad))
-            for dim, pad in ((1, pm), (2, pn)):
-                if pad:
-                    cut = graph.call_function(aten.slice.Tensor, (out, dim, 0, -pad))
-                    cut.meta["val"] = fake_call(aten.slice.Tensor, (out, dim, 0, -pad))
-                    out = cut
+        a_pad = insert_call(graph, bmm, aten.constant_pad_nd.default, (a, [0, pk, 0, pm, 0, 0]))
+        b_pad = insert_call(graph, bmm, aten.constant_pad_nd.default, (b, [0, pn, 0, pk, 0, 0]))
+        out = insert_call(graph, bmm, aten.bmm.default, (a_pad, b_pad))
+        for dim, pad in ((1, pm), (2, pn)):
+            if pad:
+                out = insert_call(graph, bmm, aten.slice.Tensor, (out, dim, 0, -pad))
         bmm.replace_all_uses_with(out)
         graph.erase_node(bmm)
         REWRITES.append(out)
