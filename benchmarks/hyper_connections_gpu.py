@@ -204,14 +204,15 @@ def main():
                    "hc_exit_head": exit_args}
         sweeps = {"hc_collapse": ONE_PASS_SWEEP, "hc_head": ONE_PASS_SWEEP, "hc_expand_mix": EXIT_SWEEP,
                   "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
-        project_start = {k: v for k, v in hck.default_collapse_launch(D, "two_pass").items()
-                         if k in ("block_t", "block_k", "num_warps", "num_stages")}
+        project_start = {op: {k: v for k, v in hck.default_collapse_launch(D, "two_pass", op == "hc_head").items()
+                              if k in ("block_t", "block_k", "num_warps", "num_stages")} for op in PATH_OPS}
         sum_start = dict(block_t=hck.default_collapse_launch(D, "two_pass")["sum_block_t"],
                          block_d=hck.default_collapse_launch(D, "two_pass")["sum_block_d"], num_warps=4)
         project_axes, sum_axes = PROJECT_AXES, WEIGHTED_SUM_AXES
         if args.tiny:
             sweeps = {k: [dict(block_d=16, **({"path": "one_pass"} if k in PATH_OPS else {}))] for k in sweeps}
-            project_start, sum_start = dict(block_t=16, block_k=32), dict(block_t=4, block_d=16)
+            project_start = {op: dict(block_t=16, block_k=32) for op in PATH_OPS}
+            sum_start = dict(block_t=4, block_d=16)
             project_axes = sum_axes = ()
         ops_run = args.ops.split(",") if args.ops else list(sources)
         unknown = sorted(set(ops_run) - set(sources))
@@ -230,7 +231,7 @@ def main():
                 return lambda: hck.hc_project_triton(x, fn_, base_, scale_, **eps, sinkhorn_iters=iters,
                                                      head=op == "hc_head", **kw)
 
-            p_ms, p_kw, p_sweep = coordinate_best(bench, project, project_start, project_axes)
+            p_ms, p_kw, p_sweep = coordinate_best(bench, project, project_start[op], project_axes)
             if not weighted_sum:
                 pre = hck.hc_project_triton(x, fn_, base_, scale_, **eps, sinkhorn_iters=iters)[0]
                 w_ms, w_kw, w_sweep = coordinate_best(

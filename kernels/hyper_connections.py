@@ -422,35 +422,43 @@ COLLAPSE_PATHS = ("one_pass", "two_pass")
 # The path `hc_collapse` / `hc_head` launch by default: "two_pass" (`_hc_project_kernel` then
 # `_hc_weighted_sum_kernel`), measured 2.8x / 2.3x faster than "one_pass" (`_hc_collapse_kernel`: one program per
 # row block projects, mixes and collapses it) on the H200 at T=8192, D=4096 (run 32: 0.215 / 0.187 ms against
-# 0.609 / 0.425). The fused exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass.
+# 0.609 / 0.425). The fused exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass, and so do calls of fewer
+# than `TWO_PASS_MIN_TOKENS` tokens (decode steps): one launch instead of three (split, project, weighted sum), where a
+# V4 decode step is bound by the host's launch work (H200, run 30: 7.3 ms of CPU against 2.9 ms of GPU per step).
 COLLAPSE_PATH = "two_pass"
+TWO_PASS_MIN_TOKENS = 64
 
 
-def default_collapse_launch(hidden: int, path: str | None = None, head: bool = False) -> dict:
-    """Launch parameters of `hc_collapse` (or `hc_head`, `head=True`) on `path` (default `COLLAPSE_PATH`): the H200
-    sweep's best at T=8192, D=4096 (benchmarks/results/2026-12-01_h200_hyper_connections_run32.json).
+def default_collapse_launch(hidden: int, path: str | None = None, head: bool = False,
+                           dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Launch parameters of `hc_collapse` (or `hc_head`, `head=True`) on `path` (default `COLLAPSE_PATH`) for streams
+    of `dtype`: the H200 sweep's best at T=8192, D=4096, bf16 (benchmarks/results/
+    2026-12-01_h200_hyper_connections_run32.json).
 
     one_pass: 32 tokens per program, 64-wide D chunks, 4 warps, 2 stages for both ops (collapse 0.609 ms, head
     0.425 ms; run 23: 128-wide D chunks 0.95 / 0.76 ms).
     two_pass: the projection with 64 tokens per program (one warpgroup's MMA tile; 16-32 tokens were 1.8-2.9x
     slower), K tiles of 256 in 3 stages for the collapse (0.136 ms; 128 wide: 0.191) and of 128 in 4 stages for
-    the head (0.109 ms); the weighted sum in 8 x 128 tiles with 4 warps (0.088 ms, 3.8 TB/s)."""
+    the head (0.109 ms); the weighted sum in 8 x 128 tiles with 4 warps (0.088 ms, 3.8 TB/s). fp16 / fp32
+    streams take 128-wide K tiles (their fp32 weight tiles: 256 wide in 3 stages, fp32 streams need 256 KiB of
+    shared memory; sm_90 has 227)."""
     path = path or COLLAPSE_PATH
     if path == "one_pass":
         return dict(path=path, block_t=32, block_d=max(16, min(64, triton.next_power_of_2(hidden))), num_warps=4,
                     num_stages=2)
     if path == "two_pass":
-        return dict(path=path, block_t=64, block_k=128 if head else 256, num_warps=4, num_stages=4 if head else 3,
+        wide = not head and dtype == torch.bfloat16
+        return dict(path=path, block_t=64, block_k=256 if wide else 128, num_warps=4, num_stages=4 if head else 3,
                     sum_block_t=8, sum_block_d=max(16, min(128, triton.next_power_of_2(hidden))), sum_num_warps=4)
     raise ValueError(f"hyper-connection path must be one of {COLLAPSE_PATHS}, got {path!r}")
 
 
-def _resolve_launch(op, hidden, launch, exit_inputs, head):
+def _resolve_launch(op, hidden, tokens, launch, exit_inputs, head, dtype):
     """default_collapse_launch for the requested path with the given overrides (None keeps a default)."""
-    path = launch.get("path") or ("one_pass" if exit_inputs else None)
+    path = launch.get("path") or ("one_pass" if exit_inputs or tokens < TWO_PASS_MIN_TOKENS else None)
     if exit_inputs and path != "one_pass":
         raise ValueError(f"{op}: the fused exit runs one_pass only, got path={path!r}")
-    config = default_collapse_launch(hidden, path, head)
+    config = default_collapse_launch(hidden, path, head, dtype)
     unknown = sorted(set(launch) - set(config))
     if unknown:
         raise ValueError(f"{op}: unknown launch parameter(s) {unknown} for path {config['path']!r}; valid: "
@@ -466,7 +474,7 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     hc, hidden = x.shape[-2], x.shape[-1]
-    config = _resolve_launch(op, hidden, launch, exit_inputs, head)
+    config = _resolve_launch(op, hidden, x[..., 0, 0].numel(), launch, exit_inputs, head, x.dtype)
     lead = tuple(x.shape[:-2])
     if config["path"] == "two_pass":
         x = x.contiguous()
@@ -524,7 +532,7 @@ def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
     fp16 and fp32 streams dot their fp32 tiles with fn (`PROJECTION_PRECISION`)."""
     op = "hc_head" if head else "hc_collapse"
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
-    defaults = default_collapse_launch(x.shape[-1], "two_pass", head)
+    defaults = default_collapse_launch(x.shape[-1], "two_pass", head, x.dtype)
     hc, hidden = x.shape[-2], x.shape[-1]
     lead = tuple(x.shape[:-2])
     source = x.contiguous().view(-1, hc * hidden)
@@ -730,7 +738,7 @@ def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_
     return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
 
 
-__all__ = ["COLLAPSE_PATH", "COLLAPSE_PATHS", "bytes_moved", "default_collapse_launch", "hc_collapse",
+__all__ = ["COLLAPSE_PATH", "COLLAPSE_PATHS", "TWO_PASS_MIN_TOKENS", "bytes_moved", "default_collapse_launch", "hc_collapse",
            "hc_collapse_reference", "hc_collapse_triton",
            "hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
            "hc_exit_head_reference", "hc_exit_head_triton", "hc_expand_mix", "hc_expand_mix_reference",

@@ -232,7 +232,7 @@ def _csa_indices(bias: torch.fx.Node, B, S, T) -> torch.fx.Node | None:
     dim, start, end, step = slice_args(bias)
     if not (is_last_dim(bias, dim) and start == 0 and same_size(end, T) and step == 1):
         return None
-    scatter = bias.args[0]
+    scatter = strip(bias.args[0], (CONVERT,))
     if is_op(scatter, aten.scatter.value) and is_last_dim(scatter, scatter.args[1]) and scatter.args[3] == 0:
         base, index = scatter.args[0], scatter.args[2]
         if not (is_op(base, aten.full.default) and is_neg_inf(base.args[1])
@@ -495,8 +495,8 @@ def _match(cat: torch.fx.Node) -> dict:
     x_dtype = dtype(q)
     if x_dtype not in FLOAT_DTYPES or dtype(kv_all) != x_dtype or dtype(pv) != x_dtype:
         raise NoMatch(f"q / K=V / P @ V dtypes {x_dtype} / {dtype(kv_all)} / {dtype(pv)} differ or are unsupported")
-    if dtype(qk) != x_dtype or dtype(scores_add) != x_dtype:
-        raise NoMatch(f"the scores are computed in {dtype(scores_add)}, not in the input dtype {x_dtype}")
+    if dtype(qk) != x_dtype or dtype(scaled) != x_dtype:
+        raise NoMatch(f"the scores are computed in {dtype(scaled)}, not in the input dtype {x_dtype}")
     casts = [op for op in prob_ops if is_op(op, CONVERT)]
     if any(op.args[1] != x_dtype for op in casts):
         raise NoMatch(f"the probabilities are rounded to {casts[-1].args[1]}, not {x_dtype}")
@@ -550,6 +550,10 @@ def _match(cat: torch.fx.Node) -> dict:
         win = dict(input=input_mask, window=N, padding=None, T=T)
     else:
         win = _window_mask(window_bool, B, S, N)
+    if dtype(scores_add) != x_dtype and not (dtype(scores_add) == torch.float32 and input_mask is None):
+        # A float32 sum of x_dtype scores is the x_dtype sum only for a mask of 0 / -inf / finfo.min constants
+        # (torch 2.11 on CUDA folds the cast of CSA's decomposed scatter, so the block bias arrives in float32).
+        raise NoMatch(f"the masked scores are computed in {dtype(scores_add)}, not in the input dtype {x_dtype}")
     indices = hca = None
     if block_bias is _ZERO_PAD:
         if input_mask is None:

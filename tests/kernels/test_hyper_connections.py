@@ -163,6 +163,21 @@ def test_two_pass_projection_writes_the_mixing_weights(dtype):
     assert none_post is None and none_comb is None and head_pre.shape == (T, hc)
 
 
+def test_default_path_is_one_launch_below_two_pass_min_tokens(monkeypatch):
+    """Calls of fewer than TWO_PASS_MIN_TOKENS tokens (decode steps) run one_pass, larger ones COLLAPSE_PATH,
+    an explicit path either."""
+    from dsfuse.kernels import hyper_connections as hck
+
+    projected = []
+    project = hck.hc_project_triton
+    monkeypatch.setattr(hck, "hc_project_triton", lambda x, *a, **k: projected.append(x.shape[0]) or project(x, *a, **k))
+    params = _params(4, 8)
+    for T in (1, hck.TWO_PASS_MIN_TOKENS - 1, hck.TWO_PASS_MIN_TOKENS):
+        hc_collapse_triton(_streams(T, 4, 8, torch.float32), *params, NORM_EPS, HC_EPS, 2)
+    hc_collapse_triton(_streams(2, 4, 8, torch.float32), *params, NORM_EPS, HC_EPS, 2, path="two_pass")
+    assert hck.COLLAPSE_PATH == "two_pass" and projected == [hck.TWO_PASS_MIN_TOKENS, 2]
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda x, p: hc_collapse_triton(x, *p, 1e-6, 1e-6, 2, path="three_pass"), "path must be one of"),
     (lambda x, p: hc_collapse_triton(x, *p, 1e-6, 1e-6, 2, path="one_pass", block_k=64), "unknown launch"),

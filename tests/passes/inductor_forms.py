@@ -9,6 +9,8 @@
   the contraction dim and to M / N, then slices M / N back.
 - `drop_narrowing_round_trips`: torch 2.11's `pointless_convert` folds `x.to(bf16).to(fp32)` into
   `x.to(fp32)` (later versions keep a narrower intermediate); with an fp32 x the chain disappears.
+- `keep_constant_wheres_in_float32`: torch 2.11 on CUDA drops the cast of a `where` of two fp32 scalar constants
+  (Inductor's one-index scatter `where(index == arange, 0., -inf)`) to bf16, so what it feeds is promoted to fp32.
 """
 
 import operator
@@ -16,7 +18,7 @@ import operator
 import torch
 import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_softmax_online)
 
-from dsfuse.passes.graph_utils import insert_call
+from dsfuse.passes.graph_utils import fake_call, insert_call
 
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default
@@ -60,6 +62,27 @@ def drop_narrowing_round_trips(graph: torch.fx.Graph) -> None:
         if not inner.users:
             graph.erase_node(inner)
         REWRITES.append(outer)
+
+
+def _constant(node) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target in (aten.scalar_tensor.default, aten.full.default)
+
+
+def keep_constant_wheres_in_float32(graph: torch.fx.Graph) -> None:
+    for cast in [n for n in graph.nodes if n.target is CONVERT and n.args[0].target is aten.where.self]:
+        where = cast.args[0]
+        if not (_constant(where.args[1]) and _constant(where.args[2]) and where.meta["val"].dtype == torch.float32):
+            continue
+        cast.replace_all_uses_with(where)
+        graph.erase_node(cast)
+        REWRITES.append(where)
+        promoted = {where}
+        for node in graph.nodes:  # the consumers' fake values, re-derived where their inputs' dtypes changed
+            if node.op == "call_function" and promoted & set(node.all_input_nodes):
+                value = fake_call(node.target, node.args, node.kwargs)
+                if isinstance(value, torch.Tensor) and value.dtype != node.meta["val"].dtype:
+                    node.meta["val"] = value
+                    promoted.add(node)
 
 
 def batch_one_bmm_as_mm(graph: torch.fx.Graph) -> None:

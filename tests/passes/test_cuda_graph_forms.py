@@ -5,7 +5,8 @@ every site, with no near-miss, and the logits are bit for bit those of the compi
 runs: the CPU backend cannot lower an online softmax, so every softmax must be rewritten.)"""
 
 import torch
-from inductor_forms import CONVERT, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm, pad_matmuls
+from inductor_forms import (CONVERT, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm,
+                            keep_constant_wheres_in_float32, pad_matmuls)
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model
@@ -57,6 +58,30 @@ def test_hyper_connection_exits_rewrite_when_cuda_computes_the_one_token_bmm_as_
     exits = [s for s in rep.sites if s.op == "dsfuse.hc_expand_mix"]
     assert rep.counts["hyper_connections"] == 5 and len(exits) == 2, str(rep)
     assert not [m for m in rep.near_misses if m.pass_name == "hyper_connections"], str(rep)
+    assert torch.equal(got, want)
+
+
+def test_csa_attention_with_one_compressed_entry_rewrites_with_its_block_bias_in_float32():
+    """Five tokens make one compressed entry: the indexer picks one per query and Inductor writes CSA's scatter of
+    the pick as `where(pick == arange, 0., -inf)`, cast to bf16 (CPU) or, on CUDA with torch 2.11, left in fp32 so
+    the masked scores are promoted to fp32. Both forms rewrite every attention site."""
+    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=2,
+                           layer_types=["compressed_sparse_attention", "sliding_attention"],
+                           mlp_layer_types=["moe", "moe"])
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = torch.compile(model, backend="dsfuse")(ids).logits
+        plain = dsfuse.report()
+        assert plain.counts["sparse_attention"] == 2 and plain.counts["indexer_topk"] == 1, str(plain)
+        assert not plain.near_misses, str(plain)
+        torch._dynamo.reset()
+        dsfuse.reset_report()
+        REWRITES.clear()
+        options = {"inductor": {"post_grad_custom_pre_pass": keep_constant_wheres_in_float32}}
+        got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
+    assert REWRITES, "the graph has no cast of a constant where to drop"
+    rep = dsfuse.report()
+    assert rep.counts == plain.counts and not rep.near_misses, str(rep)
     assert torch.equal(got, want)
 
 
