@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsfuse.kernels.triton_support import interpreting
+from dsfuse.kernels.triton_support import cdiv, interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -541,8 +541,8 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     the split path (the default) with 32 keys per scores tile, 4 warps, 1 stage, then p.v over 128-wide D chunks
     with 4 warps and 3 stages: CSA 3.69 ms, HCA 1.16 ms; the fused kernel with 64 keys per tile, 8 warps, 2 stages:
     CSA 3.97 ms, HCA 1.55 ms."""
-    block_h = max(16, min(64, triton.next_power_of_2(H)))
-    dp = max(16, triton.next_power_of_2(D))
+    block_h = max(16, min(64, next_power_of_2(H)))
+    dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
               "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
               "scores_maxnreg": None}
@@ -596,21 +596,21 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     ranges = torch.empty((3, B * S), dtype=torch.int32, device=q.device)
     idx_arg = indices if indices is not None else ranges  # never read outside CSA
     block_q = 64
-    _key_ranges_kernel[(B, triton.cdiv(S, block_q))](
+    _key_ranges_kernel[(B, cdiv(S, block_q))](
         q_positions, kv_positions, idx_arg, ranges,
         q_positions.stride(0), kv_positions.stride(0),
         idx_arg.stride(0) if indices is not None else 0, idx_arg.stride(1) if indices is not None else 0,
         S, N, K, T, window, compress_rate, max(1, N.bit_length()) if N else 0,
-        MODE=mode, BLOCK_Q=block_q, BLOCK_K=min(128, max(16, triton.next_power_of_2(max(K, 1)))))
+        MODE=mode, BLOCK_Q=block_q, BLOCK_K=min(128, max(16, next_power_of_2(max(K, 1)))))
     c_arg = compressed if compressed is not None else kv
     rope = cos is not None
     cos_arg, sin_arg = (cos, sin) if rope else (sinks, sinks)
-    dp = max(16, triton.next_power_of_2(D))
+    dp = max(16, next_power_of_2(D))
     accurate = bool(cfg["accurate_exp"]) and not interpreting()
     block_h, block_n = cfg["block_h"], cfg["block_n"]
-    head_blocks = triton.cdiv(H, block_h)
-    window_slots = triton.cdiv(window, block_n) * block_n
-    slots = window_slots + triton.cdiv({_SLIDING: 0, _CSA: K, _HCA: T}[mode], block_n) * block_n
+    head_blocks = cdiv(H, block_h)
+    window_slots = cdiv(window, block_n) * block_n
+    slots = window_slots + cdiv({_SLIDING: 0, _CSA: K, _HCA: T}[mode], block_n) * block_n
     if cfg["path"] == "split":
         _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
                          indices is not None, rope, scale, T, window, mode, cfg, accurate, window_slots, slots)
@@ -646,9 +646,9 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
     [B * S, head blocks, BLOCK_H, slots] in the input dtype, plus [2, B * S * H] fp32 row statistics only when
     kernel 2 normalises; nothing is stored in the output until kernel 2."""
     B, S, H, D = q.shape
-    dp = max(16, triton.next_power_of_2(D))
+    dp = max(16, next_power_of_2(D))
     block_h, block_n = cfg["block_h"], cfg["block_n"]
-    head_blocks = triton.cdiv(H, block_h)
+    head_blocks = cdiv(H, block_h)
     d_chunk = min(cfg["d_chunk"], dp)
     normalize = bool(cfg["normalize_in_scores"])
     rows = B * S * head_blocks * block_h
@@ -671,7 +671,7 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         D=D, DP=dp, NORMALIZE=normalize, **common,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
     )
-    _attention_values_kernel[(B * S * triton.cdiv(D, d_chunk), head_blocks)](
+    _attention_values_kernel[(B * S * cdiv(D, d_chunk), head_blocks)](
         kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
         kv.stride(0), kv.stride(1),
         c_arg.stride(0), c_arg.stride(1),

@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _round_to
-from dsfuse.kernels.triton_support import interpreting
+from dsfuse.kernels.triton_support import interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -215,8 +215,8 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 def default_launch(D: int, slots: int) -> dict[str, int]:
     """Slot chunk and warps: a [BLOCK_L, BLOCK_D] fp32 tile of about 8K elements over the warps."""
-    block_d = triton.next_power_of_2(max(D, 2))
-    block_l = max(1, min(triton.next_power_of_2(slots), 8192 // block_d))
+    block_d = next_power_of_2(max(D, 2))
+    block_l = max(1, min(next_power_of_2(slots), 8192 // block_d))
     return {"block_l": block_l, "num_warps": 8 if block_d >= 512 else 4}
 
 
@@ -235,7 +235,7 @@ def kv_compress_triton(kv, gate, position_bias, norm_weight, cos, sin, eps: floa
         kv, gate, position_bias, norm_weight, cos, sin, out, W, m, D, 2 * cos.shape[-1], float(eps),
         *kv.stride(), *gate.stride(), *position_bias.stride(), *cos.stride(), *sin.stride(),
         GATE_DT=_TL_DTYPES[gate_dtype], OVERLAP=bool(overlap), BLOCK_L=block_l or defaults["block_l"],
-        BLOCK_D=triton.next_power_of_2(max(D, 2)), ACCURATE_EXP=not interpreting(),
+        BLOCK_D=next_power_of_2(max(D, 2)), ACCURATE_EXP=not interpreting(),
         KV_RNE=interpreting() and kv.dtype == torch.bfloat16,
         GATE_RNE=interpreting() and gate_dtype == torch.bfloat16, num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
     return out

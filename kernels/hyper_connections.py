@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _round_to
-from dsfuse.kernels.triton_support import interpreting
+from dsfuse.kernels.triton_support import cdiv, interpreting, next_power_of_2
 
 STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # fp32-accurate tensor-core dot (three tf32 products); the interpreter computes the dot in fp32 whatever it is told.
@@ -444,12 +444,12 @@ def default_collapse_launch(hidden: int, path: str | None = None, head: bool = F
     shared memory; sm_90 has 227)."""
     path = path or COLLAPSE_PATH
     if path == "one_pass":
-        return dict(path=path, block_t=32, block_d=max(16, min(64, triton.next_power_of_2(hidden))), num_warps=4,
+        return dict(path=path, block_t=32, block_d=max(16, min(64, next_power_of_2(hidden))), num_warps=4,
                     num_stages=2)
     if path == "two_pass":
         wide = not head and dtype == torch.bfloat16
         return dict(path=path, block_t=64, block_k=256 if wide else 128, num_warps=4, num_stages=4 if head else 3,
-                    sum_block_t=8, sum_block_d=max(16, min(128, triton.next_power_of_2(hidden))), sum_num_warps=4)
+                    sum_block_t=8, sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
     raise ValueError(f"hyper-connection path must be one of {COLLAPSE_PATHS}, got {path!r}")
 
 
@@ -486,7 +486,7 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
         return collapsed, post, comb, None
     source = x.contiguous().view(-1, hc, hidden)
     T = source.shape[0]
-    n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
+    n_pad = max(16, next_power_of_2(hc if head else mixes_count(hc)))
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
     comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
@@ -501,10 +501,10 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
         streams, exit_args = source, (source, source, post, comb)
     if T:
         logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
-        _hc_collapse_kernel[(triton.cdiv(T, config["block_t"]),)](
+        _hc_collapse_kernel[(cdiv(T, config["block_t"]),)](
             streams, fn.contiguous(), base.contiguous(), scale.contiguous(), logits, collapsed, post, comb, *exit_args,
             T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
+            N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
             STORE=store, BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], PRECISION=PROJECTION_PRECISION,
             MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
             num_warps=config["num_warps"], num_stages=config["num_stages"], **COMPILE_OPTIONS)
@@ -520,7 +520,7 @@ def split_projection_weights(fn: torch.Tensor) -> torch.Tensor:
     pieces = torch.empty((3, *source.shape), dtype=torch.bfloat16, device=fn.device)
     numel, block = source.numel(), 1024
     if numel:
-        _hc_split_weights_kernel[(triton.cdiv(numel, block),)](
+        _hc_split_weights_kernel[(cdiv(numel, block),)](
             source, pieces, numel, BLOCK=block, MANUAL_BF16_RNE=interpreting(), num_warps=4, **COMPILE_OPTIONS)
     return pieces
 
@@ -543,13 +543,13 @@ def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
     if T:
         split = x.dtype == torch.bfloat16
         weights = split_projection_weights(fn) if split else fn.contiguous()
-        n_pad = max(16, triton.next_power_of_2(hc if head else mixes_count(hc)))
+        n_pad = max(16, next_power_of_2(hc if head else mixes_count(hc)))
         logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
         block_t = block_t or defaults["block_t"]
-        _hc_project_kernel[(triton.cdiv(T, block_t),)](
+        _hc_project_kernel[(cdiv(T, block_t),)](
             source, weights, base.contiguous(), scale.contiguous(), logits, pre, post, comb,
             T, hc * hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-            N=hc, NN=triton.next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=3 if split else 1,
+            N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=3 if split else 1,
             FP32_DOT=not split or interpreting(), PRECISION="ieee" if split else PROJECTION_PRECISION,
             BLOCK_T=block_t, BLOCK_K=block_k or defaults["block_k"], num_warps=num_warps or defaults["num_warps"],
             num_stages=num_stages or defaults["num_stages"], **COMPILE_OPTIONS)
@@ -572,7 +572,7 @@ def hc_weighted_sum_triton(x, pre, block_t=None, block_d=None, num_warps=None):
     collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
     block_t, block_d = block_t or defaults["sum_block_t"], block_d or defaults["sum_block_d"]
     if T:
-        _hc_weighted_sum_kernel[(triton.cdiv(T, block_t), triton.cdiv(hidden, block_d))](
+        _hc_weighted_sum_kernel[(cdiv(T, block_t), cdiv(hidden, block_d))](
             source, pre.contiguous().view(T, hc), collapsed, T, hidden, N=hc, BLOCK_T=block_t, BLOCK_D=block_d,
             MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
             num_warps=num_warps or defaults["sum_num_warps"], **COMPILE_OPTIONS)
@@ -610,11 +610,11 @@ def hc_expand_mix_triton(out, residual, post, comb, block_t=None, block_d=None, 
     T = res.shape[0]
     new = torch.empty((T, hc, hidden), dtype=residual.dtype, device=residual.device)
     block_t = block_t or 8  # 8 x 128 with 4 warps: 0.156 ms at T=8192, D=4096 (3.9 TB/s, run 23's sweep)
-    block_d = block_d or min(128, triton.next_power_of_2(hidden))
+    block_d = block_d or min(128, next_power_of_2(hidden))
     if T:
-        _hc_expand_mix_kernel[(triton.cdiv(T, block_t), triton.cdiv(hidden, block_d))](
+        _hc_expand_mix_kernel[(cdiv(T, block_t), cdiv(hidden, block_d))](
             out.contiguous().view(T, hidden), res, post.contiguous().view(T, hc), comb.contiguous().view(T, hc, hc),
-            new, T, hidden, N=hc, NN=triton.next_power_of_2(hc), BLOCK_T=block_t, BLOCK_D=block_d,
+            new, T, hidden, N=hc, NN=next_power_of_2(hc), BLOCK_T=block_t, BLOCK_D=block_d,
             MANUAL_BF16_RNE=interpreting() and residual.dtype == torch.bfloat16, num_warps=num_warps or 4,
             **COMPILE_OPTIONS)
     return new.view(residual.shape)

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsfuse.kernels.triton_support import cdiv, next_power_of_2
+
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
 # B*max(S,64)*T below this runs the default config: tuning would cost more than it saves
@@ -660,18 +662,18 @@ def _pow2_dividing(n, cap=256):
 
 def default_config(B, S, T, H, D, topk, dtype, device):
     """Tile sizes: N = BLOCK_Q*HP ~ 256 for prefill, one query per block (split along T) for decode."""
-    HP = triton.next_power_of_2(H)
+    HP = next_power_of_2(H)
     on_gpu = device.type == "cuda"
     min_q = max(1, 16 // HP)
-    block_q = max(min_q, min(max(1, 256 // HP), triton.next_power_of_2(max(S, 1))))
+    block_q = max(min_q, min(max(1, 256 // HP), next_power_of_2(max(S, 1))))
     block_t = 128 if on_gpu else 32
     if not on_gpu:
         block_q = max(min_q, min(block_q, 4))
-    programs = triton.cdiv(S, block_q) * B
+    programs = cdiv(S, block_q) * B
     want = 2 * _num_sms(device)
     splits = 1
     if programs < want:
-        splits = max(1, min(triton.cdiv(want, programs), triton.cdiv(T, block_t)))
+        splits = max(1, min(cdiv(want, programs), cdiv(T, block_t)))
     wide = block_q * HP >= 256
     cfg = {
         "block_q": block_q,
@@ -692,7 +694,7 @@ def default_config(B, S, T, H, D, topk, dtype, device):
 def _block_q_choices(S, HP):
     """Queries per program: N = BLOCK_Q*HP of 256 or 128 (>= 16 for the MMA), no more than S needs."""
     min_q = max(1, 16 // HP)
-    cap = triton.next_power_of_2(max(S, 1))
+    cap = next_power_of_2(max(S, 1))
     return tuple(sorted({max(min_q, min(cap, max(1, n // HP))) for n in (256, 128)}, reverse=True))
 
 
@@ -777,8 +779,8 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     cfg = default_config(B, S, T, H, D, topk, q.dtype, q.device)
     if config:
         cfg.update(config)
-    HP = triton.next_power_of_2(H)
-    DP = max(16, triton.next_power_of_2(D))
+    HP = next_power_of_2(H)
+    DP = max(16, next_power_of_2(D))
     block_q, block_t, splits = cfg["block_q"], cfg["block_t"], cfg["splits"]
     exact_fp32 = q.dtype == torch.float32
     fp8_as_fp16 = q.dtype == torch.float8_e4m3fn and not fp8_tensor_cores
@@ -796,16 +798,16 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     ranges = None
     if mask_kind != MASK_NONE:
         ranges = torch.zeros((n_rows, 3), dtype=torch.int32, device=dev)  # see _row_range_kernel
-        chunks = max(triton.cdiv(T, 8192), min(triton.cdiv(T, 2048), triton.cdiv(4 * _num_sms(dev), n_rows)))
-        keys_per_program = triton.cdiv(T, chunks)
+        chunks = max(cdiv(T, 8192), min(cdiv(T, 2048), cdiv(4 * _num_sms(dev), n_rows)))
+        keys_per_program = cdiv(T, chunks)
         _row_range_kernel[(n_rows, chunks)](mask3, ranges, S, T, smb, sms, smt, keys_per_program,
                                             MASK_KIND=mask_kind, BLOCK=1024)
     ranges_arg = ranges if ranges is not None else out
 
     cap = candidate_capacity or 4 * width
-    cap = max(16, triton.next_power_of_2(cap))
+    cap = max(16, next_power_of_2(cap))
     target = 2 * width
-    qblocks = triton.cdiv(S, block_q)
+    qblocks = cdiv(S, block_q)
     common = dict(HP=HP, DP=DP, BLOCK_Q=block_q, BLOCK_T=block_t, HAS_KSCALE=k_scale is not None,
                   MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP, FOLD_SCALE=fold_scale,
                   FP8_AS_FP16=fp8_as_fp16, APPEND=APPEND_MODES[cfg["append"]], HEAD_CHAIN=head_chain,
@@ -817,13 +819,13 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         thr = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=dev)
     else:
         step = max(1, target // cfg["sample_target_rank"])
-        n_sample = triton.cdiv(T, step)
+        n_sample = cdiv(T, step)
         rank = max(1, min(n_sample, round(target / step)))
         sample = torch.empty((B, S, n_sample), dtype=torch.float32, device=dev)
         sq = strides
         sample_strides = (*sq[:4], sq[4], sq[5] * step, sq[6], *sq[7:10], sq[10], sq[11] * step, sq[12], sq[13],
                           sq[14] * step)
-        sample_splits = max(1, min(splits, triton.cdiv(n_sample, block_t)))
+        sample_splits = max(1, min(splits, cdiv(n_sample, block_t)))
         _score_filter_kernel[(qblocks, B, sample_splits)](
             q, k, weights, ks_arg, mask_arg, ranges_arg, out, out, out, out, sample,
             S, n_sample, H, D, softmax_scale, *sample_strides, 0, 0, out, out, 0,
@@ -831,7 +833,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
             FUSE_SELECT=False, CAP_P=16,
             **{**common, "APPEND": 0})  # APPEND is unused in dense mode: one compiled sample pass for all
         thr = torch.empty((n_rows,), dtype=torch.float32, device=dev)
-        chunk = min(4096, triton.next_power_of_2(n_sample))
+        chunk = min(4096, next_power_of_2(n_sample))
         _sample_threshold_kernel[(n_rows,)](sample, thr, n_sample, rank, CHUNK=chunk,
                                             num_warps=1 if chunk <= 2048 else 4)  # one warp: no barriers
 
@@ -854,8 +856,8 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     if dev.type == "cuda" and not fixed_tiles and B * max(S, 64) * T >= AUTOTUNE_MIN_WORK:
         tuned = _autotuned_score_filter(_block_q_choices(S, HP))
         variant = (common["APPEND"] * 2 + int(head_chain)) * 2 + int(fuse_select)  # tuned separately
-        bucket = ((triton.next_power_of_2(S) << 8) + int(math.log2(triton.next_power_of_2(T)))) * 16 + variant
-        tuned[lambda meta: (triton.cdiv(S, meta["BLOCK_Q"]), B, splits)](*filter_args, bucket, *select_args,
+        bucket = ((next_power_of_2(S) << 8) + int(math.log2(next_power_of_2(T)))) * 16 + variant
+        tuned[lambda meta: (cdiv(S, meta["BLOCK_Q"]), B, splits)](*filter_args, bucket, *select_args,
                                                                          **filter_flags)
     else:
         _score_filter_kernel[(qblocks, B, splits)](*filter_args, 0, *select_args, **common, **{

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from dsfuse.kernels.triton_support import cdiv, next_power_of_2
 from dsfuse.models.official import FP4_BLOCK_SIZE, dequantize_fp4
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -336,7 +338,7 @@ def fp4_decode_triton(packed: torch.Tensor, scales: torch.Tensor, bf16: bool = F
     packed, scales = packed.contiguous(), scales.contiguous()
     out = torch.empty(packed.numel(), 2, dtype=torch.float32, device=packed.device)
     block = 256
-    _fp4_decode_table_kernel[(triton.cdiv(packed.numel(), block),)](packed, scales, out, packed.numel(), BLOCK=block,
+    _fp4_decode_table_kernel[(cdiv(packed.numel(), block),)](packed, scales, out, packed.numel(), BLOCK=block,
                                                                     BF16=bf16)
     return out
 
@@ -545,7 +547,7 @@ def moe_default_config(num_slots: int, num_experts: int, fp4: bool = True) -> di
     registers: one CTA per SM). Prefill tiles are the largest that compile without spills.
     """
     rows_per_expert = max(1, -(-3 * num_slots // (2 * num_experts)))
-    block_m = min(256, max(16, triton.next_power_of_2(rows_per_expert)))
+    block_m = min(256, max(16, next_power_of_2(rows_per_expert)))
     config = {"block_m": block_m, "block_n1": 128, "block_n2": 128, "num_warps": 8}
     if block_m <= 64:  # bandwidth-bound decode: deep pipelines keep weight bytes in flight
         return {**config, "block_k": 64, "num_stages": 6} if fp4 else {**config, "block_k": 128, "num_stages": 4}
@@ -639,7 +641,7 @@ def build_tile_schedule_triton(expert_ids: torch.Tensor, num_experts: int, local
     flat = expert_ids.reshape(-1)
     n = flat.numel()
     max_tiles = n // block_m + num_experts
-    e_pad = triton.next_power_of_2(num_experts + 1)
+    e_pad = next_power_of_2(num_experts + 1)
     sorted_slot = torch.empty(n, dtype=torch.int32, device=flat.device)
     rank = torch.empty(n, dtype=torch.int32, device=flat.device)
     row_start, row_end, tile_expert = (torch.empty(max_tiles, dtype=torch.int32, device=flat.device)
@@ -692,7 +694,7 @@ def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_sc
     precision = _dot_precision(x.dtype)
     decode_asm = fp4 and x.is_cuda and x.dtype == torch.bfloat16 and cfg.get("decode_asm", FP4_DECODE_PTX)
     act = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
-    _gate_up_swiglu_kernel[(num_tiles * triton.cdiv(inter, cfg["block_n1"] // 2),)](
+    _gate_up_swiglu_kernel[(num_tiles * cdiv(inter, cfg["block_n1"] // 2),)](
         x, sorted_slot, row_start, row_end, tile_expert, w13, w13_scale, act,
         x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
         act.stride(0), H, inter, top_k,
@@ -701,7 +703,7 @@ def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_sc
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     slot_out = torch.empty(T * top_k, H, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tiles * triton.cdiv(H, cfg["block_n2"]),)](
+    _down_kernel[(num_tiles * cdiv(H, cfg["block_n2"]),)](
         act, sorted_slot, row_start, row_end, tile_expert, w2, w2_scale, slot_out,
         act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
         slot_out.stride(0), H, inter,
@@ -716,8 +718,8 @@ def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_sc
 def _combine(slot_out, row_of_slot, expert_ids, router, out, local_expert_offset, num_experts, router_dtype,
              product_dtype):
     T, H = out.shape
-    block_h = min(1024, triton.next_power_of_2(H))
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
+    block_h = min(1024, next_power_of_2(H))
+    _combine_kernel[(T, cdiv(H, block_h))](
         slot_out, expert_ids if row_of_slot is None else row_of_slot, expert_ids, router, out, slot_out.stride(0),
         out.stride(0), H, expert_ids.shape[1], local_expert_offset, local_expert_offset + num_experts,
         BLOCK_H=block_h, ROUTER_DTYPE=_TL_DTYPES[router_dtype], PRODUCT_DTYPE=_TL_DTYPES[product_dtype],
@@ -764,8 +766,8 @@ def _moe_experts_grouped_mm(x, expert_ids, router, gate_up, down, local_expert_o
     rows = x.index_select(0, sorted_slot // expert_ids.shape[1])
     h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
-    block_r, block_i = 16, min(256, triton.next_power_of_2(inter))
-    _swiglu_kernel[(triton.cdiv(rows.shape[0], block_r), triton.cdiv(inter, block_i))](
+    block_r, block_i = 16, min(256, next_power_of_2(inter))
+    _swiglu_kernel[(cdiv(rows.shape[0], block_r), cdiv(inter, block_i))](
         h, act, rows.shape[0], inter, h.stride(0), act.stride(0),
         SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit), BLOCK_R=block_r, BLOCK_I=block_i)
     slot_out = torch._grouped_mm(act, down.transpose(-2, -1), offs=offs)

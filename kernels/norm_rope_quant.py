@@ -87,7 +87,7 @@ from typing import Any, Optional
 import torch
 import triton
 import triton.language as tl
-from dsfuse.kernels.triton_support import interpreting
+from dsfuse.kernels.triton_support import cdiv, interpreting, next_power_of_2
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # No mul+add contraction: torch rounds every elementwise op, an FMA would skip the product's rounding.
@@ -730,12 +730,12 @@ def _complex_rope_block(
 
 def default_rows(width):
     """Rows per program for a row tile of `width` columns: a program moves a few KiB, at most 8 rows."""
-    return max(1, min(8, 4096 // triton.next_power_of_2(width)))
+    return max(1, min(8, 4096 // next_power_of_2(width)))
 
 
 def default_num_warps(width, rows):
     """Warps per program: 4 up to a 4096-element tile, else 8."""
-    return 4 if triton.next_power_of_2(width) * rows <= 4096 else 8
+    return 4 if next_power_of_2(width) * rows <= 4096 else 8
 
 
 def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None,
@@ -758,12 +758,12 @@ def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
     real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
     half = c_rope // 2
     return BlockLaunch.bind(
-        _rmsnorm_rope_block, triton.cdiv(T, rows), num_warps or default_num_warps(c_norm, rows), (normed, roped),
+        _rmsnorm_rope_block, cdiv(T, rows), num_warps or default_num_warps(c_norm, rows), (normed, roped),
         x, norm_weight, cos_arg, sin_arg, normed, roped, pairs,
         T, c_norm, half, float(eps), pairs.shape[0],
         x.stride(0), cos_arg.stride(0), sin_arg.stride(0), normed.stride(0), max(1, roped.stride(0)),
         pairs.stride(0), pairs.stride(1),
-        ROWS=rows, BLOCK_N=triton.next_power_of_2(c_norm), BLOCK_H=triton.next_power_of_2(max(half, 1)),
+        ROWS=rows, BLOCK_N=next_power_of_2(c_norm), BLOCK_H=next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
         COMPLEX=freqs is not None, REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
@@ -794,11 +794,11 @@ def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bia
     norm = 1 if ln_weight is not None else 1 + rms_norm if rms_norm else 0
     weight = ln_weight if ln_weight is not None else rms_weight if rms_weight is not None else x
     return BlockLaunch.bind(
-        _rope_cat_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
+        _rope_cat_block, cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
         x, cos, sin, out, weight, ln_bias if ln_bias is not None else x,
         n_rows, x.shape[1], x.shape[2], width, rope_start, half, float(ln_eps if ln_weight is not None else rms_eps),
         *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
-        ROWS=rows, BLOCK_D=triton.next_power_of_2(width), BLOCK_H=triton.next_power_of_2(half),
+        ROWS=rows, BLOCK_D=next_power_of_2(width), BLOCK_H=next_power_of_2(half),
         INTERLEAVED=bool(interleaved), NORM=norm, FP32_PAIRS=bool(fp32_pairs),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
 
@@ -841,12 +841,12 @@ def rope_quant_fp8_launch(x, freqs, rope_start, interleaved, block_size, ue8m0, 
     n_blocks = width // block_size
     layer_norm = ln_weight is not None
     return BlockLaunch.bind(
-        _rope_quant_fp8_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows),
+        _rope_quant_fp8_block, cdiv(n_rows, rows), num_warps or default_num_warps(width, rows),
         (quantized, scale),
         x, pairs, quantized, scale, ln_weight if layer_norm else x, ln_bias if layer_norm else x,
         n_rows, x.shape[1], x.shape[2], width, rope_start, freqs.shape[-1], n_blocks, float(ln_eps),
         *x.stride()[:3], *_broadcast_strides(pairs, 3), pairs.stride(3),
-        ROWS=rows, NB_P2=triton.next_power_of_2(n_blocks), BS=block_size,
+        ROWS=rows, NB_P2=next_power_of_2(n_blocks), BS=block_size,
         INTERLEAVED=bool(interleaved), LAYER_NORM=layer_norm, UE8M0=bool(ue8m0),
         REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, MANUAL_FP8_RNE=interpreting(),
@@ -875,10 +875,10 @@ def complex_rope_launch(x, freqs, interleaved, rows_per_program=None, num_warps=
     real_mul, imag_mul = complex_mul or CUDA_COMPLEX_MUL
     rows = rows_per_program or rope_cat_default_rows(n_rows, width)
     return BlockLaunch.bind(
-        _complex_rope_block, triton.cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
+        _complex_rope_block, cdiv(n_rows, rows), num_warps or default_num_warps(width, rows), (out,),
         x, pairs, out, n_rows, x.shape[1], x.shape[2], width // 2,
         *x.stride()[:3], *_broadcast_strides(pairs, 3), pairs.stride(3),
-        ROWS=rows, BLOCK_C=triton.next_power_of_2(width), INTERLEAVED=bool(interleaved),
+        ROWS=rows, BLOCK_C=next_power_of_2(width), INTERLEAVED=bool(interleaved),
         REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
 
@@ -904,14 +904,20 @@ class BlockLaunch:
 
     @classmethod
     def bind(cls, block, programs, num_warps, outputs, *args, **kwargs) -> "BlockLaunch":
-        names = (p.name for p in _block_parameters(block.fn))
-        return cls(block, programs, {**dict(zip(names, args)), **kwargs}, num_warps, outputs)
+        params = dict(zip(_block_parameter_names(block.fn), args))
+        params.update(kwargs)
+        return cls(block, programs, params, num_warps, outputs)
 
 
 @functools.lru_cache(maxsize=None)
 def _block_parameters(fn) -> tuple[inspect.Parameter, ...]:
     """A block function's parameters after `pid` (read once per block: launches are a hot path)."""
     return tuple(inspect.signature(fn).parameters.values())[1:]
+
+
+@functools.lru_cache(maxsize=None)
+def _block_parameter_names(fn) -> tuple[str, ...]:
+    return tuple(p.name for p in _block_parameters(fn))
 
 
 _GROUP_KERNELS: dict[tuple[str, ...], Any] = {}
@@ -952,17 +958,19 @@ def _group_kernel(blocks: tuple) -> Any:
 
 def launch_blocks(launches: list[BlockLaunch]) -> list[tuple]:
     """Run every launch's block in one kernel launch (programs laid end to end; one with no programs is left
-    out) and return each launch's outputs, in order. No host sync."""
+    out) and return each launch's outputs, in order. No host sync. The group kernel's arguments go positionally
+    (its range starts, then each block's parameters in order): the host binds them once, by position."""
     busy = [launch for launch in launches if launch.programs > 0]
     if busy:
-        kwargs, start = {}, 0
+        starts, values, start = [], [], 0
         for i, launch in enumerate(busy):
             if i:
-                kwargs[f"START_{i}"] = start
+                starts.append(start)
             start += launch.programs
-            kwargs.update({f"m{i}_{name}": value for name, value in launch.params.items()})
+            params = launch.params
+            values += [params[name] for name in _block_parameter_names(launch.block.fn)]
         kernel = _group_kernel(tuple(launch.block for launch in busy))
-        kernel[(start,)](**kwargs, num_warps=max(launch.num_warps for launch in busy), **COMPILE_OPTIONS)
+        kernel[(start,)](*starts, *values, num_warps=max(launch.num_warps for launch in busy), **COMPILE_OPTIONS)
     return [launch.outputs for launch in launches]
 
 
@@ -1105,24 +1113,33 @@ def group_member_lists(op: str, args: tuple, kwargs: dict | None = None) -> tupl
     return tensors, ints, floats
 
 
+@functools.lru_cache(maxsize=None)
+def _member_plan(op: str) -> tuple[tuple[int, bool], ...]:
+    """For each argument of member `op`, in schema order: the group list it comes from (0 tensors, 1 ints,
+    2 floats) and whether it is a bool (read once per op: group calls are a hot path)."""
+    plan = []
+    for kind in _argument_kinds(op):
+        if "Tensor" in kind:
+            plan.append((0, False))
+        elif kind == "float":
+            plan.append((2, False))
+        elif kind in ("int", "SymInt", "bool"):
+            plan.append((1, kind == "bool"))
+        else:
+            raise TypeError(f"norm_rope_group: member {op} has an argument of type {kind}")
+    return tuple(plan)
+
+
 def group_member_args(op: str, tensors: list, ints: list, floats: list) -> tuple[list, list, list, list]:
     """The arguments of member `op` taken from the front of a group's three lists, in `op`'s schema order, and
     what is left of the lists. Tensors (or None) come from `tensors`, ints and bools from `ints`, floats from
     `floats`."""
-    args = []
-    for kind in _argument_kinds(op):
-        if "Tensor" in kind:
-            args.append(tensors[0])
-            tensors = tensors[1:]
-        elif kind == "float":
-            args.append(floats[0])
-            floats = floats[1:]
-        elif kind in ("int", "SymInt", "bool"):
-            args.append(bool(ints[0]) if kind == "bool" else ints[0])
-            ints = ints[1:]
-        else:
-            raise TypeError(f"norm_rope_group: member {op} has an argument of type {kind}")
-    return args, tensors, ints, floats
+    lists, used, args = (tensors, ints, floats), [0, 0, 0], []
+    for source, is_bool in _member_plan(op):
+        value = lists[source][used[source]]
+        used[source] += 1
+        args.append(bool(value) if is_bool else value)
+    return args, tensors[used[0]:], ints[used[1]:], floats[used[2]:]
 
 
 def split_group(members: str, tensors: list, ints: list, floats: list) -> list[tuple[str, list]]:

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsfuse.kernels.triton_support import cdiv, next_power_of_2
+
 LOG2E = 1.4426950408889634
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -287,8 +289,8 @@ def sparse_mla_default_config(S: int, H: int, Dc: int) -> dict:
     """Launch parameters from the H200 sweep in benchmarks/sparse_attention_gpu.py (2026-11-29):
     64 heads x 64 keys, whole Dc per program, 8 warps, 2 stages was fastest for prefill and
     decode; 4 warps spill the [64, 512] fp32 accumulator, splitting Dc repeats q.k."""
-    block_h = max(16, min(64, triton.next_power_of_2(H)))
-    dc_p = triton.next_power_of_2(Dc)
+    block_h = max(16, min(64, next_power_of_2(H)))
+    dc_p = next_power_of_2(Dc)
     return {"block_h": block_h, "block_n": 64, "block_dv": max(16, dc_p),
             "num_warps": 8 if block_h * dc_p >= 64 * 256 else 4, "num_stages": 2}
 
@@ -300,7 +302,7 @@ def sparse_mla_num_splits(queries: int, head_blocks: int, K: int, block_n: int, 
     programs = queries * head_blocks
     if 2 * programs >= sms:
         return 1
-    return max(1, min(triton.cdiv(K, max(256, block_n)), triton.cdiv(sms, programs)))
+    return max(1, min(cdiv(K, max(256, block_n)), cdiv(sms, programs)))
 
 
 def sparse_mla_attention_triton(
@@ -333,23 +335,23 @@ def sparse_mla_attention_triton(
                      ("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None:
             cfg[key] = val
-    dc_p = triton.next_power_of_2(Dc)
-    dr_p = max(16, triton.next_power_of_2(Dr))
+    dc_p = next_power_of_2(Dc)
+    dr_p = max(16, next_power_of_2(Dr))
     out = torch.empty((B, S, H, Dc), dtype=q_nope.dtype, device=q_nope.device)
     if out.numel() == 0:
         return out
-    head_blocks = triton.cdiv(H, cfg["block_h"])
+    head_blocks = cdiv(H, cfg["block_h"])
     if num_splits is None:
         sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 132
         num_splits = sparse_mla_num_splits(B * S, head_blocks, K, cfg["block_n"], sms)
-    split_len = triton.cdiv(triton.cdiv(K, num_splits), cfg["block_n"]) * cfg["block_n"]
-    num_splits = triton.cdiv(K, split_len)
+    split_len = cdiv(cdiv(K, num_splits), cfg["block_n"]) * cfg["block_n"]
+    num_splits = cdiv(K, split_len)
     if num_splits > 1:
         part = torch.empty((B * S * num_splits * H, Dc), dtype=torch.float32, device=out.device)
         stats = torch.empty((B * S * num_splits * H, 2), dtype=torch.float32, device=out.device)
     else:
         part = stats = out  # never touched with one split
-    grid = (B * S * num_splits, head_blocks, triton.cdiv(dc_p, cfg["block_dv"]))
+    grid = (B * S * num_splits, head_blocks, cdiv(dc_p, cfg["block_dv"]))
     sink_arg = sink if sink is not None else q_nope  # never read when HAS_SINK is False
     _sparse_mla_kernel[grid](
         q_nope, q_pe, kv, pe, idx, sink_arg, out, part, stats, row_len if row_len is not None else idx,
@@ -367,7 +369,7 @@ def sparse_mla_attention_triton(
     )
     if num_splits > 1:
         combine_dv = min(128, max(16, dc_p))
-        _mla_split_combine_kernel[(B * S, head_blocks, triton.cdiv(dc_p, combine_dv))](
+        _mla_split_combine_kernel[(B * S, head_blocks, cdiv(dc_p, combine_dv))](
             part, stats, sink_arg, out, out.stride(0), out.stride(1), out.stride(2), S, H,
             DC=Dc, BLOCK_H=cfg["block_h"], BLOCK_DV=combine_dv, NUM_SPLITS=num_splits, HAS_SINK=sink is not None,
             num_warps=4,
@@ -658,7 +660,7 @@ def _split_head_dim(D: int):
     """D = DA + tail with DA a power of two >= 16; tail padded to a power of two (0 if none)."""
     da = max(16, 1 << (D.bit_length() - 1))
     tail = D - da
-    return da, (max(16, triton.next_power_of_2(tail)) if tail > 0 else 0)
+    return da, (max(16, next_power_of_2(tail)) if tail > 0 else 0)
 
 
 def sparse_masked_default_config() -> dict:
@@ -700,7 +702,7 @@ def sparse_attention_masked_triton(
     out = torch.empty((B, H, S, Dv), dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
-    num_qb, num_tiles = triton.cdiv(S, bm), triton.cdiv(T, bn)
+    num_qb, num_tiles = cdiv(S, bm), cdiv(T, bn)
     words = num_tiles * (bn // 32)  # rows padded to whole key tiles: no word index past a row
     bits = torch.zeros((B, S, words), dtype=torch.int32, device=q.device)
     mask_kind, mask_arg, mstrides = _MASK_NONE, bits, (0, 0, 0, 0)
@@ -715,8 +717,8 @@ def sparse_attention_masked_triton(
             mask_kind = _MASK_BOOL if attn_mask.dtype == torch.bool else _MASK_ADD
             mask_arg = expanded.view(torch.uint8) if attn_mask.dtype == torch.bool else expanded
             mstrides = tuple(mask_arg.stride())
-    block_k = min(1024, triton.next_power_of_2(K))
-    _selection_bitmap_kernel[(B * S, triton.cdiv(K, block_k))](
+    block_k = min(1024, next_power_of_2(K))
+    _selection_bitmap_kernel[(B * S, cdiv(K, block_k))](
         idx, bits, bitmap_mask, idx.stride(0), idx.stride(1), *bitmap_mstrides, S, T, K, words,
         BLOCK_K=block_k, CAUSAL=causal, HAS_MASK=bitmap_mask is not bits)
     if empty_rows_see_all:
@@ -725,7 +727,7 @@ def sparse_attention_masked_triton(
     tile_count = torch.empty((B, num_qb), dtype=torch.int32, device=q.device)
     _active_tiles_kernel[(B * num_qb,)](
         bits, tile_list, tile_count, S, words, num_qb, num_tiles,
-        BLOCK_M=bm, BLOCK_N=bn, TILE_CHUNK=min(32, triton.next_power_of_2(num_tiles)))
+        BLOCK_M=bm, BLOCK_N=bn, TILE_CHUNK=min(32, next_power_of_2(num_tiles)))
 
     if mask_kind == _MASK_ADD:
         vmean = v.float().mean(dim=2)  # [B,H,Dv]
@@ -740,7 +742,7 @@ def sparse_attention_masked_triton(
         *mstrides,
         out.stride(0), out.stride(1), out.stride(2),
         H, S, T, words, num_qb, num_tiles, float(scale), torch.finfo(q.dtype).min,
-        D=D, DV=Dv, DA=da, DB=db, DV_P=max(16, triton.next_power_of_2(Dv)),
+        D=D, DV=Dv, DA=da, DB=db, DV_P=max(16, next_power_of_2(Dv)),
         BLOCK_M=bm, BLOCK_N=bn, MASK_KIND=mask_kind,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -902,7 +904,7 @@ def _attend_triton(q_nope, q_pe, kv, pe, idx, scale, only=None):
     B, S, H, Dc = q_nope.shape
     cfg = sparse_mla_default_config(S, H, Dc)
     sms = torch.cuda.get_device_properties(q_nope.device).multi_processor_count if q_nope.is_cuda else 132
-    splits = sparse_mla_num_splits(B * S, triton.cdiv(H, cfg["block_h"]), idx.shape[-1], cfg["block_n"], sms)
+    splits = sparse_mla_num_splits(B * S, cdiv(H, cfg["block_h"]), idx.shape[-1], cfg["block_n"], sms)
     row_len = torch.where(only.view(-1), idx.shape[-1], 0).to(torch.int32)
     return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale, row_len=row_len,
                                        num_splits=min(splits, _SEE_ALL_MAX_SPLITS))

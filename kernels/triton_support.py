@@ -13,8 +13,26 @@ import functools
 import os
 
 
+def cdiv(a: int, b: int) -> int:
+    """`triton.cdiv` for host ints. Triton's is a constexpr function whose wrapper costs microseconds a host call,
+    and a launch path makes dozens of them (decode steps are bound by the host's launch work)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """`triton.next_power_of_2` for host ints n >= 0 (0 for 0), without its constexpr wrapper (see `cdiv`); anything
+    else (a SymInt) goes to Triton's."""
+    if type(n) is not int or n < 0:
+        import triton
+
+        return triton.next_power_of_2(n)
+    return 1 << (n - 1).bit_length() if n else 0
+
+
+@functools.lru_cache(maxsize=None)
 def interpreting() -> bool:
-    """True when Triton kernels run on the CPU interpreter instead of a GPU."""
+    """True when Triton kernels run on the CPU interpreter instead of a GPU. Read once: Triton itself decides when
+    a kernel is decorated (at import), and launch paths ask on every call."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

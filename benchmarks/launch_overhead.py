@@ -1,0 +1,121 @@
+"""Host time of each dsfuse op a DeepSeek V4 decode step calls: what a host-bound step (no CUDA graphs) pays per op.
+
+Runs `generate` on a V4 preset with `V4DecodeCache` through dsfuse, records the arguments of every dsfuse op the
+decode steps call (first call of each op and member list), then times each op's CUDA implementation on those
+arguments, one call after another:
+
+- on a GPU: the op as the compiled step calls it (`torch.ops.dsfuse.<op>`: dispatcher, custom-op wrapper, our
+  launcher, Triton's launcher) and our CUDA function alone, in microseconds of host time per call (no sync inside
+  the loop; decode-sized kernels finish faster than the host issues them);
+- on CPU (no GPU): our CUDA function on CPU tensors with Triton's kernel launches replaced by a no-op: the Python
+  work of our launch path alone (validation, allocation, argument binding), on this host.
+
+    python benchmarks/launch_overhead.py                      # v4-tiny on CPU
+    python benchmarks/launch_overhead.py --preset v4-flash-real-2l --prompt 8192 --json $OUT/launch.json   # H200
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+import triton
+from torch._library.custom_ops import OPDEFS
+
+import dsfuse  # noqa: F401  (registers the dsfuse ops)
+from dsfuse.generation import generate_kwargs
+from dsfuse.models.presets import build_hf_model
+
+
+def record_decode_calls(model, prompt: int, new_tokens: int, device: str) -> dict:
+    """{(op, members): (args, kwargs)} of the dsfuse ops the compiled decode steps call."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    kwargs = generate_kwargs(model, 1, prompt + new_tokens, compile_all_devices=device == "cpu")
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
+    calls, originals = {}, {}
+    key = "cuda" if device == "cuda" else None
+    for name, opdef in OPDEFS.items():
+        if not name.startswith("dsfuse::") or key not in opdef._backend_fns:
+            continue
+        originals[name] = opdef._backend_fns[key]
+
+        def recording(*args, _name=name, _fn=originals[name], **kw):
+            members = args[0] if _name == "dsfuse::norm_rope_group" else ""
+            calls.setdefault((_name, members), (args, kw))
+            return _fn(*args, **kw)
+
+        opdef._backend_fns[key] = recording
+    try:
+        kwargs = generate_kwargs(model, 1, prompt + new_tokens, cache=kwargs["cache"],
+                                 compile_all_devices=device == "cpu")
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, **kwargs)
+    finally:
+        for name, fn in originals.items():
+            OPDEFS[name]._backend_fns[key] = fn
+    return calls
+
+
+def host_us(fn, repeats: int, rounds: int = 9) -> float:
+    """The fastest round's mean host time per call (the least disturbed by other work on the host, as `timeit`)."""
+    fn()
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        samples.append((time.perf_counter() - start) / repeats * 1e6)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return min(samples)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="v4-tiny")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_hf_model(args.preset, dtype=dtype, device=device)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    calls = record_decode_calls(model, args.prompt, 4, device)
+    rows = []
+    stub = None
+    if device == "cpu":
+        stub = triton.runtime.jit.JITFunction.run
+        triton.runtime.jit.JITFunction.run = lambda self, *a, **k: None
+    try:
+        for (name, members), (op_args, op_kwargs) in sorted(calls.items()):
+            cuda_fn = OPDEFS[name]._backend_fns["cuda"]
+            row = {"op": name, "members": members,
+                   "launcher_us": host_us(lambda: cuda_fn(*op_args, **op_kwargs), args.repeats)}
+            if device == "cuda":
+                op = getattr(torch.ops.dsfuse, name.split("::")[1])
+                row["op_us"] = host_us(lambda: op(*op_args, **op_kwargs), args.repeats)
+            rows.append(row)
+    finally:
+        if stub is not None:
+            triton.runtime.jit.JITFunction.run = stub
+    what = "our launcher (Triton launches stubbed)" if device == "cpu" else "our launcher"
+    print(f"# {args.preset} decode ops, host us per call on {device} (torch {torch.__version__}, "
+          f"triton {triton.__version__})")
+    print(f"{'op':60s} {what:>40s}" + (f" {'torch.ops call':>15s}" if device == "cuda" else ""))
+    for row in rows:
+        label = row["op"].split("::")[1] + (f" [{row['members']}]" if row["members"] else "")
+        print(f"{label:60s} {row['launcher_us']:40.1f}" + (f" {row['op_us']:15.1f}" if "op_us" in row else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"preset": args.preset, "device": device, "torch": torch.__version__,
+                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
