@@ -18,22 +18,28 @@ def _cuda_forms_and_padding(graph: torch.fx.Graph) -> None:
     pad_matmuls(graph)
 
 
+def _without_and_with(form, model, *args, **kwargs):
+    """(logits, report) of the model compiled as it is, then of it compiled with `form` applied to the graph first."""
+    results = []
+    with torch.no_grad():
+        for options in (None, {"inductor": {"post_grad_custom_pre_pass": form}}):
+            torch._dynamo.reset()
+            dsfuse.reset_report()
+            REWRITES.clear()
+            results += [torch.compile(model, backend="dsfuse", options=options)(*args, **kwargs).logits,
+                        dsfuse.report()]
+    return results
+
+
 def test_v4_families_rewrite_on_torch_2_11_cuda_graph_forms():
     model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=2,
                            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
                            mlp_layer_types=["moe", "moe"])
     ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = torch.compile(model, backend="dsfuse")(ids).logits
-        plain = dict(dsfuse.report().counts)
-        torch._dynamo.reset()
-        dsfuse.reset_report()
-        REWRITES.clear()
-        options = {"inductor": {"post_grad_custom_pre_pass": _cuda_forms_and_padding}}
-        got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
+    want, plain, got, rep = _without_and_with(_cuda_forms_and_padding, model, ids)
+    plain = dict(plain.counts)
     assert {n.target for n in REWRITES} == {torch.ops.prims.prepare_softmax_online.default, CONVERT,
                                             torch.ops.aten.slice.Tensor}
-    rep = dsfuse.report()
     assert rep.counts == plain and plain["compressors"] == 3 and plain["hyper_connections"] == 9, (plain, str(rep))
     assert not rep.near_misses, str(rep)
     details = [s.detail for s in rep.sites if s.pass_name == "hyper_connections"]
@@ -46,15 +52,8 @@ def test_hyper_connection_exits_rewrite_when_cuda_computes_the_one_token_bmm_as_
     model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
                            layer_types=["sliding_attention"], mlp_layer_types=["moe"])
     ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        want = torch.compile(model, backend="dsfuse")(ids).logits
-        torch._dynamo.reset()
-        dsfuse.reset_report()
-        REWRITES.clear()
-        options = {"inductor": {"post_grad_custom_pre_pass": batch_one_bmm_as_mm}}
-        got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
+    want, _, got, rep = _without_and_with(batch_one_bmm_as_mm, model, ids)
     assert REWRITES, "the forward has no batch-1 bmm to turn into an mm"
-    rep = dsfuse.report()
     exits = [s for s in rep.sites if s.op == "dsfuse.hc_expand_mix"]
     assert rep.counts["hyper_connections"] == 5 and len(exits) == 2, str(rep)
     assert not [m for m in rep.near_misses if m.pass_name == "hyper_connections"], str(rep)
@@ -69,18 +68,10 @@ def test_csa_attention_with_one_compressed_entry_rewrites_with_its_block_bias_in
                            layer_types=["compressed_sparse_attention", "sliding_attention"],
                            mlp_layer_types=["moe", "moe"])
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = torch.compile(model, backend="dsfuse")(ids).logits
-        plain = dsfuse.report()
-        assert plain.counts["sparse_attention"] == 2 and plain.counts["indexer_topk"] == 1, str(plain)
-        assert not plain.near_misses, str(plain)
-        torch._dynamo.reset()
-        dsfuse.reset_report()
-        REWRITES.clear()
-        options = {"inductor": {"post_grad_custom_pre_pass": keep_constant_wheres_in_float32}}
-        got = torch.compile(model, backend="dsfuse", options=options)(ids).logits
+    want, plain, got, rep = _without_and_with(keep_constant_wheres_in_float32, model, ids)
+    assert plain.counts["sparse_attention"] == 2 and plain.counts["indexer_topk"] == 1, str(plain)
+    assert not plain.near_misses, str(plain)
     assert REWRITES, "the graph has no cast of a constant where to drop"
-    rep = dsfuse.report()
     assert rep.counts == plain.counts and not rep.near_misses, str(rep)
     assert torch.equal(got, want)
 
@@ -93,16 +84,10 @@ def test_v32_eager_attention_rewrites_when_cuda_pads_its_products():
     ids = torch.randint(1, 256, (2, 37), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0
-    with torch.no_grad():
-        want = torch.compile(model, backend="dsfuse")(ids, attention_mask=mask).logits
-        plain = dict(dsfuse.report().counts)
-        torch._dynamo.reset()
-        dsfuse.reset_report()
-        REWRITES.clear()
-        options = {"inductor": {"post_grad_custom_pre_pass": functools.partial(pad_matmuls, min_dim=8)}}
-        got = torch.compile(model, backend="dsfuse", options=options)(ids, attention_mask=mask).logits
+    want, plain, got, rep = _without_and_with(functools.partial(pad_matmuls, min_dim=8), model, ids,
+                                              attention_mask=mask)
+    plain = dict(plain.counts)
     assert REWRITES, "no product was padded"
-    rep = dsfuse.report()
     assert rep.counts == plain and plain["sparse_attention"] == 2, (plain, str(rep))
     assert not rep.near_misses, str(rep)
     assert torch.equal(got, want)
