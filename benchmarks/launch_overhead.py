@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from typing import Optional
 
 import torch
 import triton
@@ -25,6 +26,7 @@ from torch._library.custom_ops import OPDEFS
 
 import dsfuse  # noqa: F401  (registers the dsfuse ops)
 from dsfuse.generation import generate_kwargs
+from dsfuse.kernels.triton_support import DIRECT_KERNELS, direct_kernel
 from dsfuse.models.presets import build_hf_model
 
 
@@ -35,27 +37,36 @@ def record_decode_calls(model, prompt: int, new_tokens: int, device: str) -> dic
     kwargs = generate_kwargs(model, 1, prompt + new_tokens, compile_all_devices=device == "cpu")
     with torch.no_grad():
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
-    calls, originals = {}, {}
-    key = "cuda" if device == "cuda" else None
-    for name, opdef in OPDEFS.items():
-        if not name.startswith("dsfuse::") or key not in opdef._backend_fns:
-            continue
-        originals[name] = opdef._backend_fns[key]
+    calls = {}
 
-        def recording(*args, _name=name, _fn=originals[name], **kw):
-            members = args[0] if _name == "dsfuse::norm_rope_group" else ""
-            calls.setdefault((_name, members), (args, kw))
-            return _fn(*args, **kw)
+    def recording(name, fn):
+        def record(*args, **kw):
+            calls.setdefault((name, args[0] if name == "dsfuse::norm_rope_group" else ""), (args, kw))
+            return fn(*args, **kw)
+        return record
 
-        opdef._backend_fns[key] = recording
+    # CUDA: the direct kernels, overridden by a recorder library removed afterwards; CPU: custom_op's default impl
+    recorder, originals = None, {}
+    if device == "cuda":
+        recorder = torch.library.Library("dsfuse", "IMPL")
+        for (name, dev), fn in DIRECT_KERNELS.items():
+            if dev == "cuda":
+                recorder.impl(name.split("::")[1], recording(name, fn), "CUDA")
+    else:
+        for name, opdef in OPDEFS.items():
+            if name.startswith("dsfuse::") and None in opdef._backend_fns:
+                originals[name] = opdef._backend_fns[None]
+                opdef._backend_fns[None] = recording(name, originals[name])
     try:
         kwargs = generate_kwargs(model, 1, prompt + new_tokens, cache=kwargs["cache"],
                                  compile_all_devices=device == "cpu")
         with torch.no_grad():
             model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, **kwargs)
     finally:
+        if recorder is not None:
+            recorder._destroy()
         for name, fn in originals.items():
-            OPDEFS[name]._backend_fns[key] = fn
+            OPDEFS[name]._backend_fns[None] = fn
     return calls
 
 
@@ -71,6 +82,33 @@ def host_us(fn, repeats: int, rounds: int = 9) -> float:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     return min(samples)
+
+
+def dispatch_overhead(device: str, repeats: int) -> dict:
+    """Host us per call of a no-op op with norm_rope_group's argument kinds (11 tensors, 6 ints, 3 floats), its
+    kernel registered through custom_op's `register_kernel` and through `direct_kernel`."""
+    result = torch.zeros(1, device=device)
+
+    def noop(members, tensors, ints, floats):
+        return [result.clone()]
+
+    ops = {}
+    for path in ("custom_op", "direct_kernel"):
+        op = torch.library.custom_op(f"dsfuse_probe::{path}", mutates_args=())(_probe_signature)
+        op.register_fake(lambda members, tensors, ints, floats: [result.new_empty(1)])
+        if path == "custom_op":
+            op.register_kernel(device)(noop)
+        else:
+            direct_kernel(op, device)(noop)
+        ops[path] = getattr(torch.ops.dsfuse_probe, path).default
+    args = ("a,b", [torch.zeros(4, device=device) for _ in range(11)], [1] * 6, [0.5] * 3)
+    with torch.no_grad():
+        return {f"{path}_us": host_us(lambda op=op: op(*args), repeats) for path, op in ops.items()}
+
+
+def _probe_signature(members: str, tensors: list[Optional[torch.Tensor]], ints: list[int],
+                     floats: list[float]) -> list[torch.Tensor]:
+    raise NotImplementedError("the probe has kernels for the device it is timed on only")
 
 
 def main(argv=None) -> int:
@@ -93,7 +131,7 @@ def main(argv=None) -> int:
         triton.runtime.jit.JITFunction.run = lambda self, *a, **k: None
     try:
         for (name, members), (op_args, op_kwargs) in sorted(calls.items()):
-            cuda_fn = OPDEFS[name]._backend_fns["cuda"]
+            cuda_fn = DIRECT_KERNELS[(name, "cuda")]
             row = {"op": name, "members": members,
                    "launcher_us": host_us(lambda: cuda_fn(*op_args, **op_kwargs), args.repeats)}
             if device == "cuda":
@@ -110,10 +148,13 @@ def main(argv=None) -> int:
     for row in rows:
         label = row["op"].split("::")[1] + (f" [{row['members']}]" if row["members"] else "")
         print(f"{label:60s} {row['launcher_us']:40.1f}" + (f" {row['op_us']:15.1f}" if "op_us" in row else ""))
+    dispatch = dispatch_overhead(device, args.repeats)
+    print(f"dispatch of a no-op op (norm_rope_group's argument kinds): custom_op's kernel path "
+          f"{dispatch['custom_op_us']:.1f} us, direct_kernel {dispatch['direct_kernel_us']:.1f} us per call")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"preset": args.preset, "device": device, "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+                       "triton": triton.__version__, "rows": rows, "dispatch": dispatch}, f, indent=1)
     return 0
 
 

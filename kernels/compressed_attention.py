@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsfuse.kernels.triton_support import cdiv, interpreting, next_power_of_2
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -706,7 +706,7 @@ def _compressed_attention_fake(q, kv, q_positions, kv_positions, compressed, ind
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-@compressed_attention.register_kernel("cuda")
+@direct_kernel(compressed_attention)
 def _compressed_attention_cuda(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
                                compress_rate, cos, sin):
     return compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,

@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _round_to
-from dsfuse.kernels.triton_support import interpreting, next_power_of_2
+from dsfuse.kernels.triton_support import direct_kernel, interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -266,7 +266,7 @@ def _kv_compress_fake(kv, gate, position_bias, norm_weight, cos, sin, eps, overl
     return kv.new_empty((B, W, C // 2 if overlap else C))
 
 
-@kv_compress.register_kernel("cuda")
+@direct_kernel(kv_compress)
 def _kv_compress_cuda(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap):
     return kv_compress_triton(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap)
 

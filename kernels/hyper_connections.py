@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _round_to
-from dsfuse.kernels.triton_support import cdiv, interpreting, next_power_of_2
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting, next_power_of_2
 
 STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # fp32-accurate tensor-core dot (three tf32 products); the interpreter computes the dot in fp32 whatever it is told.
@@ -650,7 +650,7 @@ def _hc_collapse_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
             x.new_empty(lead + (hc, hc), dtype=torch.float32))
 
 
-@hc_collapse.register_kernel("cuda")
+@direct_kernel(hc_collapse)
 def _hc_collapse_cuda(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     return hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
@@ -669,7 +669,7 @@ def _hc_head_fake(x, fn, base, scale, norm_eps, hc_eps):
     return x.new_empty(tuple(x.shape[:-2]) + (x.shape[-1],))
 
 
-@hc_head.register_kernel("cuda")
+@direct_kernel(hc_head)
 def _hc_head_cuda(x, fn, base, scale, norm_eps, hc_eps):
     return hc_head_triton(x, fn, base, scale, norm_eps, hc_eps)
 
@@ -687,7 +687,7 @@ def _hc_expand_mix_fake(out, residual, post, comb):
     return torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
 
 
-@hc_expand_mix.register_kernel("cuda")
+@direct_kernel(hc_expand_mix)
 def _hc_expand_mix_cuda(out, residual, post, comb):
     return hc_expand_mix_triton(out, residual, post, comb)
 
@@ -711,7 +711,7 @@ def _hc_exit_collapse_fake(out, residual, post, comb, fn, base, scale, norm_eps,
             *_hc_collapse_fake(residual, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters))
 
 
-@hc_exit_collapse.register_kernel("cuda")
+@direct_kernel(hc_exit_collapse)
 def _hc_exit_collapse_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     return hc_exit_collapse_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
 
@@ -733,7 +733,7 @@ def _hc_exit_head_fake(out, residual, post, comb, fn, base, scale, norm_eps, hc_
     return _hc_head_fake(residual, fn, base, scale, norm_eps, hc_eps)
 
 
-@hc_exit_head.register_kernel("cuda")
+@direct_kernel(hc_exit_head)
 def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps):
     return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.triton_support import cdiv, next_power_of_2
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
@@ -913,7 +913,7 @@ def _indexer_topk_fake(q, k, weights, k_scale, mask, softmax_scale, topk, ordere
     return q.new_empty((B, S, torch.sym_min(topk, k.shape[1])), dtype=torch.int32)
 
 
-@indexer_topk.register_kernel("cuda")
+@direct_kernel(indexer_topk)
 def _indexer_topk_cuda(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False):
     return indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=ordered)
 

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.triton_support import cdiv, next_power_of_2
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 from dsfuse.models.official import FP4_BLOCK_SIZE, dequantize_fp4
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -872,7 +872,7 @@ def _moe_experts_fp4_fake(x, expert_ids, expert_weights, w13_packed, w13_scale, 
     return x.new_empty(x.shape)
 
 
-@moe_experts_fp4.register_kernel("cuda")
+@direct_kernel(moe_experts_fp4)
 def _moe_experts_fp4_cuda(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
                           local_expert_offset=0, swiglu_limit=None):
     return moe_experts_fp4_triton(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
@@ -900,6 +900,6 @@ def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_e
     return x.new_empty(x.shape)
 
 
-@moe_experts_bf16.register_kernel("cuda")
+@direct_kernel(moe_experts_bf16)
 def _moe_experts_bf16_cuda(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None):
     return moe_experts_bf16_triton(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit)

@@ -87,7 +87,7 @@ from typing import Any, Optional
 import torch
 import triton
 import triton.language as tl
-from dsfuse.kernels.triton_support import cdiv, interpreting, next_power_of_2
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting, next_power_of_2
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # No mul+add contraction: torch rounds every elementwise op, an FMA would skip the product's rounding.
@@ -999,7 +999,7 @@ def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
     return x.new_empty((T, c_norm)), x.new_empty((T, width - c_norm))
 
 
-@rmsnorm_rope.register_kernel("cuda")
+@direct_kernel(rmsnorm_rope)
 def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
     return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs)
 
@@ -1027,7 +1027,7 @@ def _rope_cat_fake(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@rope_cat.register_kernel("cuda")
+@direct_kernel(rope_cat)
 def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
                    rms_weight=None, rms_eps=0.0, fp32_pairs=False):
     return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
@@ -1056,7 +1056,7 @@ def _rope_quant_fp8_fake(x, freqs, rope_start, interleaved, block_size, ue8m0, l
             torch.empty((*x.shape[:-1], x.shape[-1] // block_size), dtype=torch.float32, device=x.device))
 
 
-@rope_quant_fp8.register_kernel("cuda")
+@direct_kernel(rope_quant_fp8)
 def _rope_quant_fp8_cuda(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,
                          ln_eps=0.0):
     return rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight, ln_bias, ln_eps)
@@ -1077,7 +1077,7 @@ def _complex_rope_fake(x, freqs, interleaved):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@complex_rope.register_kernel("cuda")
+@direct_kernel(complex_rope)
 def _complex_rope_cuda(x, freqs, interleaved):
     return complex_rope_triton(x, freqs, interleaved)
 
@@ -1187,7 +1187,7 @@ def _norm_rope_group_fake(members, tensors, ints, floats):
     return outputs
 
 
-@norm_rope_group.register_kernel("cuda")
+@direct_kernel(norm_rope_group)
 def _norm_rope_group_cuda(members, tensors, ints, floats):
     launches = [_MEMBER_LAUNCHES[op](*args) for op, args in split_group(members, tensors, ints, floats)]
     return [out for outputs in launch_blocks(launches) for out in outputs]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.triton_support import cdiv, next_power_of_2
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -397,7 +397,7 @@ def _sparse_mla_attention_fake(q_nope, q_pe, kv, pe, idx, scale, sink=None):
     return q_nope.new_empty(q_nope.shape)
 
 
-@sparse_mla_attention.register_kernel("cuda")
+@direct_kernel(sparse_mla_attention)
 def _sparse_mla_attention_cuda(q_nope, q_pe, kv, pe, idx, scale, sink=None):
     return sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, scale, sink)
 
@@ -781,7 +781,7 @@ def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False, 
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
-@sparse_attention_masked.register_kernel("cuda")
+@direct_kernel(sparse_attention_masked)
 def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
     return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
 
@@ -975,7 +975,7 @@ def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, s
     return q.new_empty((*q.shape[:3], kv_b_weight.shape[0] // H - nope_dim))
 
 
-@absorbed_mla_attention.register_kernel("cuda")
+@direct_kernel(absorbed_mla_attention)
 def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
                                  empty_rows_see_all=False, indices_distinct=False):
     return absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,

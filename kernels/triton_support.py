@@ -29,6 +29,35 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n else 0
 
 
+_DISPATCH_LIBRARIES: dict[str, object] = {}
+# (op's qualified name, device type) -> the function `direct_kernel` registered (benchmarks time them alone)
+DIRECT_KERNELS: dict[tuple[str, str], object] = {}
+
+
+def direct_kernel(op, device_type: str = "cuda"):
+    """Decorator: the function becomes custom op `op`'s kernel for `device_type`, registered straight in the
+    dispatcher, and that device's autograd key falls through to it. `custom_op`'s own `register_kernel` and autograd
+    kernel add two Python layers to every call (`benchmarks/launch_overhead.py` times both), and a V4 decode step,
+    bound by the host, makes ~20 such calls. dsfuse's ops are inference ops, inserted by the backend only into graphs
+    that need no gradients: on this device an op has no autograd formula (its Triton kernels are not
+    differentiable). Other devices (the CPU references) keep custom_op's path."""
+    import torch
+
+    key = device_type.upper()
+    namespace, name = op._qualname.split("::")
+    if namespace not in _DISPATCH_LIBRARIES:
+        _DISPATCH_LIBRARIES[namespace] = torch.library.Library(namespace, "IMPL")
+    library = _DISPATCH_LIBRARIES[namespace]
+
+    def register(fn):
+        DIRECT_KERNELS[(op._qualname, device_type)] = fn
+        library.impl(name, fn, key)
+        library.impl(name, torch.library.fallthrough_kernel, f"Autograd{key}")
+        return fn
+
+    return register
+
+
 @functools.lru_cache(maxsize=None)
 def interpreting() -> bool:
     """True when Triton kernels run on the CPU interpreter instead of a GPU. Read once: Triton itself decides when

@@ -14,3 +14,37 @@ def test_next_power_of_2_matches_triton():
 def test_cdiv_matches_triton():
     divisors = (1, 2, 3, 7, 16, 64, 128, 1000)
     assert [cdiv(n, d) for n in VALUES for d in divisors] == [triton.cdiv(n, d) for n in VALUES for d in divisors]
+
+
+def test_direct_kernel_replaces_the_default_implementation_on_its_device():
+    import torch
+
+    from dsfuse.kernels.triton_support import direct_kernel
+
+    @torch.library.custom_op("dsfuse_test::double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the default implementation must not run on the device with a direct kernel")
+
+    direct_kernel(double, "cpu")(lambda x: x * 2)
+    assert torch.equal(torch.ops.dsfuse_test.double(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_every_dsfuse_op_has_its_cuda_kernel_registered_directly():
+    import importlib
+    import pkgutil
+
+    import torch
+    from torch._library.custom_ops import OPDEFS
+
+    import dsfuse.kernels
+    from dsfuse.kernels.triton_support import DIRECT_KERNELS
+
+    for module in pkgutil.iter_modules(dsfuse.kernels.__path__):
+        importlib.import_module(f"dsfuse.kernels.{module.name}")
+    ops = {name for name in OPDEFS if name.startswith("dsfuse::")}
+    assert len(ops) >= 18 and ops == {name for name, device in DIRECT_KERNELS if device == "cuda"}
+    for name in ops:
+        table = torch._C._dispatch_dump(name).splitlines()
+        cuda = next(line for line in table if line.startswith("CUDA:"))
+        autograd = next(line for line in table if line.startswith("AutogradCUDA:"))
+        assert "triton_support.py" in cuda and "fallthrough" in autograd, table
