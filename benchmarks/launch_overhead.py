@@ -125,10 +125,14 @@ def main(argv=None) -> int:
     model.generation_config.eos_token_id = None
     calls = record_decode_calls(model, args.prompt, 4, device)
     rows = []
-    stub = None
-    if device == "cpu":
-        stub = triton.runtime.jit.JITFunction.run
-        triton.runtime.jit.JITFunction.run = lambda self, *a, **k: None
+    # On CPU every Triton launch is a no-op: compiled kernels need a GPU, and under TRITON_INTERPRET=1 the
+    # interpreter's run time is not the launch path's.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launchers = (triton.runtime.jit.JITFunction, InterpretedFunction) if device == "cpu" else ()
+    stubbed = {cls: cls.run for cls in launchers}
+    for cls in launchers:
+        cls.run = lambda self, *a, **k: None
     try:
         for (name, members), (op_args, op_kwargs) in sorted(calls.items()):
             cuda_fn = DIRECT_KERNELS[(name, "cuda")]
@@ -139,8 +143,8 @@ def main(argv=None) -> int:
                 row["op_us"] = host_us(lambda: op(*op_args, **op_kwargs), args.repeats)
             rows.append(row)
     finally:
-        if stub is not None:
-            triton.runtime.jit.JITFunction.run = stub
+        for cls, run in stubbed.items():
+            cls.run = run
     what = "our launcher (Triton launches stubbed)" if device == "cpu" else "our launcher"
     print(f"# {args.preset} decode ops, host us per call on {device} (torch {torch.__version__}, "
           f"triton {triton.__version__})")
