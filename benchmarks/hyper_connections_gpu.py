@@ -206,8 +206,9 @@ def main():
                   "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
         project_start = {op: {k: v for k, v in hck.default_collapse_launch(D, "two_pass", op == "hc_head").items()
                               if k in ("block_t", "block_k", "num_warps", "num_stages")} for op in PATH_OPS}
-        sum_start = dict(block_t=hck.default_collapse_launch(D, "two_pass")["sum_block_t"],
-                         block_d=hck.default_collapse_launch(D, "two_pass")["sum_block_d"], num_warps=4)
+        two_pass_default = hck.default_collapse_launch(D, "two_pass")
+        sum_start = dict(block_t=two_pass_default["sum_block_t"], block_d=two_pass_default["sum_block_d"],
+                         num_warps=two_pass_default["sum_num_warps"])
         project_axes, sum_axes = PROJECT_AXES, WEIGHTED_SUM_AXES
         if args.tiny:
             sweeps = {k: [dict(block_d=16, **({"path": "one_pass"} if k in PATH_OPS else {}))] for k in sweeps}

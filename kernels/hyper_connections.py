@@ -50,6 +50,8 @@ fp32, as accurate as tf32x3 at twice tf32's MMA rate and with no conversion of t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -474,7 +476,7 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     hc, hidden = x.shape[-2], x.shape[-1]
-    config = _resolve_launch(op, hidden, x[..., 0, 0].numel(), launch, exit_inputs, head, x.dtype)
+    config = _resolve_launch(op, hidden, math.prod(x.shape[:-2]), launch, exit_inputs, head, x.dtype)
     lead = tuple(x.shape[:-2])
     if config["path"] == "two_pass":
         x = x.contiguous()

@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 
 from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op,
-                          only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, tensor_val, val)
+                          only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, slice_args, tensor_val,
+                          val)
 
 # Keys of the canonical forms recorded by the inexact rules.
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding
@@ -535,18 +536,15 @@ def padded_bmm_is_bmm(node: torch.fx.Node) -> bool:
     product = node
     while not same_shape(shape(product), want):
         product = only_user(product)
-        if not is_op(product, aten.slice.Tensor) or product.args[1] not in (1, 2) or not _slice_from_zero(product):
+        if not is_op(product, aten.slice.Tensor):
+            return False
+        dim, start, _, step = slice_args(product)
+        if dim not in (1, 2) or start != 0 or step != 1:
             return False
     if BMM in product.meta:
         return False
     product.meta[BMM] = (a, b)
     return True
-
-
-def _slice_from_zero(node: torch.fx.Node) -> bool:
-    """A `slice` that keeps a leading range with step 1."""
-    start, step = (node.args[2] if len(node.args) > 2 else 0), (node.args[4] if len(node.args) > 4 else 1)
-    return start == 0 and step == 1
 
 
 def padded_product(left: Any) -> torch.fx.Node | None:
