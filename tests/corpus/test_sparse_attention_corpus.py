@@ -115,6 +115,23 @@ def _v4_csa():
             torch.randn(B, 1, entries, D, generator=gen), idx, torch.randn(H, generator=gen))
 
 
+def _v4_csa_bf16():
+    """The V4 CSA operands in bf16 (sinks stay fp32, as HF keeps them): the model's 0 / -inf masks, built from Python
+    floats, are fp32, so the masked scores are promoted to fp32."""
+    q, window, compressed, idx, sinks = _v4_csa()
+    return q.bfloat16(), window.bfloat16(), compressed.bfloat16(), idx, sinks
+
+
+def _v4_one_query_fp32_mask():
+    """One query per sequence over N window rows (a decode step, no compressed entries), bf16, and the additive
+    mask an fp32 input [B, 1, 1, N] (0 = seen)."""
+    gen = _gen(5)
+    mask = torch.zeros(B, 1, 1, S)
+    mask[0, ..., : S // 2] = torch.finfo(torch.float32).min
+    return (torch.randn(B, H, 1, D, generator=gen).bfloat16(), torch.randn(B, 1, S, D, generator=gen).bfloat16(),
+            mask, torch.randn(H, generator=gen))
+
+
 def _dense():
     gen = _gen(6)
     return torch.randn(B, H, S, D, generator=gen), torch.randn(B, H, T, D, generator=gen), \
@@ -383,6 +400,17 @@ def v4_csa_sinks(q, window, compressed, idx, sinks):
     return torch.matmul(probs, kv.expand(-1, q.shape[1], -1, -1)).transpose(1, 2)
 
 
+def v4_one_query_input_mask(q, window, mask, sinks):
+    """A V4 sliding layer's decode step written with the step's additive input mask added to the bf16 scores."""
+    b = q.shape[0]
+    kv = window.expand(-1, q.shape[1], -1, -1)
+    logits = torch.matmul(q, kv.transpose(2, 3)) * SCALE + mask
+    logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(b, -1, 1, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1].to(kv.dtype)
+    return torch.matmul(probs, kv).transpose(1, 2)
+
+
 # --------------------------------------------------------------------------------------- the corpus
 GATHER, MASKED, COMPRESSED = "dsfuse.sparse_mla_attention", "dsfuse.sparse_attention_masked", \
     "dsfuse.compressed_attention"
@@ -405,6 +433,7 @@ INDEX_BIAS = ("the -inf index mask is combined with another mask before the scor
 NOT_TOPK = ("the index mask's picks are not a top-k's indices: the scatter merges repeated picks, the gather op would "
             "count them twice")
 PROBS_USED = "the attention probabilities are also used elsewhere"
+FP32_INPUT_MASK = "the masked scores are computed in torch.float32, not in the input dtype torch.bfloat16"
 
 CORPUS = {
     "official_gather_einsum": AttentionEntry(official_gather_einsum, "DeepSeek V3.2 inference MLA (absorbed), over gathered "
@@ -438,6 +467,12 @@ CORPUS = {
                                        lambda: _hf()[:4], REWRITTEN, 1, MASKED),
     "v4_csa_sinks": AttentionEntry(v4_csa_sinks, "transformers DeepseekV4Attention (CSA layer, eager)", _v4_csa, REWRITTEN, 1,
                           COMPRESSED),
+    "v4_csa_sinks_bf16_fp32_masks": AttentionEntry(v4_csa_sinks, "transformers DeepseekV4Attention (CSA layer, eager), "
+                                          "bf16 with its fp32 0 / -inf masks", _v4_csa_bf16, REWRITTEN, 1, COMPRESSED,
+                                          tolerance=2e-2),
+    "v4_one_query_fp32_input_mask": AttentionEntry(v4_one_query_input_mask, "written for the corpus (an fp32 input mask "
+                                          "promotes bf16 scores)", _v4_one_query_fp32_mask, NEAR_MISS,
+                                          reason=FP32_INPUT_MASK, tolerance=2e-2),
     "official_prefill_index_mask": AttentionEntry(official_prefill, "DeepSeek V3.2 inference MLA prefill", _official_prefill,
                                          NEAR_MISS, reason=INDEX_BIAS),
     "bf16_softmax": AttentionEntry(bf16_softmax, "written for the corpus", lambda: _mla(torch.bfloat16), REWRITTEN, 1,
