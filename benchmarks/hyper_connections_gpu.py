@@ -22,6 +22,11 @@ iterations, bf16 streams (fp32 hyper-connection weights, as HF keeps them).
     python benchmarks/hyper_connections_gpu.py             # on the GPU; writes $OUT/hyper_connections.json
     python benchmarks/hyper_connections_gpu.py --tiny      # CPU smoke run through Triton's interpreter
     python benchmarks/hyper_connections_gpu.py --ops hc_collapse,hc_head --no-compile   # the two paths only
+    python benchmarks/hyper_connections_gpu.py --path-tokens 1 8 64 256 1024 8192   # each path by token count
+
+`--path-tokens` times `hc_collapse` and `hc_head` on every path at its default launch (split_k also at a few
+slice widths and row blocks) for each token count, against HF's modules run eagerly, and marks the path the
+op picks by default (`SPLIT_K_MAX_TOKENS`): where the token thresholds come from.
 """
 
 import argparse
@@ -149,6 +154,38 @@ def coordinate_best(bench, make, start, axes):
     return ms, kw, [{"launch": k, "ms": t} for t, k in timings.values()]
 
 
+SPLIT_K_SWEEP = [dict(k_per_split=k, sum_block_t=t) for k in (128, 256, 512) for t in (1, 8)]
+
+
+def paths_by_tokens(token_counts, hidden, n, iters, dtype, device, bench):
+    """{op: {T: {launch name: ms}}} of the path ops at each token count, and the default path's name."""
+    conn, head = modules(hidden, n, iters, device)
+    eps = dict(norm_eps=conn.input_norm.eps, hc_eps=conn.hc_eps)
+    weights = {"hc_collapse": (conn.fn, conn.base, conn.scale, iters),
+               "hc_head": (head.hc_fn, head.hc_base, head.hc_scale, 1)}
+    found = {op: {} for op in PATH_OPS}
+    with torch.no_grad():
+        for T in token_counts:
+            x = torch.randn(1, T, n, hidden, device=device).to(dtype)
+            for op in PATH_OPS:
+                fn_, base_, scale_, op_iters = weights[op]
+                launches = {"one_pass": dict(path="one_pass"), "two_pass": dict(path="two_pass"),
+                            "split_k": dict(path="split_k")}
+                launches.update({f"split_k {kw}": dict(path="split_k", **kw) for kw in SPLIT_K_SWEEP})
+                row = {"eager": bench(lambda: conn(x) if op == "hc_collapse" else head(x))}
+                for name, kw in launches.items():
+                    row[name] = bench(lambda: hck._collapse_launch(x, fn_, base_, scale_, **eps,
+                                                                   sinkhorn_iters=op_iters, head=op == "hc_head",
+                                                                   **kw))
+                default = hck._resolve_launch(op, hidden, T, {}, None, op == "hc_head", dtype)["path"]
+                found[op][T] = {"ms": row, "default_path": default}
+                best_name = min((k for k in row if k != "eager"), key=row.get)
+                print(f"{op:12s} T={T:6d} default {default:8s} {row[default]:.4f} ms | one_pass "
+                      f"{row['one_pass']:.4f} two_pass {row['two_pass']:.4f} split_k {row['split_k']:.4f} | best "
+                      f"{best_name} {row[best_name]:.4f} | eager {row['eager']:.4f}", flush=True)
+    return found
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
@@ -159,12 +196,22 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: T=7, hidden 64, interpreter, no sweep")
     parser.add_argument("--no-compile", action="store_true", help="skip the Inductor baseline")
     parser.add_argument("--ops", default=None, help="comma list of ops to run (default: all five)")
+    parser.add_argument("--path-tokens", type=int, nargs="*", default=None,
+                        help="time each path of hc_collapse / hc_head at these token counts instead")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if args.tiny:
         args.tokens, args.hidden = 7, 64
     T, D, n, iters, dtype = args.tokens, args.hidden, args.hc, args.iters, getattr(torch, args.dtype)
     bench = timer(device)
+    if args.path_tokens:
+        found = paths_by_tokens(args.path_tokens, D, n, iters, dtype, device, bench)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "hyper_connections_paths.json"), "w") as f:
+                json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device,
+                           "hidden": D, "hc_mult": n, "iters": iters, "dtype": args.dtype,
+                           "split_k_max_tokens": hck.SPLIT_K_MAX_TOKENS, "paths": found}, f, indent=1)
+        return
     conn, head = modules(D, n, iters, device)
     gen = torch.Generator(device=device).manual_seed(1)
     x = torch.randn(1, T, n, D, generator=gen, device=device).to(dtype)

@@ -380,6 +380,69 @@ def _hc_weighted_sum_kernel(x_ptr, pre_ptr, collapsed_ptr, T, D, N: tl.constexpr
 
 
 @triton.jit
+def _hc_project_split_kernel(x_ptr, fn_ptr, acc_ptr, sumsq_ptr, T, K, K_PER_SPLIT, M: tl.constexpr,
+                             NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The split-K path's first kernel, for few tokens: program (row block, split) projects its K_PER_SPLIT
+    columns of the flattened rows against fn (fp32 FMA dot) and writes the partial projection [NP] and sum of
+    squares of each row to acc [splits, T, NP] / sumsq [splits, T]. Few tokens leave the two other paths a
+    handful of programs walking all of K serially (H200, run 36: 0.20-0.38 ms a call at 1-64 tokens); here
+    every split runs at once."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    split = tl.program_id(1)
+    cols = tl.arange(0, NP)
+    col_ok = cols < M
+    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    k_lo = split * K_PER_SPLIT
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < K
+        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        sumsq += tl.sum(x * x, axis=1)
+        w = tl.load(fn_ptr + cols[None, :] * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
+    part = split * T + rows
+    tl.store(acc_ptr + part[:, None] * NP + cols[None, :], acc, mask=row_ok[:, None])
+    tl.store(sumsq_ptr + part, sumsq, mask=row_ok)
+
+
+@triton.jit
+def _hc_mix_sum_kernel(x_ptr, acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
+                       T, D, SPLITS, width, norm_eps, hc_eps, iters,
+                       N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+    """The split-K path's second kernel: program (row block, D block) sums the rows' partials in split order,
+    mixes them (every D block of a row block the same way, through its own logits scratch [D blocks, T, NP];
+    D block 0 stores post and comb) and collapses its D block as `_hc_weighted_sum_kernel` does."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    d_block = tl.program_id(1)
+    cols = tl.arange(0, NP)
+    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(SPLITS):
+        part = s * T + rows
+        acc += tl.load(acc_ptr + part[:, None] * NP + cols[None, :], mask=row_ok[:, None], other=0.0)
+        sumsq += tl.load(sumsq_ptr + part, mask=row_ok, other=0.0)
+    l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr + d_block * T * NP, rows, row_ok, cols, NP)
+    if not HEAD:
+        if d_block == 0:
+            _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
+    pre_scale = tl.load(scale_ptr).to(tl.float32)
+    dd = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
+    ok = row_ok[:, None] & (dd < D)[None, :]
+    total = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(N):
+        pre_j = _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j)
+        xj = tl.load(x_ptr + rows[:, None] * (N * D) + j * D + dd[None, :], mask=ok, other=0.0).to(tl.float32)
+        total += pre_j[:, None] * xj
+    value = _round_to(total, collapsed_ptr.dtype.element_ty, MANUAL_BF16_RNE)
+    tl.store(collapsed_ptr + rows[:, None] * D + dd[None, :], value.to(collapsed_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _exit_chunk(out_ptr, res_ptr, post_ptr, comb_ptr, new_ptr, rows, row_ok, dd, d_ok, D, N: tl.constexpr,
                 NN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
                 MANUAL_BF16_RNE: tl.constexpr):
@@ -420,15 +483,16 @@ def _hc_expand_mix_kernel(
 # --------------------------------------------------------------------------------------------
 # Launchers (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1); no host sync
 # --------------------------------------------------------------------------------------------
-COLLAPSE_PATHS = ("one_pass", "two_pass")
+COLLAPSE_PATHS = ("one_pass", "two_pass", "split_k")
 # The path `hc_collapse` / `hc_head` launch by default: "two_pass" (`_hc_project_kernel` then
 # `_hc_weighted_sum_kernel`), measured 2.8x / 2.3x faster than "one_pass" (`_hc_collapse_kernel`: one program per
 # row block projects, mixes and collapses it) on the H200 at T=8192, D=4096 (run 32: 0.215 / 0.187 ms against
-# 0.609 / 0.425). The fused exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass, and so do calls of fewer
-# than `TWO_PASS_MIN_TOKENS` tokens (decode steps): one launch instead of three (split, project, weighted sum), where a
-# V4 decode step is bound by the host's launch work (H200, run 30: 7.3 ms of CPU against 2.9 ms of GPU per step).
+# 0.609 / 0.425). The fused exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass. Calls of fewer than
+# `SPLIT_K_MAX_TOKENS` tokens (decode steps, short prompts) run "split_k" (`_hc_project_split_kernel` then
+# `_hc_mix_sum_kernel`): at 1-64 tokens the other two paths leave a few programs walking the whole flattened row
+# serially, 0.20-0.38 ms a call on the H200 (run 36: 62 % of a V4 decode step's GPU time).
 COLLAPSE_PATH = "two_pass"
-TWO_PASS_MIN_TOKENS = 64
+SPLIT_K_MAX_TOKENS = 256
 
 
 def default_collapse_launch(hidden: int, path: str | None = None, head: bool = False,
@@ -452,12 +516,15 @@ def default_collapse_launch(hidden: int, path: str | None = None, head: bool = F
         wide = not head and dtype == torch.bfloat16
         return dict(path=path, block_t=64, block_k=256 if wide else 128, num_warps=4, num_stages=4 if head else 3,
                     sum_block_t=8, sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
+    if path == "split_k":
+        return dict(path=path, block_t=16, block_k=128, k_per_split=256, num_warps=4, num_stages=2, sum_block_t=8,
+                    sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
     raise ValueError(f"hyper-connection path must be one of {COLLAPSE_PATHS}, got {path!r}")
 
 
 def _resolve_launch(op, hidden, tokens, launch, exit_inputs, head, dtype):
     """default_collapse_launch for the requested path with the given overrides (None keeps a default)."""
-    path = launch.get("path") or ("one_pass" if exit_inputs or tokens < TWO_PASS_MIN_TOKENS else None)
+    path = launch.get("path") or ("one_pass" if exit_inputs else "split_k" if tokens < SPLIT_K_MAX_TOKENS else None)
     if exit_inputs and path != "one_pass":
         raise ValueError(f"{op}: the fused exit runs one_pass only, got path={path!r}")
     config = default_collapse_launch(hidden, path, head, dtype)
@@ -486,6 +553,8 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
         collapsed = hc_weighted_sum_triton(x, pre, block_t=config["sum_block_t"], block_d=config["sum_block_d"],
                                            num_warps=config["sum_num_warps"])
         return collapsed, post, comb, None
+    if config["path"] == "split_k":
+        return (*_split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, config), None)
     source = x.contiguous().view(-1, hc, hidden)
     T = source.shape[0]
     n_pad = max(16, next_power_of_2(hc if head else mixes_count(hc)))
@@ -512,6 +581,39 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
             num_warps=config["num_warps"], num_stages=config["num_stages"], **COMPILE_OPTIONS)
     return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
             streams.view(lead + (hc, hidden)) if store else None)
+
+
+def _split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, config):
+    """(collapsed, post, comb) on the split-K path: partial projections of `k_per_split`-wide column slices, then
+    one program per (row block, D block) that sums them in split order, mixes and collapses."""
+    hc, hidden = x.shape[-2], x.shape[-1]
+    lead = tuple(x.shape[:-2])
+    source = x.contiguous().view(-1, hc * hidden)
+    T, K = source.shape
+    if config["k_per_split"] % config["block_k"]:
+        raise ValueError(f"hc split_k: k_per_split {config['k_per_split']} is not a multiple of block_k "
+                         f"{config['block_k']}")
+    n_pad = max(16, next_power_of_2(hc if head else mixes_count(hc)))
+    collapsed = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
+    post = torch.empty((T, hc), dtype=torch.float32, device=x.device)
+    comb = torch.empty((T, hc, hc), dtype=torch.float32, device=x.device)
+    if T:
+        splits = cdiv(K, config["k_per_split"])
+        acc = torch.empty((splits, T, n_pad), dtype=torch.float32, device=x.device)
+        sumsq = torch.empty((splits, T), dtype=torch.float32, device=x.device)
+        _hc_project_split_kernel[(cdiv(T, config["block_t"]), splits)](
+            source, fn.contiguous(), acc, sumsq, T, K, config["k_per_split"], M=hc if head else mixes_count(hc),
+            NP=n_pad, BLOCK_T=config["block_t"], BLOCK_K=config["block_k"], num_warps=config["num_warps"],
+            num_stages=config["num_stages"], **COMPILE_OPTIONS)
+        d_blocks = cdiv(hidden, config["sum_block_d"])
+        logits = torch.empty((d_blocks, T, n_pad), dtype=torch.float32, device=x.device)
+        _hc_mix_sum_kernel[(cdiv(T, config["sum_block_t"]), d_blocks)](
+            source, acc, sumsq, base.contiguous(), scale.contiguous(), logits, collapsed, post, comb,
+            T, hidden, splits, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+            N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), BLOCK_T=config["sum_block_t"],
+            BLOCK_D=config["sum_block_d"], MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+            num_warps=config["sum_num_warps"], **COMPILE_OPTIONS)
+    return collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc))
 
 
 def split_projection_weights(fn: torch.Tensor) -> torch.Tensor:
@@ -740,7 +842,7 @@ def _hc_exit_head_cuda(out, residual, post, comb, fn, base, scale, norm_eps, hc_
     return hc_exit_head_triton(out, residual, post, comb, fn, base, scale, norm_eps, hc_eps)
 
 
-__all__ = ["COLLAPSE_PATH", "COLLAPSE_PATHS", "TWO_PASS_MIN_TOKENS", "bytes_moved", "default_collapse_launch", "hc_collapse",
+__all__ = ["COLLAPSE_PATH", "COLLAPSE_PATHS", "SPLIT_K_MAX_TOKENS", "bytes_moved", "default_collapse_launch", "hc_collapse",
            "hc_collapse_reference", "hc_collapse_triton",
            "hc_exit_collapse", "hc_exit_collapse_reference", "hc_exit_collapse_triton", "hc_exit_head",
            "hc_exit_head_reference", "hc_exit_head_triton", "hc_expand_mix", "hc_expand_mix_reference",

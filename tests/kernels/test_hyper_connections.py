@@ -31,9 +31,12 @@ from dsfuse.kernels.hyper_connections import (
 
 NORM_EPS, HC_EPS = 1e-6, 1e-6
 # Small tiles per path, so the interpreter walks several chunks and their tails: D chunks of 16 (one pass); 16
-# tokens x 32 columns of the flattened rows, and 4 x 16 weighted-sum tiles (two passes).
+# tokens x 32 columns of the flattened rows, and 4 x 16 weighted-sum tiles (two passes); splits of 32 columns in
+# 16-wide tiles, the last split ragged, and 4 x 16 mix-and-sum tiles (split-K).
 SMALL_LAUNCH = {"one_pass": dict(path="one_pass", block_d=16),
-                "two_pass": dict(path="two_pass", block_t=16, block_k=32, sum_block_t=4, sum_block_d=16)}
+                "two_pass": dict(path="two_pass", block_t=16, block_k=32, sum_block_t=4, sum_block_d=16),
+                "split_k": dict(path="split_k", block_t=16, block_k=16, k_per_split=32, sum_block_t=4,
+                                sum_block_d=16)}
 
 
 def _streams(T, hc, hidden, dtype, seed=0):
@@ -163,19 +166,25 @@ def test_two_pass_projection_writes_the_mixing_weights(dtype):
     assert none_post is None and none_comb is None and head_pre.shape == (T, hc)
 
 
-def test_default_path_is_one_launch_below_two_pass_min_tokens(monkeypatch):
-    """Calls of fewer than TWO_PASS_MIN_TOKENS tokens (decode steps) run one_pass, larger ones COLLAPSE_PATH,
-    an explicit path either."""
+def test_default_path_is_split_k_below_split_k_max_tokens(monkeypatch):
+    """Calls of fewer than SPLIT_K_MAX_TOKENS tokens (decode steps, short prompts) run split_k, larger ones
+    COLLAPSE_PATH, an explicit path either; the fused exits stay one_pass."""
     from dsfuse.kernels import hyper_connections as hck
 
-    projected = []
-    project = hck.hc_project_triton
-    monkeypatch.setattr(hck, "hc_project_triton", lambda x, *a, **k: projected.append(x.shape[0]) or project(x, *a, **k))
+    ran = []
+    for name, path in (("_split_k_collapse", "split_k"), ("hc_project_triton", "two_pass")):
+        original = getattr(hck, name)
+        monkeypatch.setattr(hck, name, lambda x, *a, _run=original, _path=path, **k: ran.append((_path, x.shape[0]))
+                            or _run(x, *a, **k))
     params = _params(4, 8)
-    for T in (1, hck.TWO_PASS_MIN_TOKENS - 1, hck.TWO_PASS_MIN_TOKENS):
+    limit = hck.SPLIT_K_MAX_TOKENS
+    for T in (1, limit - 1, limit):
         hc_collapse_triton(_streams(T, 4, 8, torch.float32), *params, NORM_EPS, HC_EPS, 2)
     hc_collapse_triton(_streams(2, 4, 8, torch.float32), *params, NORM_EPS, HC_EPS, 2, path="two_pass")
-    assert hck.COLLAPSE_PATH == "two_pass" and projected == [hck.TWO_PASS_MIN_TOKENS, 2]
+    x = _streams(2, 4, 8, torch.float32)
+    hc_exit_collapse_triton(x[:, 0], x, x[..., 0], x[..., :4], *params, NORM_EPS, HC_EPS, 2)
+    assert hck.COLLAPSE_PATH == "two_pass"
+    assert ran == [("split_k", 1), ("split_k", limit - 1), ("two_pass", limit), ("two_pass", 2)]
 
 
 @pytest.mark.parametrize("call, match", [
@@ -185,6 +194,8 @@ def test_default_path_is_one_launch_below_two_pass_min_tokens(monkeypatch):
     (lambda x, p: hc_exit_collapse_triton(x[:, 0], x, x[..., 0], x[..., :4], *p, 1e-6, 1e-6, 2, path="two_pass"),
      "one_pass only"),
     (lambda x, p: hc_weighted_sum_triton(x, x[..., 0].double()), "pre must be fp32"),
+    (lambda x, p: hc_collapse_triton(x, *p, 1e-6, 1e-6, 2, path="split_k", block_k=32, k_per_split=48),
+     "not a multiple of block_k"),
 ])
 def test_bad_launch_raises(call, match):
     x = _streams(3, 4, 8, torch.float32)
@@ -337,6 +348,24 @@ def test_gpu_two_pass_matches_reference_and_one_pass(dtype):
            hc_head_reference(x.cpu(), hfn.cpu(), hbase.cpu(), hscale.cpu(), NORM_EPS, HC_EPS))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 8, 63])
+def test_gpu_split_k_matches_reference(T, dtype):
+    """The default path of decode-sized calls at its default launch, at V4's stream width (64 splits)."""
+    hc, hidden, iters = 4, 4096, 20
+    x = _streams(T, hc, hidden, dtype).cuda()
+    fn, base, scale = (t.cuda() for t in _params(hc, hidden))
+    hfn, hbase, hscale = (t.cuda() for t in _params(hc, hidden, head=True))
+    got = hc_collapse(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
+    want = hc_collapse_reference(x.cpu(), fn.cpu(), base.cpu(), scale.cpu(), NORM_EPS, HC_EPS, iters)
+    _close(got[0].cpu(), want[0])
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-5)
+    _close(hc_head(x, hfn, hbase, hscale, NORM_EPS, HC_EPS).cpu(),
+           hc_head_reference(x.cpu(), hfn.cpu(), hbase.cpu(), hscale.cpu(), NORM_EPS, HC_EPS))
+
+
 _PTX_PROBE = r"""
 import json, re
 import triton
@@ -371,10 +400,12 @@ def project_ptx(head):
 weighted = ptx(hck._hc_weighted_sum_kernel, dict(N=4, BLOCK_T=8, BLOCK_D=128, MANUAL_BF16_RNE=False),
                ("x_ptr", "collapsed_ptr"))
 split = ptx(hck._hc_split_weights_kernel, dict(BLOCK=1024, MANUAL_BF16_RNE=False), ("pieces_ptr",))
+mix_sum = ptx(hck._hc_mix_sum_kernel, dict(N=4, NN=4, NP=32, HEAD=False, BLOCK_T=8, BLOCK_D=128,
+                                           MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr"))
 print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
                   (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix),
                    ("project", project_ptx(False)), ("project_head", project_ptx(True)), ("weighted", weighted),
-                   ("split", split))}))
+                   ("split", split), ("mix_sum", mix_sum))}))
 """
 
 
@@ -403,7 +434,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
     for project in (found["project"], found["project_head"]):
         assert any(op.startswith("wgmma.mma_async") and op.endswith(".bf16.bf16") for op in project), project
         assert "cp.async.cg.shared.global" in project, project
-    for project in (found["project"], found["project_head"]):
+    for project in (found["project"], found["project_head"], found["mix_sum"]):
         assert "div.rn.f32" in project and "bar.sync" in project and "div.full.f32" not in project, project
     for name in ("mix", "weighted", "split"):
         assert not [op for op in found[name] if op.startswith("fma")], found[name]
