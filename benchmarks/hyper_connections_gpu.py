@@ -10,7 +10,8 @@ iterations, bf16 streams (fp32 hyper-connection weights, as HF keeps them).
    of a device-to-device copy's bandwidth measured in the same run; a launch sweep of each dsfuse kernel.
    `hc_collapse` / `hc_head` are swept on both paths: one_pass (`_hc_collapse_kernel`: block_t x num_stages) and
    two_pass, whose kernels are timed and swept apart (the projection, fn's split included, by a coordinate search
-   over block_t {8,16,32,64}, block_k {64,128,256}, num_warps {4,8}, num_stages {2,3,4} from the default; the
+   over block_t {8,16,32,64}, block_k {64,128,256}, num_warps {4,8}, num_stages {2,3,4}, splits of K {1,2,4}
+   (more than one: partials, then `_hc_mix_kernel`) from the default; the
    weighted sum, shared by both ops, over block_t {4,8,16}, block_d {128,256,512}, num_warps {4,8}), then the path
    end to end at the best of each. An op's row reports its best path; each path's best launch is printed.
    About 45 Triton compilations (~1-3 s each) plus 5 Inductor compiles: ~2-2.5 min on the H200 host
@@ -26,7 +27,9 @@ iterations, bf16 streams (fp32 hyper-connection weights, as HF keeps them).
 
 `--path-tokens` times `hc_collapse` and `hc_head` on every path at its default launch (split_k also at a few
 slice widths and row blocks) for each token count, against HF's modules run eagerly, and marks the path the
-op picks by default (`SPLIT_K_MAX_TOKENS`): where the token thresholds come from.
+op picks by default (`SPLIT_K_MAX_TOKENS`): where the token thresholds come from. On the GPU each call is
+replayed as a CUDA graph (`do_bench_cudagraph`): at decode sizes an event-timed call measures the host's
+launch work, not the kernels (run 37: ~0.15 ms a call event-timed, 24 us of kernel time in the profile).
 """
 
 import argparse
@@ -56,7 +59,7 @@ ONE_PASS_SWEEP = [dict(path="one_pass", block_t=t, block_d=64, num_warps=4, num_
                   for s in (1, 2, 3)]
 # Coordinate searches from the default launch: (key, values) axes walked in order, each from the best so far.
 PROJECT_AXES = (("block_t", (8, 16, 32, 64)), ("block_k", (64, 128, 256)), ("num_warps", (4, 8)),
-                ("num_stages", (2, 3, 4)))
+                ("num_stages", (2, 3, 4)), ("splits", (1, 2, 4)))
 WEIGHTED_SUM_AXES = (("block_t", (4, 8, 16)), ("block_d", (128, 256, 512)), ("num_warps", (4, 8)))
 EXIT_SWEEP = [dict(block_t=t, block_d=d, num_warps=w) for t, d, w in
               ((4, 256, 4), (8, 128, 4), (4, 512, 8), (8, 256, 8), (16, 128, 8), (8, 128, 8))]
@@ -205,6 +208,10 @@ def main():
     T, D, n, iters, dtype = args.tokens, args.hidden, args.hc, args.iters, getattr(torch, args.dtype)
     bench = timer(device)
     if args.path_tokens:
+        if device == "cuda":
+            from triton.testing import do_bench_cudagraph
+
+            bench = lambda fn: do_bench_cudagraph(fn, rep=50)  # noqa: E731
         found = paths_by_tokens(args.path_tokens, D, n, iters, dtype, device, bench)
         if os.environ.get("OUT"):
             with open(os.path.join(os.environ["OUT"], "hyper_connections_paths.json"), "w") as f:
@@ -252,7 +259,7 @@ def main():
         sweeps = {"hc_collapse": ONE_PASS_SWEEP, "hc_head": ONE_PASS_SWEEP, "hc_expand_mix": EXIT_SWEEP,
                   "hc_exit_collapse": FUSED_SWEEP, "hc_exit_head": FUSED_SWEEP}
         project_start = {op: {k: v for k, v in hck.default_collapse_launch(D, "two_pass", op == "hc_head").items()
-                              if k in ("block_t", "block_k", "num_warps", "num_stages")} for op in PATH_OPS}
+                              if k in ("block_t", "block_k", "num_warps", "num_stages", "splits")} for op in PATH_OPS}
         two_pass_default = hck.default_collapse_launch(D, "two_pass")
         sum_start = dict(block_t=two_pass_default["sum_block_t"], block_d=two_pass_default["sum_block_d"],
                          num_warps=two_pass_default["sum_num_warps"])

@@ -320,17 +320,20 @@ def _hc_split_weights_kernel(fn_ptr, pieces_ptr, numel, BLOCK: tl.constexpr, MAN
 
 @triton.jit
 def _hc_project_kernel(
-    x_ptr, w_ptr, base_ptr, scale_ptr, logits_ptr, pre_ptr, post_ptr, comb_ptr,
-    T, K, width, norm_eps, hc_eps, iters,
+    x_ptr, w_ptr, base_ptr, scale_ptr, logits_ptr, pre_ptr, post_ptr, comb_ptr, acc_ptr, sumsq_ptr,
+    T, K, K_PER_SPLIT, width, norm_eps, hc_eps, iters,
     N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, PIECES: tl.constexpr,
-    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
-    """The projection and mixing of a row block, one pass over its contiguous flattened rows (K = n D) in
-    [BLOCK_T, BLOCK_K] tiles that feed the dot straight from their loads (software-pipelined by `num_stages`).
-    w is fn as PIECES pieces [PIECES, rows, K]: bf16 streams dot their raw tiles with fn's three bf16 pieces
-    (exact products, fp32 sums: fp32-accurate at the bf16 MMA rate); FP32_DOT streams (fp16, fp32, and bf16 under
-    the interpreter, whose bf16 dot is wrong) dot their fp32 tiles with fp32 pieces. Writes pre [T, n] (and post,
-    comb) for `_hc_weighted_sum_kernel`."""
+    """The projection and mixing of a row block, one pass over its K_PER_SPLIT columns of the contiguous
+    flattened rows (K = n D) in [BLOCK_T, BLOCK_K] tiles that feed the dot straight from their loads
+    (software-pipelined by `num_stages`). w is fn as PIECES pieces [PIECES, rows, K]: bf16 streams dot their raw
+    tiles with fn's three bf16 pieces (exact products, fp32 sums: fp32-accurate at the bf16 MMA rate); FP32_DOT
+    streams (fp16, fp32, and bf16 under the interpreter, whose bf16 dot is wrong) dot their fp32 tiles with fp32
+    pieces. One split (K_PER_SPLIT >= K) writes pre [T, n] (and post, comb) for `_hc_weighted_sum_kernel`; with
+    PARTIAL, program (row block, split) writes its partial projection and sum of squares for `_hc_mix_kernel`
+    (more programs than the 128 row blocks of 8192 tokens: a second one per SM hides the loads' latency)."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     row_ok = rows < T
     M: tl.constexpr = N if HEAD else (2 + N) * N
@@ -340,7 +343,8 @@ def _hc_project_kernel(
     w_cols = w_ptr + cols[None, :] * K
     acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = tl.program_id(1) * K_PER_SPLIT
+    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < K
         x = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -352,12 +356,58 @@ def _hc_project_kernel(
                 acc = tl.dot(xf, w.to(tl.float32), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(x, w, acc)
+    if PARTIAL:
+        _store_partials(acc_ptr, sumsq_ptr, acc, sumsq, tl.program_id(1), T, rows, row_ok, cols, NP)
+    else:
+        _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
+                           comb_ptr, hc_eps, iters, rows, row_ok, cols, N, NN, NP, HEAD)
+
+
+@triton.jit
+def _store_partials(acc_ptr, sumsq_ptr, acc, sumsq, split, T, rows, row_ok, cols, NP: tl.constexpr):
+    """A split's partial projection and sum of squares of each row: acc [splits, T, NP], sumsq [splits, T]."""
+    part = split * T + rows
+    tl.store(acc_ptr + part[:, None] * NP + cols[None, :], acc, mask=row_ok[:, None])
+    tl.store(sumsq_ptr + part, sumsq, mask=row_ok)
+
+
+@triton.jit
+def _sum_partials(acc_ptr, sumsq_ptr, T, SPLITS, rows, row_ok, cols, BLOCK_T: tl.constexpr, NP: tl.constexpr):
+    """The rows' projection and sum of squares from their partials, added in split order (deterministic)."""
+    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(SPLITS):
+        part = s * T + rows
+        acc += tl.load(acc_ptr + part[:, None] * NP + cols[None, :], mask=row_ok[:, None], other=0.0)
+        sumsq += tl.load(sumsq_ptr + part, mask=row_ok, other=0.0)
+    return acc, sumsq
+
+
+@triton.jit
+def _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                       hc_eps, iters, rows, row_ok, cols, N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr,
+                       HEAD: tl.constexpr):
+    """pre [T, n] (and post, comb unless HEAD) of a row block from its projection and sum of squares."""
     l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr, rows, row_ok, cols, NP)
     if not HEAD:
         _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
     pre_scale = tl.load(scale_ptr).to(tl.float32)
     for j in tl.static_range(N):
         tl.store(pre_ptr + rows * N + j, _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j), mask=row_ok)
+
+
+@triton.jit
+def _hc_mix_kernel(acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_ptr, pre_ptr, post_ptr, comb_ptr,
+                   T, SPLITS, width, norm_eps, hc_eps, iters, N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr,
+                   HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The split two-pass projection's mixing: a row block's partials summed, then pre (post, comb) as the
+    one-split projection writes them."""
+    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    row_ok = rows < T
+    cols = tl.arange(0, NP)
+    acc, sumsq = _sum_partials(acc_ptr, sumsq_ptr, T, SPLITS, rows, row_ok, cols, BLOCK_T, NP)
+    _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
+                       hc_eps, iters, rows, row_ok, cols, N, NN, NP, HEAD)
 
 
 @triton.jit
@@ -403,9 +453,7 @@ def _hc_project_split_kernel(x_ptr, fn_ptr, acc_ptr, sumsq_ptr, T, K, K_PER_SPLI
         sumsq += tl.sum(x * x, axis=1)
         w = tl.load(fn_ptr + cols[None, :] * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-    part = split * T + rows
-    tl.store(acc_ptr + part[:, None] * NP + cols[None, :], acc, mask=row_ok[:, None])
-    tl.store(sumsq_ptr + part, sumsq, mask=row_ok)
+    _store_partials(acc_ptr, sumsq_ptr, acc, sumsq, split, T, rows, row_ok, cols, NP)
 
 
 @triton.jit
@@ -420,12 +468,7 @@ def _hc_mix_sum_kernel(x_ptr, acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_pt
     row_ok = rows < T
     d_block = tl.program_id(1)
     cols = tl.arange(0, NP)
-    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for s in range(SPLITS):
-        part = s * T + rows
-        acc += tl.load(acc_ptr + part[:, None] * NP + cols[None, :], mask=row_ok[:, None], other=0.0)
-        sumsq += tl.load(sumsq_ptr + part, mask=row_ok, other=0.0)
+    acc, sumsq = _sum_partials(acc_ptr, sumsq_ptr, T, SPLITS, rows, row_ok, cols, BLOCK_T, NP)
     l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr + d_block * T * NP, rows, row_ok, cols, NP)
     if not HEAD:
         if d_block == 0:
@@ -490,9 +533,11 @@ COLLAPSE_PATHS = ("one_pass", "two_pass", "split_k")
 # 0.609 / 0.425). The fused exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass. Calls of fewer than
 # `SPLIT_K_MAX_TOKENS` tokens (decode steps, short prompts) run "split_k" (`_hc_project_split_kernel` then
 # `_hc_mix_sum_kernel`): at 1-64 tokens the other two paths leave a few programs walking the whole flattened row
-# serially, 0.20-0.38 ms a call on the H200 (run 36: 62 % of a V4 decode step's GPU time).
+# serially, 0.38 ms a call in a V4 decode step on the H200 (run 36: 62 % of the step's GPU time); split-K took 24 us
+# there (run 37). By token count (run 37, `--path-tokens`): split-K ahead of two_pass at 256 tokens (collapse 0.19
+# against 0.28 ms, head 0.23 against 0.30), behind at 1024 (collapse 0.34 against 0.24).
 COLLAPSE_PATH = "two_pass"
-SPLIT_K_MAX_TOKENS = 256
+SPLIT_K_MAX_TOKENS = 512
 
 
 def default_collapse_launch(hidden: int, path: str | None = None, head: bool = False,
@@ -515,7 +560,7 @@ def default_collapse_launch(hidden: int, path: str | None = None, head: bool = F
     if path == "two_pass":
         wide = not head and dtype == torch.bfloat16
         return dict(path=path, block_t=64, block_k=256 if wide else 128, num_warps=4, num_stages=4 if head else 3,
-                    sum_block_t=8, sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
+                    splits=1, sum_block_t=8, sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
     if path == "split_k":
         return dict(path=path, block_t=16, block_k=128, k_per_split=256, num_warps=4, num_stages=2, sum_block_t=8,
                     sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
@@ -549,7 +594,8 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
         x = x.contiguous()
         pre, post, comb = hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=head,
                                             block_t=config["block_t"], block_k=config["block_k"],
-                                            num_warps=config["num_warps"], num_stages=config["num_stages"])
+                                            num_warps=config["num_warps"], num_stages=config["num_stages"],
+                                            splits=config["splits"])
         collapsed = hc_weighted_sum_triton(x, pre, block_t=config["sum_block_t"], block_d=config["sum_block_d"],
                                            num_warps=config["sum_num_warps"])
         return collapsed, post, comb, None
@@ -630,10 +676,11 @@ def split_projection_weights(fn: torch.Tensor) -> torch.Tensor:
 
 
 def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, block_t=None, block_k=None,
-                      num_warps=None, num_stages=None):
+                      num_warps=None, num_stages=None, splits=None):
     """The two-pass path's first kernel: (pre [*, n], post [*, n], comb [*, n, n]), all fp32 (the head's post
     and comb are None). bf16 streams dot their raw tiles with `split_projection_weights(fn)` (split per call);
-    fp16 and fp32 streams dot their fp32 tiles with fn (`PROJECTION_PRECISION`)."""
+    fp16 and fp32 streams dot their fp32 tiles with fn (`PROJECTION_PRECISION`). `splits` > 1 divides each row's
+    K columns among that many programs (whole K tiles each), whose partials `_hc_mix_kernel` sums and mixes."""
     op = "hc_head" if head else "hc_collapse"
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     defaults = default_collapse_launch(x.shape[-1], "two_pass", head, x.dtype)
@@ -649,14 +696,25 @@ def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
         weights = split_projection_weights(fn) if split else fn.contiguous()
         n_pad = max(16, next_power_of_2(hc if head else mixes_count(hc)))
         logits = torch.empty((T, n_pad), dtype=torch.float32, device=x.device)
-        block_t = block_t or defaults["block_t"]
-        _hc_project_kernel[(cdiv(T, block_t),)](
-            source, weights, base.contiguous(), scale.contiguous(), logits, pre, post, comb,
-            T, hc * hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
+        block_t, block_k = block_t or defaults["block_t"], block_k or defaults["block_k"]
+        K = hc * hidden
+        k_per_split = cdiv(cdiv(K, splits or defaults["splits"]), block_k) * block_k
+        n_splits = cdiv(K, k_per_split)
+        partial = n_splits > 1
+        acc = torch.empty((n_splits, T, n_pad) if partial else (0,), dtype=torch.float32, device=x.device)
+        sumsq = torch.empty((n_splits, T) if partial else (0,), dtype=torch.float32, device=x.device)
+        _hc_project_kernel[(cdiv(T, block_t), n_splits)](
+            source, weights, base.contiguous(), scale.contiguous(), logits, pre, post, comb, acc, sumsq,
+            T, K, k_per_split, float(K), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=3 if split else 1,
             FP32_DOT=not split or interpreting(), PRECISION="ieee" if split else PROJECTION_PRECISION,
-            BLOCK_T=block_t, BLOCK_K=block_k or defaults["block_k"], num_warps=num_warps or defaults["num_warps"],
+            PARTIAL=partial, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps or defaults["num_warps"],
             num_stages=num_stages or defaults["num_stages"], **COMPILE_OPTIONS)
+        if partial:
+            _hc_mix_kernel[(cdiv(T, 16),)](
+                acc, sumsq, base.contiguous(), scale.contiguous(), logits, pre, post, comb, T, n_splits, float(K),
+                float(norm_eps), float(hc_eps), int(sinkhorn_iters), N=hc, NN=next_power_of_2(hc), NP=n_pad,
+                HEAD=bool(head), BLOCK_T=16, num_warps=4, **COMPILE_OPTIONS)
     if head:
         return pre.view(lead + (hc,)), None, None
     return pre.view(lead + (hc,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc))

@@ -32,11 +32,14 @@ from dsfuse.kernels.hyper_connections import (
 NORM_EPS, HC_EPS = 1e-6, 1e-6
 # Small tiles per path, so the interpreter walks several chunks and their tails: D chunks of 16 (one pass); 16
 # tokens x 32 columns of the flattened rows, and 4 x 16 weighted-sum tiles (two passes); splits of 32 columns in
-# 16-wide tiles, the last split ragged, and 4 x 16 mix-and-sum tiles (split-K).
+# 16-wide tiles, the last split ragged, and 4 x 16 mix-and-sum tiles (split-K); the two-pass projection's K split
+# three ways (the mixing after the partials).
 SMALL_LAUNCH = {"one_pass": dict(path="one_pass", block_d=16),
                 "two_pass": dict(path="two_pass", block_t=16, block_k=32, sum_block_t=4, sum_block_d=16),
                 "split_k": dict(path="split_k", block_t=16, block_k=16, k_per_split=32, sum_block_t=4,
-                                sum_block_d=16)}
+                                sum_block_d=16),
+                "two_pass split": dict(path="two_pass", block_t=16, block_k=32, splits=3, sum_block_t=4,
+                                       sum_block_d=16)}
 
 
 def _streams(T, hc, hidden, dtype, seed=0):
@@ -84,7 +87,7 @@ def test_references_equal_hf_modules_bit_for_bit(hc, iters, dtype):
         assert torch.equal(hc_expand_mix_reference(out, x, post, comb), hf_mix)
 
 
-@pytest.mark.parametrize("path", COLLAPSE_PATHS)
+@pytest.mark.parametrize("path", sorted(SMALL_LAUNCH))
 @pytest.mark.parametrize("hc, iters, T, hidden, dtype", [
     (4, 20, 5, 64, torch.float32),
     (4, 1, 17, 32, torch.float32),
@@ -108,7 +111,7 @@ def test_collapse_kernel_matches_reference(path, hc, iters, T, hidden, dtype):
     torch.testing.assert_close(got[2].sum(-2), torch.ones(T, hc), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", COLLAPSE_PATHS)
+@pytest.mark.parametrize("path", sorted(SMALL_LAUNCH))
 @pytest.mark.parametrize("hc, T, hidden, dtype", [
     (4, 5, 64, torch.float32), (2, 9, 24, torch.bfloat16), (4, 65, 37, torch.float16), (2, 1, 21, torch.float32)])
 def test_head_kernel_matches_reference(path, hc, T, hidden, dtype):
@@ -376,7 +379,8 @@ def ptx(kernel, consts, bf16_ptrs):
     names = list(kernel.arg_names)
     sig = {n: "constexpr" if n in consts else ("*bf16" if n in bf16_ptrs else "*fp32") if n.endswith("_ptr") else
            "fp32" if n in ("norm_eps", "hc_eps", "width") else "i32" for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n in ("D", "K")}
+    aligned = ("D", "K", "K_PER_SPLIT")  # Triton's launcher marks them so: multiples of 16 at V4's shapes
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*") or n in aligned}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     options = {"num_warps": 4, **hck.COMPILE_OPTIONS}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
@@ -392,10 +396,10 @@ fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr"
 fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
 mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
           ("out_ptr", "res_ptr", "new_ptr"))
-def project_ptx(head):
+def project_ptx(head, partial=False):
     launch = hck.default_collapse_launch(4096, "two_pass")
     consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, PIECES=3, FP32_DOT=False, PRECISION="ieee",
-                  BLOCK_T=launch["block_t"], BLOCK_K=launch["block_k"])
+                  PARTIAL=partial, BLOCK_T=launch["block_t"], BLOCK_K=launch["block_k"])
     return ptx(hck._hc_project_kernel, consts, ("x_ptr", "w_ptr"))
 weighted = ptx(hck._hc_weighted_sum_kernel, dict(N=4, BLOCK_T=8, BLOCK_D=128, MANUAL_BF16_RNE=False),
                ("x_ptr", "collapsed_ptr"))
@@ -404,7 +408,8 @@ mix_sum = ptx(hck._hc_mix_sum_kernel, dict(N=4, NN=4, NP=32, HEAD=False, BLOCK_T
                                            MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr"))
 print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
                   (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix),
-                   ("project", project_ptx(False)), ("project_head", project_ptx(True)), ("weighted", weighted),
+                   ("project", project_ptx(False)), ("project_head", project_ptx(True)),
+                   ("project_partial", project_ptx(False, partial=True)), ("weighted", weighted),
                    ("split", split), ("mix_sum", mix_sum))}))
 """
 
@@ -431,7 +436,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
     for collapse in (found["collapse"], found["fused"], found["fused_head"]):
         assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
         assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
-    for project in (found["project"], found["project_head"]):
+    for project in (found["project"], found["project_head"], found["project_partial"]):
         assert any(op.startswith("wgmma.mma_async") and op.endswith(".bf16.bf16") for op in project), project
         assert "cp.async.cg.shared.global" in project, project
     for project in (found["project"], found["project_head"], found["mix_sum"]):
