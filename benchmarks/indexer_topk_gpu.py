@@ -23,7 +23,7 @@ import traceback
 
 import torch
 import triton
-from dsfuse.kernels.indexer_topk import flops, indexer_topk_triton, tuned_configs
+from dsfuse.kernels.indexer_topk import TILE_KEYS, flops, indexer_topk_triton, tuned_configs
 from triton.testing import do_bench, do_bench_cudagraph
 
 START = time.time()
@@ -54,13 +54,20 @@ def bf16_peak_tflops():
     return 2 * 8192 ** 3 / median_ms(lambda: a @ b) / 1e9
 
 
-def make_case(B, S, T, H, D, seed):
+def visible(S, T, device, compress=None):
+    """[S, T] keys each query may see: causal with the keys' end at the last query; with `compress` m, DeepSeek
+    V4's CSA threshold over compressed entries (query s sees entries t < (s + 1) // m)."""
+    t, s = torch.arange(T, device=device)[None, :], torch.arange(S, device=device)[:, None]
+    return t < (s + 1) // compress if compress else t <= s + (T - S)
+
+
+def make_case(B, S, T, H, D, seed, compress=None):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(B, S, H, D, device=DEV, generator=g).bfloat16()
     k = torch.randn(B, T, D, device=DEV, generator=g).bfloat16()
     weights = torch.randn(B, S, H, device=DEV, generator=g) * H ** -0.5
-    causal = torch.arange(T, device=DEV)[None, :] <= torch.arange(S, device=DEV)[:, None] + (T - S)
-    mask = causal[None, None].expand(B, 1, S, T)[:, 0]  # HF passes attention_mask[:, 0] of a [B,1,S,T] mask
+    # HF passes attention_mask[:, 0] of a [B,1,S,T] mask (V3.2), or the negated future mask (V4)
+    mask = visible(S, T, DEV, compress)[None].expand(B, S, T)
     return q, k, weights, mask, D ** -0.5
 
 
@@ -148,11 +155,13 @@ def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True,
     return rec
 
 
-def prepare_shape(label, B, S, T, H, D, topk, seed, graph):
+def prepare_shape(label, B, S, T, H, D, topk, seed, graph, compress=None):
     """Inputs of a shape and its default run; the row carries the tiles the autotuner picked."""
-    q, k, weights, mask, scale = make_case(B, S, T, H, D, seed)
+    q, k, weights, mask, scale = make_case(B, S, T, H, D, seed, compress)
+    pairs = int(mask.sum()) if compress else None
+    gflop = (2.0 * H * D * pairs if compress else flops(B, S, T, H, D, causal_offset=T - S)) / 1e9
     row = {"label": label, "B": B, "S": S, "T": T, "H": H, "D": D, "topk": topk, "dtype": "bf16",
-           "causal_gflop": flops(B, S, T, H, D, causal_offset=T - S) / 1e9, "variants": {}, "picked_tiles": None}
+           "compress": compress, "causal_gflop": gflop, "variants": {}, "picked_tiles": None}
     RESULTS["shapes"].append(row)
     # the default, or (if it fails to compile or run) the older filter variants, still autotuned
     for name, base in (("default", {}), ("default_tree", {"head_sum": "tree"}),
@@ -169,9 +178,12 @@ def prepare_shape(label, B, S, T, H, D, topk, seed, graph):
 
 
 def run_variants(prepared, variants):
-    """Filter-kernel variants at the tiles the autotuner picked for the default."""
+    """Filter-kernel variants at the tiles the autotuner picked for the default (fixed tiles replace them)."""
     row, args, graph = prepared
     for name, extra in variants:
+        if set(extra) & TILE_KEYS:
+            run_variant(row, name, *args, extra, graph=graph)
+            continue
         if row["picked_tiles"] is None:
             RESULTS["skipped"].append(f"{row['label']}: {name} (no tuned default)")
             continue
@@ -183,12 +195,24 @@ def fmt_field(rec, key, spec):
     return format(rec[key], spec) if key in rec else "-"
 
 
+# DeepSeek V4's CSA indexer at S=8192: 2048 compressed entries (m = 4), each query sees (s + 1) // 4 of them; the
+# fixed tiles (autotuning off) beside the tuned default: queries per program x key tile x warps x stages.
+V4_TILES = [(f"tiles q{bq} t{bt} w{w} s{st}", {"block_q": bq, "block_t": bt, "num_warps": w, "num_stages": st})
+            for bq, bt, w, st in ((4, 128, 8, 3), (4, 64, 4, 3), (2, 64, 4, 3), (1, 64, 4, 4), (2, 128, 4, 2))]
+
+
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="*", default=None, help="labels to run (default: the V3.2 shapes)")
+    args = parser.parse_args()
     RESULTS["bf16_matmul_8192_tflops"] = bf16_peak_tflops()
-    shapes = {  # label: (B, S, T, H, D, topk, seed, CUDA-graph timing too)
+    shapes = {  # label: (B, S, T, H, D, topk, seed, CUDA-graph timing too[, V4 compression rate])
         "prefill S4096 T32768": (1, 4096, 32768, 64, 128, 2048, 1, False),
         "decode B8 S1 T131072": (8, 1, 131072, 64, 128, 2048, 2, True),
         "prefill S2048 T16384": (1, 2048, 16384, 64, 128, 2048, 3, False),
+        "v4 csa S8192 T2048": (1, 8192, 2048, 64, 128, 512, 4, False, 4),
     }
     plan = [  # in priority order: whatever is left at BUDGET_S is skipped
         ("prefill S4096 T32768", [("fused_select", {"fuse_select": True}), ("store_append", {"append": "store"}),
@@ -196,7 +220,14 @@ def main():
         ("decode B8 S1 T131072", [("store_append", {"append": "store"})]),
         ("prefill S4096 T32768", [("tree_head_sum", {"head_sum": "tree"})]),
         ("prefill S2048 T16384", []),
+        ("v4 csa S8192 T2048", [("fused_select", {"fuse_select": True}), ("no_append", {"append": "none"})]),
+        ("v4 csa S8192 T2048", V4_TILES),
     ]
+    wanted = args.shapes or [label for label in shapes if not label.startswith("v4")]
+    unknown = sorted(set(wanted) - set(shapes))
+    if unknown:
+        parser.error(f"unknown shapes {unknown}; valid: {list(shapes)}")
+    plan = [(label, variants) for label, variants in plan if label in wanted]
     prepared = {}
     for label, variants in plan:
         try:
