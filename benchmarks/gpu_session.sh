@@ -46,8 +46,9 @@ wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmar
 wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
 wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/norm_rope_quant_gpu.py
 wanted hc && TAIL=14 step 300 "hyper-connection kernels" python3 -P benchmarks/hyper_connections_gpu.py
-# fuzz: the op fuzz suite with the large example budget, then whole presets at many lengths and batch sizes
-wanted fuzz && TAIL=15 DSFUSE_FUZZ_PROFILE=gpu step ${FUZZ_OPS_LIMIT:-240} "op fuzz (gpu profile)" python3 -P -m pytest -q \
-  tests/fuzz
+# fuzz: the op fuzz suite with the gpu profile, file by file under their own limits (table in $OUT/op_fuzz.md, each
+# file's log in $OUT/op_fuzz_logs), FUZZ_OPS_JOBS files at once; then whole presets at many lengths and batch sizes
+wanted fuzz && TAIL=15 step ${FUZZ_OPS_LIMIT:-360} "op fuzz (gpu profile)" python3 -P benchmarks/op_fuzz_gpu.py \
+  --jobs ${FUZZ_OPS_JOBS:-4} --out "$OUT"
 wanted fuzz && TAIL=40 step ${FUZZ_MODEL_LIMIT:-480} "model fuzz" python3 -P benchmarks/model_fuzz_gpu.py --out "$OUT"
 true

@@ -26,7 +26,8 @@ from torch._library.custom_ops import OPDEFS
 
 import dsfuse  # noqa: F401  (registers the dsfuse ops)
 from dsfuse.generation import generate_kwargs
-from dsfuse.kernels.triton_support import DIRECT_KERNELS, direct_kernel
+from dsfuse.kernels.triton_support import (DIRECT_KERNELS, direct_kernel, register_direct_kernels,
+                                          remove_direct_kernels)
 from dsfuse.models.presets import build_hf_model
 
 
@@ -45,13 +46,11 @@ def record_decode_calls(model, prompt: int, new_tokens: int, device: str) -> dic
             return fn(*args, **kw)
         return record
 
-    # CUDA: the direct kernels, overridden by a recorder library removed afterwards; CPU: custom_op's default impl
-    recorder, originals = None, {}
+    # CUDA: the direct kernels, replaced by recorders and registered again afterwards; CPU: custom_op's default impl
+    originals = {}
     if device == "cuda":
-        recorder = torch.library.Library("dsfuse", "IMPL")
-        for (name, dev), fn in DIRECT_KERNELS.items():
-            if dev == "cuda":
-                recorder.impl(name.split("::")[1], recording(name, fn), "CUDA")
+        remove_direct_kernels("cuda")
+        register_direct_kernels("cuda", recording)
     else:
         for name, opdef in OPDEFS.items():
             if name.startswith("dsfuse::") and None in opdef._backend_fns:
@@ -63,8 +62,9 @@ def record_decode_calls(model, prompt: int, new_tokens: int, device: str) -> dic
         with torch.no_grad():
             model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, **kwargs)
     finally:
-        if recorder is not None:
-            recorder._destroy()
+        if device == "cuda":
+            remove_direct_kernels("cuda")
+            register_direct_kernels("cuda")
         for name, fn in originals.items():
             OPDEFS[name]._backend_fns[None] = fn
     return calls

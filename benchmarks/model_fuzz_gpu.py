@@ -5,9 +5,18 @@ For each preset, batch size (rows after the first left-padded to different lengt
 prefill under `torch.no_grad()`: eager, `torch.compile(backend="inductor")` and `torch.compile(backend="dsfuse")`.
 Recorded per case: dsfuse's site counts per family, its near-misses (with their reasons), the max |logits - eager|
 relative to max |eager| for dsfuse and for Inductor on the rows' real (unpadded) tokens, and any error.
+
+With `--generate N` each case is a greedy `model.generate(..., max_new_tokens=N)` instead: eager (transformers'
+default cache), dsfuse's recipe (`dsfuse.generation.generate_kwargs`: chunked prefill and decode steps compiled) and,
+unless --no-inductor, the same recipe with every pass off (plain Inductor). Recorded apart for the decode graphs (one
+token per sequence; a one-token prompt or chunk tail looks the same) and the prefill graphs: graphs compiled, sites
+per family, near-misses; and whether dsfuse's tokens are eager's, with the number of new tokens every row shares with
+eager's from the first (Inductor's beside it: in bf16 a near tie of random weights can flip a token of either).
+
 Writes `model_fuzz.json` and `model_fuzz.md` to --out (default $OUT).
 
     python -P benchmarks/model_fuzz_gpu.py                       # the GPU sweep (H200)
+    python -P benchmarks/model_fuzz_gpu.py --generate 8 --presets glm-tiny --lengths 5 200 --batches 1 8
     python -P benchmarks/model_fuzz_gpu.py --cpu-smoke --out DIR # one tiny-preset case on CPU (< 1 min on a free CPU)
 """
 
@@ -23,6 +32,8 @@ from pathlib import Path
 import torch
 
 GPU_PRESETS = ("tiny", "glm-tiny", "v32-real-2l", "v4-tiny")
+# generate's recipe for the static-cache models (V4 decodes from its own cache, not swept here)
+GENERATE_PRESETS = ("tiny", "glm-tiny", "v32-real-2l")
 GPU_LENGTHS = (1, 5, 65, 200, 2049, 8192)
 GPU_BATCHES = (1, 2, 8)
 # the real-dims preset at batch 8 and 8192 tokens does not fit beside eager's materialised attention
@@ -79,6 +90,76 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
     return case
 
 
+def _recipe_generate(model, ids, mask, new_tokens: int, options=None):
+    """`model.generate` through dsfuse.generation's recipe (a fresh static cache of prompt + new tokens)."""
+    from dsfuse.generation import generate_kwargs
+
+    kwargs = generate_kwargs(model, ids.shape[0], ids.shape[1] + new_tokens, options=options,
+                             compile_all_devices=not ids.is_cuda)
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+
+
+def _matching_prefix(out: torch.Tensor, ref: torch.Tensor, prompt: int) -> int:
+    """How many new tokens, from the first, every row of `out` shares with `ref`."""
+    new, ref_new = out[:, prompt:], ref[:, prompt:]
+    steps = min(new.shape[1], ref_new.shape[1])
+    differs = (new[:, :steps] != ref_new[:, :steps]).any(dim=0).nonzero()
+    return int(differs[0]) if differs.numel() else steps
+
+
+def _by_graph_kind(rep) -> dict:
+    """{"prefill": ..., "decode": ...}: the graphs of each kind, their sites per family and their near-misses."""
+    from dsfuse import PASS_NAMES
+
+    kind_of = {graph.index: "decode" if graph.tokens == 1 else "prefill" for graph in rep.graphs}
+    kinds = {}
+    for kind in ("prefill", "decode"):
+        graphs = [graph for graph in rep.graphs if kind_of[graph.index] == kind]
+        sites = [site.pass_name for site in rep.sites if kind_of[site.graph] == kind]
+        kinds[kind] = {
+            "graphs": len(graphs),
+            "sites": {name: sites.count(name) for name in PASS_NAMES if name in sites},
+            "near_misses": [{"pass": m.pass_name, "anchor": m.anchor, "reason": m.reason}
+                            for m in rep.near_misses if kind_of[m.graph] == kind],
+            "notes": [graph.note for graph in graphs if graph.note],
+        }
+    return kinds
+
+
+def run_generate_case(model, preset: str, batch: int, seq: int, new_tokens: int, device,
+                      with_inductor: bool = True) -> dict:
+    """One greedy generate each: eager, dsfuse's recipe, and (with_inductor) the recipe with every pass off."""
+    import dsfuse
+
+    ids, mask = _inputs(model.config.vocab_size, batch, seq, device)
+    case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq,
+            "generate": new_tokens}
+    start = time.perf_counter()
+    try:
+        with torch.no_grad():
+            eager = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+            inductor = None
+            if with_inductor:
+                torch._dynamo.reset()
+                every_pass_off = {"disable": list(dsfuse.PASS_NAMES)}
+                inductor = _recipe_generate(model, ids, mask, new_tokens, options=every_pass_off)
+            torch._dynamo.reset()
+            dsfuse.reset_report()
+            fused = _recipe_generate(model, ids, mask, new_tokens)
+        case.update(
+            _by_graph_kind(dsfuse.report()),
+            tokens_equal=fused.shape == eager.shape and bool(torch.equal(fused, eager)),
+            prefix=_matching_prefix(fused, eager, seq),
+            inductor_prefix=None if inductor is None else _matching_prefix(inductor, eager, seq),
+        )
+    except Exception as error:  # a failing case is a finding: record it and go on
+        case["error"] = f"{type(error).__name__}: {error}"
+        case["traceback"] = traceback.format_exc(limit=8)
+    case["seconds"] = round(time.perf_counter() - start, 1)
+    torch._dynamo.reset()
+    return case
+
+
 def _fmt_err(err) -> str:
     return "-" if err is None else f"{err:.2e}"
 
@@ -91,6 +172,35 @@ def write(out: Path, cases: list[dict]) -> None:
 
 
 def markdown(cases: list[dict]) -> str:
+    """The prefill cases' table and the generate cases' table, each where there are such cases."""
+    prefills = [c for c in cases if "generate" not in c]
+    generated = [c for c in cases if "generate" in c]
+    tables = [_prefill_table(prefills)] if prefills or not generated else []
+    return "\n".join(tables + ([_generate_table(generated)] if generated else []))
+
+
+def _sites_text(sites: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sites.items()) or "-"
+
+
+def _generate_table(cases: list[dict]) -> str:
+    lines = ["| preset | attn | B | S | N | graphs prefill + decode | prefill sites | prefill near-misses "
+             "| decode sites | decode near-misses | tokens = eager | prefix | inductor prefix | s |",
+             "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | ---: | --- | ---: | ---: | ---: |"]
+    for c in cases:
+        head = f"| {c['preset']} | {c['attn']} | {c['batch']} | {c['seq']} | {c['generate']} |"
+        if "error" in c:
+            lines.append(f"{head} ERROR {c['error'][:80]} | | | | | | | | {c['seconds']} |")
+            continue
+        prefill, decode = c["prefill"], c["decode"]
+        inductor = "-" if c["inductor_prefix"] is None else c["inductor_prefix"]
+        lines.append(f"{head} {prefill['graphs']} + {decode['graphs']} | {_sites_text(prefill['sites'])} | "
+                     f"{len(prefill['near_misses'])} | {_sites_text(decode['sites'])} | {len(decode['near_misses'])} | "
+                     f"{'yes' if c['tokens_equal'] else 'no'} | {c['prefix']} | {inductor} | {c['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _prefill_table(cases: list[dict]) -> str:
     lines = ["| preset | B | S | sites | near-misses | dsfuse err | inductor err | s |",
              "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for c in cases:
@@ -98,7 +208,7 @@ def markdown(cases: list[dict]) -> str:
             lines.append(f"| {c['preset']} | {c['batch']} | {c['seq']} | ERROR {c['error'][:80]} | | | | "
                          f"{c['seconds']} |")
             continue
-        sites = ", ".join(f"{k} {v}" for k, v in c["sites"].items()) or "-"
+        sites = _sites_text(c["sites"])
         lines.append(f"| {c['preset']} | {c['batch']} | {c['seq']} | {sites} | {len(c['near_misses'])} | "
                      f"{c['dsfuse_err']:.2e} | {_fmt_err(c['inductor_err'])} | {c['seconds']} |")
     return "\n".join(lines) + "\n"
@@ -113,6 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="the models' attention implementation")
     parser.add_argument("--no-inductor", action="store_true", help="compare dsfuse with eager only (faster)")
+    parser.add_argument("--generate", type=int, default=None, metavar="N",
+                        help="each case a greedy generate of N new tokens (prompts of --lengths) instead of a prefill")
     args = parser.parse_args(argv)
 
     from dsfuse.models.presets import build_hf_model
@@ -123,17 +235,25 @@ def main(argv=None) -> int:
         overrides = {"num_hidden_layers": 1}
     else:
         device, dtype = "cuda", torch.bfloat16
-        presets, lengths = args.presets or GPU_PRESETS, args.lengths or GPU_LENGTHS
+        presets = args.presets or (GENERATE_PRESETS if args.generate else GPU_PRESETS)
+        lengths = args.lengths or GPU_LENGTHS
         batches = args.batches or GPU_BATCHES
         overrides = {}
     cases, out = [], Path(args.out)
     for preset in presets:
         model = build_hf_model(preset, dtype=dtype, device=device, attn_implementation=args.attn, **overrides)
+        if args.generate:  # exactly N new tokens a row: padding has an id, no end-of-sequence token stops a row
+            model.generation_config.pad_token_id = 0
+            model.generation_config.eos_token_id = None
         for batch in batches:
             for seq in lengths:
                 if (preset, batch, seq) in SKIP and not args.cpu_smoke:
                     continue
-                case = run_case(model, preset, batch, seq, device, with_inductor=not args.no_inductor)
+                if args.generate:
+                    case = run_generate_case(model, preset, batch, seq, args.generate, device,
+                                             with_inductor=not args.no_inductor)
+                else:
+                    case = run_case(model, preset, batch, seq, device, with_inductor=not args.no_inductor)
                 cases.append(case)
                 write(out, cases)
                 print(json.dumps({k: v for k, v in case.items() if k != "traceback"}), flush=True)

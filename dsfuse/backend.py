@@ -67,6 +67,12 @@ def _query_tokens(example_inputs: Sequence[Any]) -> int | None:
     return max(lengths)
 
 
+def _traced_tokens(gm: torch.fx.GraphModule) -> int | None:
+    """`_query_tokens` of the graph as Dynamo traced it: its inputs' traced values keep a dynamic length as a symbol
+    (the example inputs a backend gets are concrete tensors even then), so a graph for every length reads None."""
+    return _query_tokens([node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")])
+
+
 def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig,
                 active: tuple[str, ...]) -> str:
     """The key of a Dynamo graph's record, for when AOTAutograd's cache serves the whole graph (then
@@ -187,7 +193,8 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     elif cfg.enabled:
         manager = DsfusePassManager(cfg.enabled)
         patches["post_grad_custom_post_pass"] = manager
-    graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note)
+    graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note,
+                                      tokens=_traced_tokens(gm))
     if manager is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     else:

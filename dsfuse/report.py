@@ -45,6 +45,8 @@ class GraphRecord:
     nodes: int
     enabled: tuple[str, ...]
     note: str = ""
+    # tokens per sequence of the step the graph computes (1: a decode step); None when the length is symbolic
+    tokens: int | None = None
 
 
 @dataclass
@@ -106,9 +108,9 @@ def report() -> Report:
     return copy.deepcopy(_REPORT)
 
 
-def start_graph(nodes: int, enabled: tuple[str, ...], note: str = "") -> int:
+def start_graph(nodes: int, enabled: tuple[str, ...], note: str = "", tokens: int | None = None) -> int:
     index = len(_REPORT.graphs)
-    _REPORT.graphs.append(GraphRecord(index=index, nodes=nodes, enabled=enabled, note=note))
+    _REPORT.graphs.append(GraphRecord(index=index, nodes=nodes, enabled=enabled, note=note, tokens=tokens))
     if note:
         log.info("graph %d: %s", index, note)
     return index

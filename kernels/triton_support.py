@@ -29,7 +29,9 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n else 0
 
 
-_DISPATCH_LIBRARIES: dict[str, object] = {}
+# (namespace, device type) -> the Library holding that device's direct kernels (one per device, so that one
+# device's kernels can be removed and registered again without touching another's)
+_DISPATCH_LIBRARIES: dict[tuple[str, str], object] = {}
 # (op's qualified name, device type) -> the function `direct_kernel` registered (benchmarks time them alone)
 DIRECT_KERNELS: dict[tuple[str, str], object] = {}
 
@@ -41,21 +43,42 @@ def direct_kernel(op, device_type: str = "cuda"):
     bound by the host, makes ~20 such calls. dsfuse's ops are inference ops, inserted by the backend only into graphs
     that need no gradients: on this device an op has no autograd formula (its Triton kernels are not
     differentiable). Other devices (the CPU references) keep custom_op's path."""
-    import torch
-
-    key = device_type.upper()
-    namespace, name = op._qualname.split("::")
-    if namespace not in _DISPATCH_LIBRARIES:
-        _DISPATCH_LIBRARIES[namespace] = torch.library.Library(namespace, "IMPL")
-    library = _DISPATCH_LIBRARIES[namespace]
 
     def register(fn):
         DIRECT_KERNELS[(op._qualname, device_type)] = fn
-        library.impl(name, fn, key)
-        library.impl(name, torch.library.fallthrough_kernel, f"Autograd{key}")
+        _register(op._qualname, device_type, fn)
         return fn
 
     return register
+
+
+def remove_direct_kernels(device_type: str) -> None:
+    """Take every direct kernel of `device_type` out of the dispatcher (custom_op's path serves the ops meanwhile).
+    torch (2.11) refuses a second Python kernel for an op's dispatch key: a benchmark that wraps the kernels
+    removes them first, and `register_direct_kernels` puts them back."""
+    for namespace, device in list(_DISPATCH_LIBRARIES):
+        if device == device_type:
+            _DISPATCH_LIBRARIES.pop((namespace, device))._destroy()
+
+
+def register_direct_kernels(device_type: str, wrap=None) -> None:
+    """Register every direct kernel of `device_type` in the dispatcher again (after `remove_direct_kernels`), each as
+    `wrap(qualified name, kernel)` when `wrap` is given (a benchmark's recorder), else as itself."""
+    for (qualname, device), fn in DIRECT_KERNELS.items():
+        if device == device_type:
+            _register(qualname, device, fn if wrap is None else wrap(qualname, fn))
+
+
+def _register(qualname: str, device_type: str, fn) -> None:
+    import torch
+
+    namespace, name = qualname.split("::")
+    key = device_type.upper()
+    library = _DISPATCH_LIBRARIES.get((namespace, device_type))
+    if library is None:
+        library = _DISPATCH_LIBRARIES[(namespace, device_type)] = torch.library.Library(namespace, "IMPL")
+    library.impl(name, fn, key)
+    library.impl(name, torch.library.fallthrough_kernel, f"Autograd{key}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -114,6 +114,17 @@ def test_report_has_all_keys_and_reads_well():
     assert dsfuse.report().graphs == [] and dsfuse.report().counts["indexer_topk"] == 0
 
 
+def test_report_records_each_graphs_tokens_per_sequence():
+    """The report gives each graph's tokens per sequence (the length of its 2-D integer inputs; 1 for a decode
+    step), None for a graph whose length is dynamic: a benchmark tells decode graphs from prefill graphs by it."""
+    table = torch.nn.Embedding(16, 4)
+    with torch.no_grad():
+        compiled = torch.compile(table, backend="dsfuse")
+        for length in (1, 7, 9):  # 7: a recompile for the new length; 9: none (Dynamo marked the length dynamic)
+            compiled(torch.zeros(2, length, dtype=torch.long))
+    assert [graph.tokens for graph in dsfuse.report().graphs] == [1, None]
+
+
 def test_training_graphs_are_left_to_inductor():
     lin = torch.nn.Linear(4, 4)
     out = torch.compile(lin, backend="dsfuse")(torch.randn(2, 4))

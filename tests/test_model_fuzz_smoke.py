@@ -1,16 +1,26 @@
-"""benchmarks/model_fuzz_gpu.py's CPU smoke mode: one left-padded tiny-preset case, its JSON and markdown."""
+"""benchmarks/model_fuzz_gpu.py's CPU smoke mode: one left-padded tiny-preset case, its JSON and markdown; a prefill
+and, with --generate, a greedy generate through dsfuse's recipe."""
 
 import importlib.util
 import json
 from pathlib import Path
 
+import torch
 
-def test_model_fuzz_cpu_smoke(tmp_path):
+# one layer of the tiny preset, in every graph: the norm/rope glue, the indexer and the sparse attention
+ONE_LAYER_SITES = {"norm_rope_quant": 5, "indexer_topk": 1, "sparse_attention": 1}
+
+
+def _module():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "model_fuzz_gpu.py"
     spec = importlib.util.spec_from_file_location("model_fuzz_gpu", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    return module
+
+
+def test_model_fuzz_cpu_smoke(tmp_path):
+    assert _module().main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
     (case,) = json.loads((tmp_path / "model_fuzz.json").read_text())
     assert (case["preset"], case["batch"], case["seq"]) == ("tiny", 2, 5) and "error" not in case, case
     # one layer: the norm/rope glue, the indexer and the sparse attention each rewritten, nothing left as a near-miss
@@ -18,3 +28,25 @@ def test_model_fuzz_cpu_smoke(tmp_path):
     assert case["near_misses"] == [], case
     assert case["dsfuse_err"] <= max(1e-5, 2 * case["inductor_err"]), case
     assert "| tiny | 2 | 5 |" in (tmp_path / "model_fuzz.md").read_text()
+
+
+def test_model_fuzz_cpu_smoke_generate(tmp_path):
+    """The prefill graph and the decode graph (one token per sequence) each rewrite every family of the layer, no
+    near-miss, and dsfuse's tokens are eager's (fp32)."""
+    assert _module().main(["--cpu-smoke", "--generate", "3", "--no-inductor", "--out", str(tmp_path)]) == 0
+    (case,) = json.loads((tmp_path / "model_fuzz.json").read_text())
+    assert (case["preset"], case["batch"], case["seq"], case["generate"]) == ("tiny", 2, 5, 3), case
+    assert "error" not in case, case
+    for kind in ("prefill", "decode"):
+        assert case[kind]["graphs"] == 1 and case[kind]["sites"] == ONE_LAYER_SITES, case
+        assert case[kind]["near_misses"] == [], case
+    assert case["tokens_equal"] and case["prefix"] == 3 and case["inductor_prefix"] is None, case
+    assert "| tiny | sdpa | 2 | 5 | 3 | 1 + 1 |" in (tmp_path / "model_fuzz.md").read_text()
+
+
+def test_matching_prefix_counts_new_tokens_every_row_shares():
+    prefix = _module()._matching_prefix
+    ref = torch.tensor([[7, 7, 1, 2, 3], [7, 7, 4, 5, 6]])
+    assert prefix(ref.clone(), ref, 2) == 3
+    assert prefix(torch.tensor([[7, 7, 1, 2, 0], [7, 7, 4, 0, 6]]), ref, 2) == 1  # row 1 differs at its 2nd
+    assert prefix(torch.tensor([[7, 7, 9, 2, 3], [7, 7, 4, 5, 6]]), ref, 2) == 0

@@ -48,3 +48,50 @@ def test_every_dsfuse_op_has_its_cuda_kernel_registered_directly():
         cuda = next(line for line in table if line.startswith("CUDA:"))
         autograd = next(line for line in table if line.startswith("AutogradCUDA:"))
         assert "triton_support.py" in cuda and "fallthrough" in autograd, table
+
+
+def test_direct_kernels_can_be_swapped_for_recorders_and_restored():
+    """benchmarks/launch_overhead.py's recorder on the GPU, here on CPU: the recorder replaces the direct kernel (torch
+    2.11 refuses a second Python kernel for one dispatch key, so it must not be stacked over it), and afterwards the
+    direct kernel serves the op again."""
+    import torch
+
+    from dsfuse.kernels.triton_support import direct_kernel, register_direct_kernels, remove_direct_kernels
+
+    @torch.library.custom_op("dsfuse_test::triple", mutates_args=())
+    def triple(x: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the default implementation must not run on the device with a direct kernel")
+
+    direct_kernel(triple, "cpu")(lambda x: x * 3)
+    seen = []
+
+    def recording(name, fn):
+        def record(*args):
+            seen.append(name)
+            return fn(*args)
+        return record
+
+    remove_direct_kernels("cpu")
+    register_direct_kernels("cpu", recording)
+    try:
+        assert torch.equal(torch.ops.dsfuse_test.triple(torch.ones(2)), torch.full((2,), 3.0))
+        assert seen == ["dsfuse_test::triple"]
+        assert_one_direct_cpu_kernel("dsfuse_test::triple")
+    finally:
+        remove_direct_kernels("cpu")
+        register_direct_kernels("cpu")
+    assert torch.equal(torch.ops.dsfuse_test.triple(torch.ones(2)), torch.full((2,), 3.0))
+    assert seen == ["dsfuse_test::triple"]
+    assert_one_direct_cpu_kernel("dsfuse_test::triple")
+
+
+def assert_one_direct_cpu_kernel(name: str):
+    """The op's CPU key holds one kernel, registered by triton_support (none stacked inactive beneath it), and its
+    autograd key falls through."""
+    import torch
+
+    table = torch._C._dispatch_dump(name).splitlines()
+    cpu = [line for line in table if line.startswith("CPU")]
+    autograd = [line for line in table if line.startswith("AutogradCPU")]
+    assert len(cpu) == 1 and "triton_support.py" in cpu[0], table
+    assert len(autograd) == 1 and "fallthrough" in autograd[0], table
