@@ -122,14 +122,22 @@ def breakdown(q, k, weights, mask, scale, topk, cfg, thr):
     return out
 
 
-def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True, graph=False, filter_only=False):
+def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True, graph=False, filter_only=False,
+                every_key=False):
+    """`every_key` passes a -inf threshold: every visible key is a candidate (no sample pass, no threshold
+    kernel); exact while the keys fit the candidate buffer."""
     if elapsed() > BUDGET_S:
         RESULTS["skipped"].append(f"{row['label']}: {name}")
         return None
-    rec = {"config": cfg}
+    rec = {"config": cfg, "every_key": every_key}
     try:
         stats = {}
-        out = indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg, stats=stats)
+        if every_key:
+            all_keys = torch.full(q.shape[:2], float("-inf"), device=q.device)
+            op = functools.partial(indexer_topk_triton, threshold=all_keys, candidate_capacity=k.shape[1])
+        else:
+            op = indexer_topk_triton
+        out = op(q, k, weights, None, mask, scale, topk, config=cfg, stats=stats)
         torch.cuda.synchronize()
         if check:
             rec["bad_rows"] = bad_rows(out, q, k, weights, mask, scale, topk)
@@ -137,7 +145,7 @@ def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True,
             rec["mean_candidates"] = round(float(stats["candidates"].float().mean()), 1)
         thr = stats["threshold"].reshape(q.shape[0], q.shape[1]).clone()
         if not filter_only:
-            rec["ms"] = median_ms(lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg))
+            rec["ms"] = median_ms(lambda: op(q, k, weights, None, mask, scale, topk, config=cfg))
             rec["tflops"] = row["causal_gflop"] / rec["ms"]
             rec["pct_of_bf16_peak"] = 100 * rec["tflops"] / RESULTS["bf16_matmul_8192_tflops"]
         if graph:
@@ -181,8 +189,9 @@ def run_variants(prepared, variants):
     """Filter-kernel variants at the tiles the autotuner picked for the default (fixed tiles replace them)."""
     row, args, graph = prepared
     for name, extra in variants:
-        if set(extra) & TILE_KEYS:
-            run_variant(row, name, *args, extra, graph=graph)
+        if set(extra) & TILE_KEYS or extra.get("every_key"):
+            tiles = {key: v for key, v in extra.items() if key != "every_key"}
+            run_variant(row, name, *args, tiles or None, graph=graph, every_key=bool(extra.get("every_key")))
             continue
         if row["picked_tiles"] is None:
             RESULTS["skipped"].append(f"{row['label']}: {name} (no tuned default)")
@@ -221,6 +230,8 @@ def main():
         ("prefill S4096 T32768", [("tree_head_sum", {"head_sum": "tree"})]),
         ("prefill S2048 T16384", []),
         ("v4 csa S8192 T2048", [("fused_select", {"fuse_select": True}), ("no_append", {"append": "none"})]),
+        ("v4 csa S8192 T2048", [("every key a candidate", {"every_key": True}),
+                                ("every key, tiles q4 t64 w4 s3", {"every_key": True, **V4_TILES[1][1]})]),
         ("v4 csa S8192 T2048", V4_TILES),
     ]
     wanted = args.shapes or [label for label in shapes if not label.startswith("v4")]
