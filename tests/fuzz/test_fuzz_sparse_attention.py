@@ -38,7 +38,7 @@ def test_sparse_mla_kernel_is_the_reference(data, with_sink, out_of_range):
         values((B, T, Dr), dtype, seed + 3)
     idx = _indices(g, B, S, K, T, -1)  # -1 = no key; repeats count twice
     idx[:, data.draw(st.integers(0, S - 1))] = -1  # a row without keys: NaN without a sink, 0 with one
-    sink = torch.randn(H, generator=g) if with_sink else None
+    sink = torch.randn(H, generator=g).to(DEVICE) if with_sink else None
     args = [t.to(DEVICE) for t in (q_nope, q_pe, kv, pe)]
     want = reference_output(sa.sparse_mla_attention, sa.sparse_mla_attention_reference, *args, idx.to(DEVICE), 0.3,
                             sink)
