@@ -549,18 +549,16 @@ def default_collapse_launch(hidden: int, path: str | None = None, head: bool = F
     one_pass: 32 tokens per program, 64-wide D chunks, 4 warps, 2 stages for both ops (collapse 0.609 ms, head
     0.425 ms; run 23: 128-wide D chunks 0.95 / 0.76 ms).
     two_pass: the projection with 64 tokens per program (one warpgroup's MMA tile; 16-32 tokens were 1.8-2.9x
-    slower), K tiles of 256 in 3 stages for the collapse (0.136 ms; 128 wide: 0.191) and of 128 in 4 stages for
-    the head (0.109 ms); the weighted sum in 8 x 128 tiles with 4 warps (0.088 ms, 3.8 TB/s). fp16 / fp32
-    streams take 128-wide K tiles (their fp32 weight tiles: 256 wide in 3 stages, fp32 streams need 256 KiB of
-    shared memory; sm_90 has 227)."""
+    slower), K tiles of 128 in 4 stages (run 38: collapse 0.128 ms, 256 wide in 3 stages 0.136), the head's K
+    split 4 ways (0.096 ms against 0.109 unsplit; the collapse's split did not help); the weighted sum in 8 x 128
+    tiles with 4 warps (0.087 ms, 3.8 TB/s)."""
     path = path or COLLAPSE_PATH
     if path == "one_pass":
         return dict(path=path, block_t=32, block_d=max(16, min(64, next_power_of_2(hidden))), num_warps=4,
                     num_stages=2)
     if path == "two_pass":
-        wide = not head and dtype == torch.bfloat16
-        return dict(path=path, block_t=64, block_k=256 if wide else 128, num_warps=4, num_stages=4 if head else 3,
-                    splits=1, sum_block_t=8, sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
+        return dict(path=path, block_t=64, block_k=128, num_warps=4, num_stages=4, splits=4 if head else 1,
+                    sum_block_t=8, sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
     if path == "split_k":
         return dict(path=path, block_t=16, block_k=128, k_per_split=256, num_warps=4, num_stages=2, sum_block_t=8,
                     sum_block_d=max(16, min(128, next_power_of_2(hidden))), sum_num_warps=4)
