@@ -184,7 +184,9 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     register_all()
     patches = _inductor_patches(cfg, dynamic=None)
     if cfg.cudagraphs == "decode" and patches.get("triton.cudagraphs"):
-        tokens = _query_tokens(example_inputs)
+        # the traced length, not the example inputs' (concrete even when the graph serves every length): a prompt
+        # chunk's tail graph first compiled at a few tokens is not a decode step
+        tokens = _traced_tokens(gm)
         patches["triton.cudagraphs"] = tokens is not None and tokens <= DECODE_MAX_TOKENS
     note = ""
     manager = None

@@ -131,6 +131,26 @@ def test_compile_options_put_the_mode_in_options():
                       "inductor": {"max_autotune": True}}
 
 
+@pytest.mark.parametrize("dynamic, want", [(False, True), (True, False)])
+def test_cuda_graphs_only_for_graphs_traced_at_decode_lengths(monkeypatch, dynamic, want):
+    """`cudagraphs="decode"` reads the length Dynamo traced: a graph for every length (a prompt chunk's tail) first
+    compiled at 3 tokens gets no CUDA graphs; a graph of 3 tokens does."""
+    import torch._inductor.compile_fx as inductor_compile
+
+    patches = []
+    monkeypatch.setattr(inductor_compile, "compile_fx",
+                        lambda gm, inputs, config_patches=None, **kw: patches.append(config_patches) or gm.forward)
+
+    def step(ids, x):
+        return x * ids.sum()
+
+    compiled = torch.compile(step, backend="dsfuse", dynamic=dynamic,
+                             options={"mode": "reduce-overhead", "cudagraphs": "decode"})
+    compiled(torch.ones(1, 3, dtype=torch.long), torch.ones(4))
+    torch._dynamo.reset()
+    assert [p["triton.cudagraphs"] for p in patches] == [want]
+
+
 def test_cuda_graphs_for_decode_steps_only():
     from dsfuse.backend import _query_tokens
     from dsfuse.config import DsfuseConfigError, resolve_config
