@@ -302,10 +302,9 @@ def test_bad_input_raises(call, match):
         call(x, _params(4, 8))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_kernels_match_reference(dtype):
-    hc, hidden, T, iters = 4, 512, 257, 20
+def _gpu_collapse_and_head_match_references(T, hc, hidden, iters, dtype):
+    """The ops on CUDA at their default launches against the CPU references: (x, collapse params, head params,
+    the collapse's outputs)."""
     x = _streams(T, hc, hidden, dtype).cuda()
     fn, base, scale = (t.cuda() for t in _params(hc, hidden))
     hfn, hbase, hscale = (t.cuda() for t in _params(hc, hidden, head=True))
@@ -316,6 +315,15 @@ def test_gpu_kernels_match_reference(dtype):
     torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-5)
     _close(hc_head(x, hfn, hbase, hscale, NORM_EPS, HC_EPS).cpu(),
            hc_head_reference(x.cpu(), hfn.cpu(), hbase.cpu(), hscale.cpu(), NORM_EPS, HC_EPS))
+    return x, (fn, base, scale), (hfn, hbase, hscale), got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_kernels_match_reference(dtype):
+    hc, hidden, T, iters = 4, 512, 257, 20
+    x, (fn, base, scale), (hfn, hbase, hscale), got = _gpu_collapse_and_head_match_references(T, hc, hidden, iters,
+                                                                                             dtype)
     out = torch.randn(T, hidden, device="cuda").to(dtype)
     mixed = hc_expand_mix(out, x, got[1], got[2])
     eager = hc_expand_mix_reference(out, x, got[1], got[2])  # eager CUDA: cuBLAS bmm
@@ -356,17 +364,7 @@ def test_gpu_two_pass_matches_reference_and_one_pass(dtype):
 @pytest.mark.parametrize("T", [1, 8, 63])
 def test_gpu_split_k_matches_reference(T, dtype):
     """The default path of decode-sized calls at its default launch, at V4's stream width (64 splits)."""
-    hc, hidden, iters = 4, 4096, 20
-    x = _streams(T, hc, hidden, dtype).cuda()
-    fn, base, scale = (t.cuda() for t in _params(hc, hidden))
-    hfn, hbase, hscale = (t.cuda() for t in _params(hc, hidden, head=True))
-    got = hc_collapse(x, fn, base, scale, NORM_EPS, HC_EPS, iters)
-    want = hc_collapse_reference(x.cpu(), fn.cpu(), base.cpu(), scale.cpu(), NORM_EPS, HC_EPS, iters)
-    _close(got[0].cpu(), want[0])
-    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-5)
-    _close(hc_head(x, hfn, hbase, hscale, NORM_EPS, HC_EPS).cpu(),
-           hc_head_reference(x.cpu(), hfn.cpu(), hbase.cpu(), hscale.cpu(), NORM_EPS, HC_EPS))
+    _gpu_collapse_and_head_match_references(T, 4, 4096, 20, dtype)
 
 
 _PTX_PROBE = r"""
