@@ -59,6 +59,39 @@ def test_decode_cache_gives_hf_logits_bit_for_bit(batch, pad):
     assert torch.equal(_decode(model, V4DecodeCache(model.config, MAX_CACHE_LEN), ids, mask, 13), reference)
 
 
+def _chunked(model, cache, ids, mask, chunk: int, steps: int = 6) -> torch.Tensor:
+    """The prompt in chunks of `chunk` tokens as generate's chunked prefill feeds them (the mask up to the chunk's
+    end, the chunk's positions), then `steps` one-token forwards; the logits of every call."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            end = min(start + chunk, ids.shape[1])
+            out = model(ids[:, start:end], attention_mask=mask[:, :end], position_ids=positions[:, start:end],
+                        cache=cache, use_cache=True)
+            logits.append(out.logits)
+        for step in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, position_ids=positions[:, -1:] + step + 1,
+                        cache=cache, use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("batch, pad", [(1, 0), (2, 5)])
+@pytest.mark.parametrize("length", [7, 21])
+def test_chunked_prefill_gives_hf_logits_bit_for_bit(batch, pad, length):
+    """Eager, chunks of 1 (a one-token first call), 3 and 5 (boundaries off the CSA m=4 and HCA m'=8 windows) and 8,
+    a prompt shorter than the window (7) and one over two HCA windows (21), then decode steps: what HF's own cache
+    gives for the same chunks, bit for bit."""
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+    ids, mask = _prompt(batch, length, pad)
+    for chunk in (1, 3, 5, 8):
+        reference = _chunked(model, DynamicCache(config=model.config), ids, mask, chunk)
+        assert torch.equal(_chunked(model, V4DecodeCache(model.config, MAX_CACHE_LEN), ids, mask, chunk),
+                           reference), chunk
+
+
 def test_decode_cache_refuses_a_prefill_after_decoding():
     model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
     cache = V4DecodeCache(model.config, MAX_CACHE_LEN)
