@@ -92,12 +92,14 @@ def v4_compile_config(options: Mapping[str, Any] | None = None, compile_all_devi
     return config
 
 
-def v4_prefill_chunk(config, prefill_chunk_size: int) -> int:
+def v4_prefill_chunk(config, prefill_chunk_size: int | None) -> int | None:
     """`prefill_chunk_size` if it is a multiple of every compression rate of a V4 `config` and at least its sliding
     window, else a ValueError naming the nearest chunk that is. Other chunks give the same tokens (the cache is
     exact for any split) but more graphs: a chunk that ends inside a window leaves the next one a new pending
     count, and chunks shorter than the window grow its keys from chunk to chunk, whose mask the fused attention
-    can then not match to its rows."""
+    can then not match to its rows. None is transformers' own prefill: eager, in one call."""
+    if prefill_chunk_size is None:
+        return None
     step = math.lcm(*config.compress_rates.values())
     if prefill_chunk_size % step or prefill_chunk_size < config.sliding_window:
         good = max(-(-prefill_chunk_size // step), -(-config.sliding_window // step)) * step
@@ -108,8 +110,8 @@ def v4_prefill_chunk(config, prefill_chunk_size: int) -> int:
 
 
 def v4_generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
-                       prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK, options: Mapping[str, Any] | None = None,
-                       compile_all_devices: bool = False) -> dict:
+                       prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
+                       options: Mapping[str, Any] | None = None, compile_all_devices: bool = False) -> dict:
     """V4's keyword arguments: a `V4DecodeCache` of `max_cache_len` positions (reset when reused; its buffers take
     the batch size of the prefill), the prompt prefilled in chunks of `prefill_chunk_size` (`v4_prefill_chunk`)
     and decoded through the same compiled call (dsfuse, no CUDA graphs)."""

@@ -233,3 +233,4 @@ def test_generate_kwargs_for_v4(model):
         generate_kwargs(model, 1, MAX_CACHE_LEN, prefill_chunk_size=12)
     with pytest.raises(ValueError, match="got 4, try 8"):
         generate_kwargs(model, 1, MAX_CACHE_LEN, prefill_chunk_size=4)
+    assert generate_kwargs(model, 1, MAX_CACHE_LEN, prefill_chunk_size=None)["prefill_chunk_size"] is None
