@@ -6,8 +6,11 @@
 Configurations: `eager` (static cache, nothing compiled), `inductor` (transformers' default recipe: a static cache
 and `CompileConfig()`, which compiles the decode step with Inductor in "reduce-overhead" mode and runs the prefill
 eagerly) and `dsfuse` (`dsfuse.generation.generate_kwargs`: chunked prefill and decode through dsfuse, decode
-under CUDA graphs). DeepSeek V4 has no static cache: `eager` decodes from HF's growing V4 cache, `inductor` and
-`dsfuse` from `dsfuse.v4_cache.V4DecodeCache` (eager prefill, the decode step compiled once, no CUDA graphs). Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
+under CUDA graphs). DeepSeek V4 has no static cache (so transformers' recipe cannot compile its decode step
+once): `eager` prefills and decodes with HF's growing V4 cache, `dsfuse` is `generate_kwargs` (prefill chunks and
+decode steps through dsfuse, from `dsfuse.v4_cache.V4DecodeCache`, no CUDA graphs) and `inductor` the same recipe
+with the Inductor backend (the same chunks, cache and compiled calls), so the two differ in the backend alone.
+Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
 
 Per configuration, batch and prompt length: time to first token (a `generate` of one new token: the prefill),
 ms per decoded token (the difference of an N-token and a one-token call over N - 1), tokens/s, the peak memory
@@ -60,7 +63,7 @@ class Recipe:
         self.name, self.model, self.batch, self.max_cache_len = name, model, batch, max_cache_len
         self.chunk, self.cpu, self.cache = chunk, cpu, None
         self.v4 = is_v4(model)
-        # HF V4 has no static cache: eager decodes from its growing cache, Inductor from dsfuse's V4DecodeCache
+        # HF V4 has no static cache: eager runs on its growing cache, Inductor on dsfuse's recipe (V4DecodeCache)
         self.static = {} if self.v4 else dict(cache_implementation="static", max_cache_len=max_cache_len)
         if name == "inductor" and not self.v4:
             config = CompileConfig()
@@ -77,7 +80,7 @@ class Recipe:
             from dsfuse.generation import v4_generate_kwargs
 
             kwargs = v4_generate_kwargs(self.model, self.batch, self.max_cache_len, cache=self.cache,
-                                        compile_all_devices=self.cpu)
+                                        prefill_chunk_size=self.chunk, compile_all_devices=self.cpu)
             kwargs["compile_config"].backend = "inductor"
             self.cache = kwargs["cache"]
             return kwargs
@@ -217,7 +220,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")
     parser.add_argument("--padded", action="store_true", help="left-pad the rows of a batch to different lengths")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per call (N)")
-    parser.add_argument("--chunk", type=int, default=None, help="dsfuse's prefill chunk (default: the recipe's)")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="dsfuse's prefill chunk, Inductor's too on V4 (default: the recipe's)")
     parser.add_argument("--configs", default=",".join(GENERATE_CONFIGS), help=f"comma list of {GENERATE_CONFIGS}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))

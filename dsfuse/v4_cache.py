@@ -1,26 +1,37 @@
-"""A DeepSeek V4 cache that `torch.compile` decodes from with one graph for every step.
+"""A DeepSeek V4 cache that `torch.compile` prefills and decodes from with few graphs.
 
 HF's V4 cache layers (`DeepseekV4CSACache`, `DeepseekV4HCACache`) grow by `torch.cat`, count their tokens and
-compressed entries in Python ints, and hand the compressors a buffer of 0 .. m-1 pending tokens, so the decode
-step's graph depends on where the step falls in a compression window: Dynamo guards on those ints, on the pending
-buffer's size (sizes 0 and 1 are always specialised) and on the branches `chunk_kv.shape[1] > 0` that the model
-takes on it, and recompiles at most steps. `V4DecodeCache` is the same cache for the prefill (multi-token calls
-run HF's own layer methods) and keeps, for one-token calls, every step's shapes the same:
+compressed entries in Python ints, keep 0 .. m-1 pending tokens as a view of the last call's projections and hand
+the CSA compressor the previous call's last window as a prior written into its window 0, so a compiled call's graph
+depends on where the call falls in a compression window: Dynamo guards on those ints, on the pending buffer's size
+(sizes 0 and 1 are always specialised) and strides and on the branches `chunk_kv.shape[1] > 0` that the model takes
+on it, and recompiles at most decode steps and at most prefill chunks. `V4DecodeCache` is HF's cache (its sliding
+window layer, HF's own) with the compressor state of fixed shapes, for every call:
 
-* the pending window is a fixed `[B, m, C]` buffer written at slot `(t - 1) % m`; its unfilled slots are handed
-  to the compressor with a gate of -inf (softmax weight 0, as HF's own padding of the first window), so the
-  compressor pools one entry every step, the entry of the window in progress;
-* compressed entries live in a `[B, max_cache_len // m, D]` buffer; the step writes its entry at slot
-  `(t - 1) // m` and the compressor sees the first `t // m` entries (the finished windows, what HF keeps), a
-  view whose length is a symbol;
-* the CSA overlap state (the previous window's first series) is a two-window ring, written every step;
-* the token count `t` is the size of an empty `[0, t]` tensor, marked dynamic: Dynamo reads it as one symbol
-  from the first compiled step on, where a Python int would be a constant guarded at every step.
+* the projections of the last 2m tokens are a `[B, 2m, C]` stream buffer. A multi-token call (a prefill chunk)
+  hands the compressor the last whole window before the call again, then the pending tokens and the call's own up
+  to the last whole window, cut from `cat(stream, new)` at a symbolic offset: every chunk starts on a window
+  boundary with a window to pool, the compressor reads each new window's first series (CSA) from the chunk
+  itself, not from a prior written into window 0 (an in-place write the `compressors` pass does not fuse), and
+  the repeated window's entry is dropped. Before the first call the stream is a window of zero projections gated
+  -inf, which pools as HF's own zero / -inf padding of the first window;
+* compressed entries live in a `[B, 1 + max_cache_len // m, D]` buffer, entry e at slot 1 + e (slot 0 takes the
+  repeated window's entry); the compressor sees the first `t // m` entries (the finished windows, what HF keeps),
+  a view whose length is a symbol;
+* for one-token calls (decode steps) the window in progress is a fixed `[B, m, C]` buffer written at slot
+  `(t - 1) % m`; its unfilled slots are handed to the compressor with a gate of -inf (softmax weight 0, as HF's
+  padding of a first window), so the compressor pools one entry every step, the entry of the window in progress,
+  written at its slot;
+* the CSA overlap state (a window's first series, the next window's prior) is a two-window ring, written by every
+  call;
+* the token count `t` is the size of an empty `[0, t]` tensor, marked dynamic: Dynamo reads it as one symbol, where
+  a Python int would be a constant guarded at every call.
 
-Every buffer is written in place; the values the model reads are HF's (the pooled entry of a finished window is
-computed from the same m tokens, prior series and gates). Decoding needs a prompt of at least the sliding window
-for one graph (the window's keys stop growing there) and `max_cache_len` positions; a multi-token call after
-one-token calls (a prefill into a cache that decoded) is refused: `reset()` first.
+Every buffer is written in place; the values the model reads are HF's (each entry is pooled from the same m or 2m
+tokens, gates and position bias; chunked or not, the logits equal those of HF's cache fed the same chunks, bit for
+bit). Decoding in one graph needs a prompt of at least the sliding window (the window's keys stop growing there)
+and `max_cache_len` positions; a multi-token call after one-token calls (a prefill into a cache that decoded) is
+refused: `reset()` first.
 """
 
 from __future__ import annotations
@@ -100,27 +111,30 @@ class V4SlidingWindowLayer(_TokenCount, DynamicSlidingWindowLayer):
         self._init_count()
 
 
-class _CompressedDecode(_TokenCount):
-    """Fixed-shape compressor state for one-token calls (see the module docstring), filled from HF's state at the
-    end of every multi-token call; the HF cache layer it is mixed into is set up first."""
+class _CompressedState(_TokenCount):
+    """Fixed-shape compressor state for every call (see the module docstring); the HF cache layer it is mixed into is
+    set up first: its sliding window is used, its own compressor state (pending buffer, running entries, counters)
+    is not."""
 
     def __init__(self, config, max_cache_len: int, **kwargs):
         super().__init__(config)
-        self._init_decode(max_cache_len)
+        self._init_state(max_cache_len)
 
-    def _init_decode(self, max_cache_len: int) -> None:
+    def _init_state(self, max_cache_len: int) -> None:
         self._init_count()
         self.max_cache_len = max_cache_len
         self.max_entries = -(-max_cache_len // self.compress_rate)
-        self._window_kv: dict[str, torch.Tensor] = {}
+        self._stream_kv: dict[str, torch.Tensor] = {}  # [B, 2m, C]: the projections of the last 2m tokens
+        self._stream_gate: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, torch.Tensor] = {}  # [B, 1 + max_entries, D]: entry e at slot 1 + e
+        self._window_kv: dict[str, torch.Tensor] = {}  # [B, m, C]: the window in progress, slot = position % m
         self._window_gate: dict[str, torch.Tensor] = {}
-        self._ring_kv: dict[str, torch.Tensor] = {}
+        self._ring_kv: dict[str, torch.Tensor] = {}  # CSA: [B, 2, m, C / 2], the first series of the last 2 windows
         self._ring_gate: dict[str, torch.Tensor] = {}
-        self._entries: dict[str, torch.Tensor] = {}
         self._decoding = False
 
-    def _one_token(self, kv: torch.Tensor) -> bool:
-        if kv.shape[1] == 1 and self._entries:
+    def _one_token(self, name: str, kv: torch.Tensor) -> bool:
+        if kv.shape[1] == 1 and name in self._entries:
             return True
         if self._decoding:
             raise RuntimeError("V4DecodeCache: a multi-token call after one-token decode steps; reset() the cache "
@@ -132,8 +146,8 @@ class _CompressedDecode(_TokenCount):
         return full, full
 
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
-        if not self._one_token(kv):
-            return super().store_compression_weights(name, kv, gate)
+        if not self._one_token(name, kv):
+            return self._store_prefill(name, kv, gate)
         self._decoding = True
         position = self.tokens() - 1
         slot, window = position % self.compress_rate, position // self.compress_rate
@@ -143,64 +157,84 @@ class _CompressedDecode(_TokenCount):
         chunk_gate = self._window_gate[name].masked_fill(~filled.view(1, -1, 1), float("-inf"))
         return self._window_kv[name], chunk_gate, window * self.compress_rate
 
-    def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
-        if chunk_kv.shape[1] != 1 or not self._decoding:
-            return super().update_overlap_state(name, chunk_kv, chunk_gate, head_dim)
-        window = (self.tokens() - 1) // self.compress_rate
-        # This window's first series, written every step (final once the window is full); the previous window's
-        # is the prior HF saved when that window closed.
-        _write(self._ring_kv[name], window % 2, chunk_kv[:, -1:, :, :head_dim])
-        _write(self._ring_gate[name], window % 2, chunk_gate[:, -1:, :, :head_dim])
-        previous = (window + 1) % 2
-        return _read(self._ring_kv[name], previous), _read(self._ring_gate[name], previous)
+    def _store_prefill(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
+        """A multi-token call's chunk for the compressor: the last whole window before this call again, then the
+        pending tokens and this call's up to the last whole window (see the module docstring)."""
+        m = self.compress_rate
+        if name not in self._stream_kv:
+            self._allocate(name, kv, gate)
+        before = self.tokens() - kv.shape[1]
+        pending = before % m
+        stream_kv = torch.cat([self._stream_kv[name], kv], dim=1)
+        stream_gate = torch.cat([self._stream_gate[name], gate], dim=1)
+        length = m + (pending + kv.shape[1]) // m * m
+        chunk_kv, chunk_gate = stream_kv.narrow(1, m - pending, length), stream_gate.narrow(1, m - pending, length)
+        self._stream_kv[name].copy_(stream_kv[:, -2 * m:])
+        self._stream_gate[name].copy_(stream_gate[:, -2 * m:])
+        # The decode steps' window: the pending tokens at their slots (the slots after them are gated off there)
+        index = (torch.arange(m, device=kv.device) + (2 * m - self.tokens() % m)) % (2 * m)
+        self._window_kv[name].copy_(self._stream_kv[name].index_select(1, index))
+        self._window_gate[name].copy_(self._stream_gate[name].index_select(1, index))
+        return chunk_kv, chunk_gate, (before // m - 1) * m
 
-    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+    def _allocate(self, name: str, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """The stream starts as a window of zero projections gated -inf: pooled as the first window's prior it is
+        HF's own zero / -inf padding of a first call."""
+        batch, width, m = kv.shape[0], kv.shape[-1], self.compress_rate
+        self._stream_kv[name] = kv.new_zeros((batch, 2 * m, width))
+        self._stream_gate[name] = gate.new_full((batch, 2 * m, width), float("-inf"))
+        self._window_kv[name] = kv.new_zeros((batch, m, width))
+        self._window_gate[name] = gate.new_zeros((batch, m, width))
+        if hasattr(self, "overlap_kv"):
+            self._ring_kv[name] = kv.new_zeros((batch, 2, m, width // 2))
+            self._ring_gate[name] = torch.full((batch, 2, m, width // 2), float("-inf"), dtype=torch.float32,
+                                               device=gate.device)
+
+    def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
         if self._decoding:
             window = (self.tokens() - 1) // self.compress_rate
-            _write(self._entries[name], window, compressed)
-            return self._entries[name][:, : self.tokens() // self.compress_rate]
-        running = super().update_compressor_states(name, compressed)
-        self._sync_decode_state(name, running)
-        return running
+            # This window's first series, written every step (final once the window is full); the previous
+            # window's is the prior written when that window closed.
+            _write(self._ring_kv[name], window % 2, chunk_kv[:, -1:, :, :head_dim])
+            _write(self._ring_gate[name], window % 2, chunk_gate[:, -1:, :, :head_dim])
+            previous = (window + 1) % 2
+            return _read(self._ring_kv[name], previous), _read(self._ring_gate[name], previous)
+        # A multi-token chunk starts with its own prior window, so none is handed back; its last window (the last
+        # whole one) is the prior of the window in progress, read by the decode steps.
+        previous = (self.tokens() // self.compress_rate + 1) % 2
+        _write(self._ring_kv[name], previous, chunk_kv[:, -1:, :, :head_dim])
+        _write(self._ring_gate[name], previous, chunk_gate[:, -1:, :, :head_dim])
+        return None, None
 
-    def _sync_decode_state(self, name: str, running: torch.Tensor) -> None:
-        """Copy HF's state after a multi-token call into the fixed-shape buffers the one-token calls use."""
-        pending_kv, pending_gate = self.buffer_kv[name], self.buffer_gate[name]
-        batch, count = running.shape[0], running.shape[1]
+    def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
+        m, count = self.compress_rate, self.tokens() // self.compress_rate
+        if self._decoding:
+            _write(self._entries[name], (self.tokens() - 1) // m + 1, compressed)
+            return self._entries[name][:, 1: 1 + count]
         if count > self.max_entries:
             raise ValueError(f"V4DecodeCache holds {self.max_entries} compressed entries per layer "
                              f"(max_cache_len); the prompt made {count}")
         if name not in self._entries:
-            width = pending_kv.shape[-1]
-            self._entries[name] = running.new_zeros((batch, self.max_entries, running.shape[-1]))
-            self._window_kv[name] = pending_kv.new_zeros((batch, self.compress_rate, width))
-            self._window_gate[name] = pending_gate.new_zeros((batch, self.compress_rate, width))
-            if hasattr(self, "overlap_kv"):
-                series = width // 2
-                self._ring_kv[name] = pending_kv.new_zeros((batch, 2, self.compress_rate, series))
-                self._ring_gate[name] = torch.full((batch, 2, self.compress_rate, series), float("-inf"),
-                                                   dtype=torch.float32, device=pending_gate.device)
-        self._entries[name][:, :count].copy_(running)
-        self._window_kv[name][:, : pending_kv.shape[1]].copy_(pending_kv)
-        self._window_gate[name][:, : pending_gate.shape[1]].copy_(pending_gate)
-        prior_kv, prior_gate = getattr(self, "overlap_kv", {}).get(name), getattr(self, "overlap_gate", {}).get(name)
-        if prior_kv is not None:
-            previous = (self.tokens() // self.compress_rate + 1) % 2  # the ring half of the last finished window
-            self._ring_kv[name][:, previous].copy_(prior_kv)
-            self._ring_gate[name][:, previous].copy_(prior_gate)
+            self._entries[name] = compressed.new_zeros((compressed.shape[0], 1 + self.max_entries,
+                                                        compressed.shape[-1]))
+        # The chunk's first entry (its repeated window, already kept) goes to slot 0, the new ones after the kept
+        windows = compressed.shape[1]
+        index = torch.arange(windows, device=compressed.device)
+        self._entries[name].index_copy_(1, torch.where(index == 0, 0, index + (count + 1 - windows)), compressed)
+        return self._entries[name][:, 1: 1 + count]
 
     def reset(self) -> None:
-        """Back to an empty cache; the decode buffers are dropped (the next prefill allocates them for its batch)."""
+        """Back to an empty cache; the buffers are dropped (the next prefill allocates them for its batch)."""
         super().reset()
-        self._init_decode(self.max_cache_len)
+        self._init_state(self.max_cache_len)
 
 
-class V4HCALayer(_CompressedDecode, DeepseekV4HCACache):
-    """An HCA layer's cache (window + heavily compressed entries) with fixed-shape decode state."""
+class V4HCALayer(_CompressedState, DeepseekV4HCACache):
+    """An HCA layer's cache (window + heavily compressed entries) with fixed-shape compressor state."""
 
 
-class V4CSALayer(_CompressedDecode, DeepseekV4CSACache):
-    """A CSA layer's cache (window + compressed entries + the indexer's own) with fixed-shape decode state."""
+class V4CSALayer(_CompressedState, DeepseekV4CSACache):
+    """A CSA layer's cache (window + compressed entries + the indexer's own) with fixed-shape compressor state."""
 
 
 _LAYERS = {"compressed_sparse_attention": V4CSALayer, "heavily_compressed_attention": V4HCALayer}

@@ -5,12 +5,16 @@ Math (HF `DeepseekV4Attention` with `eager_attention_forward`, every head readin
     keys        = [window rows kv[b, n] | compressed entries c[b, t]]                 (K = V)
     logit[h, j] = round(round(q[b, s, h] . keys[j]) * scale)          in the input dtype, as HF's matmul and scale
     visible     = window:      kv_pos[b, n] >= 0  and  0 <= q_pos[b, s] - kv_pos[b, n] < window
+                               (or, when a window_mask is given, window_mask[b, s, n]: the rows an input mask lets
+                               each query see, positions and window unused for them)
                   CSA entries: t in indices[b, s]  (-1 = no entry)
                   HCA entries: t < (q_pos[b, s] + 1) // compress_rate                 (indices is None)
     p           = softmax over [visible logits | sinks[h]] in fp32, sink column dropped, rounded to the input dtype
     out[b,s,h]  = p @ keys  (then, when cos / sin are given, the inverse interleaved RoPE on the trailing 2R dims)
 
 A fully masked row is well defined: the sink takes all the mass and the output is 0, as in HF.
+`window_mask` is how the rewrite reads a mask `generate` built outside the compiled call over several queries: HF's
+0 / finfo.min rows, of any shape (additive finfo.min gives the same probabilities as leaving the row out).
 The reference below is also the CPU implementation; it spells the HF roundings out one by one.
 
 The CUDA path (`compressed_attention_triton`) reads the keys where they live: per query the window rows
@@ -25,7 +29,10 @@ second reads them back and accumulates `round(exp(logit - max) / sum) @ v`. The 
 tile before it is stored. Measured alternatives (H200, notes/compressed_attention.md): recomputing q.k in pass 2
 instead of the scratch (1.45x slower: it spills), one loop over both key sources (1.3-1.6x slower), and an
 online softmax in one pass (no faster at equal structure, and only ~54 % of outputs bit-equal to HF's against
-99.95 %).
+99.95 %). With a `window_mask` each query's window rows are the span from its first to its last seen row (found
+from the mask, no host sync), tested row by row against the mask; as that span has no bound known before the
+launch, the fused kernel runs without the logits scratch (q.k again in pass 2: the 1.45x above, on the GPU not yet
+measured with a mask).
 
 `path="split"` runs the two passes as two kernels with small accumulators, so several programs share an SM:
 scores (q.k, max and sum, the logits stored and by default turned into the rounded probabilities in place), then
@@ -50,10 +57,13 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 POSITION_DTYPES = (torch.int32, torch.int64)
 
 
-def _visible(q_positions, kv_positions, compressed, indices, window, compress_rate):
+def _visible(q_positions, kv_positions, compressed, indices, window, compress_rate, window_mask=None):
     """[B, S, N + T] bool: which keys each query sees (window rows, then compressed entries)."""
-    delta = q_positions.unsqueeze(-1) - kv_positions.unsqueeze(1)
-    seen = (kv_positions.unsqueeze(1) >= 0) & (delta >= 0) & (delta < window)
+    if window_mask is None:
+        delta = q_positions.unsqueeze(-1) - kv_positions.unsqueeze(1)
+        seen = (kv_positions.unsqueeze(1) >= 0) & (delta >= 0) & (delta < window)
+    else:
+        seen = window_mask
     if compressed is None:
         return seen
     B, S = q_positions.shape
@@ -82,12 +92,12 @@ def inverse_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 def compressed_attention_reference(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
-                                   compress_rate, cos=None, sin=None):
+                                   compress_rate, cos=None, sin=None, window_mask=None):
     """Plain PyTorch V4 attention in HF's order of roundings; returns [B, S, H, D] in q's dtype."""
     B, S, H, D = q.shape
     keys = kv if compressed is None else torch.cat([kv, compressed], dim=1)
     logits = torch.matmul(q.transpose(1, 2), keys.unsqueeze(1).transpose(-1, -2)) * scale  # [B, H, S, N + T]
-    visible = _visible(q_positions, kv_positions, compressed, indices, window, compress_rate)
+    visible = _visible(q_positions, kv_positions, compressed, indices, window, compress_rate, window_mask)
     logits = logits.float().masked_fill(~visible.unsqueeze(1), float("-inf"))
     combined = torch.cat([logits, sinks.float().view(1, H, 1, 1).expand(B, H, S, 1)], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
@@ -104,7 +114,7 @@ def _check(cond: bool, message: str) -> None:
 
 
 def _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
-              check_values: bool) -> None:
+              window_mask, check_values: bool) -> None:
     _check(q.dim() == 4, f"q must be [B, S, H, D], got shape {tuple(q.shape)}")
     B, S, H, D = q.shape
     _check(q.dtype in FLOAT_DTYPES, f"q dtype {q.dtype} not in {FLOAT_DTYPES}")
@@ -118,7 +128,11 @@ def _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, wind
     _check(sinks.shape == (H,) and sinks.dtype == torch.float32, f"sinks must be fp32 [H={H}], got {sinks.dtype} "
            f"{tuple(sinks.shape)}")
     _check(window >= 1 and compress_rate >= 1, f"window ({window}) and compress_rate ({compress_rate}) must be >= 1")
-    devices = {t.device for t in (q, kv, q_positions, kv_positions, sinks, compressed, indices, cos, sin)
+    if window_mask is not None:
+        _check(window_mask.shape == (B, S, kv.shape[1]) and window_mask.dtype == torch.bool,
+               f"window_mask must be bool [B={B}, S={S}, N={kv.shape[1]}], got {window_mask.dtype} "
+               f"{tuple(window_mask.shape)}")
+    devices = {t.device for t in (q, kv, q_positions, kv_positions, sinks, compressed, indices, cos, sin, window_mask)
                if t is not None}
     _check(len(devices) == 1, f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if compressed is None:
@@ -203,13 +217,17 @@ def _exp(x, ACCURATE_EXP: tl.constexpr):
 
 
 @triton.jit
-def _window_keys(kv_row_ptr, kvpos_row_ptr, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                 D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CHECK_POSITIONS: tl.constexpr):
+def _window_keys(kv_row_ptr, kvpos_row_ptr, mask_row_ptr, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                 D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
+                 HAS_MASK: tl.constexpr):
     """Rows lo + start .. of kv and which of them the query sees.  Within [lo, hi) the positions are the query's
     window already (the key ranges say so), so by default no position is read and the tile's addresses and mask
-    depend on nothing loaded in the loop; CHECK_POSITIONS repeats the reference's window test on every row."""
+    depend on nothing loaded in the loop; CHECK_POSITIONS repeats the reference's window test on every row, and
+    HAS_MASK reads the query's row of the window mask instead (its span only bounds [lo, hi))."""
     rows = lo + start + tl.arange(0, BLOCK_N)
     ok = rows < hi
+    if HAS_MASK:
+        ok = ok & (tl.load(mask_row_ptr + rows, mask=ok, other=0) != 0)
     if CHECK_POSITIONS:
         kv_pos = tl.load(kvpos_row_ptr + rows, mask=ok, other=-1).to(tl.int64)
         delta = q_pos - kv_pos
@@ -309,7 +327,7 @@ def _inverse_rope(out, cos_row_ptr, sin_row_ptr, first_pair, D: tl.constexpr, R:
 @triton.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
 def _compressed_attention_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, qpos_ptr, kvpos_ptr, ranges_ptr, sink_ptr, cos_ptr, sin_ptr, out_ptr,
-    logits_ptr,
+    logits_ptr, mask_ptr,
     stride_q_b, stride_q_s, stride_q_h,
     stride_kv_b, stride_kv_n,
     stride_c_b, stride_c_t,
@@ -317,10 +335,12 @@ def _compressed_attention_kernel(
     stride_qp_b, stride_kp_b,
     stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
     stride_o_b, stride_o_s, stride_o_h,
+    stride_m_b, stride_m_s,
     S, H, T, window, slot_tiles, scale,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     MODE: tl.constexpr, ACCURATE_EXP: tl.constexpr, DOT_PRECISION: tl.constexpr,
     STORE_LOGITS: tl.constexpr, WINDOW_SLOTS: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
+    HAS_MASK: tl.constexpr,
 ):
     """One program: one query and BLOCK_H of its heads (the M dimension), every key row loaded once per pass
     and shared by those heads.  Pass 1: row max and sum with the sink; pass 2: the rounded probabilities times
@@ -344,6 +364,7 @@ def _compressed_attention_kernel(
     slots = tl.load(ranges_ptr + 2 * total + flat)
     kv_row = kv_ptr + b * stride_kv_b
     kvpos_row = kvpos_ptr + b * stride_kp_b
+    mask_row = mask_ptr + b * stride_m_b + s * stride_m_s
     c_row = c_ptr + b * stride_c_b
     idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
     own_logits = _scratch_tile(logits_ptr, flat * tl.num_programs(1) + tl.program_id(1), slot_tiles, BLOCK_H,
@@ -352,8 +373,8 @@ def _compressed_attention_kernel(
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                                D, DP, BLOCK_N, CHECK_POSITIONS)
+        keys, ok = _window_keys(kv_row, kvpos_row, mask_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N, CHECK_POSITIONS, HAS_MASK)
         x = _logits(q, keys, ok, scale, DOT_PRECISION)
         if STORE_LOGITS:
             tl.store(own_logits + start, x.to(q.dtype))
@@ -370,8 +391,8 @@ def _compressed_attention_kernel(
 
     acc = tl.zeros([BLOCK_H, DP], tl.float32)
     for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                                D, DP, BLOCK_N, CHECK_POSITIONS)
+        keys, ok = _window_keys(kv_row, kvpos_row, mask_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N, CHECK_POSITIONS, HAS_MASK)
         if STORE_LOGITS:
             x = tl.load(own_logits + start).to(tl.float32)
         else:
@@ -437,8 +458,8 @@ def _attention_scores_kernel(
     m = tl.load(sink_ptr + offs_h, mask=h_ok, other=0.0)
     l = tl.full([BLOCK_H], 1.0, tl.float32)  # exp(sink - m) with m = sink
     for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                                D, DP, BLOCK_N, CHECK_POSITIONS)
+        keys, ok = _window_keys(kv_row, kvpos_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, DP, BLOCK_N, CHECK_POSITIONS, False)
         x = _logits(q, keys, ok, scale, DOT_PRECISION)
         tl.store(own_logits + start, x.to(q.dtype))
         m, l = _max_and_sum(x, m, l, ACCURATE_EXP)
@@ -511,8 +532,8 @@ def _attention_values_kernel(
 
     acc = tl.zeros([BLOCK_H, D_CHUNK], tl.float32)
     for start in range(0, hi - lo, BLOCK_N):
-        keys, ok = _window_keys(kv_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
-                                D, CHUNKS * D_CHUNK, BLOCK_N, CHECK_POSITIONS)
+        keys, ok = _window_keys(kv_row, kvpos_row, kvpos_row, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
+                                D, CHUNKS * D_CHUNK, BLOCK_N, CHECK_POSITIONS, False)
         p = tl.load(own_logits + start)
         if not NORMALIZED:
             p = _probabilities(p.to(tl.float32), m, l, keys.dtype, ACCURATE_EXP)
@@ -559,7 +580,8 @@ def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
-                                compress_rate, cos=None, sin=None, *, block_h=None, block_n=None, num_warps=None,
+                                compress_rate, cos=None, sin=None, window_mask=None, *, block_h=None, block_n=None,
+                                num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
                                 pv_num_stages=None, scores_maxnreg=None):
@@ -568,9 +590,10 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
     input dtype (80 KiB per query at V4-Flash's CSA shapes); `accurate_exp=False` uses the approximate exp and
     a reciprocal multiply (5-10 % faster, a few more one-ulp differences).  `path="split"` runs the two passes
-    as two kernels (see `_split_attention`); both paths give the same bits at equal block_n."""
+    as two kernels (see `_split_attention`); both paths give the same bits at equal block_n.  A `window_mask`
+    runs the fused kernel without the scratch and without position checks (see the module docstring)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
-              check_values=False)
+              window_mask, check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
     B, S, H, D = q.shape
     N = kv.shape[1]
@@ -585,6 +608,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
+    if window_mask is not None:
+        cfg.update(path="fused", store_logits=False, check_positions=False)
     _check(cfg["d_chunk"] >= 16 and cfg["d_chunk"] & (cfg["d_chunk"] - 1) == 0,
            f"d_chunk must be a power of two >= 16, got {cfg['d_chunk']}")
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -602,6 +627,10 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         idx_arg.stride(0) if indices is not None else 0, idx_arg.stride(1) if indices is not None else 0,
         S, N, K, T, window, compress_rate, max(1, N.bit_length()) if N else 0,
         MODE=mode, BLOCK_Q=block_q, BLOCK_K=min(128, max(16, next_power_of_2(max(K, 1)))))
+    if window_mask is not None:
+        mask_arg = _masked_spans(window_mask, ranges)
+    else:
+        mask_arg = ranges  # never read
     c_arg = compressed if compressed is not None else kv
     rope = cos is not None
     cos_arg, sin_arg = (cos, sin) if rope else (sinks, sinks)
@@ -620,7 +649,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     else:
         logits = out  # never touched
     _compressed_attention_kernel[(B * S, head_blocks)](
-        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out, logits,
+        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out, logits, mask_arg,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1),
         c_arg.stride(0), c_arg.stride(1),
@@ -629,14 +658,29 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
         cos.stride(0) if rope else 0, cos.stride(1) if rope else 0,
         sin.stride(0) if rope else 0, sin.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
+        mask_arg.stride(0) if window_mask is not None else 0, mask_arg.stride(1) if window_mask is not None else 0,
         S, H, T, window, slots // block_n, float(scale),
         D=D, DP=dp, R=cos.shape[2] if rope else 0, BLOCK_H=block_h, BLOCK_N=block_n,
         MODE=mode, ACCURATE_EXP=accurate, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         STORE_LOGITS=bool(cfg["store_logits"]), WINDOW_SLOTS=window_slots,
-        CHECK_POSITIONS=bool(cfg["check_positions"]),
+        CHECK_POSITIONS=bool(cfg["check_positions"]), HAS_MASK=window_mask is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
+
+
+def _masked_spans(window_mask: torch.Tensor, ranges: torch.Tensor) -> torch.Tensor:
+    """Each query's window rows [lo, hi) from its first to its last seen row of `window_mask` ([0, 0) when it sees
+    none), written over the key ranges' first two rows; the mask as bytes with unit stride in the last dim."""
+    seen = _unit_last(window_mask).view(torch.uint8)
+    N = seen.shape[-1]
+    if N:
+        some = seen.amax(-1) > 0
+        first = seen.argmax(-1)
+        end = N - seen.flip(-1).argmax(-1)
+        ranges[0].copy_(torch.where(some, first, 0).flatten())
+        ranges[1].copy_(torch.where(some, end, 0).flatten())
+    return seen
 
 
 def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
@@ -690,27 +734,27 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
 def compressed_attention(q: torch.Tensor, kv: torch.Tensor, q_positions: torch.Tensor, kv_positions: torch.Tensor,
                          compressed: Optional[torch.Tensor], indices: Optional[torch.Tensor], sinks: torch.Tensor,
                          scale: float, window: int, compress_rate: int, cos: Optional[torch.Tensor],
-                         sin: Optional[torch.Tensor]) -> torch.Tensor:
+                         sin: Optional[torch.Tensor], window_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """V4 attention output [B, S, H, D] in q's dtype (reference math on CPU)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
-              check_values=True)
+              window_mask, check_values=True)
     return compressed_attention_reference(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
-                                          compress_rate, cos, sin)
+                                          compress_rate, cos, sin, window_mask)
 
 
 @compressed_attention.register_fake
 def _compressed_attention_fake(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
-                               compress_rate, cos, sin):
+                               compress_rate, cos, sin, window_mask=None):
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
-              check_values=False)
+              window_mask, check_values=False)
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
 @direct_kernel(compressed_attention)
 def _compressed_attention_cuda(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
-                               compress_rate, cos, sin):
+                               compress_rate, cos, sin, window_mask=None):
     return compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, indices, sinks, scale, window,
-                                       compress_rate, cos, sin)
+                                       compress_rate, cos, sin, window_mask)
 
 
 __all__ = ["compressed_attention", "compressed_attention_reference", "compressed_attention_triton",

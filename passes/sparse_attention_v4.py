@@ -12,7 +12,10 @@ proves, step by step:
 * the scores `q . k` scaled by one constant after the product;
 * the window mask: a bool conjunction of `kv > q - window`, `kv <= q`, and optionally the padding read of the
   attention mask at the key, or HF's packed-sequence test on an `arange` of positions (always true there), where
-  q / kv are query / key positions read either from a `[B, S]` position table or from `arange`s;
+  q / kv are query / key positions read either from a `[B, S]` position table or from `arange`s; or an additive
+  `[B, 1, S, N]` graph input, the mask `generate` builds outside the compiled call (HF's 0 = seen, finfo.min form):
+  for one query the seen rows become positions, for several the op reads the rows each query sees from it
+  (`window_mask`), whatever their pattern;
 * the compressed part (keys after the window rows): CSA's scatter of the indexer's top-k (`-1` = none, moved to a
   spare column that is sliced off) into a `-inf` bias, or HCA's causal threshold `entry >= (pos + 1) // m` at the
   same query positions as the window mask;
@@ -544,10 +547,14 @@ def _match(cat: torch.fx.Node) -> dict:
         N, T = shape(kv_rows)[2], shape(compressed)[2]
         if not same_size(shape(strip(window_bias, (CONVERT,)))[-1], N):
             raise NoMatch("the window mask and the window rows differ in length")
-    if input_mask is not None:
+    if input_mask is not None and same_size(S, 1):
         # Positions that make the fused op's window and causal tests pass for every row: the query at N - 1 + T,
         # window row n at T + n (-1 where the mask is not 0), every HCA entry below (q + 1) // 1.
         win = dict(input=input_mask, window=N, padding=None, T=T)
+    elif input_mask is not None:
+        # Several queries (a prefill chunk under generate): the op reads the rows each query sees from the mask
+        # itself (`window_mask`); HCA's entries keep their causal threshold at the block bias's own positions.
+        win = dict(rows=input_mask, window=1, padding=None, q=None)
     else:
         win = _window_mask(window_bool, B, S, N)
     if dtype(scores_add) != x_dtype and not (dtype(scores_add) == torch.float32 and input_mask is None):
@@ -556,20 +563,22 @@ def _match(cat: torch.fx.Node) -> dict:
         raise NoMatch(f"the masked scores are computed in {dtype(scores_add)}, not in the input dtype {x_dtype}")
     indices = hca = None
     if block_bias is _ZERO_PAD:
-        if input_mask is None:
+        if "input" not in win:
             raise NoMatch("the compressed entries are appended with a zero mask, which only a one-query step over "
                           "an additive input mask is read as (all entries visible)")
         hca = (None, 1)
     elif block_bias is not None:
         indices = _csa_indices(block_bias, B, S, T)
-        if input_mask is not None and indices is None:
+        if "input" in win and indices is None:
             raise NoMatch("the compressed entries' block bias is not CSA's scatter of the indexer's top-k")
         if indices is None:
             hca = _hca_threshold(block_bias, B, S, T)
             if hca is None:
                 raise NoMatch("the compressed entries' block bias is neither CSA's scatter of the indexer's top-k "
                               "nor HCA's causal threshold (pos + 1) // m")
-            if not _same_positions(hca[0], win["q"]):
+            if "rows" in win:
+                win["q"] = dict(kind="table", table=strip(hca[0], (aten.expand.default,)))
+            elif not _same_positions(hca[0], win["q"]):
                 raise NoMatch("HCA's causal threshold reads other positions than the sliding-window mask")
     kind = "sliding" if block_bias is None else ("CSA" if indices is not None else "HCA")
     return dict(q=q, kv_rows=kv_rows, compressed=compressed, indices=indices, sinks=sinks, scale=scale,
@@ -612,12 +621,12 @@ def _mask_parts(mask) -> tuple:
 
 
 def _input_mask(node, B, S) -> torch.fx.Node | None:
-    """The [B, 1, 1, N] additive mask of a one-query step when it is a graph input (as `generate` builds it outside
-    the compiled step: 0 where a row is seen, finfo.min where not), else None."""
+    """The [B, 1, S, N] additive mask when it is a graph input (as `generate` builds it outside the compiled call, for
+    a decode step and for each prefill chunk: 0 where a row is seen, finfo.min where not), else None."""
     leaf = strip(node, (CONVERT, aten.expand.default))
-    if leaf.op != "placeholder" or not same_size(S, 1) or len(shape(leaf)) != 4:
+    if leaf.op != "placeholder" or len(shape(leaf)) != 4:
         return None
-    if not (same_size(shape(leaf)[0], B) and same_size(shape(leaf)[1], 1) and same_size(shape(leaf)[2], 1)):
+    if not (same_size(shape(leaf)[0], B) and same_size(shape(leaf)[1], 1) and same_size(shape(leaf)[2], S)):
         return None
     return leaf if dtype(leaf).is_floating_point else None
 
@@ -657,8 +666,11 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
     if compressed is not None:
         compressed = insert_call(graph, before, aten.squeeze.dim, (compressed, 1))
     win = m["win"]
+    window, window_mask = win["window"], None
     if "input" in win:
-        q_positions, kv_positions = _input_mask_positions(graph, before, win, m, B)
+        q_positions, kv_positions, window = _input_mask_positions(graph, before, win, m, B)
+    elif "rows" in win:
+        q_positions, kv_positions, window_mask = _input_mask_rows(graph, before, win, m, B)
     else:
         q_positions = _positions_node(graph, before, win["q"], B)
         kv_positions = _positions_node(graph, before, win["kv"], B)
@@ -669,33 +681,34 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
         cos, sin = (_fp32_rows(graph, before, t, B) for t in (epilogue["cos"], epilogue["sin"]))
     fused = insert_call(graph, before, torch.ops.dsfuse.compressed_attention.default,
                         (q, kv, q_positions, kv_positions, compressed, m["indices"], m["sinks"], m["scale"],
-                         win["window"], m["compress_rate"], cos, sin))
+                         window, m["compress_rate"], cos, sin, window_mask))
     if epilogue is not None:
         epilogue["cat"].replace_all_uses_with(insert_call(graph, before, aten.permute.default, (fused, [0, 2, 1, 3])))
     else:
         out.replace_all_uses_with(insert_call(graph, before, aten.permute.default, (fused, [0, 2, 1, 3]))
                                   if m["out_is_bhsd"] else fused)
     N = shape(m["kv_rows"])[2]
+    window_rows = "the input mask's window rows" if "rows" in win else f"window {win['window']}"
     if m["kind"] == "CSA":
-        what = f"window {win['window']} + top-{shape(m['indices'])[2]} compressed entries"
+        what = f"{window_rows} + top-{shape(m['indices'])[2]} compressed entries"
     elif m["kind"] == "HCA" and "input" in win:
-        what = f"window {win['window']} + every compressed entry (one query)"
+        what = f"{window_rows} + every compressed entry (one query)"
     elif m["kind"] == "HCA":
-        what = f"window {win['window']} + causal compressed entries (m={m['compress_rate']})"
+        what = f"{window_rows} + causal compressed entries (m={m['compress_rate']})"
     else:
-        what = f"window {win['window']}"
+        what = window_rows
     detail = (f"V4 {m['kind']} attention: {what}, sinks, "
               f"{'inverse RoPE epilogue' if epilogue is not None else 'no inverse RoPE epilogue'}"
               f"{', padding' if win['padding'] is not None else ''}"
-              f"{', additive input mask (0 = seen)' if 'input' in win else ''}, {N} window rows, "
+              f"{', additive input mask (0 = seen)' if 'input' in win or 'rows' in win else ''}, {N} window rows, "
               f"scale={m['scale']:.6g}")
     ctx.site(cat, "dsfuse.compressed_attention",
              [m["q"], m["kv_rows"], m["compressed"], m["indices"], m["sinks"]], detail=detail, call=fused)
 
 
 def _input_mask_positions(graph, before, win: dict, m: dict, B) -> tuple:
-    """[B, 1] query and [B, N] window-row positions for an input mask (see `_match`)."""
-    N = shape(m["kv_rows"])[2]
+    """[B, 1] query and [B, N] window-row positions for an input mask (see `_match`), and the window N."""
+    N = size_arg(graph, before, m["kv_rows"], 2)  # a node when the window rows have a symbolic length
     T = size_arg(graph, before, m["compressed"], 2) if m["compressed"] is not None else 0
     device = m["q"].meta["val"].device
     rows = insert_call(graph, before, IOTA, (N,), dict(start=0, step=1, dtype=torch.int64, device=device,
@@ -704,9 +717,26 @@ def _input_mask_positions(graph, before, win: dict, m: dict, B) -> tuple:
     mask = insert_call(graph, before, aten.view.default, (win["input"], [B, N]))
     seen = insert_call(graph, before, aten.eq.Scalar, (mask, 0))
     kv_positions = insert_call(graph, before, aten.where.ScalarOther, (seen, rows, -1))
-    last = insert_call(graph, before, aten.add.Tensor, (insert_call(graph, before, aten.full.default, (
-        [B, 1], N - 1), dict(dtype=torch.int64, device=device)), T))
-    return last, kv_positions
+    last = insert_call(graph, before, aten.full.default, ([B, 1], -1), dict(dtype=torch.int64, device=device))
+    last = insert_call(graph, before, aten.add.Tensor, (insert_call(graph, before, aten.add.Tensor, (last, N)), T))
+    return last, kv_positions, N
+
+
+def _input_mask_rows(graph, before, win: dict, m: dict, B) -> tuple:
+    """For an input mask over several queries: [B, S] query positions (HCA's threshold positions; zeros where the
+    op reads none), [B, N] zero window-row positions (unread beside a window mask) and the [B, S, N] bool rows each
+    query sees (the mask's 0 entries)."""
+    S = size_arg(graph, before, m["q"], 2)
+    N = size_arg(graph, before, m["kv_rows"], 2)
+    device = m["q"].meta["val"].device
+    if win["q"] is not None:
+        q_positions = _positions_node(graph, before, win["q"], B)
+    else:
+        q_positions = insert_call(graph, before, aten.full.default, ([B, S], 0),
+                                  dict(dtype=torch.int64, device=device))
+    kv_positions = insert_call(graph, before, aten.full.default, ([B, N], 0), dict(dtype=torch.int64, device=device))
+    rows = insert_call(graph, before, aten.squeeze.dim, (win["rows"], 1))
+    return q_positions, kv_positions, insert_call(graph, before, aten.eq.Scalar, (rows, 0))
 
 
 def _fp32_rows(graph, before, table: torch.fx.Node, B) -> torch.fx.Node:

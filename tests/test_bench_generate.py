@@ -37,3 +37,16 @@ def test_padded_prompts_and_matching_prefix():
     reference = torch.tensor([[5, 1, 2, 3], [5, 1, 2, 3]])
     assert matching_prefix(torch.tensor([[5, 1, 2, 9], [5, 1, 7, 3]]), reference, 1) == 1
     assert matching_prefix(reference, reference, 1) == 3
+
+
+def test_v4_inductor_config_is_dsfuses_recipe_with_inductor():
+    """DeepSeek V4: Inductor prefills in the same chunks through the same cache and compiled call as dsfuse."""
+    from dsfuse.bench_generate import Recipe
+    from dsfuse.models.presets import build_hf_model
+    from dsfuse.v4_cache import V4DecodeCache
+
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+    inductor, fused = (Recipe(name, model, 1, 64, 16, True).kwargs() for name in ("inductor", "dsfuse"))
+    assert isinstance(inductor["cache"], V4DecodeCache) and inductor["prefill_chunk_size"] == 16
+    assert inductor["compile_config"].backend == "inductor" and inductor["compile_config"]._compile_all_devices
+    assert fused["prefill_chunk_size"] == 16 and fused["compile_config"].backend == "dsfuse"

@@ -132,6 +132,28 @@ def _v4_one_query_fp32_mask():
             mask, torch.randn(H, generator=gen))
 
 
+def _chunk_mask():
+    """What generate hands a V4 prefill chunk as its mask: an fp32 [B, 1, S, S] input, 0 where the sliding causal
+    window sees a row, finfo.min elsewhere and on the second sequence's 3 padding rows."""
+    q_pos, kv_pos = torch.arange(S).view(S, 1), torch.arange(S).view(1, S)
+    seen = ((kv_pos > q_pos - WINDOW) & (kv_pos <= q_pos)).expand(B, 1, S, S).clone()
+    seen[1, ..., :3] = False
+    return torch.zeros(B, 1, S, S).masked_fill(~seen, torch.finfo(torch.float32).min)
+
+
+def _v4_csa_chunk():
+    return (*_v4_csa(), _chunk_mask())
+
+
+def _v4_hca_chunk():
+    """V4 HCA operands of a prefill chunk: q, window rows, compressed entries, the [B, S] positions (the padded
+    sequence's start at 0 after its padding), sinks, the input mask."""
+    q, window, compressed, _, sinks = _v4_csa()
+    positions = torch.arange(S).expand(B, S).clone()
+    positions[1] = (positions[1] - 3).clamp(min=0)
+    return q, window, compressed, positions, sinks, _chunk_mask()
+
+
 def _dense():
     gen = _gen(6)
     return torch.randn(B, H, S, D, generator=gen), torch.randn(B, H, T, D, generator=gen), \
@@ -400,6 +422,36 @@ def v4_csa_sinks(q, window, compressed, idx, sinks):
     return torch.matmul(probs, kv.expand(-1, q.shape[1], -1, -1)).transpose(1, 2)
 
 
+def _v4_sinks_attention(q, kv, mask, sinks):
+    b, s = q.shape[0], q.shape[2]
+    logits = torch.matmul(q, kv.expand(-1, q.shape[1], -1, -1).transpose(2, 3)) * SCALE + mask
+    logits = torch.cat([logits, sinks.reshape(1, -1, 1, 1).expand(b, -1, s, 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)[..., :-1].to(kv.dtype)
+    return torch.matmul(probs, kv.expand(-1, q.shape[1], -1, -1)).transpose(1, 2)
+
+
+def v4_csa_chunk_input_mask(q, window, compressed, idx, sinks, mask):
+    """transformers DeepseekV4Attention on a CSA layer for a prefill chunk under generate: the window mask built
+    outside the compiled call (an additive input), the indexer's picks scattered into the block bias."""
+    b, s, entries = q.shape[0], q.shape[2], compressed.shape[2]
+    safe = torch.where(idx >= 0, idx, torch.full_like(idx, entries))
+    block_bias = torch.full((b, 1, s, entries + 1), float("-inf")).scatter(-1, safe.unsqueeze(1), 0.0)
+    return _v4_sinks_attention(q, torch.cat([window, compressed], dim=2),
+                               torch.cat([mask, block_bias[..., :entries]], dim=-1), sinks)
+
+
+def v4_hca_chunk_input_mask(q, window, compressed, positions, sinks, mask):
+    """transformers DeepseekV4Attention on an HCA layer for a prefill chunk under generate: the input window mask,
+    then HCA's causal block bias `entry >= (position + 1) // m` at the chunk's positions."""
+    b, s, entries = q.shape[0], q.shape[2], compressed.shape[2]
+    threshold = (positions + 1) // RATIO
+    block_bias = compressed.new_zeros((b, 1, s, entries)).masked_fill(
+        torch.arange(entries).view(1, 1, 1, -1) >= threshold.unsqueeze(1).unsqueeze(-1), float("-inf"))
+    return _v4_sinks_attention(q, torch.cat([window, compressed], dim=2), torch.cat([mask, block_bias], dim=-1),
+                               sinks)
+
+
 def v4_one_query_input_mask(q, window, mask, sinks):
     """A V4 sliding layer's decode step written with the step's additive input mask added to the bf16 scores."""
     b = q.shape[0]
@@ -473,6 +525,10 @@ CORPUS = {
     "v4_one_query_fp32_input_mask": AttentionEntry(v4_one_query_input_mask, "written for the corpus (an fp32 input mask "
                                           "promotes bf16 scores)", _v4_one_query_fp32_mask, NEAR_MISS,
                                           reason=FP32_INPUT_MASK, tolerance=2e-2),
+    "v4_csa_chunk_input_mask": AttentionEntry(v4_csa_chunk_input_mask, "transformers DeepseekV4Attention (CSA layer), "
+                                     "a prefill chunk's mask from generate", _v4_csa_chunk, REWRITTEN, 1, COMPRESSED),
+    "v4_hca_chunk_input_mask": AttentionEntry(v4_hca_chunk_input_mask, "transformers DeepseekV4Attention (HCA layer), "
+                                     "a prefill chunk's mask from generate", _v4_hca_chunk, REWRITTEN, 1, COMPRESSED),
     "official_prefill_index_mask": AttentionEntry(official_prefill, "DeepSeek V3.2 inference MLA prefill", _official_prefill,
                                          NEAR_MISS, reason=INDEX_BIAS),
     "bf16_softmax": AttentionEntry(bf16_softmax, "written for the corpus", lambda: _mla(torch.bfloat16), REWRITTEN, 1,

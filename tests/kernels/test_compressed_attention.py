@@ -70,6 +70,48 @@ def test_reference_equals_hf_eager_attention(dtype, kind):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _window_mask(B, S, N, W, seed=8):
+    """Rows each query sees, as generate's masks give them (a causal window over [N - S cache rows | S new rows],
+    the second sequence's first 3 rows padding), then some rows flipped at random: any pattern is allowed."""
+    query_rows = torch.arange(N - S, N).view(1, S, 1)
+    delta = query_rows - torch.arange(N).view(1, 1, N)
+    seen = ((delta >= 0) & (delta < W)).expand(B, S, N).clone()
+    seen[1, :, :3] = False
+    g = torch.Generator().manual_seed(seed)
+    seen ^= torch.rand(B, S, N, generator=g) < 0.1
+    seen[0, 2] = False  # a query that sees no window row
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_reference_with_a_window_mask_equals_hf_with_its_additive_mask(dtype, kind):
+    """A 0 / finfo.min additive mask over the window rows (what generate hands a prefill chunk) gives HF's
+    probabilities exactly as leaving the masked rows out, whatever its pattern."""
+    B, S, N, H, D, W, rate = 2, 9, 14, 3, 16, 4, 4
+    T = N // rate
+    q, kv, compressed, sinks = _inputs(B, N, H, D, T, dtype)
+    q = q[:, :S]
+    seen = _window_mask(B, S, N, W)
+    q_pos = torch.arange(N - S, N).expand(B, S).clone()
+    q_pos[1] -= 3  # the padded sequence's positions
+    additive = torch.zeros(B, 1, S, N, dtype=dtype).masked_fill(~seen.unsqueeze(1), torch.finfo(dtype).min)
+    indices = None
+    if kind == "csa":
+        indices = _picks(B, S, T, 3, rate)
+        block = torch.full((B, 1, S, T + 1), float("-inf"))
+        block.scatter_(-1, torch.where(indices >= 0, indices, T).unsqueeze(1), 0.0)
+        block = block[..., :T]
+    else:
+        future = torch.arange(T).view(1, 1, -1) >= ((q_pos + 1) // rate).unsqueeze(-1)
+        block = torch.zeros(B, 1, S, T).masked_fill(future.unsqueeze(1), float("-inf"))
+    want = _hf_attention(q, kv, compressed, torch.cat([additive, block.to(dtype)], -1), sinks, D ** -0.5)
+    zeros = torch.zeros(B, N, dtype=torch.long)
+    got = compressed_attention_reference(q, kv, q_pos, zeros, compressed, indices, sinks, D ** -0.5, 1, rate,
+                                         window_mask=seen)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_inverse_rope_equals_hf_conjugate_rotation():
     x = torch.randn(2, 7, 3, 16).to(torch.bfloat16)
     cos, sin = torch.randn(2, 7, 4), torch.randn(2, 7, 4)
@@ -96,10 +138,14 @@ def test_opcheck():
     pos = torch.arange(6).expand(2, 6).contiguous()
     idx = torch.tensor([[[0, -1]] * 6] * 2)
     cos, sin = torch.randn(2, 6, 2), torch.randn(2, 6, 2)
+    seen = torch.rand(2, 6, 6, generator=torch.Generator().manual_seed(0)) < 0.5
     for args in [(q, kv, pos, pos, compressed, idx, sinks, 0.3, 3, 2, cos, sin),
                  (q, kv, pos, pos, compressed, None, sinks, 0.3, 3, 2, None, None),
-                 (q, kv, pos, pos, None, None, sinks, 0.3, 3, 2, None, None)]:
+                 (q, kv, pos, pos, None, None, sinks, 0.3, 3, 2, None, None),
+                 (q, kv, pos, pos, compressed, idx, sinks, 0.3, 1, 2, cos, sin, seen)]:
         torch.library.opcheck(torch.ops.dsfuse.compressed_attention.default, args)
+    with pytest.raises(ValueError, match=r"window_mask must be bool \[B=2, S=6, N=6\]"):
+        torch.ops.dsfuse.compressed_attention(q, kv, pos, pos, None, None, sinks, 0.3, 1, 2, None, None, seen[:1])
 
 
 # --- the Triton path (CPU: Triton's interpreter with fp16 / fp32, as a bf16 tl.dot is wrong there) ---------
@@ -220,6 +266,25 @@ def test_split_path_gives_the_fused_paths_bits(kind):
         assert torch.equal(split, fused), (d_chunk, normalize_in_scores)
 
 
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_triton_with_a_window_mask_matches_reference(kind):
+    """Each query's span from its first to its last seen row, over more than one 16-row tile, tested row by row
+    against the mask (rows flipped inside the span, a query with no row); either path asked for."""
+    B, S, N, H, D, W, rate = 2, 9, 30, 3, 32, 20, 4
+    T = N // rate if kind != "sliding" else 0
+    q, kv, compressed, sinks = _inputs(B, N, H, D, T, torch.float16, seed=9)
+    q = q[:, :S]
+    seen = _window_mask(B, S, N, W)
+    q_pos = torch.arange(N - S, N).expand(B, S).clone()
+    indices = _picks(B, S, T, 3, rate) if kind == "csa" else None
+    cos, sin = _rope(B, S, 4) if kind != "sliding" else (None, None)
+    zeros = torch.zeros(B, N, dtype=torch.long)
+    args = (q, kv, q_pos, zeros, compressed, indices, sinks, D ** -0.5, 1, rate, cos, sin, seen)
+    want = compressed_attention_reference(*args)
+    for path in PATHS.values():
+        _assert_matches(compressed_attention_triton(*args, block_n=16, **path), want)
+
+
 def test_triton_rejects_unknown_paths_and_chunks():
     q, kv, compressed, sinks = _inputs(1, 4, 2, 16, 2, torch.float16, seed=5)
     pos = torch.arange(4).view(1, 4)
@@ -259,6 +324,36 @@ def test_cuda_matches_reference_in_bf16(kind, path):
     assert (got == want).float().mean() > 0.95
     if path == "split":  # the op's default
         assert torch.equal(torch.ops.dsfuse.compressed_attention(*args), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["csa", "hca"])
+def test_cuda_window_mask_matches_reference_in_bf16_and_replays(kind):
+    """A prefill chunk as generate hands it over: 512 queries after 127 cached rows, generate's causal window of 128
+    over [cache | chunk] as the mask, padding on the second sequence; captured into a CUDA graph, replayed exactly."""
+    q, kv, q_pos, kv_pos, compressed, indices, sinks, scale, W, rate, cos, sin = _cuda_case(kind, S=639)
+    S, N = 512, 639
+    q, q_pos, cos, sin = q[:, -S:], q_pos[:, -S:], cos[:, -S:], sin[:, -S:]
+    if indices is not None:
+        indices = indices[:, -S:]
+    delta = torch.arange(N - S, N, device="cuda").view(1, S, 1) - torch.arange(N, device="cuda").view(1, 1, N)
+    seen = ((delta >= 0) & (delta < W) & (kv_pos >= 0).unsqueeze(1))
+    args = (q, kv, q_pos, torch.zeros_like(kv_pos), compressed, indices, sinks, scale, 1, rate, cos, sin, seen)
+    got = torch.ops.dsfuse.compressed_attention(*args)
+    want = compressed_attention_reference(*args)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert (got == want).float().mean() > 0.95
+    # the same rows through positions: the window path's bits
+    positional = compressed_attention_triton(q, kv, q_pos, kv_pos, compressed, indices, sinks, scale, W, rate, cos,
+                                             sin, path="fused", store_logits=False)
+    assert torch.equal(got, positional)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = torch.ops.dsfuse.compressed_attention(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, got)
 
 
 @pytest.mark.gpu
