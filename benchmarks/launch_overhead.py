@@ -35,7 +35,9 @@ def record_decode_calls(model, prompt: int, new_tokens: int, device: str) -> dic
     """{(op, members): (args, kwargs)} of the dsfuse ops the compiled decode steps call."""
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    kwargs = generate_kwargs(model, 1, prompt + new_tokens, compile_all_devices=device == "cpu")
+    # an eager prefill: the first call of each op recorded is then a decode step's, not a prefill chunk's
+    kwargs = generate_kwargs(model, 1, prompt + new_tokens, prefill_chunk_size=None,
+                             compile_all_devices=device == "cpu")
     with torch.no_grad():
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kwargs)
     calls = {}
