@@ -59,7 +59,7 @@ def record_decode_calls(model, prompt: int, new_tokens: int, device: str) -> dic
                 originals[name] = opdef._backend_fns[None]
                 opdef._backend_fns[None] = recording(name, originals[name])
     try:
-        kwargs = generate_kwargs(model, 1, prompt + new_tokens, cache=kwargs["cache"],
+        kwargs = generate_kwargs(model, 1, prompt + new_tokens, cache=kwargs["cache"], prefill_chunk_size=None,
                                  compile_all_devices=device == "cpu")
         with torch.no_grad():
             model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, **kwargs)
