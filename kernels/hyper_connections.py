@@ -430,38 +430,13 @@ def _hc_weighted_sum_kernel(x_ptr, pre_ptr, collapsed_ptr, T, D, N: tl.constexpr
 
 
 @triton.jit
-def _hc_project_split_kernel(x_ptr, fn_ptr, acc_ptr, sumsq_ptr, T, K, K_PER_SPLIT, M: tl.constexpr,
-                             NP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The split-K path's first kernel, for few tokens: program (row block, split) projects its K_PER_SPLIT
-    columns of the flattened rows against fn (fp32 FMA dot) and writes the partial projection [NP] and sum of
-    squares of each row to acc [splits, T, NP] / sumsq [splits, T]. Few tokens leave the two other paths a
-    handful of programs walking all of K serially (H200, run 36: 0.20-0.38 ms a call at 1-64 tokens); here
-    every split runs at once."""
-    rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    row_ok = rows < T
-    split = tl.program_id(1)
-    cols = tl.arange(0, NP)
-    col_ok = cols < M
-    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_T], dtype=tl.float32)
-    k_lo = split * K_PER_SPLIT
-    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < K
-        x = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        sumsq += tl.sum(x * x, axis=1)
-        w = tl.load(fn_ptr + cols[None, :] * K + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(x, w.to(tl.float32), acc, input_precision="ieee")
-    _store_partials(acc_ptr, sumsq_ptr, acc, sumsq, split, T, rows, row_ok, cols, NP)
-
-
-@triton.jit
 def _hc_mix_sum_kernel(x_ptr, acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
                        T, D, SPLITS, width, norm_eps, hc_eps, iters,
                        N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
-    """The split-K path's second kernel: program (row block, D block) sums the rows' partials in split order,
+    """The split-K path's second kernel, after `_hc_project_kernel`'s PARTIAL fp32 projection of each
+    `k_per_split` slice (few tokens leave the two other paths a handful of programs walking all of K serially;
+    there every split runs at once): program (row block, D block) sums the rows' partials in split order,
     mixes them (every D block of a row block the same way, through its own logits scratch [D blocks, T, NP];
     D block 0 stores post and comb) and collapses its D block as `_hc_weighted_sum_kernel` does."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -531,7 +506,7 @@ COLLAPSE_PATHS = ("one_pass", "two_pass", "split_k")
 # `_hc_weighted_sum_kernel`), measured 2.8x / 2.3x faster than "one_pass" (`_hc_collapse_kernel`: one program per
 # row block projects, mixes and collapses it) on the H200 at T=8192, D=4096 (run 32: 0.215 / 0.187 ms against
 # 0.609 / 0.425). The fused exits (`hc_exit_collapse`, `hc_exit_head`) always run one_pass. Calls of fewer than
-# `SPLIT_K_MAX_TOKENS` tokens (decode steps, short prompts) run "split_k" (`_hc_project_split_kernel` then
+# `SPLIT_K_MAX_TOKENS` tokens (decode steps, short prompts) run "split_k" (`_hc_project_kernel`'s partials then
 # `_hc_mix_sum_kernel`): at 1-64 tokens the other two paths leave a few programs walking the whole flattened row
 # serially, 0.38 ms a call in a V4 decode step on the H200 (run 36: 62 % of the step's GPU time); split-K took 24 us
 # there (run 37). By token count (run 37, `--path-tokens`): split-K ahead of two_pass at 256 tokens (collapse 0.19
@@ -645,10 +620,13 @@ def _split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
         splits = cdiv(K, config["k_per_split"])
         acc = torch.empty((splits, T, n_pad), dtype=torch.float32, device=x.device)
         sumsq = torch.empty((splits, T), dtype=torch.float32, device=x.device)
-        _hc_project_split_kernel[(cdiv(T, config["block_t"]), splits)](
-            source, fn.contiguous(), acc, sumsq, T, K, config["k_per_split"], M=hc if head else mixes_count(hc),
-            NP=n_pad, BLOCK_T=config["block_t"], BLOCK_K=config["block_k"], num_warps=config["num_warps"],
-            num_stages=config["num_stages"], **COMPILE_OPTIONS)
+        # fn itself as one fp32 piece with an IEEE dot (no weight-split launch in a decode step); a PARTIAL
+        # projection does not read the mixing arguments
+        _hc_project_kernel[(cdiv(T, config["block_t"]), splits)](
+            source, fn.contiguous(), acc, acc, acc, acc, acc, acc, acc, sumsq, T, K, config["k_per_split"], 0.0, 0.0,
+            0.0, 0, N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=1, FP32_DOT=True,
+            PRECISION="ieee", PARTIAL=True, BLOCK_T=config["block_t"], BLOCK_K=config["block_k"],
+            num_warps=config["num_warps"], num_stages=config["num_stages"], **COMPILE_OPTIONS)
         d_blocks = cdiv(hidden, config["sum_block_d"])
         logits = torch.empty((d_blocks, T, n_pad), dtype=torch.float32, device=x.device)
         _hc_mix_sum_kernel[(cdiv(T, config["sum_block_t"]), d_blocks)](
