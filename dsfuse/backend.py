@@ -183,10 +183,10 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     cfg = resolve_config(options, mode)
     register_all()
     patches = _inductor_patches(cfg, dynamic=None)
+    # the traced length, not the example inputs' (concrete even when the graph serves every length): a prompt
+    # chunk's tail graph first compiled at a few tokens is not a decode step
+    tokens = _traced_tokens(gm)
     if cfg.cudagraphs == "decode" and patches.get("triton.cudagraphs"):
-        # the traced length, not the example inputs' (concrete even when the graph serves every length): a prompt
-        # chunk's tail graph first compiled at a few tokens is not a decode step
-        tokens = _traced_tokens(gm)
         patches["triton.cudagraphs"] = tokens is not None and tokens <= DECODE_MAX_TOKENS
     note = ""
     manager = None
@@ -196,7 +196,7 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         manager = DsfusePassManager(cfg.enabled)
         patches["post_grad_custom_post_pass"] = manager
     graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note,
-                                      tokens=_traced_tokens(gm))
+                                      tokens=tokens)
     if manager is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     else:
