@@ -55,14 +55,27 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item() if ref.numel() else 0.0
 
 
+def _recorded(case: dict, measure) -> dict:
+    """`case` with the fields `measure()` returns, or the error it raised (a failing case is a finding: recorded,
+    and the sweep goes on), and the seconds it took."""
+    start = time.perf_counter()
+    try:
+        case.update(measure())
+    except Exception as error:
+        case["error"] = f"{type(error).__name__}: {error}"
+        case["traceback"] = traceback.format_exc(limit=8)
+    case["seconds"] = round(time.perf_counter() - start, 1)
+    torch._dynamo.reset()
+    return case
+
+
 def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bool = True) -> dict:
     import dsfuse
 
     ids, mask = _inputs(model.config.vocab_size, batch, seq, device)
     keep = mask.bool()
-    case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq}
-    start = time.perf_counter()
-    try:
+
+    def measure():
         with torch.no_grad():
             eager = model(input_ids=ids, attention_mask=mask).logits
             torch._dynamo.reset()
@@ -73,7 +86,7 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
             dsfuse.reset_report()
             fused = torch.compile(model, backend="dsfuse")(input_ids=ids, attention_mask=mask).logits
         rep = dsfuse.report()
-        case.update(
+        return dict(
             sites={name: count for name, count in rep.counts.items() if count},
             near_misses=[{"pass": m.pass_name, "anchor": m.anchor, "reason": m.reason} for m in rep.near_misses],
             notes=[g.note for g in rep.graphs if g.note],
@@ -82,12 +95,9 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
             inductor_err=None if inductor is None else _rel_err(inductor, eager, keep),
             nan=bool(fused[keep].isnan().any()),
         )
-    except Exception as error:  # a failing case is a finding: record it and go on
-        case["error"] = f"{type(error).__name__}: {error}"
-        case["traceback"] = traceback.format_exc(limit=8)
-    case["seconds"] = round(time.perf_counter() - start, 1)
-    torch._dynamo.reset()
-    return case
+
+    case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq}
+    return _recorded(case, measure)
 
 
 def _recipe_generate(model, ids, mask, new_tokens: int, options=None):
@@ -132,10 +142,8 @@ def run_generate_case(model, preset: str, batch: int, seq: int, new_tokens: int,
     import dsfuse
 
     ids, mask = _inputs(model.config.vocab_size, batch, seq, device)
-    case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq,
-            "generate": new_tokens}
-    start = time.perf_counter()
-    try:
+
+    def measure():
         with torch.no_grad():
             eager = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
             inductor = None
@@ -146,18 +154,16 @@ def run_generate_case(model, preset: str, batch: int, seq: int, new_tokens: int,
             torch._dynamo.reset()
             dsfuse.reset_report()
             fused = _recipe_generate(model, ids, mask, new_tokens)
-        case.update(
+        return dict(
             _by_graph_kind(dsfuse.report()),
             tokens_equal=fused.shape == eager.shape and bool(torch.equal(fused, eager)),
             prefix=_matching_prefix(fused, eager, seq),
             inductor_prefix=None if inductor is None else _matching_prefix(inductor, eager, seq),
         )
-    except Exception as error:  # a failing case is a finding: record it and go on
-        case["error"] = f"{type(error).__name__}: {error}"
-        case["traceback"] = traceback.format_exc(limit=8)
-    case["seconds"] = round(time.perf_counter() - start, 1)
-    torch._dynamo.reset()
-    return case
+
+    case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq,
+            "generate": new_tokens}
+    return _recorded(case, measure)
 
 
 def _fmt_err(err) -> str:
