@@ -111,11 +111,11 @@ def kernel_us(fn, iters=5):
     return totals
 
 
-def breakdown(q, k, weights, mask, scale, topk, cfg, thr):
-    """Per-kernel µs; the filter and sample passes share a kernel name, so the filter kernel alone is
-    timed with the sampled thresholds passed in, and the sample pass is the difference."""
-    full = kernel_us(lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg))
-    fixed = kernel_us(lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg, threshold=thr))
+def breakdown(op, q, k, weights, mask, scale, topk, cfg, thr):
+    """Per-kernel µs of `op` (the variant's call); the filter and sample passes share a kernel name, so the filter
+    kernel alone is timed with the sampled thresholds passed in, and the sample pass is the difference."""
+    full = kernel_us(lambda: op(q, k, weights, None, mask, scale, topk, config=cfg))
+    fixed = kernel_us(lambda: op(q, k, weights, None, mask, scale, topk, config=cfg, threshold=thr))
     out = dict(full)
     out["filter"] = fixed.get("filter", 0.0)
     out["sample_pass"] = round(full.get("filter", 0.0) - out["filter"], 1)
@@ -152,7 +152,7 @@ def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True,
             rec["graph_ms"] = do_bench_cudagraph(
                 lambda: indexer_topk_triton(q, k, weights, None, mask, scale, topk, config=cfg), rep=100,
                 return_mode="median")
-        rec["kernels_us"] = breakdown(q, k, weights, mask, scale, topk, cfg, thr)
+        rec["kernels_us"] = breakdown(op, q, k, weights, mask, scale, topk, cfg, thr)
         if filter_only:
             rec = {key: rec[key] for key in ("config", "kernels_us")}
     except Exception as e:  # a variant that fails (compile, resources) is reported, not fatal
