@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
@@ -466,10 +467,16 @@ def sparse_attention_masked_reference(
     the attention mask (bool: AND; additive: fill with finfo(dtype).min), then SDPA.
     ``causal`` adds the bottom-right aligned causal mask (key t allowed iff t <= s + T - S).
     ``empty_rows_see_all``: a query row left without any allowed key attends over all T keys unmasked, what
-    a finite bias (cuDNN SDPA's form of a bool mask) gives there; without it such a row is 0 (bool masks)."""
+    a finite bias (cuDNN SDPA's form of a bool mask) gives there; without it such a row is 0 (bool masks).
+    Off the CPU the math backend computes it: CUDA's memory-efficient SDPA scales the scores by log2(e) first, so
+    a row whose every key is at finfo(bf16 / fp32).min overflows to -inf there and comes out 0, where the math
+    (the op's definition, and the kernel's) is a softmax over equal scores: the mean of V."""
     _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
     _check_index_range(idx, k.shape[2], False, "sparse_attention_masked")
-    return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
+    if q.device.type == "cpu":
+        return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
+    with sdpa_kernel(SDPBackend.MATH):
+        return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
 
 
 def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):

@@ -130,6 +130,19 @@ def test_absorbed_mla_kernel_is_the_reference(data, masked, causal, empty_rows_s
     assert_rel_close(got, want, TOL[dtype], "triton")
 
 
+def test_fp32_additive_fully_masked_row_is_the_mean_of_v():
+    """Regression for a fuzz finding on the H200 (run 40): one key, at finfo(fp32).min. The math is a softmax over
+    equal scores (the mean of V); CUDA's memory-efficient SDPA overflows the row to -inf and returned 0, so the
+    reference now runs the math backend off the CPU."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((1, 1, 1, 8), (1, 1, 1, 8), (1, 1, 1, 4)))
+    idx = torch.zeros(1, 1, 1, dtype=torch.int64, device=DEVICE)
+    mask = torch.full((1, 1, 1, 1), torch.finfo(torch.float32).min, device=DEVICE)
+    want = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.25)
+    assert torch.equal(want, v)
+    assert_rel_close(sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.25), want, TOL[torch.float32], "row")
+
+
 @pytest.mark.xfail(strict=True, reason="kernel bug found by fuzzing: an fp16 additive mask's finfo.min is finite "
                    "after * log2(e), so a fully masked row is neither SDPA's softmax over all T scores nor "
                    "the mean of V")
