@@ -599,7 +599,9 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     N = kv.shape[1]
     q, kv, compressed, indices, cos, sin = (_unit_last(t) for t in (q, kv, compressed, indices, cos, sin))
     q_positions, kv_positions = q_positions.contiguous(), kv_positions.contiguous()
-    cfg = compressed_attention_default_config(H, D, path or "split")
+    # a window_mask runs the fused kernel: its launch defaults, not the split path's scores-kernel ones (4 warps
+    # would hold the [64, 512] fp32 accumulator in 256 registers a thread)
+    cfg = compressed_attention_default_config(H, D, "fused" if window_mask is not None else path or "split")
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
