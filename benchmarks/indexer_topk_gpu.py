@@ -122,21 +122,14 @@ def breakdown(op, q, k, weights, mask, scale, topk, cfg, thr):
     return out
 
 
-def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True, graph=False, filter_only=False,
-                every_key=False):
-    """`every_key` passes a -inf threshold: every visible key is a candidate (no sample pass, no threshold
-    kernel); exact while the keys fit the candidate buffer."""
+def run_variant(row, name, q, k, weights, mask, scale, topk, cfg, *, check=True, graph=False, filter_only=False):
     if elapsed() > BUDGET_S:
         RESULTS["skipped"].append(f"{row['label']}: {name}")
         return None
-    rec = {"config": cfg, "every_key": every_key}
+    rec = {"config": cfg}
     try:
         stats = {}
-        if every_key:
-            all_keys = torch.full(q.shape[:2], float("-inf"), device=q.device)
-            op = functools.partial(indexer_topk_triton, threshold=all_keys, candidate_capacity=k.shape[1])
-        else:
-            op = indexer_topk_triton
+        op = indexer_topk_triton
         out = op(q, k, weights, None, mask, scale, topk, config=cfg, stats=stats)
         torch.cuda.synchronize()
         if check:
@@ -189,9 +182,8 @@ def run_variants(prepared, variants):
     """Filter-kernel variants at the tiles the autotuner picked for the default (fixed tiles replace them)."""
     row, args, graph = prepared
     for name, extra in variants:
-        if set(extra) & TILE_KEYS or extra.get("every_key"):
-            tiles = {key: v for key, v in extra.items() if key != "every_key"}
-            run_variant(row, name, *args, tiles or None, graph=graph, every_key=bool(extra.get("every_key")))
+        if set(extra) & TILE_KEYS:
+            run_variant(row, name, *args, extra, graph=graph)
             continue
         if row["picked_tiles"] is None:
             RESULTS["skipped"].append(f"{row['label']}: {name} (no tuned default)")
@@ -222,6 +214,7 @@ def main():
         "decode B8 S1 T131072": (8, 1, 131072, 64, 128, 2048, 2, True),
         "prefill S2048 T16384": (1, 2048, 16384, 64, 128, 2048, 3, False),
         "v4 csa S8192 T2048": (1, 8192, 2048, 64, 128, 512, 4, False, 4),
+        "prefill S8192 T8192": (1, 8192, 8192, 64, 128, 2048, 5, False),
     }
     plan = [  # in priority order: whatever is left at BUDGET_S is skipped
         ("prefill S4096 T32768", [("fused_select", {"fuse_select": True}), ("store_append", {"append": "store"}),
@@ -230,8 +223,9 @@ def main():
         ("prefill S4096 T32768", [("tree_head_sum", {"head_sum": "tree"})]),
         ("prefill S2048 T16384", []),
         ("v4 csa S8192 T2048", [("fused_select", {"fuse_select": True}), ("no_append", {"append": "none"})]),
-        ("v4 csa S8192 T2048", [("every key a candidate", {"every_key": True}),
-                                ("every key, tiles q4 t64 w4 s3", {"every_key": True, **V4_TILES[1][1]})]),
+        ("v4 csa S8192 T2048", [("sampled threshold", {"every_key": False}),
+                                ("sampled threshold, tiles q4 t64 w4 s3", {"every_key": False, **V4_TILES[1][1]})]),
+        ("prefill S8192 T8192", [("sampled threshold", {"every_key": False})]),
         ("v4 csa S8192 T2048", V4_TILES),
     ]
     wanted = args.shapes or [label for label in shapes if not label.startswith("v4")]
