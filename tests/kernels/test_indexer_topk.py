@@ -159,6 +159,9 @@ def causal_with_holes(B, S, T):
 CASES = {
     "causal_bool_tiny": dict(B=1, S=5, T=40, H=4, D=32, topk=8, mask="causal"),
     "causal_prefill_no_cache": dict(B=1, S=40, T=40, H=4, D=32, topk=16, mask="causal"),
+    # the same keys fit the candidate buffer (64): every key a candidate above, a sampled threshold here
+    "causal_prefill_sampled_threshold": dict(B=1, S=40, T=40, H=4, D=32, topk=16, mask="causal",
+                                             config={"every_key": False}),
     "padding_additive": dict(B=2, S=17, T=100, H=4, D=32, topk=16, mask="padded_additive"),
     "no_mask_odd_heads_dim": dict(B=1, S=9, T=200, H=3, D=24, topk=64, mask=None),
     "topk_above_T": dict(B=2, S=6, T=40, H=4, D=32, topk=64, mask="causal"),
@@ -271,6 +274,16 @@ def test_triton_expanded_and_broadcast_masks_and_strided_inputs():
     for mask in (expanded, causal_mask(1, S, T)[0].to(DEVICE)):
         out = indexer_topk_triton(q_strided, k_strided, w, None, mask, 0.2, 8)
         assert_exact_topk(out, q, k, w, None, mask.expand(B, S, T), 0.2, 8)
+
+
+def test_every_key_is_a_candidate_while_the_buffer_holds_the_keys():
+    """40 keys, top 16: the candidate buffer (64) holds every key, so the default filters at -inf (no sample pass);
+    every_key=False samples a finite threshold; 90 keys outgrow a buffer of 64 and are sampled either way."""
+    for T, config, sampled in ((40, None, False), (40, {"every_key": False}, True), (90, None, True)):
+        q, k, w, _ = make_inputs(1, 6, T, 4, 32)
+        stats = {}
+        indexer_topk_triton(q, k, w, None, None, 0.5, 16, config=config, stats=stats)
+        assert bool(torch.isfinite(stats["threshold"]).all()) == sampled, (T, config)
 
 
 def test_triton_empty_sequence():
