@@ -559,7 +559,8 @@ def _match(cat: torch.fx.Node) -> dict:
         win = _window_mask(window_bool, B, S, N)
     if dtype(scores_add) != x_dtype and not (dtype(scores_add) == torch.float32 and input_mask is None):
         # A float32 sum of x_dtype scores is the x_dtype sum only for a mask of 0 / -inf / finfo.min constants
-        # (torch 2.11 on CUDA folds the cast of CSA's decomposed scatter, so the block bias arrives in float32).
+        # (torch 2.11 on CUDA, and torch 2.12 on CPU too, drop the cast of CSA's decomposed scatter, so the block
+        # bias arrives in float32).
         raise NoMatch(f"the masked scores are computed in {dtype(scores_add)}, not in the input dtype {x_dtype}")
     indices = hca = None
     if block_bias is _ZERO_PAD:

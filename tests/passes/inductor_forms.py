@@ -7,12 +7,16 @@
 - `pad_matmuls`: on CUDA, Inductor's pad_mm (when its benchmark finds it faster: compute-bound products with dims
   that are not multiples of the dtype's alignment) computes `a @ b` as `bmm(pad(a), pad(b))` with zeros appended to
   the contraction dim and to M / N, then slices M / N back.
-- `drop_narrowing_round_trips`: torch 2.11's `pointless_convert` folds `x.to(bf16).to(fp32)` into
-  `x.to(fp32)` (later versions keep a narrower intermediate); with an fp32 x the chain disappears.
+- `drop_narrowing_round_trips`: torch 2.11's and 2.12's `pointless_convert` (a joint-graph pattern, for every
+  device in 2.12's source) folds `x.to(bf16).to(fp32)` into `x.to(fp32)` (2.13 and later keep a narrower
+  intermediate); with an fp32 x the chain disappears. `inductor_folds_narrowing_round_trips()` asks the installed
+  torch whether it does so itself.
 - `keep_constant_wheres_in_float32`: torch 2.11 on CUDA drops the cast of a `where` of two fp32 scalar constants
   (Inductor's one-index scatter `where(index == arange, 0., -inf)`) to bf16, so what it feeds is promoted to fp32.
+  torch 2.12 writes that form on CPU too: such wheres, found already without a cast, are listed in `FLOAT32_WHERES`.
 """
 
+import functools
 import operator
 
 import torch
@@ -23,6 +27,7 @@ from dsfuse.passes.graph_utils import fake_call, insert_call
 aten = torch.ops.aten
 CONVERT = torch.ops.prims.convert_element_type.default
 REWRITES: list = []
+FLOAT32_WHERES: list = []  # constant fp32 wheres that reached the pass without a cast (the form it would write)
 
 
 def to_online_softmax(graph: torch.fx.Graph) -> None:
@@ -64,11 +69,30 @@ def drop_narrowing_round_trips(graph: torch.fx.Graph) -> None:
         REWRITES.append(outer)
 
 
+@functools.cache
+def inductor_folds_narrowing_round_trips() -> bool:
+    """Whether the installed torch's Inductor folds `x.to(bf16).to(fp32)` into `x.to(fp32)` before the post-grad
+    passes (torch 2.11 and 2.12: then its graphs are already in `drop_narrowing_round_trips`' form)."""
+    kept = []
+
+    def record(graph: torch.fx.Graph) -> None:
+        kept.extend(n for n in graph.nodes if n.target is CONVERT and n.args[1] == torch.bfloat16)
+
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=record, force_disable_caches=True):
+        torch.compile(lambda x: x.to(torch.bfloat16).to(torch.float32) * 2, backend="inductor",
+                      dynamic=False)(torch.ones(4))
+    return not kept
+
+
 def _constant(node) -> bool:
     return isinstance(node, torch.fx.Node) and node.target in (aten.scalar_tensor.default, aten.full.default)
 
 
 def keep_constant_wheres_in_float32(graph: torch.fx.Graph) -> None:
+    FLOAT32_WHERES.extend(
+        n for n in graph.nodes
+        if n.target is aten.where.self and _constant(n.args[1]) and _constant(n.args[2])
+        and n.meta["val"].dtype == torch.float32 and not any(u.target is CONVERT for u in n.users))
     for cast in [n for n in graph.nodes if n.target is CONVERT and n.args[0].target is aten.where.self]:
         where = cast.args[0]
         if not (_constant(where.args[1]) and _constant(where.args[2]) and where.meta["val"].dtype == torch.float32):
