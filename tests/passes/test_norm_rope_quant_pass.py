@@ -4,6 +4,7 @@ bit for bit."""
 
 import pytest
 import torch
+from inductor_forms import inductor_folds_narrowing_round_trips
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
     DeepseekV32RMSNorm,
     apply_rotary_pos_emb,
@@ -141,6 +142,9 @@ def test_hf_tiny_model_one_site_per_layer_and_parity(dtype):
     ids = torch.randint(0, model.config.vocab_size, (2, 12))
     with torch.no_grad():
         want = model(ids).logits
+        without = torch.compile(model, backend="dsfuse", options={"enable": []})(ids).logits
+        torch._dynamo.reset()
+        dsfuse.reset_report()
         got = torch.compile(model, backend="dsfuse", options={"enable": ["norm_rope_quant"]})(ids).logits
     rep = dsfuse.report()
     layers = model.config.num_hidden_layers
@@ -162,7 +166,14 @@ def test_hf_tiny_model_one_site_per_layer_and_parity(dtype):
     together = {k: {d.split("; one launch with ")[1].split(" other")[0] for d in v} for k, v in kinds.items()}
     assert together == {"kv": {"2"}, "q_a": {"2"}, "indexer_k": {"2"}, "query": {"1"}, "indexer_q": {"1"}}, details
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    # What the pass changes: the same graph compiled without it (plain Inductor, the same torch).
+    torch.testing.assert_close(got.float(), without.float(), rtol=tolerance, atol=tolerance)
+    # Against eager only where Inductor keeps HF's bf16 round trips (torch >= 2.13). torch 2.11 / 2.12 fold
+    # `x.to(bf16).to(fp32)` into `x.to(fp32)`, and then plain Inductor, with no dsfuse pass, is itself off eager by
+    # more than the bf16 tolerance here (torch 2.12.1: 38 of 6144 logits, up to 0.051: near-ties in the indexer's
+    # top-k pick other keys for a few queries), while the pass moves the logits by at most 0.002 from it.
+    if dtype == torch.float32 or not inductor_folds_narrowing_round_trips():
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
 
 
 def test_on_by_default():
