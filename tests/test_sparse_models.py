@@ -122,11 +122,12 @@ def test_own_tiny_bf16_counts_and_parity():
     assert rep.counts["indexer_topk"] == model.config.num_hidden_layers, str(rep)
     assert all(s.op == "dsfuse.sparse_mla_attention" for s in _sparse_sites())
     assert all("fp8 k_scale" in s.detail for s in rep.sites if s.pass_name == "indexer_topk")
-    # Per position, not over all logits at once: bf16 near-ties in the indexer's top-k make a few positions pick
-    # other keys than eager, each then ~10 % off (the rest are within 1 %), and which ones flip follows each
-    # compiler's rounding, so the norm over all logits measures mostly how many flipped, which moves with the torch
-    # version (plain Inductor against eager, relative norm error: 0.037 on torch 2.13.0 with 4 of 40 positions
-    # flipped, 0.017 on 2.12.1 with 1 flipped, where dsfuse then flipped 2: 0.024 > 1.25 x 0.017).
+    # Per position, not over all logits at once: bf16 near-ties in a top-k choice (the indexer's keys or the router's
+    # experts) make a few positions choose otherwise than eager, each then ~10 % off (the rest are within 1 %), and
+    # which ones flip follows each compiler's rounding, so the norm over all logits measures mostly how many flipped,
+    # which moves with the torch version (plain Inductor against eager, relative norm error: 0.037 on torch 2.13.0
+    # with 4 of 40 positions flipped, 0.017 on 2.12.1 with 1 flipped, where dsfuse then flipped 2: 0.024 > 1.25 x
+    # 0.017).
     def far_positions(got):
         err = (got - expected).norm(dim=-1) / expected.norm(dim=-1)
         return int((err > 2e-2).sum())
