@@ -8,8 +8,9 @@ and `CompileConfig()`, which compiles the decode step with Inductor in "reduce-o
 eagerly) and `dsfuse` (`dsfuse.generation.generate_kwargs`: chunked prefill and decode through dsfuse, decode
 under CUDA graphs). DeepSeek V4 has no static cache (so transformers' recipe cannot compile its decode step
 once): `eager` prefills and decodes with HF's growing V4 cache, `dsfuse` is `generate_kwargs` (prefill chunks and
-decode steps through dsfuse, from `dsfuse.v4_cache.V4DecodeCache`, no CUDA graphs) and `inductor` the same recipe
-with the Inductor backend (the same chunks, cache and compiled calls), so the two differ in the backend alone.
+decode steps through dsfuse, from `dsfuse.v4_cache.V4DecodeCache`, the decode step as a CUDA graph) and `inductor`
+the same chunks, cache and compiled calls with Inductor in "reduce-overhead" mode (CUDA graphs for every call:
+Inductor alone cannot keep them to the decode steps).
 Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
 
 Per configuration, batch and prompt length: time to first token (a `generate` of one new token: the prefill),
@@ -77,11 +78,15 @@ class Recipe:
 
     def kwargs(self) -> dict:
         if self.name == "inductor" and self.v4:
+            from transformers import CompileConfig
+
             from dsfuse.generation import v4_generate_kwargs
 
             kwargs = v4_generate_kwargs(self.model, self.batch, self.max_cache_len, cache=self.cache,
                                         prefill_chunk_size=self.chunk, compile_all_devices=self.cpu)
-            kwargs["compile_config"].backend = "inductor"
+            # Inductor alone has no decode-only CUDA graphs: "reduce-overhead" records the prefill chunks too
+            kwargs["compile_config"] = CompileConfig(backend="inductor", mode="reduce-overhead")
+            kwargs["compile_config"]._compile_all_devices = self.cpu
             self.cache = kwargs["cache"]
             return kwargs
         if self.name != "dsfuse":
@@ -135,6 +140,7 @@ def bench_generate(args) -> dict:
                 ids, mask = prompt_batch(model.config.vocab_size, batch, prompt, args.padded, args.device)
                 try:
                     dsfuse.reset_report()
+                    skips = _cudagraph_skips()
                     first_s, out = _timed_generate(model, recipe, ids, mask, args.new_tokens, cuda)
                     _timed_generate(model, recipe, ids, mask, 1, cuda)
                     row["first_call_s"] = round(first_s / 1e3, 2)
@@ -148,6 +154,7 @@ def bench_generate(args) -> dict:
                     full = [_timed_generate(model, recipe, ids, mask, args.new_tokens, cuda)[0]
                             for _ in range(args.repeats)]
                     row["recompiles_timed"] = _graph_count() - graphs
+                    row["cudagraph_skips"] = _cudagraph_skips() - skips
                     if cuda:
                         row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - weights) / 2**30, 2)
                     row["ttft_ms"] = statistics.median(ttft)
@@ -178,6 +185,13 @@ def _graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _cudagraph_skips() -> int:
+    """Graphs Inductor was asked to capture as CUDA graphs and ran without (it logs why)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -206,6 +220,8 @@ def generate_markdown(results: dict) -> str:
         notes = r.get("error", "")
         if r.get("recompiles_timed"):
             notes += f" {r['recompiles_timed']} recompiles while timed"
+        if r.get("cudagraph_skips"):
+            notes += f" {r['cudagraph_skips']} graphs not captured as CUDA graphs"
         if r.get("rewritten"):
             notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items())
         lines.append(f"| {r['batch']} | {r['prompt']} | {r['config']} | {_fmt(r.get('ttft_ms'), '.2f')} | "

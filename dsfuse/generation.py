@@ -21,14 +21,13 @@ same compiled call, without patching the model:
   GPU-bound, and recorded chunk graphs would hold their memory and be recorded again for each new tail length.
 
 DeepSeek V4 (`DeepseekV4ForCausalLM`) has no static cache (its compressors keep state on HF's own cache layers).
-For V4 the keyword arguments are a `dsfuse.v4_cache.V4DecodeCache` (HF's V4 cache with compressor state of fixed
-shapes: the prefill chunks compile to a few graphs, the decode step to one for every step), the same
-`prefill_chunk_size` (each chunk's queries against the cache's sliding window and compressed entries; the
-`[B, 1, S, N]` mask `generate` builds for a chunk is read by the fused attention) and a
-`CompileConfig(backend="dsfuse")` without CUDA graphs (the compressed entries a decode step reads grow by one every
-m tokens, a new shape each time). A V4 chunk is a multiple of every compression rate and at least the sliding
-window: every chunk but the last then starts on a window boundary with a full window of keys, the shapes the
-chunk graphs are compiled for.
+For V4 the keyword arguments are a `dsfuse.v4_cache.V4DecodeCache` (HF's V4 cache with state of fixed shapes and
+addresses, allocated by an eager one-token call: the prefill chunks compile to a few graphs, the decode step to one
+that replays as a CUDA graph, recorded again every m' tokens when the heavily compressed layers gain an entry),
+the same `prefill_chunk_size` (each chunk's queries against the cache's sliding window and compressed entries; the
+`[B, 1, S, N]` mask `generate` builds for a chunk is read by the fused attention) and the same `CompileConfig`. A V4
+chunk is a multiple of every compression rate and at least the sliding window: every chunk but the last then starts
+on a window boundary with a full window of keys, the shapes the chunk graphs are compiled for.
 """
 
 from __future__ import annotations
@@ -81,17 +80,6 @@ def is_v4(model) -> bool:
     return getattr(model.config, "model_type", None) == "deepseek_v4"
 
 
-def v4_compile_config(options: Mapping[str, Any] | None = None, compile_all_devices: bool = False):
-    """`CompileConfig(backend="dsfuse")` for V4's prefill chunks and decode step: no CUDA graphs (a decode step's
-    compressed entries grow; a chunk is GPU-bound)."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(backend="dsfuse", mode=None, options=dict(options) if options else None)
-    if compile_all_devices:
-        config._compile_all_devices = True
-    return config
-
-
 def v4_prefill_chunk(config, prefill_chunk_size: int | None) -> int | None:
     """`prefill_chunk_size` if it is a multiple of every compression rate of a V4 `config` and at least its sliding
     window, else a ValueError naming the nearest chunk that is. Other chunks give the same tokens (the cache is
@@ -112,20 +100,21 @@ def v4_prefill_chunk(config, prefill_chunk_size: int | None) -> int | None:
 def v4_generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
                        prefill_chunk_size: int | None = DEFAULT_PREFILL_CHUNK,
                        options: Mapping[str, Any] | None = None, compile_all_devices: bool = False) -> dict:
-    """V4's keyword arguments: a `V4DecodeCache` of `max_cache_len` positions (reset when reused; its buffers take
-    the batch size of the prefill), the prompt prefilled in chunks of `prefill_chunk_size` (`v4_prefill_chunk`)
-    and decoded through the same compiled call (dsfuse, no CUDA graphs)."""
+    """V4's keyword arguments: a `V4DecodeCache` of `max_cache_len` positions, its buffers allocated for
+    `batch_size` (reset when reused), the prompt prefilled in chunks of `prefill_chunk_size` (`v4_prefill_chunk`)
+    and decoded through the same compiled call, the decode step as a CUDA graph (`compile_config`)."""
     from dsfuse.v4_cache import V4DecodeCache
 
     chunk = v4_prefill_chunk(model.config, prefill_chunk_size)
     if cache is None:
-        cache = V4DecodeCache(model.config, max_cache_len)
+        cache = V4DecodeCache(model.config, max_cache_len).allocate(model, batch_size)
     elif not isinstance(cache, V4DecodeCache) or cache.max_cache_len != max_cache_len:
         raise ValueError(f"cache {type(cache).__name__} does not hold {max_cache_len} positions of a V4DecodeCache")
+    elif cache.allocated_batch != batch_size:
+        cache.allocate(model, batch_size)
     else:
         cache.reset()
-    return {"cache": cache, "prefill_chunk_size": chunk,
-            "compile_config": v4_compile_config(options, compile_all_devices)}
+    return {"cache": cache, "prefill_chunk_size": chunk, "compile_config": compile_config(options, compile_all_devices)}
 
 
 def generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
@@ -136,7 +125,7 @@ def generate_kwargs(model, batch_size: int, max_cache_len: int, cache=None,
     `max_cache_len` is the longest prompt plus new tokens any call will use: keep it the same across calls (a new
     length recompiles). Pass the `cache` of an earlier call to reuse its buffers (it is reset here): the decode CUDA
     graph then replays at the same addresses instead of being recorded again. A DeepSeek V4 model gets
-    `v4_generate_kwargs` (its prefill chunks and decode steps compiled by dsfuse, the decode without CUDA graphs).
+    `v4_generate_kwargs` (a `V4DecodeCache`; its prefill chunks and decode steps compiled by dsfuse alike).
     """
     if is_v4(model):
         return v4_generate_kwargs(model, batch_size, max_cache_len, cache=cache,

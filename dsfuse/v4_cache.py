@@ -1,13 +1,19 @@
-"""A DeepSeek V4 cache that `torch.compile` prefills and decodes from with few graphs.
+"""A DeepSeek V4 cache that `torch.compile` prefills with few graphs and decodes as one CUDA graph.
 
 HF's V4 cache layers (`DeepseekV4CSACache`, `DeepseekV4HCACache`) grow by `torch.cat`, count their tokens and
 compressed entries in Python ints, keep 0 .. m-1 pending tokens as a view of the last call's projections and hand
 the CSA compressor the previous call's last window as a prior written into its window 0, so a compiled call's graph
 depends on where the call falls in a compression window: Dynamo guards on those ints, on the pending buffer's size
 (sizes 0 and 1 are always specialised) and strides and on the branches `chunk_kv.shape[1] > 0` that the model takes
-on it, and recompiles at most decode steps and at most prefill chunks. `V4DecodeCache` is HF's cache (its sliding
-window layer, HF's own) with the compressor state of fixed shapes, for every call:
+on it, and recompiles at most decode steps and at most prefill chunks. `V4DecodeCache` is HF's cache with state of
+fixed shapes and fixed addresses:
 
+* the token count is kept twice: as the size of an empty `[0, t]` tensor (marked dynamic: one symbol for a prefill
+  chunk's graph, where a Python int would be a constant guarded at every call) and as a `[1]` device tensor that a
+  decode step advances on the device. A decode step's graph reads only the device count, so nothing in it changes
+  from step to step and it can replay as a CUDA graph; the host reads the device count back (one `.item()`) when
+  it next asks for the length, which `generate` does before every step (`get_mask_sizes`);
+* the sliding window's last `sliding_window - 1` rows live in one buffer, written in place once it is full;
 * the projections of the last 2m tokens are a `[B, 2m, C]` stream buffer. A multi-token call (a prefill chunk)
   hands the compressor the last whole window before the call again, then the pending tokens and the call's own up
   to the last whole window, cut from `cat(stream, new)` at a symbolic offset: every chunk starts on a window
@@ -16,21 +22,24 @@ window layer, HF's own) with the compressor state of fixed shapes, for every cal
   the repeated window's entry is dropped. Before the first call the stream is a window of zero projections gated
   -inf, which pools as HF's own zero / -inf padding of the first window;
 * compressed entries live in a `[B, 1 + max_cache_len // m, D]` buffer, entry e at slot 1 + e (slot 0 takes the
-  repeated window's entry); the compressor sees the first `t // m` entries (the finished windows, what HF keeps),
-  a view whose length is a symbol;
+  repeated window's entry). A prefill chunk's compressor sees the first `t // m` entries (the finished windows,
+  what HF keeps). A decode step's CSA layer sees all slots: its indexer masks every entry at or past
+  `(position + 1) // m` and picks among the rest, so the unfinished ones are never attended. HCA attends to every
+  entry it is handed at one query, so its decode step sees the first `t // m'`, a length the host prepares before
+  the step as the size of an empty tensor (a new CUDA graph every m' tokens);
 * for one-token calls (decode steps) the window in progress is a fixed `[B, m, C]` buffer written at slot
   `(t - 1) % m`; its unfilled slots are handed to the compressor with a gate of -inf (softmax weight 0, as HF's
   padding of a first window), so the compressor pools one entry every step, the entry of the window in progress,
   written at its slot;
 * the CSA overlap state (a window's first series, the next window's prior) is a two-window ring, written by every
-  call;
-* the token count `t` is the size of an empty `[0, t]` tensor, marked dynamic: Dynamo reads it as one symbol, where
-  a Python int would be a constant guarded at every call.
+  call.
 
-Every buffer is written in place; the values the model reads are HF's (each entry is pooled from the same m or 2m
-tokens, gates and position bias; chunked or not, the logits equal those of HF's cache fed the same chunks, bit for
-bit). Decoding in one graph needs a prompt of at least the sliding window (the window's keys stop growing there)
-and `max_cache_len` positions; a multi-token call after one-token calls (a prefill into a cache that decoded) is
+Every buffer is written in place and marked as a static address (`allocate` fills them with an eager one-token
+call before anything is compiled; `reset` zeroes them). The values the model reads are HF's: each entry is pooled
+from the same m or 2m tokens, gates and position bias; a prefill, chunked or not, gives the logits of HF's cache fed
+the same chunks, bit for bit, and a decode step the same up to the order of the zeros a CSA step adds to its sums.
+Decoding in one graph needs a prompt of at least the sliding window (the window's keys stop growing there) and
+`max_cache_len` positions; a multi-token call after one-token calls (a prefill into a cache that decoded) is
 refused: `reset()` first.
 """
 
@@ -40,88 +49,185 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache, DeepseekV4HCACache
 
+UNSYNCED_DECODE = (
+    "V4DecodeCache: a compiled decode step needs the token count the host read back after the last step; call "
+    "cache.get_seq_length() before it (generate does, when it builds the step's mask) and pass position_ids and a "
+    "prebuilt mask, as generate does"
+)
+
+
+def _index(index, device: torch.device) -> torch.Tensor:
+    if isinstance(index, torch.Tensor):
+        return index.reshape(1)
+    return torch.full((1,), index, dtype=torch.long, device=device)
+
 
 def _write(buffer: torch.Tensor, index, rows: torch.Tensor) -> None:
-    """`buffer[:, index] = rows[:, 0]` for a symbolic `index`, as an indexed copy: a view at a symbolic offset would
-    make Inductor guard on whether that offset is zero (a recompile when a window starts)."""
-    buffer.index_copy_(1, torch.full((1,), index, dtype=torch.long, device=buffer.device), rows.to(buffer.dtype))
+    """`buffer[:, index] = rows[:, 0]` for a symbolic or device `index`, as an indexed copy: a view at a symbolic
+    offset would make Inductor guard on whether that offset is zero (a recompile when a window starts)."""
+    buffer.index_copy_(1, _index(index, buffer.device), rows.to(buffer.dtype))
 
 
 def _read(buffer: torch.Tensor, index) -> torch.Tensor:
-    """`buffer[:, index]` for a symbolic `index` (see `_write`)."""
-    return buffer.index_select(1, torch.full((1,), index, dtype=torch.long, device=buffer.device)).squeeze(1)
+    """`buffer[:, index]` for a symbolic or device `index` (see `_write`)."""
+    return buffer.index_select(1, _index(index, buffer.device)).squeeze(1)
 
 
-class _TokenCount:
-    """The layer's token count as the size of an empty tensor (a symbol under Dynamo, not a guarded constant)."""
+def _static(buffer: torch.Tensor) -> torch.Tensor:
+    """A buffer a decode step's CUDA graph reads and writes in place: marked as a static address (allocated
+    eagerly; one allocated inside a compiled call stays an ordinary tensor, and the step is then not captured)."""
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(buffer)
+    return buffer
+
+
+def _size_carrier(like: torch.Tensor, size: int) -> torch.Tensor:
+    """An empty `[0, size]` tensor whose size Dynamo reads as a symbol rather than a guarded constant."""
+    carrier = like.new_empty((0, size))
+    if not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(carrier, 1)
+    return carrier
+
+
+class _Clock:
+    """The cache's token count, shared by its layers and advanced once a call (by the first layer's update)."""
+
+    def __init__(self, rates: tuple[int, ...], max_cache_len: int):
+        self.rates = rates
+        self.max_cache_len = max_cache_len
+        self.position: torch.Tensor | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = torch.empty((0, 0))  # [0, t]: the host's count
+        if self.position is not None:
+            self.position.zero_()
+        self.counted = True  # False after a decode step: `count` lags `position` until the host reads it back
+        self.ready = False  # `visible` holds the lengths of the next one-token step
+        self.started = False  # a call since the last reset
+        self.decoding = False  # the calls since the first prefill have been one-token steps
+        self.visible: dict[int, torch.Tensor] = {}
+
+    def tokens(self) -> int:
+        if not self.counted:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(UNSYNCED_DECODE)
+            self.count = _size_carrier(self.position, int(self.position.item()))
+            self.counted = True
+        return self.count.shape[1]
+
+    def host_tokens(self) -> int:
+        """The token count for a caller outside the step (the mask, generate); outside a compiled region it also
+        prepares the next one-token step's lengths."""
+        tokens = self.tokens()
+        if not torch.compiler.is_compiling() and self.position is not None:
+            self._prepare(tokens)
+        return tokens
+
+    def _prepare(self, tokens: int) -> None:
+        if tokens + 1 > self.max_cache_len:
+            raise ValueError(f"V4DecodeCache holds {self.max_cache_len} positions (max_cache_len); the next step "
+                             f"would be position {tokens + 1}")
+        for m in self.rates:
+            length = (tokens + 1) // m
+            if m not in self.visible or self.visible[m].shape[1] != length:
+                self.visible[m] = _size_carrier(self.position, length)
+        self.ready = True
+
+    def begin_call(self, key_states: torch.Tensor) -> None:
+        """Advance the count by the call's tokens: on the device only for a decode step, on both for a prefill."""
+        tokens = key_states.shape[-2]
+        if self.position is None or self.position.device != key_states.device:
+            self.position = _static(torch.zeros(1, dtype=torch.long, device=key_states.device))
+        if tokens == 1 and self.started:
+            if not self.ready:
+                if torch.compiler.is_compiling():
+                    raise RuntimeError(UNSYNCED_DECODE)
+                self._prepare(self.tokens())
+            self.position.add_(1)
+            self.decoding, self.counted, self.ready = True, False, False
+            return
+        if self.decoding:
+            raise RuntimeError("V4DecodeCache: a multi-token call after one-token decode steps; reset() the cache "
+                               "before a new prefill")
+        self.count = _size_carrier(key_states, self.tokens() + tokens)
+        self.position.fill_(self.count.shape[1])
+        self.started, self.ready = True, False
+
+
+class _Window:
+    """A V4 layer's shared K=V sliding window: the last `sliding_window - 1` rows in one buffer once that many have
+    been seen (written in place from then on), a fresh tensor of the rows so far before."""
 
     is_compileable = True
     is_croppable = False
     _layer_type = None  # never registered in transformers' layer-type mappings
 
-    def _init_count(self) -> None:
-        self._count = torch.empty((0, 0))
+    def _init_window(self, clock: _Clock) -> None:
+        self._clock = clock
+        self._window: torch.Tensor | None = None
 
-    def tokens(self):
-        return self._count.shape[1]
+    def tokens(self) -> int:
+        return self._clock.tokens()
 
-    def _advance(self, like: torch.Tensor, tokens: int) -> None:
-        count = like.new_empty((0, self.tokens() + tokens))
-        if not torch.compiler.is_compiling():
-            torch._dynamo.maybe_mark_dynamic(count, 1)
-        self._count = count
+    def _update_window(self, key_states: torch.Tensor) -> torch.Tensor:
+        rows = self.sliding_window - 1
+        if self._window is None or self._window.shape[0] != key_states.shape[0]:
+            batch, heads, _, width = key_states.shape
+            self._window = _static(key_states.new_zeros((batch, heads, rows, width)))
+            self.keys = self.values = key_states.new_zeros((batch, heads, 0, width))
+            self.device, self.is_initialized = key_states.device, True
+        full = torch.cat([self.keys, key_states], dim=-2)
+        if full.shape[-2] >= rows:
+            self._window.copy_(full[:, :, -rows:])
+            self.keys = self.values = self._window
+        else:
+            self.keys = self.values = full.clone(memory_format=torch.contiguous_format)
+        return full
+
+    def _reset_window(self) -> None:
+        if self._window is not None:
+            self._window.zero_()
+            self.keys = self.values = self._window[:, :, :0].clone()
 
     def get_seq_length(self):
-        return self.tokens()
+        return self._clock.host_tokens()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        tokens = self.tokens()
+        tokens = self._clock.host_tokens()
         kv_offset = max(tokens - self.sliding_window + 1, 0)
         kv_length = (self.sliding_window - 1 if tokens >= self.sliding_window else tokens) + query_length
         return kv_length, kv_offset
-
-    def _update_window(self, key_states: torch.Tensor) -> torch.Tensor:
-        """The shared K=V sliding window: the last `sliding_window - 1` rows kept as a fresh tensor (the same strides
-        after a prefill and after a step: a view of the prefill's rows would keep its strides, and Dynamo guards on
-        them), the window plus the new rows returned for both keys and values."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, key_states)
-        self._advance(key_states, key_states.shape[-2])
-        full = torch.cat([self.keys, key_states], dim=-2)
-        self.keys = self.values = full[:, :, -self.sliding_window + 1:].clone(memory_format=torch.contiguous_format)
-        return full
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("V4DecodeCache cannot be cropped (V4's compressor state is not rewindable)")
 
 
-class V4SlidingWindowLayer(_TokenCount, DynamicSlidingWindowLayer):
-    """A V4 sliding-attention layer's cache: HF's sliding window, its token count a tensor size."""
+class V4SlidingWindowLayer(_Window, DynamicSlidingWindowLayer):
+    """A V4 sliding-attention layer's cache: HF's sliding window in one buffer."""
 
-    def __init__(self, sliding_window: int, **kwargs):
+    def __init__(self, sliding_window: int, clock: _Clock, **kwargs):
         DynamicSlidingWindowLayer.__init__(self, sliding_window=sliding_window)
-        self._init_count()
+        self._init_window(clock)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         full = self._update_window(key_states)
         return full, full
 
     def reset(self) -> None:
-        super().reset()
-        self._init_count()
+        self._reset_window()
 
 
-class _CompressedState(_TokenCount):
+class _CompressedState(_Window):
     """Fixed-shape compressor state for every call (see the module docstring); the HF cache layer it is mixed into is
     set up first: its sliding window is used, its own compressor state (pending buffer, running entries, counters)
     is not."""
 
-    def __init__(self, config, max_cache_len: int, **kwargs):
-        super().__init__(config)
-        self._init_state(max_cache_len)
+    sees_every_slot_at_decode = False
 
-    def _init_state(self, max_cache_len: int) -> None:
-        self._init_count()
+    def __init__(self, config, max_cache_len: int, clock: _Clock, **kwargs):
+        super().__init__(config)
+        self._init_window(clock)
         self.max_cache_len = max_cache_len
         self.max_entries = -(-max_cache_len // self.compress_rate)
         self._stream_kv: dict[str, torch.Tensor] = {}  # [B, 2m, C]: the projections of the last 2m tokens
@@ -131,37 +237,31 @@ class _CompressedState(_TokenCount):
         self._window_gate: dict[str, torch.Tensor] = {}
         self._ring_kv: dict[str, torch.Tensor] = {}  # CSA: [B, 2, m, C / 2], the first series of the last 2 windows
         self._ring_gate: dict[str, torch.Tensor] = {}
-        self._decoding = False
-
-    def _one_token(self, name: str, kv: torch.Tensor) -> bool:
-        if kv.shape[1] == 1 and name in self._entries:
-            return True
-        if self._decoding:
-            raise RuntimeError("V4DecodeCache: a multi-token call after one-token decode steps; reset() the cache "
-                               "before a new prefill")
-        return False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         full = self._update_window(key_states)
         return full, full
 
+    def _position(self) -> torch.Tensor:
+        """This decode step's position, on the device."""
+        return self._clock.position - 1
+
     def store_compression_weights(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
-        if not self._one_token(name, kv):
+        if not self._clock.decoding:
             return self._store_prefill(name, kv, gate)
-        self._decoding = True
-        position = self.tokens() - 1
-        slot, window = position % self.compress_rate, position // self.compress_rate
+        position = self._position()
+        slot = position % self.compress_rate
         _write(self._window_kv[name], slot, kv)
         _write(self._window_gate[name], slot, gate)
         filled = torch.arange(self.compress_rate, device=kv.device) <= slot
         chunk_gate = self._window_gate[name].masked_fill(~filled.view(1, -1, 1), float("-inf"))
-        return self._window_kv[name], chunk_gate, window * self.compress_rate
+        return self._window_kv[name], chunk_gate, position - slot
 
     def _store_prefill(self, name: str, kv: torch.Tensor, gate: torch.Tensor):
         """A multi-token call's chunk for the compressor: the last whole window before this call again, then the
         pending tokens and this call's up to the last whole window (see the module docstring)."""
         m = self.compress_rate
-        if name not in self._stream_kv:
+        if name not in self._stream_kv or self._stream_kv[name].shape[0] != kv.shape[0]:
             self._allocate(name, kv, gate)
         before = self.tokens() - kv.shape[1]
         pending = before % m
@@ -178,21 +278,34 @@ class _CompressedState(_TokenCount):
         return chunk_kv, chunk_gate, (before // m - 1) * m
 
     def _allocate(self, name: str, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        """The stream starts as a window of zero projections gated -inf: pooled as the first window's prior it is
-        HF's own zero / -inf padding of a first call."""
         batch, width, m = kv.shape[0], kv.shape[-1], self.compress_rate
-        self._stream_kv[name] = kv.new_zeros((batch, 2 * m, width))
-        self._stream_gate[name] = gate.new_full((batch, 2 * m, width), float("-inf"))
-        self._window_kv[name] = kv.new_zeros((batch, m, width))
-        self._window_gate[name] = gate.new_zeros((batch, m, width))
+        self._stream_kv[name] = _static(kv.new_empty((batch, 2 * m, width)))
+        self._stream_gate[name] = _static(gate.new_empty((batch, 2 * m, width)))
+        self._window_kv[name] = _static(kv.new_empty((batch, m, width)))
+        self._window_gate[name] = _static(gate.new_empty((batch, m, width)))
         if hasattr(self, "overlap_kv"):
-            self._ring_kv[name] = kv.new_zeros((batch, 2, m, width // 2))
-            self._ring_gate[name] = torch.full((batch, 2, m, width // 2), float("-inf"), dtype=torch.float32,
-                                               device=gate.device)
+            self._ring_kv[name] = _static(kv.new_empty((batch, 2, m, width // 2)))
+            self._ring_gate[name] = _static(torch.empty((batch, 2, m, width // 2), dtype=torch.float32,
+                                                        device=gate.device))
+        self._entries.pop(name, None)
+        self._clear(name)
+
+    def _clear(self, name: str) -> None:
+        """The state before any call. The stream starts as a window of zero projections gated -inf: pooled as the
+        first window's prior it is HF's own zero / -inf padding of a first call."""
+        self._stream_kv[name].zero_()
+        self._stream_gate[name].fill_(float("-inf"))
+        self._window_kv[name].zero_()
+        self._window_gate[name].zero_()
+        if name in self._ring_kv:
+            self._ring_kv[name].zero_()
+            self._ring_gate[name].fill_(float("-inf"))
+        if name in self._entries:
+            self._entries[name].zero_()
 
     def update_overlap_state(self, name: str, chunk_kv: torch.Tensor, chunk_gate: torch.Tensor, head_dim: int):
-        if self._decoding:
-            window = (self.tokens() - 1) // self.compress_rate
+        if self._clock.decoding:
+            window = self._position() // self.compress_rate
             # This window's first series, written every step (final once the window is full); the previous
             # window's is the prior written when that window closed.
             _write(self._ring_kv[name], window % 2, chunk_kv[:, -1:, :, :head_dim])
@@ -207,16 +320,19 @@ class _CompressedState(_TokenCount):
         return None, None
 
     def update_compressor_states(self, name: str, compressed: torch.Tensor) -> torch.Tensor:
-        m, count = self.compress_rate, self.tokens() // self.compress_rate
-        if self._decoding:
-            _write(self._entries[name], (self.tokens() - 1) // m + 1, compressed)
-            return self._entries[name][:, 1: 1 + count]
+        m = self.compress_rate
+        if self._clock.decoding:
+            _write(self._entries[name], self._position() // m + 1, compressed)
+            if self.sees_every_slot_at_decode:
+                return self._entries[name][:, 1:]
+            return self._entries[name][:, 1: 1 + self._clock.visible[m].shape[1]]
+        count = self.tokens() // m
         if count > self.max_entries:
             raise ValueError(f"V4DecodeCache holds {self.max_entries} compressed entries per layer "
                              f"(max_cache_len); the prompt made {count}")
-        if name not in self._entries:
-            self._entries[name] = compressed.new_zeros((compressed.shape[0], 1 + self.max_entries,
-                                                        compressed.shape[-1]))
+        if name not in self._entries or self._entries[name].shape[0] != compressed.shape[0]:
+            self._entries[name] = _static(compressed.new_zeros((compressed.shape[0], 1 + self.max_entries,
+                                                                compressed.shape[-1])))
         # The chunk's first entry (its repeated window, already kept) goes to slot 0, the new ones after the kept
         windows = compressed.shape[1]
         index = torch.arange(windows, device=compressed.device)
@@ -224,9 +340,10 @@ class _CompressedState(_TokenCount):
         return self._entries[name][:, 1: 1 + count]
 
     def reset(self) -> None:
-        """Back to an empty cache; the buffers are dropped (the next prefill allocates them for its batch)."""
-        super().reset()
-        self._init_state(self.max_cache_len)
+        """Back to an empty cache, every buffer zeroed in place (same addresses: a recorded decode step replays)."""
+        self._reset_window()
+        for name in self._stream_kv:
+            self._clear(name)
 
 
 class V4HCALayer(_CompressedState, DeepseekV4HCACache):
@@ -236,21 +353,47 @@ class V4HCALayer(_CompressedState, DeepseekV4HCACache):
 class V4CSALayer(_CompressedState, DeepseekV4CSACache):
     """A CSA layer's cache (window + compressed entries + the indexer's own) with fixed-shape compressor state."""
 
+    sees_every_slot_at_decode = True
+
 
 _LAYERS = {"compressed_sparse_attention": V4CSALayer, "heavily_compressed_attention": V4HCALayer}
 
 
 class V4DecodeCache(DynamicCache):
-    """HF's V4 cache with decode state of fixed shapes: `generate` compiles its decode step once (a compileable
-    cache that is not a plain `DynamicCache` is what transformers' generate compiles the step for)."""
+    """HF's V4 cache with state of fixed shapes and addresses: `generate` compiles its decode step once, and the step
+    replays as a CUDA graph (a compileable cache that is not a plain `DynamicCache` is what transformers' generate
+    compiles the step for)."""
 
     def __init__(self, config, max_cache_len: int):
         super().__init__(config=config)
+        self.clock = _Clock((config.compress_rates["heavily_compressed_attention"],), max_cache_len)
         layers = []
         for layer_type in config.layer_types:
             if layer_type in _LAYERS:
-                layers.append(_LAYERS[layer_type](config, max_cache_len=max_cache_len))
+                layers.append(_LAYERS[layer_type](config, max_cache_len=max_cache_len, clock=self.clock))
             else:
-                layers.append(V4SlidingWindowLayer(sliding_window=config.sliding_window))
+                layers.append(V4SlidingWindowLayer(sliding_window=config.sliding_window, clock=self.clock))
         self.layers = layers
         self.max_cache_len = max_cache_len
+        self.allocated_batch: int | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:
+            self.clock.begin_call(key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def reset(self) -> None:
+        super().reset()
+        self.clock.reset()
+
+    def allocate(self, model, batch_size: int) -> "V4DecodeCache":
+        """Allocate every buffer for `batch_size` with an eager one-token call of `model` (the shapes and dtypes its
+        layers give them), then `reset()`: allocated outside any compiled call, they are static addresses, which
+        a decode step's CUDA graph needs for the buffers it writes."""
+        self.reset()
+        token = torch.zeros((batch_size, 1), dtype=torch.long, device=model.device)
+        self.allocated_batch = batch_size
+        with torch.no_grad():
+            model(input_ids=token, cache=self, use_cache=True, logits_to_keep=1)
+        self.reset()
+        return self

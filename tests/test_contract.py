@@ -186,12 +186,15 @@ def _v4_site(queries: str, keys: str):
 
 
 def test_a_v4_cuda_decode_graph_says_it_runs_without_cuda_graphs():
-    """V4's decode step cannot be captured (its cache hands every step a new token count): the report says so,
-    with the host-bound step time, and nothing fires for a V4 prefill or a CPU graph."""
+    """A V4 decode step compiled for CUDA without CUDA graphs is host-bound: the report says so, with the step time
+    and the remedy (generate_kwargs' V4DecodeCache under "reduce-overhead"), and nothing fires for a captured step,
+    a V4 prefill or a CPU graph."""
     from dsfuse.backend import V4_DECODE_WITHOUT_GRAPHS_NOTE, _decode_without_graphs
 
     on_gpu, on_cpu = [torch.empty(2).as_subclass(CudaStandIn)], [torch.empty(2)]
     assert _decode_without_graphs([_v4_site("1", "128")], on_gpu, {}) is V4_DECODE_WITHOUT_GRAPHS_NOTE
+    assert "generate_kwargs" in V4_DECODE_WITHOUT_GRAPHS_NOTE
+    assert _decode_without_graphs([_v4_site("1", "128")], on_gpu, {"triton.cudagraphs": True}) is None
     assert _decode_without_graphs([_v4_site("1", "128")], on_cpu, {}) is None
     assert _decode_without_graphs([_v4_site("s0", "s0")], on_gpu, {}) is None
 
