@@ -9,7 +9,15 @@ import pytest
 from dsfuse import PASS_NAMES
 from dsfuse.bench import main
 
+# The V4 bench and quickstart tests compile one graph (S=12): on one pytest-xdist worker, Inductor's FX graph cache
+# serves it to the second.
+V4_TINY_S12 = pytest.mark.xdist_group("bench_v4_tiny_s12")
+# The tiny model bench, the ablation and examples/ablation.ipynb compile the same tiny-preset graphs (S=16): on one
+# worker, the FX graph cache serves each after its first compile.
+TINY_S16 = pytest.mark.xdist_group("bench_tiny_s16")
 
+
+@TINY_S16
 def test_model_bench_tiny_cpu(tmp_path, capsys):
     """Prefill: eager, Inductor and dsfuse with every pass off (`only:PASS` / `no:PASS` run in the ablate test)."""
     out = tmp_path / "bench.json"
@@ -37,6 +45,7 @@ def test_model_bench_tiny_cpu(tmp_path, capsys):
     assert "Time by stage" not in markdown.read_text() and "Decode" not in markdown.read_text()
 
 
+@V4_TINY_S12
 def test_model_bench_v4_tiny_cpu(tmp_path):
     """DeepSeek V4 prefill (eager attention, `use_cache=False`): all three attention layers fused, parity with eager;
     decode is refused for V4 with the reason. The same S=12 graph as the V4 quickstart test (FX cache shared)."""
@@ -51,6 +60,7 @@ def test_model_bench_v4_tiny_cpu(tmp_path):
         main(["model", "--preset", "v4-tiny", "--device", "cpu", "--mode", "decode"])
 
 
+@V4_TINY_S12
 def test_quickstart_v4_tiny_cpu(capsys):
     from dsfuse.quickstart import main as quickstart
 
@@ -319,6 +329,7 @@ def test_decode_out_of_memory_is_a_row_not_a_crash(tmp_path, monkeypatch):
     assert row["ms"] is None and row["error"] == "out of memory" and row["prefill_by"] == "eager"
 
 
+@TINY_S16
 def test_ablate_tiny_cpu(tmp_path, capsys):
     out, markdown = tmp_path / "ablate.json", tmp_path / "ablate.md"
     assert main(["ablate", "--preset", "tiny", "--seq", "16", "--passes", "indexer_topk", "--device", "cpu",

@@ -14,6 +14,8 @@ NEW_TOKENS = 8
 # Sites per compiled graph of the tiny preset (2 layers: one dense, one MoE): 5 norm/rope sites, the indexer and
 # the sparse attention in each layer, the experts of the MoE layer.
 PER_GRAPH = {"norm_rope_quant": 10, "indexer_topk": 2, "sparse_attention": 2, "moe_experts": 1}
+# The tests reading `batch_one` (four compiled graphs) run on one pytest-xdist worker, which builds it once.
+BATCH_ONE = pytest.mark.xdist_group("generate_batch_one")
 
 
 def _graphs() -> int:
@@ -74,18 +76,21 @@ def batch_one():
     return runs
 
 
+@BATCH_ONE
 def test_batch_one_gives_eager_tokens(batch_one):
     for length, run in batch_one.items():
         assert run["out"].shape == (1, length + NEW_TOKENS)
         assert torch.equal(run["out"], run["eager"]), length
 
 
+@BATCH_ONE
 def test_no_recompile_per_prompt_length_or_decode_step(batch_one):
     """17 tokens: the 16-token chunk (static length, the cache just reset), the one-token tail and the decode step.
     29: Dynamo marks the chunk length dynamic (one graph for every later tail). 41 and its 8 steps: nothing new."""
     assert [run["compiled"] for run in batch_one.values()] == [3, 1, 0]
 
 
+@BATCH_ONE
 def test_every_family_rewritten_in_the_prefill_and_decode_graphs(batch_one):
     first, second = batch_one[17]["report"], batch_one[29]["report"]
     _assert_every_family_in_every_graph(first, 3)
