@@ -552,8 +552,79 @@ def _active_tiles_kernel(bits_ptr, list_ptr, count_ptr, S, W, NUM_QB, NUM_TILES,
 
 
 @triton.jit
+def _masked_attention_tile(acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, mask_base, tile, offs_m, m_ok,
+                           stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, fill_min,
+                           D: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+                           DV_P: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, ALL_KEYS: tl.constexpr):
+    """One key tile of the online softmax.  Normally the selected keys only, in log2 units.  ALL_KEYS (additive
+    masks): SDPA's row over every key, the unselected ones at fill_min, in natural units, so that a row at
+    finfo(bf16 / fp32).min everywhere is a softmax over equal scores instead of exp2(-inf)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    offs_local = tl.arange(0, BLOCK_N)
+    offs_n = tile * BLOCK_N + offs_local
+    n_ok = offs_n < T
+    offs_da = tl.arange(0, DA)
+    if DA > D:
+        k_a_mask = n_ok[:, None] & (offs_da < D)[None, :]
+    else:
+        k_a_mask = n_ok[:, None]
+    k_a = tl.load(k_base + offs_n[:, None] * stride_k_t + offs_da[None, :], mask=k_a_mask, other=0.0)
+    qk = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
+    if DB > 0:
+        offs_db = DA + tl.arange(0, DB)
+        k_b = tl.load(k_base + offs_n[:, None] * stride_k_t + offs_db[None, :],
+                      mask=n_ok[:, None] & (offs_db < D)[None, :], other=0.0)
+        qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=DOT_PRECISION)
+    WORDS_PER_TILE: tl.constexpr = BLOCK_N // 32
+    words = tl.load(bits_rows + tile * WORDS_PER_TILE, mask=m_ok, other=0)[:, None]
+    for j in tl.static_range(1, WORDS_PER_TILE):
+        word_j = tl.load(bits_rows + (tile * WORDS_PER_TILE + j), mask=m_ok, other=0)
+        words = tl.where((offs_local >> 5 == j)[None, :], word_j[:, None], words)
+    allowed = (words << (31 - (offs_local & 31))[None, :]) < 0  # bit (t % 32) moved to the sign bit
+    if MASK_KIND == 1:
+        mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
+                        mask=m_ok[:, None] & n_ok[None, :], other=0)
+        allowed = allowed & (mvals != 0)
+    if MASK_KIND == 2:
+        mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
+                        mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        if ALL_KEYS:
+            x = tl.where(n_ok[None, :], qk * scale + tl.where(allowed, mvals, fill_min), float("-inf"))
+        else:
+            x = tl.where(allowed, (qk * scale + mvals) * LOG2E, float("-inf"))
+    else:
+        x = tl.where(allowed, qk * (scale * LOG2E), float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(x, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if ALL_KEYS:
+        alpha = tl.exp2((m_i - m_use) * LOG2E)
+        p = tl.exp2((x - m_use[:, None]) * LOG2E)
+    else:
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(x - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    offs_v = tl.arange(0, DV_P)
+    v_tile = tl.load(v_base + offs_n[:, None] * stride_v_t + offs_v[None, :],
+                     mask=n_ok[:, None] & (offs_v < DV)[None, :], other=0.0)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _masked_attention_store(o_ptrs, acc, l_i, q_nan, rows, v_ok):
+    """acc / l_i.  A row where no key got weight (l_i == 0; a NaN score keeps l_i NaN) is SDPA's 0 for an
+    all-False row, or NaN when its query holds a NaN: SDPA still multiplies it with the masked keys."""
+    empty = l_i == 0.0
+    out = tl.where(empty[:, None], tl.where(q_nan, float("nan"), 0.0)[:, None],
+                   acc / tl.where(empty, 1.0, l_i)[:, None])
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=rows[:, None] & v_ok[None, :])
+
+
+@triton.jit
 def _sparse_masked_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, list_ptr, count_ptr, mask_ptr, vmean_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, list_ptr, count_ptr, mask_ptr, dense_ptr, out_ptr,
     stride_q_b, stride_q_h, stride_q_s,
     stride_k_b, stride_k_h, stride_k_t,
     stride_v_b, stride_v_h, stride_v_t,
@@ -562,12 +633,15 @@ def _sparse_masked_attention_kernel(
     H, S, T, W, NUM_QB, NUM_TILES, scale, fill_min,
     D: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_KEYS_PASS: tl.constexpr,
 ):
     """Flash attention over the active key tiles of one (query block, batch, head).  The head
     dim is split into a power-of-two part DA and a tail DB (192 = 128 + 64) so no MMA work is
     wasted on padding.  Selection (causal limit included) comes from the bitmap; the attention
-    mask, if any, is read per tile.  Bits past T are never set, so tile tails need no test."""
+    mask, if any, is read per tile.  Bits past T are never set, so tile tails need no test.
+    Additive masks: a row whose best score is at the fill (every key at finfo.min, say) is SDPA's softmax over
+    all T keys, unselected ones included.  This pass flags such rows in dense_ptr; a second launch with
+    ALL_KEYS_PASS redoes them over every tile (one kernel with both loops ran 33 % slower on the H200)."""
     qb = NUM_QB - 1 - tl.program_id(0)  # longest (latest) query blocks first under causal masks
     bh = tl.program_id(1)
     b = bh // H
@@ -588,79 +662,43 @@ def _sparse_masked_attention_kernel(
     else:
         q_a_mask = m_ok[:, None]
     q_a = tl.load(q_base + offs_m[:, None] * stride_q_s + offs_da[None, :], mask=q_a_mask, other=0.0)
+    q_nan = tl.max((q_a != q_a).to(tl.int32), 1) > 0
+    q_b = None
     if DB > 0:
         offs_db = DA + tl.arange(0, DB)
-        db_ok = offs_db < D
         q_b = tl.load(q_base + offs_m[:, None] * stride_q_s + offs_db[None, :],
-                      mask=m_ok[:, None] & db_ok[None, :], other=0.0)
+                      mask=m_ok[:, None] & (offs_db < D)[None, :], other=0.0)
+        q_nan = q_nan | (tl.max((q_b != q_b).to(tl.int32), 1) > 0)
     bits_rows = bits_ptr + (b64 * S + offs_m) * W
     mask_base = mask_ptr + b64 * stride_m_b + h64 * stride_m_h
+    o_ptrs = out_ptr + b64 * stride_o_b + h64 * stride_o_h + offs_m[:, None] * stride_o_s + offs_v[None, :]
 
-    tile_list = list_ptr + (b64 * NUM_QB + qb) * NUM_TILES
-    n_active = tl.load(count_ptr + b * NUM_QB + qb)
-
-    WORDS_PER_TILE: tl.constexpr = BLOCK_N // 32
-    offs_local = tl.arange(0, BLOCK_N)
-    bit_shift = 31 - (offs_local & 31)
-    scale_log2e = scale * 1.4426950408889634
+    dense_rows = dense_ptr + (b64 * H + h64) * S + offs_m
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DV_P], tl.float32)
-    for i in range(0, n_active):
-        tile = tl.load(tile_list + i)
-        offs_n = tile * BLOCK_N + offs_local
-        n_ok = offs_n < T
-        if DA > D:
-            k_a_mask = n_ok[:, None] & (offs_da < D)[None, :]
-        else:
-            k_a_mask = n_ok[:, None]
-        k_a = tl.load(k_base + offs_n[:, None] * stride_k_t + offs_da[None, :], mask=k_a_mask, other=0.0)
-        qk = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PRECISION)
-        if DB > 0:
-            k_b = tl.load(k_base + offs_n[:, None] * stride_k_t + offs_db[None, :],
-                          mask=n_ok[:, None] & db_ok[None, :], other=0.0)
-            qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=DOT_PRECISION)
-        words = tl.load(bits_rows + tile * WORDS_PER_TILE, mask=m_ok, other=0)[:, None]
-        for j in tl.static_range(1, WORDS_PER_TILE):
-            word_j = tl.load(bits_rows + (tile * WORDS_PER_TILE + j), mask=m_ok, other=0)
-            words = tl.where((offs_local >> 5 == j)[None, :], word_j[:, None], words)
-        allowed = (words << bit_shift[None, :]) < 0  # bit (t % 32) moved to the sign bit
-        if MASK_KIND == 1:
-            mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
-                            mask=m_ok[:, None] & n_ok[None, :], other=0)
-            allowed = allowed & (mvals != 0)
-        if MASK_KIND == 2:
-            mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
-                            mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-            # finfo.min * log2(e) overflows to -inf for bf16/fp32: masked keys then weigh exactly 0.
-            x = tl.where(allowed, (qk * scale + mvals) * 1.4426950408889634, fill_min * 1.4426950408889634)
-            x = tl.where(n_ok[None, :], x, float("-inf"))
-        else:
-            x = tl.where(allowed, qk * scale_log2e, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(x - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_tile = tl.load(v_base + offs_n[:, None] * stride_v_t + offs_v[None, :],
-                         mask=n_ok[:, None] & v_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v_tile.dtype), v_tile, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # l_i == 0 only when no key got weight (a NaN score keeps l_i NaN, and the output NaN).
-    fully_masked = l_i == 0.0
-    safe_l = tl.where(fully_masked, 1.0, l_i)
-    if MASK_KIND == 2:
-        # Every key at finfo.min: SDPA's softmax is uniform over all T keys.
-        vmean = tl.load(vmean_ptr + (b64 * H + h64) * DV + offs_v, mask=v_ok, other=0.0)
-        out = tl.where(fully_masked[:, None], vmean[None, :], acc / safe_l[:, None])
+    if ALL_KEYS_PASS:
+        dense = tl.load(dense_rows, mask=m_ok, other=0) != 0
+        if tl.max(dense.to(tl.int32), 0) > 0:
+            for tile in range(0, NUM_TILES):
+                acc, m_i, l_i = _masked_attention_tile(
+                    acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, mask_base, tile, offs_m, m_ok,
+                    stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, fill_min,
+                    D, DV, DA, DB, DV_P, BLOCK_N, MASK_KIND, DOT_PRECISION, True)
+            _masked_attention_store(o_ptrs, acc, l_i, q_nan, dense, v_ok)
     else:
-        # No allowed key: SDPA returns zeros for an all-False boolean row.
-        out = tl.where(fully_masked[:, None], 0.0, acc / safe_l[:, None])
-    o_base = out_ptr + b64 * stride_o_b + h64 * stride_o_h
-    tl.store(o_base + offs_m[:, None] * stride_o_s + offs_v[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & v_ok[None, :])
+        tile_list = list_ptr + (b64 * NUM_QB + qb) * NUM_TILES
+        n_active = tl.load(count_ptr + b * NUM_QB + qb)
+        for i in range(0, n_active):
+            acc, m_i, l_i = _masked_attention_tile(
+                acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, mask_base, tl.load(tile_list + i), offs_m,
+                m_ok, stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, fill_min,
+                D, DV, DA, DB, DV_P, BLOCK_N, MASK_KIND, DOT_PRECISION, False)
+        if MASK_KIND == 2:
+            # Unselected keys score q.k * scale + fill_min: they weigh nothing unless the row's best score is near
+            # the fill too (half of it: a gap of 32752 for fp16, far past exp's underflow).
+            tl.store(dense_rows, (m_i <= fill_min * 0.5 * 1.4426950408889634).to(tl.int8), mask=m_ok)
+        _masked_attention_store(o_ptrs, acc, l_i, q_nan, m_ok, v_ok)
 
 
 def _split_head_dim(D: int):
@@ -736,24 +774,22 @@ def sparse_attention_masked_triton(
         bits, tile_list, tile_count, S, words, num_qb, num_tiles,
         BLOCK_M=bm, BLOCK_N=bn, TILE_CHUNK=min(32, next_power_of_2(num_tiles)))
 
-    if mask_kind == _MASK_ADD:
-        vmean = v.float().mean(dim=2)  # [B,H,Dv]
-    else:
-        vmean = out  # never read
     da, db = _split_head_dim(D)
-    _sparse_masked_attention_kernel[(num_qb, B * H)](
-        q, k, v, bits, tile_list, tile_count, mask_arg, vmean, out,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        *mstrides,
-        out.stride(0), out.stride(1), out.stride(2),
-        H, S, T, words, num_qb, num_tiles, float(scale), torch.finfo(q.dtype).min,
-        D=D, DV=Dv, DA=da, DB=db, DV_P=max(16, next_power_of_2(Dv)),
-        BLOCK_M=bm, BLOCK_N=bn, MASK_KIND=mask_kind,
-        DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    dense = torch.empty((B, H, S), dtype=torch.int8, device=q.device) if mask_kind == _MASK_ADD else bits
+    for all_keys_pass in (False, True) if mask_kind == _MASK_ADD else (False,):
+        _sparse_masked_attention_kernel[(num_qb, B * H)](
+            q, k, v, bits, tile_list, tile_count, mask_arg, dense, out,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            *mstrides,
+            out.stride(0), out.stride(1), out.stride(2),
+            H, S, T, words, num_qb, num_tiles, float(scale), torch.finfo(q.dtype).min,
+            D=D, DV=Dv, DA=da, DB=db, DV_P=max(16, next_power_of_2(Dv)),
+            BLOCK_M=bm, BLOCK_N=bn, MASK_KIND=mask_kind,
+            DOT_PRECISION=_dot_precision(q.dtype), ALL_KEYS_PASS=all_keys_pass,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
     return out
 
 

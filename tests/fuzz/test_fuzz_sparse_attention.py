@@ -65,17 +65,14 @@ def test_sparse_attention_masked_kernel_is_the_reference(data, mask_kind, out_of
     D, Dv = data.draw(st.sampled_from([8, 16, 24])), data.draw(st.sampled_from([4, 8, 12]))
     dtype, seed = data.draw(st.sampled_from(DTYPES)), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
-    # NaN queries only without masks: see test_nan_query_in_a_row_without_keys
-    specials = data.draw(st.lists(st.sampled_from(["nan", "zero", "tie"] if mask_kind == "none" else ["zero", "tie"]),
-                                  max_size=1))
+    specials = data.draw(st.lists(st.sampled_from(["nan", "zero", "tie"]), max_size=1))
     q = values((B, H, S, D), dtype, seed, specials=specials).to(DEVICE)
     k, v = values((B, H, T, D), dtype, seed + 1).to(DEVICE), values((B, H, T, Dv), dtype, seed + 2).to(DEVICE)
     idx = _indices(g, B, S, K, T, 0)
     mask, causal = None, mask_kind == "causal"
     if mask_kind in ("bool", "additive"):
         keep = torch.rand(B, 1, S, T, generator=g) < 0.7
-        if not (mask_kind == "additive" and dtype == torch.float16):  # see test_fp16_additive_fully_masked_row
-            keep[:, :, data.draw(st.integers(0, S - 1))] = False  # a fully masked row
+        keep[:, :, data.draw(st.integers(0, S - 1))] = False  # a fully masked row
         mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(dtype).min)
         mask = mask.to(DEVICE, dtype=torch.bool if mask_kind == "bool" else dtype)
         if data.draw(st.booleans()):
@@ -143,13 +140,11 @@ def test_fp32_additive_fully_masked_row_is_the_mean_of_v():
     assert_rel_close(sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.25), want, TOL[torch.float32], "row")
 
 
-@pytest.mark.xfail(strict=True, reason="kernel bug found by fuzzing: an fp16 additive mask's finfo.min is finite "
-                   "after * log2(e), so a fully masked row is neither SDPA's softmax over all T scores nor "
-                   "the mean of V")
 def test_fp16_additive_fully_masked_row():
-    """Regression for a fuzz finding: fp16, an additive mask at finfo(fp16).min on every key of a query row. The
-    reference (SDPA adds the bias in fp32) is the softmax over all T scores; the kernel skips unselected tiles and
-    weighs the visited keys' fill (-65504 * log2(e), finite), so the row matches neither that nor the mean of V."""
+    """Regression for a fuzz finding: fp16, an additive mask at finfo(fp16).min on every key of a query row. SDPA
+    adds the bias in fp32, where -65504 does not absorb the scores, so the row is the softmax over all T scores
+    (unselected keys get the same fill); the kernel once skipped unselected tiles and weighed the visited keys'
+    fill alone."""
     g = torch.Generator().manual_seed(0)
     B, H, S, T, K = 1, 2, 4, 31, 5
     q, k, v = (torch.randn(shape, generator=g).to(torch.float16).to(DEVICE)
@@ -161,9 +156,9 @@ def test_fp16_additive_fully_masked_row():
     assert_rel_close(sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.25), want, TOL[torch.float16], "row")
 
 
-@pytest.mark.xfail(strict=True, reason="kernel/reference mismatch found by fuzzing: a NaN query in a row without "
-                   "selected, allowed keys gives NaN in the reference (SDPA) and 0 from the kernel")
 def test_nan_query_in_a_row_without_keys():
+    """Regression for a fuzz finding: a NaN query in a row without selected, allowed keys. SDPA still multiplies it
+    with the masked keys (NaN + -inf is NaN), so the row is NaN, not the 0 of an all-False row."""
     g = torch.Generator().manual_seed(0)
     B, H, S, T, K = 1, 1, 2, 9, 2
     q, k, v = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((B, H, S, 16), (B, H, T, 16), (B, H, T, 8)))

@@ -274,6 +274,26 @@ def test_masked_fully_masked_rows_match_sdpa():
     torch.testing.assert_close(out_add[1, :, 2], v[1].mean(dim=1), rtol=1e-5, atol=1e-6)
 
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_masked_additive_rows_at_the_fill_see_every_key(dtype):
+    """Additive rows whose selected keys sit at finfo.min (or -inf) are SDPA's softmax over all T keys with the
+    unselected ones at finfo.min too: the mean of V for fp32, softmax(q.k) for fp16 (-65504 does not absorb the
+    scores), over the unselected keys alone where the selected ones are -inf. Blocks of 4 queries, so the pass
+    over every key runs for some blocks, in blocks that mix such rows with ordinary ones."""
+    B, H, S, T = 2, 2, 12, 45
+    q, k, v, idx = _masked_inputs(B, H, S, T, 24, 8, 5, dtype)
+    fill = torch.finfo(dtype).min
+    mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~_causal_bool(B, S, T), fill)
+    mask[0, :, 1] = fill
+    mask[1, :, 5] = float("-inf")
+    mask[1, :, 6] = fill / 4  # far below 0, yet it wins over the fill
+    mask = mask.to(dtype)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3, block_m=4, block_n=32)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3)
+    assert _rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-3)
+
+
 def test_masked_empty_rows_see_all_keys():
     """`empty_rows_see_all` (a finite bias's semantics): a row left without keys, a padding query or one whose
     selection is all padding, attends over all T keys unmasked (T past the last whole 32-key word too)."""
