@@ -12,7 +12,8 @@ fixed shapes and fixed addresses:
   chunk's graph, where a Python int would be a constant guarded at every call) and as a `[1]` device tensor that a
   decode step advances on the device. A decode step's graph reads only the device count, so nothing in it changes
   from step to step and it can replay as a CUDA graph; the host reads the device count back (one `.item()`) when
-  it next asks for the length, which `generate` does before every step (`get_mask_sizes`);
+  it next asks for the length, which `generate` does before every step (`get_mask_sizes`). A caller that builds the
+  mask inside the compiled call reads the count there: that step's graph then keeps it as its symbol;
 * the sliding window's last `sliding_window - 1` rows live in one buffer, written in place once it is full;
 * the projections of the last 2m tokens are a `[B, 2m, C]` stream buffer. A multi-token call (a prefill chunk)
   hands the compressor the last whole window before the call again, then the pending tokens and the call's own up
@@ -49,13 +50,6 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4CSACache, DeepseekV4HCACache
 
-UNSYNCED_DECODE = (
-    "V4DecodeCache: a compiled decode step needs the token count the host read back after the last step; call "
-    "cache.get_seq_length() before it (generate does, when it builds the step's mask) and pass position_ids and a "
-    "prebuilt mask, as generate does"
-)
-
-
 def _index(index, device: torch.device) -> torch.Tensor:
     if isinstance(index, torch.Tensor):
         return index.reshape(1)
@@ -89,6 +83,20 @@ def _size_carrier(like: torch.Tensor, size: int) -> torch.Tensor:
     return carrier
 
 
+@torch.compiler.disable
+def _read_back(clock: "_Clock") -> None:
+    """The host's count from the device's, after decode steps that advanced only the device's. Never traced: a
+    compiled call that gets here (a caller that read no length since the last step) breaks its graph to run it."""
+    clock.count = _size_carrier(clock.position, int(clock.position.item()))
+    clock.counted = True
+
+
+@torch.compiler.disable
+def _prepare_outside(clock: "_Clock") -> None:
+    """`_Clock._prepare` for the current count, never traced (see `_read_back`)."""
+    clock._prepare(clock.tokens())
+
+
 class _Clock:
     """The cache's token count, shared by its layers and advanced once a call (by the first layer's update)."""
 
@@ -106,21 +114,22 @@ class _Clock:
         self.ready = False  # `visible` holds the lengths of the next one-token step
         self.started = False  # a call since the last reset
         self.decoding = False  # the calls since the first prefill have been one-token steps
+        self.read_in_call = False  # the compiled call being traced read the count (its mask is built inside)
         self.visible: dict[int, torch.Tensor] = {}
 
     def tokens(self) -> int:
         if not self.counted:
-            if torch.compiler.is_compiling():
-                raise RuntimeError(UNSYNCED_DECODE)
-            self.count = _size_carrier(self.position, int(self.position.item()))
-            self.counted = True
+            _read_back(self)
         return self.count.shape[1]
 
     def host_tokens(self) -> int:
-        """The token count for a caller outside the step (the mask, generate); outside a compiled region it also
-        prepares the next one-token step's lengths."""
+        """The token count for the mask and `generate`. Outside a compiled region this also prepares the next
+        one-token step's lengths; inside one (a caller that builds the mask in the compiled call) the step then
+        keeps the count in its graph, as a symbol."""
         tokens = self.tokens()
-        if not torch.compiler.is_compiling() and self.position is not None:
+        if torch.compiler.is_compiling():
+            self.read_in_call = True
+        elif self.position is not None:
             self._prepare(tokens)
         return tokens
 
@@ -128,10 +137,11 @@ class _Clock:
         if tokens + 1 > self.max_cache_len:
             raise ValueError(f"V4DecodeCache holds {self.max_cache_len} positions (max_cache_len); the next step "
                              f"would be position {tokens + 1}")
-        for m in self.rates:
-            length = (tokens + 1) // m
-            if m not in self.visible or self.visible[m].shape[1] != length:
-                self.visible[m] = _size_carrier(self.position, length)
+        lengths = {m: (tokens + 1) // m for m in self.rates}
+        # traced (a count read inside the call): always new carriers, no guard on the old ones
+        if torch.compiler.is_compiling() or any(m not in self.visible or self.visible[m].shape[1] != length
+                                                for m, length in lengths.items()):
+            self.visible = {m: _size_carrier(self.position, length) for m, length in lengths.items()}
         self.ready = True
 
     def begin_call(self, key_states: torch.Tensor) -> None:
@@ -139,13 +149,18 @@ class _Clock:
         tokens = key_states.shape[-2]
         if self.position is None or self.position.device != key_states.device:
             self.position = _static(torch.zeros(1, dtype=torch.long, device=key_states.device))
+        read_in_call, self.read_in_call = self.read_in_call, False
         if tokens == 1 and self.started:
-            if not self.ready:
-                if torch.compiler.is_compiling():
-                    raise RuntimeError(UNSYNCED_DECODE)
+            if read_in_call:  # the count is a symbol of this graph: the lengths follow from it
                 self._prepare(self.tokens())
+            elif not self.ready:
+                _prepare_outside(self)
             self.position.add_(1)
-            self.decoding, self.counted, self.ready = True, False, False
+            if read_in_call:  # the graph holds the count already: keep it current there too
+                self.count = _size_carrier(key_states, self.count.shape[1] + 1)
+            else:
+                self.counted = False
+            self.decoding, self.ready = True, False
             return
         if self.decoding:
             raise RuntimeError("V4DecodeCache: a multi-token call after one-token decode steps; reset() the cache "

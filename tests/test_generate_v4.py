@@ -55,7 +55,7 @@ def _decode(model, cache, ids, mask, steps: int) -> torch.Tensor:
         for step in range(steps):
             logits.append(out.logits[:, -1])
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:]
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -1:].clone(memory_format=torch.contiguous_format)
             out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, position_ids=positions, cache=cache,
                         use_cache=True)
     return torch.stack(logits)
@@ -81,6 +81,23 @@ def test_decode_cache_gives_hf_logits(batch, pad):
     got = _decode(model, V4DecodeCache(model.config, MAX_CACHE_LEN), ids, mask, 13)
     assert torch.equal(got[0], reference[0])
     _assert_decode_logits(got[1:], reference[1:])
+
+
+def test_compiled_forward_decodes_with_the_mask_it_builds():
+    """A compiled forward called step by step with a 2-D mask, so the model builds its mask inside the compiled call
+    from the cache's count: the count is then a symbol of the step's graph (one graph for every step; no CUDA graph
+    replay), HF's logits to compiler rounding."""
+    torch._dynamo.reset()
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+    ids, mask = _prompt(1, 21)
+    reference = _decode(model, DynamicCache(config=model.config), ids, mask, 5)
+    before = _graphs()
+    cache = V4DecodeCache(model.config, MAX_CACHE_LEN).allocate(model, 1)
+    got = _decode(torch.compile(model, backend="dsfuse"), cache, ids, mask, 5)
+    assert _graphs() - before == 2  # the prefill and the decode step
+    torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+    torch._dynamo.reset()
 
 
 def _chunked(model, cache, ids, mask, chunk: int, steps: int = 6) -> torch.Tensor:
