@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 GPU_PRESETS = ("tiny", "glm-tiny", "v32-real-2l", "v4-tiny")
-# generate's recipe for the static-cache models (V4 decodes from its own cache, not swept here)
-GENERATE_PRESETS = ("tiny", "glm-tiny", "v32-real-2l")
+# generate's recipe: a static cache for V3.2 and GLM, `V4DecodeCache` for V4
+GENERATE_PRESETS = ("tiny", "glm-tiny", "v32-real-2l", "v4-tiny")
 GPU_LENGTHS = (1, 5, 65, 200, 2049, 8192)
 GPU_BATCHES = (1, 2, 8)
 # the real-dims preset at batch 8 and 8192 tokens does not fit beside eager's materialised attention
