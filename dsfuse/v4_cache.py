@@ -129,7 +129,7 @@ class _Clock:
         tokens = self.tokens()
         if torch.compiler.is_compiling():
             self.read_in_call = True
-        elif self.position is not None:
+        elif self.position is not None and tokens < self.max_cache_len:
             self._prepare(tokens)
         return tokens
 

@@ -83,6 +83,16 @@ def test_decode_cache_gives_hf_logits(batch, pad):
     _assert_decode_logits(got[1:], reference[1:])
 
 
+def test_decode_cache_full_reads_its_length_and_refuses_one_more_step():
+    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
+    ids, mask = _prompt(1, 21)
+    cache = V4DecodeCache(model.config, 23).allocate(model, 1)
+    _decode(model, cache, ids, mask, 2)
+    assert cache.get_seq_length() == 23
+    with torch.no_grad(), pytest.raises(ValueError, match="holds 23 positions .* would be position 24"):
+        model(ids[:, :1], cache=cache, use_cache=True, position_ids=torch.tensor([[23]]))
+
+
 def test_compiled_forward_decodes_with_the_mask_it_builds():
     """A compiled forward called step by step with a 2-D mask, so the model builds its mask inside the compiled call
     from the cache's count: the count is then a symbol of the step's graph (one graph for every step; no CUDA graph
