@@ -117,12 +117,13 @@ def sparse_mla_attention_reference(
 
 
 def sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale, sink=None):
-    """The reference math without checks (what benchmarks hand to torch.compile)."""
+    """The reference math without checks (what benchmarks hand to torch.compile).  A -1 entry gathers key 0 and
+    zeroes it, so a NaN / Inf in key 0 does not reach a row that did not select it (0 * NaN is NaN)."""
     B, H = q_nope.shape[0], q_nope.shape[2]
     valid = idx >= 0
     rows = idx.long().clamp_min(0)
     batch = torch.arange(B, device=idx.device).view(B, 1, 1)
-    kv_sel = kv[batch, rows]  # [B,S,K,Dc]
+    kv_sel = kv[batch, rows].masked_fill(~valid[..., None], 0)  # [B,S,K,Dc]
     pe_sel = pe[batch, rows]  # [B,S,K,Dr]
     scores = torch.matmul(q_nope.float(), kv_sel.float().transpose(-1, -2))
     scores = scores + torch.matmul(q_pe.float(), pe_sel.float().transpose(-1, -2))

@@ -5,7 +5,7 @@ NaN guard bands, so a stray read shows up as NaN in the output)."""
 
 import pytest
 import torch
-from fuzz_support import DEVICE, assert_rel_close, fuzzes, guarded, reference_output, seeds, sizes, values
+from fuzz_support import DEVICE, SPECIALS, assert_rel_close, fuzzes, guarded, reference_output, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,9 +32,10 @@ def test_sparse_mla_kernel_is_the_reference(data, with_sink, out_of_range):
     Dc, Dr = data.draw(st.sampled_from([8, 16, 24])), data.draw(st.sampled_from([4, 8]))
     dtype, seed = data.draw(st.sampled_from(DTYPES)), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
-    specials = data.draw(st.lists(st.sampled_from(["nan", "zero", "tie"]), max_size=1))
+    specials = data.draw(st.lists(st.sampled_from(SPECIALS), max_size=1))
+    kv_specials = data.draw(st.lists(st.sampled_from(SPECIALS), max_size=1))
     q_nope = values((B, S, H, Dc), dtype, seed, specials=specials)
-    q_pe, kv, pe = values((B, S, H, Dr), dtype, seed + 1), values((B, T, Dc), dtype, seed + 2), \
+    q_pe, kv, pe = values((B, S, H, Dr), dtype, seed + 1), values((B, T, Dc), dtype, seed + 2, specials=kv_specials), \
         values((B, T, Dr), dtype, seed + 3)
     idx = _indices(g, B, S, K, T, -1)  # -1 = no key; repeats count twice
     idx[:, data.draw(st.integers(0, S - 1))] = -1  # a row without keys: NaN without a sink, 0 with one
@@ -65,6 +66,8 @@ def test_sparse_attention_masked_kernel_is_the_reference(data, mask_kind, out_of
     D, Dv = data.draw(st.sampled_from([8, 16, 24])), data.draw(st.sampled_from([4, 8, 12]))
     dtype, seed = data.draw(st.sampled_from(DTYPES)), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
+    # No +-Inf in q: SDPA then reads it against the keys the row does not select, and the kernel does not
+    # (test_nonfinite_outside_the_selection_is_not_read pins it).  The additive mask may hold -inf instead.
     specials = data.draw(st.lists(st.sampled_from(["nan", "zero", "tie"]), max_size=1))
     q = values((B, H, S, D), dtype, seed, specials=specials).to(DEVICE)
     k, v = values((B, H, T, D), dtype, seed + 1).to(DEVICE), values((B, H, T, Dv), dtype, seed + 2).to(DEVICE)
@@ -74,6 +77,8 @@ def test_sparse_attention_masked_kernel_is_the_reference(data, mask_kind, out_of
         keep = torch.rand(B, 1, S, T, generator=g) < 0.7
         keep[:, :, data.draw(st.integers(0, S - 1))] = False  # a fully masked row
         mask = keep if mask_kind == "bool" else torch.zeros(keep.shape).masked_fill(~keep, torch.finfo(dtype).min)
+        if mask_kind == "additive" and data.draw(st.booleans()):
+            mask = mask.masked_fill(torch.rand(keep.shape, generator=g) < 0.3, float("-inf"))
         mask = mask.to(DEVICE, dtype=torch.bool if mask_kind == "bool" else dtype)
         if data.draw(st.booleans()):
             mask = mask.expand(B, H, S, T)  # an expanded (stride 0) head dim
@@ -99,9 +104,10 @@ def test_absorbed_mla_kernel_is_the_reference(data, masked, causal, empty_rows_s
     nope, rope_dim, vdim, latent_dim = 16, 8, data.draw(st.sampled_from([8, 12])), data.draw(st.sampled_from([16, 32]))
     dtype, seed = data.draw(st.sampled_from(DTYPES)), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
-    q = values((B, H, S, nope + rope_dim), dtype, seed).to(DEVICE)
-    latent, rope = values((B, 1, T, latent_dim), dtype, seed + 1).to(DEVICE), values((B, 1, T, rope_dim), dtype,
-                                                                                       seed + 2).to(DEVICE)
+    q_specials, latent_specials = (data.draw(st.lists(st.sampled_from(SPECIALS), max_size=1)) for _ in range(2))
+    q = values((B, H, S, nope + rope_dim), dtype, seed, specials=q_specials).to(DEVICE)
+    latent = values((B, 1, T, latent_dim), dtype, seed + 1, specials=latent_specials).to(DEVICE)
+    rope = values((B, 1, T, rope_dim), dtype, seed + 2).to(DEVICE)
     weight = (values((H * (nope + vdim), latent_dim), torch.float32, seed + 3) / latent_dim**0.5).to(DEVICE, dtype)
     distinct = data.draw(st.booleans())
     if distinct:
@@ -168,3 +174,43 @@ def test_nan_query_in_a_row_without_keys():
     keep[:, :, 1] = False
     want = sa.sparse_attention_masked_reference(q, k, v, idx, keep, 0.25)
     assert_rel_close(sa.sparse_attention_masked_triton(q, k, v, idx, keep, 0.25), want, TOL[torch.float32], "row")
+
+
+def test_mla_no_key_entry_does_not_read_key_zero():
+    """Regression for a fuzz finding (kv drawn with NaN): the reference gathered key 0 for each -1 entry and
+    multiplied it by its zero probability, so a NaN in key 0 made every row holding a -1 NaN; the kernel reads
+    nothing there.  -1 means no key: the reference now zeroes those rows of its gather."""
+    g = torch.Generator().manual_seed(0)
+    q_nope, q_pe, kv, pe = (torch.randn(shape, generator=g).to(DEVICE)
+                            for shape in ((1, 2, 2, 16), (1, 2, 2, 8), (1, 5, 16), (1, 5, 8)))
+    kv[0, 0, 3] = float("nan")
+    idx = torch.tensor([[[1, -1, 2], [-1, -1, -1]]], device=DEVICE)
+    sink = torch.zeros(2, device=DEVICE)
+    want = sa.sparse_mla_attention_reference(q_nope, q_pe, kv, pe, idx, 0.3, sink)
+    assert want.isfinite().all() and torch.equal(want[0, 1], torch.zeros_like(want[0, 1]))
+    assert_rel_close(sa.sparse_mla_attention_triton(q_nope, q_pe, kv, pe, idx, 0.3, sink), want,
+                     TOL[torch.float32], "triton")
+
+
+def test_nonfinite_outside_the_selection_is_not_read():
+    """Documented difference (notes/sparse_attention.md, "Non-finite inputs"): SDPA multiplies every query with
+    every key and every probability with every value, masked or not, so a non-finite value there reaches rows that
+    did not select it (+Inf + -inf, NaN + -inf and 0 * Inf are NaN); the kernel scores the selected keys only.
+    Query row 0 holds +Inf and selects a key it scores -Inf (SDPA: NaN through the unselected keys scoring +Inf;
+    kernel: 0, no key got weight).  Key 3, selected by no row, holds a NaN in k (SDPA: every row NaN) and an Inf
+    in v: the kernel multiplies v tiles it visits by zero weights, so that column may be NaN (a subset of SDPA's
+    NaNs, depending on tiling).  Everything else is SDPA's answer with the unread values made finite."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((1, 1, 3, 8), (1, 1, 4, 8), (1, 1, 4, 4)))
+    k[0, 0, :, 0] = torch.tensor([-1.0, 1.0, 1.0, 1.0])
+    finite_q, finite_k, finite_v = q.clone(), k.clone(), v.clone()
+    q[0, 0, 0, 0], k[0, 0, 3, 1], v[0, 0, 3, 1] = float("inf"), float("nan"), float("inf")
+    idx = torch.tensor([[[0, 0], [1, 2], [2, 0]]], device=DEVICE)
+    assert sa.sparse_attention_masked_reference(q, k, v, idx, None, 0.25).isnan().all()
+    got = sa.sparse_attention_masked_triton(q, k, v, idx, None, 0.25)
+    assert torch.equal(got[0, 0, 0], torch.zeros(4, device=DEVICE))
+    assert not got[..., 1:, :].isnan().any(-2)[..., [0, 2, 3]].any()
+    want = sa.sparse_attention_masked_reference(finite_q, finite_k, finite_v, idx, None, 0.25)
+    got_rows = got[..., 1:, :].masked_fill(got[..., 1:, :].isnan(), 0)
+    assert_rel_close(got_rows, want[..., 1:, :].masked_fill(got[..., 1:, :].isnan(), 0), TOL[torch.float32],
+                     "rows without Inf")
