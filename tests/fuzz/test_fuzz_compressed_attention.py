@@ -6,7 +6,7 @@ padding, then increasing positions)."""
 
 import pytest
 import torch
-from fuzz_support import DEVICE, fuzzes, seeds, sizes, values
+from fuzz_support import DEVICE, SPECIALS, fuzzes, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -94,7 +94,12 @@ def test_compressed_attention_triton_path_is_the_reference(path, data, form, rop
     window, rate = data.draw(st.integers(1, 9)), data.draw(st.integers(1, 4))
     dtype, seed = data.draw(st.sampled_from([torch.float32, torch.float16])), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
-    q, kv = values((B, S, H, D), dtype, seed), values((B, N, D), dtype, seed + 1)
+    # Keys get no NaN / Inf: the reference multiplies the zero weight of a key a query does not see with its
+    # value (0 * Inf is NaN), the kernels do not read it (test_nonfinite_key_a_query_does_not_see_is_not_read).
+    q_specials = data.draw(st.lists(st.sampled_from(SPECIALS), max_size=1))
+    kv_specials = data.draw(st.lists(st.sampled_from(["zero", "tie"]), max_size=1))
+    q, kv = values((B, S, H, D), dtype, seed, specials=q_specials), \
+        values((B, N, D), dtype, seed + 1, specials=kv_specials)
     start = data.draw(st.integers(0, 5))
     kv_pos = torch.cat([torch.full((pad,), -1), torch.arange(start, start + N - pad)]).expand(B, N).contiguous()
     q_pos = kv_pos[:, N - S:].contiguous()  # the last S rows: a prefill (S = N - pad) or a few steps over a cache
@@ -102,7 +107,7 @@ def test_compressed_attention_triton_path_is_the_reference(path, data, form, rop
     compressed = indices = None
     if form != "window":
         T = data.draw(sizes(1, 9))
-        compressed = values((B, T, D), dtype, seed + 2)
+        compressed = values((B, T, D), dtype, seed + 2, specials=kv_specials)
         if form == "csa":
             k = data.draw(st.integers(1, T))
             picks = torch.stack([torch.randperm(T, generator=g)[:k] for _ in range(B * S)]).view(B, S, k)
@@ -114,4 +119,27 @@ def test_compressed_attention_triton_path_is_the_reference(path, data, form, rop
         launch = {"path": "split", "d_chunk": 16, "normalize_in_scores": data.draw(st.booleans())}
     got = compressed_attention_triton(*args, **launch)
     want = compressed_attention_reference(*args)
-    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] * 4)
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] * 4, equal_nan=True)
+
+
+@pytest.mark.parametrize("path", ["fused", "split"])
+def test_nonfinite_key_a_query_does_not_see_is_not_read(path):
+    """Documented difference (notes/compressed_attention.md, "Non-finite inputs"): the reference (HF's order)
+    multiplies every key row with its weight, 0 for a row the query does not see, so a NaN / Inf there makes that
+    output column NaN (0 * Inf is NaN); the kernels read the visible rows only and give the reference's answer with
+    the unseen rows made finite.  CSA, window 1: the query at position 1 sees kv row 1 and compressed rows 2 and 0,
+    not kv row 0 nor compressed rows 1 and 3."""
+    g = torch.Generator().manual_seed(0)
+    q, kv, compressed = (torch.randn(shape, generator=g).to(DEVICE) for shape in ((1, 1, 1, 6), (1, 2, 6), (1, 4, 6)))
+    positions, sinks = torch.arange(2, device=DEVICE).view(1, 2), torch.randn(1, generator=g).to(DEVICE)
+    indices = torch.tensor([[[2, 0]]], device=DEVICE)
+    finite = (kv.clone(), compressed.clone())
+    kv[0, 0, 2], kv[0, 0, 3], compressed[0, 1, 3], compressed[0, 3, 2] = float("nan"), float("inf"), float("inf"), \
+        float("nan")
+    args = (q, kv, positions[:, 1:], positions, compressed, indices, sinks, 0.3, 1, 1)
+    want = compressed_attention_reference(*args)
+    assert torch.equal(want.isnan().view(-1).cpu(), torch.tensor([False, False, True, True, False, False]))
+    launch = {"path": "split", "d_chunk": 16} if path == "split" else {"path": "fused"}
+    got = compressed_attention_triton(*args, **launch)
+    want = compressed_attention_reference(q, finite[0], positions[:, 1:], positions, finite[1], *args[5:])
+    torch.testing.assert_close(got, want, rtol=TOL[torch.float32], atol=TOL[torch.float32] * 4)
