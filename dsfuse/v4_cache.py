@@ -14,7 +14,8 @@ fixed shapes and fixed addresses:
   from step to step and it can replay as a CUDA graph; the host reads the device count back (one `.item()`) when
   it next asks for the length, which `generate` does before every step (`get_mask_sizes`). A caller that builds the
   mask inside the compiled call reads the count there: that step's graph then keeps it as its symbol;
-* the sliding window's last `sliding_window - 1` rows live in one buffer, written in place once it is full;
+* the sliding window's last `sliding_window - 1` rows live in one buffer written in place; a decode step reads a
+  window of fixed length, filled from the front while it is not full (see `_Window`);
 * the projections of the last 2m tokens are a `[B, 2m, C]` stream buffer. A multi-token call (a prefill chunk)
   hands the compressor the last whole window before the call again, then the pending tokens and the call's own up
   to the last whole window, cut from `cat(stream, new)` at a symbolic offset: every chunk starts on a window
@@ -39,9 +40,9 @@ Every buffer is written in place and marked as a static address (`allocate` fill
 call before anything is compiled; `reset` zeroes them). The values the model reads are HF's: each entry is pooled
 from the same m or 2m tokens, gates and position bias; a prefill, chunked or not, gives the logits of HF's cache fed
 the same chunks, bit for bit, and a decode step the same up to the order of the zeros a CSA step adds to its sums.
-Decoding in one graph needs a prompt of at least the sliding window (the window's keys stop growing there) and
-`max_cache_len` positions; a multi-token call after one-token calls (a prefill into a cache that decoded) is
-refused: `reset()` first.
+Decoding in one graph needs `max_cache_len` positions and, at first, HCA entries (a view of 0 or 1 entries is a
+specialised length: the steps before the second entry compile a graph each); a multi-token call after one-token
+calls (a prefill into a cache that decoded) is refused: `reset()` first.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def _static(buffer: torch.Tensor) -> torch.Tensor:
 
 
 def _size_carrier(like: torch.Tensor, size: int) -> torch.Tensor:
-    """An empty `[0, size]` tensor whose size Dynamo reads as a symbol rather than a guarded constant."""
-    carrier = like.new_empty((0, size))
+    """An empty `[0, size]` tensor whose size Dynamo reads as a symbol rather than a guarded constant (floating
+    point: the backend reads a graph's 2-D integer inputs as its tokens)."""
+    carrier = torch.empty((0, size), device=like.device)
     if not torch.compiler.is_compiling():
         torch._dynamo.maybe_mark_dynamic(carrier, 1)
     return carrier
@@ -137,11 +139,11 @@ class _Clock:
         if tokens + 1 > self.max_cache_len:
             raise ValueError(f"V4DecodeCache holds {self.max_cache_len} positions (max_cache_len); the next step "
                              f"would be position {tokens + 1}")
-        lengths = {m: (tokens + 1) // m for m in self.rates}
+        sizes = {m: (tokens + 1) // m for m in self.rates}
         # traced (a count read inside the call): always new carriers, no guard on the old ones
-        if torch.compiler.is_compiling() or any(m not in self.visible or self.visible[m].shape[1] != length
-                                                for m, length in lengths.items()):
-            self.visible = {m: _size_carrier(self.position, length) for m, length in lengths.items()}
+        if torch.compiler.is_compiling() or any(m not in self.visible or self.visible[m].shape[1] != size
+                                                for m, size in sizes.items()):
+            self.visible = {m: _size_carrier(self.position, size) for m, size in sizes.items()}
         self.ready = True
 
     def begin_call(self, key_states: torch.Tensor) -> None:
@@ -171,8 +173,12 @@ class _Clock:
 
 
 class _Window:
-    """A V4 layer's shared K=V sliding window: the last `sliding_window - 1` rows in one buffer once that many have
-    been seen (written in place from then on), a fresh tensor of the rows so far before."""
+    """A V4 layer's shared K=V sliding window, its last `sliding_window - 1` rows in one buffer written in place.
+
+    A prefill call sees HF's window: the rows so far (at most `sliding_window - 1`) and its own. A decode step sees a
+    window of fixed length whatever the count: the buffer's rows and its own, its row at its position while fewer
+    rows than the window have been seen (the buffer fills from the front, like a static cache's; `get_mask_sizes`
+    then gives the window's full length at offset 0, so the rows past the position are masked as the future)."""
 
     is_compileable = True
     is_croppable = False
@@ -192,11 +198,19 @@ class _Window:
             self._window = _static(key_states.new_zeros((batch, heads, rows, width)))
             self.keys = self.values = key_states.new_zeros((batch, heads, 0, width))
             self.device, self.is_initialized = key_states.device, True
+        if self._clock.decoding:
+            position = self._clock.position - 1
+            full = torch.cat([self._window, key_states], dim=-2)
+            full.index_copy_(2, position.clamp(max=rows), key_states)
+            self._window.copy_(torch.where((position >= rows).view(1, 1, 1, 1), full[:, :, 1:], full[:, :, :-1]))
+            self.keys = self.values = self._window
+            return full
         full = torch.cat([self.keys, key_states], dim=-2)
         if full.shape[-2] >= rows:
             self._window.copy_(full[:, :, -rows:])
             self.keys = self.values = self._window
         else:
+            self._window.copy_(torch.nn.functional.pad(full, (0, 0, 0, rows - full.shape[-2])))
             self.keys = self.values = full.clone(memory_format=torch.contiguous_format)
         return full
 
@@ -211,6 +225,8 @@ class _Window:
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         tokens = self._clock.host_tokens()
         kv_offset = max(tokens - self.sliding_window + 1, 0)
+        if query_length == 1 and self._clock.started:  # a decode step: the window's full length (class docstring)
+            return self.sliding_window, kv_offset
         kv_length = (self.sliding_window - 1 if tokens >= self.sliding_window else tokens) + query_length
         return kv_length, kv_offset
 

@@ -185,16 +185,16 @@ def _decode_graph_symbols(gm, example_inputs, **kwargs):
 DECODE_GRAPHS: list = []
 
 
-def _generate(model, ids, mask, cache=None, chunk=None):
+def _generate(model, ids, mask, cache=None, chunk=None, new_tokens=NEW_TOKENS):
     """(eager tokens, dsfuse tokens, the cache, graphs compiled, the report of that call)."""
     with torch.no_grad():
-        eager = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+        eager = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
         kwargs = generate_kwargs(model, ids.shape[0], MAX_CACHE_LEN, cache=cache, compile_all_devices=True,
                                  **({"prefill_chunk_size": chunk} if chunk else {}))
         kwargs["compile_config"].backend = _decode_graph_symbols
         dsfuse.reset_report()
         before = _graphs()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, **kwargs)
     return eager, out, kwargs["cache"], _graphs() - before, dsfuse.report()
 
 
@@ -284,6 +284,22 @@ def test_chunked_generate_rewrites_every_family_in_every_graph(batch_one):
     _assert_decode_graph(first, 3)
     for graph in (0, 1):
         _assert_prefill_graph(second, graph, PREFILL_DYNAMIC_SITES)
+
+
+def test_generate_short_prompt_fills_the_window_without_new_graphs(model):
+    """A prompt shorter than the window (5 < 8), 12 steps: the window fills from the front of its fixed buffer, so
+    its growth compiles nothing. The HCA layer's entry count (m' = 8) is 0, 1, then 2: Dynamo specialises a view of 0
+    or 1 entries, so those steps get a graph each, and the third decode graph reads the count as its one symbol;
+    every decode graph a one-token graph (a CUDA graph on a GPU); eager's tokens."""
+    torch._dynamo.reset()
+    DECODE_GRAPHS.clear()
+    eager, out, _, compiled, report = _generate(model, *_prompt(1, 5), new_tokens=12)
+    assert torch.equal(out, eager)
+    assert compiled == 4 and [g.tokens for g in report.graphs] == [5, 1, 1, 1], (compiled, report.graphs)
+    assert [len(symbols) for symbols in DECODE_GRAPHS] == [0, 0, 1], DECODE_GRAPHS
+    for graph in (1, 2, 3):
+        assert _counts(report, graph) == DECODE_SITES, str(report)
+    torch._dynamo.reset()
 
 
 def test_generate_left_padded_batch_two(model):
