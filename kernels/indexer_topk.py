@@ -186,9 +186,9 @@ def _load_mask_tile(mask_ptr, mask_base, t, t_ok, rows64, row_ok, sms, smt, MASK
 @triton.jit
 def _score_tile(
     k_ptr, ks_ptr, mask_ptr, k_base, ks_base, mask_base,
-    t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, softmax_scale,
+    t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, h_real, softmax_scale,
     skt, skd, skst, sms, smt,
-    BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, HP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, HP: tl.constexpr, PAD_H: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
     FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr, RANGE_MASK: tl.constexpr,
 ):
@@ -201,7 +201,8 @@ def _score_tile(
     HEAD_CHAIN (HP == 64 only) sums the heads with `_head_sum_64`, else with `tl.sum`. Only rows in
     row_load read their mask; with RANGE_MASK, a `plain` row's mask is known from its unmasked range
     [first, last] (all keys inside it unmasked and neutral), so causal or padding masks cost no loads:
-    the load stays in the code, predicated off, because it anchors the layout (see above)."""
+    the load stays in the code, predicated off, because it anchors the layout (see above).  PAD_H (H not a
+    power of two) zeroes the padding heads' columns after the relu: their zero query times an Inf in k is NaN."""
     if EVEN_D:
         kt = tl.load(k_ptr + k_base + t[:, None] * skt + d[None, :] * skd, mask=t_ok[:, None], other=0.0)
     else:
@@ -216,6 +217,8 @@ def _score_tile(
     if not FOLD_SCALE:
         acc = acc * softmax_scale
     r = tl.maximum(acc, 0.0, propagate_nan=tl.PropagateNan.ALL)
+    if PAD_H:
+        r = tl.where(h_real[None, :], r, 0.0)
     if HEAD_CHAIN:
         sc = _head_sum_64(r, w, BLOCK_T, BLOCK_Q)
     else:
@@ -241,7 +244,8 @@ def _score_tile(
 def _load_query_block(q_ptr, w_ptr, b, s0, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, n_rows, softmax_scale,
                       BLOCK_Q: tl.constexpr, HP: tl.constexpr, DP: tl.constexpr, FOLD_SCALE: tl.constexpr,
                       FP8_AS_FP16: tl.constexpr):
-    """q^T [DP, BLOCK_Q*HP] and weights [BLOCK_Q*HP] of queries s0..s0+n_rows-1 (zero padded)."""
+    """q^T [DP, BLOCK_Q*HP] and weights [BLOCK_Q*HP] of queries s0..s0+n_rows-1 (zero padded), and which
+    columns are real (query, head) pairs."""
     n = tl.arange(0, BLOCK_Q * HP)
     qi = n // HP
     h = n % HP
@@ -256,7 +260,7 @@ def _load_query_block(q_ptr, w_ptr, b, s0, S, H, D, sqb, sqs, sqh, sqd, swb, sws
     w = tl.load(w_ptr + b * swb + s.to(tl.int64) * sws + h * swh, mask=col_ok, other=0.0)
     if FOLD_SCALE:
         w = w * softmax_scale
-    return qT, w
+    return qT, w, col_ok
 
 
 @triton.jit
@@ -289,7 +293,7 @@ def _score_filter_kernel(
     S, T, H, D, softmax_scale,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
     CAP, tune_bucket, out_ptr, fail_ptr, K_OUT,
-    HP: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+    HP: tl.constexpr, PAD_H: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
     SPLITS: tl.constexpr, HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, USE_RANGES: tl.constexpr,
     DENSE: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
     FP8_AS_FP16: tl.constexpr, APPEND: tl.constexpr, T_ALIGN: tl.constexpr, HEAD_CHAIN: tl.constexpr,
@@ -312,7 +316,7 @@ def _score_filter_kernel(
     rows64 = rows.to(tl.int64)
     flat_rows = b * S + rows64
 
-    qT, w = _load_query_block(q_ptr, w_ptr, b, s0, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, BLOCK_Q,
+    qT, w, h_real = _load_query_block(q_ptr, w_ptr, b, s0, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, BLOCK_Q,
                               softmax_scale, BLOCK_Q, HP, DP, FOLD_SCALE, FP8_AS_FP16)
     d = tl.arange(0, DP)
     d_ok = d < D
@@ -347,9 +351,9 @@ def _score_filter_kernel(
         else:
             t_ok = t < T
         sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
-                         t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, softmax_scale,
+                         t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, h_real, softmax_scale,
                          skt, skd, skst, sms, smt,
-                         BLOCK_T, BLOCK_Q, HP, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
+                         BLOCK_T, BLOCK_Q, HP, PAD_H, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
                          FP8_AS_FP16, HEAD_CHAIN, USE_RANGES)
         in_bounds = t_ok[:, None] & row_ok[None, :]
         if DENSE:
@@ -519,13 +523,18 @@ def _select_row(row, count, thr, first, last, cand_score_ptr, cand_idx_ptr, out_
         tl.store(fail_ptr + row, 0)
     elif fill:
         idx = tl.load(cand_idx_ptr + row * CAP_P + i, mask=ok, other=0)
-        tl.store(out_row + i, idx, mask=ok)
-        n_fill = K_OUT - count
-        for j0 in range(0, n_fill, FILL_BLOCK):
-            j = j0 + tl.arange(0, FILL_BLOCK)
-            t = tl.where(j < first, j, last + 1 + j - first)
-            tl.store(out_row + count + j, t, mask=j < n_fill)
-        tl.store(fail_ptr + row, 0)
+        # A key outside the range is a candidate when its score is NaN (NaN + -inf under an additive mask): the
+        # fill would pick it twice, so the row goes to repair (exact, torch.topk's NaN-first order) instead.
+        if tl.sum((ok & ((idx < first) | (idx > last))).to(tl.int32), axis=0) == 0:
+            tl.store(out_row + i, idx, mask=ok)
+            n_fill = K_OUT - count
+            for j0 in range(0, n_fill, FILL_BLOCK):
+                j = j0 + tl.arange(0, FILL_BLOCK)
+                t = tl.where(j < first, j, last + 1 + j - first)
+                tl.store(out_row + count + j, t, mask=j < n_fill)
+            tl.store(fail_ptr + row, 0)
+        else:
+            tl.store(fail_ptr + row, 1)
     else:
         tl.store(fail_ptr + row, 1)
 
@@ -550,7 +559,8 @@ def _repair_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, fail_ptr, scratch_ptr, out_ptr,
     S, T, H, D, softmax_scale, n_rows, K_OUT,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
-    HP: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+    HP: tl.constexpr, PAD_H: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
     FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr,
 ):
@@ -569,16 +579,16 @@ def _repair_kernel(
             s = row64 % S
             rows64 = s + qi
             row_ok = qi == 0
-            qT, w = _load_query_block(q_ptr, w_ptr, b, s, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, 1,
+            qT, w, h_real = _load_query_block(q_ptr, w_ptr, b, s, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, 1,
                                       softmax_scale, BLOCK_Q, HP, DP, FOLD_SCALE, FP8_AS_FP16)
             tl.debug_barrier()
             for t0 in range(0, T, BLOCK_T):
                 t = t0 + tl.arange(0, BLOCK_T)
                 t_ok = t < T
                 sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
-                                 t, t_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, softmax_scale,
+                                 t, t_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, h_real, softmax_scale,
                                  skt, skd, skst, sms, smt,
-                                 BLOCK_T, BLOCK_Q, HP, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
+                                 BLOCK_T, BLOCK_Q, HP, PAD_H, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
                                  FP8_AS_FP16, HEAD_CHAIN, False)
                 sc = tl.sum(tl.where(row_ok[None, :], sc, 0.0), axis=1)
                 tl.store(scratch + t, sc, mask=t_ok)
@@ -617,7 +627,7 @@ def _rescore_picks_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, out_ptr, picked_ptr,
     S, T, H, D, softmax_scale, K_OUT,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
-    HP: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+    HP: tl.constexpr, PAD_H: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr,
     FOLD_SCALE: tl.constexpr, FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr,
 ):
@@ -631,16 +641,16 @@ def _rescore_picks_kernel(
     qi = tl.arange(0, BLOCK_Q)
     rows64 = s + qi
     row_ok = qi == 0
-    qT, w = _load_query_block(q_ptr, w_ptr, b, s, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, 1,
+    qT, w, h_real = _load_query_block(q_ptr, w_ptr, b, s, S, H, D, sqb, sqs, sqh, sqd, swb, sws, swh, 1,
                               softmax_scale, BLOCK_Q, HP, DP, FOLD_SCALE, FP8_AS_FP16)
     for j0 in range(0, K_OUT, BLOCK_T):
         j = j0 + tl.arange(0, BLOCK_T)
         j_ok = j < K_OUT
         t = tl.load(out_ptr + row64 * K_OUT + j, mask=j_ok, other=0)
         sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
-                         t, j_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, softmax_scale,
+                         t, j_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, h_real, softmax_scale,
                          skt, skd, skst, sms, smt,
-                         BLOCK_T, BLOCK_Q, HP, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
+                         BLOCK_T, BLOCK_Q, HP, PAD_H, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
                          FP8_AS_FP16, HEAD_CHAIN, False)
         sc = tl.sum(tl.where(row_ok[None, :], sc, 0.0), axis=1)
         tl.store(picked_ptr + row64 * K_OUT + j, sc, mask=j_ok)
@@ -813,7 +823,8 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     cap = max(16, next_power_of_2(cap))
     target = 2 * width
     qblocks = cdiv(S, block_q)
-    common = dict(HP=HP, DP=DP, BLOCK_Q=block_q, BLOCK_T=block_t, HAS_KSCALE=k_scale is not None,
+    common = dict(HP=HP, PAD_H=HP != H, DP=DP, BLOCK_Q=block_q, BLOCK_T=block_t,
+                  HAS_KSCALE=k_scale is not None,
                   MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP, FOLD_SCALE=fold_scale,
                   FP8_AS_FP16=fp8_as_fp16, APPEND=APPEND_MODES[cfg["append"]], HEAD_CHAIN=head_chain,
                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -882,14 +893,15 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     _repair_kernel[(repair_programs,)](
         q, k, weights, ks_arg, mask_arg, fail, scratch, out,
         S, T, H, D, softmax_scale, n_rows, width, *strides,
-        HP=HP, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), CHUNK=1024,
+        HP=HP, PAD_H=HP != H, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), CHUNK=1024,
         HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
         FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
     if ordered:
         picked = torch.empty((n_rows, width), dtype=torch.float32, device=dev)
         _rescore_picks_kernel[(n_rows,)](
             q, k, weights, ks_arg, mask_arg, out, picked, S, T, H, D, softmax_scale, width, *strides,
-            HP=HP, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), HAS_KSCALE=k_scale is not None,
+            HP=HP, PAD_H=HP != H, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64),
+            HAS_KSCALE=k_scale is not None,
             MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP, FOLD_SCALE=fold_scale,
             FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
         order = picked.view(B, S, width).sort(dim=-1, descending=True, stable=True).indices

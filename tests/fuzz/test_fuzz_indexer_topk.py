@@ -3,7 +3,7 @@ scores (indices may differ between tied scores), distinct and in range, with boo
 fully masked rows, tied keys, strided inputs and fp8 key scales."""
 
 import torch
-from fuzz_support import DEVICE, fuzzes, layouts, restride, seeds, sizes, values
+from fuzz_support import DEVICE, SPECIALS, fuzzes, layouts, restride, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,8 +32,13 @@ def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_
     topk = data.draw(st.integers(1, T + 3))
     dtype, seed = data.draw(st.sampled_from([HALF, torch.float32])), data.draw(seeds())
     g = torch.Generator().manual_seed(seed)
-    q = restride(values((B, S, H, D), dtype, seed).to(DEVICE), data.draw(layouts(4)))
-    k = values((B, T, D), dtype, seed + 1)
+    # No NaN / Inf with an additive mask: a key at -inf whose raw score is NaN or +Inf is NaN there and ranks first
+    # in torch.topk; the kernel scans only the tiles its rows can see
+    # (test_additive_masked_nan_key_the_kernel_does_not_scan).
+    specials = SPECIALS if mask_kind != "additive" else ("zero", "tie")
+    q_specials, k_specials = (data.draw(st.lists(st.sampled_from(specials), max_size=1)) for _ in range(2))
+    q = restride(values((B, S, H, D), dtype, seed, specials=q_specials).to(DEVICE), data.draw(layouts(4)))
+    k = values((B, T, D), dtype, seed + 1, specials=k_specials)
     if tied_keys:
         k[:, ::2] = k[:, :1].clone()  # every other key equals the first: many tied scores
     k = restride(k.to(DEVICE), data.draw(layouts(3)))
@@ -59,3 +64,48 @@ def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_
     chosen = torch.gather(index, -1, got.long()).sort(-1).values
     best = index.topk(width, dim=-1).values.sort(-1).values
     torch.testing.assert_close(chosen, best, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_inf_key_with_padding_heads():
+    """Regression for a fuzz finding: H = 3 heads run as 4, the padding head with a zero query and weight; a key
+    holding Inf made its dot product 0 * Inf = NaN, the zero weight kept it NaN, and that key ranked first although
+    every real head scores it relu(-Inf) = 0 (the other key scores 12)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, w = torch.ones(1, 1, 3, 8), torch.randn(1, 2, 8, generator=g), torch.ones(1, 1, 3)
+    k[0, 0, 0], k[0, 1] = float("-inf"), 0.5
+    args = tuple(t.to(DEVICE) for t in (q, k, w))
+    assert indexer_topk_reference(*args, None, None, 1.0, 1).tolist() == [[[1]]]
+    assert indexer_topk_triton(*args, None, None, 1.0, 1).tolist() == [[[1]]]
+
+
+def test_nan_key_outside_the_row_range_is_picked_once():
+    """Regression for a fuzz finding: an additive mask, a row with fewer allowed keys than k, and a NaN key at -inf
+    (NaN + -inf is NaN: a candidate, and torch.topk's first pick).  The kernel's fill of masked keys picked it a
+    second time; such a row now goes to the exact repair."""
+    g = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(1, 2, 1, 8, generator=g), torch.randn(1, 3, 8, generator=g), torch.randn(1, 2, 1, generator=g)
+    k[0, 0, 5] = float("nan")
+    mask = torch.zeros(1, 2, 3)
+    mask[0, 0], mask[0, 1, 0] = float("-inf"), float("-inf")
+    args = tuple(t.to(DEVICE) for t in (q, k, w)) + (None, mask.to(DEVICE), 0.125, 3)
+    want = indexer_topk_reference(*args)
+    assert want[..., 0].tolist() == [[0, 0]]
+    assert torch.equal(indexer_topk_triton(*args).sort(-1).values.cpu(), want.sort(-1).values.cpu())
+
+
+def test_additive_masked_nan_key_the_kernel_does_not_scan():
+    """Documented difference (notes/indexer_topk.md, "Non-finite inputs"): with an additive mask, a key at -inf
+    whose raw score is NaN (or +Inf: +Inf + -inf is NaN) is NaN and torch.topk's first pick.  The kernel scans only
+    the key tiles inside its query block's allowed ranges, so such a key there is picked (first) and one beyond
+    them is not: these rows get the top k of their allowed keys, what a bool mask gives."""
+    g = torch.Generator().manual_seed(0)
+    B, S, H, T, D, topk = 1, 4, 4, 256, 16, 4
+    q, k, w = torch.randn(B, S, H, D, generator=g), torch.randn(B, T, D, generator=g), torch.randn(B, S, H, generator=g)
+    k[0, 200, 3] = float("nan")
+    allowed = torch.zeros(B, S, T, dtype=torch.bool)
+    allowed[..., :11] = True
+    additive = torch.zeros(B, S, T).masked_fill(~allowed, float("-inf"))
+    args = tuple(t.to(DEVICE) for t in (q, k, w))
+    assert bool((indexer_topk_reference(*args, None, additive.to(DEVICE), 0.125, topk) == 200).any(-1).all())
+    got = indexer_topk_triton(*args, None, additive.to(DEVICE), 0.125, topk).sort(-1).values.cpu()
+    assert torch.equal(got, indexer_topk_reference(*args, None, allowed.to(DEVICE), 0.125, topk).sort(-1).values.cpu())

@@ -348,7 +348,7 @@ def filter_case(B, S, T, topk, dense=False, **overrides):
     n_keys = T
     if dense:
         n_keys = triton.cdiv(T, max(1, 2 * width // cfg["sample_target_rank"]))
-    constexprs = dict(HP=H, DP=D, BLOCK_Q=cfg["block_q"], BLOCK_T=cfg["block_t"], SPLITS=cfg["splits"],
+    constexprs = dict(HP=H, PAD_H=False, DP=D, BLOCK_Q=cfg["block_q"], BLOCK_T=cfg["block_t"], SPLITS=cfg["splits"],
                       HAS_KSCALE=False, MASK_KIND=m.MASK_BOOL, USE_RANGES=not dense, DENSE=dense,
                       EXACT_FP32=False, EVEN_D=True, FOLD_SCALE=True, FP8_AS_FP16=False,
                       APPEND=0 if dense else m.APPEND_MODES[cfg["append"]], T_ALIGN=m._pow2_dividing(n_keys),
@@ -372,7 +372,7 @@ cases = {
     "sample pass": filter_case(*PREFILL, dense=True),
     "select": (m._select_kernel, dict(CAP_P=8192, HAS_RANGES=True, FILL_BLOCK=256), dict(T=32768, K_OUT=2048),
                dict(num_warps=8)),
-    "repair": (m._repair_kernel, dict(HP=64, DP=128, BLOCK_Q=1, BLOCK_T=64, CHUNK=1024, HAS_KSCALE=False,
+    "repair": (m._repair_kernel, dict(HP=64, PAD_H=False, DP=128, BLOCK_Q=1, BLOCK_T=64, CHUNK=1024, HAS_KSCALE=False,
                                       MASK_KIND=m.MASK_BOOL, EXACT_FP32=False, EVEN_D=True, FOLD_SCALE=True,
                                       FP8_AS_FP16=False, HEAD_CHAIN=True),
                dict(S=4096, T=32768, H=64, D=128, n_rows=4096, K_OUT=2048, sqb=4096 * 8192, sqs=8192, sqh=128,
