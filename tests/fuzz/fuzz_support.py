@@ -106,11 +106,14 @@ def assert_same(got: torch.Tensor, want: torch.Tensor, exact: bool = True, rtol:
 
 
 def assert_rel_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str = ""):
-    """NaN exactly where the reference has NaN, elsewhere max |got - want| <= tol * max |want|."""
+    """NaN exactly where the reference has NaN, the same +-Inf where it has one, elsewhere
+    max |got - want| <= tol * max |want| (over the finite values: an Inf scale would pass anything)."""
     assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
     got, want = got.cpu().float(), want.cpu().float()
     assert torch.equal(got.isnan(), want.isnan()), (what, "NaN positions differ")
-    both = got.isnan()
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got[got.isinf()], want[want.isinf()]), \
+        (what, "Inf positions or signs differ")
+    both = ~got.isfinite()
     diff = (got - want).masked_fill(both, 0).abs().max() if got.numel() else torch.tensor(0.0)
     scale = want.masked_fill(both, 0).abs().max().clamp_min(1e-6) if got.numel() else torch.tensor(1.0)
     assert diff <= tol * scale, (what, diff.item(), scale.item())

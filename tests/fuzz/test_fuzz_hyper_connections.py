@@ -1,6 +1,6 @@
 """Fuzz the hyper-connection ops: the op (on CPU, its input checks then the reference) against the reference bit for
 bit, and the Triton kernels (the interpreter on CPU, the kernels on CUDA) against the reference, over token counts
-at the edges, both stream counts, Sinkhorn lengths, dtypes, empty and sliced inputs, and NaN in the streams."""
+at the edges, both stream counts, Sinkhorn lengths, dtypes, empty and sliced inputs, and NaN / +-Inf in the streams."""
 
 import torch
 from fuzz_support import DEVICE, assert_rel_close, fuzzes, reference_output, seeds, sizes, values
@@ -15,10 +15,10 @@ NORM_EPS, HC_EPS = 1e-6, 1e-6
 
 @st.composite
 def streams(draw):
-    """(streams [T, n, D], fn, base, scale, iters, dtype): T may be 0; every tenth token of x may be NaN."""
+    """(streams [T, n, D], fn, base, scale, iters, dtype): T may be 0; a few elements of x may be NaN or +-Inf."""
     T, n, D = draw(sizes(0, 17)), draw(st.sampled_from([2, 4])), draw(st.sampled_from([8, 16, 24]))
     dtype, seed = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), draw(seeds())
-    specials = draw(st.sampled_from([(), ("nan",), ("zero", "tie")]))
+    specials = draw(st.sampled_from([(), ("nan",), ("inf",), ("-inf",), ("inf", "-inf"), ("zero", "tie")]))
     x = values((T, n, D), dtype, seed, specials=specials).to(DEVICE)
     if draw(st.booleans()) and T > 1:
         x = values((2 * T, n, D), dtype, seed, specials=specials).to(DEVICE)[::2]  # every other token: strided
