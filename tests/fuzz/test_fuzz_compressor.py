@@ -1,9 +1,10 @@
 """Fuzz `dsfuse::kv_compress`: the op (on CPU, its input checks then the reference) against the reference bit for bit,
 and the Triton kernel (the interpreter on CPU, the kernel on CUDA) against the reference, over window counts at the
-edges (none, one), both slot layouts, rope widths, dtypes, strided windows and NaN in the gate."""
+edges (none, one), both slot layouts, rope widths, dtypes, strided windows, and NaN / +-Inf / zeros / ties in kv and
+the gate."""
 
 import torch
-from fuzz_support import DEVICE, assert_rel_close, fuzzes, reference_output, seeds, sizes, values
+from fuzz_support import DEVICE, SPECIALS, assert_rel_close, fuzzes, reference_output, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -19,8 +20,9 @@ def compressor_inputs(draw):
     R = draw(st.sampled_from([r for r in (2, 8, D) if r <= D]))
     dtype, seed = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16])), draw(seeds())
     C = 2 * D if overlap else D
-    kv = values((B, W, m, C), dtype, seed).to(DEVICE)
-    gate = values((B, W, m, C), dtype, seed + 1, scale=2.0, specials=draw(st.sampled_from([(), ("nan",)])))
+    kv_specials, gate_specials = (draw(st.lists(st.sampled_from(SPECIALS), max_size=1)) for _ in range(2))
+    kv = values((B, W, m, C), dtype, seed, specials=kv_specials).to(DEVICE)
+    gate = values((B, W, m, C), dtype, seed + 1, scale=2.0, specials=gate_specials)
     if draw(st.booleans()):  # the windows of a wider projection output
         wide = values((B, W, m, C + 5), dtype, seed + 2)
         wide[..., :C] = gate
