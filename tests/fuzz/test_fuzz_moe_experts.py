@@ -1,10 +1,10 @@
 """Fuzz the routed-experts ops: the Triton paths (interpreter on CPU) against the references, with expert ids of
-other ranks (expert parallel: they add nothing and are never read), repeated experts, one-hot routing, and
-negative ids (a clear error on the reference path)."""
+other ranks (expert parallel: they add nothing and are never read), repeated experts, one-hot routing, NaN / +-Inf
+/ zeros / ties in the tokens and NaN / +-Inf router weights, and negative ids (a clear error on the reference path)."""
 
 import pytest
 import torch
-from fuzz_support import DEVICE, assert_rel_close, fuzzes, guarded, reference_output, seeds, sizes, values
+from fuzz_support import DEVICE, SPECIALS, assert_rel_close, fuzzes, guarded, reference_output, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -24,15 +24,18 @@ def routing(draw):
     if draw(st.booleans()):
         ids[:, :] = ids[:1, :1]  # one expert for every slot
     weights = torch.rand(T, k, generator=g)
+    special = draw(st.sampled_from([None, "nan", "inf", "-inf"]))
+    if special is not None:
+        weights.view(-1)[torch.randint(0, T * k, (1,), generator=g)] = float(special)
     return T, k, experts, offset, seed, ids, weights
 
 
 @fuzzes("dsfuse::moe_experts_bf16")
 @given(case=routing(), hidden=st.sampled_from([16, 48]), inter=st.sampled_from([16, 32]),
-       router_fp32=st.booleans())
-def test_moe_bf16_kernel_is_the_reference(case, hidden, inter, router_fp32):
+       router_fp32=st.booleans(), specials=st.lists(st.sampled_from(SPECIALS), max_size=1))
+def test_moe_bf16_kernel_is_the_reference(case, hidden, inter, router_fp32, specials):
     T, k, experts, offset, seed, ids, weights = case
-    x = values((T, hidden), HALF, seed).to(DEVICE)
+    x = values((T, hidden), HALF, seed, specials=specials).to(DEVICE)
     gate_up = (values((experts, 2 * inter, hidden), torch.float32, seed + 1) * 0.1).to(DEVICE, HALF)
     down = (values((experts, hidden, inter), torch.float32, seed + 2) * 0.1).to(DEVICE, HALF)
     weights = weights.to(DEVICE, torch.float32 if router_fp32 else HALF)
@@ -45,10 +48,11 @@ def test_moe_bf16_kernel_is_the_reference(case, hidden, inter, router_fp32):
 
 
 @fuzzes("dsfuse::moe_experts_fp4")
-@given(case=routing(), hidden=st.sampled_from([32, 64]), inter=st.sampled_from([32, 64]))
-def test_moe_fp4_kernel_is_the_reference(case, hidden, inter):
+@given(case=routing(), hidden=st.sampled_from([32, 64]), inter=st.sampled_from([32, 64]),
+       specials=st.lists(st.sampled_from(SPECIALS), max_size=1))
+def test_moe_fp4_kernel_is_the_reference(case, hidden, inter, specials):
     T, k, experts, offset, seed, ids, weights = case
-    x = values((T, hidden), HALF, seed).to(DEVICE)
+    x = values((T, hidden), HALF, seed, specials=specials).to(DEVICE)
     w13, w13_scale = quantize_fp4(values((experts, 2 * inter, hidden), torch.float32, seed + 1) * 0.1)
     w2, w2_scale = quantize_fp4(values((experts, hidden, inter), torch.float32, seed + 2) * 0.1)
     weights_ = (w13.to(DEVICE), w13_scale.to(DEVICE), w2.to(DEVICE), w2_scale.to(DEVICE))
