@@ -6,7 +6,7 @@ complex multiply may be any of the lane roundings, see `LANE_ROUNDINGS`). Norm s
 that a kernel may order differently (the numerics rules allow it): normed outputs are compared within two ulps."""
 
 import torch
-from fuzz_support import DEVICE, assert_same, fuzzes, layouts, reference_output, restride, seeds, sizes, values
+from fuzz_support import DEVICE, assert_rel_close, assert_same, fuzzes, layouts, reference_output, restride, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -85,8 +85,14 @@ def rope_cat_args(draw, layer_norm=None, rms_norm=None):
 def test_rope_cat_kernel_is_the_reference(args):
     normed = args[5] is not None or args[8] != 0
     want = reference_output(nrq.rope_cat, nrq.rope_cat_reference, *args)
-    tol = NORM_TOL[args[0].dtype] if normed else None
-    assert_same(nrq.rope_cat_triton(*args), want, exact=not normed, rtol=tol, atol=tol, what="triton")
+    got = nrq.rope_cat_triton(*args)
+    if not normed:
+        assert_same(got, want, what="triton")
+    else:
+        # the norm's own rounding order; RoPE's a cos - b sin then cancels, so its error (an ulp of the larger
+        # operand) is bounded by the largest value, not by each output (dev-profile finding: 4.8e-7 at -0.61, an
+        # ulp of 4, in a tensor up to 5.7)
+        assert_rel_close(got, want, NORM_TOL[args[0].dtype], what="triton")
 
 
 @st.composite
