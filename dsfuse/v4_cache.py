@@ -153,15 +153,14 @@ class _Clock:
             self.position = _static(torch.zeros(1, dtype=torch.long, device=key_states.device))
         read_in_call, self.read_in_call = self.read_in_call, False
         if tokens == 1 and self.started:
-            if read_in_call:  # the count is a symbol of this graph: the lengths follow from it
+            if read_in_call:  # the count is a symbol of this graph: the lengths follow from it, and it stays current
                 self._prepare(self.tokens())
-            elif not self.ready:
-                _prepare_outside(self)
-            self.position.add_(1)
-            if read_in_call:  # the graph holds the count already: keep it current there too
                 self.count = _size_carrier(key_states, self.count.shape[1] + 1)
             else:
+                if not self.ready:
+                    _prepare_outside(self)
                 self.counted = False
+            self.position.add_(1)
             self.decoding, self.ready = True, False
             return
         if self.decoding:
