@@ -42,6 +42,8 @@ AUTOTUNE_MIN_WORK = 1 << 22
 APPEND_MODES = {"store": 0, "asm": 1, "none": 2}
 # config keys that fix the filter kernel's tiles (and so switch its autotuning off)
 TILE_KEYS = {"block_q", "block_t", "splits", "num_warps", "num_stages"}
+# what the filter kernel's autotune configs set (the rest of a launch's flags come from the caller)
+AUTOTUNED_META = {"BLOCK_Q", "BLOCK_T", "num_warps", "num_stages"}
 
 MASK_NONE = 0
 MASK_BOOL = 1
@@ -715,6 +717,11 @@ def _block_q_choices(S, HP):
 _AUTOTUNED = {}
 
 
+def _autotunes(device: torch.device) -> bool:
+    """Whether large filter launches are autotuned: on CUDA (the interpreter has no timer to tune with)."""
+    return device.type == "cuda"
+
+
 def _autotuned_score_filter(block_qs):
     """The filter kernel autotuned per (S, T) bucket over a few tile shapes (CUDA only).
 
@@ -864,12 +871,12 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     filter_args = (q, k, weights, ks_arg, mask_arg, ranges_arg, thr, cand_score, cand_idx, count, out,
                    S, T, H, D, softmax_scale, *strides, cap)
     select_args = (out, fail, width)
-    filter_flags = dict(HP=HP, DP=DP, SPLITS=splits, HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind,
-                        USE_RANGES=ranges is not None, DENSE=False, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
-                        FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, APPEND=common["APPEND"], HEAD_CHAIN=head_chain,
-                        T_ALIGN=_pow2_dividing(T), FUSE_SELECT=fuse_select, CAP_P=cap)
+    # the autotuned launch takes every flag of `common` but the tiles and launch shape its configs choose
+    filter_flags = {key: value for key, value in common.items() if key not in AUTOTUNED_META}
+    filter_flags.update(SPLITS=splits, USE_RANGES=ranges is not None, DENSE=False, T_ALIGN=_pow2_dividing(T),
+                        FUSE_SELECT=fuse_select, CAP_P=cap)
     fixed_tiles = bool(set(config or {}) & TILE_KEYS)
-    if dev.type == "cuda" and not fixed_tiles and B * max(S, 64) * T >= AUTOTUNE_MIN_WORK:
+    if _autotunes(dev) and not fixed_tiles and B * max(S, 64) * T >= AUTOTUNE_MIN_WORK:
         tuned = _autotuned_score_filter(_block_q_choices(S, HP))
         variant = (common["APPEND"] * 2 + int(head_chain)) * 2 + int(fuse_select)  # tuned separately
         bucket = ((next_power_of_2(S) << 8) + int(math.log2(next_power_of_2(T)))) * 16 + variant

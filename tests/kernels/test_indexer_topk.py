@@ -286,6 +286,34 @@ def test_every_key_is_a_candidate_while_the_buffer_holds_the_keys():
         assert bool(torch.isfinite(stats["threshold"]).all()) == sampled, (T, config)
 
 
+def test_autotuned_filter_launch_passes_every_kernel_flag(monkeypatch):
+    """The CUDA launch through the autotuner takes its flags apart from the fixed-tile launch; run it here with the
+    autotuner replaced by its first config (the interpreter has no timer), at H = 6 (padded heads) and a mask."""
+    import dsfuse.kernels.indexer_topk as m
+
+    real_autotuned = m._autotuned_score_filter
+
+    class FirstConfig:
+        def __init__(self, block_qs):
+            self.config = real_autotuned(block_qs).configs[0]
+
+        def __getitem__(self, grid):
+            def launch(*args, **flags):
+                meta = dict(self.config.kwargs, num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+                assert not set(meta) & set(flags), "the caller passed a key the autotuner sets"
+                return m._score_filter_kernel[grid(meta)](*args, **flags, **meta)
+            return launch
+
+    monkeypatch.setattr(m, "_autotunes", lambda device: True)
+    monkeypatch.setattr(m, "AUTOTUNE_MIN_WORK", 0)
+    monkeypatch.setattr(m, "_autotuned_score_filter", FirstConfig)
+    B, S, T, H, D, topk = 1, 5, 96, 6, 32, 8
+    q, k, w, _ = make_inputs(B, S, T, H, D)
+    mask = causal_mask(B, S, T).to(DEVICE)
+    out = indexer_topk_triton(q, k, w, None, mask, 0.2, topk)
+    assert_exact_topk(out, q, k, w, None, mask, 0.2, topk)
+
+
 def test_triton_empty_sequence():
     q, k, w, _ = make_inputs(1, 0, 30, 4, 32)
     out = indexer_topk_triton(q, k, w, None, None, 0.2, 8)
