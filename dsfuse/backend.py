@@ -59,7 +59,8 @@ def _inductor_patches(cfg: BackendConfig, dynamic: bool | None) -> dict[str, Any
 
 
 def _query_tokens(example_inputs: Sequence[Any]) -> int | None:
-    """Tokens per sequence of a step: the length of its 2-D integer inputs (token ids, positions); None if symbolic."""
+    """Tokens per sequence of a step: the length of its 2-D integer inputs (token ids, positions); None if symbolic.
+    The inputs are the step's data: the model's parameters and buffers are left out by the caller."""
     lengths = [t.shape[1] for t in example_inputs if isinstance(t, torch.Tensor) and t.dim() == 2
                and not t.dtype.is_floating_point and t.dtype != torch.bool]
     if not lengths or not all(isinstance(n, int) for n in lengths):
@@ -67,10 +68,22 @@ def _query_tokens(example_inputs: Sequence[Any]) -> int | None:
     return max(lengths)
 
 
+def _is_weight(node: torch.fx.Node) -> bool:
+    """A placeholder Dynamo lifted from a module's parameters or buffers (inlined nn modules): the model's weights,
+    not the step's data."""
+    from torch._dynamo.source import is_from_unspecialized_param_buffer_source
+
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    return source is not None and is_from_unspecialized_param_buffer_source(source)
+
+
 def _traced_tokens(gm: torch.fx.GraphModule) -> int | None:
     """`_query_tokens` of the graph as Dynamo traced it: its inputs' traced values keep a dynamic length as a symbol
-    (the example inputs a backend gets are concrete tensors even then), so a graph for every length reads None."""
-    return _query_tokens([node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")])
+    (the example inputs a backend gets are concrete tensors even then), so a graph for every length reads None.
+    Integer weights are not tokens: V4's hash-routed MoE layer holds its token-to-expert table as a [vocab, top-k]
+    int64 buffer, which would make every V4 decode step read top-k tokens."""
+    return _query_tokens([node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")
+                          if not _is_weight(node)])
 
 
 def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig,

@@ -125,6 +125,23 @@ def test_report_records_each_graphs_tokens_per_sequence():
     assert [graph.tokens for graph in dsfuse.report().graphs] == [1, None]
 
 
+def test_graph_tokens_leave_out_integer_weights():
+    """A [vocab, top-k] integer buffer (V4's hash-routing table) is a graph input beside the token ids, not a length
+    of the step: a one-token step reads 1 token."""
+
+    class HashRouted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("tid2eid", torch.randint(0, 8, (16, 2)))
+
+        def forward(self, ids):
+            return self.tid2eid[ids].sum(-1)
+
+    with torch.no_grad():
+        torch.compile(HashRouted(), backend="dsfuse")(torch.zeros(2, 1, dtype=torch.long))
+    assert [graph.tokens for graph in dsfuse.report().graphs] == [1]
+
+
 def test_training_graphs_are_left_to_inductor():
     lin = torch.nn.Linear(4, 4)
     out = torch.compile(lin, backend="dsfuse")(torch.randn(2, 4))

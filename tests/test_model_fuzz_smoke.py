@@ -1,14 +1,18 @@
 """benchmarks/model_fuzz_gpu.py's CPU smoke mode: one left-padded tiny-preset case, its JSON and markdown; a prefill
-and, with --generate, a greedy generate through dsfuse's recipe."""
+and, with --generate, a greedy generate through dsfuse's recipe (the tiny preset's and v4-tiny's)."""
 
 import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 # one layer of the tiny preset, in every graph: the norm/rope glue, the indexer and the sparse attention
 ONE_LAYER_SITES = {"norm_rope_quant": 5, "indexer_topk": 1, "sparse_attention": 1}
+# one layer of v4-tiny (an HCA layer with the hash-routed MoE), in the prefill graph and the decode graph alike
+V4_ONE_LAYER_SITES = {"norm_rope_quant": 3, "sparse_attention": 1, "moe_experts": 1, "hyper_connections": 5,
+                      "compressors": 1}
 
 
 def _module():
@@ -42,6 +46,22 @@ def test_model_fuzz_cpu_smoke_generate(tmp_path):
         assert case[kind]["near_misses"] == [], case
     assert case["tokens_equal"] and case["prefix"] == 3 and case["inductor_prefix"] is None, case
     assert "| tiny | sdpa | 2 | 5 | 3 | 1 + 1 |" in (tmp_path / "model_fuzz.md").read_text()
+
+
+@pytest.mark.slow
+def test_model_fuzz_cpu_smoke_generate_v4(tmp_path):
+    """V4's decode step (through `V4DecodeCache`) is told from its prefill as V3.2's is: the hash-routed MoE's
+    [vocab, top-k] integer table, a graph input like the token ids, is not read as the graph's tokens."""
+    argv = ["--cpu-smoke", "--presets", "v4-tiny", "--generate", "3", "--no-inductor", "--out", str(tmp_path)]
+    assert _module().main(argv) == 0
+    (case,) = json.loads((tmp_path / "model_fuzz.json").read_text())
+    assert (case["preset"], case["batch"], case["seq"], case["generate"]) == ("v4-tiny", 2, 5, 3), case
+    assert "error" not in case, case
+    for kind in ("prefill", "decode"):
+        assert case[kind]["graphs"] == 1 and case[kind]["sites"] == V4_ONE_LAYER_SITES, case
+        assert case[kind]["near_misses"] == [], case
+    assert case["tokens_equal"] and case["prefix"] == 3, case
+    assert "| v4-tiny | eager | 2 | 5 | 3 | 1 + 1 | norm_rope_quant 3," in (tmp_path / "model_fuzz.md").read_text()
 
 
 def test_matching_prefix_counts_new_tokens_every_row_shares():
