@@ -16,6 +16,9 @@ AGREE_SEQS (default "4096 8192"), SWEEP (0 skips).
 and the split scores / p.v kernels) at S=8192, CSA and HCA, 12 launch configs a layer, then each layer's fastest
 at S=4096, 16384 and 32768; writes $OUT/compressed_attention_split.json.  SPLIT_BUDGET_S (default 170) stops
 the S=8192 sweep early (half of it for each layer), so the whole run stays under 4 minutes with compiles.
+
+`python benchmarks/compressed_attention_gpu.py gluon` compares the split path's Triton and Gluon scores kernels
+(see `gluon_main`); writes $OUT/compressed_attention_gluon.json.
 """
 
 import json
@@ -310,6 +313,104 @@ def split_main():
         print(f"{case:<14} {name:<44} {ms:8.3f} {tf:8.0f}")
 
 
+# the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages, the MMA
+# of a tile overlapping the previous tile's softmax, probabilities normalised in the values kernel, and the fast exp
+# (different roundings: how much of the time the exact exp and division take)
+GLUON_CONFIGS = {
+    "n32_s3": {"block_n": 32, "scores_stages": 3},
+    "n32_s2": {"block_n": 32, "scores_stages": 2},
+    "n16_s4": {"block_n": 16, "scores_stages": 4},
+    "n32_s3_pv_normalizes": {"block_n": 32, "scores_stages": 3, "normalize_in_scores": False},
+    "n32_s4_overlap": {"block_n": 32, "scores_stages": 4, "scores_overlap": True},
+    "n16_s5_overlap": {"block_n": 16, "scores_stages": 5, "scores_overlap": True},
+    "n16_s6_overlap": {"block_n": 16, "scores_stages": 6, "scores_overlap": True},
+    "n32_s3_fast_exp": {"block_n": 32, "scores_stages": 3, "accurate_exp": False},
+}
+
+
+def kernel_times(fn, steps=5):
+    """GPU time per call of each kernel an op launches, from the profiler (ms)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: e.device_time_total / steps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
+
+
+def gluon_main():
+    """The split path with the Triton and the Gluon scores kernels side by side at S=8192 (CSA, HCA), bit-equality
+    between them at equal tile width, agreement with the reference, per-kernel GPU times of the defaults and the
+    fastest Gluon launch, then the fastest at S=4096, 16384 and 32768."""
+    RESULTS["device"] = torch.cuda.get_device_name()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192 ** 3 / bench(lambda: a @ a) / 1e9
+    RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
+    del a
+    log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    gl = RESULTS.setdefault("gluon", {})
+    best = {}
+    for layer in LAYERS:
+        args = make_inputs(8192, layer)
+        flops = work_flops(args)
+        want = ca.compressed_attention_reference(*args)
+        triton_outs = {}
+        for block_n in sorted({c["block_n"] for c in GLUON_CONFIGS.values()}):
+            cfg = {"path": "split", "block_n": block_n}
+            triton_outs[block_n] = dsfuse_op(args, **cfg)
+            ms = bench(lambda: dsfuse_op(args, **cfg))
+            gl[f"{layer}_triton_n{block_n}"] = {"ms": ms, "tflops": flops / ms / 1e9, **agreement(
+                triton_outs[block_n], want)}
+            log(f"{layer} S=8192 triton scores n{block_n}: {ms:.3f} ms")
+        for name, launch in GLUON_CONFIGS.items():
+            cfg = {"path": "split", "scores_kernel": "gluon", **launch}
+            block_n = launch["block_n"]
+            key = f"{layer}_gluon_{name}"
+            try:
+                out = dsfuse_op(args, **cfg)
+                ms = bench(lambda: dsfuse_op(args, **cfg))
+            except Exception as e:
+                gl[key] = {"error": repr(e)[-400:]}
+                log(f"{key}: {e!r:.300}")
+                continue
+            gl[key] = {"ms": ms, "tflops": flops / ms / 1e9, "equal_to_triton": bool(torch.equal(
+                out, triton_outs[block_n])), **agreement(out, want)}
+            log(f"{key}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s, = triton {gl[key]['equal_to_triton']}, "
+                f"ref bits {gl[key]['bit_equal_fraction']:.5f}")
+            if gl[key]["equal_to_triton"] and launch.get("accurate_exp", True) and (
+                    layer not in best or ms < best[layer][1]):
+                best[layer] = (cfg, ms)
+        save()
+        default = {"path": "split"}
+        gl[f"{layer}_kernels_triton_default"] = kernel_times(lambda: dsfuse_op(args, **default))
+        if layer in best:
+            gl[f"{layer}_kernels_gluon_best"] = kernel_times(lambda: dsfuse_op(args, **best[layer][0]))
+            gl[f"{layer}_gluon_best"] = best[layer][0]
+        for name in (f"{layer}_kernels_triton_default", f"{layer}_kernels_gluon_best"):
+            for kernel, ms in gl.get(name, {}).items():
+                log(f"{name}: {kernel[:60]} {ms:.3f} ms")
+        del args, want, triton_outs
+        save()
+    for S in (4096, 16384, 32768):
+        for layer, (cfg, _) in best.items():
+            args = make_inputs(S, layer)
+            flops = work_flops(args)
+            for name, launch in (("triton_default", {"path": "split"}), ("gluon_best", cfg)):
+                ms = bench(lambda: dsfuse_op(args, **launch))
+                gl[f"{layer}_S{S}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9}
+                ROWS.append((f"{layer} S={S}", name, ms, flops / ms / 1e9))
+            del args
+        save()
+    print(f"\nbf16 matmul ceiling {peak:.0f} TFLOP/s")
+    for key, res in gl.items():
+        if "ms" in res:
+            print(f"{key:<28} {res['ms']:8.3f} ms {res['tflops']:6.0f} TFLOP/s "
+                  f"ref bits {res.get('bit_equal_fraction', float('nan')):.5f} = triton {res.get('equal_to_triton', '-')}")
+        elif "error" in res:
+            print(f"{key:<28} error {res['error'][-200:]}")
+
+
 def main():
     torch.manual_seed(0)
     RESULTS["device"] = torch.cuda.get_device_name()
@@ -408,5 +509,8 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["split"]:
         SAVE_AS = "compressed_attention_split.json"
         split_main()
+    elif sys.argv[1:] == ["gluon"]:
+        SAVE_AS = "compressed_attention_gluon.json"
+        gluon_main()
     else:
         main()

@@ -566,10 +566,28 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
               "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
-              "scores_maxnreg": None}
+              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3,
+              "scores_overlap": False}
     if path == "split":
         return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
     return {**common, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4, "num_stages": 2}
+
+
+GLUON_SCORES_REQUIREMENTS = (
+    "scores_kernel='gluon' needs a Hopper GPU (sm_90), bf16 or fp16 inputs, a head dim of 64-512 (a power of two), "
+    "64 heads a block, 16-64 keys a tile, no position checks, key rows 16-byte aligned, and scores_stages >= 2 "
+    "(>= 3 with scores_overlap)")
+
+
+def gluon_scores_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, cfg: dict) -> bool:
+    """Whether the split path's scores can run in the Gluon kernel (kernels/compressed_attention_gluon.py): wgmma
+    is Hopper's, the query tile sits in registers (D <= 512), and the key rows are gathered 16 bytes at a time."""
+    D = q.shape[-1]
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(1) * t.element_size() % 16 == 0 for t in (kv, keys))
+    return (not interpreting() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in (torch.bfloat16, torch.float16) and 64 <= D <= 512 and D & (D - 1) == 0
+            and cfg["block_h"] == 64 and cfg["block_n"] in (16, 32, 64) and not cfg["check_positions"] and aligned
+            and cfg["scores_stages"] >= (3 if cfg["scores_overlap"] else 2))
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -584,7 +602,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
-                                pv_num_stages=None, scores_maxnreg=None):
+                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None,
+                                scores_overlap=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -606,10 +625,14 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                        ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
                        ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
-                       ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg)):
+                       ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg),
+                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages),
+                       ("scores_overlap", scores_overlap)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
+    _check(cfg["scores_kernel"] in ("auto", "triton", "gluon"),
+           f"scores_kernel must be 'auto', 'triton' or 'gluon', got {cfg['scores_kernel']!r}")
     if window_mask is not None:
         cfg.update(path="fused", store_logits=False, check_positions=False)
     _check(cfg["d_chunk"] >= 16 and cfg["d_chunk"] & (cfg["d_chunk"] - 1) == 0,
@@ -706,17 +729,30 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
     idx_strides = (idx_arg.stride(0), idx_arg.stride(1)) if has_indices else (0, 0)
     # a register cap lets two 8-warp scores programs share an SM (their 64 x D query tile sits in shared memory)
     cap = {} if cfg["scores_maxnreg"] is None else {"maxnreg": cfg["scores_maxnreg"]}
-    _attention_scores_kernel[(B * S, head_blocks)](
-        q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1),
-        c_arg.stride(0), c_arg.stride(1),
-        *idx_strides,
-        q_positions.stride(0), kv_positions.stride(0),
-        S, H, T, window, slots // block_n, float(scale),
-        D=D, DP=dp, NORMALIZE=normalize, **common,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
-    )
+    kernel = cfg["scores_kernel"]
+    if kernel == "auto":
+        kernel = "gluon" if gluon_scores_supported(q, kv, c_arg, cfg) else "triton"
+    if kernel == "gluon":
+        _check(gluon_scores_supported(q, kv, c_arg, cfg), GLUON_SCORES_REQUIREMENTS)
+        from dsfuse.kernels import compressed_attention_gluon
+
+        pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
+        compressed_attention_gluon.launch_scores(
+            q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, window, mode, block_n,
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate,
+            bool(cfg["scores_overlap"]))
+    else:
+        _attention_scores_kernel[(B * S, head_blocks)](
+            q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1),
+            c_arg.stride(0), c_arg.stride(1),
+            *idx_strides,
+            q_positions.stride(0), kv_positions.stride(0),
+            S, H, T, window, slots // block_n, float(scale),
+            D=D, DP=dp, NORMALIZE=normalize, **common,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
+        )
     _attention_values_kernel[(B * S * cdiv(D, d_chunk), head_blocks)](
         kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
         kv.stride(0), kv.stride(1),

@@ -1,5 +1,7 @@
 """`dsfuse::compressed_attention`: the reference against HF V4's own eager attention, and the op's contract."""
 
+import os
+
 import pytest
 import torch
 
@@ -369,3 +371,105 @@ def test_cuda_graph_replay_gives_the_eager_result(path):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+
+
+# --- the Gluon scores kernel (Hopper only; no interpreter: compiled offline here, run on the GPU) ----------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages, overlap", [(32, 3, False), (16, 4, False), (64, 2, False),
+                                                      (32, 4, True), (16, 5, True)])
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_cuda_gluon_scores_give_the_triton_split_paths_bits(kind, block_n, stages, overlap):
+    """The Gluon scores kernel makes the Triton scores kernel's roundings in its order (same MMA tile, same
+    reductions), so the op's output is bit-equal to the Triton split path at equal block_n; padded heads (H=48),
+    int64 picks and a second sequence with left padding included."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper only")
+    args = list(_cuda_case(kind, H=48))
+    if args[5] is not None:
+        args[5] = args[5].long()
+    triton_split = compressed_attention_triton(*args, path="split", block_n=block_n)
+    for normalize in (True, False):
+        gluon_split = compressed_attention_triton(*args, path="split", block_n=block_n, scores_kernel="gluon",
+                                                  scores_stages=stages, scores_overlap=overlap,
+                                                  normalize_in_scores=normalize)
+        assert torch.equal(gluon_split, triton_split), normalize
+    want = compressed_attention_reference(*args)
+    assert (gluon_split == want).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_cuda_gluon_scores_replay_in_a_cuda_graph():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper only")
+    args = _cuda_case("csa", B=1, S=512)
+    eager = compressed_attention_triton(*args, path="split", scores_kernel="gluon")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = compressed_attention_triton(*args, path="split", scores_kernel="gluon")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_gluon_scores_are_refused_where_they_cannot_run():
+    """Off Hopper (here: the CPU), a named scores_kernel='gluon' is an error that says what it needs, not a silent
+    fallback; unknown kernels are rejected."""
+    q, kv, compressed, sinks = _inputs(1, 4, 2, 64, 2, torch.float16, seed=5)
+    pos = torch.arange(4).view(1, 4)
+    args = (q, kv, pos, pos, compressed, None, sinks, 0.3, 4, 2, None, None)
+    with pytest.raises(ValueError, match="needs a Hopper GPU"):
+        compressed_attention_triton(*args, path="split", scores_kernel="gluon")
+    with pytest.raises(ValueError, match="scores_kernel must be 'auto', 'triton' or 'gluon'"):
+        compressed_attention_triton(*args, path="split", scores_kernel="cuda")
+
+
+_GLUON_PTX_PROBE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from dsfuse.kernels import compressed_attention_gluon as g
+
+kernel = g.attention_scores_gluon_kernel
+names = list(kernel.arg_names)
+found = {}
+for mode, block_n, stages, idx, overlap in ((0, 32, 3, "*i32", False), (1, 32, 3, "*i64", False),
+                                           (2, 16, 4, "*i32", False), (1, 64, 2, "*i32", False),
+                                           (1, 32, 4, "*i32", True), (2, 16, 5, "*i32", True)):
+    consts = dict(D=512, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode, K_SLOTS=512, WINDOW_SLOTS=128,
+                  NORMALIZE=mode != 2, ACCURATE_EXP=True, OVERLAP=overlap)
+    ptrs = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "c_ptr": "*bf16", "logits_ptr": "*bf16", "idx_ptr": idx,
+            "ranges_ptr": "*i32", "sink_ptr": "*fp32", "stats_ptr": "*fp32"}
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "scale" else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if sig[n].startswith("*") or n.startswith("stride")}
+    compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = compiled.asm["ptx"]
+    found[f"{mode}_{block_n}_{stages}_{int(overlap)}"] = {
+        "ops": sorted(set(re.findall(r"\b(?:wgmma\.mma_async|cp\.async)\.[a-z0-9.]*", ptx))),
+        "shared": compiled.metadata.shared}
+print(json.dumps(found))
+"""
+
+
+def test_gluon_scores_kernel_compiles_for_sm90_offline():
+    """What the GPU runs, compiled here for sm_90 (no GPU needed): each key-source mode, int32 and int64 picks,
+    three tile shapes, the MMA of a tile overlapping the previous tile's softmax; gathers by cp.async 16 bytes at a time, the MMA as wgmma with the N of the tile, and
+    shared memory that lets two programs share an SM at 32 keys a tile (q in registers, 3 stages of 32 KiB)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _GLUON_PTX_PROBE], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    for key, got in found.items():
+        block_n = int(key.split("_")[1])
+        assert "cp.async.cg.shared.global" in got["ops"], key
+        assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in got["ops"], key
+    assert found["1_32_3_0"]["shared"] <= 228 * 1024 // 2 - 1024, found["1_32_3_0"]
