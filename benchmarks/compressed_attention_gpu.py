@@ -313,17 +313,14 @@ def split_main():
         print(f"{case:<14} {name:<44} {ms:8.3f} {tf:8.0f}")
 
 
-# the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages, the MMA
-# of a tile overlapping the previous tile's softmax, probabilities normalised in the values kernel, and the fast exp
+# the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages,
+# probabilities normalised in the values kernel, and the fast exp
 # (different roundings: how much of the time the exact exp and division take)
 GLUON_CONFIGS = {
     "n32_s3": {"block_n": 32, "scores_stages": 3},
     "n32_s2": {"block_n": 32, "scores_stages": 2},
     "n16_s4": {"block_n": 16, "scores_stages": 4},
     "n32_s3_pv_normalizes": {"block_n": 32, "scores_stages": 3, "normalize_in_scores": False},
-    "n32_s4_overlap": {"block_n": 32, "scores_stages": 4, "scores_overlap": True},
-    "n16_s5_overlap": {"block_n": 16, "scores_stages": 5, "scores_overlap": True},
-    "n16_s6_overlap": {"block_n": 16, "scores_stages": 6, "scores_overlap": True},
     "n32_s3_fast_exp": {"block_n": 32, "scores_stages": 3, "accurate_exp": False},
 }
 

@@ -34,11 +34,13 @@ from the mask, no host sync), tested row by row against the mask; as that span h
 launch, the fused kernel runs without the logits scratch (q.k again in pass 2: the 1.45x above, on the GPU not yet
 measured with a mask).
 
-`path="split"` runs the two passes as two kernels with small accumulators, so several programs share an SM:
-scores (q.k, max and sum, the logits stored and by default turned into the rounded probabilities in place), then
-p @ v over (query, D chunk) programs with the inverse RoPE in the chunks that hold the rotated dims.  Same
-roundings in the same order, so the same bits as the fused kernel at equal keys per tile (not yet measured on
-the H200; notes/compressed_attention.md).
+`path="split"` (the default) runs the two passes as two kernels with small accumulators, so several programs
+share an SM: scores (q.k, max and sum, the logits stored and by default turned into the rounded probabilities in
+place), then p @ v over (query, D chunk) programs with the inverse RoPE in the chunks that hold the rotated dims.
+Same roundings in the same order, so the same bits as the fused kernel at equal keys per tile.  On Hopper the
+scores run in a Gluon kernel (`compressed_attention_gluon.py`: cp.async gathers pipelined ahead of wgmma, the query
+in registers) with the Triton kernel's bits, 1.2x faster on the whole op at V4-Flash's CSA shapes (H200,
+notes/compressed_attention.md); the Triton kernel elsewhere.
 """
 
 from __future__ import annotations
@@ -558,16 +560,17 @@ def _attention_values_kernel(
 
 def compressed_attention_default_config(H: int, D: int, path: str = "split") -> dict:
     """All heads of a query in one program up to 64 (one MMA M tile), the stored logits, and each path's fastest
-    launch of the H200 sweeps (V4-Flash shapes, S=8192, benchmarks/results/2026-12-01_h200_compressed_attention_*):
-    the split path (the default) with 32 keys per scores tile, 4 warps, 1 stage, then p.v over 128-wide D chunks
-    with 4 warps and 3 stages: CSA 3.69 ms, HCA 1.16 ms; the fused kernel with 64 keys per tile, 8 warps, 2 stages:
-    CSA 3.97 ms, HCA 1.55 ms."""
+    launch of the H200 sweeps (V4-Flash shapes, S=8192; benchmarks/results/
+    2026-12-02_h200_compressed_attention_gluon_*):
+    the split path (the default) with 32 keys per scores tile (the Gluon kernel with 3 stages where it runs,
+    otherwise the Triton one with 4 warps and 1 stage), then p.v over 128-wide D chunks with 4 warps and 3 stages:
+    CSA 3.04 ms, HCA 1.07 ms (Triton scores: 3.69, 1.16); the fused kernel with 64 keys per tile, 8 warps,
+    2 stages: CSA 3.97 ms, HCA 1.55 ms."""
     block_h = max(16, min(64, next_power_of_2(H)))
     dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
               "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
-              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3,
-              "scores_overlap": False}
+              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3}
     if path == "split":
         return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
     return {**common, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4, "num_stages": 2}
@@ -575,8 +578,7 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
 
 GLUON_SCORES_REQUIREMENTS = (
     "scores_kernel='gluon' needs a Hopper GPU (sm_90), bf16 or fp16 inputs, a head dim of 64-512 (a power of two), "
-    "64 heads a block, 16-64 keys a tile, no position checks, key rows 16-byte aligned, and scores_stages >= 2 "
-    "(>= 3 with scores_overlap)")
+    "64 heads a block, 16-64 keys a tile, no position checks, key rows 16-byte aligned, and scores_stages >= 2")
 
 
 def gluon_scores_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, cfg: dict) -> bool:
@@ -587,7 +589,7 @@ def gluon_scores_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor
     return (not interpreting() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in (torch.bfloat16, torch.float16) and 64 <= D <= 512 and D & (D - 1) == 0
             and cfg["block_h"] == 64 and cfg["block_n"] in (16, 32, 64) and not cfg["check_positions"] and aligned
-            and cfg["scores_stages"] >= (3 if cfg["scores_overlap"] else 2))
+            and cfg["scores_stages"] >= 2)
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -602,8 +604,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
-                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None,
-                                scores_overlap=None):
+                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -626,8 +627,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
                        ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
                        ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg),
-                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages),
-                       ("scores_overlap", scores_overlap)):
+                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
@@ -739,8 +739,7 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
         compressed_attention_gluon.launch_scores(
             q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, window, mode, block_n,
-            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate,
-            bool(cfg["scores_overlap"]))
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate)
     else:
         _attention_scores_kernel[(B * S, head_blocks)](
             q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,

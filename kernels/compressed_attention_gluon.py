@@ -107,7 +107,6 @@ def attention_scores_gluon_kernel(
     S, H, T, window, slot_tiles, scale,
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     K_SLOTS: gl.constexpr, WINDOW_SLOTS: gl.constexpr, NORMALIZE: gl.constexpr, ACCURATE_EXP: gl.constexpr,
-    OVERLAP: gl.constexpr,
 ):
     """One query and its BLOCK_H (= 64) heads a program: the split path's kernel 1.  With NORMALIZE the stored
     logits become the rounded probabilities (the loads of that pass run one tile ahead of the math); otherwise
@@ -171,43 +170,17 @@ def attention_scores_gluon_kernel(
     l = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, mma))  # exp(sink - m) with m = sink
     zeros = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma)
 
-    if OVERLAP:
-        # tile t's MMA runs while tile t - 1's softmax does: a slot is refilled one iteration after its MMA was
-        # waited for (the barrier at the top of the next iteration orders every warp's wait before the refill)
+    for t in range(0, tiles):
         async_copy.wait_group(STAGES - 2)
-        _cta_barrier()
+        _cta_barrier()  # every thread's rows of tile t landed; every warp is done with tile t - 1's slot
         fence_async_shared()
-        acc = warpgroup_mma(q, k_bufs.index(0).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        for t in range(1, tiles):
-            async_copy.wait_group(STAGES - 3)
-            _cta_barrier()
-            fence_async_shared()
-            _issue_tile(t + STAGES - 2, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
-                        idx_smem, k_bufs, offs_n, offs_d, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES)
-            acc_next = warpgroup_mma(q, k_bufs.index(t % STAGES).permute((1, 0)), zeros, use_acc=False,
-                                     is_async=True)
-            _, _, _, ok, col = _tile_source(t - 1, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n,
-                                            stride_c_t, idx_smem, offs_key, MODE, BLOCK_N, WINDOW_SLOTS, KT)
-            qk = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            m, l = _logits_tile(qk, ok, own_logits + col, m, l, scale, dtype, ACCURATE_EXP)
-            acc = acc_next
-        _, _, _, ok, col = _tile_source(tiles - 1, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n,
-                                        stride_c_t, idx_smem, offs_key, MODE, BLOCK_N, WINDOW_SLOTS, KT)
+        _issue_tile(t + STAGES - 1, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
+                    idx_smem, k_bufs, offs_n, offs_d, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES)
+        acc = warpgroup_mma(q, k_bufs.index(t % STAGES).permute((1, 0)), zeros, use_acc=False, is_async=True)
+        _, _, _, ok, col = _tile_source(t, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
+                                        idx_smem, offs_key, MODE, BLOCK_N, WINDOW_SLOTS, KT)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        if tiles > 0:
-            m, l = _logits_tile(qk, ok, own_logits + col, m, l, scale, dtype, ACCURATE_EXP)
-    else:
-        for t in range(0, tiles):
-            async_copy.wait_group(STAGES - 2)
-            _cta_barrier()  # every thread's rows of tile t landed; every warp is done with tile t - 1's slot
-            fence_async_shared()
-            _issue_tile(t + STAGES - 1, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
-                        idx_smem, k_bufs, offs_n, offs_d, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES)
-            acc = warpgroup_mma(q, k_bufs.index(t % STAGES).permute((1, 0)), zeros, use_acc=False, is_async=True)
-            _, _, _, ok, col = _tile_source(t, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
-                                            idx_smem, offs_key, MODE, BLOCK_N, WINDOW_SLOTS, KT)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-            m, l = _logits_tile(qk, ok, own_logits + col, m, l, scale, dtype, ACCURATE_EXP)
+        m, l = _logits_tile(qk, ok, own_logits + col, m, l, scale, dtype, ACCURATE_EXP)
     async_copy.wait_group(0)
     if NORMALIZE:
         _cta_barrier()  # the logits were stored by other threads of this program
@@ -236,7 +209,7 @@ def attention_scores_gluon_kernel(
         gl.store(stats_ptr + total * gl.num_programs(1) * BLOCK_H + rows, l)
 
 def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, window, mode,
-                  block_n, stages, window_slots, slots, pick_slots, normalize, accurate_exp, overlap):
+                  block_n, stages, window_slots, slots, pick_slots, normalize, accurate_exp):
     """Kernel 1 of the split path in Gluon (see the module docstring); same arguments, scratch and statistics as
     the Triton scores kernel.  `pick_slots`: a CSA query's picks rounded up to a power-of-two count of tiles
     (a compile-time size: it depends on the model's top-k only)."""
@@ -251,6 +224,6 @@ def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indic
         S, H, T, window, slots // block_n, float(scale),
         D=D, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode, K_SLOTS=pick_slots,
         WINDOW_SLOTS=window_slots, NORMALIZE=normalize,
-        ACCURATE_EXP=accurate_exp, OVERLAP=overlap,
+        ACCURATE_EXP=accurate_exp,
         num_warps=NUM_WARPS,
     )
