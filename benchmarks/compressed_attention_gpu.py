@@ -294,13 +294,19 @@ def split_sweep():
             save()
 
 
-def split_main():
+def matmul_ceiling():
+    """The device's name and its bf16 matmul rate (8192^3), recorded: the ceiling the attention rates sit beside."""
     RESULTS["device"] = torch.cuda.get_device_name()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192 ** 3 / bench(lambda: a @ a) / 1e9
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    peak = 2 * 8192 ** 3 / bench(lambda: a @ b) / 1e9
     RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
-    del a
     log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    return peak
+
+
+def split_main():
+    peak = matmul_ceiling()
     split_sweep()
     print(f"\nbf16 matmul ceiling {peak:.0f} TFLOP/s")
     print(f"{'case':<14} {'config':<44} {'ms':>8} {'TFLOP/s':>8} {'ref bits':>9} {'=fused':>7}")
@@ -340,12 +346,7 @@ def gluon_main():
     """The split path with the Triton and the Gluon scores kernels side by side at S=8192 (CSA, HCA), bit-equality
     between them at equal tile width, agreement with the reference, per-kernel GPU times of the defaults and the
     fastest Gluon launch, then the fastest at S=4096, 16384 and 32768."""
-    RESULTS["device"] = torch.cuda.get_device_name()
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192 ** 3 / bench(lambda: a @ a) / 1e9
-    RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
-    del a
-    log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    peak = matmul_ceiling()
     gl = RESULTS.setdefault("gluon", {})
     best = {}
     for layer in LAYERS:
@@ -402,21 +403,16 @@ def gluon_main():
     print(f"\nbf16 matmul ceiling {peak:.0f} TFLOP/s")
     for key, res in gl.items():
         if "ms" in res:
+            bits = res.get("bit_equal_fraction", float("nan"))
             print(f"{key:<28} {res['ms']:8.3f} ms {res['tflops']:6.0f} TFLOP/s "
-                  f"ref bits {res.get('bit_equal_fraction', float('nan')):.5f} = triton {res.get('equal_to_triton', '-')}")
+                  f"ref bits {bits:.5f} = triton {res.get('equal_to_triton', '-')}")
         elif "error" in res:
             print(f"{key:<28} error {res['error'][-200:]}")
 
 
 def main():
     torch.manual_seed(0)
-    RESULTS["device"] = torch.cuda.get_device_name()
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    peak = 2 * 8192 ** 3 / bench(lambda: a @ b) / 1e9
-    RESULTS["ceilings"]["bf16_matmul_tflops"] = peak
-    del a, b
-    log(f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s")
+    peak = matmul_ceiling()
     RESULTS["ceilings"]["l2_read_tb_s"] = l2_read_rate()
     log(f"L2 -> SM read of an 8 MiB buffer: {RESULTS['ceilings']['l2_read_tb_s']:.2f} TB/s")
     save()
