@@ -97,14 +97,14 @@ def _logits_tile(qk, ok, ptrs, m, l, scale, dtype: gl.constexpr, ACCURATE_EXP: g
     return m_new, l
 
 
-@gluon.jit(do_not_specialize=["S", "H", "T", "window", "slot_tiles"])
+@gluon.jit(do_not_specialize=["S", "H", "T", "slot_tiles"])
 def attention_scores_gluon_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, ranges_ptr, sink_ptr, logits_ptr, stats_ptr,
     stride_q_b, stride_q_s, stride_q_h,
     stride_kv_b, stride_kv_n,
     stride_c_b, stride_c_t,
     stride_idx_b, stride_idx_s,
-    S, H, T, window, slot_tiles, scale,
+    S, H, T, slot_tiles, scale,
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     K_SLOTS: gl.constexpr, WINDOW_SLOTS: gl.constexpr, NORMALIZE: gl.constexpr, ACCURATE_EXP: gl.constexpr,
 ):
@@ -183,7 +183,7 @@ def attention_scores_gluon_kernel(
         m, l = _logits_tile(qk, ok, own_logits + col, m, l, scale, dtype, ACCURATE_EXP)
     async_copy.wait_group(0)
     if NORMALIZE:
-        _cta_barrier()  # the logits were stored by other threads of this program
+        _cta_barrier()  # the loop's logit stores are complete before the pass reads them back
         first = 0
         if tiles_w == 0:
             first = WINDOW_SLOTS
@@ -208,8 +208,9 @@ def attention_scores_gluon_kernel(
         gl.store(stats_ptr + rows, m)
         gl.store(stats_ptr + total * gl.num_programs(1) * BLOCK_H + rows, l)
 
-def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, window, mode,
-                  block_n, stages, window_slots, slots, pick_slots, normalize, accurate_exp):
+
+def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n, stages,
+                  window_slots, slots, pick_slots, normalize, accurate_exp):
     """Kernel 1 of the split path in Gluon (see the module docstring); same arguments, scratch and statistics as
     the Triton scores kernel.  `pick_slots`: a CSA query's picks rounded up to a power-of-two count of tiles
     (a compile-time size: it depends on the model's top-k only)."""
@@ -221,7 +222,7 @@ def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indic
         kv.stride(0), kv.stride(1),
         c_arg.stride(0), c_arg.stride(1),
         *idx_strides,
-        S, H, T, window, slots // block_n, float(scale),
+        S, H, T, slots // block_n, float(scale),
         D=D, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode, K_SLOTS=pick_slots,
         WINDOW_SLOTS=window_slots, NORMALIZE=normalize,
         ACCURATE_EXP=accurate_exp,
