@@ -1,6 +1,7 @@
 """indexer_topk: reference math, custom op registration, and the Triton path (interpreter on CPU)."""
 
 import pytest
+import sm90_offline
 import torch
 from dsfuse.kernels.indexer_topk import (
     flops,
@@ -333,13 +334,15 @@ def test_flops_counts_causal_pairs():
 # constant, multiples of 16 get the divisibility hint), so the compiled code is what the GPU runs.
 SM90_COMPILE_SCRIPT = r"""
 import json, sys, traceback
+sys.path.insert(0, sys.argv[1])  # tests/kernels: sm90_offline
 try:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
+    from triton.compiler import ASTSource  # noqa: F401
 except ImportError as error:
     print(json.dumps({"skip": f"no offline compile API in this triton: {error}"}))
     sys.exit(0)
+import sm90_offline
 import torch
 import dsfuse.kernels.indexer_topk as m
 
@@ -348,25 +351,9 @@ INT_POINTERS = {"range_ptr", "cand_idx_ptr", "count_ptr", "out_ptr", "fail_ptr"}
 
 
 def compile_sm90(fn, constexprs, ints, options, element="*bf16"):
-    signature, attrs, constexprs = {}, {}, dict(constexprs)
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*i32" if name in INT_POINTERS else {"q_ptr": element, "k_ptr": element,
-                                                                    "mask_ptr": "*u8"}.get(name, "*fp32")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name == "softmax_scale":
-            signature[name] = "fp32"
-        elif ints[name] == 1:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        else:
-            signature[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    pointer = lambda name: "*i32" if name in INT_POINTERS else {"q_ptr": element, "k_ptr": element,  # noqa: E731
+                                                                "mask_ptr": "*u8"}.get(name, "*fp32")
+    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer, scalars={"softmax_scale": "fp32"})
 
 
 def filter_case(B, S, T, topk, dense=False, **overrides):
@@ -427,18 +414,7 @@ def test_default_kernels_compile_for_sm90_offline():
 
     The interpreter accepts constructs the GPU compiler rejects (Triton 3.6 failed on two of them), so
     only a real compile catches those. Check another Triton by putting it first on PYTHONPATH."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                         check=False, timeout=300)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    if "skip" in lines[0]:
-        pytest.skip(lines[0]["skip"])
+    lines = sm90_offline.run_probe(SM90_COMPILE_SCRIPT, timeout=300)
     failed = {line["case"]: line["error"] for line in lines if not line["ok"]}
     assert len(lines) == 8 and not failed, failed
 

@@ -6,6 +6,7 @@ determinism, opcheck, bad input."""
 import types
 
 import pytest
+import sm90_offline
 import torch
 import torch.nn.functional as F
 from dsfuse.kernels import moe_experts as moe
@@ -646,13 +647,15 @@ def test_combine_sums_split_partials_in_order_and_rounds_once():
 # get the divisibility hint), so the code is what the H200 runs; prints shared memory per CTA and the MMA used.
 SM90_COMPILE_SCRIPT = r"""
 import json, sys
+sys.path.insert(0, sys.argv[1])  # tests/kernels: sm90_offline
 try:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
+    from triton.compiler import ASTSource  # noqa: F401
 except ImportError as error:
     print(json.dumps({"skip": f"no offline compile API in this triton: {error}"}))
     sys.exit(0)
+import sm90_offline
 import triton.language as tl
 import dsfuse.kernels.moe_experts as m
 
@@ -662,22 +665,8 @@ INT32_POINTERS = {"sorted_slot_ptr", "tile_row_start_ptr", "tile_row_end_ptr", "
 
 
 def compile_sm90(fn, constexprs, ints, options, pointers):
-    signature, attrs, constexprs = {}, {}, dict(constexprs)
-    for i, name in enumerate(fn.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = pointers.get(name, "*i32" if name in INT32_POINTERS else "*bf16")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif ints[name] == 1:
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        else:
-            signature[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    pointer = lambda name: pointers.get(name, "*i32" if name in INT32_POINTERS else "*bf16")  # noqa: E731
+    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer)
 
 
 def gemms(T, overrides):
@@ -758,19 +747,7 @@ def test_decode_candidates_compile_for_sm90_offline():
     the FP4 op's GEMMs (V3.2 shape: T=1 slot tiles, T=64 with and without split K, T=4096 prefill tiles) compile for
     sm_90 with the installed Triton and fit an H100/H200 SM's 227 KB of shared memory (a config past it compiles but
     fails to launch). BN < 64 runs mma.sync (one warpgroup's wgmma needs 64 rows), the rest wgmma."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE_SCRIPT], capture_output=True, text=True, env=env,
-                         check=False, timeout=600)
-    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode == 0 and lines, run.stderr[-3000:]
-    if "skip" in lines[0]:
-        pytest.skip(lines[0]["skip"])
+    lines = sm90_offline.run_probe(SM90_COMPILE_SCRIPT, timeout=600, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
     failed = {line["case"]: line["error"] for line in lines if not line["ok"]}
     assert not failed, failed
     cases = {line["case"]: line for line in lines}
