@@ -320,7 +320,7 @@ def split_main():
 
 
 # the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages,
-# probabilities normalised in the values kernel, and the fast exp
+# probabilities normalised in the values kernel, the fast exp, and the warp-specialised loads
 # (different roundings: how much of the time the exact exp and division take)
 GLUON_CONFIGS = {
     "n32_s3": {"block_n": 32, "scores_stages": 3},
@@ -328,6 +328,9 @@ GLUON_CONFIGS = {
     "n16_s4": {"block_n": 16, "scores_stages": 4},
     "n32_s3_pv_normalizes": {"block_n": 32, "scores_stages": 3, "normalize_in_scores": False},
     "n32_s3_fast_exp": {"block_n": 32, "scores_stages": 3, "accurate_exp": False},
+    "n32_s3_ws": {"block_n": 32, "scores_stages": 3, "scores_warp_specialize": True},
+    "n32_s2_ws": {"block_n": 32, "scores_stages": 2, "scores_warp_specialize": True},
+    "n16_s4_ws": {"block_n": 16, "scores_stages": 4, "scores_warp_specialize": True},
 }
 
 

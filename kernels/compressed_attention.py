@@ -570,7 +570,8 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
               "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
-              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3}
+              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3,
+              "scores_warp_specialize": False}
     if path == "split":
         return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
     return {**common, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4, "num_stages": 2}
@@ -604,7 +605,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
-                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None):
+                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None,
+                                scores_warp_specialize=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -627,7 +629,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
                        ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
                        ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg),
-                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages)):
+                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages),
+                       ("scores_warp_specialize", scores_warp_specialize)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
@@ -739,7 +742,8 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
         compressed_attention_gluon.launch_scores(
             q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n,
-            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate)
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate,
+            bool(cfg["scores_warp_specialize"]))
     else:
         _attention_scores_kernel[(B * S, head_blocks)](
             q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,
