@@ -254,8 +254,8 @@ def attention_scores_gluon_kernel(
     _cta_barrier()
 
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], key_smem)
-    block = flat * gl.num_programs(1) + gl.program_id(1)
     if WARP_SPECIALIZE:
+        block = flat * gl.num_programs(1) + gl.program_id(1)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -271,13 +271,13 @@ def attention_scores_gluon_kernel(
                             stride_kv_n, stride_c_t, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES, D, PRODUCER_WARPS)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
     else:
-        _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, block, tiles, tiles_w,
+        _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, flat, tiles, tiles_w,
                                  lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, H, slot_tiles, scale,
                                  MODE, BLOCK_H, BLOCK_N, WINDOW_SLOTS, KT, STAGES, D, NORMALIZE, ACCURATE_EXP)
 
 
 @gluon.jit
-def _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, block, tiles, tiles_w, lo,
+def _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, flat, tiles, tiles_w, lo,
                              hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, H, slot_tiles, scale,
                              MODE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
                              WINDOW_SLOTS: gl.constexpr, KT: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr,
@@ -296,6 +296,7 @@ def _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_pt
 
     offs_h = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma))
     offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    block = flat * gl.num_programs(1) + gl.program_id(1)
     row_len = slot_tiles * BLOCK_N
     own_logits = logits_ptr + block * (BLOCK_H * row_len) + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma))[
         :, None] * row_len + offs_key[None, :]
