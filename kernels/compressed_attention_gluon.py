@@ -34,9 +34,9 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 # cp.async of a pointer tensor into shared memory: `async_copy_global_to_shared` up to 3.6, `async_load` since
 _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 NUM_WARPS = gl.constexpr(4)  # one warpgroup: the 64 heads of a query are one wgmma M tile
-# Warp-specialised launch: 128 registers a thread at launch, so two programs of 8 warps share an SM; Triton's
-# setmaxnreg then gives the math warpgroup 232 and the 4 producer warps 24 (232 + 24 = 2 x 128; sm_90 compiles of
-# triton 3.6 and 3.9: no spills).
+# Warp-specialised launch (opt-in; compiled for sm_90, not yet run on a GPU: notes/compressed_attention.md): 128
+# registers a thread at launch, so two programs of 8 warps share an SM; Triton's setmaxnreg then gives the math
+# warpgroup 232 and the 4 producer warps 24 (232 + 24 = 2 x 128; sm_90 compiles of triton 3.6 and 3.9: no spills).
 WS_LAUNCH = {"maxnreg": 128}
 
 
