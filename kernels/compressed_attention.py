@@ -735,11 +735,9 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
     idx_strides = (idx_arg.stride(0), idx_arg.stride(1)) if has_indices else (0, 0)
     # a register cap lets two 8-warp scores programs share an SM (their 64 x D query tile sits in shared memory)
     cap = {} if cfg["scores_maxnreg"] is None else {"maxnreg": cfg["scores_maxnreg"]}
-    kernel = cfg["scores_kernel"]
-    if kernel == "auto":
-        kernel = "gluon" if gluon_scores_supported(q, kv, c_arg, cfg) else "triton"
-    if kernel == "gluon":
-        _check(gluon_scores_supported(q, kv, c_arg, cfg), GLUON_SCORES_REQUIREMENTS)
+    use_gluon = cfg["scores_kernel"] != "triton" and gluon_scores_supported(q, kv, c_arg, cfg)
+    _check(use_gluon or cfg["scores_kernel"] != "gluon", GLUON_SCORES_REQUIREMENTS)
+    if use_gluon:
         from dsfuse.kernels import compressed_attention_gluon
 
         pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
