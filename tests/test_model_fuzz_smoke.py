@@ -34,34 +34,35 @@ def test_model_fuzz_cpu_smoke(tmp_path):
     assert "| tiny | 2 | 5 |" in (tmp_path / "model_fuzz.md").read_text()
 
 
+def _generate_smoke(tmp_path, preset, sites, preset_argv=()):
+    """`--cpu-smoke --generate 3` (B=2, S=5): one prefill and one decode graph, each rewriting `sites` with no
+    near-miss, and dsfuse's tokens equal to eager's (fp32). Returns the case and the markdown."""
+    argv = ["--cpu-smoke", *preset_argv, "--generate", "3", "--no-inductor", "--out", str(tmp_path)]
+    assert _module().main(argv) == 0
+    (case,) = json.loads((tmp_path / "model_fuzz.json").read_text())
+    assert (case["preset"], case["batch"], case["seq"], case["generate"]) == (preset, 2, 5, 3), case
+    assert "error" not in case, case
+    for kind in ("prefill", "decode"):
+        assert case[kind]["graphs"] == 1 and case[kind]["sites"] == sites, case
+        assert case[kind]["near_misses"] == [], case
+    assert case["tokens_equal"] and case["prefix"] == 3, case
+    return case, (tmp_path / "model_fuzz.md").read_text()
+
+
 def test_model_fuzz_cpu_smoke_generate(tmp_path):
     """The prefill graph and the decode graph (one token per sequence) each rewrite every family of the layer, no
     near-miss, and dsfuse's tokens are eager's (fp32)."""
-    assert _module().main(["--cpu-smoke", "--generate", "3", "--no-inductor", "--out", str(tmp_path)]) == 0
-    (case,) = json.loads((tmp_path / "model_fuzz.json").read_text())
-    assert (case["preset"], case["batch"], case["seq"], case["generate"]) == ("tiny", 2, 5, 3), case
-    assert "error" not in case, case
-    for kind in ("prefill", "decode"):
-        assert case[kind]["graphs"] == 1 and case[kind]["sites"] == ONE_LAYER_SITES, case
-        assert case[kind]["near_misses"] == [], case
-    assert case["tokens_equal"] and case["prefix"] == 3 and case["inductor_prefix"] is None, case
-    assert "| tiny | sdpa | 2 | 5 | 3 | 1 + 1 |" in (tmp_path / "model_fuzz.md").read_text()
+    case, table = _generate_smoke(tmp_path, "tiny", ONE_LAYER_SITES)
+    assert case["inductor_prefix"] is None, case
+    assert "| tiny | sdpa | 2 | 5 | 3 | 1 + 1 |" in table
 
 
 @pytest.mark.slow
 def test_model_fuzz_cpu_smoke_generate_v4(tmp_path):
     """V4's decode step (through `V4DecodeCache`) is told from its prefill as V3.2's is: the hash-routed MoE's
     [vocab, top-k] integer table, a graph input like the token ids, is not read as the graph's tokens."""
-    argv = ["--cpu-smoke", "--presets", "v4-tiny", "--generate", "3", "--no-inductor", "--out", str(tmp_path)]
-    assert _module().main(argv) == 0
-    (case,) = json.loads((tmp_path / "model_fuzz.json").read_text())
-    assert (case["preset"], case["batch"], case["seq"], case["generate"]) == ("v4-tiny", 2, 5, 3), case
-    assert "error" not in case, case
-    for kind in ("prefill", "decode"):
-        assert case[kind]["graphs"] == 1 and case[kind]["sites"] == V4_ONE_LAYER_SITES, case
-        assert case[kind]["near_misses"] == [], case
-    assert case["tokens_equal"] and case["prefix"] == 3, case
-    assert "| v4-tiny | eager | 2 | 5 | 3 | 1 + 1 | norm_rope_quant 3," in (tmp_path / "model_fuzz.md").read_text()
+    _, table = _generate_smoke(tmp_path, "v4-tiny", V4_ONE_LAYER_SITES, ("--presets", "v4-tiny"))
+    assert "| v4-tiny | eager | 2 | 5 | 3 | 1 + 1 | norm_rope_quant 3," in table
 
 
 def test_matching_prefix_counts_new_tokens_every_row_shares():
