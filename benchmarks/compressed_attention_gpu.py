@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
+from dsfuse.bench import profile_stages
 from dsfuse.kernels import compressed_attention as ca
 
 H, D, WINDOW, ROPE = 64, 512, 128, 32
@@ -197,11 +198,13 @@ def l2_read_rate():
 # the split path's sweep: kernel 1 (scores) first with kernel 2 at its default, then kernel 2 (p.v) with kernel
 # 1 at the best of those, then the normaliser's place and the fast exp at the best pair: 12 configs a layer, the
 # likeliest first (SPLIT_BUDGET_S cuts the tail)
-SCORES_CONFIGS = {"n32_w4_s1": dict(block_n=32, num_warps=4, num_stages=1),  # 2 programs / SM (96 KiB, 255 regs)
-                  "n32_w8_s1_r128": dict(block_n=32, num_warps=8, num_stages=1, scores_maxnreg=128),  # 2 / SM
-                  "n64_w8_s2": dict(block_n=64, num_warps=8, num_stages=2),  # the fused kernel's tiles
-                  "n32_w8_s2": dict(block_n=32, num_warps=8, num_stages=2),
-                  "n64_w4_s2": dict(block_n=64, num_warps=4, num_stages=2)}
+# (the Triton scores kernel's launches: named, since on Hopper the split path's default scores kernel is Gluon's)
+SCORES_CONFIGS = {name: dict(cfg, scores_kernel="triton") for name, cfg in {
+    "n32_w4_s1": dict(block_n=32, num_warps=4, num_stages=1),  # 2 programs / SM (96 KiB, 255 regs)
+    "n32_w8_s1_r128": dict(block_n=32, num_warps=8, num_stages=1, scores_maxnreg=128),  # 2 / SM
+    "n64_w8_s2": dict(block_n=64, num_warps=8, num_stages=2),  # the fused kernel's tiles
+    "n32_w8_s2": dict(block_n=32, num_warps=8, num_stages=2),
+    "n64_w4_s2": dict(block_n=64, num_warps=4, num_stages=2)}.items()}
 VALUES_CONFIGS = {"d256_w8_s2": dict(d_chunk=256, pv_num_warps=8, pv_num_stages=2),
                   "d128_w4_s3": dict(d_chunk=128, pv_num_warps=4, pv_num_stages=3),
                   "d128_w8_s2": dict(d_chunk=128, pv_num_warps=8, pv_num_stages=2),
@@ -334,17 +337,6 @@ GLUON_CONFIGS = {
 }
 
 
-def kernel_times(fn, steps=5):
-    """GPU time per call of each kernel an op launches, from the profiler (ms)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    return {e.key: e.device_time_total / steps / 1e3 for e in prof.key_averages() if e.device_time_total > 0}
-
-
 def gluon_main():
     """The split path with the Triton and the Gluon scores kernels side by side at S=8192 (CSA, HCA), bit-equality
     between them at equal tile width, agreement with the reference, per-kernel GPU times of the defaults and the
@@ -358,7 +350,7 @@ def gluon_main():
         want = ca.compressed_attention_reference(*args)
         triton_outs = {}
         for block_n in sorted({c["block_n"] for c in GLUON_CONFIGS.values()}):
-            cfg = {"path": "split", "block_n": block_n}
+            cfg = {"path": "split", "scores_kernel": "triton", "block_n": block_n}
             triton_outs[block_n] = dsfuse_op(args, **cfg)
             ms = bench(lambda: dsfuse_op(args, **cfg))
             gl[f"{layer}_triton_n{block_n}"] = {"ms": ms, "tflops": flops / ms / 1e9, **agreement(
@@ -383,10 +375,12 @@ def gluon_main():
                     layer not in best or ms < best[layer][1]):
                 best[layer] = (cfg, ms)
         save()
-        default = {"path": "split"}
-        gl[f"{layer}_kernels_triton_default"] = kernel_times(lambda: dsfuse_op(args, **default))
+        triton_split = {"path": "split", "scores_kernel": "triton"}
+        gl[f"{layer}_kernels_triton_default"] = dict(profile_stages(lambda: dsfuse_op(args, **triton_split))[
+            "top_kernels_ms"])
         if layer in best:
-            gl[f"{layer}_kernels_gluon_best"] = kernel_times(lambda: dsfuse_op(args, **best[layer][0]))
+            gl[f"{layer}_kernels_gluon_best"] = dict(profile_stages(lambda: dsfuse_op(args, **best[layer][0]))[
+                "top_kernels_ms"])
             gl[f"{layer}_gluon_best"] = best[layer][0]
         for name in (f"{layer}_kernels_triton_default", f"{layer}_kernels_gluon_best"):
             for kernel, ms in gl.get(name, {}).items():
@@ -397,7 +391,7 @@ def gluon_main():
         for layer, (cfg, _) in best.items():
             args = make_inputs(S, layer)
             flops = work_flops(args)
-            for name, launch in (("triton_default", {"path": "split"}), ("gluon_best", cfg)):
+            for name, launch in (("triton_default", {"path": "split", "scores_kernel": "triton"}), ("gluon_best", cfg)):
                 ms = bench(lambda: dsfuse_op(args, **launch))
                 gl[f"{layer}_S{S}_{name}"] = {"ms": ms, "tflops": flops / ms / 1e9}
                 ROWS.append((f"{layer} S={S}", name, ms, flops / ms / 1e9))
