@@ -389,7 +389,7 @@ def test_cuda_gluon_scores_give_the_triton_split_paths_bits(kind, block_n, stage
     args = list(_cuda_case(kind, H=48))
     if args[5] is not None:
         args[5] = args[5].long()
-    triton_split = compressed_attention_triton(*args, path="split", block_n=block_n)
+    triton_split = compressed_attention_triton(*args, path="split", block_n=block_n, scores_kernel="triton")
     for normalize in (True, False):
         gluon_split = compressed_attention_triton(*args, path="split", block_n=block_n, scores_kernel="gluon",
                                                   scores_stages=stages, normalize_in_scores=normalize,
