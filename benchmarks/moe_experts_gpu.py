@@ -19,12 +19,29 @@ swiglu_limit 10, bf16 weights) through `moe_experts_bf16(..., swiglu_limit=10)` 
 against transformers' `grouped_mm_experts_forward` (and, at decode, `batched_mm_experts_forward`, what `generate`
 switches to off the CPU) with V4's clamped `_apply_gate`, both under Inductor. Writes $OUT/moe_experts_v4_flash.json;
 budget under 300 s.
+
+`--v4-flash --decode-sweep`: only the decode tiles and schedules at V4-Flash shapes, T = 1 and 8: the legacy schedule
+(`moe.LEGACY_SCHEDULE`, what ran before the decode keys), the current default and every other entry of
+`moe.DECODE_CANDIDATES`, each checked against the reference (relative error < 1e-2, the tests' tolerance; bit
+equality with the legacy output reported) and timed with `do_bench_cudagraph` (the op replayed inside a CUDA graph,
+as a captured decode step runs it; no L2 flush, but T=1 streams 302 MB through a 50 MB L2); legacy and default also
+with `do_bench` (stream launches, as the 0.166 ms T=1 number was taken). Prints ms, GB/s of the selected experts'
+weights and the ratio to the 4.8 TB/s floor next to the prediction written before the run, then the per-kernel
+device times of legacy and default from the profiler. A candidate that fails to compile or run is reported and
+skipped. Writes $OUT/moe_experts_v4_decode_sweep.json after every step; budget under 90 s (no new candidate
+starts past 60 s, no profile past 72 s, counted from after `import torch`; candidates run in order, T=1 then T=8
+for each).
+`--cpu` runs the same sweep on tiny shapes through Triton's interpreter (plumbing check only: the times mean
+nothing). `--help` prints this text.
 """
 
 import json
 import os
 import sys
 import time
+
+if __name__ == "__main__" and "--cpu" in sys.argv[1:]:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (the --decode-sweep plumbing check)
 
 import torch
 import torch.nn.functional as F
@@ -360,5 +377,173 @@ def main_v4_flash():
     save_v4()
 
 
+DECODE_SWEEP_BUDGET_S = 60  # no new candidate past this; the profiles below stop at DECODE_PROFILE_BUDGET_S
+DECODE_PROFILE_BUDGET_S = 72
+HBM_TB_PER_S = 4.8  # H200 HBM3e spec: the floor is the selected experts' weight bytes at this rate
+# Written before the first run (cudagraph ms; T=8 assumes ~44 experts hit, 2.21 GB, floor 0.46 ms). Reasons in
+# notes/moe_experts.md, "Decode (T = 1, 8) at V4-Flash shapes".
+DECODE_PREDICTED_MS = {
+    1: {"legacy": 0.155, "default": 0.082, "routed": 0.088, "bn64": 0.082, "bn64_s5": 0.080, "bn32_s6": 0.080,
+        "bk64_s8": 0.083, "split2": 0.080, "split4": 0.080, "bn64_split2": 0.079},
+    8: {"legacy": 0.575, "default": 0.525, "routed": 0.525, "bn64": 0.525, "bn64_s5": 0.520, "bn32_s6": 0.530,
+        "bk64_s8": 0.525, "split2": 0.522, "split4": 0.522, "bn64_split2": 0.520},
+}
+
+
+def _decode_inputs(T, num_experts, hidden, top_k, device, dtype, g):
+    """Tokens and routing as `main_v4_flash` draws them (random logits, top-k, sqrt-softplus weights)."""
+    x = torch.randn(T, hidden, device=device, generator=g).to(dtype)
+    logits = torch.randn(T, num_experts, device=device, generator=g)
+    ids = logits.topk(top_k, dim=-1).indices
+    weights = torch.nn.functional.softplus(logits).sqrt().gather(1, ids)
+    return x, ids, weights / weights.sum(-1, keepdim=True) * 1.5
+
+
+def _kernel_times_us(fn, calls=20):
+    """Mean device time per call of each kernel `fn` launches (torch profiler, stream launches)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "cuda_time_total", 0.0)
+        if device_us > 0:
+            times[event.key[:60]] = {"us_per_call": device_us / calls, "launches_per_call": event.count / calls}
+    return times
+
+
+def main_v4_decode_sweep(cpu=False):
+    """Decode tiles and schedules of `moe_experts_bf16` at V4-Flash shapes (or tiny ones on the CPU interpreter)."""
+    device, dtype = ("cpu", torch.float16) if cpu else ("cuda", torch.bfloat16)  # the interpreter's bf16 dot is wrong
+    experts, hidden, inter, top_k = (16, 96, 160, V4_TOP_K) if cpu else (V4_EXPERTS, V4_HIDDEN, V4_INTER, V4_TOP_K)
+    results = {"date": RESULTS["date"], "device": "cpu (interpreter)" if cpu else torch.cuda.get_device_name(),
+               "versions": {"torch": torch.__version__, "triton": __import__("triton").__version__},
+               "shape": {"experts": experts, "hidden": hidden, "inter": inter, "top_k": top_k,
+                         "swiglu_limit": V4_LIMIT, "dtype": str(dtype)},
+               "timer": "wall clock, 1 call (interpreter)" if cpu else "do_bench_cudagraph median",
+               "hbm_tb_per_s": HBM_TB_PER_S, "legacy_schedule": moe.LEGACY_SCHEDULE, "cases": {}}
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "moe_experts_v4_decode_sweep.json")
+
+    def save_sweep():
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    def op(*a, **kw):
+        return moe.moe_experts_bf16_triton(*a, swiglu_limit=V4_LIMIT, **kw)
+
+    def graph_ms(fn):
+        if cpu:
+            begin = time.perf_counter()
+            fn()
+            return (time.perf_counter() - begin) * 1e3
+        from triton.testing import do_bench_cudagraph
+
+        with torch.cuda.stream(torch.cuda.Stream()):  # older Tritons refuse to capture on the default stream
+            try:
+                return do_bench_cudagraph(fn, rep=20, return_mode="median")
+            except TypeError:  # no return_mode: the mean
+                return do_bench_cudagraph(fn, rep=20)
+
+    g = torch.Generator(device=device).manual_seed(0)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, device=device, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(experts, hidden, inter, device=device, generator=g) * 0.02).to(dtype)
+    expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    log(f"decode sweep: {experts} experts x {expert_bytes / 1e6:.1f} MB on {results['device']}")
+    inputs, refs, legacy_out, seen = {}, {}, {}, {}
+    for T in (1, 8):
+        x, ids, weights = _decode_inputs(T, experts, hidden, top_k, device, dtype, g)
+        inputs[T] = (x, ids, weights, gate_up, down)
+        hit = int(ids.unique().numel())
+        touched = hit * expert_bytes
+        results["cases"][f"T{T}"] = {"experts_hit": hit, "weight_mb_touched": touched / 1e6,
+                                     "floor_ms": touched / (HBM_TB_PER_S * 1e9), "candidates": {}}
+        refs[T] = moe.moe_experts_bf16_reference(*inputs[T], swiglu_limit=V4_LIMIT)
+    # Candidate by candidate, T=1 then T=8: past the budget the last candidates go, not the whole of T=8.
+    for name, overrides in moe.DECODE_CANDIDATES.items():
+        for T in (1, 8):
+            key, args = f"T{T}", inputs[T]
+            case = results["cases"][key]
+            if elapsed() > DECODE_SWEEP_BUDGET_S:
+                case["candidates"][name] = {"skipped": "out of time"}
+                log(f"{key} {name}: out of time, skipped")
+                continue
+            config = {**moe.moe_default_config(T * top_k, experts, fp4=False, tokens=T), **overrides}
+            entry = case["candidates"][name] = {
+                "overrides": overrides, "config": config,
+                "predicted_ms": None if cpu else DECODE_PREDICTED_MS.get(T, {}).get(name)}
+            same = seen.get((T, json.dumps(config, sort_keys=True)))
+            if same is not None:  # e.g. "routed" is the default at T=8
+                entry["same_as"] = same
+                log(f"{key} {name}: same config as {same}")
+                save_sweep()
+                continue
+            seen[(T, json.dumps(config, sort_keys=True))] = name
+            try:
+                out = op(*args, config=overrides)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                entry["rel_err_vs_reference"] = rel_err(out, refs[T])
+                entry["ok"] = bool(entry["rel_err_vs_reference"] < 1e-2 and torch.isfinite(out).all())
+                if name == "legacy":
+                    legacy_out[T] = out
+                elif T in legacy_out:
+                    entry["bit_equal_to_legacy"] = torch.equal(out.view(torch.int16), legacy_out[T].view(torch.int16))
+                ms = graph_ms(lambda o=overrides, a=args: op(*a, config=o))
+                touched = case["weight_mb_touched"] * 1e6
+                entry.update({"ms": ms, "weight_gb_per_s": touched / ms / 1e6, "x_floor": ms / case["floor_ms"]})
+                if name in ("legacy", "default") and not cpu:
+                    entry["ms_stream_do_bench"] = bench(lambda o=overrides, a=args: op(*a, config=o))
+            except Exception as exc:  # noqa: BLE001 -- a candidate that fails to compile or run is reported, skipped
+                entry["error"] = repr(exc)[:800]
+            log(f"{key} {name}: " + (f"FAILED {entry['error'][:300]}" if "error" in entry else
+                                     f"{entry['ms']:.4f} ms (predicted {entry['predicted_ms']}), "
+                                     f"{entry['weight_gb_per_s']:.0f} GB/s, {entry['x_floor']:.2f}x floor, "
+                                     f"rel err {entry['rel_err_vs_reference']:.1e}, ok {entry['ok']}"))
+            save_sweep()
+    if not cpu:
+        for T in (1, 8):
+            for name in ("legacy", "default"):
+                if elapsed() > DECODE_PROFILE_BUDGET_S:
+                    break
+                try:
+                    overrides = moe.DECODE_CANDIDATES[name]
+                    kernels = _kernel_times_us(lambda o=overrides, a=inputs[T]: op(*a, config=o))
+                    results["cases"][f"T{T}"]["candidates"][name]["kernels"] = kernels
+                    log(f"T{T} {name} kernels: " + ", ".join(f"{k} {v['us_per_call']:.1f} us" for k, v in
+                                                              kernels.items()))
+                except Exception as exc:  # noqa: BLE001 -- the profile is extra information
+                    log(f"T{T} {name} profile failed: {exc!r}"[:300])
+                save_sweep()
+    print(f"\n{'T':>2} {'candidate':<12} {'ms':>8} {'pred':>7} {'GB/s':>7} {'x floor':>8} {'ok':>5} {'=legacy':>7}")
+    for key, case in results["cases"].items():
+        for name, e in case["candidates"].items():
+            if "ms" in e:
+                print(f"{key[1:]:>2} {name:<12} {e['ms']:8.4f} {e['predicted_ms'] or float('nan'):7.3f} "
+                      f"{e['weight_gb_per_s']:7.0f} {e['x_floor']:8.2f} {str(e['ok']):>5} "
+                      f"{str(e.get('bit_equal_to_legacy', '')):>7}")
+            else:
+                note = e.get("error", e.get("skipped", f"same as {e.get('same_as')}"))
+                print(f"{key[1:]:>2} {name:<12} {note[:90]}")
+        print(f"   floor {case['floor_ms']:.4f} ms ({case['experts_hit']} experts, {case['weight_mb_touched']:.0f} MB "
+              f"at {HBM_TB_PER_S} TB/s)")
+    log("done")
+    save_sweep()
+
+
 if __name__ == "__main__":
-    main_v4_flash() if "--v4-flash" in sys.argv[1:] else main()
+    argv = sys.argv[1:]
+    if "--help" in argv or "-h" in argv:
+        print(__doc__)
+    elif "--decode-sweep" in argv:
+        main_v4_decode_sweep(cpu="--cpu" in argv)
+    elif "--v4-flash" in argv:
+        main_v4_flash()
+    else:
+        main()

@@ -10,13 +10,15 @@ Two custom ops share one Triton pipeline, switched by a constexpr weight format:
 Each has a plain-PyTorch reference (its CPU implementation and numerics contract). The Triton path:
 
 1. routing (no host sync): slots whose expert is local are sorted by expert (stably) and a per-expert padded tile
-   schedule of fixed length `T*k // BLOCK_M + E` is built: one Triton program (counting sort) for decode-sized
-   batches, torch ops (`sort`, `cumsum`, `searchsorted`) for large ones;
+   schedule of fixed length `min(T*k, T*k // BLOCK_M + E)` is built: one Triton program (counting sort) for
+   decode-sized batches, torch ops (`sort`, `cumsum`, `searchsorted`) for large ones; at T = 1 none: one tile per
+   slot, the GEMMs read its expert from the ids (`slot_tiles`);
 2. grouped GEMM 1, "swap AB": weight rows are the MMA's M dimension and tokens its N dimension
    (`acc[rows, tokens] = W @ x^T`), so a decoded FP4 tile can feed the tensor cores straight from registers and a
    handful of tokens per expert (decode) still fills the MMA. One tile holds matching gate and up rows; the
    epilogue applies SwiGLU and writes the activation `[slots, I]` in x's dtype;
-3. grouped GEMM 2, same layout, writes each slot's down-projection output (rounded to x's dtype);
+3. grouped GEMM 2, same layout, writes each slot's down-projection output (rounded to x's dtype), or with
+   `split_k` fp32 partials of K slices that the combine sums in slice order and rounds once;
 4. combine: each token sums its k slots in fp32 in slot order (deterministic, no atomics), applying the router
    weight with the op's rounding and reading only slots whose expert is local (expert parallelism), cast once.
 
@@ -403,15 +405,16 @@ def _weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
 
 
 @triton.jit
-def _weight_rows_times_tokens(a_rows, a_row_mask, w_expert, s_expert, w_rows, w_mask, K, stride_wn, stride_sn,
+def _weight_rows_times_tokens(a_rows, a_row_mask, w_expert, s_expert, w_rows, w_mask, k_lo, K, stride_wn, stride_sn,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               DOT_DTYPE: tl.constexpr):
-    """The K loop both GEMMs share: `acc[w_rows, tokens] = W[w_rows, :K] @ A[tokens, :K]^T` in fp32, one expert's
-    weights decoded per K step in registers, the next step's scales prefetched (see `_scale_tile`)."""
+    """The K loop both GEMMs share: `acc[w_rows, tokens] = W[w_rows, k_lo:K] @ A[tokens, k_lo:K]^T` in fp32 (`k_lo`
+    is 0, or a split-K slice's start: a multiple of BLOCK_K), one expert's weights decoded per K step in registers,
+    the next step's scales prefetched (see `_scale_tile`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    scale = _scale_tile(s_expert, w_rows, w_mask, 0, K, stride_sn, BLOCK_K, FP4)
-    for k0 in range(0, K, BLOCK_K):
+    scale = _scale_tile(s_expert, w_rows, w_mask, k_lo, K, stride_sn, BLOCK_K, FP4)
+    for k0 in range(k_lo, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a_tile = tl.load(a_rows + offs_k[None, :], mask=a_row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
         next_scale = _scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, K, stride_sn, BLOCK_K, FP4)
@@ -422,13 +425,41 @@ def _weight_rows_times_tokens(a_rows, a_row_mask, w_expert, s_expert, w_rows, w_
 
 
 @triton.jit
+def _program_tile(tile, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr, LOCAL_LO, NUM_EXPERTS,
+                  SLOT_TILES: tl.constexpr):
+    """`(row_start, row_end, expert)` of a tile; `row_start >= row_end` is an idle tile.
+
+    From the routing schedule (rows of the expert-sorted order), or with `SLOT_TILES` (T = 1: no routing launch)
+    tile = slot: one row, the slot's own, its expert read from the ids, and no row at all when that expert is another
+    rank's (which is then never read)."""
+    if SLOT_TILES:
+        expert = tl.load(ids_ptr + tile).to(tl.int64) - LOCAL_LO
+        row_start = tile
+        row_end = tl.where((expert >= 0) & (expert < NUM_EXPERTS), tile + 1, tile)
+    else:
+        row_start = tl.load(tile_row_start_ptr + tile)
+        row_end = tl.load(tile_row_end_ptr + tile)
+        expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    return row_start, row_end, expert
+
+
+@triton.jit
+def _tile_slots(sorted_slot_ptr, offs_m, m_mask, SLOT_TILES: tl.constexpr):
+    """The slot of each row: `sorted_slot[row]`, or the row itself with `SLOT_TILES`."""
+    if SLOT_TILES:
+        return offs_m
+    else:
+        return tl.load(sorted_slot_ptr + offs_m, mask=m_mask, other=0)
+
+
+@triton.jit
 def _gate_up_swiglu_kernel(
-    x_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
+    x_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr,
     w_ptr, s_ptr, act_ptr,
     stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-    H, INTER, TOP_K,
+    H, INTER, TOP_K, LOCAL_LO, NUM_EXPERTS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, SLOT_TILES: tl.constexpr,
 ):
     """One M tile of one expert x `BLOCK_N/2` columns of I: a `[BLOCK_N, BLOCK_K]` weight tile holds the gate rows
     (first half) and the matching up rows (second half); `acc[rows, tokens]`, SwiGLU in the epilogue (clamped when
@@ -437,15 +468,14 @@ def _gate_up_swiglu_kernel(
     num_n_blocks = tl.cdiv(INTER, HALF_N)
     tile = tl.program_id(0) // num_n_blocks
     n_block = tl.program_id(0) % num_n_blocks
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(tile_row_end_ptr + tile)
+    row_start, row_end, expert = _program_tile(tile, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr,
+                                               LOCAL_LO, NUM_EXPERTS, SLOT_TILES)
     if row_start >= row_end:
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    dot_dtype = x_ptr.dtype.element_ty
     offs_m = row_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < row_end
-    slot = tl.load(sorted_slot_ptr + offs_m, mask=m_mask, other=0)
+    dot_dtype = x_ptr.dtype.element_ty
+    slot = _tile_slots(sorted_slot_ptr, offs_m, m_mask, SLOT_TILES)
     x_rows = x_ptr + (slot // TOP_K).to(tl.int64)[:, None] * stride_xt
     offs_r = tl.arange(0, BLOCK_N)
     col = n_block * HALF_N + offs_r % HALF_N
@@ -453,7 +483,7 @@ def _gate_up_swiglu_kernel(
     w_mask = col < INTER
     w_expert = w_ptr + expert * stride_we
     s_expert = s_ptr + expert * stride_se
-    acc = _weight_rows_times_tokens(x_rows, m_mask, w_expert, s_expert, w_rows, w_mask, H, stride_wn, stride_sn,
+    acc = _weight_rows_times_tokens(x_rows, m_mask, w_expert, s_expert, w_rows, w_mask, 0, H, stride_wn, stride_sn,
                                     BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
     # Round as the source does: each GEMM output, silu and the product are all in x's dtype.
     gate, up = tl.split(tl.permute(tl.reshape(acc.to(dot_dtype), (2, HALF_N, BLOCK_M)), (2, 1, 0)))
@@ -472,63 +502,113 @@ def _gate_up_swiglu_kernel(
 
 @triton.jit
 def _down_kernel(
-    act_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
+    act_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr,
     w_ptr, s_ptr, slot_out_ptr,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    H, INTER,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
+    H, INTER, LOCAL_LO, NUM_EXPERTS, K_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
-    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, SLOT_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     """One M tile of one expert x `BLOCK_N` columns of H: `acc[rows, tokens]`, stored (rounded to x's dtype) to each
-    slot's own row of `slot_out`; the router weight is applied by the combine."""
+    slot's own row of `slot_out`; the router weight is applied by the combine.
+
+    With `SPLIT_K` > 1 (decode), program `split` sums only K columns `[split * K_SPLIT, (split + 1) * K_SPLIT)` and
+    stores its fp32 partial, unrounded, to `slot_out[split]`; the combine adds the partials in split order and rounds
+    the sum to x's dtype once (the source's rounding of the down output; only the fp32 summation order differs)."""
     num_n_blocks = tl.cdiv(H, BLOCK_N)
-    tile = tl.program_id(0) // num_n_blocks
-    n_block = tl.program_id(0) % num_n_blocks
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(tile_row_end_ptr + tile)
+    if SPLIT_K == 1:
+        program = tl.program_id(0)
+        k_lo = 0
+        k_hi = INTER
+    else:
+        program = tl.program_id(0) // SPLIT_K
+        split = tl.program_id(0) % SPLIT_K
+        k_lo = split * K_SPLIT
+        k_hi = tl.minimum(INTER, k_lo + K_SPLIT)
+    tile = program // num_n_blocks
+    n_block = program % num_n_blocks
+    row_start, row_end, expert = _program_tile(tile, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr,
+                                               LOCAL_LO, NUM_EXPERTS, SLOT_TILES)
     if row_start >= row_end:
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    dot_dtype = act_ptr.dtype.element_ty
     offs_m = row_start + tl.arange(0, BLOCK_M)
     m_mask = offs_m < row_end
+    dot_dtype = act_ptr.dtype.element_ty
     a_rows = act_ptr + offs_m[:, None].to(tl.int64) * stride_am
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     w_expert = w_ptr + expert * stride_we
     s_expert = s_ptr + expert * stride_se
-    acc = _weight_rows_times_tokens(a_rows, m_mask, w_expert, s_expert, offs_n, n_mask, INTER, stride_wn, stride_sn,
-                                    BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
-    slot = tl.load(sorted_slot_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
-    out = tl.trans(acc.to(dot_dtype))
-    tl.store(slot_out_ptr + slot[:, None] * stride_om + offs_n[None, :], out, mask=m_mask[:, None] & n_mask[None, :])
+    acc = _weight_rows_times_tokens(a_rows, m_mask, w_expert, s_expert, offs_n, n_mask, k_lo, k_hi, stride_wn,
+                                    stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
+    slot = _tile_slots(sorted_slot_ptr, offs_m, m_mask, SLOT_TILES).to(tl.int64)
+    out_rows = slot_out_ptr + slot[:, None] * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_rows, tl.trans(acc.to(dot_dtype)), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        tl.store(out_rows + split.to(tl.int64) * stride_os, tl.trans(acc), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _slot_row(slot_out_ptr, row_index, offs_h, mask, stride_os, stride_om, SPLIT_K: tl.constexpr,
+              OUT_DTYPE: tl.constexpr):
+    """One slot's down-projection output row as fp32: a row in x's dtype, or (split K) the sum of its fp32 partials in
+    split order, rounded once to x's dtype."""
+    row = tl.load(slot_out_ptr + row_index * stride_om + offs_h, mask=mask, other=0.0).to(tl.float32)
+    if SPLIT_K > 1:
+        for split in tl.static_range(1, SPLIT_K):
+            row += tl.load(slot_out_ptr + split * stride_os + row_index * stride_om + offs_h, mask=mask, other=0.0)
+        row = row.to(OUT_DTYPE).to(tl.float32)
+    return row
 
 
 @triton.jit
 def _combine_kernel(
-    slot_out_ptr, row_of_slot_ptr, expert_ids_ptr, router_ptr, out_ptr, stride_om, stride_ot, H, TOP_K, LOCAL_LO,
-    LOCAL_HI, BLOCK_H: tl.constexpr, ROUTER_DTYPE: tl.constexpr, PRODUCT_DTYPE: tl.constexpr, ROW_MAP: tl.constexpr,
+    slot_out_ptr, row_of_slot_ptr, expert_ids_ptr, router_ptr, out_ptr, stride_os, stride_om, stride_ot, H, LOCAL_LO,
+    LOCAL_HI, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, ROUTER_DTYPE: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+    ROW_MAP: tl.constexpr, SPLIT_K: tl.constexpr, UNROLL: tl.constexpr,
 ):
     """Token t = sum over its slots j = 0..k-1, in that order and in fp32, of `round(out * round(router))`.
 
     The router weight is first rounded to `ROUTER_DTYPE` and the product to `PRODUCT_DTYPE` (FP4 op: both x's
     dtype; HF op: the router's own dtype and the promoted dtype). Non-local slots are skipped unread. With
-    `ROW_MAP`, slot s's output is row `row_of_slot[s]` of `slot_out` (the expert-sorted rows of `grouped_mm`).
+    `ROW_MAP`, slot s's output is row `row_of_slot[s]` of `slot_out` (the expert-sorted rows of `grouped_mm`); with
+    `SPLIT_K` > 1 it is the sum of `SPLIT_K` fp32 partials (`_slot_row`).
+
+    `UNROLL`: the k slots unrolled with masked loads (a masked-off load reads nothing), so all k rows are in flight
+    at once; otherwise a loop that branches per slot (each iteration waits for its id, then its row). Same sums.
     """
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = offs_h < H
+    out_dtype = out_ptr.dtype.element_ty
     total = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(TOP_K):
-        slot = token * TOP_K + j
-        expert = tl.load(expert_ids_ptr + slot).to(tl.int64)
-        is_local = (expert >= LOCAL_LO) & (expert < LOCAL_HI)
-        if is_local:
-            router = tl.load(router_ptr + slot).to(ROUTER_DTYPE).to(tl.float32)
-            row_index = tl.load(row_of_slot_ptr + slot).to(tl.int64) if ROW_MAP else slot
-            row = tl.load(slot_out_ptr + row_index * stride_om + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-            total += (row * router).to(PRODUCT_DTYPE).to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_ptr.dtype.element_ty), mask=h_mask)
+    if UNROLL:
+        for j in tl.static_range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(expert_ids_ptr + slot).to(tl.int64)
+            is_local = (expert >= LOCAL_LO) & (expert < LOCAL_HI)
+            router = tl.load(router_ptr + slot, mask=is_local, other=0.0).to(ROUTER_DTYPE).to(tl.float32)
+            if ROW_MAP:
+                row_index = tl.load(row_of_slot_ptr + slot, mask=is_local, other=0).to(tl.int64)
+            else:
+                row_index = slot
+            # `offs_h < H` where the slot is local, nothing elsewhere (one compare: the interpreter mistypes
+            # `h_mask & is_local` with a scalar `is_local`)
+            row_mask = offs_h < tl.where(is_local, H, 0)
+            row = _slot_row(slot_out_ptr, row_index, offs_h, row_mask, stride_os, stride_om, SPLIT_K, out_dtype)
+            total = tl.where(is_local, total + (row * router).to(PRODUCT_DTYPE).to(tl.float32), total)
+    else:
+        for j in range(TOP_K):
+            slot = token * TOP_K + j
+            expert = tl.load(expert_ids_ptr + slot).to(tl.int64)
+            is_local = (expert >= LOCAL_LO) & (expert < LOCAL_HI)
+            if is_local:
+                router = tl.load(router_ptr + slot).to(ROUTER_DTYPE).to(tl.float32)
+                row_index = tl.load(row_of_slot_ptr + slot).to(tl.int64) if ROW_MAP else slot
+                row = _slot_row(slot_out_ptr, row_index, offs_h, h_mask, stride_os, stride_om, SPLIT_K, out_dtype)
+                total += (row * router).to(PRODUCT_DTYPE).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs_h, total.to(out_dtype), mask=h_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -536,8 +616,8 @@ def _combine_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def moe_default_config(num_slots: int, num_experts: int, fp4: bool = True) -> dict:
-    """Tile sizes from static shapes only (slots = T*k, local experts, weight format).
+def moe_default_config(num_slots: int, num_experts: int, fp4: bool = True, tokens: int | None = None) -> dict:
+    """Tile sizes and schedule from static shapes only (slots = T*k, local experts, weight format, T if known).
 
     BLOCK_M (tokens: the MMA's N dimension) covers 1.5x the mean rows per expert, from 16 up to 256: at decode
     nearly every expert needs one tile, so each weight is read and decoded once; at prefill a 256-token tile halves
@@ -545,21 +625,72 @@ def moe_default_config(num_slots: int, num_experts: int, fp4: bool = True) -> di
     no warpgroup decodes another's rows. FP4 decode tiles use BLOCK_K 64 with 6 stages: 63 registers (sm_90,
     triton 3.9), so four CTAs share an SM and hide each other's load and wgmma latency (BLOCK_K 128 needs 138
     registers: one CTA per SM). Prefill tiles are the largest that compile without spills.
+
+    Schedule keys (all but `split_k` change only which programs run and how many launches, not one result bit):
+    - `compact_tiles`: the tile list is `min(T*k, T*k // BLOCK_M + E)` long (a used tile holds at least one slot),
+      not `T*k // BLOCK_M + E`: at decode with many experts nearly every program of the old grid was idle (T=1,
+      E=256: 8192 programs per GEMM for 192 with work);
+    - `slot_tiles` (default at T = 1): one tile per slot read straight from the ids, no routing launch (a slot
+      sharing its expert with another would read that expert's weights again: only T = 1 is sure not to);
+    - `split_k` (default 1): the down GEMM's K split into that many slices, fp32 partials summed by the combine
+      (changes the fp32 summation order of the down projection, nothing else);
+    - `combine_unroll`: the combine's k slots unrolled with masked loads.
+    `LEGACY_SCHEDULE` restores the schedule before these keys.
     """
     rows_per_expert = max(1, -(-3 * num_slots // (2 * num_experts)))
     block_m = min(256, max(16, next_power_of_2(rows_per_expert)))
-    config = {"block_m": block_m, "block_n1": 128, "block_n2": 128, "num_warps": 8}
+    config = {"block_m": block_m, "block_n1": 128, "block_n2": 128, "num_warps": 8, "compact_tiles": True,
+              "slot_tiles": tokens == 1, "split_k": 1, "combine_unroll": True}
     if block_m <= 64:  # bandwidth-bound decode: deep pipelines keep weight bytes in flight
         return {**config, "block_k": 64, "num_stages": 6} if fp4 else {**config, "block_k": 128, "num_stages": 4}
     return {**config, "block_k": 64, "num_stages": 4 if block_m == 128 else 3}
 
 
-def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int):
+# The schedule before the decode keys above (the launches and grids measured on the H200 at V4-Flash shapes: T=1
+# 0.166 ms), run by today's kernels.
+LEGACY_SCHEDULE = {"compact_tiles": False, "slot_tiles": False, "split_k": 1, "combine_unroll": False}
+
+
+# Decode tile candidates on top of the defaults (benchmarks/moe_experts_gpu.py --v4-flash --decode-sweep times each;
+# the offline sm_90 compile test builds each). Shared memory per CTA at BM 16 with bf16 weights (triton 3.9) and
+# CTAs per SM by shared memory (227 KB): default BN128 BK128 4 stages 144 KB (1), BN64 4 warps 80 KB (2), BN64 5
+# stages 100 KB (2), BN32 6 stages 60 KB (3; BN < 64 runs mma.sync, not wgmma), BK64 8 stages 144 KB (1).
+DECODE_CANDIDATES = {
+    "legacy": LEGACY_SCHEDULE,
+    "default": {},
+    "routed": {"slot_tiles": False},
+    "bn64": {"block_n1": 64, "block_n2": 64, "num_warps": 4},
+    "bn64_s5": {"block_n1": 64, "block_n2": 64, "num_warps": 4, "num_stages": 5},
+    "bn32_s6": {"block_n1": 32, "block_n2": 32, "num_warps": 4, "num_stages": 6},
+    "bk64_s8": {"block_k": 64, "num_stages": 8},
+    "split2": {"split_k": 2},
+    "split4": {"split_k": 4},
+    "bn64_split2": {"block_n1": 64, "block_n2": 64, "num_warps": 4, "split_k": 2},
+}
+
+
+def down_splits(inter: int, split_k: int, block_k: int) -> tuple[int, int]:
+    """`(slices, K per slice)` of the down GEMM for `split_k`: slices of whole BLOCK_K steps, every one non-empty (so
+    there may be fewer than `split_k`)."""
+    k_split = cdiv(cdiv(inter, split_k), block_k) * block_k
+    return cdiv(inter, k_split), k_split
+
+
+def num_schedule_tiles(num_slots: int, num_experts: int, block_m: int, compact: bool = True) -> int:
+    """Length of the tile list: each local expert with c slots uses ceil(c / BLOCK_M) tiles, which is at most
+    `c // BLOCK_M + 1` and at most c; summed over the experts, at most `T*k // BLOCK_M + E` and (`compact`) at
+    most T*k."""
+    bound = num_slots // block_m + num_experts
+    return min(num_slots, bound) if compact else bound
+
+
+def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int,
+                        compact: bool = True):
     """Expert-sorted slot order and a fixed-length tile list, with torch ops only (no `.item()`, static shapes).
 
     Non-local slots sort after every local one and are covered by no tile. Returns `(sorted_slot [T*k] int32,
-    tile_row_start, tile_row_end, tile_expert)`, each tile list of length `T*k // block_m + E`; a tile with
-    `start >= end` is idle. The bound holds because each expert wastes less than one tile.
+    tile_row_start, tile_row_end, tile_expert)`, each tile list of length `num_schedule_tiles(T*k, E, block_m,
+    compact)`; a tile with `start >= end` is idle.
     """
     flat = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
     is_local = (flat >= 0) & (flat < num_experts)
@@ -571,7 +702,7 @@ def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert
     starts = torch.cumsum(counts, 0) - counts
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles_per_expert, 0)
-    max_tiles = flat.numel() // block_m + num_experts
+    max_tiles = num_schedule_tiles(flat.numel(), num_experts, block_m, compact)
     tile = torch.arange(max_tiles, device=flat.device)
     tile_expert = torch.searchsorted(tile_end, tile, right=True)
     used = tile_expert < num_experts
@@ -636,11 +767,12 @@ def _routing_kernel(
         tl.store(tile_expert_ptr + tile, expert, mask=tile < MAX_TILES)
 
 
-def build_tile_schedule_triton(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int):
+def build_tile_schedule_triton(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int,
+                               compact: bool = True):
     """Same outputs as `build_tile_schedule` (identical sorted order and used tiles) from one Triton launch."""
     flat = expert_ids.reshape(-1)
     n = flat.numel()
-    max_tiles = n // block_m + num_experts
+    max_tiles = num_schedule_tiles(n, num_experts, block_m, compact)
     e_pad = next_power_of_2(num_experts + 1)
     sorted_slot = torch.empty(n, dtype=torch.int32, device=flat.device)
     rank = torch.empty(n, dtype=torch.int32, device=flat.device)
@@ -669,61 +801,97 @@ def _contiguous_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_scale, local_expert_offset, inter,
-                        fp4, router_dtype, product_dtype, swiglu_limit, config):
-    """Shared launcher of both ops; `w13_scale`/`w2_scale` are ignored (any tensor) when `fp4` is False."""
-    T, H = x.shape
-    top_k = expert_ids.shape[1]
-    num_experts = w13.shape[0]
-    cfg = moe_default_config(T * top_k, num_experts, fp4)
+def _moe_config(T, top_k, num_experts, fp4, config):
+    cfg = moe_default_config(T * top_k, num_experts, fp4, tokens=T)
     cfg.update(config or {})
     if cfg["block_k"] % 64 or cfg["block_n1"] % 2:
         raise ValueError(f"moe_experts: block_k must be a multiple of 64 and block_n1 even, got {cfg}")
+    if not isinstance(cfg["split_k"], int) or cfg["split_k"] < 1:
+        raise ValueError(f"moe_experts: split_k must be a positive int, got {cfg['split_k']!r}")
+    return cfg
+
+
+def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_scale, local_expert_offset, inter,
+                        fp4, router_dtype, product_dtype, swiglu_limit, config):
+    """Shared launcher of both ops; `w13_scale`/`w2_scale` are ignored (any tensor) when `fp4` is False."""
+    T = x.shape[0]
+    cfg = _moe_config(T, expert_ids.shape[1], w13.shape[0], fp4, config)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if T == 0:
         return out
-    x = _contiguous_last(x)
     expert_ids = expert_ids.contiguous()
     router = expert_weights.contiguous().reshape(-1)
-    w13, w13_scale, w2, w2_scale = (_contiguous_last(t) for t in (w13, w13_scale, w2, w2_scale))
-    block_m = cfg["block_m"]
-    use_triton_routing = cfg.get("triton_routing", T * top_k <= TRITON_ROUTING_MAX_SLOTS)
-    schedule = build_tile_schedule_triton if use_triton_routing else build_tile_schedule
-    sorted_slot, row_start, row_end, tile_expert = schedule(expert_ids, num_experts, local_expert_offset, block_m)
-    num_tiles = row_start.numel()
-    precision = _dot_precision(x.dtype)
-    decode_asm = fp4 and x.is_cuda and x.dtype == torch.bfloat16 and cfg.get("decode_asm", FP4_DECODE_PTX)
-    act = torch.empty(T * top_k, inter, dtype=x.dtype, device=x.device)
-    _gate_up_swiglu_kernel[(num_tiles * cdiv(inter, cfg["block_n1"] // 2),)](
-        x, sorted_slot, row_start, row_end, tile_expert, w13, w13_scale, act,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        act.stride(0), H, inter, top_k,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n1"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
-        DOT_PRECISION=precision, SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    slot_out = torch.empty(T * top_k, H, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tiles * cdiv(H, cfg["block_n2"]),)](
-        act, sorted_slot, row_start, row_end, tile_expert, w2, w2_scale, slot_out,
-        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        slot_out.stride(0), H, inter,
-        BLOCK_M=block_m, BLOCK_N=cfg["block_n2"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
-        DOT_PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
-    _combine(slot_out, None, expert_ids, router, out, local_expert_offset, num_experts, router_dtype, product_dtype)
+    _, slot_out = _expert_gemms(x, expert_ids, w13, w13_scale, w2, w2_scale, local_expert_offset, inter, fp4,
+                                swiglu_limit, cfg)
+    _combine(slot_out, None, expert_ids, router, out, local_expert_offset, w13.shape[0], router_dtype, product_dtype,
+             unroll=bool(cfg["combine_unroll"]))
     return out
 
 
+def _expert_gemms(x, expert_ids, w13, w13_scale, w2, w2_scale, local_expert_offset, inter, fp4, swiglu_limit, cfg,
+                  buffers=None):
+    """Routing (unless `slot_tiles`) and both GEMMs for T >= 1 and contiguous ids: `(act [T*k, I], slot_out [splits,
+    T*k, H])`, rows of act in the tiles' row order, of slot_out by slot; `buffers` = that pair, preallocated (tests
+    fill them with a sentinel to see which rows the kernels write)."""
+    T, H = x.shape
+    top_k = expert_ids.shape[1]
+    num_experts = w13.shape[0]
+    x = _contiguous_last(x)
+    w13, w13_scale, w2, w2_scale = (_contiguous_last(t) for t in (w13, w13_scale, w2, w2_scale))
+    block_m = cfg["block_m"]
+    num_slots = T * top_k
+    slot_tiles = bool(cfg["slot_tiles"])
+    if slot_tiles:  # tile = slot: the GEMMs read the ids; the schedule arguments are never dereferenced
+        flat_ids = expert_ids.reshape(-1)
+        sorted_slot = row_start = row_end = tile_expert = flat_ids
+        num_tiles = num_slots
+    else:
+        use_triton_routing = cfg.get("triton_routing", num_slots <= TRITON_ROUTING_MAX_SLOTS)
+        schedule = build_tile_schedule_triton if use_triton_routing else build_tile_schedule
+        sorted_slot, row_start, row_end, tile_expert = schedule(expert_ids, num_experts, local_expert_offset, block_m,
+                                                                compact=bool(cfg["compact_tiles"]))
+        num_tiles = row_start.numel()
+    precision = _dot_precision(x.dtype)
+    decode_asm = fp4 and x.is_cuda and x.dtype == torch.bfloat16 and cfg.get("decode_asm", FP4_DECODE_PTX)
+    splits, k_split = down_splits(inter, cfg["split_k"], cfg["block_k"])
+    if buffers is not None:
+        act, slot_out = buffers
+    else:
+        act = torch.empty(num_slots, inter, dtype=x.dtype, device=x.device)
+        # Split K: fp32 partials, one [T*k, H] plane per slice, summed by the combine.
+        slot_out = torch.empty(splits, num_slots, H, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
+    _gate_up_swiglu_kernel[(num_tiles * cdiv(inter, cfg["block_n1"] // 2),)](
+        x, sorted_slot, row_start, row_end, tile_expert, expert_ids, w13, w13_scale, act,
+        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        act.stride(0), H, inter, top_k, local_expert_offset, num_experts,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n1"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
+        DOT_PRECISION=precision, SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),
+        SLOT_TILES=slot_tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    _down_kernel[(num_tiles * cdiv(H, cfg["block_n2"]) * splits,)](
+        act, sorted_slot, row_start, row_end, tile_expert, expert_ids, w2, w2_scale, slot_out,
+        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        slot_out.stride(0), slot_out.stride(1), H, inter, local_expert_offset, num_experts, k_split,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n2"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
+        DOT_PRECISION=precision, SLOT_TILES=slot_tiles, SPLIT_K=splits,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return act, slot_out
+
+
 def _combine(slot_out, row_of_slot, expert_ids, router, out, local_expert_offset, num_experts, router_dtype,
-             product_dtype):
+             product_dtype, unroll=True):
+    """`slot_out`: `[rows, H]` in x's dtype, or `[splits, rows, H]` (x's dtype for one plane, fp32 partials for
+    more)."""
     T, H = out.shape
+    planes = slot_out if slot_out.dim() == 3 else slot_out.unsqueeze(0)
     block_h = min(1024, next_power_of_2(H))
     _combine_kernel[(T, cdiv(H, block_h))](
-        slot_out, expert_ids if row_of_slot is None else row_of_slot, expert_ids, router, out, slot_out.stride(0),
-        out.stride(0), H, expert_ids.shape[1], local_expert_offset, local_expert_offset + num_experts,
-        BLOCK_H=block_h, ROUTER_DTYPE=_TL_DTYPES[router_dtype], PRODUCT_DTYPE=_TL_DTYPES[product_dtype],
-        ROW_MAP=row_of_slot is not None,
+        planes, expert_ids if row_of_slot is None else row_of_slot, expert_ids, router, out, planes.stride(0),
+        planes.stride(1), out.stride(0), H, local_expert_offset, local_expert_offset + num_experts,
+        TOP_K=expert_ids.shape[1], BLOCK_H=block_h, ROUTER_DTYPE=_TL_DTYPES[router_dtype],
+        PRODUCT_DTYPE=_TL_DTYPES[product_dtype], ROW_MAP=row_of_slot is not None, SPLIT_K=planes.shape[0],
+        UNROLL=unroll,
     )
 
 

@@ -6,6 +6,7 @@ determinism, opcheck, bad input."""
 import types
 
 import pytest
+import sm90_offline
 import torch
 import torch.nn.functional as F
 from dsfuse.kernels import moe_experts as moe
@@ -236,14 +237,15 @@ def test_gpu_cuda_graph_capture_replays():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _bf16_inputs(T, k, num_experts=8, dtype=HALF, router_dtype=torch.float32, seed=0, expert_ids=None):
+def _bf16_inputs(T, k, num_experts=8, dtype=HALF, router_dtype=torch.float32, seed=0, expert_ids=None, hidden=HIDDEN,
+                 inter=INTER):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, HIDDEN, generator=g).to(dtype)
+    x = torch.randn(T, hidden, generator=g).to(dtype)
     if expert_ids is None:
         expert_ids = torch.stack([torch.randperm(num_experts, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g).to(router_dtype)
-    gate_up = (torch.randn(num_experts, 2 * INTER, HIDDEN, generator=g) * 0.1).to(dtype)
-    down = (torch.randn(num_experts, HIDDEN, INTER, generator=g) * 0.1).to(dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=g) * 0.1).to(dtype)
     return [t.to(DEVICE) for t in (x, expert_ids, weights, gate_up, down)]
 
 
@@ -486,3 +488,274 @@ def test_clamped_ops_opcheck_and_bad_limit():
             torch.ops.dsfuse.moe_experts_bf16(*bf16_args, 0, bad)
         with pytest.raises(ValueError, match="swiglu_limit must be a positive finite float"):
             moe.moe_experts_fp4_triton(*fp4_args, swiglu_limit=bad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode schedule and tiles (`compact_tiles`, `slot_tiles`, `split_k`, `combine_unroll`, DECODE_CANDIDATES)
+# ---------------------------------------------------------------------------------------------------------------
+
+DECODE_INTER = 160  # not a multiple of 64 or 128: masked K tails in the down GEMM's split slices
+
+
+def test_compact_tile_list_length():
+    """At most T*k tiles (each used tile holds a slot) and at most T*k // BM + E; the old length is the latter."""
+    assert moe.num_schedule_tiles(6, 256, 16) == 6 and moe.num_schedule_tiles(6, 256, 16, compact=False) == 256
+    assert moe.num_schedule_tiles(48, 256, 16) == 48 and moe.num_schedule_tiles(4096 * 8, 32, 256) == 160
+    assert moe.moe_default_config(6, 256, fp4=False, tokens=1)["slot_tiles"]
+    assert not moe.moe_default_config(48, 256, fp4=False, tokens=8)["slot_tiles"]
+
+
+@pytest.mark.parametrize("triton_routing", [False, True])
+def test_compact_schedule_covers_every_slot_when_the_bound_is_tight(triton_routing):
+    """T*k slots on T*k different experts need exactly T*k tiles, the compact list's whole length."""
+    ids = torch.tensor([[5, 0, 7, 2, 6, 1]])
+    schedule = moe.build_tile_schedule_triton if triton_routing else moe.build_tile_schedule
+    order, start, end, expert = schedule(ids.to(DEVICE), 8, 0, 16)
+    start, end, expert, order = start.cpu(), end.cpu(), expert.cpu(), order.cpu()
+    assert start.numel() == 6 and bool((end > start).all())
+    covered = sorted(int(order[s]) for s, e in zip(start.tolist(), end.tolist()) for s in range(s, e))
+    assert covered == list(range(6))
+    assert [int(ids.view(-1)[order[s]]) for s in start.tolist()] == expert.tolist()
+
+
+@pytest.mark.parametrize("name", sorted(moe.DECODE_CANDIDATES))
+@pytest.mark.parametrize("T,k", [(1, 6), (3, 5)])
+def test_decode_candidates_match_reference(name, T, k):
+    """Every decode candidate the GPU sweep times, through the interpreter, clamped SwiGLU, K and N tails (H 96,
+    I 160: the split candidates cut the down GEMM's K into slices of 128 and a 32-column tail). Candidates that only
+    change the schedule (which programs run, the combine's loop) give the legacy schedule's output bit for bit."""
+    args = _bf16_inputs(T, k, seed=T, inter=DECODE_INTER)
+    config = moe.DECODE_CANDIDATES[name]
+    out = moe.moe_experts_bf16_triton(*args, swiglu_limit=0.5, config=config)
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args], swiglu_limit=0.5)
+    assert out.dtype == ref.dtype and _rel_err(out, ref.to(out.device)) < 1e-2
+    if set(config) <= {"compact_tiles", "slot_tiles", "combine_unroll"} or config == moe.LEGACY_SCHEDULE:
+        legacy = moe.moe_experts_bf16_triton(*args, swiglu_limit=0.5, config=moe.LEGACY_SCHEDULE)
+        assert torch.equal(out.view(torch.int16), legacy.view(torch.int16))
+
+
+@pytest.mark.parametrize("slot_tiles", [False, True])
+def test_decode_schedules_never_read_non_local_slots(slot_tiles):
+    """T = 1 and 2 on a rank holding global experts 8..11: NaN router weights on other ranks' slots, and a token with
+    no local slot has NaN features; slot tiles read the ids themselves and must skip those slots too."""
+    for ids in ([[8, 1, 11, 30]], [[8, 1, 11, 30], [0, 2, 3, 100]]):
+        ids = torch.tensor(ids, device=DEVICE)
+        x, _, weights, gate_up, down = _bf16_inputs(ids.shape[0], 4, num_experts=4, inter=DECODE_INTER)
+        non_local = (ids < 8) | (ids >= 12)
+        x = x.masked_fill(non_local.all(dim=1, keepdim=True), float("nan"))
+        weights = weights.masked_fill(non_local, float("nan"))
+        args = (x, ids, weights, gate_up, down)
+        for split_k in (1, 2):
+            out = moe.moe_experts_bf16_triton(*args, local_expert_offset=8,
+                                              config={"slot_tiles": slot_tiles, "split_k": split_k})
+            ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args], local_expert_offset=8)
+            assert torch.isfinite(out).all() and _rel_err(out, ref.to(out.device)) < 1e-2
+            assert (out[non_local.all(dim=1)] == 0).all()
+
+
+def test_slot_tiles_with_repeated_experts():
+    """Slot tiles at T > 1 (forced) with every slot on two experts: each slot reads its expert's weights again."""
+    ids = torch.tensor([[3, 1], [1, 3], [3, 1], [1, 3], [3, 1]])
+    args = _bf16_inputs(5, 2, expert_ids=ids, inter=DECODE_INTER)
+    out = moe.moe_experts_bf16_triton(*args, config={"slot_tiles": True})
+    routed = moe.moe_experts_bf16_triton(*args, config={"slot_tiles": False})
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args])
+    assert _rel_err(out, ref.to(out.device)) < 1e-2 and torch.equal(out.view(torch.int16), routed.view(torch.int16))
+
+
+@pytest.mark.parametrize("split_k,block_k,slices", [(2, 64, 2), (4, 64, 3), (8, 128, 2)])
+def test_split_k_down_projection_is_the_reference_up_to_summation_order(split_k, block_k, slices):
+    """The down GEMM in K slices (fp32 partials summed by the combine in slice order, rounded once): fp32 inputs
+    agree with the reference to fp32 summation order, half inputs to the usual half tolerance. I = 160 with BK 64
+    gives slices of 128 and 32 columns for split 2 and 64/64/32 for split 4 (three, not four: no slice is empty)."""
+    assert moe.down_splits(DECODE_INTER, split_k, block_k)[0] == slices
+    config = {"split_k": split_k, "block_k": block_k}
+    for T, k in ((1, 6), (7, 3)):
+        args = _bf16_inputs(T, k, dtype=torch.float32, seed=T, inter=DECODE_INTER)
+        out = moe.moe_experts_bf16_triton(*args, config=config)
+        ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in args])
+        assert _rel_err(out, ref.to(out.device)) < 1e-5
+        half = [a.to(HALF) if a.is_floating_point() and a is not args[2] else a for a in args]
+        out = moe.moe_experts_bf16_triton(*half, swiglu_limit=0.5, config=config)
+        ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in half], swiglu_limit=0.5)
+        assert _rel_err(out, ref.to(out.device)) < 1e-2
+
+
+def test_fp4_split_k_and_slot_tiles():
+    """The FP4 op through the same decode keys: K slices start at a multiple of BLOCK_K, so the scale blocks line up."""
+    assert moe.down_splits(128, 2, 64)[0] == 2
+    split = {"split_k": 2, "block_k": 64}
+    for T, config in ((1, split), (1, {"slot_tiles": False}), (6, split)):
+        args = _inputs(T, 3, inter=128, seed=T)
+        out = moe.moe_experts_fp4_triton(*args, config=config)
+        ref = moe.moe_experts_reference(*[a.cpu() for a in args]).to(out.device)
+        assert _rel_err(out, ref) < 1e-2
+
+
+def test_split_k_rejects_bad_values():
+    args = _bf16_inputs(1, 2)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="split_k must be a positive int"):
+            moe.moe_experts_bf16_triton(*args, config={"split_k": bad})
+
+
+@pytest.mark.parametrize("slot_tiles,split_k", [(True, 1), (True, 2), (False, 1), (False, 2)])
+def test_gemms_write_only_rows_of_local_slots(slot_tiles, split_k):
+    """Both GEMMs into sentinel-filled buffers, a rank holding global experts 8..11 (and ids past the stack):
+    rows of local slots are written, every other row keeps the sentinel, so no program ran for another rank's slot
+    (with slot tiles such a program would index the weight stack with an out-of-range expert: id 13 is local
+    expert 5 of 4)."""
+    ids = torch.tensor([[8, 1, 11, 13], [9, 10, 2, 8]], device=DEVICE)
+    x, _, _, gate_up, down = _bf16_inputs(2, 4, num_experts=4, inter=DECODE_INTER)
+    cfg = {**moe._moe_config(2, 4, 4, False, None), "slot_tiles": slot_tiles, "split_k": split_k}
+    splits = moe.down_splits(DECODE_INTER, split_k, cfg["block_k"])[0]
+    assert splits == split_k
+    sentinel = 7.0
+    act = torch.full((8, DECODE_INTER), sentinel, dtype=HALF, device=DEVICE)
+    slot_out = torch.full((splits, 8, HIDDEN), sentinel, dtype=torch.float32 if splits > 1 else HALF, device=DEVICE)
+    moe._expert_gemms(x, ids, gate_up, gate_up, down, down, 8, DECODE_INTER, False, None, cfg, (act, slot_out))
+    local = ((ids >= 8) & (ids < 12)).view(-1).cpu()
+    # act rows: by slot with slot tiles, expert-sorted (local slots first) otherwise
+    act_rows = local if slot_tiles else torch.arange(8) < int(local.sum())
+    act, slot_out = act.cpu(), slot_out.cpu()
+    assert (act[~act_rows] == sentinel).all() and (act[act_rows] != sentinel).any(dim=1).all()
+    assert (slot_out[:, ~local] == sentinel).all() and (slot_out[:, local] != sentinel).any(dim=2).all()
+
+
+def test_combine_sums_split_partials_in_order_and_rounds_once():
+    """Split-K partials are added in slice order in fp32 and the sum is rounded once to x's dtype before the router
+    product, as the unsplit GEMM rounds its output. Three slots, router weights 1. fp32: partials (1, 2^-24, 2^-24)
+    sum to 1 in that order (each 2^-24 is a tie that rounds to even), to 1 + 2^-23 in the reverse one: the token is 3,
+    not 3 + 2^-21. fp16: partials (1, 0.4 ulp(1)) round to 1, so the token is 3; unrounded the three would sum to
+    3 + 1.2 ulp(1) = 3 + 0.6 ulp(3), which rounds to 3 + ulp(3)."""
+    ids = torch.zeros(1, 3, dtype=torch.int64, device=DEVICE)
+    router = torch.ones(3, dtype=torch.float32, device=DEVICE)
+    for dtype, partials, want in ((torch.float32, (1.0, 2.0**-24, 2.0**-24), 3.0),
+                                  (torch.float16, (1.0, 0.4 * 2.0**-10), 3.0)):
+        planes = torch.tensor(partials, dtype=torch.float32).view(-1, 1, 1).expand(-1, 3, 4).contiguous()
+        out = torch.empty(1, 4, dtype=dtype, device=DEVICE)
+        moe._combine(planes.to(DEVICE), None, ids, router, out, 0, 1, torch.float32, torch.float32)
+        assert (out.cpu() == want).all(), (dtype, out)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Offline sm_90 compile of the decode kernels (no GPU)
+# ---------------------------------------------------------------------------------------------------------------
+
+# Runs in a subprocess without TRITON_INTERPRET (the interpreter replaces the JIT functions `triton.compile` needs).
+# V4-Flash decode shapes, integer arguments specialised as the launcher does (== 1 becomes a constant, multiples of 16
+# get the divisibility hint), so the code is what the H200 runs; prints shared memory per CTA and the MMA used.
+SM90_COMPILE_SCRIPT = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])  # tests/kernels: sm90_offline
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
+    from triton.compiler import ASTSource  # noqa: F401
+except ImportError as error:
+    print(json.dumps({"skip": f"no offline compile API in this triton: {error}"}))
+    sys.exit(0)
+import sm90_offline
+import triton.language as tl
+import dsfuse.kernels.moe_experts as m
+
+H, I, E, K = 4096, 2048, 256, 6  # DeepSeek V4-Flash routed experts
+INT32_POINTERS = {"sorted_slot_ptr", "tile_row_start_ptr", "tile_row_end_ptr", "tile_expert_ptr", "rank_ptr",
+                  "row_of_slot_ptr"}
+
+
+def compile_sm90(fn, constexprs, ints, options, pointers):
+    pointer = lambda name: pointers.get(name, "*i32" if name in INT32_POINTERS else "*bf16")  # noqa: E731
+    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer)
+
+
+def gemms(T, overrides):
+    cfg = {**m.moe_default_config(T * K, E, fp4=False, tokens=T), **overrides}
+    n = T * K
+    splits, k_split = m.down_splits(I, cfg["split_k"], cfg["block_k"])
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], FP4=False, DECODE_ASM=False,
+                  DOT_PRECISION="tf32", SLOT_TILES=bool(cfg["slot_tiles"]))
+    ids = {"ids_ptr": "*i64", "s_ptr": "*bf16"}
+    gate_up = (m._gate_up_swiglu_kernel, dict(common, BLOCK_N=cfg["block_n1"], SWIGLU_LIMIT=10.0),
+               dict(stride_xt=H, stride_we=2 * I * H, stride_wn=H, stride_se=2 * I * H, stride_sn=H, stride_am=I,
+                    H=H, INTER=I, TOP_K=K, LOCAL_LO=0, NUM_EXPERTS=E), options, ids)
+    down = (m._down_kernel, dict(common, BLOCK_N=cfg["block_n2"], SPLIT_K=splits),
+            dict(stride_am=I, stride_we=H * I, stride_wn=I, stride_se=H * I, stride_sn=I, stride_os=n * H,
+                 stride_om=H, H=H, INTER=I, LOCAL_LO=0, NUM_EXPERTS=E, K_SPLIT=k_split), options,
+            dict(ids, slot_out_ptr="*fp32" if splits > 1 else "*bf16"))
+    combine = (m._combine_kernel, dict(TOP_K=K, BLOCK_H=1024, ROUTER_DTYPE=tl.float32, PRODUCT_DTYPE=tl.float32,
+                                       ROW_MAP=False, SPLIT_K=splits, UNROLL=bool(cfg["combine_unroll"])),
+               dict(stride_os=n * H, stride_om=H, stride_ot=H, H=H, LOCAL_LO=0, LOCAL_HI=E), dict(num_warps=4),
+               dict(slot_out_ptr="*fp32" if splits > 1 else "*bf16", row_of_slot_ptr="*i64", expert_ids_ptr="*i64",
+                    router_ptr="*fp32"))
+    return {"gate_up": gate_up, "down": down, "combine": combine}
+
+
+def fp4_gemms(T, overrides, E=32, H=7168, I=2048, K=8):  # the FP4 op's GEMMs (PTX decode), V3.2 layer shape
+    cfg = {**m.moe_default_config(T * K, E, fp4=True, tokens=T), **overrides}
+    splits, k_split = m.down_splits(I, cfg["split_k"], cfg["block_k"])
+    options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], FP4=True, DECODE_ASM=True, DOT_PRECISION="tf32",
+                  SLOT_TILES=bool(cfg["slot_tiles"]))
+    pointers = {"ids_ptr": "*i64", "w_ptr": "*u8", "s_ptr": "*u8"}
+    gate_up = (m._gate_up_swiglu_kernel, dict(common, BLOCK_N=cfg["block_n1"], SWIGLU_LIMIT=None),
+               dict(stride_xt=H, stride_we=I * H, stride_wn=H // 2, stride_se=2 * I * H // 32, stride_sn=H // 32,
+                    stride_am=I, H=H, INTER=I, TOP_K=K, LOCAL_LO=0, NUM_EXPERTS=E), options, pointers)
+    down = (m._down_kernel, dict(common, BLOCK_N=cfg["block_n2"], SPLIT_K=splits),
+            dict(stride_am=I, stride_we=H * I // 2, stride_wn=I // 2, stride_se=H * I // 32, stride_sn=I // 32,
+                 stride_os=T * K * H, stride_om=H, H=H, INTER=I, LOCAL_LO=0, NUM_EXPERTS=E, K_SPLIT=k_split),
+            options, dict(pointers, slot_out_ptr="*fp32" if splits > 1 else "*bf16"))
+    return {"gate_up": gate_up, "down": down}
+
+
+cases = {}
+for T in (1, 8):
+    for name, overrides in m.DECODE_CANDIDATES.items():
+        for kernel, case in gemms(T, overrides).items():
+            cases[f"T{T} {name} {kernel}"] = case
+for T, name, overrides in ((1, "default", {}), (64, "default", {}), (64, "split2", {"split_k": 2}),
+                           (4096, "default", {})):
+    for kernel, case in fp4_gemms(T, overrides).items():
+        cases[f"fp4 T{T} {name} {kernel}"] = case
+cases["routing T8"] = (m._routing_kernel, dict(BLOCK_M=16, E_PAD=512, CHUNK=16),
+                       dict(N=48, LOCAL_LO=0, NUM_EXPERTS=E, MAX_TILES=48), dict(num_warps=4), {"ids_ptr": "*i64"})
+seen = {}
+for name, (fn, constexprs, ints, options, pointers) in cases.items():
+    key = (fn.__name__, json.dumps(constexprs, sort_keys=True, default=str), json.dumps(ints, sort_keys=True),
+           json.dumps(options, sort_keys=True), json.dumps(pointers, sort_keys=True))
+    if key in seen:
+        continue
+    seen[key] = name
+    try:
+        compiled = compile_sm90(fn, constexprs, ints, options, pointers)
+        ptx = compiled.asm["ptx"]
+        print(json.dumps({"case": name, "ok": True, "shared": compiled.metadata.shared,
+                          "mma": "wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else None}),
+              flush=True)
+    except Exception as error:
+        chain = []
+        while error is not None:
+            chain.append(f"{type(error).__name__}: {str(error)[-600:]}")
+            error = error.__cause__ or error.__context__
+        print(json.dumps({"case": name, "ok": False, "error": chain[-2:]}), flush=True)
+"""
+
+
+def test_decode_candidates_compile_for_sm90_offline():
+    """Both GEMMs and the combine of every decode candidate at T = 1 and 8 (V4-Flash shapes), the routing kernel, and
+    the FP4 op's GEMMs (V3.2 shape: T=1 slot tiles, T=64 with and without split K, T=4096 prefill tiles) compile for
+    sm_90 with the installed Triton and fit an H100/H200 SM's 227 KB of shared memory (a config past it compiles but
+    fails to launch). BN < 64 runs mma.sync (one warpgroup's wgmma needs 64 rows), the rest wgmma."""
+    lines = sm90_offline.run_probe(SM90_COMPILE_SCRIPT, timeout=600, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
+    failed = {line["case"]: line["error"] for line in lines if not line["ok"]}
+    assert not failed, failed
+    cases = {line["case"]: line for line in lines}
+    for name in moe.DECODE_CANDIDATES:
+        assert f"T1 {name} combine" in cases or f"T1 {name} down" in cases or name == "routed", name
+    assert all(line["shared"] <= 227 * 1024 for line in lines), {c: v["shared"] for c, v in cases.items()}
+    assert cases["T1 default gate_up"]["shared"] == 147456 and cases["T1 default gate_up"]["mma"] == "wgmma"
+    assert cases["T1 bn32_s6 gate_up"]["mma"] == "mma.sync" and cases["T1 bn64 down"]["mma"] == "wgmma"
+    assert cases["routing T8"]["ok"] and "T8 split2 combine" in cases
+    fp4 = [f"fp4 T{T} default {k}" for T in (1, 64, 4096) for k in ("gate_up", "down")] + ["fp4 T64 split2 down"]
+    assert all(cases[name]["mma"] == "wgmma" for name in fp4)
