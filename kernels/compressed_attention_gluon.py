@@ -82,6 +82,23 @@ def _issue_tile(t, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n,
 
 
 @gluon.jit
+def _stage_picks(idx_ptr, b, s, stride_idx_b, stride_idx_s, slots, T, pick_layout: gl.constexpr, MODE: gl.constexpr,
+                 BLOCK_N: gl.constexpr, KT: gl.constexpr):
+    """CSA: the query's picks in shared memory, [KT, BLOCK_N] (a rank-1 layout, so a row can be indexed), -1 past
+    `slots`, range-checked before narrowing to int32, so no gather waits on an index load; then a CTA barrier."""
+    idx_smem = gl.allocate_shared_memory(gl.int32, [KT, BLOCK_N],
+                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+    if MODE == 1:
+        pick = gl.arange(0, BLOCK_N, layout=pick_layout)
+        idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
+        for kt in gl.static_range(KT):
+            ids = gl.load(idx_row + kt * BLOCK_N + pick, mask=kt * BLOCK_N + pick < slots, other=-1)
+            idx_smem.index(kt).store(gl.where((ids >= 0) & (ids < T), ids, -1).to(gl.int32))
+    _cta_barrier()
+    return idx_smem
+
+
+@gluon.jit
 def _exp(x, ACCURATE_EXP: gl.constexpr):
     """expf as PyTorch's softmax computes it (libdevice), or the approximate exp2-based one."""
     if ACCURATE_EXP:
@@ -218,7 +235,6 @@ def attention_scores_gluon_kernel(
                                                  warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
     key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     KT: gl.constexpr = (K_SLOTS + BLOCK_N - 1) // BLOCK_N
-    idx_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     total = gl.num_programs(0).to(gl.int64)
     flat = total - 1 - gl.program_id(0)  # latest queries (most visible HCA entries) first, as the Triton kernel
@@ -242,16 +258,8 @@ def attention_scores_gluon_kernel(
     if MODE != 0:
         tiles = tiles_w + gl.cdiv(slots, BLOCK_N)
 
-    # CSA: the query's picks in shared memory, [KT, BLOCK_N] (a rank-1 layout, so a row can be indexed), -1 past
-    # `slots`, range-checked before narrowing to int32
-    idx_smem = gl.allocate_shared_memory(gl.int32, [KT, BLOCK_N], idx_smem_layout)
-    if MODE == 1:
-        pick = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
-        idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
-        for kt in gl.static_range(KT):
-            ids = gl.load(idx_row + kt * BLOCK_N + pick, mask=kt * BLOCK_N + pick < slots, other=-1)
-            idx_smem.index(kt).store(gl.where((ids >= 0) & (ids < T), ids, -1).to(gl.int32))
-    _cta_barrier()
+    idx_smem = _stage_picks(idx_ptr, b, s, stride_idx_b, stride_idx_s, slots, T, gl.SliceLayout(0, rows_layout), MODE,
+                            BLOCK_N, KT)
 
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], key_smem)
     if WARP_SPECIALIZE:
