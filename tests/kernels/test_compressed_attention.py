@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import sm90_offline
 import torch
 
 from dsfuse.kernels.compressed_attention import (
@@ -478,3 +479,118 @@ def test_gluon_scores_kernel_compiles_for_sm90_offline():
     for key in ("1_32_3_ws", "2_16_4_ws"):  # the producer warps hand tiles over by mbarriers, registers rebalanced
         assert {"cp.async.mbarrier.arrive.noinc.shared.b64", "mbarrier.arrive.shared",
                 "setmaxnreg.inc.sync.aligned.u32"} <= set(found[key]["ops"]), found[key]
+
+
+# --- the Gluon values kernel (opt-in; compiled offline here, not yet run on a GPU) --------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_n, stages", [(32, 3), (32, 2), (16, 4), (64, 2)])
+@pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
+def test_cuda_gluon_values_give_the_triton_values_kernels_bits(kind, block_n, stages):
+    """The Gluon values kernel multiplies the same probability and key tiles in the same order (K = block_n an
+    MMA), then rounds, inverse-rotates and stores as the Triton one does, so the op's output is bit-equal to the
+    Triton values kernel's at equal block_n (its MMA is D / 2 = 256 columns wide where the Triton kernel's is a
+    128-wide D chunk: if that changed a sum, this is the assertion to look at); odd S, padded heads (H=48), int64
+    picks, a second sequence with left padding, and the window without RoPE."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper only")
+    args = list(_cuda_case(kind, S=1023, H=48))
+    if args[5] is not None:
+        args[5] = args[5].long()
+    cases = [args] + ([args[:10] + [None, None]] if kind == "sliding" else [])
+    for case in cases:
+        launch = {"path": "split", "block_n": block_n, "scores_kernel": "triton"}
+        triton_values = compressed_attention_triton(*case, **launch)
+        gluon_values = compressed_attention_triton(*case, **launch, values_kernel="gluon", values_stages=stages)
+        assert torch.equal(gluon_values, triton_values), case[10] is None
+    assert (gluon_values == compressed_attention_reference(*args)).float().mean() > 0.95
+
+
+@pytest.mark.gpu
+def test_cuda_gluon_values_replay_in_a_cuda_graph():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("wgmma: Hopper only")
+    args = _cuda_case("csa", B=1, S=512)
+    eager = compressed_attention_triton(*args, path="split", values_kernel="gluon")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = compressed_attention_triton(*args, path="split", values_kernel="gluon")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+
+
+def test_gluon_values_are_refused_where_they_cannot_run():
+    """A named values_kernel='gluon' off Hopper (here: the CPU) says what it needs; unknown kernels and ring depths
+    are rejected wherever the op runs."""
+    q, kv, compressed, sinks = _inputs(1, 4, 2, 64, 2, torch.float16, seed=5)
+    pos = torch.arange(4).view(1, 4)
+    args = (q, kv, pos, pos, compressed, None, sinks, 0.3, 4, 2, None, None)
+    with pytest.raises(ValueError, match=r"values_kernel='gluon' needs a Hopper GPU.*normalize_in_scores=True"):
+        compressed_attention_triton(*args, path="split", values_kernel="gluon")
+    with pytest.raises(ValueError, match="values_kernel must be 'auto', 'triton' or 'gluon'"):
+        compressed_attention_triton(*args, path="split", values_kernel="cuda")
+    with pytest.raises(ValueError, match="values_stages must be an int >= 2"):
+        compressed_attention_triton(*args, path="split", values_stages=1)
+
+
+# V4-Flash shapes at S=8192 (CSA: 2048 entries, 512 picks; HCA: 64 entries), integer arguments as the launcher
+# specialises them; each case prints its registers, local memory, shared memory and the sm_90 instructions used
+_GLUON_VALUES_PROBE = r"""
+import json, re, sys
+sys.path.insert(0, sys.argv[1])  # tests/kernels: sm90_offline
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
+    from triton.experimental.gluon._runtime import GluonASTSource  # noqa: F401
+except ImportError as error:
+    print(json.dumps({"skip": f"no offline Gluon compile API in this triton: {error}"}))
+    sys.exit(0)
+import sm90_offline
+from dsfuse.kernels import compressed_attention_gluon as g
+
+S, H, D, R, K = 8192, 64, 512, 32, 512
+POINTERS = {"idx_ptr": "*i32", "ranges_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+for mode, block_n, stages in ((1, 32, 3), (1, 32, 2), (2, 32, 3), (2, 32, 2), (1, 64, 2), (0, 16, 4)):
+    T = {0: 0, 1: S // 4, 2: S // 128}[mode]
+    window_slots = -(-128 // block_n) * block_n
+    slot_tiles = (window_slots + -(-{0: 0, 1: K, 2: T}[mode] // block_n) * block_n) // block_n
+    constexprs = dict(D=D, R=R, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode, K_SLOTS=K if mode == 1 else
+                      block_n, WINDOW_SLOTS=window_slots)
+    ints = dict(stride_kv_b=S * D, stride_kv_n=D, stride_c_b=max(T, 1) * D, stride_c_t=D,
+                stride_idx_b=S * K if mode == 1 else 0, stride_idx_s=K if mode == 1 else 0, stride_cs_b=S * R,
+                stride_cs_s=R, stride_sn_b=S * R, stride_sn_s=R, stride_o_b=S * H * D, stride_o_s=H * D,
+                stride_o_h=D, S=S, H=H, T=T, slot_tiles=slot_tiles)
+    case = f"mode{mode} n{block_n} s{stages}"
+    try:
+        compiled = sm90_offline.compile_sm90(g.attention_values_gluon_kernel, constexprs, ints,
+                                             {"num_warps": g.VALUES_NUM_WARPS.value},
+                                             lambda name: POINTERS.get(name, "*bf16"))
+        ptx = compiled.asm["ptx"]
+        print(json.dumps({"case": case, "ok": True, "triton": triton.__version__, "shared": compiled.metadata.shared,
+                          **sm90_offline.resource_usage(compiled),
+                          "ops": sorted(set(re.findall(r"\b(?:wgmma\.mma_async|cp\.async)\.[a-z0-9.]*", ptx)))}),
+              flush=True)
+    except Exception as error:
+        print(json.dumps({"case": case, "ok": False, "error": f"{type(error).__name__}: {str(error)[-600:]}"}),
+              flush=True)
+"""
+
+
+def test_gluon_values_kernel_compiles_for_sm90_offline():
+    """What the GPU runs, compiled here for sm_90 (no GPU needed): CSA picks and HCA entries at 32 keys a tile with 2
+    and 3 stages, 64 keys with 2, the window alone at 16 keys with 4: cp.async gathers, one m64n256k16 wgmma per
+    warpgroup and 16 keys (the two warpgroups' halves of D = 512), no spills (the [64, 512] fp32 accumulator is 128
+    registers a thread), and shared memory within an H200 SM's 227 KiB.  Another Triton: put it first on
+    PYTHONPATH."""
+    lines = sm90_offline.run_probe(_GLUON_VALUES_PROBE, timeout=600)
+    failed = {line["case"]: line["error"] for line in lines if not line["ok"]}
+    assert not failed, failed
+    assert len(lines) == 6
+    for line in lines:
+        assert {"cp.async.cg.shared.global", "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"} <= set(
+            line["ops"]), line
+        assert line["local_bytes"] == 0 and line["registers"] <= 255, line
+        assert line["shared"] <= 227 * 1024, line
