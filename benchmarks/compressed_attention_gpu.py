@@ -17,8 +17,8 @@ and the split scores / p.v kernels) at S=8192, CSA and HCA, 12 launch configs a 
 at S=4096, 16384 and 32768; writes $OUT/compressed_attention_split.json.  SPLIT_BUDGET_S (default 170) stops
 the S=8192 sweep early (half of it for each layer), so the whole run stays under 4 minutes with compiles.
 
-`python benchmarks/compressed_attention_gpu.py gluon` compares the split path's Triton and Gluon scores kernels, and
-the Triton and Gluon values kernels (see `gluon_main`); writes $OUT/compressed_attention_gluon.json.
+`python benchmarks/compressed_attention_gpu.py gluon` compares the split path's Triton and Gluon scores kernels
+(see `gluon_main`); writes $OUT/compressed_attention_gluon.json.
 """
 
 import json
@@ -323,9 +323,8 @@ def split_main():
 
 
 # the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages,
-# probabilities normalised in the values kernel, the fast exp (different roundings: how much of the time the exact
-# exp and division take), the warp-specialised loads, and the Gluon values kernel (one program a query holding all
-# of D; not yet run on a GPU) with its ring depths
+# probabilities normalised in the values kernel, the fast exp, and the warp-specialised loads
+# (different roundings: how much of the time the exact exp and division take)
 GLUON_CONFIGS = {
     "n32_s3": {"block_n": 32, "scores_stages": 3},
     "n32_s2": {"block_n": 32, "scores_stages": 2},
@@ -335,20 +334,13 @@ GLUON_CONFIGS = {
     "n32_s3_ws": {"block_n": 32, "scores_stages": 3, "scores_warp_specialize": True},
     "n32_s2_ws": {"block_n": 32, "scores_stages": 2, "scores_warp_specialize": True},
     "n16_s4_ws": {"block_n": 16, "scores_stages": 4, "scores_warp_specialize": True},
-    "n32_s3_values_gluon_s3": {"block_n": 32, "scores_stages": 3, "values_kernel": "gluon", "values_stages": 3},
-    "n32_s3_values_gluon_s2": {"block_n": 32, "scores_stages": 3, "values_kernel": "gluon", "values_stages": 2},
-    "n32_s3_values_gluon_s4": {"block_n": 32, "scores_stages": 3, "values_kernel": "gluon", "values_stages": 4},
-    "n64_s2_values_gluon_s2": {"block_n": 64, "scores_stages": 2, "values_kernel": "gluon", "values_stages": 2},
-    "n64_s2_values_gluon_s3": {"block_n": 64, "scores_stages": 2, "values_kernel": "gluon", "values_stages": 3},
 }
-GLUON_VALUES_PROFILED = "n32_s3_values_gluon_s3"  # its per-kernel times are recorded whether or not it is the best
 
 
 def gluon_main():
-    """The split path with the Triton and the Gluon scores kernels (and values kernels) side by side at S=8192 (CSA,
-    HCA), bit-equality with the all-Triton split path at equal tile width, agreement with the reference, per-kernel
-    GPU times of the defaults, the fastest Gluon launch and the Gluon values kernel, then the fastest at S=4096,
-    16384 and 32768."""
+    """The split path with the Triton and the Gluon scores kernels side by side at S=8192 (CSA, HCA), bit-equality
+    between them at equal tile width, agreement with the reference, per-kernel GPU times of the defaults and the
+    fastest Gluon launch, then the fastest at S=4096, 16384 and 32768."""
     peak = matmul_ceiling()
     gl = RESULTS.setdefault("gluon", {})
     best = {}
@@ -390,12 +382,7 @@ def gluon_main():
             gl[f"{layer}_kernels_gluon_best"] = dict(profile_stages(lambda: dsfuse_op(args, **best[layer][0]))[
                 "top_kernels_ms"])
             gl[f"{layer}_gluon_best"] = best[layer][0]
-        if "ms" in gl.get(f"{layer}_gluon_{GLUON_VALUES_PROFILED}", {}):
-            values_cfg = {"path": "split", "scores_kernel": "gluon", **GLUON_CONFIGS[GLUON_VALUES_PROFILED]}
-            gl[f"{layer}_kernels_gluon_values"] = dict(profile_stages(lambda: dsfuse_op(args, **values_cfg))[
-                "top_kernels_ms"])
-        for name in (f"{layer}_kernels_triton_default", f"{layer}_kernels_gluon_best",
-                     f"{layer}_kernels_gluon_values"):
+        for name in (f"{layer}_kernels_triton_default", f"{layer}_kernels_gluon_best"):
             for kernel, ms in gl.get(name, {}).items():
                 log(f"{name}: {kernel[:60]} {ms:.3f} ms")
         del args, want, triton_outs

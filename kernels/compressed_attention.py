@@ -40,9 +40,7 @@ place), then p @ v over (query, D chunk) programs with the inverse RoPE in the c
 Same roundings in the same order, so the same bits as the fused kernel at equal keys per tile.  On Hopper the
 scores run in a Gluon kernel (`compressed_attention_gluon.py`: cp.async gathers pipelined ahead of wgmma, the query
 in registers) with the Triton kernel's bits, 1.2x faster on the whole op at V4-Flash's CSA shapes (H200,
-notes/compressed_attention.md); the Triton kernel elsewhere.  A Gluon values kernel (`values_kernel="gluon"`,
-opt-in, not yet run on a GPU) holds a query's whole [64, D] output in one program, so its key rows and
-probabilities are read once rather than once per D chunk.
+notes/compressed_attention.md); the Triton kernel elsewhere.
 """
 
 from __future__ import annotations
@@ -573,39 +571,26 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
               "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
               "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3,
-              "scores_warp_specialize": False, "values_kernel": "triton", "values_stages": 3}
+              "scores_warp_specialize": False}
     if path == "split":
         return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
     return {**common, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4, "num_stages": 2}
 
 
-_GLUON_SPLIT_REQUIREMENTS = ("needs a Hopper GPU (sm_90), bf16 or fp16 inputs, a head dim of 64-512 (a power of "
-                             "two), 64 heads a block, 16-64 keys a tile, no position checks, key rows 16-byte aligned")
-GLUON_SCORES_REQUIREMENTS = f"scores_kernel='gluon' {_GLUON_SPLIT_REQUIREMENTS}, and scores_stages >= 2"
-GLUON_VALUES_REQUIREMENTS = (f"values_kernel='gluon' {_GLUON_SPLIT_REQUIREMENTS}, and the probabilities normalised in "
-                             "the scores kernel (normalize_in_scores=True)")
+GLUON_SCORES_REQUIREMENTS = (
+    "scores_kernel='gluon' needs a Hopper GPU (sm_90), bf16 or fp16 inputs, a head dim of 64-512 (a power of two), "
+    "64 heads a block, 16-64 keys a tile, no position checks, key rows 16-byte aligned, and scores_stages >= 2")
 
 
-def _gluon_split_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, cfg: dict) -> bool:
-    """What both Gluon kernels of the split path (kernels/compressed_attention_gluon.py) need: wgmma is Hopper's,
-    a [64, D] tile of registers (the query, or the output's accumulator) takes D <= 512, the key rows are gathered
-    16 bytes at a time, and only the rows a query sees are read (no position checks to mask them)."""
+def gluon_scores_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, cfg: dict) -> bool:
+    """Whether the split path's scores can run in the Gluon kernel (kernels/compressed_attention_gluon.py): wgmma
+    is Hopper's, the query tile sits in registers (D <= 512), and the key rows are gathered 16 bytes at a time."""
     D = q.shape[-1]
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(1) * t.element_size() % 16 == 0 for t in (kv, keys))
     return (not interpreting() and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in (torch.bfloat16, torch.float16) and 64 <= D <= 512 and D & (D - 1) == 0
-            and cfg["block_h"] == 64 and cfg["block_n"] in (16, 32, 64) and not cfg["check_positions"] and aligned)
-
-
-def gluon_scores_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, cfg: dict) -> bool:
-    """Whether the split path's scores can run in the Gluon kernel (its ring needs two stages)."""
-    return _gluon_split_supported(q, kv, keys, cfg) and cfg["scores_stages"] >= 2
-
-
-def gluon_values_supported(q: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, cfg: dict) -> bool:
-    """Whether the split path's p @ v can run in the Gluon kernel: it multiplies the scratch as it is, so the
-    scores kernel must have turned the logits into probabilities."""
-    return _gluon_split_supported(q, kv, keys, cfg) and bool(cfg["normalize_in_scores"])
+            and cfg["block_h"] == 64 and cfg["block_n"] in (16, 32, 64) and not cfg["check_positions"] and aligned
+            and cfg["scores_stages"] >= 2)
 
 
 def _unit_last(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -621,7 +606,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
                                 pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None,
-                                scores_warp_specialize=None, values_kernel=None, values_stages=None):
+                                scores_warp_specialize=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -630,12 +615,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     as two kernels (see `_split_attention`); both paths give the same bits at equal block_n.  `scores_kernel`
     picks the split path's scores kernel: "auto" (Gluon where `gluon_scores_supported`, else Triton), "triton" or
     "gluon"; `scores_stages` is the Gluon kernel's ring depth and `scores_warp_specialize` its producer / consumer
-    variant (not yet run on a GPU).  `values_kernel` picks the split path's p @ v kernel: "triton" (the default),
-    "gluon" (one program per query and head block holding all of D, so each key row and probability is read once
-    instead of once per D chunk; needs `gluon_values_supported`, not yet run on a GPU) or "auto", which is the
-    Triton kernel until the Gluon one has been measured on the H200 and is then to pick Gluon where it runs;
-    `values_stages` is the Gluon kernel's ring depth.  A `window_mask` runs the fused kernel without the scratch and
-    without position checks (see the module docstring)."""
+    variant (not yet run on a GPU).  A `window_mask` runs the fused kernel without the scratch and without position
+    checks (see the module docstring)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               window_mask, check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
@@ -652,17 +633,12 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                        ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
                        ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg),
                        ("scores_kernel", scores_kernel), ("scores_stages", scores_stages),
-                       ("scores_warp_specialize", scores_warp_specialize), ("values_kernel", values_kernel),
-                       ("values_stages", values_stages)):
+                       ("scores_warp_specialize", scores_warp_specialize)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
     _check(cfg["scores_kernel"] in ("auto", "triton", "gluon"),
            f"scores_kernel must be 'auto', 'triton' or 'gluon', got {cfg['scores_kernel']!r}")
-    _check(cfg["values_kernel"] in ("auto", "triton", "gluon"),
-           f"values_kernel must be 'auto', 'triton' or 'gluon', got {cfg['values_kernel']!r}")
-    _check(isinstance(cfg["values_stages"], int) and cfg["values_stages"] >= 2,
-           f"values_stages must be an int >= 2 (the Gluon values kernel's ring), got {cfg['values_stages']!r}")
     if window_mask is not None:
         cfg.update(path="fused", store_logits=False, check_positions=False)
     _check(cfg["d_chunk"] >= 16 and cfg["d_chunk"] & (cfg["d_chunk"] - 1) == 0,
@@ -741,8 +717,7 @@ def _masked_spans(window_mask: torch.Tensor, ranges: torch.Tensor) -> torch.Tens
 def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
                      has_indices, rope, scale, T, window, mode, cfg, accurate, window_slots, slots):
     """The split path: kernel 1 (scores: logits, then probabilities or row max and sum) over (query, head block),
-    kernel 2 (p @ v and the epilogue) over (query x D chunk, head block), or with `values_kernel="gluon"` over
-    (query, head block) with all of D in one program.  The scratch is the fused kernel's
+    kernel 2 (p @ v and the epilogue) over (query x D chunk, head block).  The scratch is the fused kernel's
     [B * S, head blocks, BLOCK_H, slots] in the input dtype, plus [2, B * S * H] fp32 row statistics only when
     kernel 2 normalises; nothing is stored in the output until kernel 2."""
     B, S, H, D = q.shape
@@ -762,18 +737,13 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
     cap = {} if cfg["scores_maxnreg"] is None else {"maxnreg": cfg["scores_maxnreg"]}
     use_gluon = cfg["scores_kernel"] != "triton" and gluon_scores_supported(q, kv, c_arg, cfg)
     _check(use_gluon or cfg["scores_kernel"] != "gluon", GLUON_SCORES_REQUIREMENTS)
-    # "auto" is the Triton values kernel until the Gluon one has run on the H200
-    use_gluon_values = cfg["values_kernel"] == "gluon"
-    _check(not use_gluon_values or gluon_values_supported(q, kv, c_arg, cfg), GLUON_VALUES_REQUIREMENTS)
-    if use_gluon or use_gluon_values:
+    if use_gluon:
         from dsfuse.kernels import compressed_attention_gluon
 
-        # a CSA query's picks staged in shared memory: a power-of-two count of tiles, a compile-time size
-        pick_slots = (next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1) * block_n
-    if use_gluon:
+        pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
         compressed_attention_gluon.launch_scores(
             q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n,
-            cfg["scores_stages"], window_slots, slots, pick_slots, normalize, accurate,
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate,
             bool(cfg["scores_warp_specialize"]))
     else:
         _attention_scores_kernel[(B * S, head_blocks)](
@@ -787,24 +757,19 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
             D=D, DP=dp, NORMALIZE=normalize, **common,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
         )
-    if use_gluon_values:
-        compressed_attention_gluon.launch_values(kv, c_arg, idx_arg, ranges, cos_arg, sin_arg, out, logits, has_indices,
-                                                 rope, T, mode, block_n, cfg["values_stages"], window_slots, slots,
-                                                 pick_slots)
-    else:
-        _attention_values_kernel[(B * S * cdiv(D, d_chunk), head_blocks)](
-            kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
-            kv.stride(0), kv.stride(1),
-            c_arg.stride(0), c_arg.stride(1),
-            *idx_strides,
-            q_positions.stride(0), kv_positions.stride(0),
-            cos_arg.stride(0) if rope else 0, cos_arg.stride(1) if rope else 0,
-            sin_arg.stride(0) if rope else 0, sin_arg.stride(1) if rope else 0,
-            out.stride(0), out.stride(1), out.stride(2),
-            S, H, T, window, slots // block_n,
-            D=D, D_CHUNK=d_chunk, R=cos_arg.shape[2] if rope else 0, NORMALIZED=normalize, **common,
-            num_warps=cfg["pv_num_warps"], num_stages=cfg["pv_num_stages"],
-        )
+    _attention_values_kernel[(B * S * cdiv(D, d_chunk), head_blocks)](
+        kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
+        kv.stride(0), kv.stride(1),
+        c_arg.stride(0), c_arg.stride(1),
+        *idx_strides,
+        q_positions.stride(0), kv_positions.stride(0),
+        cos_arg.stride(0) if rope else 0, cos_arg.stride(1) if rope else 0,
+        sin_arg.stride(0) if rope else 0, sin_arg.stride(1) if rope else 0,
+        out.stride(0), out.stride(1), out.stride(2),
+        S, H, T, window, slots // block_n,
+        D=D, D_CHUNK=d_chunk, R=cos_arg.shape[2] if rope else 0, NORMALIZED=normalize, **common,
+        num_warps=cfg["pv_num_warps"], num_stages=cfg["pv_num_stages"],
+    )
 
 
 @torch.library.custom_op("dsfuse::compressed_attention", mutates_args=())

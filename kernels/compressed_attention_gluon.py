@@ -1,5 +1,4 @@
-"""Gluon (Hopper) kernels of `dsfuse::compressed_attention`'s split path: the scores kernel, and (opt-in, not yet
-run on a GPU) the values kernel.
+"""Gluon (Hopper) scores kernel of `dsfuse::compressed_attention`'s split path.
 
 The Triton scores kernel (`compressed_attention._attention_scores_kernel`) reaches ~110 TFLOP/s on V4-Flash's
 shapes: each key tile is a gather Triton does not pipeline there, so the load, the MMA and the softmax of a tile run
@@ -15,11 +14,6 @@ The arithmetic is the Triton kernel's, operation for operation: logits rounded a
 same scratch layout, the row max and sum folded from the sink, then the stored logits rewritten in place as
 round(exp(logit - max) / sum). The values kernel of the split path reads them unchanged. Gluon has no CPU
 interpreter: the GPU tests compare this kernel with the Triton one, and the CPU tests compile it for sm_90.
-
-The values kernel (`attention_values_gluon_kernel`) multiplies those probabilities by the same key tiles, in the
-same order, with the whole [64, D] output in one program (two warpgroups, each half of D), where the Triton values
-kernel splits D into 128-wide chunks that each read all of a query's key rows and probabilities again; the same
-ring of cp.async gathers feeds a wgmma that takes both operands from shared memory.
 """
 
 from __future__ import annotations
@@ -85,23 +79,6 @@ def _issue_tile(t, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n,
     ptrs = base + rows.to(gl.int64)[:, None] * stride + offs_d[None, :]
     _async_load(k_bufs.index(t % STAGES), ptrs, mask=ok[:, None])
     async_copy.commit_group()
-
-
-@gluon.jit
-def _stage_picks(idx_ptr, b, s, stride_idx_b, stride_idx_s, slots, T, pick_layout: gl.constexpr, MODE: gl.constexpr,
-                 BLOCK_N: gl.constexpr, KT: gl.constexpr):
-    """CSA: the query's picks in shared memory, [KT, BLOCK_N] (a rank-1 layout, so a row can be indexed), -1 past
-    `slots`, range-checked before narrowing to int32, so no gather waits on an index load; then a CTA barrier."""
-    idx_smem = gl.allocate_shared_memory(gl.int32, [KT, BLOCK_N],
-                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-    if MODE == 1:
-        pick = gl.arange(0, BLOCK_N, layout=pick_layout)
-        idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
-        for kt in gl.static_range(KT):
-            ids = gl.load(idx_row + kt * BLOCK_N + pick, mask=kt * BLOCK_N + pick < slots, other=-1)
-            idx_smem.index(kt).store(gl.where((ids >= 0) & (ids < T), ids, -1).to(gl.int32))
-    _cta_barrier()
-    return idx_smem
 
 
 @gluon.jit
@@ -241,6 +218,7 @@ def attention_scores_gluon_kernel(
                                                  warps_per_cta=[NUM_WARPS, 1], order=[1, 0])
     key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     KT: gl.constexpr = (K_SLOTS + BLOCK_N - 1) // BLOCK_N
+    idx_smem_layout: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
 
     total = gl.num_programs(0).to(gl.int64)
     flat = total - 1 - gl.program_id(0)  # latest queries (most visible HCA entries) first, as the Triton kernel
@@ -264,8 +242,16 @@ def attention_scores_gluon_kernel(
     if MODE != 0:
         tiles = tiles_w + gl.cdiv(slots, BLOCK_N)
 
-    idx_smem = _stage_picks(idx_ptr, b, s, stride_idx_b, stride_idx_s, slots, T, gl.SliceLayout(0, rows_layout), MODE,
-                            BLOCK_N, KT)
+    # CSA: the query's picks in shared memory, [KT, BLOCK_N] (a rank-1 layout, so a row can be indexed), -1 past
+    # `slots`, range-checked before narrowing to int32
+    idx_smem = gl.allocate_shared_memory(gl.int32, [KT, BLOCK_N], idx_smem_layout)
+    if MODE == 1:
+        pick = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+        idx_row = idx_ptr + b * stride_idx_b + s * stride_idx_s
+        for kt in gl.static_range(KT):
+            ids = gl.load(idx_row + kt * BLOCK_N + pick, mask=kt * BLOCK_N + pick < slots, other=-1)
+            idx_smem.index(kt).store(gl.where((ids >= 0) & (ids < T), ids, -1).to(gl.int32))
+    _cta_barrier()
 
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], key_smem)
     if WARP_SPECIALIZE:
@@ -352,152 +338,4 @@ def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indic
         WINDOW_SLOTS=window_slots, NORMALIZE=normalize,
         ACCURATE_EXP=accurate_exp, WARP_SPECIALIZE=warp_specialize, PRODUCER_WARPS=4, PRODUCER_REGS=24,
         num_warps=NUM_WARPS, **WS_LAUNCH if warp_specialize else {},
-    )
-
-
-# the values kernel's two warpgroups: the 64 heads are one wgmma M tile, each warpgroup holds half of D
-VALUES_NUM_WARPS = gl.constexpr(8)
-
-
-@gluon.jit
-def _scratch_column(t, tiles_w, BLOCK_N: gl.constexpr, WINDOW_SLOTS: gl.constexpr):
-    """The first scratch column of tile t: window tiles from 0, compressed tiles from WINDOW_SLOTS (what
-    `_tile_source` computes inside its branches for the scores kernel; calling this there changes that kernel's
-    sm_90 code, so it does not)."""
-    col = t * BLOCK_N
-    if t >= tiles_w:
-        col = WINDOW_SLOTS + (t - tiles_w) * BLOCK_N
-    return col
-
-
-@gluon.jit
-def _issue_values_tile(t, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, idx_smem,
-                       own_probs, p_bufs, k_bufs, offs_n, offs_d, MODE: gl.constexpr, BLOCK_N: gl.constexpr,
-                       WINDOW_SLOTS: gl.constexpr, KT: gl.constexpr, STAGES: gl.constexpr):
-    """cp.async tile t's probabilities into its ring slot, then its key rows (`_issue_tile`, whose commit closes
-    the group: the MMA waits on both at once)."""
-    col = _scratch_column(t, tiles_w, BLOCK_N, WINDOW_SLOTS)
-    _async_load(p_bufs.index(t % STAGES), own_probs + col, mask=t < tiles)
-    _issue_tile(t, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, idx_smem, k_bufs,
-                offs_n, offs_d, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES)
-
-
-@gluon.jit
-def _inverse_rope(out, cos_row, sin_row, D: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr):
-    """The Triton kernel's `_inverse_rope` on the whole [BLOCK_H, D] output: HF's apply_rotary_pos_emb(out, cos,
-    -sin) on the interleaved pairs of the trailing 2R dims, in fp32 from the rounded output, rounded back (a pair
-    is two neighbouring columns of one thread's accumulator fragment)."""
-    even, odd = gl.split(gl.reshape(out, [BLOCK_H, D // 2, 2]))
-    pair = gl.arange(0, D // 2, layout=gl.SliceLayout(0, even.type.layout))
-    j = pair - (D // 2 - R)
-    turn = j >= 0
-    c = gl.load(cos_row + j, mask=turn, other=1.0)[None, :]
-    neg_sin = -gl.load(sin_row + j, mask=turn, other=0.0)[None, :]
-    e = even.to(gl.float32)
-    o = odd.to(gl.float32)
-    new_even = gl.where(turn[None, :], (e * c + (-o) * neg_sin).to(out.dtype), even)
-    new_odd = gl.where(turn[None, :], (o * c + e * neg_sin).to(out.dtype), odd)
-    return gl.reshape(gl.join(new_even, new_odd), [BLOCK_H, D])
-
-
-@gluon.jit(do_not_specialize=["S", "H", "T", "slot_tiles"])
-def attention_values_gluon_kernel(
-    kv_ptr, c_ptr, idx_ptr, ranges_ptr, cos_ptr, sin_ptr, out_ptr, probs_ptr,
-    stride_kv_b, stride_kv_n,
-    stride_c_b, stride_c_t,
-    stride_idx_b, stride_idx_s,
-    stride_cs_b, stride_cs_s, stride_sn_b, stride_sn_s,
-    stride_o_b, stride_o_s, stride_o_h,
-    S, H, T, slot_tiles,
-    D: gl.constexpr, R: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    MODE: gl.constexpr, K_SLOTS: gl.constexpr, WINDOW_SLOTS: gl.constexpr,
-):
-    """The split path's kernel 2 for probabilities the scores kernel normalised: one query and its BLOCK_H (= 64)
-    heads a program, the [BLOCK_H, D] fp32 accumulator over 8 warps (each warpgroup 64 x D / 2: 128 registers a
-    thread at D = 512), so every key row and probability is read once.  The tile stream is the scores kernel's
-    (window rows, then picks or visible entries); each tile's [BLOCK_H, BLOCK_N] probabilities and [BLOCK_N, D]
-    key rows are gathered by cp.async into a ring of STAGES shared buffers, STAGES - 1 tiles ahead of the wgmma
-    that takes both from shared memory.  Same tiles, same order, same K = BLOCK_N per MMA as the Triton kernel's
-    `tl.dot(p, keys, acc)`, then its rounding, inverse RoPE and store."""
-    dtype: gl.constexpr = kv_ptr.dtype.element_ty
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, VALUES_NUM_WARPS // 4],
-                                                         instr_shape=[16, D // (VALUES_NUM_WARPS // 4), 16])
-    rows_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                                 warps_per_cta=[VALUES_NUM_WARPS, 1], order=[1, 0])
-    probs_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8],
-                                                  threads_per_warp=[32 // (BLOCK_N // 8), BLOCK_N // 8],
-                                                  warps_per_cta=[VALUES_NUM_WARPS, 1], order=[1, 0])
-    key_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    probs_smem: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_H, BLOCK_N], dtype)
-    KT: gl.constexpr = (K_SLOTS + BLOCK_N - 1) // BLOCK_N
-
-    total = gl.num_programs(0).to(gl.int64)
-    flat = total - 1 - gl.program_id(0)  # latest queries first, as the scores kernel
-    b = flat // S
-    s = flat % S
-    head0 = gl.program_id(1) * BLOCK_H
-    lo = gl.load(ranges_ptr + flat)
-    hi = gl.load(ranges_ptr + total + flat)
-    slots = gl.load(ranges_ptr + 2 * total + flat)
-    kv_row = kv_ptr + b * stride_kv_b
-    c_row = c_ptr + b * stride_c_b
-    tiles_w = gl.cdiv(hi - lo, BLOCK_N)
-    tiles = tiles_w
-    if MODE != 0:
-        tiles = tiles_w + gl.cdiv(slots, BLOCK_N)
-    idx_smem = _stage_picks(idx_ptr, b, s, stride_idx_b, stride_idx_s, slots, T, gl.SliceLayout(0, rows_layout), MODE,
-                            BLOCK_N, KT)
-
-    p_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_H, BLOCK_N], probs_smem)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], key_smem)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
-    row_len = slot_tiles * BLOCK_N
-    block = flat * gl.num_programs(1) + gl.program_id(1)
-    own_probs = probs_ptr + block * (BLOCK_H * row_len) + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, probs_layout))[
-        :, None] * row_len + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, probs_layout))[None, :]
-    for i in gl.static_range(STAGES - 1):
-        _issue_values_tile(i, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, idx_smem,
-                           own_probs, p_bufs, k_bufs, offs_n, offs_d, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES)
-
-    acc = gl.zeros([BLOCK_H, D], gl.float32, layout=acc_layout)
-    for t in range(0, tiles):
-        async_copy.wait_group(STAGES - 2)
-        _cta_barrier()  # every thread's copies of tile t landed; both warpgroups are done with tile t - 1's slot
-        fence_async_shared()
-        # the MMA runs while the next tile's addresses are computed and its copies issued (into tile t - 1's slot)
-        acc = warpgroup_mma(p_bufs.index(t % STAGES), k_bufs.index(t % STAGES), acc, is_async=True)
-        _issue_values_tile(t + STAGES - 1, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
-                           idx_smem, own_probs, p_bufs, k_bufs, offs_n, offs_d, MODE, BLOCK_N, WINDOW_SLOTS, KT,
-                           STAGES)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    async_copy.wait_group(0)
-
-    out = acc.to(dtype)
-    if R > 0:
-        out = _inverse_rope(out, cos_ptr + b * stride_cs_b + s * stride_cs_s, sin_ptr + b * stride_sn_b
-                            + s * stride_sn_s, D, R, BLOCK_H)
-    offs_h = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, out.type.layout))
-    offs_o = gl.arange(0, D, layout=gl.SliceLayout(0, out.type.layout))
-    gl.store(out_ptr + b * stride_o_b + s * stride_o_s + offs_h[:, None] * stride_o_h + offs_o[None, :], out,
-             mask=(offs_h < H)[:, None])
-
-
-def launch_values(kv, c_arg, idx_arg, ranges, cos_arg, sin_arg, out, probs, has_indices, rope, T, mode, block_n,
-                  stages, window_slots, slots, pick_slots):
-    """Kernel 2 of the split path in Gluon for probabilities the scores kernel normalised (see
-    `attention_values_gluon_kernel`); same arguments and scratch as the Triton values kernel."""
-    B, S, H, D = out.shape
-    idx_strides = (idx_arg.stride(0), idx_arg.stride(1)) if has_indices else (0, 0)
-    rope_strides = (cos_arg.stride(0), cos_arg.stride(1), sin_arg.stride(0), sin_arg.stride(1)) if rope else (0,) * 4
-    attention_values_gluon_kernel[(B * S, (H + 63) // 64)](
-        kv, c_arg, idx_arg, ranges, cos_arg, sin_arg, out, probs,
-        kv.stride(0), kv.stride(1),
-        c_arg.stride(0), c_arg.stride(1),
-        *idx_strides,
-        *rope_strides,
-        out.stride(0), out.stride(1), out.stride(2),
-        S, H, T, slots // block_n,
-        D=D, R=cos_arg.shape[2] if rope else 0, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode,
-        K_SLOTS=pick_slots, WINDOW_SLOTS=window_slots, num_warps=VALUES_NUM_WARPS,
     )

@@ -6,25 +6,21 @@ The probes run in a subprocess without TRITON_INTERPRET (the interpreter replace
 
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
 
 def compile_sm90(fn, constexprs, ints, options, pointer_type, scalars=None):
-    """Compile a Triton or Gluon kernel for sm_90 with its integer arguments specialised as Triton's launcher does
-    (== 1 becomes a constant, multiples of 16 get the divisibility hint, neither for a `do_not_specialize` argument),
-    every pointer 16-byte aligned; `pointer_type(name)` gives a pointer argument's type and `scalars` the type of
-    each non-integer scalar (default i32)."""
+    """Compile a Triton kernel for sm_90 with its integer arguments specialised as Triton's launcher does (== 1 becomes
+    a constant, multiples of 16 get the divisibility hint), every pointer 16-byte aligned; `pointer_type(name)` gives
+    a pointer argument's type and `scalars` the type of each non-integer scalar (default i32)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, name in enumerate(fn.arg_names):
-        fixed = not fn.params[i].do_not_specialize
         if name in constexprs:
             signature[name] = "constexpr"
         elif name.endswith("_ptr"):
@@ -32,30 +28,14 @@ def compile_sm90(fn, constexprs, ints, options, pointer_type, scalars=None):
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif scalars and name in scalars:
             signature[name] = scalars[name]
-        elif fixed and ints[name] == 1:
+        elif ints[name] == 1:
             signature[name] = "constexpr"
             constexprs[name] = 1
         else:
             signature[name] = "i32"
-            if fixed and ints[name] % 16 == 0:
+            if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    if fn.is_gluon():
-        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     return triton_compile(ASTSource(fn, signature, constexprs, attrs), GPUTarget("cuda", 90, 32), options)
-
-
-def resource_usage(compiled):
-    """Registers a thread and bytes of stack and local memory a thread (where spills go: 0 means none) of a compiled
-    kernel, as the driver would load it: `cuobjdump --dump-resource-usage` (Triton's own copy) on its cubin."""
-    import triton
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        dump = subprocess.run([triton.knobs.nvidia.cuobjdump.path, "--dump-resource-usage", cubin.name],
-                              capture_output=True, text=True, check=True).stdout
-    usage = {key: int(value) for key, value in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", dump)}
-    return {"registers": usage["REG"], "local_bytes": usage["STACK"] + usage["LOCAL"]}
 
 
 def triton_compile(source, target, options):
