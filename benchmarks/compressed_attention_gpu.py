@@ -331,9 +331,6 @@ GLUON_CONFIGS = {
     "n16_s4": {"block_n": 16, "scores_stages": 4},
     "n32_s3_pv_normalizes": {"block_n": 32, "scores_stages": 3, "normalize_in_scores": False},
     "n32_s3_fast_exp": {"block_n": 32, "scores_stages": 3, "accurate_exp": False},
-    "n32_s3_ws": {"block_n": 32, "scores_stages": 3, "scores_warp_specialize": True},
-    "n32_s2_ws": {"block_n": 32, "scores_stages": 2, "scores_warp_specialize": True},
-    "n16_s4_ws": {"block_n": 16, "scores_stages": 4, "scores_warp_specialize": True},
 }
 
 

@@ -570,8 +570,7 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
               "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
-              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3,
-              "scores_warp_specialize": False}
+              "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3}
     if path == "split":
         return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
     return {**common, "block_n": 64, "num_warps": 8 if block_h * dp >= 64 * 256 else 4, "num_stages": 2}
@@ -605,8 +604,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
                                 path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
-                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None,
-                                scores_warp_specialize=None):
+                                pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
@@ -614,9 +612,8 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     a reciprocal multiply (5-10 % faster, a few more one-ulp differences).  `path="split"` runs the two passes
     as two kernels (see `_split_attention`); both paths give the same bits at equal block_n.  `scores_kernel`
     picks the split path's scores kernel: "auto" (Gluon where `gluon_scores_supported`, else Triton), "triton" or
-    "gluon"; `scores_stages` is the Gluon kernel's ring depth and `scores_warp_specialize` its producer / consumer
-    variant (not yet run on a GPU).  A `window_mask` runs the fused kernel without the scratch and without position
-    checks (see the module docstring)."""
+    "gluon"; `scores_stages` is the Gluon kernel's ring depth.  A `window_mask` runs the fused kernel without the
+    scratch and without position checks (see the module docstring)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               window_mask, check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
@@ -632,8 +629,7 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
                        ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
                        ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg),
-                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages),
-                       ("scores_warp_specialize", scores_warp_specialize)):
+                       ("scores_kernel", scores_kernel), ("scores_stages", scores_stages)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
@@ -743,8 +739,7 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
         compressed_attention_gluon.launch_scores(
             q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n,
-            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate,
-            bool(cfg["scores_warp_specialize"]))
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate)
     else:
         _attention_scores_kernel[(B * S, head_blocks)](
             q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,

@@ -24,7 +24,6 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import (
     async_copy,
     fence_async_shared,
-    mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -34,10 +33,6 @@ _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrie
 # cp.async of a pointer tensor into shared memory: `async_copy_global_to_shared` up to 3.6, `async_load` since
 _async_load = async_copy.async_load if hasattr(async_copy, "async_load") else async_copy.async_copy_global_to_shared
 NUM_WARPS = gl.constexpr(4)  # one warpgroup: the 64 heads of a query are one wgmma M tile
-# Warp-specialised launch (opt-in; compiled for sm_90, not yet run on a GPU: notes/compressed_attention.md): 128
-# registers a thread at launch, so two programs of 8 warps share an SM; Triton's setmaxnreg then gives the math
-# warpgroup 232 and the 4 producer warps 24 (232 + 24 = 2 x 128; sm_90 compiles of triton 3.6 and 3.9: no spills).
-WS_LAUNCH = {"maxnreg": 128}
 
 
 @gluon.jit
@@ -135,65 +130,6 @@ def _finish_scores(own_logits, stats_ptr, m, l, tiles, tiles_w, block, offs_key,
         gl.store(stats_ptr + gl.num_programs(0).to(gl.int64) * gl.num_programs(1) * BLOCK_H + rows, l)
 
 
-@gluon.jit
-def _ws_producer(k_bufs, ready, empty, idx_smem, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n,
-                 stride_c_t, MODE: gl.constexpr, BLOCK_N: gl.constexpr, WINDOW_SLOTS: gl.constexpr, KT: gl.constexpr,
-                 STAGES: gl.constexpr, D: gl.constexpr, PRODUCER_WARPS: gl.constexpr):
-    """Warp-specialised loads: tile t's rows into slot t % STAGES once the consumer has handed the slot back
-    (`empty`), then each thread arrives on `ready` when its copies land."""
-    rows_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
-                                                 warps_per_cta=[PRODUCER_WARPS, 1], order=[1, 0])
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, rows_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, rows_layout))
-    for t in range(0, tiles):
-        slot = t % STAGES
-        mbarrier.wait(empty.index(slot), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes the first round
-        base, stride, rows, ok, col = _tile_source(t, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n,
-                                                   stride_c_t, idx_smem, offs_n, MODE, BLOCK_N, WINDOW_SLOTS, KT)
-        ptrs = base + rows.to(gl.int64)[:, None] * stride + offs_d[None, :]
-        _async_load(k_bufs.index(slot), ptrs, mask=ok[:, None])
-        async_copy.mbarrier_arrive(ready.index(slot), increment_count=False)
-
-
-@gluon.jit
-def _ws_consumer(q_ptr, k_bufs, ready, empty, idx_smem, logits_ptr, stats_ptr, sink_ptr, b, s, head0, flat, block,
-                 tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, stride_q_b, stride_q_s,
-                 stride_q_h, H, slot_tiles, scale, MODE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                 WINDOW_SLOTS: gl.constexpr, KT: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr,
-                 NORMALIZE: gl.constexpr, ACCURATE_EXP: gl.constexpr):
-    """Warp-specialised math: the query in registers, each tile's MMA and softmax statistics, the slot handed back
-    as soon as its MMA is done, then the normalising pass (or the statistics) as `attention_scores_gluon_kernel`."""
-    dtype: gl.constexpr = q_ptr.dtype.element_ty
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    offs_qh = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-    offs_qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-    q = gl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_qh[:, None] * stride_q_h + offs_qd[None, :],
-                mask=(offs_qh < H)[:, None], other=0.0)
-    offs_h = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma))
-    offs_key = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    row_len = slot_tiles * BLOCK_N
-    own_logits = logits_ptr + block * (BLOCK_H * row_len) + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, mma))[
-        :, None] * row_len + offs_key[None, :]
-    m = gl.load(sink_ptr + offs_h, mask=offs_h < H, other=0.0)
-    l = gl.full([BLOCK_H], 1.0, gl.float32, layout=gl.SliceLayout(1, mma))
-    zeros = gl.zeros([BLOCK_H, BLOCK_N], gl.float32, layout=mma)
-    for t in range(0, tiles):
-        slot = t % STAGES
-        mbarrier.wait(ready.index(slot), (t // STAGES) & 1)
-        fence_async_shared()
-        acc = warpgroup_mma(q, k_bufs.index(slot).permute((1, 0)), zeros, use_acc=False, is_async=True)
-        _, _, _, ok, col = _tile_source(t, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
-                                        idx_smem, offs_key, MODE, BLOCK_N, WINDOW_SLOTS, KT)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        _cta_barrier()  # the 4 math warps are done with the slot (mbarrier.arrive is thread 0's alone)
-        mbarrier.arrive(empty.index(slot))
-        m, l = _logits_tile(qk, ok, own_logits + col, m, l, scale, dtype, ACCURATE_EXP)
-    _finish_scores(own_logits, stats_ptr, m, l, tiles, tiles_w, block, offs_key, dtype, BLOCK_H, BLOCK_N,
-                   WINDOW_SLOTS, NORMALIZE, ACCURATE_EXP)
-
-
 @gluon.jit(do_not_specialize=["S", "H", "T", "slot_tiles"])
 def attention_scores_gluon_kernel(
     q_ptr, kv_ptr, c_ptr, idx_ptr, ranges_ptr, sink_ptr, logits_ptr, stats_ptr,
@@ -204,10 +140,8 @@ def attention_scores_gluon_kernel(
     S, H, T, slot_tiles, scale,
     D: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, MODE: gl.constexpr,
     K_SLOTS: gl.constexpr, WINDOW_SLOTS: gl.constexpr, NORMALIZE: gl.constexpr, ACCURATE_EXP: gl.constexpr,
-    WARP_SPECIALIZE: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """One query and its BLOCK_H (= 64) heads a program: the split path's kernel 1.  WARP_SPECIALIZE moves the
-    gathers to PRODUCER_WARPS extra warps handing slots over by mbarriers (`_ws_producer`, `_ws_consumer`).  With NORMALIZE the stored
+    """One query and its BLOCK_H (= 64) heads a program: the split path's kernel 1.  With NORMALIZE the stored
     logits become the rounded probabilities (the loads of that pass run one tile ahead of the math); otherwise
     the row max and sum go to `stats_ptr` for the values kernel, as the Triton kernel stores them."""
     dtype: gl.constexpr = q_ptr.dtype.element_ty
@@ -226,11 +160,10 @@ def attention_scores_gluon_kernel(
     s = flat % S
     head0 = gl.program_id(1) * BLOCK_H
 
-    if not WARP_SPECIALIZE:
-        offs_qh = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
-        offs_qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
-        q = gl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_qh[:, None] * stride_q_h + offs_qd[None, :],
-                    mask=(offs_qh < H)[:, None], other=0.0)
+    offs_qh = head0 + gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_layout))
+    offs_qd = gl.arange(0, D, layout=gl.SliceLayout(0, q_layout))
+    q = gl.load(q_ptr + b * stride_q_b + s * stride_q_s + offs_qh[:, None] * stride_q_h + offs_qd[None, :],
+                mask=(offs_qh < H)[:, None], other=0.0)
 
     lo = gl.load(ranges_ptr + flat)
     hi = gl.load(ranges_ptr + total + flat)
@@ -254,34 +187,16 @@ def attention_scores_gluon_kernel(
     _cta_barrier()
 
     k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D], key_smem)
-    if WARP_SPECIALIZE:
-        block = flat * gl.num_programs(1) + gl.program_id(1)
-        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # every producer thread's copies
-            mbarrier.init(empty.index(i), count=1)  # the math warps' thread 0, after they agree
-        _cta_barrier()
-        gl.warp_specialize([
-            (_ws_consumer, (q_ptr, k_bufs, ready, empty, idx_smem, logits_ptr, stats_ptr, sink_ptr, b, s, head0, flat,
-                            block, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t,
-                            stride_q_b, stride_q_s, stride_q_h, H, slot_tiles, scale, MODE, BLOCK_H, BLOCK_N,
-                            WINDOW_SLOTS, KT, STAGES, D, NORMALIZE, ACCURATE_EXP)),
-            (_ws_producer, (k_bufs, ready, empty, idx_smem, tiles, tiles_w, lo, hi, slots, T, kv_row, c_row,
-                            stride_kv_n, stride_c_t, MODE, BLOCK_N, WINDOW_SLOTS, KT, STAGES, D, PRODUCER_WARPS)),
-        ], [PRODUCER_WARPS], [PRODUCER_REGS])
-    else:
-        _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, flat, tiles, tiles_w,
-                                 lo, hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, H, slot_tiles, scale,
-                                 MODE, BLOCK_H, BLOCK_N, WINDOW_SLOTS, KT, STAGES, D, NORMALIZE, ACCURATE_EXP)
+    _scores_loop(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, flat, tiles, tiles_w, lo, hi, slots, T,
+                 kv_row, c_row, stride_kv_n, stride_c_t, H, slot_tiles, scale, MODE, BLOCK_H, BLOCK_N, WINDOW_SLOTS,
+                 KT, STAGES, D, NORMALIZE, ACCURATE_EXP)
 
 
 @gluon.jit
-def _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, flat, tiles, tiles_w, lo,
-                             hi, slots, T, kv_row, c_row, stride_kv_n, stride_c_t, H, slot_tiles, scale,
-                             MODE: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr,
-                             WINDOW_SLOTS: gl.constexpr, KT: gl.constexpr, STAGES: gl.constexpr, D: gl.constexpr,
-                             NORMALIZE: gl.constexpr, ACCURATE_EXP: gl.constexpr):
+def _scores_loop(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, flat, tiles, tiles_w, lo, hi, slots, T,
+                 kv_row, c_row, stride_kv_n, stride_c_t, H, slot_tiles, scale, MODE: gl.constexpr,
+                 BLOCK_H: gl.constexpr, BLOCK_N: gl.constexpr, WINDOW_SLOTS: gl.constexpr, KT: gl.constexpr,
+                 STAGES: gl.constexpr, D: gl.constexpr, NORMALIZE: gl.constexpr, ACCURATE_EXP: gl.constexpr):
     """Every warp loads and computes: cp.async groups STAGES - 1 tiles ahead of the MMA, a CTA barrier a tile."""
     dtype: gl.constexpr = q.dtype
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[NUM_WARPS, 1],
@@ -321,7 +236,7 @@ def _single_partition_scores(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_pt
 
 
 def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n, stages,
-                  window_slots, slots, pick_slots, normalize, accurate_exp, warp_specialize=False):
+                  window_slots, slots, pick_slots, normalize, accurate_exp):
     """Kernel 1 of the split path in Gluon (see the module docstring); same arguments, scratch and statistics as
     the Triton scores kernel.  `pick_slots`: a CSA query's picks rounded up to a power-of-two count of tiles
     (a compile-time size: it depends on the model's top-k only)."""
@@ -336,6 +251,5 @@ def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indic
         S, H, T, slots // block_n, float(scale),
         D=D, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode, K_SLOTS=pick_slots,
         WINDOW_SLOTS=window_slots, NORMALIZE=normalize,
-        ACCURATE_EXP=accurate_exp, WARP_SPECIALIZE=warp_specialize, PRODUCER_WARPS=4, PRODUCER_REGS=24,
-        num_warps=NUM_WARPS, **WS_LAUNCH if warp_specialize else {},
+        ACCURATE_EXP=accurate_exp, num_warps=NUM_WARPS,
     )
