@@ -323,14 +323,19 @@ def split_main():
 
 
 # the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages,
-# probabilities normalised in the values kernel, the fast exp, and the warp-specialised loads
-# (different roundings: how much of the time the exact exp and division take)
+# probabilities normalised in the values kernel, the fast exp (different roundings: how much of the time the exact
+# exp and division take), and the values kernel's D chunk, warps and stages beside the Gluon scores
 GLUON_CONFIGS = {
     "n32_s3": {"block_n": 32, "scores_stages": 3},
     "n32_s2": {"block_n": 32, "scores_stages": 2},
     "n16_s4": {"block_n": 16, "scores_stages": 4},
     "n32_s3_pv_normalizes": {"block_n": 32, "scores_stages": 3, "normalize_in_scores": False},
     "n32_s3_fast_exp": {"block_n": 32, "scores_stages": 3, "accurate_exp": False},
+    "n32_s3_pv_s4": {"block_n": 32, "scores_stages": 3, "pv_num_stages": 4},
+    "n32_s3_pv_s5": {"block_n": 32, "scores_stages": 3, "pv_num_stages": 5},
+    "n32_s3_pv_d256_w8_s3": {"block_n": 32, "scores_stages": 3, "d_chunk": 256, "pv_num_warps": 8, "pv_num_stages": 3},
+    "n32_s3_pv_d256_w8_s4": {"block_n": 32, "scores_stages": 3, "d_chunk": 256, "pv_num_warps": 8, "pv_num_stages": 4},
+    "n32_s3_pv_d256_w4_s3": {"block_n": 32, "scores_stages": 3, "d_chunk": 256, "pv_num_warps": 4, "pv_num_stages": 3},
 }
 
 
