@@ -12,6 +12,22 @@ import sys
 import pytest
 
 
+# The start of every probe script: the probe's directory on the path (this module), and a skip line when this Triton
+# has no offline compile API.
+PROBE_PREAMBLE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+try:
+    import triton
+    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
+    from triton.compiler import ASTSource  # noqa: F401
+except ImportError as error:
+    print(json.dumps({"skip": f"no offline compile API in this triton: {error}"}))
+    sys.exit(0)
+import sm90_offline
+"""
+
+
 def compile_sm90(fn, constexprs, ints, options, pointer_type, scalars=None):
     """Compile a Triton kernel for sm_90 with its integer arguments specialised as Triton's launcher does (== 1 becomes
     a constant, multiples of 16 get the divisibility hint), every pointer 16-byte aligned; `pointer_type(name)` gives

@@ -332,17 +332,8 @@ def test_flops_counts_causal_pairs():
 # functions that `triton.compile` needs. Constexprs and options come from `default_config` at the
 # H200's SM count, and integer arguments are specialized as Triton's launcher does (== 1 becomes a
 # constant, multiples of 16 get the divisibility hint), so the compiled code is what the GPU runs.
-SM90_COMPILE_SCRIPT = r"""
-import json, sys, traceback
-sys.path.insert(0, sys.argv[1])  # tests/kernels: sm90_offline
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
-    from triton.compiler import ASTSource  # noqa: F401
-except ImportError as error:
-    print(json.dumps({"skip": f"no offline compile API in this triton: {error}"}))
-    sys.exit(0)
-import sm90_offline
+SM90_COMPILE_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
+import traceback
 import torch
 import dsfuse.kernels.indexer_topk as m
 

@@ -645,17 +645,7 @@ def test_combine_sums_split_partials_in_order_and_rounds_once():
 # Runs in a subprocess without TRITON_INTERPRET (the interpreter replaces the JIT functions `triton.compile` needs).
 # V4-Flash decode shapes, integer arguments specialised as the launcher does (== 1 becomes a constant, multiples of 16
 # get the divisibility hint), so the code is what the H200 runs; prints shared memory per CTA and the MMA used.
-SM90_COMPILE_SCRIPT = r"""
-import json, sys
-sys.path.insert(0, sys.argv[1])  # tests/kernels: sm90_offline
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget  # noqa: F401 (the offline compile API)
-    from triton.compiler import ASTSource  # noqa: F401
-except ImportError as error:
-    print(json.dumps({"skip": f"no offline compile API in this triton: {error}"}))
-    sys.exit(0)
-import sm90_offline
+SM90_COMPILE_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
 import triton.language as tl
 import dsfuse.kernels.moe_experts as m
 
