@@ -16,7 +16,8 @@ Greedy decoding, end-of-sequence ignored, so every call decodes exactly the aske
 Per configuration, batch and prompt length: time to first token (a `generate` of one new token: the prefill),
 ms per decoded token (the difference of an N-token and a one-token call over N - 1), tokens/s, the peak memory
 beyond the weights, and the generated tokens against eager's (equal, or the length of the prefix that matches,
-the shortest over the batch). `--padded` left-pads row i of a batch by i * prompt / (2 * batch) tokens. Every
+the shortest over the batch); ms per token is left out, with the reason, where the difference of the two calls is
+within their repeats' spread. `--padded` left-pads row i of a batch by i * prompt / (2 * batch) tokens. Every
 call is run once before it is timed (compiles), then timed `--repeats` times (median); the static cache holds
 the prompt plus the new tokens.
 """
@@ -159,7 +160,9 @@ def bench_generate(args) -> dict:
                         row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - weights) / 2**30, 2)
                     row["ttft_ms"] = statistics.median(ttft)
                     row["generate_ms"] = statistics.median(full)
-                    row["ms_per_token"] = (row["generate_ms"] - row["ttft_ms"]) / max(args.new_tokens - 1, 1)
+                    row["ms_per_token"], unresolved = decode_step_ms(ttft, full, args.new_tokens)
+                    if unresolved:
+                        row["decode_unresolved"] = unresolved
                     row["tok_per_s"] = batch * args.new_tokens / row["generate_ms"] * 1e3
                     if name == "eager":
                         references[prompt] = out
@@ -192,6 +195,18 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"]["cudagraph_skips"])
 
 
+def decode_step_ms(ttft: list[float], full: list[float], new_tokens: int) -> tuple[float | None, str]:
+    """ms per decoded token from the repeats of a 1-token and an N-token call: (median difference) / (N - 1), or
+    None and why when the difference is within the calls' run-to-run spread (a long prefill next to a short decode:
+    the difference would be noise, or negative)."""
+    decode = statistics.median(full) - statistics.median(ttft)
+    spread = max(full) - min(full) + max(ttft) - min(ttft)
+    if decode <= spread:
+        return None, (f"decode not resolved: the {new_tokens}-token call is {decode:.2f} ms longer than the 1-token "
+                      f"call, within the repeats' spread of {spread:.2f} ms; ask for more new tokens")
+    return decode / max(new_tokens - 1, 1), ""
+
+
 def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -202,7 +217,8 @@ def generate_markdown(results: dict) -> str:
              f"{results['new_tokens']} new tokens{', left-padded' if results['padded'] else ''}", "",
              " · ".join(f"{k} {v}" for k, v in env.items()), "",
              f"Prefill chunk {results['prefill_chunk']} for dsfuse; weights {results['weights_gib']} GiB. "
-             "ms/token = (N-token call - 1-token call) / (N - 1).", "",
+             "ms/token = (N-token call - 1-token call) / (N - 1), medians of the repeats; '-' where that "
+             "difference is within the repeats' spread (see the notes).", "",
              "| batch | prompt | config | TTFT ms | ms/token | tok/s | TTFT / Inductor | decode speedup vs Inductor "
              "| peak GiB beyond weights | tokens vs eager | notes |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -212,12 +228,13 @@ def generate_markdown(results: dict) -> str:
         ttft_ratio = decode_ratio = "-"
         if ref and "ttft_ms" in r:
             ttft_ratio = f"{r['ttft_ms'] / ref['ttft_ms']:.2f}x"
-            decode_ratio = f"{ref['ms_per_token'] / r['ms_per_token']:.2f}x" if r["ms_per_token"] > 0 else "-"
+            if ref.get("ms_per_token") and r.get("ms_per_token"):
+                decode_ratio = f"{ref['ms_per_token'] / r['ms_per_token']:.2f}x"
         if "tokens_equal_eager" in r:
             check = "equal" if r["tokens_equal_eager"] else f"prefix {r['matching_prefix']}/{results['new_tokens']}"
         else:
             check = "-"
-        notes = r.get("error", "")
+        notes = r.get("error", "") or r.get("decode_unresolved", "")
         if r.get("recompiles_timed"):
             notes += f" {r['recompiles_timed']} recompiles while timed"
         if r.get("cudagraph_skips"):

@@ -91,7 +91,8 @@ def test_the_output_projection_reads_the_attention_output_without_a_copy(model):
     for alias, source in re.findall(r"\b(buf\d+) = (buf\d+)\b(?!\[)", code):
         if source in names:
             names[alias] = names[source]
-    read_by_bmm = {names[m] for m in re.findall(r"extern_kernels\.bmm\(reinterpret_tensor\((buf\d+)", code) if m in names}
+    bmm_inputs = re.findall(r"extern_kernels\.bmm\(reinterpret_tensor\((buf\d+)", code)
+    read_by_bmm = {names[m] for m in bmm_inputs if m in names}
     assert len(set(names.values())) == 3 and read_by_bmm == set(names.values()), code[-4000:]
 
 
