@@ -32,6 +32,7 @@ def compile_sm90(fn, constexprs, ints, options, pointer_type, scalars=None):
     """Compile a Triton kernel for sm_90 with its integer arguments specialised as Triton's launcher does (== 1 becomes
     a constant, multiples of 16 get the divisibility hint), every pointer 16-byte aligned; `pointer_type(name)` gives
     a pointer argument's type and `scalars` the type of each non-integer scalar (default i32)."""
+    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -51,13 +52,8 @@ def compile_sm90(fn, constexprs, ints, options, pointer_type, scalars=None):
             signature[name] = "i32"
             if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton_compile(ASTSource(fn, signature, constexprs, attrs), GPUTarget("cuda", 90, 32), options)
-
-
-def triton_compile(source, target, options):
-    import triton
-
-    return triton.compile(source, target=target, options=options)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
 
 
 def run_probe(script, timeout, env_defaults=None):

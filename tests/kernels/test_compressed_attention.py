@@ -1,8 +1,7 @@
 """`dsfuse::compressed_attention`: the reference against HF V4's own eager attention, and the op's contract."""
 
-import os
-
 import pytest
+import sm90_offline
 import torch
 
 from dsfuse.kernels.compressed_attention import (
@@ -424,10 +423,8 @@ def test_gluon_scores_are_refused_where_they_cannot_run():
         compressed_attention_triton(*args, path="split", scores_kernel="cuda")
 
 
-_GLUON_PTX_PROBE = r"""
-import json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
+_GLUON_PTX_PROBE = sm90_offline.PROBE_PREAMBLE + r"""
+import re
 from triton.experimental.gluon._runtime import GluonASTSource
 from dsfuse.kernels import compressed_attention_gluon as g
 
@@ -459,14 +456,7 @@ def test_gluon_scores_kernel_compiles_for_sm90_offline():
     three tile shapes, the probabilities normalised here or in the values kernel; gathers by cp.async 16 bytes at
     a time, the MMA as wgmma with the N of the tile, and shared memory that lets two programs share an SM at 32
     keys a tile (q in registers, 3 stages of 32 KiB)."""
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _GLUON_PTX_PROBE], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = sm90_offline.run_probe(_GLUON_PTX_PROBE, timeout=600)[-1]
     for key, got in found.items():
         block_n = int(key.split("_")[1])
         assert "cp.async.cg.shared.global" in got["ops"], key
