@@ -57,6 +57,7 @@ class DsfusePassManager(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from dsfuse.passes import PassContext
         from dsfuse.passes.canonicalize import canonicalize
+        from dsfuse.passes.graph_utils import drop_copies_of_fused_outputs
 
         self.runs += 1
         graph_index = _report.current_graph()
@@ -69,6 +70,10 @@ class DsfusePassManager(CustomGraphPass):
             family.run(graph, ctx)
             self.sites.extend(ctx.sites)
             self.near_misses.extend(ctx.near_misses)
+        if self.families:
+            dropped = drop_copies_of_fused_outputs(graph)
+            if debug and dropped:
+                _report.log.info("graph %d: %d copies of fused outputs dropped", graph_index, dropped)
         graph.eliminate_dead_code()
         graph.lint()
 

@@ -355,3 +355,54 @@ def element_of(node: Any) -> tuple[torch.fx.Node, int, int] | None:
         return None
     dim %= len(shape(source))
     return source, dim, index % shape(source)[dim] if isinstance(shape(source)[dim], int) else index
+
+
+LAYOUT_VIEWS = VIEW_OPS | SQUEEZE_OPS | TRANSPOSE_OPS | {aten.unsqueeze.default}
+
+
+def _fused_output(node: Any) -> bool:
+    """Whether `node` is what a dsfuse op returned (the op, or one output of a tuple-returning op)."""
+    if is_op(node, operator.getitem):
+        node = node.args[0]
+    return (isinstance(node, torch.fx.Node) and isinstance(node.target, torch._ops.OpOverload)
+            and node.target.namespace == "dsfuse")
+
+
+def _known_contiguous(value: torch.Tensor) -> bool:
+    expected = 1
+    for size, stride in reversed(list(zip(value.shape, value.stride()))):
+        if not (statically_known_true(size == 1) or statically_known_true(stride == expected)):
+            return False
+        expected = expected * size
+    return True
+
+
+def drop_copies_of_fused_outputs(graph: torch.fx.Graph) -> int:
+    """Remove each `clone` of a dsfuse op's output, seen through layout views, where that view is already
+    contiguous: the source made the copy for its own layout (HF V4 turns its attention output [B, S, H, D] into
+    [B, H, S, D] and back, then `reshape` copies), which the fused op's output no longer needs; Inductor would
+    still read and write the whole tensor (0.5 GiB a V4 layer at S=8192).  The views' fake values are recomputed
+    first, since a pass replaced what they view.  Returns how many copies went."""
+    dropped = 0
+    for clone in list(graph.nodes):
+        if not is_op(clone, aten.clone.default) or any(user.op == "output" for user in clone.users):
+            continue
+        if clone.kwargs.get("memory_format") not in (None, torch.contiguous_format, torch.preserve_format):
+            continue
+        chain, source = [], clone.args[0]
+        while is_op(source, *LAYOUT_VIEWS):
+            chain.append(source)
+            source = source.args[0]
+        if not _fused_output(source):
+            continue
+        try:
+            for node in reversed(chain):
+                node.meta["val"] = fake_call(node.target, node.args, node.kwargs)
+        except RuntimeError:
+            continue
+        value = clone.args[0].meta.get("val")
+        if isinstance(value, torch.Tensor) and _known_contiguous(value):
+            clone.replace_all_uses_with(clone.args[0])
+            graph.erase_node(clone)
+            dropped += 1
+    return dropped

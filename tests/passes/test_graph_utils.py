@@ -217,3 +217,52 @@ def test_an_unbind_item_is_a_select(spelling):
     source = next(n for n in graph.nodes if n.op == "placeholder")
     assert element_of(item) == (source, 0, 2)
     assert element_of(source) is None
+
+
+def is_clone(node):
+    return node.op == "call_function" and node.target is aten.clone.default
+
+
+def _streams(b, T=6, n=4, D=8):
+    """A dsfuse op's output (the hyper-connection exit's new streams [T, n, D], contiguous)."""
+    import dsfuse.kernels.hyper_connections  # noqa: F401  (registers the op)
+
+    out, residual = b.input(T, D), b.input(T, n, D)
+    post, comb = b.input(T, n), b.input(T, n, n)
+    return b.call(torch.ops.dsfuse.hc_expand_mix.default, out, residual, post, comb)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_copy_of_a_fused_output_already_contiguous_through_its_views_is_dropped(dynamic):
+    """HF V4's transpose pair around the attention output leaves a `clone` the fused op's output does not need;
+    the views' stale fake values (of the layout the pass replaced) are recomputed before deciding."""
+    from dsfuse.passes.graph_utils import drop_copies_of_fused_outputs
+
+    b = Builder(dynamic)
+    streams = _streams(b)
+    there = b.call(aten.permute.default, streams, [1, 0, 2])
+    back = b.call(aten.transpose.int, there, 0, 1)
+    back.meta["val"] = there.meta["val"]  # stale: what the view held before a pass replaced its source
+    copy = b.call(aten.clone.default, back, memory_format=torch.contiguous_format)
+    flat = b.call(aten.view.default, copy, [-1, 32])
+    b.graph.output(flat)
+    assert drop_copies_of_fused_outputs(b.graph) == 1
+    assert flat.args[0] is back and not any(is_clone(n) for n in b.graph.nodes)
+    assert back.meta["val"].is_contiguous()
+
+
+def test_copies_that_do_work_or_are_outputs_stay():
+    """A copy that changes the layout, a copy of something that is not a fused output, and a copy the graph returns
+    (dropping it would make two outputs alias) are kept."""
+    from dsfuse.passes.graph_utils import drop_copies_of_fused_outputs
+
+    b = Builder()
+    streams = _streams(b)
+    relayout = b.call(aten.clone.default, b.call(aten.permute.default, streams, [1, 0, 2]),
+                      memory_format=torch.contiguous_format)
+    x = b.input(3, 5)
+    plain = b.call(aten.clone.default, b.call(aten.transpose.int, b.call(aten.transpose.int, x, 0, 1), 0, 1))
+    returned = b.call(aten.clone.default, streams)
+    b.graph.output((b.call(aten.neg.default, relayout), b.call(aten.neg.default, plain), returned, streams))
+    assert drop_copies_of_fused_outputs(b.graph) == 0
+    assert sum(is_clone(n) for n in b.graph.nodes) == 3

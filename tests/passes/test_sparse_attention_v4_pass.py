@@ -75,6 +75,27 @@ def test_every_layer_kind_is_rewritten_and_logits_match_eager(model):
     assert [m for m in rep.near_misses if m.pass_name == "sparse_attention"] == []
 
 
+def test_the_output_projection_reads_the_attention_output_without_a_copy(model):
+    """HF turns the attention output [B, S, H, D] into [B, H, S, D] for the inverse RoPE and back, then `reshape`
+    copies it; with the RoPE inside the fused op that copy is of a tensor already in order, and the pass manager drops
+    it: the grouped output projection's bmm reads the op's own buffer (every layer kind)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, codes = run_and_get_code(torch.compile(model, backend="dsfuse", options=OPTIONS), ids, use_cache=False)
+    code = "\n".join(codes)
+    names = {m.group(1): m.group(1) for m in re.finditer(r"(buf\d+) = torch\.ops\.dsfuse\.compressed_attention", code)}
+    for alias, source in re.findall(r"\b(buf\d+) = (buf\d+)\b(?!\[)", code):
+        if source in names:
+            names[alias] = names[source]
+    bmm_inputs = re.findall(r"extern_kernels\.bmm\(reinterpret_tensor\((buf\d+)", code)
+    read_by_bmm = {names[m] for m in bmm_inputs if m in names}
+    assert len(set(names.values())) == 3 and read_by_bmm == set(names.values()), code[-4000:]
+
+
 @pytest.mark.parametrize("seq", [6, 13])
 def test_short_prompts(model, seq):
     """S=6: shorter than the window, one CSA entry, no HCA entry yet; S=13: fewer than index_topk * m tokens."""
