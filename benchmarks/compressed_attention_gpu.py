@@ -263,7 +263,7 @@ def split_sweep():
             measure(f"split_{scores_name}_{name}", {**scores_cfg, **cfg})
         splits = {k: v for k, v in timed.items() if k.startswith("split_")}
         top_name, (top_ms, top_cfg) = min(splits.items(), key=lambda kv: kv[1][0])
-        measure(f"{top_name}_normalize_in_pv", {**top_cfg, "normalize_in_scores": False})
+        measure(f"{top_name}_normalize_in_pv", {**top_cfg, "normalize": "values"})
         measure(f"{top_name}_fast_exp", {**top_cfg, "accurate_exp": False})
         exact = {k: v for k, v in timed.items() if k.startswith("split_") and not k.endswith("_fast_exp")}
         best[layer] = min(exact.items(), key=lambda kv: kv[1][0])
@@ -322,20 +322,16 @@ def split_main():
         print(f"{case:<14} {name:<44} {ms:8.3f} {tf:8.0f}")
 
 
-# the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages,
-# probabilities normalised in the values kernel, the fast exp (different roundings: how much of the time the exact
-# exp and division take), and the values kernel's D chunk, warps and stages beside the Gluon scores
+# the Gluon scores kernel's sweep (the values kernel follows the tile width): keys a tile, pipeline stages, where
+# the probabilities are normalised (their own kernel, the default; the scores kernel; the values kernel), and the
+# fast exp (different roundings: how much of the time the exact exp and division take)
 GLUON_CONFIGS = {
     "n32_s3": {"block_n": 32, "scores_stages": 3},
     "n32_s2": {"block_n": 32, "scores_stages": 2},
     "n16_s4": {"block_n": 16, "scores_stages": 4},
-    "n32_s3_pv_normalizes": {"block_n": 32, "scores_stages": 3, "normalize_in_scores": False},
+    "n32_s3_scores_normalize": {"block_n": 32, "scores_stages": 3, "normalize": "scores"},
+    "n32_s3_values_normalize": {"block_n": 32, "scores_stages": 3, "normalize": "values"},
     "n32_s3_fast_exp": {"block_n": 32, "scores_stages": 3, "accurate_exp": False},
-    "n32_s3_pv_s4": {"block_n": 32, "scores_stages": 3, "pv_num_stages": 4},
-    "n32_s3_pv_s5": {"block_n": 32, "scores_stages": 3, "pv_num_stages": 5},
-    "n32_s3_pv_d256_w8_s3": {"block_n": 32, "scores_stages": 3, "d_chunk": 256, "pv_num_warps": 8, "pv_num_stages": 3},
-    "n32_s3_pv_d256_w8_s4": {"block_n": 32, "scores_stages": 3, "d_chunk": 256, "pv_num_warps": 8, "pv_num_stages": 4},
-    "n32_s3_pv_d256_w4_s3": {"block_n": 32, "scores_stages": 3, "d_chunk": 256, "pv_num_warps": 4, "pv_num_stages": 3},
 }
 
 

@@ -558,6 +558,43 @@ def _attention_values_kernel(
              mask=h_ok[:, None] & d_ok[None, :])
 
 
+# the normalising kernel's tile: rows of one (query, head block) a program, columns an iteration
+_NORMALIZE_ROWS = 16
+_NORMALIZE_COLS = 128
+
+
+@triton.jit
+def _normalize_kernel(logits_ptr, stats_ptr, ranges_ptr, queries, head_blocks, slot_tiles,
+                      BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, WINDOW_SLOTS: tl.constexpr, ROWS: tl.constexpr,
+                      COLS: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """Split path, between the two kernels (`normalize="separate"`): ROWS scratch rows of one (query, head block)
+    rewritten in place as round(exp(logit - max) / sum), over the key tiles the values kernel reads: the window's,
+    then the picks' or the visible entries'.  In the scores kernel this pass runs in one warpgroup a program with
+    nothing beside it to hide its exp and division; in the values kernel it runs once per D chunk."""
+    block = tl.program_id(0)
+    flat = block // head_blocks
+    rows = queries * head_blocks * BLOCK_H
+    r = block * BLOCK_H + tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    m = tl.load(stats_ptr + r)
+    l = tl.load(stats_ptr + rows + r)
+    lo = tl.load(ranges_ptr + flat)
+    hi = tl.load(ranges_ptr + queries + flat)
+    slots = tl.load(ranges_ptr + 2 * queries + flat)
+    row_ptr = logits_ptr + r.to(tl.int64)[:, None] * (slot_tiles * BLOCK_N)
+    _normalize_span(row_ptr, tl.cdiv(hi - lo, BLOCK_N) * BLOCK_N, m, l, COLS, ACCURATE_EXP)
+    _normalize_span(row_ptr + WINDOW_SLOTS, tl.cdiv(slots, BLOCK_N) * BLOCK_N, m, l, COLS, ACCURATE_EXP)
+
+
+@triton.jit
+def _normalize_span(row_ptr, end, m, l, COLS: tl.constexpr, ACCURATE_EXP: tl.constexpr):
+    """Columns [0, end) of the rows at `row_ptr`, COLS at a time."""
+    cols = tl.arange(0, COLS)[None, :]
+    for start in range(0, end, COLS):
+        seen = start + cols < end
+        x = tl.load(row_ptr + start + cols, mask=seen, other=0.0).to(tl.float32)
+        tl.store(row_ptr + start + cols, _probabilities(x, m, l, row_ptr.dtype.element_ty, ACCURATE_EXP), mask=seen)
+
+
 def compressed_attention_default_config(H: int, D: int, path: str = "split") -> dict:
     """All heads of a query in one program up to 64 (one MMA M tile), the stored logits, and each path's fastest
     launch of the H200 sweeps (V4-Flash shapes, S=8192; benchmarks/results/
@@ -569,7 +606,7 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     block_h = max(16, min(64, next_power_of_2(H)))
     dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,
-              "path": path, "d_chunk": 128, "normalize_in_scores": True, "pv_num_warps": 4, "pv_num_stages": 3,
+              "path": path, "d_chunk": 128, "normalize": "separate", "pv_num_warps": 4, "pv_num_stages": 3,
               "scores_maxnreg": None, "scores_kernel": "auto", "scores_stages": 3}
     if path == "split":
         return {**common, "block_n": 32, "num_warps": 4, "num_stages": 1}
@@ -603,14 +640,16 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
                                 compress_rate, cos=None, sin=None, window_mask=None, *, block_h=None, block_n=None,
                                 num_warps=None,
                                 num_stages=None, accurate_exp=None, store_logits=None, check_positions=None,
-                                path=None, d_chunk=None, normalize_in_scores=None, pv_num_warps=None,
+                                path=None, d_chunk=None, normalize=None, pv_num_warps=None,
                                 pv_num_stages=None, scores_maxnreg=None, scores_kernel=None, scores_stages=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): no host sync, no shape that depends on data.
     `kv_positions[b]` must be -1 padding then increasing positions (see the module docstring); indices are
     never trusted.  `store_logits` (default) trades pass 2's q.k for a [B * S, H, window + k] scratch in the
     input dtype (80 KiB per query at V4-Flash's CSA shapes); `accurate_exp=False` uses the approximate exp and
     a reciprocal multiply (5-10 % faster, a few more one-ulp differences).  `path="split"` runs the two passes
-    as two kernels (see `_split_attention`); both paths give the same bits at equal block_n.  `scores_kernel`
+    as two kernels (see `_split_attention`); both paths give the same bits at equal block_n, and so do the split
+    path's three places to normalise the probabilities (`normalize`: "separate", the default, "scores" or
+    "values").  `scores_kernel`
     picks the split path's scores kernel: "auto" (Gluon where `gluon_scores_supported`, else Triton), "triton" or
     "gluon"; `scores_stages` is the Gluon kernel's ring depth.  A `window_mask` runs the fused kernel without the
     scratch and without position checks (see the module docstring)."""
@@ -627,12 +666,14 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     for key, value in (("block_h", block_h), ("block_n", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages), ("accurate_exp", accurate_exp), ("store_logits", store_logits),
                        ("check_positions", check_positions), ("path", path), ("d_chunk", d_chunk),
-                       ("normalize_in_scores", normalize_in_scores), ("pv_num_warps", pv_num_warps),
+                       ("normalize", normalize), ("pv_num_warps", pv_num_warps),
                        ("pv_num_stages", pv_num_stages), ("scores_maxnreg", scores_maxnreg),
                        ("scores_kernel", scores_kernel), ("scores_stages", scores_stages)):
         if value is not None:
             cfg[key] = value
     _check(cfg["path"] in ("fused", "split"), f"path must be 'fused' or 'split', got {cfg['path']!r}")
+    _check(cfg["normalize"] in ("scores", "separate", "values"),
+           f"normalize must be 'scores', 'separate' or 'values', got {cfg['normalize']!r}")
     _check(cfg["scores_kernel"] in ("auto", "triton", "gluon"),
            f"scores_kernel must be 'auto', 'triton' or 'gluon', got {cfg['scores_kernel']!r}")
     if window_mask is not None:
@@ -712,19 +753,20 @@ def _masked_spans(window_mask: torch.Tensor, ranges: torch.Tensor) -> torch.Tens
 
 def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, cos_arg, sin_arg, out,
                      has_indices, rope, scale, T, window, mode, cfg, accurate, window_slots, slots):
-    """The split path: kernel 1 (scores: logits, then probabilities or row max and sum) over (query, head block),
+    """The split path: kernel 1 (scores: the logits, and the row max and sum) over (query, head block), the
+    probabilities where `normalize` says (in kernel 1, in `_normalize_kernel` between the two, or in kernel 2),
     kernel 2 (p @ v and the epilogue) over (query x D chunk, head block).  The scratch is the fused kernel's
-    [B * S, head blocks, BLOCK_H, slots] in the input dtype, plus [2, B * S * H] fp32 row statistics only when
-    kernel 2 normalises; nothing is stored in the output until kernel 2."""
+    [B * S, head blocks, BLOCK_H, slots] in the input dtype, plus [2, B * S * H] fp32 row statistics unless
+    kernel 1 normalises; nothing is stored in the output until kernel 2."""
     B, S, H, D = q.shape
     dp = max(16, next_power_of_2(D))
     block_h, block_n = cfg["block_h"], cfg["block_n"]
     head_blocks = cdiv(H, block_h)
     d_chunk = min(cfg["d_chunk"], dp)
-    normalize = bool(cfg["normalize_in_scores"])
+    in_scores = cfg["normalize"] == "scores"
     rows = B * S * head_blocks * block_h
     logits = torch.empty((rows * slots,), dtype=q.dtype, device=q.device)
-    stats = logits if normalize else torch.empty((2 * rows,), dtype=torch.float32, device=q.device)
+    stats = logits if in_scores else torch.empty((2 * rows,), dtype=torch.float32, device=q.device)
     common = dict(BLOCK_H=block_h, BLOCK_N=block_n, MODE=mode, ACCURATE_EXP=accurate,
                   DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", WINDOW_SLOTS=window_slots,
                   CHECK_POSITIONS=bool(cfg["check_positions"]))
@@ -739,7 +781,7 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
         compressed_attention_gluon.launch_scores(
             q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n,
-            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, normalize, accurate, **cap)
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, in_scores, accurate, **cap)
     else:
         _attention_scores_kernel[(B * S, head_blocks)](
             q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,
@@ -749,9 +791,13 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
             *idx_strides,
             q_positions.stride(0), kv_positions.stride(0),
             S, H, T, window, slots // block_n, float(scale),
-            D=D, DP=dp, NORMALIZE=normalize, **common,
+            D=D, DP=dp, NORMALIZE=in_scores, **common,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
         )
+    if cfg["normalize"] == "separate":
+        _normalize_kernel[(B * S * head_blocks, block_h // _NORMALIZE_ROWS)](
+            logits, stats, ranges, B * S, head_blocks, slots // block_n, BLOCK_H=block_h, BLOCK_N=block_n,
+            WINDOW_SLOTS=window_slots, ROWS=_NORMALIZE_ROWS, COLS=_NORMALIZE_COLS, ACCURATE_EXP=accurate)
     _attention_values_kernel[(B * S * cdiv(D, d_chunk), head_blocks)](
         kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
         kv.stride(0), kv.stride(1),
@@ -762,7 +808,8 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         sin_arg.stride(0) if rope else 0, sin_arg.stride(1) if rope else 0,
         out.stride(0), out.stride(1), out.stride(2),
         S, H, T, window, slots // block_n,
-        D=D, D_CHUNK=d_chunk, R=cos_arg.shape[2] if rope else 0, NORMALIZED=normalize, **common,
+        D=D, D_CHUNK=d_chunk, R=cos_arg.shape[2] if rope else 0, NORMALIZED=cfg["normalize"] != "values",
+        **common,
         num_warps=cfg["pv_num_warps"], num_stages=cfg["pv_num_stages"],
     )
 

@@ -116,7 +116,7 @@ def test_compressed_attention_triton_path_is_the_reference(path, data, form, rop
     args = _on_device(q, kv, q_pos, kv_pos, compressed, indices, sinks, 0.3, window, rate, cos, sin)
     launch = {"path": "fused"}
     if path == "split":
-        launch = {"path": "split", "d_chunk": 16, "normalize_in_scores": data.draw(st.booleans())}
+        launch = {"path": "split", "d_chunk": 16, "normalize": data.draw(st.sampled_from(["separate", "scores", "values"]))}
     got = compressed_attention_triton(*args, **launch)
     want = compressed_attention_reference(*args)
     torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype] * 4, equal_nan=True)

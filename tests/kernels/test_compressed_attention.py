@@ -250,8 +250,8 @@ def test_triton_fully_masked_rows_give_zero(path):
 def test_split_path_gives_the_fused_paths_bits(kind):
     """The split kernels make the fused kernel's roundings in its order (logits, max and sum over the same key
     tiles, the same exp and division, p @ v over the same tiles), so at equal block_n every output bit agrees:
-    D chunks of 16 and 32 (the 40 rotated dims of D=64 span several), probabilities normalised in either
-    kernel."""
+    D chunks of 16 and 32 (the 40 rotated dims of D=64 span several), probabilities normalised in the scores
+    kernel, in their own kernel or in the values kernel."""
     B, S, H, D, W, rate = 1, 8, 3, 64, 5, 2
     T = S // rate
     q, kv, compressed, sinks = _inputs(B, S, H, D, T, torch.float16, seed=6)
@@ -261,10 +261,9 @@ def test_split_path_gives_the_fused_paths_bits(kind):
     args = (q, kv, q_pos, kv_pos, compressed, indices, sinks, D ** -0.5, W, rate, cos, sin)
     fused = compressed_attention_triton(*args, block_n=16, path="fused")
     assert (fused == compressed_attention_reference(*args)).float().mean() > 0.98
-    for d_chunk, normalize_in_scores in ((16, True), (32, False)):
-        split = compressed_attention_triton(*args, block_n=16, path="split", d_chunk=d_chunk,
-                                            normalize_in_scores=normalize_in_scores)
-        assert torch.equal(split, fused), (d_chunk, normalize_in_scores)
+    for d_chunk, normalize in ((16, "scores"), (32, "values"), (16, "separate"), (32, "separate")):
+        split = compressed_attention_triton(*args, block_n=16, path="split", d_chunk=d_chunk, normalize=normalize)
+        assert torch.equal(split, fused), (d_chunk, normalize)
 
 
 @pytest.mark.parametrize("kind", ["sliding", "csa", "hca"])
@@ -286,7 +285,7 @@ def test_triton_with_a_window_mask_matches_reference(kind):
         _assert_matches(compressed_attention_triton(*args, block_n=16, **path), want)
 
 
-def test_triton_rejects_unknown_paths_and_chunks():
+def test_triton_rejects_unknown_paths_chunks_and_normalisers():
     q, kv, compressed, sinks = _inputs(1, 4, 2, 16, 2, torch.float16, seed=5)
     pos = torch.arange(4).view(1, 4)
     args = (q, kv, pos, pos, compressed, None, sinks, 0.3, 4, 2, None, None)
@@ -294,6 +293,8 @@ def test_triton_rejects_unknown_paths_and_chunks():
         compressed_attention_triton(*args, path="fast")
     with pytest.raises(ValueError, match="d_chunk must be a power of two >= 16"):
         compressed_attention_triton(*args, path="split", d_chunk=48)
+    with pytest.raises(ValueError, match="normalize must be 'scores', 'separate' or 'values'"):
+        compressed_attention_triton(*args, path="split", normalize=True)
 
 
 # --- the CUDA path at V4-Flash head shapes -------------------------------------------------------------------
@@ -388,9 +389,9 @@ def test_cuda_gluon_scores_give_the_triton_split_paths_bits(kind, block_n, stage
     if args[5] is not None:
         args[5] = args[5].long()
     triton_split = compressed_attention_triton(*args, path="split", block_n=block_n, scores_kernel="triton")
-    for normalize in (True, False):
+    for normalize in ("separate", "scores", "values"):
         gluon_split = compressed_attention_triton(*args, path="split", block_n=block_n, scores_kernel="gluon",
-                                                  scores_stages=stages, normalize_in_scores=normalize)
+                                                  scores_stages=stages, normalize=normalize)
         assert torch.equal(gluon_split, triton_split), normalize
     want = compressed_attention_reference(*args)
     assert (gluon_split == want).float().mean() > 0.95
