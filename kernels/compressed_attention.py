@@ -560,7 +560,7 @@ def _attention_values_kernel(
 
 # the normalising kernel's tile: rows of one (query, head block) a program, columns an iteration
 _NORMALIZE_ROWS = 16
-_NORMALIZE_COLS = 128
+_NORMALIZE_COLS = 64
 
 
 @triton.jit
