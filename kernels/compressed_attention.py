@@ -781,7 +781,7 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
         pick_tiles = next_power_of_2(cdiv(idx_arg.shape[2], block_n)) if has_indices else 1
         compressed_attention_gluon.launch_scores(
             q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n,
-            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, in_scores, accurate, **cap)
+            cfg["scores_stages"], window_slots, slots, pick_tiles * block_n, in_scores, accurate)
     else:
         _attention_scores_kernel[(B * S, head_blocks)](
             q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, sinks, logits, stats,

@@ -236,7 +236,7 @@ def _scores_loop(q, k_bufs, idx_smem, logits_ptr, stats_ptr, sink_ptr, head0, fl
 
 
 def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indices, scale, T, mode, block_n, stages,
-                  window_slots, slots, pick_slots, normalize, accurate_exp, maxnreg=None):
+                  window_slots, slots, pick_slots, normalize, accurate_exp):
     """Kernel 1 of the split path in Gluon (see the module docstring); same arguments, scratch and statistics as
     the Triton scores kernel.  `pick_slots`: a CSA query's picks rounded up to a power-of-two count of tiles
     (a compile-time size: it depends on the model's top-k only)."""
@@ -251,5 +251,5 @@ def launch_scores(q, kv, c_arg, idx_arg, ranges, sinks, logits, stats, has_indic
         S, H, T, slots // block_n, float(scale),
         D=D, BLOCK_H=64, BLOCK_N=block_n, STAGES=stages, MODE=mode, K_SLOTS=pick_slots,
         WINDOW_SLOTS=window_slots, NORMALIZE=normalize,
-        ACCURATE_EXP=accurate_exp, num_warps=NUM_WARPS, **({} if maxnreg is None else {"maxnreg": maxnreg}),
+        ACCURATE_EXP=accurate_exp, num_warps=NUM_WARPS,
     )
