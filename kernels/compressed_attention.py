@@ -600,9 +600,9 @@ def compressed_attention_default_config(H: int, D: int, path: str = "split") -> 
     launch of the H200 sweeps (V4-Flash shapes, S=8192; benchmarks/results/
     2026-12-02_h200_compressed_attention_gluon_*):
     the split path (the default) with 32 keys per scores tile (the Gluon kernel with 3 stages where it runs,
-    otherwise the Triton one with 4 warps and 1 stage), then p.v over 128-wide D chunks with 4 warps and 3 stages:
-    CSA 3.04 ms, HCA 1.07 ms (Triton scores: 3.69, 1.16); the fused kernel with 64 keys per tile, 8 warps,
-    2 stages: CSA 3.97 ms, HCA 1.55 ms."""
+    otherwise the Triton one with 4 warps and 1 stage), the probabilities normalised in their own kernel, then p.v
+    over 128-wide D chunks with 4 warps and 3 stages: CSA 2.80 ms, HCA 0.98 ms (run 66; Triton scores: 3.29, 1.06);
+    the fused kernel with 64 keys per tile, 8 warps, 2 stages: CSA 3.97 ms, HCA 1.55 ms."""
     block_h = max(16, min(64, next_power_of_2(H)))
     dp = max(16, next_power_of_2(D))
     common = {"block_h": block_h, "accurate_exp": True, "store_logits": True, "check_positions": False,

@@ -11,8 +11,8 @@ one after the other. This kernel computes the same thing with the pipeline spell
 - the window rows, then the picks (CSA) or the visible entries (HCA), are one stream of tiles.
 
 The arithmetic is the Triton kernel's, operation for operation: logits rounded as HF rounds them, stored in the
-same scratch layout, the row max and sum folded from the sink, then the stored logits rewritten in place as
-round(exp(logit - max) / sum). The values kernel of the split path reads them unchanged. Gluon has no CPU
+same scratch layout, the row max and sum folded from the sink, then either stored for the split path's normalising
+kernel (the default) or used here to rewrite the stored logits in place as round(exp(logit - max) / sum). Gluon has no CPU
 interpreter: the GPU tests compare this kernel with the Triton one, and the CPU tests compile it for sm_90.
 """
 
