@@ -795,9 +795,10 @@ def _split_attention(q, kv, c_arg, idx_arg, q_positions, kv_positions, ranges, s
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **cap,
         )
     if cfg["normalize"] == "separate":
-        _normalize_kernel[(B * S * head_blocks, block_h // _NORMALIZE_ROWS)](
+        norm_rows = min(_NORMALIZE_ROWS, block_h)
+        _normalize_kernel[(B * S * head_blocks, block_h // norm_rows)](
             logits, stats, ranges, B * S, head_blocks, slots // block_n, BLOCK_H=block_h, BLOCK_N=block_n,
-            WINDOW_SLOTS=window_slots, ROWS=_NORMALIZE_ROWS, COLS=_NORMALIZE_COLS, ACCURATE_EXP=accurate)
+            WINDOW_SLOTS=window_slots, ROWS=norm_rows, COLS=_NORMALIZE_COLS, ACCURATE_EXP=accurate)
     _attention_values_kernel[(B * S * cdiv(D, d_chunk), head_blocks)](
         kv, c_arg, idx_arg, q_positions, kv_positions, ranges, cos_arg, sin_arg, out, logits, stats,
         kv.stride(0), kv.stride(1),

@@ -12,8 +12,8 @@ one after the other. This kernel computes the same thing with the pipeline spell
 
 The arithmetic is the Triton kernel's, operation for operation: logits rounded as HF rounds them, stored in the
 same scratch layout, the row max and sum folded from the sink, then either stored for the split path's normalising
-kernel (the default) or used here to rewrite the stored logits in place as round(exp(logit - max) / sum). Gluon has no CPU
-interpreter: the GPU tests compare this kernel with the Triton one, and the CPU tests compile it for sm_90.
+kernel (the default) or used here to rewrite the stored logits in place as round(exp(logit - max) / sum). Gluon has
+no CPU interpreter: the GPU tests compare this kernel with the Triton one, and the CPU tests compile it for sm_90.
 """
 
 from __future__ import annotations

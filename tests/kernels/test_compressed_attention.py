@@ -219,6 +219,7 @@ def test_triton_fp32_csa_with_rope_head_blocks_recomputed_logits_and_checked_pos
     _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, **PATHS[path]), want)
     _assert_matches(compressed_attention_triton(*args, block_h=16, block_n=16, store_logits=False,
                                                 check_positions=True, **PATHS[path]), want)
+    _assert_matches(compressed_attention_triton(*args, block_h=8, block_n=16, **PATHS[path]), want)
 
 
 @pytest.mark.parametrize("path", PATHS)
