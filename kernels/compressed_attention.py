@@ -649,10 +649,9 @@ def compressed_attention_triton(q, kv, q_positions, kv_positions, compressed, in
     a reciprocal multiply (5-10 % faster, a few more one-ulp differences).  `path="split"` runs the two passes
     as two kernels (see `_split_attention`); both paths give the same bits at equal block_n, and so do the split
     path's three places to normalise the probabilities (`normalize`: "separate", the default, "scores" or
-    "values").  `scores_kernel`
-    picks the split path's scores kernel: "auto" (Gluon where `gluon_scores_supported`, else Triton), "triton" or
-    "gluon"; `scores_stages` is the Gluon kernel's ring depth.  A `window_mask` runs the fused kernel without the
-    scratch and without position checks (see the module docstring)."""
+    "values").  `scores_kernel` picks the split path's scores kernel: "auto" (Gluon where `gluon_scores_supported`,
+    else Triton), "triton" or "gluon"; `scores_stages` is the Gluon kernel's ring depth.  A `window_mask` runs the
+    fused kernel without the scratch and without position checks (see the module docstring)."""
     _validate(q, kv, q_positions, kv_positions, compressed, indices, sinks, window, compress_rate, cos, sin,
               window_mask, check_values=False)
     _check(cos is None or q.shape[-1] % 2 == 0, f"the inverse RoPE needs an even head dim, got {q.shape[-1]}")
