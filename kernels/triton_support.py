@@ -77,8 +77,90 @@ def _register(qualname: str, device_type: str, fn) -> None:
     library = _DISPATCH_LIBRARIES.get((namespace, device_type))
     if library is None:
         library = _DISPATCH_LIBRARIES[(namespace, device_type)] = torch.library.Library(namespace, "IMPL")
-    library.impl(name, fn, key)
+    library.impl(name, _checked(qualname, fn), key)
     library.impl(name, torch.library.fallthrough_kernel, f"Autograd{key}")
+
+
+def _checked(qualname: str, fn):
+    """`fn` behind the checks every direct kernel gets: its tensor arguments must lie inside their storage (a kernel
+    reads raw pointers, so a view that reaches past its memory would be read silently), and with DSFUSE_DEBUG set,
+    its outputs must be what the op's fake implementation promised Inductor (`check_outputs_match_fake`)."""
+    from dsfuse.config import debug_enabled
+
+    def kernel(*args, **kwargs):
+        check_views_in_storage(qualname, args, kwargs)
+        out = fn(*args, **kwargs)
+        if debug_enabled():
+            check_outputs_match_fake(qualname, args, kwargs, out)
+        return out
+
+    return kernel
+
+
+def _tensors(values):
+    """The tensors among `values`, looking one level into lists and tuples (the ops' `Tensor[]` arguments)."""
+    import torch
+
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (item for item in value if isinstance(item, torch.Tensor))
+
+
+def view_end_bytes(t) -> int:
+    """One past the last byte `t`'s sizes and strides reach in its storage (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def check_views_in_storage(qualname: str, args, kwargs) -> None:
+    """Raise if a tensor argument's view reaches past its storage. Such a view cannot come from PyTorch's checked
+    view ops; it comes from an unchecked reinterpretation of a buffer (the kind Inductor's generated code makes), and
+    a Triton kernel given it would read or write memory that is not the tensor's."""
+    for position, t in enumerate(_tensors([*args, *kwargs.values()])):
+        end, have = view_end_bytes(t), t.untyped_storage().nbytes()
+        if end > have:
+            raise RuntimeError(
+                f"{qualname}: tensor argument {position} (sizes {list(t.shape)}, strides {list(t.stride())}, offset "
+                f"{t.storage_offset()}, {t.dtype}) reaches byte {end} of a storage of {have} bytes: a view outside its "
+                f"memory, refused before any kernel reads it. The caller's buffer layout disagrees with this view "
+                f"(please report it with the model and input sizes)")
+
+
+def check_outputs_match_fake(qualname: str, args, kwargs, out) -> None:
+    """Raise unless `out` is what the op's fake implementation returns for the same inputs: the same sizes, strides
+    and dtypes, each output inside its own storage, and no output sharing memory with an input (the ops are declared
+    without aliasing). Inductor plans buffers from the fake outputs, so any difference is a memory-safety defect."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map
+
+    namespace, name = qualname.split("::")
+    op = getattr(getattr(torch.ops, namespace), name).default
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = op(*tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, args),
+                  **tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, kwargs))
+    real_outs = list(_tensors([out]))
+    fake_outs = list(_tensors([fake]))
+    if len(real_outs) != len(fake_outs):
+        raise RuntimeError(f"{qualname}: {len(real_outs)} tensor outputs, its fake implementation gives {len(fake_outs)}")
+    inputs = {t.untyped_storage().data_ptr() for t in _tensors([*args, *kwargs.values()]) if t.numel()}
+    for position, (real, promised) in enumerate(zip(real_outs, fake_outs)):
+        what = f"{qualname}: output {position}"
+        if real.shape != promised.shape or real.dtype != promised.dtype:
+            raise RuntimeError(f"{what} is {real.dtype}{list(real.shape)}, its fake implementation promised "
+                               f"{promised.dtype}{list(promised.shape)}")
+        significant = [(r, f) for r, f, size in zip(real.stride(), promised.stride(), real.shape) if size > 1]
+        if any(r != f for r, f in significant):
+            raise RuntimeError(f"{what} has strides {list(real.stride())}, its fake implementation promised "
+                               f"{list(promised.stride())}")
+        if view_end_bytes(real) > real.untyped_storage().nbytes():
+            raise RuntimeError(f"{what} reaches past its storage")
+        if real.numel() and real.untyped_storage().data_ptr() in inputs:
+            raise RuntimeError(f"{what} shares memory with an input, but the op is declared without aliasing")
 
 
 @functools.lru_cache(maxsize=None)

@@ -95,3 +95,57 @@ def assert_one_direct_cpu_kernel(name: str):
     autograd = [line for line in table if line.startswith("AutogradCPU")]
     assert len(cpu) == 1 and "triton_support.py" in cpu[0], table
     assert len(autograd) == 1 and "fallthrough" in autograd[0], table
+
+
+def _test_op(name: str, kernel):
+    """A custom op `dsfuse_test::<name>` (x -> x's shape and dtype) whose CPU kernel is `kernel`, registered the way
+    dsfuse's CUDA kernels are (`direct_kernel`), so a call goes through the checks every direct kernel gets."""
+    import torch
+
+    from dsfuse.kernels.triton_support import direct_kernel
+
+    def replaced(x):
+        raise AssertionError("replaced by the direct kernel")
+
+    op = torch.library.custom_op(f"dsfuse_test::{name}", replaced, mutates_args=(), schema="(Tensor x) -> Tensor")
+    op.register_fake(lambda x: torch.empty_like(x, memory_format=torch.contiguous_format))
+    direct_kernel(op, "cpu")(kernel)
+    return getattr(torch.ops.dsfuse_test, name).default
+
+
+def test_a_view_reaching_past_its_storage_is_refused_before_the_kernel_runs():
+    """Inductor's generated code reinterprets buffers without checks. A bool [2, 33, 33] mask given padded strides
+    (1152, 33, 1) over an unpadded 2178-byte buffer (the layout of issue 34's crash) must never reach a kernel."""
+    import pytest
+    import torch
+
+    ran = []
+    op = _test_op("sum_rows", lambda x: ran.append(1) or x.clone())
+    buffer = torch.zeros(2 * 33 * 33, dtype=torch.bool)
+    reinterpret = torch._C._dynamo.guards._reinterpret_tensor
+    padded = reinterpret(buffer, (2, 33, 33), (1152, 33, 1), 0)
+    with pytest.raises(RuntimeError, match=r"dsfuse_test::sum_rows: tensor argument 0 .* strides \[1152, 33, 1\].* "
+                                           r"reaches byte 2241 of a storage of 2178 bytes"):
+        op(padded)
+    assert not ran
+    assert op(reinterpret(buffer, (2, 33, 33), (1089, 33, 1), 0)).shape == (2, 33, 33)  # the same view, in bounds
+    assert op(torch.zeros(2, 1152)[:, :33 * 33].view(2, 33, 33)).shape == (2, 33, 33)  # padded, and in bounds
+    assert ran == [1, 1]
+
+
+def test_debug_mode_checks_the_outputs_against_the_fake_implementation(monkeypatch):
+    import pytest
+    import torch
+
+    x = torch.randn(3, 5)
+    honest = _test_op("honest", lambda x: x * 2)
+    transposed = _test_op("transposed", lambda x: (x * 2).t().contiguous().t())
+    aliasing = _test_op("aliasing", lambda x: x.view(x.shape))
+    monkeypatch.delenv("DSFUSE_DEBUG", raising=False)
+    transposed(x), aliasing(x)  # unchecked without DSFUSE_DEBUG
+    monkeypatch.setenv("DSFUSE_DEBUG", "1")
+    assert torch.equal(honest(x), x * 2)
+    with pytest.raises(RuntimeError, match=r"output 0 has strides \[1, 3\], its fake implementation promised \[5, 1\]"):
+        transposed(x)
+    with pytest.raises(RuntimeError, match="shares memory with an input"):
+        aliasing(x)
