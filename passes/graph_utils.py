@@ -205,6 +205,18 @@ def scalar_arg(node: Any) -> float | None:
     return None
 
 
+def unspecialised_float(node: Any) -> bool:
+    """Whether `node` is a 0-d floating tensor in the graph where the source had a Python scalar: what
+    `torch.compile(dynamic=True)` makes of a module's float attributes (a norm's eps, a softmax scale)."""
+    value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
+
+
+UNSPECIALISED_FLOAT = ("is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as tensors "
+                       "whose values may change between calls; the default dynamic=None keeps them constant and "
+                       "compiles one graph for every length after the second")
+
+
 def only_user(node: torch.fx.Node, *targets: Any) -> torch.fx.Node | None:
     """The node's single user (one of `targets`' calls, when given), or None."""
     users = list(node.users)

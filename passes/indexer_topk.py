@@ -35,8 +35,8 @@ from .canonicalize import canonical_scale
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
                    views_of_rank)
-from .graph_utils import (CONVERT, NOT_OPS, aten, dtype, insert_call, is_neg_inf, is_op, only_user, same_shape,
-                          same_size, scalar_arg, shape, size_arg)
+from .graph_utils import (CONVERT, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, insert_call, is_neg_inf, is_op,
+                          only_user, same_shape, same_size, scalar_arg, shape, size_arg, unspecialised_float)
 
 NAME = "indexer_topk"
 IMPLEMENTED = True
@@ -192,6 +192,8 @@ def _match(topk: torch.fx.Node) -> dict:
         raise NoMatch("a non-positive score scale does not commute with relu")
     softmax_scale = post_scale * scale
     if is_op(relu_in, aten.mul.Tensor, aten.div.Tensor):
+        if unspecialised_float(relu_in.args[1]):
+            raise NoMatch(f"the score scale {UNSPECIALISED_FLOAT}")
         raise NoMatch("scores are scaled by a tensor, not a constant")
     qk, qk_ops = layout_chain(relu_in)
     if not is_op(qk, *PRODUCTS):

@@ -67,6 +67,7 @@ from .graph_utils import (
     END,
     FLOAT_DTYPES,
     SPLIT_OPS,
+    UNSPECIALISED_FLOAT,
     VIEW_OPS,
     aten,
     broadcasts_to,
@@ -88,6 +89,7 @@ from .graph_utils import (
     size_args,
     slice_args,
     strip,
+    unspecialised_float,
     users_of,
     val,
     walk_back,
@@ -178,7 +180,8 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
         raise NoMatch("no rsqrt(mean + eps)", reported=False)
     eps = scalar_arg(add.args[1])
     if eps is None:
-        raise NoMatch(f"RMSNorm: eps {add.args[1]} is a graph input, not a constant")
+        raise NoMatch(f"RMSNorm: eps {UNSPECIALISED_FLOAT}" if unspecialised_float(add.args[1])
+                      else f"RMSNorm: eps {add.args[1]} is a graph input, not a constant")
     if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)`
         scale = only_user(rsqrt, CONVERT)
         product = only_user(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None

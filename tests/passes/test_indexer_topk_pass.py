@@ -302,3 +302,26 @@ def test_v4_csa_indexer_is_rewritten_once_and_matches_eager():
     assert "in topk order" not in rep.sites[0].detail, "the picks are only scattered into the block bias"
     torch.testing.assert_close(got, want)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_dynamic_true_score_scale_is_a_reported_near_miss_that_says_what_to_do():
+    """`dynamic=True` passes a module's float (the HF indexer's `softmax_scale`) in as a 0-d tensor whose value may
+    change between calls: not a constant the kernel may take. The report says so and names the default that works."""
+
+    class Indexer(torch.nn.Module):
+        softmax_scale = SCALE
+
+        def forward(self, q, k, w, mask):
+            scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+            index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~mask, float("-inf"))
+            return index_scores.topk(K, dim=-1).indices
+
+    q, k, w, causal = _data()
+    with torch.no_grad():
+        torch.compile(Indexer(), backend="dsfuse", dynamic=True)(q, k, w, causal)
+    rep = dsfuse.report()
+    assert rep.counts["indexer_topk"] == 0
+    assert [m.reason for m in rep.near_misses] == [
+        "the score scale is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as "
+        "tensors whose values may change between calls; the default dynamic=None keeps them constant and compiles "
+        "one graph for every length after the second"], str(rep)
