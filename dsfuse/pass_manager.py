@@ -57,7 +57,7 @@ class DsfusePassManager(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         from dsfuse.passes import PassContext
         from dsfuse.passes.canonicalize import canonicalize
-        from dsfuse.passes.graph_utils import drop_copies_of_fused_outputs
+        from dsfuse.passes.graph_utils import drop_copies_of_fused_outputs, unpadded_inputs_of_fused_ops
 
         self.runs += 1
         graph_index = _report.current_graph()
@@ -74,6 +74,7 @@ class DsfusePassManager(CustomGraphPass):
             dropped = drop_copies_of_fused_outputs(graph)
             if debug and dropped:
                 _report.log.info("graph %d: %d copies of fused outputs dropped", graph_index, dropped)
+            unpadded_inputs_of_fused_ops(graph)
         graph.eliminate_dead_code()
         graph.lint()
 

@@ -372,6 +372,37 @@ def element_of(node: Any) -> tuple[torch.fx.Node, int, int] | None:
 LAYOUT_VIEWS = VIEW_OPS | SQUEEZE_OPS | TRANSPOSE_OPS | {aten.unsqueeze.default}
 
 
+READ_VIEWS = LAYOUT_VIEWS | {aten.select.int, aten.slice.Tensor, aten.expand.default}
+
+
+def unpadded_inputs_of_fused_ops(graph: torch.fx.Graph) -> int:
+    """Mark every buffer a dsfuse op reads, and every view of it, `dislike_padding` for Inductor.
+
+    A dsfuse op asks Inductor for its inputs in the exact strides of their fake values. On a GPU Inductor pads the
+    strides of the buffers it allocates (comprehensive padding), and it may decide that while lowering a view of
+    the buffer: a `squeeze` of HF's [B, 1, S, T] mask, lowered first, takes padded strides without fixing them; then
+    the exact-stride request of the op that reads the whole mask fixes the buffer unpadded, and the view reads past
+    it (issue 34: [2, 33, 33] at strides (1152, 33, 1) over 2178 bytes). A buffer a dsfuse op reads gains nothing
+    from padding (the op would only have it copied back), so neither it nor any view of it is padded. Returns how
+    many nodes were marked."""
+    bases = []
+    for op in graph.nodes:
+        if _fused_output(op) and not is_op(op, operator.getitem):
+            for node in op.all_input_nodes:
+                while is_op(node, *READ_VIEWS):
+                    node = node.args[0]
+                bases.append(node)
+    marked, pending = 0, bases
+    while pending:
+        node = pending.pop()
+        if node.op != "call_function" or node.meta.get("dislike_padding"):
+            continue
+        node.meta["dislike_padding"] = True
+        marked += 1
+        pending.extend(user for user in node.users if is_op(user, *READ_VIEWS))
+    return marked
+
+
 def _fused_output(node: Any) -> bool:
     """Whether `node` is what a dsfuse op returned (the op, or one output of a tuple-returning op)."""
     if is_op(node, operator.getitem):

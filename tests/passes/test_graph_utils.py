@@ -266,3 +266,23 @@ def test_copies_that_do_work_or_are_outputs_stay():
     b.graph.output((b.call(aten.neg.default, relayout), b.call(aten.neg.default, plain), returned, streams))
     assert drop_copies_of_fused_outputs(b.graph) == 0
     assert sum(is_clone(n) for n in b.graph.nodes) == 3
+
+
+def test_buffers_fused_ops_read_and_their_views_are_never_padded():
+    """HF's [B, 1, S, T] mask feeds a dsfuse op through a `squeeze` and whole: the mask and every view of it (the
+    op's and any other) are marked for Inductor not to pad, and nothing else (issue 34's out-of-bounds view)."""
+    import dsfuse.kernels.hyper_connections  # noqa: F401  (registers the op)
+    from dsfuse.passes.graph_utils import unpadded_inputs_of_fused_ops
+
+    b = Builder()
+    x = b.input(2, 1, 6, 6)
+    mask = b.call(aten.bitwise_not.default, b.call(aten.gt.Scalar, x, 0.0))
+    squeezed = b.call(aten.squeeze.dim, mask, 1)
+    other_view = b.call(aten.view.default, mask, [2, 36])
+    unrelated = b.call(aten.neg.default, x)
+    post, comb = b.input(6, 4), b.input(6, 4, 4)
+    with b.graph.inserting_after(other_view):  # the op's schema is not checked: only what it reads matters here
+        fused = b.graph.call_function(torch.ops.dsfuse.hc_expand_mix.default, (squeezed, mask, post, comb))
+    b.graph.output((fused, other_view, unrelated))
+    assert unpadded_inputs_of_fused_ops(b.graph) == 3
+    assert {n for n in b.graph.nodes if n.meta.get("dislike_padding")} == {mask, squeezed, other_view}
