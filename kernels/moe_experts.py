@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dsfuse.kernels.quant_formats import FP4_BLOCK, dequantize_fp4
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
-from dsfuse.models.official import FP4_BLOCK_SIZE, dequantize_fp4
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -93,19 +93,19 @@ def _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packe
     E = w13_packed.shape[0]
     if E < 1:
         raise ValueError(f"{op}: need at least one local expert")
-    if H % FP4_BLOCK_SIZE:
-        raise ValueError(f"{op}: hidden size {H} is not a multiple of the FP4 block size {FP4_BLOCK_SIZE}")
+    if H % FP4_BLOCK:
+        raise ValueError(f"{op}: hidden size {H} is not a multiple of the FP4 block size {FP4_BLOCK}")
     two_i = w13_packed.shape[1]
-    if two_i % 2 or (two_i // 2) % FP4_BLOCK_SIZE or two_i == 0:
+    if two_i % 2 or (two_i // 2) % FP4_BLOCK or two_i == 0:
         raise ValueError(
-            f"{op}: w13_packed dim 1 must be 2*I with I a positive multiple of {FP4_BLOCK_SIZE}, got {two_i}"
+            f"{op}: w13_packed dim 1 must be 2*I with I a positive multiple of {FP4_BLOCK}, got {two_i}"
         )
     inter = two_i // 2
     expected = {
         "w13_packed": (w13_packed, (E, 2 * inter, H // 2)),
-        "w13_scale": (w13_scale, (E, 2 * inter, H // FP4_BLOCK_SIZE)),
+        "w13_scale": (w13_scale, (E, 2 * inter, H // FP4_BLOCK)),
         "w2_packed": (w2_packed, (E, H, inter // 2)),
-        "w2_scale": (w2_scale, (E, H, inter // FP4_BLOCK_SIZE)),
+        "w2_scale": (w2_scale, (E, H, inter // FP4_BLOCK)),
     }
     for name, (t, shape) in expected.items():
         if tuple(t.shape) != shape:

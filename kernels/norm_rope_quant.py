@@ -87,6 +87,7 @@ from typing import Any, Optional
 import torch
 import triton
 import triton.language as tl
+from dsfuse.kernels.quant_formats import FP8_INV_MAX, power_of_two_ceil, quantize_activations, round_to_e4m3_grid
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting, next_power_of_2
 
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -210,15 +211,14 @@ def rope_quant_fp8_reference(x, freqs, rope_start, interleaved, block_size, ue8m
                              ln_eps=0.0):
     """(x_fp8, scale): x's rows (LayerNorm'd first when `ln_weight` is given), columns [rope_start, rope_start
     + C_rope) through the complex-multiply RoPE, rounded to x's dtype, then the source's own
-    `quantize_fp8_blockwise` (per-`block_size` amax clamp, /448, optional ue8m0, clamp, e4m3)."""
-    from dsfuse.models.official import quantize_fp8_blockwise
-
+    fp8 block quantisation (per-`block_size` amax clamp, /448, optional ue8m0, clamp, e4m3: the source divides by
+    the scale)."""
     if ln_weight is not None:
         x = layer_norm_reference(x, ln_weight, ln_bias, ln_eps)
     end = rope_start + 2 * freqs.shape[-1]
     roped = complex_rope_reference(x[..., rope_start:end], freqs, interleaved)
     rows = torch.cat([x[..., :rope_start], roped, x[..., end:]], dim=-1)
-    return quantize_fp8_blockwise(rows, block_size, "ue8m0" if ue8m0 else None)
+    return quantize_activations(rows, block_size, pow2=ue8m0, reciprocal=False)
 
 
 def _validate(x, norm_weight, eps, cos, sin, freqs=None):
@@ -618,29 +618,6 @@ def _rope_cat_block(
 
 
 @triton.jit
-def _round_to_e4m3_grid(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the interpreter's
-    fp32 -> fp8 cast mis-rounds values that round up across a power of two (the GPU's `cvt.rn` does not)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    sign = bits & 0x80000000
-    magnitude_bits = bits & 0x7FFFFFFF
-    normal = ((magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
-    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
-    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # multiples of 2^-9, RNE by the add
-    rounded = tl.where(magnitude < 0.015625, subnormal, normal)
-    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _power_of_two_ceil(scale):
-    """exp2(ceil(log2(scale))) for a positive normal fp32 `scale`, exactly: scale itself when it is a power
-    of two, else the next power of two (mantissa cleared, exponent + 1)."""
-    bits = scale.to(tl.uint32, bitcast=True)
-    up = ((bits & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
-    return tl.where((bits & 0x007FFFFF) == 0, scale, up)
-
-
-@triton.jit
 def _rope_quant_fp8_block(
     pid, x_ptr, f_ptr, q_ptr, s_ptr, lnw_ptr, lnb_ptr,
     N, A1, A2, D, R0, HALF, NB, ln_eps,
@@ -693,11 +670,11 @@ def _rope_quant_fp8_block(
     else:  # eager CPU divides
         scale = tl.div_rn(tl.maximum(amax, 1e-4), 448.0)
     if UE8M0:
-        scale = _power_of_two_ceil(scale)
+        scale = power_of_two_ceil(scale)
     quantized = tl.div_rn(values, scale[:, :, None])
     quantized = tl.minimum(tl.maximum(quantized, -448.0), 448.0)
     if MANUAL_FP8_RNE:
-        quantized = _round_to_e4m3_grid(quantized)
+        quantized = round_to_e4m3_grid(quantized)
     tl.store(q_ptr + r[:, None, None] * D + cols, quantized.to(tl.float8e4nv), mask=ok)
     tl.store(s_ptr + r[:, None] * NB + blocks[None, :], scale, mask=row_ok[:, None] & (blocks < NB)[None, :])
 
@@ -851,7 +828,7 @@ def rope_quant_fp8_launch(x, freqs, rope_start, interleaved, block_size, ue8m0, 
         REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
         MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, MANUAL_FP8_RNE=interpreting(),
         RECIPROCAL_SCALE=x.is_cuda if reciprocal_scale is None else bool(reciprocal_scale),
-        INV_FP8_MAX=float(torch.tensor(1.0, dtype=torch.float32) / 448.0))
+        INV_FP8_MAX=FP8_INV_MAX)
 
 
 def rope_quant_fp8_triton(x, freqs, rope_start, interleaved, block_size, ue8m0, ln_weight=None, ln_bias=None,

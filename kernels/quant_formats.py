@@ -1,0 +1,149 @@
+"""The number formats of released DeepSeek checkpoints, for the kernels: FP8 e4m3 activations and weights with
+per-block scales (fp32, or UE8M0 powers of two), and FP4 E2M1 weights with E8M0 scales per 32 values.
+
+    fp8 activation block   s = max(amax, 1e-4) / 448, rounded up to a power of two for UE8M0 checkpoints;
+                           q = e4m3(x * (1 / s))  (DeepGEMM's `per_token_cast_to_fp8`; with a power-of-two scale
+                           the reciprocal is exact and it is the official inference code's `x / s`)
+    fp8 weight block       w = e4m3 * s, one s per `block_size` (128 x 128) block
+    fp4 weight             w = E2M1[nibble] * 2^(e8m0 - 127), low nibble first, one E8M0 byte per 32 values
+
+The reference implementations of the quantised ops read these; the models' own copies of the same math (in
+`dsfuse.models.official`) are kept apart on purpose: that model is an independent spelling the passes are tested
+against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_INV_MAX = float(torch.tensor(1.0) / FP8_MAX)  # the fp32 reciprocal CUDA multiplies by for `amax / 448`
+FP8_AMAX_FLOOR = 1e-4
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 255
+E8M0_DTYPE = getattr(torch, "float8_e8m0fnu", None)
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# Decode at most this many FP4 weight elements at once (eager mode must not hold a real expert stack in fp32).
+DEQUANT_CHUNK_ELEMENTS = 1 << 28
+
+
+def is_e8m0(scales: torch.Tensor) -> bool:
+    return E8M0_DTYPE is not None and scales.dtype == E8M0_DTYPE
+
+
+def scales_to_float32(scales: torch.Tensor) -> torch.Tensor:
+    """Block scales as fp32: fp32 as they are; E8M0 (`torch.float8_e8m0fnu`, or its bytes as uint8) as `2^(byte -
+    127)`, byte 255 as NaN."""
+    if scales.dtype == torch.float32:
+        return scales
+    if is_e8m0(scales):
+        scales = scales.view(torch.uint8)
+    if scales.dtype != torch.uint8:
+        raise TypeError(f"block scales must be float32 or E8M0, got {scales.dtype}")
+    powers = torch.exp2(scales.float() - E8M0_BIAS)
+    return torch.where(scales == E8M0_NAN, torch.full_like(powers, float("nan")), powers)
+
+
+def power_of_two_ceil_exact(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= each positive normal fp32 `scale` (NaN and Inf kept), from its bits
+    (`power_of_two_ceil` in a kernel); `exp2(ceil(log2(s)))` can miss by one binade where log2 rounds to an
+    integer."""
+    bits = scale.view(torch.int32)
+    up = ((bits & 0x7F800000) + 0x00800000).view(torch.float32)
+    return torch.where(((bits & 0x007FFFFF) == 0) | scale.isnan(), scale, up)
+
+
+def quantize_activations(x: torch.Tensor, block: int = FP8_BLOCK, pow2: bool = False, reciprocal: bool = True):
+    """`x [..., K]` to (`q [..., K]` e4m3, `s [..., ceil(K / block)]` fp32): one scale per row and `block` channels
+    (a last group of fewer channels when `block` does not divide K). With `reciprocal` (dsfuse's linears, as
+    DeepGEMM on CUDA) s = amax * fp32(1 / 448) and q = x * (1 / s); without it (the official inference code's
+    indexer, as it computes on CPU) s = amax / 448 and q = x / s. With `pow2` s is rounded up to a power of two."""
+    K = x.shape[-1]
+    groups = -(-K // block)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * block - K)).unflatten(-1, (groups, block))
+    amax = padded.abs().amax(dim=-1).clamp(min=FP8_AMAX_FLOOR)
+    scale = amax * FP8_INV_MAX if reciprocal else amax / FP8_MAX
+    if pow2:
+        scale = power_of_two_ceil_exact(scale) if reciprocal else torch.exp2(torch.ceil(torch.log2(scale)))
+    scaled = padded * (1.0 / scale).unsqueeze(-1) if reciprocal else padded / scale.unsqueeze(-1)
+    q = scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.flatten(-2)[..., :K], scale
+
+
+def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP4 weights `packed [..., N, K // 2]` (uint8 or int8 bytes, low nibble = even element) with `scales [..., N,
+    K // 32]` (E8M0 bytes) to `dtype`: exact in fp32, rounded once. Large stacks are decoded a few experts at a
+    time (a static split: compiled graphs stay single)."""
+    packed, scales = packed.view(torch.uint8), scales.view(torch.uint8)
+    if scales.shape[:-1] != packed.shape[:-1] or scales.shape[-1] * FP4_BLOCK != packed.shape[-1] * 2:
+        raise ValueError(f"FP4 scales {tuple(scales.shape)} do not match packed weights {tuple(packed.shape)}")
+    if packed.dim() == 3:
+        per_chunk = max(1, DEQUANT_CHUNK_ELEMENTS // max(2 * packed[0].numel(), 1))
+        if packed.shape[0] > per_chunk:
+            chunks = zip(packed.split(per_chunk), scales.split(per_chunk), strict=True)
+            return torch.cat([_dequantize_fp4_chunk(p, s, dtype) for p, s in chunks])
+    return _dequantize_fp4_chunk(packed, scales, dtype)
+
+
+def _dequantize_fp4_chunk(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
+    values = lut[codes.long()].unflatten(-1, (-1, FP4_BLOCK)) * scales_to_float32(scales).unsqueeze(-1)
+    return values.flatten(-2).to(dtype)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """`weight [..., N, K]` e4m3 with `scales [..., ceil(N / block_n), ceil(K / block_k)]` to fp32 (exact)."""
+    N, K = weight.shape[-2:]
+    s = scales_to_float32(scales).repeat_interleave(block_n, dim=-2).repeat_interleave(block_k, dim=-1)
+    return weight.float() * s[..., :N, :K]
+
+
+# Exact roundings for kernels (Triton's own can differ: see each)
+@triton.jit
+def round_to_e4m3_grid(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32: the interpreter's
+    fp32 -> fp8 cast mis-rounds values that round up across a power of two (the GPU's `cvt.rn` does not)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude_bits = bits & 0x7FFFFFFF
+    normal = ((magnitude_bits + 0x7FFFF + ((magnitude_bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0) * 0.001953125  # multiples of 2^-9, RNE by the add
+    rounded = tl.where(magnitude < 0.015625, subnormal, normal)
+    return (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_bits(v):
+    """The e4m3fn byte of `v`, an fp32 value already on the e4m3 grid (`round_to_e4m3_grid`, |v| <= 448) or NaN:
+    what the GPU's conversion gives, built from the bits, for Triton's interpreter, whose fp8 cast turns NaN, Inf
+    and values it should round across a binade into other numbers."""
+    bits = v.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint32)
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 120
+    normal = (exponent << 3) | ((bits >> 20) & 7).to(tl.int32)
+    magnitude = tl.abs(v)
+    subnormal = (magnitude * 512.0).to(tl.int32)  # multiples of 2^-9 below 2^-6: exact
+    byte = tl.where(magnitude < 0.015625, subnormal, normal)
+    byte = tl.where(v != v, 0x7F, byte)
+    return (byte.to(tl.uint32) | sign).to(tl.uint8)
+
+
+@triton.jit
+def power_of_two_ceil(scale):
+    """exp2(ceil(log2(scale))) for a positive normal fp32 `scale`, exactly: scale itself when it is a power
+    of two, else the next power of two (mantissa cleared, exponent + 1)."""
+    bits = scale.to(tl.uint32, bitcast=True)
+    up = ((bits & 0x7F800000) + 0x00800000).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x007FFFFF) == 0, scale, up)
+
+
+__all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e4m3_bits", "is_e8m0", "power_of_two_ceil",
+           "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid", "scales_to_float32"]
