@@ -1,0 +1,470 @@
+"""Block-scaled FP8 linears, plain and grouped by expert: what transformers' `FP8Linear`, `FP8GroupedLinear` and
+`FP8Experts` compute for a released DeepSeek V3.2 / GLM-5 (FP8 weights, 128 x 128 block scales) or V4-Flash (FP8
+linears, FP4 experts) checkpoint, as dsfuse ops that need neither the `kernels` package nor a download.
+
+    q, s     = fp8 per token and per 128 channels (`quant_formats.quantize_activations`; powers of two when the
+               weight scales are UE8M0, as the checkpoint's `scale_fmt` says)
+    y[m, n]  = sum over channel groups g of (q[m, g] . w[n, g]) * (s[m, g] * s_w(n, g))   (fp32, g in order)
+    out      = y rounded to x's dtype
+
+`s_w(n, g)` is the weight's block scale (FP8: one per `block_n` x `block_k` block) or, for FP4 weights, applied per
+32 channels inside the group: (q[m, g] . w[n, g]) becomes sum over the group's four 32-channel parts of (q . w_e2m1)
+* 2^(e8m0 - 127). Every product of an e4m3 and an e4m3 or e2m1 value is exact in fp32, so the kernels agree with the
+reference up to the summation order inside a group.
+
+Ops:
+- `dsfuse::fp8_linear(x [..., K], weight, weight_scale, block_n, block_k) -> [..., N]`: weight `[N, K]` e4m3 with
+  scales `[ceil(N / block_n), ceil(K / block_k)]` fp32 or E8M0, or FP4 `[N, K / 2]` bytes with E8M0 scales
+  `[N, K / 32]`.
+- `dsfuse::fp8_grouped_linear(x [S, K], weight [E, ...], weight_scale [E, ...], offsets [E], block_n, block_k)
+  -> [S, N]`: rows `offsets[e-1]:offsets[e]` through expert e (rows sorted by expert; `offsets` the running total of
+  rows per expert, as transformers passes it); rows past `offsets[-1]` are zero.
+
+CUDA: activations are quantised by one Triton kernel, then multiplied by `_fp8_gemm_kernel` (the same kernel serves
+every M, grouped or not: a list of row tiles, each of one expert, computed on the device without a host sync) or,
+for FP8 weights at `M >= SCALED_MM_MIN_ROWS`, by cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where
+the GEMM is compute-bound.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
+                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits, is_e8m0,
+                                          power_of_two_ceil, quantize_activations, round_to_e4m3_grid,
+                                          scales_to_float32)
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# From this many rows up, FP8 weights go to cuBLAS (`torch._scaled_mm` with 1x128 / 128x128 block scales), which
+# refuses a single row and is slower than a weight-streaming kernel while the GEMM is bound by the weight bytes.
+SCALED_MM_MIN_ROWS = 128
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_INV_MAX = tl.constexpr(FP8_INV_MAX)
+_AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
+
+
+def _is_fp4(weight: torch.Tensor) -> bool:
+    return weight.dtype in (torch.int8, torch.uint8)
+
+
+def weight_dims(weight: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a weight `[..., N, K]` e4m3 or FP4 `[..., N, K / 2]`."""
+    N, width = weight.shape[-2:]
+    return N, width * 2 if _is_fp4(weight) else width
+
+
+def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The weight's exact values in fp32."""
+    if _is_fp4(weight):
+        return dequantize_fp4(weight, scale, torch.float32)
+    return dequantize_fp8_blocks(weight, scale, block_n, block_k)
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks
+# --------------------------------------------------------------------------------------------
+def _check_weight(op, weight, scale, block_n, block_k, experts=None):
+    lead = () if experts is None else (experts,)
+    rank = 2 + len(lead)
+    if weight.dim() != rank or scale.dim() != rank:
+        raise ValueError(f"{op}: weight and weight_scale must be {rank}-D, got {tuple(weight.shape)} and "
+                         f"{tuple(scale.shape)}")
+    N, K = weight_dims(weight)
+    if _is_fp4(weight):
+        if block_k % FP4_BLOCK or K % FP4_BLOCK:
+            raise ValueError(f"{op}: FP4 weights need K ({K}) and block_k ({block_k}) multiples of {FP4_BLOCK}")
+        want, kinds = (*lead, N, K // FP4_BLOCK), "E8M0"
+        ok = is_e8m0(scale) or scale.dtype == torch.uint8
+    else:
+        if weight.dtype != FP8_DTYPE:
+            raise TypeError(f"{op}: weight must be float8_e4m3fn or FP4 bytes (int8 / uint8), got {weight.dtype}")
+        want, kinds = (*lead, cdiv(N, block_n), cdiv(K, block_k)), "float32 or E8M0"
+        ok = scale.dtype == torch.float32 or is_e8m0(scale)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{op}: weight_scale must be {list(want)} for weight {tuple(weight.shape)} with blocks "
+                         f"[{block_n}, {block_k}], got {tuple(scale.shape)}")
+    if not ok:
+        raise TypeError(f"{op}: weight_scale must be {kinds}, got {scale.dtype}")
+    if block_n < 1 or block_k < 1 or block_k % 16:
+        raise ValueError(f"{op}: block sizes must be positive with block_k a multiple of 16, got [{block_n}, "
+                         f"{block_k}]")
+    return N, K
+
+
+def _check_input(op, x, K, tensors):
+    if x.dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: x must be one of {OUT_DTYPES}, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != K:
+        raise ValueError(f"{op}: x {tuple(x.shape)} must end in K = {K}")
+    for t in tensors:
+        if t.device != x.device:
+            raise ValueError(f"{op}: all inputs must be on {x.device}, found {t.device}")
+
+
+def _check_linear(x, weight, scale, block_n, block_k):
+    N, K = _check_weight("fp8_linear", weight, scale, block_n, block_k)
+    _check_input("fp8_linear", x, K, (weight, scale))
+    return N, K
+
+
+def _check_grouped(x, weight, scale, offsets, block_n, block_k):
+    op = "fp8_grouped_linear"
+    if weight.dim() != 3:
+        raise ValueError(f"{op}: weight must be [E, N, K] (FP4: [E, N, K / 2]), got {tuple(weight.shape)}")
+    E = weight.shape[0]
+    N, K = _check_weight(op, weight, scale, block_n, block_k, experts=E)
+    _check_input(op, x, K, (weight, scale, offsets))
+    if x.dim() != 2:
+        raise ValueError(f"{op}: x must be [S, K], got {tuple(x.shape)}")
+    if offsets.dim() != 1 or offsets.shape[0] != E or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{op}: offsets must be [E = {E}] int32 / int64 running row totals, got "
+                         f"{offsets.dtype}{list(offsets.shape)}")
+    return E, N, K
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (also the CPU implementation)
+# --------------------------------------------------------------------------------------------
+def _group_scales(weight, scale, block_n, block_k, N, K):
+    """The weight's scale per (row, channel group of block_k) [N, G], or None for FP4 (scaled per 32 inside)."""
+    if _is_fp4(weight):
+        return None
+    return scales_to_float32(scale).repeat_interleave(block_n, dim=0)[:N]
+
+
+def _linear_math(x2, weight, scale, block_n, block_k):
+    N, K = weight_dims(weight)
+    q, s = quantize_activations(x2, block_k, pow2=is_e8m0(scale) or _is_fp4(weight))
+    w = dequantize_weight(weight, scale, block_n, block_k) if _is_fp4(weight) else weight.float()
+    w_scale = _group_scales(weight, scale, block_n, block_k, N, K)
+    acc = torch.zeros((x2.shape[0], N), dtype=torch.float32, device=x2.device)
+    for g in range(s.shape[1]):
+        cols = slice(g * block_k, min(K, (g + 1) * block_k))
+        part = q[:, cols].float() @ w[:, cols].t()
+        both = s[:, g, None] if w_scale is None else s[:, g, None] * w_scale[None, :, g]
+        acc += part * both
+    return acc
+
+
+def fp8_linear_reference(x, weight, weight_scale, block_n, block_k):
+    N, _ = _check_linear(x, weight, weight_scale, block_n, block_k)
+    x2 = x.reshape(-1, x.shape[-1])
+    return _linear_math(x2, weight, weight_scale, block_n, block_k).to(x.dtype).view(*x.shape[:-1], N)
+
+
+def fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, block_k):
+    E, N, _ = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
+    out = x.new_zeros((x.shape[0], N))
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        end = min(max(end, start), x.shape[0])
+        if end > start:
+            out[start:end] = _linear_math(x[start:end], weight[e], weight_scale[e], block_n, block_k).to(x.dtype)
+        start = end
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, ss_m, ss_g,
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
+    """Rows [BLOCK_R] x one channel group [BLOCK_K]: the group's scale and its e4m3 values (q is [M, K] contiguous),
+    rounded as `quantize_activations` rounds (an fp32 multiply by fp32(1 / 448), an IEEE reciprocal)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    g = tl.program_id(1)
+    cols = g * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k, mask=inside, other=0.0)
+    x = x.to(tl.float32)
+    nan_rows = tl.max((x != x).to(tl.int32), axis=1) > 0  # a GPU max reduction skips NaN; torch's amax keeps it
+    amax = tl.where(nan_rows, float("nan"), tl.max(tl.abs(x), axis=1))
+    scale = tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * _FP8_INV_MAX
+    if POW2:
+        scale = tl.where(scale != scale, scale, power_of_two_ceil(scale))
+    q = tl.maximum(x * tl.div_rn(1.0, scale)[:, None], -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    at = q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
+    if MANUAL_FP8_RNE:  # the interpreter: q_ptr is q's bytes
+        tl.store(at, e4m3_bits(round_to_e4m3_grid(q)), mask=inside)
+    else:
+        tl.store(at, q.to(tl.float8e4nv), mask=inside)
+    tl.store(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, scale, mask=rows < M)
+
+
+@triton.jit
+def _fp4_as_e4m3(nibble):
+    """E2M1 codes (uint8, 0..15) as e4m3 bytes: every E2M1 value is an e4m3 value (exponent bias 1 -> 7)."""
+    exp = (nibble >> 1) & 3
+    man = nibble & 1
+    normal = ((exp + 6) << 3) | (man << 2)
+    magnitude = tl.where(exp > 0, normal, tl.where(man == 1, 0x30, 0))
+    return (magnitude | ((nibble & 8) << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr,
+                     N, K, G, num_experts,
+                     ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
+                     block_n_scale,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GROUPS_PER_SPLIT: tl.constexpr, FP4: tl.constexpr, E8M0_SCALES: tl.constexpr,
+                     SPLIT_PARTIALS: tl.constexpr):
+    """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups. A group of BLOCK_K channels:
+    its fp8 MMA, then the product of both scales, added into an fp32 accumulator (for FP4, four 32-channel MMAs
+    each scaled by its E8M0 byte). Writes the rounded output, or the split's fp32 partial sums."""
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= num_experts:
+        return
+    row0 = tl.load(tile_row_ptr + tile)
+    row_end = tl.load(tile_end_ptr + tile)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    w_base = w_ptr + expert.to(tl.int64) * sw_e
+    ws_base = ws_ptr + expert.to(tl.int64) * sws_e
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(GROUPS_PER_SPLIT):
+        g = split * GROUPS_PER_SPLIT + step
+        if g < G:
+            a_scale = tl.load(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, mask=row_ok, other=0.0)
+            if FP4:
+                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for sub in tl.static_range(BLOCK_K // 32):
+                    ks = g * BLOCK_K + sub * 32 + tl.arange(0, 32)
+                    k_ok = ks < K
+                    a = tl.load(q_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    byte = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + (ks[:, None] // 2) * sw_k,
+                                   mask=n_ok[None, :] & k_ok[:, None], other=0)
+                    nibble = tl.where((ks[:, None] % 2) == 0, byte & 0x0F, byte >> 4)
+                    w = _fp4_as_e4m3(nibble).to(tl.float8e4nv, bitcast=True)
+                    e8 = tl.load(ws_base + ns.to(tl.int64) * sws_n + ((g * BLOCK_K + sub * 32) // 32) * sws_k,
+                                 mask=n_ok & (ns * 0 + g * BLOCK_K + sub * 32 < K), other=127).to(tl.float32)
+                    w_scale = tl.where(e8 == 255, float("nan"), tl.exp2(e8 - 127.0))
+                    part += tl.dot(a, w) * w_scale[None, :]
+                acc += part * a_scale[:, None]
+            else:
+                ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
+                k_ok = ks < K
+                a = tl.load(q_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
+                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                scale_at = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n + g * sws_k
+                if E8M0_SCALES:
+                    e8 = tl.load(scale_at, mask=n_ok, other=127).to(tl.float32)
+                    w_scale = tl.where(e8 == 255, float("nan"), tl.exp2(e8 - 127.0))
+                else:
+                    w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
+                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+    mask = row_ok[:, None] & n_ok[None, :]
+    at = rows[:, None].to(tl.int64) * so_m + ns[None, :] * so_n
+    if SPLIT_PARTIALS:
+        tl.store(out_ptr + split.to(tl.int64) * sp_k + at, acc, mask=mask)
+    else:
+        tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scales_column_major: bool = False):
+    """`quant_formats.quantize_activations` on the device: (q [M, K] e4m3, s [M, G] fp32); with
+    `scales_column_major` s is laid out as [G, M] (cuBLAS's block-scaled GEMM reads the 1 x 128 scales that way)."""
+    M, K = x2.shape
+    G = cdiv(K, block_k)
+    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x2.device)
+    s = torch.empty((G, M), dtype=torch.float32, device=x2.device).t() if scales_column_major else \
+        torch.empty((M, G), dtype=torch.float32, device=x2.device)
+    if M and K:
+        block_r, manual = 16, interpreting()
+        _act_quant_kernel[(cdiv(M, block_r), G)](
+            x2, q.view(torch.uint8) if manual else q, s, M, K, x2.stride(0), x2.stride(1), s.stride(0), s.stride(1),
+            BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2, MANUAL_FP8_RNE=manual)
+    return q, s
+
+
+def _row_tiles(rows: int, block_m: int, device):
+    """The row tiles of an ungrouped GEMM: (expert, first row, row end) per tile, all of expert 0."""
+    first = torch.arange(0, max(rows, 1), block_m, device=device, dtype=torch.int32)
+    return (torch.zeros_like(first), first, torch.full_like(first, rows)), first.numel()
+
+
+def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
+    """The row tiles of a grouped GEMM, each within one expert, from the running row totals `offsets` [E], on the
+    device (no host sync): a fixed number of tiles, cdiv(rows, block_m) + E, enough for any split of the rows; the
+    ones left over get expert E and do nothing."""
+    E = offsets.shape[0]
+    ends = offsets.to(torch.int64).clamp(0, rows).cummax(0).values
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_ends = tiles.cumsum(0)
+    count = cdiv(rows, block_m) + E
+    index = torch.arange(count, device=offsets.device)
+    expert = torch.searchsorted(tile_ends, index, right=True)
+    safe = expert.clamp(max=E - 1)
+    first_row = starts[safe] + (index - (tile_ends[safe] - tiles[safe])) * block_m
+    return (expert.to(torch.int32), first_row.to(torch.int32), ends[safe].to(torch.int32)), count
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_config(rows_bucket: int, fp4: bool):
+    """(BLOCK_M, BLOCK_N, warps, stages) by row count: decode-sized calls stream the weight through many programs."""
+    if interpreting():
+        return 16, 32, 4, 1
+    if rows_bucket <= 16:
+        return 16, 64, 4, 4
+    if rows_bucket <= 64:
+        return 64, 64, 4, 4
+    return (64, 128, 4, 3) if fp4 else (128, 128, 8, 3)
+
+
+def _splits(programs: int, groups: int, device) -> int:
+    """Channel-group splits so that at least two programs run per SM (decode: few row tiles, few column tiles)."""
+    if interpreting() or device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(groups, cdiv(2 * sms, max(programs, 1)), 16))
+
+
+def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts):
+    N, K = weight_dims(weight)
+    G = cdiv(K, block_k)
+    rows = q.shape[0]
+    BM, BN, warps, stages = _gemm_config(min(1 << max(rows - 1, 0).bit_length(), 128), _is_fp4(weight))
+    if tiles is None:
+        tiles, tile_count = _row_tiles(rows, BM, q.device)
+    columns = cdiv(N, BN)
+    split = _splits(tile_count * columns, G, q.device)
+    per_split = cdiv(G, split)
+    split = cdiv(G, per_split)
+    w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
+    s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
+    e8m0 = is_e8m0(s3) or s3.dtype == torch.uint8
+    s3 = s3.view(torch.uint8) if e8m0 else s3
+    w3 = w3.view(torch.uint8) if _is_fp4(weight) else w3
+    target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    _fp8_gemm_kernel[(tile_count, columns, split)](
+        q, s, w3, s3, target, *tiles, N, K, G, experts,
+        s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
+        out.stride(0), out.stride(1), rows * N if split > 1 else 0, block_n,
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=block_k, GROUPS_PER_SPLIT=per_split, FP4=_is_fp4(weight),
+        E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, num_warps=warps, num_stages=stages)
+    if split > 1:
+        out.copy_(target.sum(0))
+
+
+@functools.lru_cache(maxsize=None)
+def cublas_block_scaled_gemm(device_index: int) -> bool:
+    """Whether this torch's `torch._scaled_mm` multiplies 1 x 128 / 128 x 128 block-scaled e4m3 on this device, and
+    gives the reference's result (checked once per device on a 256 x 256 x 256 product)."""
+    device = torch.device("cuda", device_index)
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(256, 256, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(256, 256, generator=g).to(device, FP8_DTYPE)
+    ws = torch.rand(2, 2, generator=g).add(0.5).to(device)
+    try:
+        got = _scaled_mm_linear(x, w, ws)
+    except RuntimeError:
+        return False
+    want = _linear_math(x, w, ws, 128, 128).to(torch.bfloat16)
+    return bool(((got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()).item())
+
+
+def _scaled_mm_linear(x2, weight, scale):
+    q, s = quantize_activations_triton(x2, 128, pow2=is_e8m0(scale), scales_column_major=True)
+    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scales_to_float32(scale).t(), out_dtype=x2.dtype)
+
+
+def _uses_cublas(x2, weight, scale, block_n, block_k) -> bool:
+    N, K = weight_dims(weight)
+    return (x2.is_cuda and not _is_fp4(weight) and (block_n, block_k) == (128, 128) and x2.shape[0] >=
+            SCALED_MM_MIN_ROWS and K % 128 == 0 and N % 16 == 0 and x2.dtype != torch.float32
+            and cublas_block_scaled_gemm(x2.device.index or 0))
+
+
+def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
+    """The CUDA path (or CPU tensors under TRITON_INTERPRET)."""
+    N, K = _check_linear(x, weight, weight_scale, block_n, block_k)
+    x2 = x.reshape(-1, K)
+    if _uses_cublas(x2, weight, weight_scale, block_n, block_k):
+        return _scaled_mm_linear(x2, weight, weight_scale).view(*x.shape[:-1], N)
+    out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
+    if out.numel():
+        q, s = quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight))
+        _gemm(q, s, weight, weight_scale, out, None, None, block_n, block_k, 1)
+    return out.view(*x.shape[:-1], N)
+
+
+def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k):
+    E, N, K = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
+    out = torch.zeros((x.shape[0], N), dtype=x.dtype, device=x.device)
+    if out.numel():
+        q, s = quantize_activations_triton(x, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight))
+        BM = _gemm_config(min(1 << max(x.shape[0] - 1, 0).bit_length(), 128), _is_fp4(weight))[0]
+        tiles, count = _expert_row_tiles(offsets, x.shape[0], BM)
+        _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, E)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("dsfuse::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int,
+               block_k: int) -> torch.Tensor:
+    """`x [..., K]` through a block-scaled FP8 (or FP4) weight, in x's dtype (see the module docstring)."""
+    return fp8_linear_reference(x, weight, weight_scale, block_n, block_k)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_fake(x, weight, weight_scale, block_n, block_k):
+    N, _ = _check_linear(x, weight, weight_scale, block_n, block_k)
+    return x.new_empty((*x.shape[:-1], N))
+
+
+@direct_kernel(fp8_linear)
+def _fp8_linear_cuda(x, weight, weight_scale, block_n, block_k):
+    return fp8_linear_triton(x, weight, weight_scale, block_n, block_k)
+
+
+@torch.library.custom_op("dsfuse::fp8_grouped_linear", mutates_args=())
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, offsets: torch.Tensor,
+                       block_n: int, block_k: int) -> torch.Tensor:
+    """Rows of `x [S, K]` sorted by expert through their expert's block-scaled weight (see the module docstring)."""
+    return fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, block_k)
+
+
+@fp8_grouped_linear.register_fake
+def _fp8_grouped_linear_fake(x, weight, weight_scale, offsets, block_n, block_k):
+    _, N, _ = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
+    return x.new_empty((x.shape[0], N))
+
+
+@direct_kernel(fp8_grouped_linear)
+def _fp8_grouped_linear_cuda(x, weight, weight_scale, offsets, block_n, block_k):
+    return fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k)
+
+
+def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
+    """The bytes a weight-streaming call must read at least: the weight and its scales once."""
+    return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
+
+
+__all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
+           "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
+           "fp8_linear_triton", "quantize_activations_triton", "weight_bytes", "weight_dims"]

@@ -1,0 +1,60 @@
+"""Fuzz `dsfuse::fp8_linear` and `dsfuse::fp8_grouped_linear`: the op against the reference bit for bit (CPU), and the
+Triton kernels against the reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding),
+over row counts at the edges, K not a multiple of the 128-channel group, FP8 weights with fp32 or UE8M0 scales and
+FP4 weights, strided activations, expert groups that are empty or end before the last row, and zeros / ties."""
+
+import torch
+from fuzz_support import DEVICE, assert_rel_close, assert_same, fuzzes, layouts, reference_output, restride, seeds, \
+    sizes, values
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsfuse.kernels import fp8_linear as ops
+from dsfuse.kernels.quant_formats import E8M0_DTYPE
+from dsfuse.models.quantized import quantize_fp8_weight
+
+DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter computes bf16 unlike the GPU
+
+
+def _weight(kind, lead, N, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "fp4":
+        packed = torch.randint(0, 256, (*lead, N, K // 2), generator=g, dtype=torch.uint8).view(torch.int8)
+        return packed, torch.randint(117, 128, (*lead, N, K // 32), generator=g, dtype=torch.uint8).view(E8M0_DTYPE)
+    return quantize_fp8_weight(torch.randn(*lead, N, K, generator=g) * 0.1, scale_fmt=kind)
+
+
+@st.composite
+def linear_inputs(draw, grouped=False):
+    kind = draw(st.sampled_from(["float", "ue8m0", "fp4"]))
+    K = draw(st.sampled_from([64, 128, 160, 256, 320] if kind == "fp4" else [16, 64, 130, 256, 300]))
+    N, M, seed = draw(sizes(1, 33)), draw(sizes(0 if grouped else 1, 33)), draw(seeds())
+    specials = draw(st.lists(st.sampled_from(["zero", "tie"]), max_size=1))
+    x = restride(values((M, K), DTYPE, seed, scale=3.0, specials=specials), draw(layouts(2))).to(DEVICE)
+    if not grouped:
+        return x, *(t.to(DEVICE) for t in _weight(kind, (), N, K, seed + 1)), 128, 128
+    E = draw(st.integers(1, 5))
+    cuts = sorted(draw(st.lists(st.integers(0, M), min_size=E, max_size=E)))
+    offsets = torch.tensor(cuts, dtype=torch.int32, device=DEVICE)
+    return x, *(t.to(DEVICE) for t in _weight(kind, (E,), N, K, seed + 1)), offsets, 128, 128
+
+
+def _compare(got, want, what):
+    if DEVICE == "cpu":
+        assert_same(got, want, what=what)
+    else:
+        assert_rel_close(got, want, 1e-2, what)
+
+
+@fuzzes("dsfuse::fp8_linear")
+@given(args=linear_inputs())
+def test_fp8_linear(args):
+    want = reference_output(torch.ops.dsfuse.fp8_linear, ops.fp8_linear_reference, *args)
+    _compare(ops.fp8_linear_triton(*args), want, "fp8_linear")
+
+
+@fuzzes("dsfuse::fp8_grouped_linear")
+@given(args=linear_inputs(grouped=True))
+def test_fp8_grouped_linear(args):
+    want = reference_output(torch.ops.dsfuse.fp8_grouped_linear, ops.fp8_grouped_linear_reference, *args)
+    _compare(ops.fp8_grouped_linear_triton(*args), want, "fp8_grouped_linear")

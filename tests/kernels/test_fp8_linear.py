@@ -1,0 +1,187 @@
+"""Block-scaled FP8 / FP4 linears: the reference is W8A8 (the dequantised weight times e4m3-rounded activations),
+the Triton kernels (interpreter on CPU) give the reference's bits, opcheck, bad input; on the GPU, the kernels and
+cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph replay."""
+
+import pytest
+import torch
+
+from dsfuse.kernels.fp8_linear import (dequantize_weight, fp8_grouped_linear, fp8_grouped_linear_reference,
+                                       fp8_grouped_linear_triton, fp8_linear, fp8_linear_reference, fp8_linear_triton,
+                                       quantize_activations_triton)
+from dsfuse.kernels.quant_formats import E8M0_DTYPE, quantize_activations
+from dsfuse.models.quantized import quantize_fp8_weight
+
+CPU_DTYPE = torch.float16  # the interpreter's bf16 arithmetic is not the GPU's; fp16 inputs, fp8 dots
+
+
+def _fp8_weight(N, K, seed, scale_fmt="float", lead=()):
+    g = torch.Generator().manual_seed(seed)
+    return quantize_fp8_weight(torch.randn(*lead, N, K, generator=g) * 0.05, scale_fmt=scale_fmt)
+
+
+def _fp4_weight(N, K, seed, lead=()):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (*lead, N, K // 2), generator=g, dtype=torch.uint8).view(torch.int8)
+    scales = torch.randint(118, 126, (*lead, N, K // 32), generator=g, dtype=torch.uint8).view(E8M0_DTYPE)
+    return packed, scales
+
+
+def _x(M, K, seed, dtype=CPU_DTYPE):
+    return torch.randn(M, K, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _weights(kind, N, K, seed, lead=()):
+    return _fp4_weight(N, K, seed, lead) if kind == "fp4" else _fp8_weight(N, K, seed, kind, lead)
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+def test_reference_is_the_dequantised_weight_times_fp8_rounded_activations(kind):
+    """W8A8 exactly: e4m3 activations (per token and 128 channels) against the weight's exact values, in fp32."""
+    x = _x(7, 320, 0, torch.float32)
+    w, s = _weights(kind, 48, 320, 1)
+    q, scale = quantize_activations(x, 128, pow2=kind != "float")
+    rounded = (q.float().view(7, -1) * scale.repeat_interleave(128, dim=1)[:, :320])
+    want = rounded @ dequantize_weight(w, s, 128, 128).t()
+    torch.testing.assert_close(fp8_linear_reference(x, w, s, 128, 128), want, rtol=2e-6, atol=2e-6)
+
+
+def test_activation_scales_follow_the_checkpoint_format():
+    """UE8M0 checkpoints get power-of-two activation scales, fp32 ones amax * fp32(1 / 448); the floor is 1e-4."""
+    x = _x(3, 256, 2, torch.float32)
+    x[2, :128] = 0
+    _, plain = quantize_activations(x, 128)
+    _, pow2 = quantize_activations(x, 128, pow2=True)
+    assert torch.equal(plain[0], x[0].view(2, 128).abs().amax(-1) * torch.tensor(1 / 448.0))
+    assert torch.equal(torch.exp2(torch.log2(pow2).round()), pow2) and (pow2 >= plain).all() and (pow2 < 2 * plain).all()
+    assert plain[2, 0].item() == pytest.approx(1e-4 / 448)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_triton_activation_quantisation_gives_the_references_bytes(pow2):
+    x = _x(19, 300, 3) * 7
+    x[4, 5], x[6, 200] = float("nan"), 1e-6
+    q, s = quantize_activations_triton(x, 128, pow2)
+    q_ref, s_ref = quantize_activations(x, 128, pow2=pow2)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("M,N,K", [(1, 48, 256), (17, 40, 320), (5, 33, 64)])
+def test_triton_linear_gives_the_references_bits(kind, M, N, K):
+    if kind == "fp4" and K % 32:
+        pytest.skip("FP4 rows are whole 32-value blocks")
+    w, s = _weights(kind, N, K, M + N)
+    x = _x(M, K, K)
+    assert torch.equal(fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128))
+
+
+@pytest.mark.parametrize("kind", ["float", "fp4"])
+def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind):
+    """Experts with no rows, one with a tile's worth plus one, and rows past the last offset (other ranks' slots)."""
+    E, N, K, S = 5, 40, 256, 30
+    w, s = _weights(kind, N, K, 4, lead=(E,))
+    x = _x(S, K, 5)
+    offsets = torch.tensor([0, 17, 17, 20, 26], dtype=torch.int32)
+    got = fp8_grouped_linear_triton(x, w, s, offsets, 128, 128)
+    want = fp8_grouped_linear_reference(x, w, s, offsets, 128, 128)
+    assert torch.equal(got, want) and not got[26:].any()
+    for e, (start, end) in enumerate([(0, 0), (0, 17), (17, 17), (17, 20), (20, 26)]):
+        if end > start:
+            assert torch.equal(want[start:end], fp8_linear_reference(x[start:end], w[e], s[e], 128, 128))
+
+
+# opcheck's schema test compares the inputs before and after with an op CPU lacks for float8 tensors; the fake
+# against real comparison with aliasing (`check_outputs_match_fake`) stands in for it.
+OPCHECK_TESTS = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+
+
+def test_ops_dispatch_to_the_reference_and_pass_opcheck():
+    from dsfuse.kernels.triton_support import check_outputs_match_fake
+
+    w, s = _fp8_weight(48, 256, 6, "ue8m0")
+    x = _x(3, 256, 7).view(1, 3, 256)
+    out = fp8_linear(x, w, s, 128, 128)
+    assert torch.equal(out, fp8_linear_reference(x, w, s, 128, 128))
+    torch.library.opcheck(fp8_linear, (x, w, s, 128, 128), test_utils=OPCHECK_TESTS)
+    check_outputs_match_fake("dsfuse::fp8_linear", (x, w, s, 128, 128), {}, out)
+    wg, sg = _fp4_weight(40, 256, 8, lead=(3,))
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32)
+    xg = _x(6, 256, 9)
+    out = fp8_grouped_linear(xg, wg, sg, offsets, 128, 128)
+    assert torch.equal(out, fp8_grouped_linear_reference(xg, wg, sg, offsets, 128, 128))
+    torch.library.opcheck(fp8_grouped_linear, (xg, wg, sg, offsets, 128, 128), test_utils=OPCHECK_TESTS)
+    check_outputs_match_fake("dsfuse::fp8_grouped_linear", (xg, wg, sg, offsets, 128, 128), {}, out)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (lambda w, s, x: (w, s[:, :1], x), ValueError, r"weight_scale must be \[1, 2\]"),
+    (lambda w, s, x: (w.float(), s, x), TypeError, "weight must be float8_e4m3fn or FP4"),
+    (lambda w, s, x: (w, s.double(), x), TypeError, "weight_scale must be float32 or E8M0"),
+    (lambda w, s, x: (w, s, x[:, :100]), ValueError, "must end in K = 256"),
+    (lambda w, s, x: (w, s, x.int()), TypeError, "x must be one of"),
+])
+def test_bad_inputs_are_refused_with_the_argument_named(change, error, message):
+    w, s = _fp8_weight(48, 256, 10)
+    w, s, x = change(w, s, _x(2, 256, 11))
+    with pytest.raises(error, match=message):
+        fp8_linear(x, w, s, 128, 128)
+
+
+def test_weight_quantisation_round_trips_within_the_e4m3_step():
+    g = torch.Generator().manual_seed(12)
+    weight = torch.randn(3, 200, 300, generator=g)
+    for scale_fmt in ("float", "ue8m0"):
+        q, s = quantize_fp8_weight(weight, scale_fmt=scale_fmt)
+        assert q.shape == weight.shape and s.shape == (3, 2, 3)
+        back = dequantize_weight(q, s, 128, 128)
+        assert ((back - weight).abs() <= weight.abs() * 2**-4 + 1e-3).all()
+
+
+# --------------------------------------------------------------------------------------------
+# GPU (H200)
+# --------------------------------------------------------------------------------------------
+def _rel(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("M", [1, 7, 64, 129, 1024])
+def test_cuda_linear_matches_the_reference(kind, M):
+    """Triton (M < 128, FP4) or cuBLAS's block-scaled GEMM (FP8 from 128 rows): the reference's sums up to the
+    order inside a 128-channel group (the fp8 MMA's own accumulation: within 1e-2 of the largest output)."""
+    N, K = 1536, 2048
+    w, s = (t.cuda() for t in _weights(kind, N, K, M))
+    x = _x(M, K, M, torch.bfloat16).cuda()
+    got = fp8_linear(x, w, s, 128, 128)
+    want = fp8_linear_reference(x, w, s, 128, 128)
+    assert got.shape == want.shape and not got.isnan().any()
+    assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float", "fp4"])
+def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(kind):
+    E, N, K, S = 8, 512, 1024, 300
+    w, s = (t.cuda() for t in _weights(kind, N, K, 13, lead=(E,)))
+    x = _x(S, K, 14, torch.bfloat16).cuda()
+    offsets = torch.tensor([10, 10, 80, 81, 150, 200, 260, 290], dtype=torch.int32, device="cuda")
+    want = fp8_grouped_linear_reference(x, w, s, offsets, 128, 128)
+    got = fp8_grouped_linear(x, w, s, offsets, 128, 128)
+    assert _rel(got, want) < 1e-2 and not got[290:].any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fp8_grouped_linear(x, w, s, offsets, 128, 128)
+    x.copy_(_x(S, K, 15, torch.bfloat16))
+    graph.replay()
+    assert _rel(replayed, fp8_grouped_linear_reference(x, w, s, offsets, 128, 128)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cuda_nan_and_inf_activations_give_nan_rows():
+    w, s = (t.cuda() for t in _fp8_weight(256, 256, 16))
+    x = _x(4, 256, 17, torch.bfloat16).cuda()
+    x[1, 3], x[2, 200] = float("nan"), float("inf")
+    got = fp8_linear(x, w, s, 128, 128)
+    assert got[1].isnan().all() and got[2].isnan().all() and not got[[0, 3]].isnan().any()
