@@ -40,6 +40,31 @@ DECODE_NOTES = {"dsfuse.absorbed_mla_attention": DECODE_WITHOUT_GRAPHS_NOTE,
                 "dsfuse.compressed_attention": V4_DECODE_WITHOUT_GRAPHS_NOTE}
 
 
+QUANTISED_OPS = ("fp8_linear", "fp8_grouped_linear")
+
+
+def quantised_layers_note(gm: torch.fx.GraphModule) -> str:
+    """Which implementation serves the graph's quantised layers: dsfuse's FP8 ops (counted), or, where the graph
+    holds FP8 / FP4 weights and none of them, something else (named)."""
+    calls = {name: 0 for name in QUANTISED_OPS}
+    fp8_weights = False
+    for node in gm.graph.nodes:
+        target = node.target
+        name = getattr(target, "_qualified_op_name", None) or getattr(target, "__name__", "")
+        for op in QUANTISED_OPS:
+            if f"dsfuse::{op}" in str(name) or str(target).startswith(f"dsfuse.{op}"):
+                calls[op] += 1
+        value = node.meta.get("example_value")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dtype == torch.float8_e4m3fn:
+            fp8_weights = True
+    served = ", ".join(f"{count} dsfuse.{op}" for op, count in calls.items() if count)
+    if served:
+        return f"quantised layers: {served} calls (dsfuse's FP8 kernels)"
+    if fp8_weights:
+        return "quantised layers: FP8 weights served by another implementation than dsfuse's (DSFUSE_FP8_KERNELS=hub?)"
+    return ""
+
+
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
@@ -210,6 +235,8 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         patches["post_grad_custom_post_pass"] = manager
     graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note,
                                       tokens=tokens)
+    if quantised := quantised_layers_note(gm):
+        _report.annotate_graph(graph_index, quantised)
     if manager is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     else:

@@ -78,6 +78,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         rope_parameters=dict(_DEFAULT_ROPE),
     ),
 }
+# `tiny` with every FP8-quantised projection a whole number of 128 x 128 blocks on its split dims (the routed
+# experts' gate and up halves keep their own scale rows), for checkpoints in the released FP8 layout.
+PRESETS["fp8-tiny"] = dict(PRESETS["tiny"], hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                           q_lora_rank=128, kv_lora_rank=128)
 
 # DeepSeek V4 (`transformers.DeepseekV4ForCausalLM`). Every attention kind appears in `v4-tiny`: a sliding-window
 # layer, a compressed sparse (CSA, m=4, indexer top-k 4) and a heavily compressed (HCA, m'=8) one, with the hash
@@ -140,7 +144,7 @@ V4_PRESETS: dict[str, dict[str, Any]] = {
 V4_ATTN_IMPLEMENTATIONS = ("eager",)
 
 # transformers' GlmMoeDsaForCausalLM at a V3.2 preset's dims (the fields GLM's config has).
-GLM_PRESETS: dict[str, str] = {"glm-tiny": "tiny"}
+GLM_PRESETS: dict[str, str] = {"glm-tiny": "tiny", "glm-fp8-tiny": "fp8-tiny"}
 
 ROUTER_FP32_TENSORS = ("e_score_correction_bias", "gate.weight")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")

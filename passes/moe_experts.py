@@ -47,9 +47,9 @@ import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
-from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype,
-                          fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape, same_size,
-                          shape, strip, walk_back)
+from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, ORDER_KEEPING_OPS, SPLIT_OPS,
+                          TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fill_value, in_graph_order, insert_call, is_op,
+                          node_arg, only_user, same_shape, same_size, shape, strip, walk_back)
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -67,9 +67,43 @@ EAGER_LOOP_REASON = (
     "experts_implementation='grouped_mm' or 'batched_mm')")
 
 
+FP8_EXPERTS_REASON = (
+    "block-scaled FP8 / FP4 experts (transformers' FP8Experts): each expert projection runs as one "
+    "dsfuse.fp8_grouped_linear (activations quantised per token and 128 channels, as the checkpoint's kernels do); "
+    "a fused FP8 dispatch -> GEMM -> SwiGLU -> GEMM -> combine op is not built yet")
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, _gemm_targets(), _match, _rewrite)
     _report_eager_loops(graph, ctx)
+    _report_quantised_experts(graph, ctx)
+
+
+def _report_quantised_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """One near-miss per block of FP8 experts: at its down projection, a grouped FP8 GEMM whose rows come from
+    another (the up projection) through the gate."""
+    grouped = getattr(torch.ops.dsfuse, "fp8_grouped_linear", None)
+    if grouped is None:
+        return
+    for node in graph.nodes:
+        if is_op(node, grouped.default) and _reads_grouped_gemm(node.args[0], grouped.default):
+            ctx.near_miss(node, FP8_EXPERTS_REASON)
+
+
+def _reads_grouped_gemm(node, target) -> bool:
+    """Whether `node` is computed from a call of `target` through pointwise, split and layout ops only (a gate)."""
+    pending, seen = [node], set()
+    while pending:
+        n = pending.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if is_op(n, target):
+            return True
+        pointwise = isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
+        if pointwise or is_op(n, operator.getitem, *SPLIT_OPS, *LAYOUT_OPS, aten.slice.Tensor):
+            pending.extend(n.all_input_nodes)
+    return False
 
 
 def _grouped_targets() -> tuple:

@@ -45,7 +45,7 @@ the reason. Two more site kinds, each into one launch:
   the norm joins the call (`rope_cat`'s `rms_norm`): `q_b_norm` (unweighted, `x * rsqrt(..).to(dtype)`),
   `kv_norm` and the compressors' `kv_norm` (fp32 weight). Without a norm: the indexer's query.
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
-  `addmm`, `bmm`): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
+  `addmm`, `bmm`, or `dsfuse::fp8_linear` in a quantised checkpoint): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
 
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
 call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
@@ -58,6 +58,7 @@ import operator
 import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 
+import dsfuse.kernels.fp8_linear  # noqa: F401  (registers torch.ops.dsfuse.fp8_linear, a projection)
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
 from .canonicalize import MEAN
@@ -102,7 +103,8 @@ NAME = "norm_rope_quant"
 # H200 on 2026-11-29 were `fma.rn.bf16` contractions; see kernels/norm_rope_quant.py).
 IMPLEMENTED = True
 
-PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default)
+# a projection's output: a matmul, or a quantised checkpoint's FP8 / FP4 linear (transformers' FP8Linear)
+PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.dsfuse.fp8_linear.default)
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
