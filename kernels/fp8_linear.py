@@ -366,43 +366,57 @@ def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts
         out.copy_(target.sum(0))
 
 
+# How cuBLAS's block-scaled GEMM takes the weight's [N / 128, K / 128] scales: transposed in place, or transposed
+# and contiguous (torch versions differ); the probe keeps the first that gives the reference's result.
+WEIGHT_SCALE_LAYOUTS = ("transposed view", "transposed copy")
+
+
 @functools.lru_cache(maxsize=None)
-def cublas_block_scaled_gemm(device_index: int) -> bool:
-    """Whether this torch's `torch._scaled_mm` multiplies 1 x 128 / 128 x 128 block-scaled e4m3 on this device, and
-    gives the reference's result (checked once per device on a 256 x 256 x 256 product)."""
+def cublas_block_scaled_gemm(device_index: int) -> str | None:
+    """The weight-scale layout (`WEIGHT_SCALE_LAYOUTS`) in which this torch's `torch._scaled_mm` multiplies 1 x 128 /
+    128 x 128 block-scaled e4m3 on this device with the reference's result (a 256 x 256 x 256 product, checked
+    once per device), or None when it cannot."""
     device = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(device) < (9, 0):
-        return False
+        return None
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(256, 256, generator=g).to(device, torch.bfloat16)
     w = torch.randn(256, 256, generator=g).to(device, FP8_DTYPE)
     ws = torch.rand(2, 2, generator=g).add(0.5).to(device)
-    try:
-        got = _scaled_mm_linear(x, w, ws)
-    except RuntimeError:
-        return False
-    want = _linear_math(x, w, ws, 128, 128).to(torch.bfloat16)
-    return bool(((got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()).item())
+    want = _linear_math(x, w, ws, 128, 128).to(torch.bfloat16).float()
+    for layout in WEIGHT_SCALE_LAYOUTS:
+        try:
+            got = _scaled_mm_linear(x, w, ws, layout).float()
+        except RuntimeError:
+            continue
+        if ((got - want).abs().max() <= 1e-2 * want.abs().max()).item():
+            return layout
+    return None
 
 
-def _scaled_mm_linear(x2, weight, scale):
+def _scaled_mm_linear(x2, weight, scale, layout):
     q, s = quantize_activations_triton(x2, 128, pow2=is_e8m0(scale), scales_column_major=True)
-    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scales_to_float32(scale).t(), out_dtype=x2.dtype)
+    weight_scale = scales_to_float32(scale).t()
+    if layout == "transposed copy":
+        weight_scale = weight_scale.contiguous()
+    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale, out_dtype=x2.dtype)
 
 
-def _uses_cublas(x2, weight, scale, block_n, block_k) -> bool:
+def _cublas_layout(x2, weight, block_n, block_k) -> str | None:
+    """The cuBLAS weight-scale layout when this call goes to cuBLAS's block-scaled GEMM, else None."""
     N, K = weight_dims(weight)
-    return (x2.is_cuda and not _is_fp4(weight) and (block_n, block_k) == (128, 128) and x2.shape[0] >=
-            SCALED_MM_MIN_ROWS and K % 128 == 0 and N % 16 == 0 and x2.dtype != torch.float32
-            and cublas_block_scaled_gemm(x2.device.index or 0))
+    if not (x2.is_cuda and not _is_fp4(weight) and (block_n, block_k) == (128, 128) and x2.shape[0] >=
+            SCALED_MM_MIN_ROWS and K % 128 == 0 and N % 16 == 0 and x2.dtype != torch.float32):
+        return None
+    return cublas_block_scaled_gemm(x2.device.index or 0)
 
 
 def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET)."""
     N, K = _check_linear(x, weight, weight_scale, block_n, block_k)
     x2 = x.reshape(-1, K)
-    if _uses_cublas(x2, weight, weight_scale, block_n, block_k):
-        return _scaled_mm_linear(x2, weight, weight_scale).view(*x.shape[:-1], N)
+    if layout := _cublas_layout(x2, weight, block_n, block_k):
+        return _scaled_mm_linear(x2, weight, weight_scale, layout).view(*x.shape[:-1], N)
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
         q, s = quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight))

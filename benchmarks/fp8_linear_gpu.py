@@ -1,0 +1,174 @@
+"""H200 benchmark of dsfuse's block-scaled FP8 / FP4 linears against cuBLAS and bf16, at DeepSeek V3.2's projection
+shapes and its and V4-Flash's expert shapes.
+
+1. Ceilings measured in the same run: bf16 8192^3 matmul (TFLOP/s) and a device copy (GB/s, read + write).
+2. Linears `[M, K] x [N, K]^T` for M from 1 to 8192: dsfuse's op as dispatched (cuBLAS block-scaled from
+   SCALED_MM_MIN_ROWS rows when the probe passes, else Triton), dsfuse's Triton GEMM alone (activation quantisation
+   included), `torch._scaled_mm` with 1x128 / 128x128 block scales on pre-quantised operands (the GEMM alone: the
+   quantisation it needs is not timed), and bf16 `x @ w.T`. TFLOP/s, and for M <= 64 the weight bytes read over the
+   time as a fraction of the copy bandwidth (the floor of a weight-streaming call). Each provider's result is checked
+   against the reference (max error over max |reference|).
+3. Grouped experts: V3.2 FP8 (64 of its 256 experts, as on a 4-way expert-parallel rank: 7168 -> 2 x 2048 -> 7168,
+   top-8) and V4-Flash FP4 (256 experts, 4096 -> 2 x 2048 -> 4096, top-6) at T tokens, the two expert GEMMs as `fp8_grouped_linear` against bf16 `torch._grouped_mm` of
+   the dequantised weights.
+
+Writes $OUT/fp8_linear.json and prints a markdown table last. ~2 minutes."""
+
+import json
+import os
+import time
+
+import torch
+from triton.testing import do_bench
+
+from dsfuse.kernels import fp8_linear as ops
+from dsfuse.kernels.quant_formats import E8M0_DTYPE, scales_to_float32
+from dsfuse.models.quantized import quantize_fp8_weight
+
+OUT = os.environ.get("OUT", ".")
+REP_MS = int(os.environ.get("REP_MS", 60))
+LINEARS = {"q_a 1536x7168": (1536, 7168), "q_b 24576x1536": (24576, 1536), "kv_a 576x7168": (576, 7168),
+           "o_proj 7168x16384": (7168, 16384), "dense up 18432x7168": (18432, 7168)}
+ROWS = [int(m) for m in os.environ.get("ROWS", "1 8 64 128 512 4096 8192").split()]
+RESULTS = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "linears": [], "experts": []}
+
+
+def bench(fn):
+    return do_bench(fn, warmup=25, rep=REP_MS, return_mode="median")
+
+
+def rel(got, want):
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12)).item()
+
+
+def ceilings():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm = bench(lambda: a @ a)
+    big = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    other = torch.empty_like(big)
+    copy = bench(lambda: other.copy_(big))
+    return 2 * 8192**3 / mm / 1e9, 2 * big.numel() / copy / 1e6
+
+
+def linear_case(name, N, K, M, copy_gbs):
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    w_bf16 = torch.randn(N, K, device="cuda", generator=g) * 0.02
+    w, s = quantize_fp8_weight(w_bf16, scale_fmt="ue8m0")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    want = ops.fp8_linear_reference(x, w, s, 128, 128)
+    w_deq = ops.dequantize_weight(w, s, 128, 128).to(torch.bfloat16)
+    row = {"shape": name, "M": M}
+    flops = 2 * M * N * K
+    providers = {
+        "dsfuse": lambda: torch.ops.dsfuse.fp8_linear(x, w, s, 128, 128),
+        "dsfuse triton": lambda: _triton_only(x, w, s),
+        "bf16": lambda: x @ w_deq.t(),
+    }
+    q, qs = ops.quantize_activations_triton(x, 128, pow2=True, scales_column_major=True)
+    layout = RESULTS["cublas_block_scaled"]
+    if M >= 16 and layout:
+        ws = scales_to_float32(s).t()
+        ws = ws.contiguous() if layout == "transposed copy" else ws
+        providers["scaled_mm (GEMM only)"] = lambda: torch._scaled_mm(q, w.t(), scale_a=qs, scale_b=ws,
+                                                                     out_dtype=torch.bfloat16)
+    for provider, fn in providers.items():
+        try:
+            got = fn()
+            ms = bench(fn)
+        except Exception as error:  # noqa: BLE001  (a provider that refuses a shape is a finding)
+            row[provider] = f"{type(error).__name__}: {str(error)[:80]}"
+            continue
+        row[provider] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1), "err": round(rel(got, want), 5)}
+        if M <= 64 and provider != "bf16":
+            row[provider]["hbm"] = round(ops.weight_bytes(w, s) / ms / 1e6 / copy_gbs, 3)
+    return row
+
+
+def _triton_only(x, w, s):
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    q, qs = ops.quantize_activations_triton(x, 128, pow2=True)
+    ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1)
+    return out
+
+
+def experts_case(name, E, H, inter, T, top_k, fp4):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    rows = T * top_k
+    ids = torch.randint(0, E, (rows,), device="cuda", generator=g).sort().values
+    offsets = torch.bincount(ids, minlength=E).cumsum(0).to(torch.int32)
+    x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    if fp4:
+        up = (torch.randint(0, 256, (E, 2 * inter, H // 2), device="cuda", dtype=torch.uint8, generator=g).view(
+            torch.int8), torch.randint(118, 126, (E, 2 * inter, H // 32), device="cuda", dtype=torch.uint8,
+                                       generator=g).view(E8M0_DTYPE))
+        down = (torch.randint(0, 256, (E, H, inter // 2), device="cuda", dtype=torch.uint8, generator=g).view(
+            torch.int8), torch.randint(118, 126, (E, H, inter // 32), device="cuda", dtype=torch.uint8,
+                                       generator=g).view(E8M0_DTYPE))
+    else:
+        up = quantize_fp8_weight(torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
+        down = quantize_fp8_weight(torch.randn(E, H, inter, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
+    mid = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def quantised():
+        torch.ops.dsfuse.fp8_grouped_linear(x, *up, offsets, 128, 128)
+        return torch.ops.dsfuse.fp8_grouped_linear(mid, *down, offsets, 128, 128)
+
+    up_bf16 = ops.dequantize_weight(*up, 128, 128).to(torch.bfloat16).transpose(1, 2)
+    down_bf16 = ops.dequantize_weight(*down, 128, 128).to(torch.bfloat16).transpose(1, 2)
+
+    def plain():
+        torch._grouped_mm(x, up_bf16, offs=offsets)
+        return torch._grouped_mm(mid, down_bf16, offs=offsets)
+
+    got, want = quantised(), ops.fp8_grouped_linear_reference(mid, *down, offsets, 128, 128)
+    flops = 2 * rows * (2 * inter * H + H * inter)
+    row = {"case": name, "T": T, "rows": rows, "err": round(rel(got, want), 5)}
+    for provider, fn in (("dsfuse fp8_grouped_linear x2", quantised), ("bf16 _grouped_mm x2", plain)):
+        ms = bench(fn)
+        row[provider] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+    return row
+
+
+def main():
+    mm_tflops, copy_gbs = ceilings()
+    RESULTS.update(device=torch.cuda.get_device_name(), torch=torch.__version__, bf16_tflops=round(mm_tflops, 1),
+                   copy_gbs=round(copy_gbs), cublas_block_scaled=ops.cublas_block_scaled_gemm(0))
+    print(f"ceilings: bf16 {mm_tflops:.0f} TFLOP/s, copy {copy_gbs:.0f} GB/s; cuBLAS block-scaled usable: "
+          f"{RESULTS['cublas_block_scaled']}", flush=True)
+    for name, (N, K) in LINEARS.items():
+        for M in ROWS:
+            RESULTS["linears"].append(linear_case(name, N, K, M, copy_gbs))
+            print(json.dumps(RESULTS["linears"][-1]), flush=True)
+            (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
+    for args in (("V3.2 fp8", 64, 7168, 2048, 4096, 8, False), ("V3.2 fp8", 64, 7168, 2048, 1, 8, False),
+                 ("V4-Flash fp4", 256, 4096, 2048, 8192, 6, True), ("V4-Flash fp4", 256, 4096, 2048, 1, 6, True)):
+        try:
+            RESULTS["experts"].append(experts_case(*args))
+        except Exception as error:  # noqa: BLE001
+            RESULTS["experts"].append({"case": args[0], "T": args[4], "error": f"{type(error).__name__}: {error}"})
+        print(json.dumps(RESULTS["experts"][-1]), flush=True)
+        torch.cuda.empty_cache()
+    (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
+    print(table())
+
+
+def _cell(entry, key="tflops"):
+    return entry.get(key, "-") if isinstance(entry, dict) else "x"
+
+
+def table():
+    lines = ["| shape | M | dsfuse ms | dsfuse TFLOP/s | triton TFLOP/s | scaled_mm TFLOP/s | bf16 TFLOP/s | "
+             "dsfuse / scaled_mm | triton HBM frac | err |", "|" + " --- |" * 10]
+    for r in RESULTS["linears"]:
+        d, t, c, b = (r.get(k) for k in ("dsfuse", "dsfuse triton", "scaled_mm (GEMM only)", "bf16"))
+        ratio = round(c["ms"] / d["ms"], 2) if isinstance(c, dict) and isinstance(d, dict) else "-"
+        lines.append(f"| {r['shape']} | {r['M']} | {_cell(d, 'ms')} | {_cell(d)} | {_cell(t)} | {_cell(c)} | "
+                     f"{_cell(b)} | {ratio} | {_cell(t, 'hbm')} | {_cell(d, 'err')} |")
+    for r in RESULTS["experts"]:
+        lines.append(f"| experts {r['case']} T={r['T']} | {r.get('rows')} | " + " | ".join(
+            f"{k}: {v}" for k, v in r.items() if k not in ("case", "T", "rows")) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
