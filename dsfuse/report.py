@@ -64,7 +64,7 @@ class Report:
             counts[site.pass_name] += 1
         return counts
 
-    def __str__(self) -> str:
+    def _table(self) -> list[str]:
         lines = [f"dsfuse report: {len(self.graphs)} graph(s) compiled"]
         enabled = sorted({name for g in self.graphs for name in g.enabled}, key=PASS_NAMES.index)
         width = max(len(name) for name in PASS_NAMES)
@@ -79,6 +79,28 @@ class Report:
             if not implemented(name):
                 state += f" ({not_ready_reason(name)})"
             lines.append(f"  {name:<{width}}  {self.counts[name]:>9}  {misses[name]:>11}  {state}")
+        return lines
+
+    def summary(self) -> str:
+        """One screen: sites and near-misses per pass, each graph note and each near-miss reason once, with where it
+        happened (`details()` lists every site and every near-miss)."""
+        lines = self._table()
+        for note, graphs in _grouped((g.note, g.index) for g in self.graphs if g.note):
+            lines.append(f"  {_graphs(graphs)}: {note}")
+        if self.near_misses:
+            lines.append("not rewritten:")
+            for (pass_name, reason), where in _grouped(((m.pass_name, m.reason), (m.graph, m.anchor))
+                                                       for m in self.near_misses):
+                at = ", ".join(f"graph {g} at {anchor}" for g, anchor in where[:2])
+                more = f" and {len(where) - 2} more" if len(where) > 2 else ""
+                lines.append(f"  [{pass_name}] {reason} ({at}{more})")
+        if self.sites:
+            lines.append("every site: print(dsfuse.report().details())")
+        return "\n".join(lines)
+
+    def details(self) -> str:
+        """Every graph note, every rewritten site with its inputs and every near-miss."""
+        lines = self._table()
         for graph in self.graphs:
             if graph.note:
                 lines.append(f"  graph {graph.index}: {graph.note}")
@@ -92,6 +114,21 @@ class Report:
             for miss in self.near_misses:
                 lines.append(f"  [{miss.pass_name}] graph {miss.graph} at {miss.anchor}: {miss.reason}")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _grouped(pairs) -> list[tuple]:
+    """(key, [values]) in the order keys first appear."""
+    groups: dict = {}
+    for key, value in pairs:
+        groups.setdefault(key, []).append(value)
+    return list(groups.items())
+
+
+def _graphs(indices: list[int]) -> str:
+    return f"graph {indices[0]}" if len(indices) == 1 else f"graphs {', '.join(map(str, indices))}"
 
 
 _REPORT = Report()

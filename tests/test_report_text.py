@@ -41,6 +41,18 @@ dsfuse report: 2 graph(s) compiled
   moe_experts                0            0  disabled
   hyper_connections          0            0  enabled
   compressors                0            0  enabled
+not rewritten:
+  [indexer_topk] top-k of the smallest scores (graph 1 at topk)
+every site: print(dsfuse.report().details())""")
+        self.assertExpectedInline(dsfuse.report().details(), """\
+dsfuse report: 2 graph(s) compiled
+  pass               rewritten  near-misses  state
+  norm_rope_quant            0            0  enabled
+  indexer_topk               1            1  enabled
+  sparse_attention           0            0  enabled
+  moe_experts                0            0  disabled
+  hyper_connections          0            0  enabled
+  compressors                0            0  enabled
 rewritten sites:
   [indexer_topk] graph 0 at topk -> dsfuse.indexer_topk (arg0_1:bfloat16[1x6x2x8], arg1_1:bfloat16[1x6x8], arg2_1:float32[1x6x2], arg3_1:bool[1x6x6]) bool mask, k=3, scale=0.25
 not rewritten:
