@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -63,6 +64,16 @@ def quantised_layers_note(gm: torch.fx.GraphModule) -> str:
     if fp8_weights:
         return "quantised layers: FP8 weights served by another implementation than dsfuse's (DSFUSE_FP8_KERNELS=hub?)"
     return ""
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A `UserWarning` the first time in a process (the report keeps every occurrence)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"dsfuse: {message}", UserWarning, stacklevel=3)
 
 
 def _needs_grad(example_inputs: Sequence[Any]) -> bool:
@@ -230,6 +241,7 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     manager = None
     if cfg.enabled and _needs_grad(example_inputs):
         note = TRAINING_NOTE
+        _warn_once(TRAINING_NOTE)
     elif cfg.enabled:
         manager = DsfusePassManager(cfg.enabled)
         patches["post_grad_custom_post_pass"] = manager

@@ -49,7 +49,7 @@ import dsfuse
 from dsfuse.bench_report import (ablation_markdown, ablation_summary, decode_notes, families_markdown, model_markdown,
                                  plot_model, progress)
 from dsfuse.config import PASS_NAMES
-from dsfuse.models.presets import is_v4_preset
+from dsfuse.models.presets import is_v4_preset, preset_names
 
 CONFIGS: dict[str, tuple[str | None, dict | None]] = {
     "eager": (None, None),
@@ -684,7 +684,7 @@ def _print_table(results: dict) -> None:
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, seq_default: list[int]) -> None:
-    parser.add_argument("--preset", default="v32-real-2l")
+    parser.add_argument("--preset", default="v32-real-2l", choices=preset_names(), metavar="PRESET")
     parser.add_argument("--seq", type=int, nargs="+", default=seq_default, help="prefill sequence lengths")
     parser.add_argument("--batch", type=int, default=1, help="prefill batch")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))

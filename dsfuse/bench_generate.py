@@ -30,6 +30,7 @@ import time
 import torch
 
 from dsfuse.bench import _error_text, _free_device_memory, environment
+from dsfuse.models.presets import preset_names
 
 GENERATE_CONFIGS = ("eager", "inductor", "dsfuse")
 
@@ -248,7 +249,7 @@ def generate_markdown(results: dict) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", default="v32-real-2l")
+    parser.add_argument("--preset", default="v32-real-2l", choices=preset_names(), metavar="PRESET")
     parser.add_argument("--prompt", type=int, nargs="+", default=[2048, 8192], help="prompt lengths")
     parser.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")
     parser.add_argument("--padded", action="store_true", help="left-pad the rows of a batch to different lengths")

@@ -26,8 +26,30 @@ ENV_DISABLE = "DSFUSE_DISABLE"
 ENV_DEBUG = "DSFUSE_DEBUG"
 
 
-class DsfuseConfigError(ValueError):
-    """A backend option, pass name or environment variable that dsfuse does not know."""
+def _raised_through_dynamo() -> tuple[type, ...]:
+    """The base that makes Dynamo hand a backend's exception to the caller as it is (torch 2.11 - 2.14:
+    `ShortenTraceback`), rather than wrapped in `BackendCompilerFailed`, which `except DsfuseConfigError` misses."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return ()
+    return (ShortenTraceback,)
+
+
+class DsfuseConfigError(*_raised_through_dynamo(), ValueError):
+    """A backend option, pass name or environment variable that dsfuse does not know. Raised at the first call of
+    the compiled model (torch.compile looks the options at only then), as itself: `except dsfuse.DsfuseConfigError`
+    catches it there."""
+
+    def __init__(self, message: str):
+        self.message = message
+        if _raised_through_dynamo():
+            super().__init__(message, first_useful_frame=None)
+        else:
+            super().__init__(message)
+
+    def __str__(self) -> str:  # without the hints Dynamo appends to the arguments for PyTorch's own errors
+        return self.message
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import torch
 
 import dsfuse
 from dsfuse.config import PASS_NAMES
+from dsfuse.models.presets import preset_names
 
 # Relative L2 error allowed between eager and dsfuse logits in fp32. In bf16 a random-weight model
 # is chaotic: reordered sums flip near-tied top-k keys and router choices, and plain Inductor lands
@@ -45,7 +46,8 @@ def parity(reference: torch.Tensor, candidate: torch.Tensor) -> dict[str, float]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default=None, help="model preset (default: v32-real-2l on a >=60 GiB GPU, else tiny)")
+    parser.add_argument("--preset", default=None, choices=preset_names(), metavar="PRESET",
+                        help="model preset (default: v32-real-2l on a >=60 GiB GPU, else tiny)")
     parser.add_argument("--seq", type=int, default=None,
                         help=f"prompt length (default: 32 for {', '.join(SMALL_PRESETS)}, 2048 otherwise)")
     parser.add_argument("--batch", type=int, default=1)

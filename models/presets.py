@@ -151,6 +151,11 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 EXPERTS_IMPLEMENTATIONS = ("grouped_mm", "batched_mm", "eager")
 
 
+def preset_names() -> list[str]:
+    """Every preset `build_hf_model` builds (V3.2, V4 and GLM), sorted: what a command line may name."""
+    return sorted([*PRESETS, *V4_PRESETS, *GLM_PRESETS])
+
+
 def preset_kwargs(preset: str, registry: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
     """A deep copy of a preset's config kwargs (V3.2 or V4); unknown names raise with the list of valid ones."""
     if registry is None and preset in GLM_PRESETS:
@@ -158,7 +163,7 @@ def preset_kwargs(preset: str, registry: Mapping[str, Mapping[str, Any]] | None 
 
         fields = GlmMoeDsaConfig.__dataclass_fields__
         return {k: v for k, v in preset_kwargs(GLM_PRESETS[preset]).items() if k in fields}
-    names = [*PRESETS, *V4_PRESETS, *GLM_PRESETS] if registry is None else list(registry)
+    names = preset_names() if registry is None else list(registry)
     registry = {**PRESETS, **V4_PRESETS} if registry is None else registry
     if preset not in registry:
         raise ValueError(f"unknown preset {preset!r}; valid presets: {', '.join(sorted(names))}")

@@ -3,6 +3,7 @@
 import contextlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -82,10 +83,25 @@ def test_unknown_names_raise_and_list_valid_ones(options, environ, bad):
     assert all(name in message for name in valid)
 
 
-def test_unknown_pass_raises_through_torch_compile():
+def test_unknown_pass_raises_through_torch_compile_as_itself():
+    """torch.compile hands the options over at the first call; the error reaches the caller as DsfuseConfigError
+    (not wrapped by Dynamo), its text the one line that names the bad pass and the valid ones."""
     f = torch.compile(lambda x: x + 1, backend="dsfuse", options={"disable": ["no_such_pass"]})
-    with pytest.raises(Exception, match="no_such_pass.*indexer_topk"):
+    with pytest.raises(dsfuse.DsfuseConfigError) as err:
         f(torch.ones(2))
+    assert str(err.value) == ("unknown dsfuse pass 'no_such_pass' in options['disable']; valid pass names: "
+                              + ", ".join(dsfuse.PASS_NAMES))
+    assert isinstance(err.value, ValueError)
+
+
+def test_unknown_preset_on_the_command_line_is_one_line(capsys):
+    from dsfuse import bench, quickstart
+
+    for main, argv in ((quickstart.main, ["--preset", "nope"]), (bench.main, ["model", "--preset", "nope"])):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert "invalid choice: 'nope' (choose from 'fp8-tiny'" in capsys.readouterr().err
 
 
 def test_env_flags_reach_the_backend(monkeypatch):
@@ -142,12 +158,21 @@ def test_graph_tokens_leave_out_integer_weights():
     assert [graph.tokens for graph in dsfuse.report().graphs] == [1]
 
 
-def test_training_graphs_are_left_to_inductor():
+def test_training_graphs_are_left_to_inductor_with_one_warning(monkeypatch):
+    from dsfuse import backend
+
+    monkeypatch.setattr(backend, "_WARNED", set())
     lin = torch.nn.Linear(4, 4)
-    out = torch.compile(lin, backend="dsfuse")(torch.randn(2, 4))
+    with pytest.warns(UserWarning, match="dsfuse: graph needs gradients"):
+        out = torch.compile(lin, backend="dsfuse")(torch.randn(2, 4))
     out.sum().backward()
     assert "inference graphs only" in dsfuse.report().graphs[0].note
     assert lin.weight.grad is not None
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second graph needing gradients is only in the report
+        torch.compile(lin, backend="dsfuse")(torch.randn(3, 4))
+    assert "inference graphs only" in dsfuse.report().graphs[1].note
 
 
 @pytest.mark.parametrize("context", ["no_grad", "inference_mode", "frozen"])
