@@ -71,3 +71,31 @@ def test_matching_prefix_counts_new_tokens_every_row_shares():
     assert prefix(ref.clone(), ref, 2) == 3
     assert prefix(torch.tensor([[7, 7, 1, 2, 0], [7, 7, 4, 0, 6]]), ref, 2) == 1  # row 1 differs at its 2nd
     assert prefix(torch.tensor([[7, 7, 9, 2, 3], [7, 7, 4, 5, 6]]), ref, 2) == 0
+
+
+# Cells at the lengths the kernels split on: one token, the index top-k (8) minus and plus one, a compressor
+# window (V4: m = 4) plus one; batches of 1 to 3 rows, rows after the first left-padded.
+GRID = [("tiny", 3, 9), ("tiny", 1, 7), ("tiny", 2, 1), ("glm-tiny", 3, 9), ("v4-tiny", 3, 9), ("v4-tiny", 1, 5)]
+@pytest.mark.slow
+def test_model_fuzz_cpu_grid():
+    """Every cell runs, rewrites its layer's families with no near-miss (one token attends to itself alone: no sparse
+    attention to fuse), and in fp32 gives eager's logits to fp32 rounding."""
+    from dsfuse.models.presets import build_hf_model
+
+    fuzz = _module()
+    models = {}
+    for preset, batch, seq in GRID:
+        if preset not in models:
+            models[preset] = build_hf_model(preset, num_hidden_layers=1)
+        case = fuzz.run_case(models[preset], preset, batch, seq, "cpu", with_inductor=False)
+        assert "error" not in case, case
+        want = dict(V4_ONE_LAYER_SITES if preset == "v4-tiny" else ONE_LAYER_SITES)
+        if preset != "v4-tiny":
+            want["moe_experts"] = 0  # the tiny presets' first layer is dense
+        if seq == 1:
+            want.pop("sparse_attention")
+        if preset == "v4-tiny" and seq < 8:
+            want.pop("compressors")  # the HCA window (m' = 8) is not filled yet: HF compresses nothing
+        assert {k: v for k, v in case["sites"].items() if v} == {k: v for k, v in want.items() if v}, case
+        assert case["near_misses"] == [] and not case["nan"], case
+        assert case["dsfuse_err"] <= 1e-4, case
