@@ -9,8 +9,8 @@ shapes and its and V4-Flash's expert shapes.
    time as a fraction of the copy bandwidth (the floor of a weight-streaming call). Each provider's result is checked
    against the reference (max error over max |reference|).
 3. Grouped experts: V3.2 FP8 (64 of its 256 experts, as on a 4-way expert-parallel rank: 7168 -> 2 x 2048 -> 7168,
-   top-8) and V4-Flash FP4 (256 experts, 4096 -> 2 x 2048 -> 4096, top-6) at T tokens, the two expert GEMMs as `fp8_grouped_linear` against bf16 `torch._grouped_mm` of
-   the dequantised weights.
+   top-8) and V4-Flash FP4 (256 experts, 4096 -> 2 x 2048 -> 4096, top-6) at T tokens, the two expert GEMMs as
+   `fp8_grouped_linear` against bf16 `torch._grouped_mm` of the dequantised weights.
 
 Writes $OUT/fp8_linear.json and prints a markdown table last. ~2 minutes."""
 

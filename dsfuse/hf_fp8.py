@@ -147,5 +147,5 @@ def installed() -> bool:
     return current is not None and current.matmul is matmul_2d
 
 
-__all__ = ["ENV_KERNELS", "KERNEL_CHOICES", "install", "install_when_loaded", "installed", "kernels_choice", "matmul_2d",
-           "matmul_batched", "matmul_grouped"]
+__all__ = ["ENV_KERNELS", "KERNEL_CHOICES", "install", "install_when_loaded", "installed", "kernels_choice",
+           "matmul_2d", "matmul_batched", "matmul_grouped"]

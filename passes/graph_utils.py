@@ -14,6 +14,8 @@ import torch._inductor.inductor_prims  # noqa: F401  (defines prims.prepare_soft
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .context import NoMatch
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 
@@ -278,6 +280,43 @@ def softmax_parts(x: Any, dim: int = -1) -> dict | None:
     if len(divs) != 1 or len(exp.users) != (1 if online else 2):
         return None
     return dict(stats=stats[0], row_max=row_max, row_sum=row_sum, sub=subs[0], exp=exp, probs=divs[0])
+
+
+
+def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
+    """Whether `cond` is `~any(~(x == -inf), dim=-1, keepdim=True)`, with `check` the `x == -inf`."""
+    if not is_op(cond, *NOT_OPS):
+        return False
+    row_any = cond.args[0]
+    if not (is_op(row_any, aten.any.dim) and row_any.args[1] in (-1, len(shape(check)) - 1)):
+        return False
+    inner = row_any.args[0]
+    return is_op(inner, *NOT_OPS) and inner.args[0] is check
+
+
+def attention_softmax(x: torch.fx.Node) -> dict | None:
+    """Recognise Inductor's decomposed softmax over the last dim of `x` (optionally upcast first):
+    amax / sub / exp / sum / div, or on CUDA the online form (`prepare_softmax_online` giving max and
+    sum, then sub / exp / div), and the SDPA math's `where(row all -inf, 0, probs)` around it."""
+    source = x
+    users = list(x.users)
+    if len(users) == 1 and is_upcast(users[0]):
+        x = users[0]
+        users = list(x.users)
+    parts = softmax_parts(x)
+    if parts is None:
+        return None
+    probs, safe = parts["probs"], False
+    expected_users = {parts["sub"], parts["stats"]}
+    checks = [u for u in users if is_op(u, aten.eq.Scalar) and is_neg_inf(u.args[1])]
+    user = only_user(probs)
+    if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and fill_value(user.args[1]) == 0 \
+            and _rows_all_neg_inf(user.args[0], checks[0]):
+        probs, safe = user, True
+        expected_users |= set(checks)
+    if set(users) != expected_users:
+        raise NoMatch("the attention scores are also used outside the softmax")
+    return dict(input=source, probs=probs, safe=safe)
 
 
 def in_graph_order(nodes: Iterable[torch.fx.Node]) -> list[torch.fx.Node]:

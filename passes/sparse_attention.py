@@ -38,9 +38,9 @@ from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
-                          broadcasts_to, dtype, fill_value, insert_call, is_last_dim, is_neg_inf, is_op, is_upcast,
+                          attention_softmax, broadcasts_to, dtype, insert_call, is_last_dim, is_neg_inf, is_op,
                           masking_bias, node_arg, only_user, same_shape, same_size, scalar_constant, scale_factor,
-                          scaled_input, shape, softmax_parts, strip, walk_back, walk_forward)
+                          scaled_input, shape, strip, walk_back, walk_forward)
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -147,42 +147,6 @@ def _viewed_as(out: torch.fx.Node, want: tuple, dims: str) -> tuple[torch.fx.Nod
         ops.append(nxt)
         out = nxt
     return out, ops
-
-
-def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
-    """Whether `cond` is `~any(~(x == -inf), dim=-1, keepdim=True)`, with `check` the `x == -inf`."""
-    if not is_op(cond, *NOT_OPS):
-        return False
-    row_any = cond.args[0]
-    if not (is_op(row_any, aten.any.dim) and row_any.args[1] in (-1, len(shape(check)) - 1)):
-        return False
-    inner = row_any.args[0]
-    return is_op(inner, *NOT_OPS) and inner.args[0] is check
-
-
-def _softmax_parts(x: torch.fx.Node) -> dict | None:
-    """Recognise Inductor's decomposed softmax over the last dim of `x` (optionally upcast first):
-    amax / sub / exp / sum / div, or on CUDA the online form (`prepare_softmax_online` giving max and
-    sum, then sub / exp / div), and the SDPA math's `where(row all -inf, 0, probs)` around it."""
-    source = x
-    users = list(x.users)
-    if len(users) == 1 and is_upcast(users[0]):
-        x = users[0]
-        users = list(x.users)
-    parts = softmax_parts(x)
-    if parts is None:
-        return None
-    probs, safe = parts["probs"], False
-    expected_users = {parts["sub"], parts["stats"]}
-    checks = [u for u in users if is_op(u, aten.eq.Scalar) and is_neg_inf(u.args[1])]
-    user = only_user(probs)
-    if len(checks) == 1 and is_op(user, aten.where.self) and user.args[2] is probs and fill_value(user.args[1]) == 0 \
-            and _rows_all_neg_inf(user.args[0], checks[0]):
-        probs, safe = user, True
-        expected_users |= set(checks)
-    if set(users) != expected_users:
-        raise NoMatch("the attention scores are also used outside the softmax")
-    return dict(input=source, probs=probs, safe=safe)
 
 
 def _schema_args(node: torch.fx.Node) -> dict:
@@ -459,7 +423,7 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     scores = add.args[0] if add.args[1] is bias else add.args[1]
     if not isinstance(scores, torch.fx.Node) or len(shape(add)) != 4:
         raise NoMatch("the attention mask is added to something other than [B, H, S, T] scores")
-    soft = _softmax_parts(add)
+    soft = attention_softmax(add)
     if soft is None:
         raise NoMatch("the masked scores do not feed a softmax over the keys")
     if comb["kind"] == "bool" and not soft["safe"] and comb.get("bias") != "finite":
@@ -567,7 +531,7 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
     if add is None or not is_op(add, aten.add.Tensor):
         raise NoMatch("the -inf index mask (`full(-inf).scatter(-1, idx, 0)`) is not added to the scores")
     scores = add.args[0] if add.args[1] is bias else add.args[1]
-    soft = _softmax_parts(add)
+    soft = attention_softmax(add)
     if soft is None:
         raise NoMatch("the -inf index mask is combined with another mask before the scores (a plain softmax over it "
                       "is NaN in rows without keys, which the fused ops do not reproduce)")
@@ -771,7 +735,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     if is_op(div, aten.div.Tensor) and is_op(div.args[0], aten.exp.default):
         sub = div.args[0].args[0]
         x = sub.args[0] if is_op(sub, aten.sub.Tensor) else None
-    soft = _softmax_parts(x) if x is not None else None
+    soft = attention_softmax(x) if x is not None else None
     if soft is None or soft["probs"] is not div:
         raise NoMatch("the output product's weights are not a softmax")
     scores = soft["input"]

@@ -36,8 +36,8 @@ import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.d
 from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, contracted, follow, leaf_labels, names
-from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten, dtype,
-                          fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
+from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, VIEW_OPS, WHERE_OPS, aten,
+                          attention_softmax, dtype, fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
                           node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
                           slice_args, slice_position, strip, val, walk_back, walk_forward)
 
@@ -399,8 +399,6 @@ def _sink_column(part: torch.fx.Node, H) -> torch.fx.Node | None:
 
 def _softmax_of(cat: torch.fx.Node) -> torch.fx.Node:
     """The probabilities of `softmax(cat - cat.max(-1, keepdim=True))`, max taken as `max.dim` or `amax`."""
-    from .sparse_attention import _softmax_parts
-
     users = list(cat.users)
     subs = [u for u in users if is_op(u, aten.sub.Tensor) and u.args[0] is cat]
     maxes = [u for u in users if is_op(u, aten.max.dim, aten.amax.default)]
@@ -418,7 +416,7 @@ def _softmax_of(cat: torch.fx.Node) -> torch.fx.Node:
         raise NoMatch("the row max is not the keep-dim max over the keys")
     if subs[0].args[1] is not row_max:
         raise NoMatch("the scores are shifted by something other than their row max")
-    soft = _softmax_parts(subs[0])
+    soft = attention_softmax(subs[0])
     if soft is None or soft["safe"]:
         raise NoMatch("the shifted scores do not feed a softmax over the keys and the sink")
     return soft["probs"]
