@@ -2,10 +2,12 @@
 
 import io
 import json
+import re
 import sys
 
 import pytest
 
+import dsfuse
 from dsfuse import PASS_NAMES
 from dsfuse.bench import main
 
@@ -67,7 +69,9 @@ def test_quickstart_v4_tiny_cpu(capsys):
     assert quickstart(["--preset", "v4-tiny", "--seq", "12", "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "preset v4-tiny" in text and "-> PASS" in text
-    assert text.count("V4 ") >= 3 and all(f"V4 {kind} attention" in text for kind in ("sliding", "CSA", "HCA"))
+    assert re.search(r"sparse_attention +3 +0 +enabled", text)  # the sliding, the CSA and the HCA layer
+    sites = [site.detail for site in dsfuse.report().sites if site.pass_name == "sparse_attention"]
+    assert all(any(f"V4 {kind} attention" in detail for detail in sites) for kind in ("sliding", "CSA", "HCA"))
 
 
 def test_prefill_last_logits_under_the_cuda_graph_config(tmp_path):
