@@ -50,10 +50,8 @@ def quantised_layers_note(gm: torch.fx.GraphModule) -> str:
     calls = {name: 0 for name in QUANTISED_OPS}
     fp8_weights = False
     for node in gm.graph.nodes:
-        target = node.target
-        name = getattr(target, "_qualified_op_name", None) or getattr(target, "__name__", "")
-        for op in QUANTISED_OPS:
-            if f"dsfuse::{op}" in str(name) or str(target).startswith(f"dsfuse.{op}"):
+        for op in QUANTISED_OPS:  # the op or its overload packet: "dsfuse.fp8_linear(.default)"
+            if node.op == "call_function" and str(node.target) in (f"dsfuse.{op}", f"dsfuse.{op}.default"):
                 calls[op] += 1
         value = node.meta.get("example_value")
         if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dtype == torch.float8_e4m3fn:

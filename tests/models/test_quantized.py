@@ -105,3 +105,14 @@ def test_batched_entry_point_is_the_grouped_one_on_sorted_rows_and_zeroes_other_
         want = fp8_linear_reference(x[row:row + 1], weight[expert], scale[expert], 128, 128) if expert < 4 \
             else torch.zeros(1, 128)
         torch.testing.assert_close(out[row:row + 1], want, rtol=1e-6, atol=1e-6)
+
+
+def test_the_report_says_when_fp8_weights_are_served_by_something_else():
+    from dsfuse.backend import quantised_layers_note
+
+    graph = torch.fx.Graph()
+    weight = graph.placeholder("weight")
+    weight.meta["example_value"] = torch.empty(4, 4, dtype=torch.float8_e4m3fn)
+    graph.output(graph.call_function(torch.ops.aten.clone.default, (weight,)))
+    assert "served by another implementation" in quantised_layers_note(torch.fx.GraphModule({}, graph))
+    assert quantised_layers_note(torch.fx.GraphModule({}, torch.fx.Graph())) == ""
