@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
-                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits, is_e8m0,
+                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits, e8m0_to_float, is_e8m0,
                                           power_of_two_ceil, quantize_activations, round_to_e4m3_grid,
                                           scales_to_float32)
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
@@ -250,9 +250,9 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
                                    mask=n_ok[None, :] & k_ok[:, None], other=0)
                     nibble = tl.where((ks[:, None] % 2) == 0, byte & 0x0F, byte >> 4)
                     w = _fp4_as_e4m3(nibble).to(tl.float8e4nv, bitcast=True)
-                    e8 = tl.load(ws_base + ns.to(tl.int64) * sws_n + ((g * BLOCK_K + sub * 32) // 32) * sws_k,
-                                 mask=n_ok & (ns * 0 + g * BLOCK_K + sub * 32 < K), other=127).to(tl.float32)
-                    w_scale = tl.where(e8 == 255, float("nan"), tl.exp2(e8 - 127.0))
+                    w_scale = e8m0_to_float(tl.load(
+                        ws_base + ns.to(tl.int64) * sws_n + ((g * BLOCK_K + sub * 32) // 32) * sws_k,
+                        mask=n_ok & (ns * 0 + g * BLOCK_K + sub * 32 < K), other=127))
                     part += tl.dot(a, w) * w_scale[None, :]
                 acc += part * a_scale[:, None]
             else:
@@ -264,8 +264,7 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 scale_at = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n + g * sws_k
                 if E8M0_SCALES:
-                    e8 = tl.load(scale_at, mask=n_ok, other=127).to(tl.float32)
-                    w_scale = tl.where(e8 == 255, float("nan"), tl.exp2(e8 - 127.0))
+                    w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok, other=127))
                 else:
                     w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
                 acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
@@ -319,8 +318,13 @@ def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
     return (expert.to(torch.int32), first_row.to(torch.int32), ends[safe].to(torch.int32)), count
 
 
+def _gemm_config(rows: int, weight: torch.Tensor):
+    """(BLOCK_M, BLOCK_N, warps, stages) for a GEMM of `rows` rows through `weight`."""
+    return _tile_config(min(1 << max(rows - 1, 0).bit_length(), 128), _is_fp4(weight))
+
+
 @functools.lru_cache(maxsize=None)
-def _gemm_config(rows_bucket: int, fp4: bool):
+def _tile_config(rows_bucket: int, fp4: bool):
     """(BLOCK_M, BLOCK_N, warps, stages) by row count: decode-sized calls stream the weight through many programs."""
     if interpreting():
         return 16, 32, 4, 1
@@ -343,7 +347,7 @@ def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts
     N, K = weight_dims(weight)
     G = cdiv(K, block_k)
     rows = q.shape[0]
-    BM, BN, warps, stages = _gemm_config(min(1 << max(rows - 1, 0).bit_length(), 128), _is_fp4(weight))
+    BM, BN, warps, stages = _gemm_config(rows, weight)
     if tiles is None:
         tiles, tile_count = _row_tiles(rows, BM, q.device)
     columns = cdiv(N, BN)
@@ -429,7 +433,7 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     out = torch.zeros((x.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
         q, s = quantize_activations_triton(x, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight))
-        BM = _gemm_config(min(1 << max(x.shape[0] - 1, 0).bit_length(), 128), _is_fp4(weight))[0]
+        BM = _gemm_config(x.shape[0], weight)[0]
         tiles, count = _expert_row_tiles(offsets, x.shape[0], BM)
         _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, E)
     return out

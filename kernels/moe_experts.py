@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.quant_formats import FP4_BLOCK, dequantize_fp4
+from dsfuse.kernels.quant_formats import FP4_BLOCK, dequantize_fp4, e8m0_to_float
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -239,15 +239,6 @@ def moe_experts_bf16_reference(
 # ---------------------------------------------------------------------------------------------------------------
 # FP4 decode (shared by both GEMMs and tested on its own)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def e8m0_to_float(scale_byte):
-    """E8M0 byte -> fp32 `2^(byte - 127)` built from bits: byte 0 is the subnormal 2^-127, byte 255 is NaN."""
-    scale_int = scale_byte.to(tl.int32)
-    scale_bits = tl.where(scale_int == 0, 0x00400000, scale_int << 23)
-    scale_bits = tl.where(scale_int == 255, 0x7FC00000, scale_bits)
-    return scale_bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -136,6 +136,15 @@ def e4m3_bits(v):
 
 
 @triton.jit
+def e8m0_to_float(scale_byte):
+    """E8M0 byte -> fp32 `2^(byte - 127)` built from bits: byte 0 is the subnormal 2^-127, byte 255 is NaN."""
+    scale_int = scale_byte.to(tl.int32)
+    scale_bits = tl.where(scale_int == 0, 0x00400000, scale_int << 23)
+    scale_bits = tl.where(scale_int == 255, 0x7FC00000, scale_bits)
+    return scale_bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def power_of_two_ceil(scale):
     """exp2(ceil(log2(scale))) for a positive normal fp32 `scale`, exactly: scale itself when it is a power
     of two, else the next power of two (mantissa cleared, exponent + 1)."""
@@ -145,5 +154,6 @@ def power_of_two_ceil(scale):
 
 
 __all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
-           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e4m3_bits", "is_e8m0", "power_of_two_ceil",
-           "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid", "scales_to_float32"]
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e4m3_bits", "e8m0_to_float", "is_e8m0",
+           "power_of_two_ceil", "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid",
+           "scales_to_float32"]
