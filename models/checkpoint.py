@@ -90,6 +90,14 @@ def save_model(model: torch.nn.Module, directory: str | os.PathLike, *, max_shar
     directory.mkdir(parents=True, exist_ok=True)
     model.config.to_json_file(directory / CONFIG_NAME)
     state = {key: value.detach().to("cpu").contiguous().clone() for key, value in model.state_dict().items()}
+    return save_state(state, directory, max_shard_bytes=max_shard_bytes)
+
+
+def save_state(state: dict[str, torch.Tensor], directory: str | os.PathLike, *,
+               max_shard_bytes: int | None = None) -> Path:
+    """Write `state` (contiguous CPU tensors) as safetensors into an existing `directory`: one `model.safetensors`, or
+    HF-style shards plus `model.safetensors.index.json` when `max_shard_bytes` splits it."""
+    directory = Path(directory)
     shards = _shard(state, max_shard_bytes)
     if len(shards) == 1:
         save_file(shards[0], directory / SINGLE_WEIGHTS_NAME, metadata={"format": "pt"})

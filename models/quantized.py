@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from dsfuse.kernels.quant_formats import E8M0_DTYPE, FP8_BLOCK, FP8_DTYPE, FP8_MAX, power_of_two_ceil_exact
 
@@ -102,7 +101,7 @@ def write_fp8_checkpoint(directory: str | os.PathLike, preset: str = "fp8-tiny",
                          seed: int = 0, max_shard_bytes: int | None = None, **overrides) -> Path:
     """A random HF `preset` model written as a released FP8 checkpoint (sharded, with an index, when
     `max_shard_bytes` is given). Returns the directory."""
-    from dsfuse.models.checkpoint import _shard
+    from dsfuse.models.checkpoint import save_state
     from dsfuse.models.presets import build_hf_model
 
     model = build_hf_model(preset, dtype=torch.bfloat16, seed=seed, **overrides)
@@ -112,18 +111,7 @@ def write_fp8_checkpoint(directory: str | os.PathLike, preset: str = "fp8-tiny",
     config["quantization_config"] = quantization_config(scale_fmt)
     config["dtype"] = "bfloat16"
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    state = quantized_state_dict(model, scale_fmt)
-    shards = _shard(state, max_shard_bytes)
-    if len(shards) == 1:
-        save_file(shards[0], directory / "model.safetensors", metadata={"format": "pt"})
-        return directory
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, directory / name, metadata={"format": "pt"})
-        weight_map.update({key: name for key in shard})
-    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return directory
+    return save_state(quantized_state_dict(model, scale_fmt), directory, max_shard_bytes=max_shard_bytes)
 
 
 @contextlib.contextmanager
