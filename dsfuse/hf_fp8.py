@@ -7,9 +7,8 @@ points of that kernel: `matmul_2d`, `matmul_batched` and `matmul_grouped`. `inst
 hands transformers dsfuse's versions of the three, built on `torch.ops.dsfuse.fp8_linear` and
 `fp8_grouped_linear`, unless `DSFUSE_FP8_KERNELS=hub` asks to keep the hub's: at once when transformers' FP8 module
 is loaded already, else when transformers loads it (for a quantised checkpoint), so `import dsfuse` does not
-import transformers. With dsfuse's, transformers' own
-DeepGEMM preference for plain linears is switched off (`TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR=1`, unless the user set
-it), so every quantised linear reaches dsfuse's ops.
+import transformers. With dsfuse's, transformers' own DeepGEMM preference for plain linears is switched off
+(`TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR=1`, unless the user set it), so every quantised linear reaches dsfuse's ops.
 """
 
 from __future__ import annotations
@@ -129,8 +128,7 @@ def install() -> bool:
         return False
     import dsfuse.kernels.fp8_linear  # noqa: F401  (registers the ops)
 
-    if not isinstance(finegrained_fp8._FINEGRAINED_FP8, finegrained_fp8.FineGrainedFP8) or \
-            finegrained_fp8._FINEGRAINED_FP8.matmul is not matmul_2d:
+    if not installed():
         finegrained_fp8._FINEGRAINED_FP8 = finegrained_fp8.FineGrainedFP8(
             matmul=matmul_2d, batched_matmul=matmul_batched, grouped_matmul=matmul_grouped)
     os.environ.setdefault(DEEPGEMM_LINEAR_ENV, "1")

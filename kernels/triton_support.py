@@ -146,7 +146,8 @@ def check_outputs_match_fake(qualname: str, args, kwargs, out) -> None:
     real_outs = list(_tensors([out]))
     fake_outs = list(_tensors([fake]))
     if len(real_outs) != len(fake_outs):
-        raise RuntimeError(f"{qualname}: {len(real_outs)} tensor outputs, its fake implementation gives {len(fake_outs)}")
+        raise RuntimeError(f"{qualname}: {len(real_outs)} tensor outputs, its fake implementation gives "
+                           f"{len(fake_outs)}")
     inputs = {t.untyped_storage().data_ptr() for t in _tensors([*args, *kwargs.values()]) if t.numel()}
     for position, (real, promised) in enumerate(zip(real_outs, fake_outs)):
         what = f"{qualname}: output {position}"

@@ -214,9 +214,9 @@ def unspecialised_float(node: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
-UNSPECIALISED_FLOAT = ("is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as tensors "
-                       "whose values may change between calls; the default dynamic=None keeps them constant and "
-                       "compiles one graph for every length after the second")
+UNSPECIALISED_FLOAT = ("is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as "
+                       "tensors whose values may change between calls; the default dynamic=None keeps them constant "
+                       "and compiles one graph for every length after the second")
 
 
 def only_user(node: torch.fx.Node, *targets: Any) -> torch.fx.Node | None:
@@ -280,7 +280,6 @@ def softmax_parts(x: Any, dim: int = -1) -> dict | None:
     if len(divs) != 1 or len(exp.users) != (1 if online else 2):
         return None
     return dict(stats=stats[0], row_max=row_max, row_sum=row_sum, sub=subs[0], exp=exp, probs=divs[0])
-
 
 
 def _rows_all_neg_inf(cond, check: torch.fx.Node) -> bool:
