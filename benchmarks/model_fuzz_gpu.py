@@ -13,6 +13,13 @@ token per sequence; a one-token prompt or chunk tail looks the same) and the pre
 per family, near-misses; and whether dsfuse's tokens are eager's, with the number of new tokens every row shares with
 eager's from the first (Inductor's beside it: in bf16 a near tie of random weights can flip a token of either).
 
+With `--reuse auto|dynamic` one compiled model per preset and batch serves every length (`auto`: torch.compile's
+default, static first and dynamic from the second length; `dynamic`: `dynamic=True`), and each case records the graphs
+that call compiled: a length that recompiles, or one whose graph lost a family's sites, shows in its row.
+
+With `--fp32-reference` the same weights also run eagerly in fp32, and each of eager bf16, Inductor and dsfuse is
+measured against it: a kernel that rounds less than bf16 eager is further from eager but not from the math.
+
 Writes `model_fuzz.json` and `model_fuzz.md` to --out (default $OUT).
 
     python -P benchmarks/model_fuzz_gpu.py                       # the GPU sweep (H200)
@@ -23,6 +30,7 @@ Writes `model_fuzz.json` and `model_fuzz.md` to --out (default $OUT).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import time
@@ -55,7 +63,7 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor, keep: torch.Tensor) -> float:
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item() if ref.numel() else 0.0
 
 
-def _recorded(case: dict, measure) -> dict:
+def _recorded(case: dict, measure, reset: bool = True) -> dict:
     """`case` with the fields `measure()` returns, or the error it raised (a failing case is a finding: recorded,
     and the sweep goes on), and the seconds it took."""
     start = time.perf_counter()
@@ -65,11 +73,30 @@ def _recorded(case: dict, measure) -> dict:
         case["error"] = f"{type(error).__name__}: {error}"
         case["traceback"] = traceback.format_exc(limit=8)
     case["seconds"] = round(time.perf_counter() - start, 1)
-    torch._dynamo.reset()
+    if reset:
+        torch._dynamo.reset()
     return case
 
 
-def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bool = True) -> dict:
+def _graphs_since(rep, first: int) -> dict:
+    """Sites, near-misses and notes of the graphs the report gained from index `first` on."""
+    from dsfuse import PASS_NAMES
+
+    new = {graph.index for graph in rep.graphs[first:]}
+    sites = [site.pass_name for site in rep.sites if site.graph in new]
+    return dict(
+        sites={name: sites.count(name) for name in PASS_NAMES if name in sites},
+        near_misses=[{"pass": m.pass_name, "anchor": m.anchor, "reason": m.reason}
+                     for m in rep.near_misses if m.graph in new],
+        notes=[g.note for g in rep.graphs[first:] if g.note],
+        graphs=len(new),
+    )
+
+
+def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bool = True, reuse=None,
+             reference=None) -> dict:
+    """One prefill each: eager, Inductor and dsfuse, each a fresh compile or, with `reuse` = (Inductor's, dsfuse's,
+    mode), those compiled models; with `reference` (the model in fp32) each is also measured against it."""
     import dsfuse
 
     ids, mask = _inputs(model.config.vocab_size, batch, seq, device)
@@ -78,26 +105,36 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
     def measure():
         with torch.no_grad():
             eager = model(input_ids=ids, attention_mask=mask).logits
-            torch._dynamo.reset()
+            if reuse is None:
+                torch._dynamo.reset()
             inductor = None
             if with_inductor:
-                inductor = torch.compile(model, backend="inductor")(input_ids=ids, attention_mask=mask).logits
-                torch._dynamo.reset()
-            dsfuse.reset_report()
-            fused = torch.compile(model, backend="dsfuse")(input_ids=ids, attention_mask=mask).logits
-        rep = dsfuse.report()
-        return dict(
-            sites={name: count for name, count in rep.counts.items() if count},
-            near_misses=[{"pass": m.pass_name, "anchor": m.anchor, "reason": m.reason} for m in rep.near_misses],
-            notes=[g.note for g in rep.graphs if g.note],
-            graphs=len(rep.graphs),
+                compiled = reuse[0] if reuse else torch.compile(model, backend="inductor")
+                inductor = compiled(input_ids=ids, attention_mask=mask).logits
+                if reuse is None:
+                    torch._dynamo.reset()
+            if reuse is None:
+                dsfuse.reset_report()
+            first = len(dsfuse.report().graphs)
+            compiled = reuse[1] if reuse else torch.compile(model, backend="dsfuse")
+            fused = compiled(input_ids=ids, attention_mask=mask).logits
+            truth = None if reference is None else reference(input_ids=ids, attention_mask=mask).logits
+        found = dict(
+            _graphs_since(dsfuse.report(), first),
             dsfuse_err=_rel_err(fused, eager, keep),
             inductor_err=None if inductor is None else _rel_err(inductor, eager, keep),
             nan=bool(fused[keep].isnan().any()),
         )
+        if truth is not None:
+            found["vs_fp32"] = {name: _rel_err(out, truth, keep) for name, out in
+                                (("eager", eager), ("inductor", inductor), ("dsfuse", fused)) if out is not None}
+        return found
 
     case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq}
-    return _recorded(case, measure)
+    if reuse is not None:
+        case["reuse"] = reuse[2]
+    case = _recorded(case, measure, reset=reuse is None)
+    return case
 
 
 def _recipe_generate(model, ids, mask, new_tokens: int, options=None):
@@ -207,16 +244,19 @@ def _generate_table(cases: list[dict]) -> str:
 
 
 def _prefill_table(cases: list[dict]) -> str:
-    lines = ["| preset | B | S | sites | near-misses | dsfuse err | inductor err | s |",
-             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = ["| preset | compile | B | S | graphs compiled | sites | near-misses | dsfuse err | inductor err "
+             "| vs fp32: eager / inductor / dsfuse | s |",
+             "| --- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |"]
     for c in cases:
+        head = f"| {c['preset']} | {c.get('reuse', 'fresh')} | {c['batch']} | {c['seq']} |"
         if "error" in c:
-            lines.append(f"| {c['preset']} | {c['batch']} | {c['seq']} | ERROR {c['error'][:80]} | | | | "
-                         f"{c['seconds']} |")
+            lines.append(f"{head} | ERROR {c['error'][:80]} | | | | | {c['seconds']} |")
             continue
-        sites = _sites_text(c["sites"])
-        lines.append(f"| {c['preset']} | {c['batch']} | {c['seq']} | {sites} | {len(c['near_misses'])} | "
-                     f"{c['dsfuse_err']:.2e} | {_fmt_err(c['inductor_err'])} | {c['seconds']} |")
+        sites = _sites_text(c["sites"]) if c["graphs"] else "(no new graph)"
+        truth = c.get("vs_fp32")
+        truth = " / ".join(_fmt_err(truth.get(k)) for k in ("eager", "inductor", "dsfuse")) if truth else "-"
+        lines.append(f"{head} {c['graphs']} | {sites} | {len(c['near_misses'])} | {c['dsfuse_err']:.2e} | "
+                     f"{_fmt_err(c['inductor_err'])} | {truth} | {c['seconds']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,6 +269,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="the models' attention implementation")
     parser.add_argument("--no-inductor", action="store_true", help="compare dsfuse with eager only (faster)")
+    parser.add_argument("--reuse", choices=("auto", "dynamic"), default=None,
+                        help="one compiled model per preset and batch for every length (see above)")
+    parser.add_argument("--fp32-reference", action="store_true", help="also measure each against fp32 eager")
     parser.add_argument("--generate", type=int, default=None, metavar="N",
                         help="each case a greedy generate of N new tokens (prompts of --lengths) instead of a prefill")
     args = parser.parse_args(argv)
@@ -251,7 +294,17 @@ def main(argv=None) -> int:
         if args.generate:  # exactly N new tokens a row: padding has an id, no end-of-sequence token stops a row
             model.generation_config.pad_token_id = 0
             model.generation_config.eos_token_id = None
+        reference = copy.deepcopy(model).float() if args.fp32_reference else None
         for batch in batches:
+            reuse = None
+            if args.reuse:
+                import dsfuse
+
+                torch._dynamo.reset()
+                dsfuse.reset_report()
+                dynamic = True if args.reuse == "dynamic" else None
+                reuse = (torch.compile(model, backend="inductor", dynamic=dynamic),
+                         torch.compile(model, backend="dsfuse", dynamic=dynamic), args.reuse)
             for seq in lengths:
                 if (preset, batch, seq) in SKIP and not args.cpu_smoke:
                     continue
@@ -259,11 +312,12 @@ def main(argv=None) -> int:
                     case = run_generate_case(model, preset, batch, seq, args.generate, device,
                                              with_inductor=not args.no_inductor)
                 else:
-                    case = run_case(model, preset, batch, seq, device, with_inductor=not args.no_inductor)
+                    case = run_case(model, preset, batch, seq, device, with_inductor=not args.no_inductor,
+                                    reuse=reuse, reference=reference)
                 cases.append(case)
                 write(out, cases)
                 print(json.dumps({k: v for k, v in case.items() if k != "traceback"}), flush=True)
-        del model
+        del model, reference
         if device == "cuda":
             torch.cuda.empty_cache()
     write(out, cases)

@@ -31,7 +31,7 @@ def test_model_fuzz_cpu_smoke(tmp_path):
     assert case["sites"]["indexer_topk"] == 1 and case["sites"]["sparse_attention"] == 1, case
     assert case["near_misses"] == [], case
     assert case["dsfuse_err"] <= max(1e-5, 2 * case["inductor_err"]), case
-    assert "| tiny | 2 | 5 |" in (tmp_path / "model_fuzz.md").read_text()
+    assert "| tiny | fresh | 2 | 5 | 1 |" in (tmp_path / "model_fuzz.md").read_text()
 
 
 def _generate_smoke(tmp_path, preset, sites, preset_argv=()):
