@@ -3,7 +3,7 @@ shapes and its and V4-Flash's expert shapes.
 
 1. Ceilings measured in the same run: bf16 8192^3 matmul (TFLOP/s) and a device copy (GB/s, read + write).
 2. Linears `[M, K] x [N, K]^T` for M from 1 to 8192: dsfuse's op as dispatched (cuBLAS block-scaled from
-   SCALED_MM_MIN_ROWS rows when the probe passes, else Triton), dsfuse's Triton GEMM alone (activation quantisation
+   SCALED_MM_MIN_ROWS rows when the probe passes and K is a multiple of 512, else Triton), dsfuse's Triton GEMM alone (activation quantisation
    included), `torch._scaled_mm` with 1x128 / 128x128 block scales on pre-quantised operands (the GEMM alone: the
    quantisation it needs is not timed), and bf16 `x @ w.T`. TFLOP/s, and for M <= 64 the weight bytes read over the
    time as a fraction of the copy bandwidth (the floor of a weight-streaming call). Each provider's result is checked
@@ -29,7 +29,7 @@ OUT = os.environ.get("OUT", ".")
 REP_MS = int(os.environ.get("REP_MS", 60))
 LINEARS = {"q_a 1536x7168": (1536, 7168), "q_b 24576x1536": (24576, 1536), "kv_a 576x7168": (576, 7168),
            "o_proj 7168x16384": (7168, 16384), "dense up 18432x7168": (18432, 7168)}
-ROWS = [int(m) for m in os.environ.get("ROWS", "1 8 64 128 512 4096 8192").split()]
+ROWS = [int(m) for m in os.environ.get("ROWS", "1 8 16 64 128 512 4096 8192").split()]
 RESULTS = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "linears": [], "experts": []}
 
 
@@ -65,10 +65,8 @@ def linear_case(name, N, K, M, copy_gbs):
         "bf16": lambda: x @ w_deq.t(),
     }
     q, qs = ops.quantize_activations_triton(x, 128, pow2=True, scales_column_major=True)
-    layout = RESULTS["cublas_block_scaled"]
-    if M >= 16 and layout:
+    if M % 4 == 0 and RESULTS["cublas_block_scaled"]:
         ws = scales_to_float32(s).t()
-        ws = ws.contiguous() if layout == "transposed copy" else ws
         providers["scaled_mm (GEMM only)"] = lambda: torch._scaled_mm(q, w.t(), scale_a=qs, scale_b=ws,
                                                                      out_dtype=torch.bfloat16)
     for provider, fn in providers.items():
@@ -86,9 +84,41 @@ def linear_case(name, N, K, M, copy_gbs):
 
 def _triton_only(x, w, s):
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    q, qs = ops.quantize_activations_triton(x, 128, pow2=True)
+    q, qs = ops.quantize_activations_triton(x, 128, pow2=True, scales_column_major=True)
     ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1)
     return out
+
+
+SWEEP = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+         (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 256, 8, 3)]
+
+
+def sweep_case(name, N, K, M, fp4=False):
+    """The Triton GEMM alone (activations quantised beforehand) under each SWEEP tile config: ms per config."""
+    g = torch.Generator(device="cuda").manual_seed(M + N)
+    if fp4:
+        w = torch.randint(0, 256, (N, K // 2), device="cuda", dtype=torch.uint8, generator=g).view(torch.int8)
+        s = torch.randint(118, 126, (N, K // 32), device="cuda", dtype=torch.uint8, generator=g).view(E8M0_DTYPE)
+    else:
+        w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, qs = ops.quantize_activations_triton(x, 128, pow2=True, scales_column_major=True)
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    want = ops.fp8_linear_reference(x, w, s, 128, 128)
+    row = {"shape": name, "M": M, "fp4": fp4, "default": ops._gemm_config(M, w)}
+    for config in SWEEP:
+        if config[0] > 16 * max(M, 1) or (fp4 and config[1] > 128):
+            continue
+        fn = lambda: ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1, config=config)  # noqa: E731
+        try:
+            fn()
+            err = rel(out, want)
+            row[str(config)] = {"ms": round(bench(fn), 4), "err": round(err, 5)}
+        except Exception as error:  # noqa: BLE001
+            row[str(config)] = f"{type(error).__name__}: {str(error)[:60]}"
+    timed = {k: v["ms"] for k, v in row.items() if isinstance(v, dict)}
+    row["best"] = min(timed, key=timed.get) if timed else None
+    return row
 
 
 def experts_case(name, E, H, inter, T, top_k, fp4):
@@ -140,6 +170,13 @@ def main():
             RESULTS["linears"].append(linear_case(name, N, K, M, copy_gbs))
             print(json.dumps(RESULTS["linears"][-1]), flush=True)
             (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
+    if os.environ.get("SWEEP"):
+        RESULTS["sweep"] = []
+        for name, N, K, fp4 in (("q_b", 24576, 1536, False), ("o_proj", 7168, 16384, False),
+                                ("dense up", 18432, 7168, False), ("v4 expert up", 4096, 4096, True)):
+            for M in (1, 16, 64, 512, 4096):
+                RESULTS["sweep"].append(sweep_case(name, N, K, M, fp4))
+                print(json.dumps(RESULTS["sweep"][-1]), flush=True)
     for args in (("V3.2 fp8", 64, 7168, 2048, 4096, 8, False), ("V3.2 fp8", 64, 7168, 2048, 1, 8, False),
                  ("V4-Flash fp4", 256, 4096, 2048, 8192, 6, True), ("V4-Flash fp4", 256, 4096, 2048, 1, 6, True)):
         try:

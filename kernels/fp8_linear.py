@@ -174,15 +174,17 @@ def fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, bloc
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, ss_m, ss_g,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_g,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
-    """Rows [BLOCK_R] x one channel group [BLOCK_K]: the group's scale and its e4m3 values (q is [M, K] contiguous),
-    rounded as `quantize_activations` rounds (an fp32 multiply by fp32(1 / 448), an IEEE reciprocal)."""
+    """Rows [BLOCK_R] x one channel group [BLOCK_K]: the group's scale and its e4m3 values (q is [rows_out, K]
+    contiguous), rounded as `quantize_activations` rounds (an fp32 multiply by fp32(1 / 448), an IEEE reciprocal).
+    Rows from M to rows_out (padding a GEMM asks for) are written as rows of zeros."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     cols = g * BLOCK_K + tl.arange(0, BLOCK_K)
-    inside = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k, mask=inside, other=0.0)
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k,
+                mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+    inside = (rows[:, None] < rows_out) & (cols[None, :] < K)
     x = x.to(tl.float32)
     nan_rows = tl.max((x != x).to(tl.int32), axis=1) > 0  # a GPU max reduction skips NaN; torch's amax keeps it
     amax = tl.where(nan_rows, float("nan"), tl.max(tl.abs(x), axis=1))
@@ -196,30 +198,47 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, sx_m, sx_k, ss_m, ss_g,
         tl.store(at, e4m3_bits(round_to_e4m3_grid(q)), mask=inside)
     else:
         tl.store(at, q.to(tl.float8e4nv), mask=inside)
-    tl.store(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, scale, mask=rows < M)
+    tl.store(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, scale, mask=rows < rows_out)
 
 
 @triton.jit
-def _fp4_as_e4m3(nibble):
-    """E2M1 codes (uint8, 0..15) as e4m3 bytes: every E2M1 value is an e4m3 value (exponent bias 1 -> 7)."""
-    exp = (nibble >> 1) & 3
-    man = nibble & 1
-    normal = ((exp + 6) << 3) | (man << 2)
-    magnitude = tl.where(exp > 0, normal, tl.where(man == 1, 0x30, 0))
-    return (magnitude | ((nibble & 8) << 4)).to(tl.uint8)
+def _fp4_values(nibble):
+    """E2M1 codes (0..15, any integer type) as their fp32 values, built from the bits: 2^(e - 1) * (1 + m / 2) for
+    exponent e > 0, m / 2 for e = 0."""
+    code = nibble.to(tl.int32)
+    exp = (code >> 1) & 3
+    man = code & 1
+    magnitude = tl.where(exp > 0, ((exp + 126) << 23) | (man << 22), man * 0x3F000000)
+    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_values(byte):
+    """e4m3 bytes as their fp32 values, built from the bits (the interpreter has no fp8 conversion)."""
+    code = byte.to(tl.int32)
+    exp = (code >> 3) & 15
+    man = code & 7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(exp > 0, normal, man.to(tl.float32) * 0.001953125)
+    magnitude = tl.where((code & 0x7F) == 0x7F, float("nan"), magnitude)
+    return tl.where((code & 0x80) != 0, -magnitude, magnitude)
 
 
 @triton.jit
 def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr,
-                     N, K, G, num_experts,
+                     N, K, G, num_experts, groups_per_split,
                      ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
                      block_n_scale,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GROUPS_PER_SPLIT: tl.constexpr, FP4: tl.constexpr, E8M0_SCALES: tl.constexpr,
-                     SPLIT_PARTIALS: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                     FP4: tl.constexpr, E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr,
+                     INTERPRETER: tl.constexpr):
     """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups. A group of BLOCK_K channels:
-    its fp8 MMA, then the product of both scales, added into an fp32 accumulator (for FP4, four 32-channel MMAs
-    each scaled by its E8M0 byte). Writes the rounded output, or the split's fp32 partial sums."""
+    its MMA, then the product of both scales, added into an fp32 accumulator. FP8 weights: an e4m3 MMA. FP4 weights:
+    the nibbles decoded and scaled per 32 channels into bf16 (exact: two significant bits times a power of two) and
+    multiplied with the activations widened to bf16 (exact), the low and the high nibbles of each byte as two MMAs
+    over the even and the odd channels. The loop runs over computed bounds so that Triton pipelines its loads.
+    Writes the rounded output, or the split's fp32 partial sums. Under the interpreter (no fp8 or bf16 arithmetic there) the
+    FP4 path reads q as bytes and multiplies in fp32, exact too."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -234,40 +253,44 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
     n_ok = ns < N
     w_base = w_ptr + expert.to(tl.int64) * sw_e
     ws_base = ws_ptr + expert.to(tl.int64) * sws_e
+    a_rows = q_ptr + rows[:, None].to(tl.int64) * K
+    g_first = split * groups_per_split
+    g_last = tl.minimum(g_first + groups_per_split, G)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for step in range(GROUPS_PER_SPLIT):
-        g = split * GROUPS_PER_SPLIT + step
-        if g < G:
-            a_scale = tl.load(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, mask=row_ok, other=0.0)
-            if FP4:
-                part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for sub in tl.static_range(BLOCK_K // 32):
-                    ks = g * BLOCK_K + sub * 32 + tl.arange(0, 32)
-                    k_ok = ks < K
-                    a = tl.load(q_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-                                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                    byte = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + (ks[:, None] // 2) * sw_k,
-                                   mask=n_ok[None, :] & k_ok[:, None], other=0)
-                    nibble = tl.where((ks[:, None] % 2) == 0, byte & 0x0F, byte >> 4)
-                    w = _fp4_as_e4m3(nibble).to(tl.float8e4nv, bitcast=True)
-                    w_scale = e8m0_to_float(tl.load(
-                        ws_base + ns.to(tl.int64) * sws_n + ((g * BLOCK_K + sub * 32) // 32) * sws_k,
-                        mask=n_ok & (ns * 0 + g * BLOCK_K + sub * 32 < K), other=127))
-                    part += tl.dot(a, w) * w_scale[None, :]
-                acc += part * a_scale[:, None]
+    for g in range(g_first, g_last):
+        a_scale = tl.load(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, mask=row_ok, other=0.0)
+        ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+        if FP4:
+            pairs = g * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            pair_ok = pairs * 2 < K
+            code = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + pairs[:, None] * sw_k,
+                           mask=n_ok[None, :] & pair_ok[:, None], other=0)
+            scale_at = ws_base + ns[None, :].to(tl.int64) * sws_n + (pairs[:, None] // 16) * sws_k
+            w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok[None, :] & pair_ok[:, None], other=127))
+            operand = tl.float32 if INTERPRETER else tl.bfloat16
+            low = (_fp4_values(code & 0x0F) * w_scale).to(operand)
+            high = (_fp4_values(code >> 4) * w_scale).to(operand)
+            wide = _e4m3_values(a) if INTERPRETER else a.to(operand)
+            even, odd = tl.split(tl.reshape(wide, (BLOCK_M, BLOCK_K // 2, 2)))
+            part = tl.dot(even, low) + tl.dot(odd, high)
+            acc += part * a_scale[:, None]
+        else:
+            if EVEN_K:
+                w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k, mask=n_ok[None, :],
+                            other=0.0)
             else:
-                ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
-                k_ok = ks < K
-                a = tl.load(q_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
-                            mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
-                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-                scale_at = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n + g * sws_k
-                if E8M0_SCALES:
-                    w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok, other=127))
-                else:
-                    w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
-                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+                            mask=n_ok[None, :] & (ks[:, None] < K), other=0.0)
+            scale_at = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n + g * sws_k
+            if E8M0_SCALES:
+                w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok, other=127))
+            else:
+                w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
+            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
     mask = row_ok[:, None] & n_ok[None, :]
     at = rows[:, None].to(tl.int64) * so_m + ns[None, :] * so_n
     if SPLIT_PARTIALS:
@@ -279,19 +302,22 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
-def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scales_column_major: bool = False):
+def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scales_column_major: bool = False,
+                                rows_out: int | None = None):
     """`quant_formats.quantize_activations` on the device: (q [M, K] e4m3, s [M, G] fp32); with
-    `scales_column_major` s is laid out as [G, M] (cuBLAS's block-scaled GEMM reads the 1 x 128 scales that way)."""
+    `scales_column_major` s is laid out as [G, M] (the GEMMs read the scales of a group across rows), and with
+    `rows_out` both have that many rows, those past M zero (cuBLAS wants a multiple of 4)."""
     M, K = x2.shape
+    rows_out = M if rows_out is None else rows_out
     G = cdiv(K, block_k)
-    q = torch.empty((M, K), dtype=FP8_DTYPE, device=x2.device)
-    s = torch.empty((G, M), dtype=torch.float32, device=x2.device).t() if scales_column_major else \
-        torch.empty((M, G), dtype=torch.float32, device=x2.device)
-    if M and K:
+    q = torch.empty((rows_out, K), dtype=FP8_DTYPE, device=x2.device)
+    s = torch.empty((G, rows_out), dtype=torch.float32, device=x2.device).t() if scales_column_major else \
+        torch.empty((rows_out, G), dtype=torch.float32, device=x2.device)
+    if rows_out and K:
         block_r, manual = 16, interpreting()
-        _act_quant_kernel[(cdiv(M, block_r), G)](
-            x2, q.view(torch.uint8) if manual else q, s, M, K, x2.stride(0), x2.stride(1), s.stride(0), s.stride(1),
-            BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2, MANUAL_FP8_RNE=manual)
+        _act_quant_kernel[(cdiv(rows_out, block_r), G)](
+            x2, q.view(torch.uint8) if manual else q, s, M, rows_out, K, x2.stride(0), x2.stride(1), s.stride(0),
+            s.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2, MANUAL_FP8_RNE=manual)
     return q, s
 
 
@@ -343,11 +369,12 @@ def _splits(programs: int, groups: int, device) -> int:
     return max(1, min(groups, cdiv(2 * sms, max(programs, 1)), 16))
 
 
-def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts):
+def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts, config=None):
+    """`config` (BLOCK_M, BLOCK_N, warps, stages) replaces the row-count table's (the benchmark's sweep)."""
     N, K = weight_dims(weight)
     G = cdiv(K, block_k)
     rows = q.shape[0]
-    BM, BN, warps, stages = _gemm_config(rows, weight)
+    BM, BN, warps, stages = config or _gemm_config(rows, weight)
     if tiles is None:
         tiles, tile_count = _row_tiles(rows, BM, q.device)
     columns = cdiv(N, BN)
@@ -360,70 +387,65 @@ def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts
     s3 = s3.view(torch.uint8) if e8m0 else s3
     w3 = w3.view(torch.uint8) if _is_fp4(weight) else w3
     target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    q_as_bytes = _is_fp4(weight) and interpreting()  # the FP4 path decodes them itself there
     _fp8_gemm_kernel[(tile_count, columns, split)](
-        q, s, w3, s3, target, *tiles, N, K, G, experts,
+        q.view(torch.uint8) if q_as_bytes else q, s, w3, s3, target, *tiles, N, K, G, experts, per_split,
         s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
         out.stride(0), out.stride(1), rows * N if split > 1 else 0, block_n,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=block_k, GROUPS_PER_SPLIT=per_split, FP4=_is_fp4(weight),
-        E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, num_warps=warps, num_stages=stages)
+        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=block_k, EVEN_K=K % block_k == 0, FP4=_is_fp4(weight),
+        E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, INTERPRETER=interpreting(), num_warps=warps, num_stages=stages)
     if split > 1:
         out.copy_(target.sum(0))
 
 
-# How cuBLAS's block-scaled GEMM takes the weight's [N / 128, K / 128] scales: transposed in place, or transposed
-# and contiguous (torch versions differ); the probe keeps the first that gives the reference's result.
-WEIGHT_SCALE_LAYOUTS = ("transposed view", "transposed copy")
-
-
 @functools.lru_cache(maxsize=None)
-def cublas_block_scaled_gemm(device_index: int) -> str | None:
-    """The weight-scale layout (`WEIGHT_SCALE_LAYOUTS`) in which this torch's `torch._scaled_mm` multiplies 1 x 128 /
-    128 x 128 block-scaled e4m3 on this device with the reference's result (a 256 x 256 x 256 product, checked
-    once per device), or None when it cannot."""
+def cublas_block_scaled_gemm(device_index: int) -> bool:
+    """Whether this torch's `torch._scaled_mm` multiplies 1 x 128 / 128 x 128 block-scaled e4m3 on this device with
+    the reference's result (a 256 x 256 x 512 product, checked once per device). It takes the activation scales as
+    [M, K / 128] column-major and the weight's [N / 128, K / 128] scales transposed in place, with M and K / 128
+    multiples of 4 (on torch 2.11 other layouts are refused, and K / 128 = 2 gives wrong results)."""
     device = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(device) < (9, 0):
-        return None
+        return False
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(256, 256, generator=g).to(device, torch.bfloat16)
-    w = torch.randn(256, 256, generator=g).to(device, FP8_DTYPE)
-    ws = torch.rand(2, 2, generator=g).add(0.5).to(device)
+    x = torch.randn(256, 512, generator=g).to(device, torch.bfloat16)
+    w = torch.randn(256, 512, generator=g).to(device, FP8_DTYPE)
+    ws = torch.rand(2, 4, generator=g).add(0.5).to(device)
     want = _linear_math(x, w, ws, 128, 128).to(torch.bfloat16).float()
-    for layout in WEIGHT_SCALE_LAYOUTS:
-        try:
-            got = _scaled_mm_linear(x, w, ws, layout).float()
-        except RuntimeError:
-            continue
-        if ((got - want).abs().max() <= 1e-2 * want.abs().max()).item():
-            return layout
-    return None
+    try:
+        got = _scaled_mm_linear(x, w, ws).float()
+    except RuntimeError:
+        return False
+    return bool(((got - want).abs().max() <= 1e-2 * want.abs().max()).item())
 
 
-def _scaled_mm_linear(x2, weight, scale, layout):
-    q, s = quantize_activations_triton(x2, 128, pow2=is_e8m0(scale), scales_column_major=True)
-    weight_scale = scales_to_float32(scale).t()
-    if layout == "transposed copy":
-        weight_scale = weight_scale.contiguous()
-    return torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=weight_scale, out_dtype=x2.dtype)
+def _scaled_mm_linear(x2, weight, scale):
+    M = x2.shape[0]
+    q, s = quantize_activations_triton(x2, 128, pow2=is_e8m0(scale), scales_column_major=True,
+                                       rows_out=cdiv(M, 4) * 4)
+    out = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scales_to_float32(scale).t(), out_dtype=x2.dtype)
+    return out[:M]
 
 
-def _cublas_layout(x2, weight, block_n, block_k) -> str | None:
-    """The cuBLAS weight-scale layout when this call goes to cuBLAS's block-scaled GEMM, else None."""
+def _goes_to_cublas(x2, weight, block_n, block_k) -> bool:
+    """Whether this call goes to cuBLAS's block-scaled GEMM: FP8 weights in 128 x 128 blocks, K a multiple of 512,
+    at least SCALED_MM_MIN_ROWS rows, and the probe passed."""
     N, K = weight_dims(weight)
-    if not (x2.is_cuda and not _is_fp4(weight) and (block_n, block_k) == (128, 128) and x2.shape[0] >=
-            SCALED_MM_MIN_ROWS and K % 128 == 0 and N % 16 == 0 and x2.dtype != torch.float32):
-        return None
-    return cublas_block_scaled_gemm(x2.device.index or 0)
+    return (x2.is_cuda and not _is_fp4(weight) and (block_n, block_k) == (128, 128) and x2.shape[0] >=
+            SCALED_MM_MIN_ROWS and K % 512 == 0 and N % 16 == 0 and x2.dtype != torch.float32
+            and cublas_block_scaled_gemm(x2.device.index or 0))
 
 
 def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET)."""
     N, K = _check_linear(x, weight, weight_scale, block_n, block_k)
     x2 = x.reshape(-1, K)
-    if layout := _cublas_layout(x2, weight, block_n, block_k):
-        return _scaled_mm_linear(x2, weight, weight_scale, layout).view(*x.shape[:-1], N)
+    if _goes_to_cublas(x2, weight, block_n, block_k):
+        return _scaled_mm_linear(x2, weight, weight_scale).view(*x.shape[:-1], N)
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight))
+        q, s = quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight),
+                                           scales_column_major=True)
         _gemm(q, s, weight, weight_scale, out, None, None, block_n, block_k, 1)
     return out.view(*x.shape[:-1], N)
 
@@ -432,7 +454,8 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     E, N, K = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
     out = torch.zeros((x.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_activations_triton(x, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight))
+        q, s = quantize_activations_triton(x, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight),
+                                           scales_column_major=True)
         BM = _gemm_config(x.shape[0], weight)[0]
         tiles, count = _expert_row_tiles(offsets, x.shape[0], BM)
         _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, E)
