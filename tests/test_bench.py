@@ -135,7 +135,7 @@ def _hand_made_results() -> dict:
 
 
 def test_markdown_time_by_stage_from_profiles():
-    from dsfuse.bench_report import model_markdown
+    from dsfuse.bench.report import model_markdown
 
     text = model_markdown(_hand_made_results())
     assert "date 2026-01-01T00:00:00+00:00 · commit abc1234 · device NVIDIA H200 · torch 2.11.0 · triton 3.6.0" in text
@@ -148,7 +148,7 @@ def test_markdown_time_by_stage_from_profiles():
 
 
 def test_stage_breakdown_at_largest_seq():
-    from dsfuse.bench_report import speedups_vs_inductor, stage_breakdown
+    from dsfuse.bench.report import speedups_vs_inductor, stage_breakdown
 
     assert speedups_vs_inductor(_hand_made_results()) == {"inductor": {128: 1.0, 256: 1.0},
                                                           "dsfuse": {128: 1.25, 256: 2.0}}
@@ -182,7 +182,7 @@ def test_plot_without_runs_is_refused(tmp_path, capsys, content):
 
 
 def test_plot_names_missing_matplotlib(tmp_path, monkeypatch):
-    from dsfuse.bench_report import plot_model
+    from dsfuse.bench.report import plot_model
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ModuleNotFoundError, match="needs matplotlib"):
@@ -195,7 +195,7 @@ class _Terminal(io.StringIO):
 
 
 def test_progress_bar_only_on_a_terminal(monkeypatch):
-    from dsfuse.bench_report import progress
+    from dsfuse.bench.report import progress
 
     quiet = io.StringIO()
     monkeypatch.setattr(sys, "stderr", quiet)
@@ -221,7 +221,7 @@ def test_filled_cache_puts_the_context_back():
     """A decode step from a restored cache is the last position of a full forward over the T+1 tokens."""
     import torch
 
-    from dsfuse.bench import FilledCache, _prefill
+    from dsfuse.bench.model import FilledCache, _prefill
     from dsfuse.models.presets import build_hf_model
 
     model = build_hf_model("tiny")
@@ -249,7 +249,7 @@ def test_static_filled_cache_decodes_like_the_dynamic_one():
     putting it back to T makes a repeated step identical even after steps that wrote past T."""
     import torch
 
-    from dsfuse.bench import StaticFilledCache, _prefill
+    from dsfuse.bench.model import StaticFilledCache, _prefill
     from dsfuse.models.presets import build_hf_model
 
     model = build_hf_model("tiny")
@@ -277,17 +277,17 @@ def test_decode_tiny_cpu_counts_recompiles_and_falls_back_on_oom(tmp_path, monke
     test compiles one graph: the dynamic-length decode graph, which must serve the appended steps too)."""
     import torch
 
-    from dsfuse import bench
+    from dsfuse.bench import model as bench_model
 
-    real_prefill = bench._prefill
+    real_prefill = bench_model._prefill
 
     def prefill_without_memory_for_dsfuse(fn, model, batch, context, prefill_by, device):
         if prefill_by == "dsfuse":
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real_prefill(fn, model, batch, context, prefill_by, device)
 
-    monkeypatch.setattr(bench, "FALLBACK_PREFILL", "eager")
-    monkeypatch.setattr(bench, "_prefill", prefill_without_memory_for_dsfuse)
+    monkeypatch.setattr(bench_model, "FALLBACK_PREFILL", "eager")
+    monkeypatch.setattr(bench_model, "_prefill", prefill_without_memory_for_dsfuse)
     out, markdown = tmp_path / "decode.json", tmp_path / "decode.md"
     assert main(["model", "--preset", "tiny", "--mode", "decode", "--decode-batch", "2", "--context", "16",
                  "--configs", "eager,dsfuse,dsfuse-cudagraphs", "--device", "cpu", "--growing-steps", "2", "--json", str(out),
@@ -320,12 +320,12 @@ def test_decode_tiny_cpu_counts_recompiles_and_falls_back_on_oom(tmp_path, monke
 def test_decode_out_of_memory_is_a_row_not_a_crash(tmp_path, monkeypatch):
     import torch
 
-    from dsfuse import bench
+    from dsfuse.bench import model as bench_model
 
     def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(bench, "_time_decode", no_memory)
+    monkeypatch.setattr(bench_model, "_time_decode", no_memory)
     out = tmp_path / "decode.json"
     assert main(["model", "--preset", "tiny", "--mode", "decode", "--decode-batch", "1", "--context", "8",
                  "--configs", "eager", "--device", "cpu", "--json", str(out)]) == 0
@@ -382,7 +382,7 @@ def _hand_made_decode_results() -> dict:
 
 
 def test_decode_markdown_shows_recompiles_and_oom():
-    from dsfuse.bench_report import decode_speedups_vs_inductor, model_markdown
+    from dsfuse.bench.report import decode_speedups_vs_inductor, model_markdown
 
     results = _hand_made_decode_results()
     assert decode_speedups_vs_inductor(results) == {"eager": {(1, 8192): 0.08}, "inductor": {(1, 8192): 1.0},
@@ -397,7 +397,7 @@ def test_decode_markdown_shows_recompiles_and_oom():
 
 def test_plot_decode_and_ablation(tmp_path):
     pytest.importorskip("matplotlib")
-    from dsfuse.bench_report import plot_model
+    from dsfuse.bench.report import plot_model
 
     plot_model(_hand_made_decode_results(), str(tmp_path / "decode.png"))
     ablation = _hand_made_results()

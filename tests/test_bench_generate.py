@@ -5,7 +5,7 @@ import json
 import torch
 
 from dsfuse.bench import main
-from dsfuse.bench_generate import matching_prefix, prompt_batch
+from dsfuse.bench.generate import matching_prefix, prompt_batch
 
 
 def test_generate_bench_tiny_cpu(tmp_path):
@@ -41,7 +41,7 @@ def test_padded_prompts_and_matching_prefix():
 
 def test_v4_inductor_config_is_dsfuses_recipe_with_inductor():
     """DeepSeek V4: Inductor prefills in the same chunks through the same cache and compiled call as dsfuse."""
-    from dsfuse.bench_generate import Recipe
+    from dsfuse.bench.generate import Recipe
     from dsfuse.models.presets import build_hf_model
     from dsfuse.v4_cache import V4DecodeCache
 
@@ -55,7 +55,7 @@ def test_v4_inductor_config_is_dsfuses_recipe_with_inductor():
 def test_a_decode_time_inside_the_calls_spread_is_reported_as_unresolved():
     """A long prefill beside a short decode: when the N-token call is not longer than the 1-token call by more than
     the repeats' spread, the difference is noise (run 58 printed -0.84 ms/token for a 32768-token prompt)."""
-    from dsfuse.bench_generate import decode_step_ms, generate_markdown
+    from dsfuse.bench.generate import decode_step_ms, generate_markdown
 
     assert decode_step_ms([100.0, 101.0], [131.0, 131.5], 16) == (30.75 / 15, "")
     ms, why = decode_step_ms([1001.0, 1003.0], [989.0, 1020.0], 16)

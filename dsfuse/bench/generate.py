@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from dsfuse.bench import _error_text, _free_device_memory, environment
+from dsfuse.bench.measure import environment, error_text, free_device_memory, graph_count
 from dsfuse.models.presets import preset_names
 
 GENERATE_CONFIGS = ("eager", "inductor", "dsfuse")
@@ -148,14 +148,14 @@ def bench_generate(args) -> dict:
                     row["first_call_s"] = round(first_s / 1e3, 2)
                     if name == "dsfuse":
                         row["rewritten"] = dsfuse.report().counts
-                    graphs = _graph_count()
+                    graphs = graph_count()
                     if cuda:
-                        _free_device_memory(cuda)
+                        free_device_memory(cuda)
                         torch.cuda.reset_peak_memory_stats()
                     ttft = [_timed_generate(model, recipe, ids, mask, 1, cuda)[0] for _ in range(args.repeats)]
                     full = [_timed_generate(model, recipe, ids, mask, args.new_tokens, cuda)[0]
                             for _ in range(args.repeats)]
-                    row["recompiles_timed"] = _graph_count() - graphs
+                    row["recompiles_timed"] = graph_count() - graphs
                     row["cudagraph_skips"] = _cudagraph_skips() - skips
                     if cuda:
                         row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - weights) / 2**30, 2)
@@ -173,20 +173,14 @@ def bench_generate(args) -> dict:
                 except torch.OutOfMemoryError:
                     row["error"] = "out of memory"
                 except Exception as err:  # a broken configuration is reported, the others still run
-                    row["error"] = _error_text(err)
+                    row["error"] = error_text(err)
                 del recipe
-                _free_device_memory(cuda)
+                free_device_memory(cuda)
                 results["runs"].append(row)
                 print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     print(generate_markdown(results), flush=True)
     return results
-
-
-def _graph_count() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 def _cudagraph_skips() -> int:

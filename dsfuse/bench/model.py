@@ -1,14 +1,4 @@
-"""Benchmarks: eager, Inductor and dsfuse side by side in one process.
-
-    python -m dsfuse.bench model --preset v32-real-2l --seq 2048 8192
-    python -m dsfuse.bench model --preset tiny --seq 32 --device cpu      # smoke run
-    python -m dsfuse.bench model --preset v4-flash-real-2l --seq 8192     # DeepSeek V4 prefill (use_cache=False)
-    python -m dsfuse.bench model --profile --json r.json --markdown r.md  # keep the results
-    python -m dsfuse.bench model --seq 8192 --logits last                 # prefill as generate runs it
-    python -m dsfuse.bench model --mode decode --decode-batch 1 8 --context 8192 32768
-    python -m dsfuse.bench ablate --seq 8192 --json a.json --markdown a.md  # each pass off, each pass alone
-    python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, decode, time by stage
-    python -m dsfuse.bench generate --prompt 2048 8192 --batch 1 8         # whole model.generate calls
+"""`model` and `ablate`: the whole model's prefill and its decode with a KV cache, eager / Inductor / dsfuse.
 
 Every configuration is checked before it is timed: dsfuse with all passes off must reproduce Inductor
 bit for bit, and every compiled model is compared with eager. Times are medians of
@@ -31,142 +21,17 @@ back to T before every step.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import inspect
 import json
-import os
-import platform
-import statistics
-import subprocess
-import sys
 import time
-from typing import Callable
 
 import torch
 
 import dsfuse
-from dsfuse.bench_report import (ablation_markdown, ablation_summary, decode_notes, families_markdown, model_markdown,
-                                 plot_model, progress)
-from dsfuse.config import PASS_NAMES
-from dsfuse.models.presets import is_v4_preset, preset_names
-
-CONFIGS: dict[str, tuple[str | None, dict | None]] = {
-    "eager": (None, None),
-    "inductor": ("inductor", None),
-    "dsfuse-off": ("dsfuse", {"disable": list(PASS_NAMES)}),
-    "dsfuse": ("dsfuse", None),
-    # CUDA graphs (Inductor's "reduce-overhead"): decode steps are launch-bound without them.
-    "inductor-cudagraphs": ("inductor", {"triton.cudagraphs": True}),
-    "dsfuse-cudagraphs": ("dsfuse", {"mode": "reduce-overhead"}),
-}
-# The CUDA-graph configurations; they decode from HF's StaticCache (a replay needs fixed shapes and addresses).
-CUDA_GRAPH_CONFIGS = frozenset({"inductor-cudagraphs", "dsfuse-cudagraphs"})
-
-
-def resolve_configs(names: list[str]) -> dict[str, tuple[str | None, dict | None]]:
-    """`CONFIGS` entries plus ablations: `only:PASS` runs one pass alone, `no:PASS` all but one."""
-    resolved = {}
-    for name in names:
-        kind, _, pass_name = name.partition(":")
-        if name in CONFIGS:
-            resolved[name] = CONFIGS[name]
-        elif kind in ("only", "no") and pass_name in PASS_NAMES:
-            resolved[name] = ("dsfuse", {"enable" if kind == "only" else "disable": [pass_name]})
-        else:
-            raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}, only:PASS, no:PASS "
-                             f"with PASS in {', '.join(PASS_NAMES)}")
-    return resolved
-
-
-def git_commit() -> str:
-    """The checkout's commit; `DSFUSE_COMMIT` names it where the code runs from an exported snapshot."""
-    if os.environ.get("DSFUSE_COMMIT"):
-        return os.environ["DSFUSE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def environment() -> dict:
-    import triton
-
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": git_commit(), "torch": torch.__version__, "triton": triton.__version__,
-           "python": platform.python_version(), "device": "cpu"}
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env["device"] = torch.cuda.get_device_name(0)
-    return env
-
-
-def time_ms(fn: Callable[[], object], device: str, rep_ms: int) -> float:
-    if device.startswith("cuda"):
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, warmup=max(rep_ms // 4, 25), rep=rep_ms, return_mode="median"))
-    fn()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
-def _device_us(event, self_only: bool) -> float:
-    for name in (("self_device_time_total", "self_cuda_time_total") if self_only
-                 else ("device_time_total", "cuda_time_total")):
-        if hasattr(event, name):
-            return float(getattr(event, name))
-    return 0.0
-
-
-def profile_stages(fn: Callable[[], object], top: int = 12) -> dict:
-    """GPU time of one call by kernel, and the share of each dsfuse fused op."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    events = list(prof.key_averages())
-    # Only device-side events are kernels: an operator's own self device time repeats its kernels'.
-    kernels = [(e.key, _device_us(e, True)) for e in events
-               if e.device_type != torch.autograd.DeviceType.CPU and _device_us(e, True) > 0]
-    total = sum(us for _, us in kernels)
-    fused = {e.key: _device_us(e, False) for e in events if e.key.startswith("dsfuse::")}
-    return {
-        "gpu_ms": total / 1e3,
-        "dsfuse_ops_ms": {k: v / 1e3 for k, v in fused.items()},
-        "dsfuse_ops_share": {k: v / total for k, v in fused.items()} if total else {},
-        "top_kernels_ms": [(k[:80], us / 1e3) for k, us in sorted(kernels, key=lambda kv: -kv[1])[:top]],
-    }
-
-
-def _compiled(model, backend: str | None, options: dict | None):
-    if backend is None:
-        return model
-    torch._dynamo.reset()
-    return torch.compile(model, backend=backend, options=options) if options else torch.compile(model, backend=backend)
-
-
-def _error_text(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-
-
-def _free_device_memory(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+from dsfuse.bench.measure import (CONFIGS, CUDA_GRAPH_CONFIGS, compile_with, environment, error_text,
+                                  free_device_memory, graph_count, profile_stages, resolve_configs, time_ms)
+from dsfuse.bench.report import ablation_summary, decode_notes, progress
+from dsfuse.models.presets import is_v4_preset
 
 
 def bench_model(args) -> dict:
@@ -201,11 +66,11 @@ def _bench_prefill(model, args, results: dict) -> None:
             bar.set_postfix_str(f"S={seq} {name}")
             row = {"seq": seq, "config": name, "logits": args.logits}
             try:
-                fn = _prefill_step(_compiled(model, backend, options), args.logits, name in CUDA_GRAPH_CONFIGS,
+                fn = _prefill_step(compile_with(model, backend, options), args.logits, name in CUDA_GRAPH_CONFIGS,
                                    without_cache=is_v4_preset(model.config))
                 dsfuse.reset_report()
                 if cuda:
-                    _free_device_memory(cuda)
+                    free_device_memory(cuda)
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
                 with torch.no_grad():
@@ -233,13 +98,13 @@ def _bench_prefill(model, args, results: dict) -> None:
                 row["error"] = "out of memory"
             except Exception as err:  # a broken configuration is reported, the others still run
                 row["ms"] = None
-                row["error"] = _error_text(err)
+                row["error"] = error_text(err)
             results["runs"].append(row)
             _print_row(row)
             bar.update()
         _check_parity(outputs, seq, results)
         outputs.clear()
-        _free_device_memory(cuda)
+        free_device_memory(cuda)
     bar.close()
     _print_table(results)
 
@@ -280,13 +145,6 @@ _CACHE_FIELDS = ("keys", "values", "indexer_keys")  # per layer: latent K, rotar
 def _cache_argument(model) -> str:
     """transformers 5.24 calls the cache argument `cache` (`past_key_values` is its deprecated alias)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _graph_count() -> int:
-    """Dynamo graphs compiled so far in this process (a recompile adds one)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
 
 
 class FilledCache:
@@ -400,7 +258,7 @@ class _DecodeCaches:
                                         **{_cache_argument(self.model): filled.cache}).logits
                 filled.reference = logits.float()
             except torch.OutOfMemoryError:
-                _free_device_memory(self.args.device.startswith("cuda"))
+                free_device_memory(self.args.device.startswith("cuda"))
             finally:
                 filled.restore()
         return filled.reference
@@ -417,7 +275,7 @@ def _decode_cache(caches: _DecodeCaches, fn, name: str, backend, options, batch:
         return _prefill(fn, caches.model, batch, context, name, args.device)
     except torch.OutOfMemoryError:
         row["prefill_error"] = f"{name} prefill out of memory"
-    _free_device_memory(args.device.startswith("cuda"))
+    free_device_memory(args.device.startswith("cuda"))
     return caches.fallback_cache(batch, context)
 
 
@@ -441,7 +299,7 @@ def _bench_decode_configs(model, args, results: dict) -> None:
     shapes = [(batch, context) for batch in args.decode_batch for context in args.context]
     bar = progress(len(shapes) * len(args.configs), f"{args.preset} decode")
     for name, (backend, options) in args.configs.items():
-        fn = _compiled(model, backend, options)
+        fn = compile_with(model, backend, options)
         for batch, context in shapes:
             bar.set_postfix_str(f"B={batch} T={context} {name}")
             row = {"batch": batch, "context": context, "config": name}
@@ -467,12 +325,12 @@ def _bench_decode_configs(model, args, results: dict) -> None:
                 row["error"] = "out of memory" + (" in the prefill" if filled is None else "")
             except Exception as err:  # a broken configuration is reported, the others still run
                 row["ms"] = None
-                row["error"] = _error_text(err)
+                row["error"] = error_text(err)
             finally:
                 if filled is not None:
                     filled.restore()
             del filled
-            _free_device_memory(cuda)
+            free_device_memory(cuda)
             results["decode"].append(row)
             _print_row(row)
             bar.update()
@@ -501,24 +359,24 @@ def _time_decode(fn, filled: FilledCache | StaticFilledCache, caches: _DecodeCac
         return step()
 
     if cuda:
-        _free_device_memory(cuda)
+        free_device_memory(cuda)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    graphs = _graph_count()
+    graphs = graph_count()
     with torch.no_grad():
         start = time.perf_counter()
         logits = timed_step().logits.float()
         if cuda:
             torch.cuda.synchronize()
         row["first_call_s"] = round(time.perf_counter() - start, 2)
-        counts = {"graphs_first_call": _graph_count() - graphs}
-        graphs = _graph_count()
+        counts = {"graphs_first_call": graph_count() - graphs}
+        graphs = graph_count()
         for offset in range(1, args.growing_steps + 1):
             step(offset)
-        counts["recompiles_growing"] = _graph_count() - graphs
-        graphs = _graph_count()
+        counts["recompiles_growing"] = graph_count() - graphs
+        graphs = graph_count()
         row["ms"] = time_ms(timed_step, args.device, args.rep_ms)
-        counts["recompiles_timed"] = _graph_count() - graphs
+        counts["recompiles_timed"] = graph_count() - graphs
         if compiled:
             row.update(counts)
         if cuda:
@@ -583,72 +441,6 @@ def _number(value, spec: str, suffix: str = "") -> str:
     return "-" if value is None else format(value, spec) + suffix
 
 
-def matmul_peak_tflops(device: str) -> float | None:
-    """bf16 8192^3 matmul rate measured now: the ceiling the families are compared with."""
-    if not device.startswith("cuda"):
-        return None
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ b, device, 300)
-    return 2 * 8192**3 / ms / 1e9
-
-
-def _agreement(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    if out.dtype == torch.bool:
-        return {"agreement": (out == ref).float().mean().item()}
-    out, ref = out.float(), ref.float()
-    return {"rel_l2": ((out - ref).norm() / ref.norm()).item()}
-
-
-def bench_families(args) -> dict:
-    from dsfuse.families import families
-
-    dtype = getattr(torch, args.dtype)
-    results = {"env": environment(), "size": args.size, "dtype": args.dtype, "rows": []}
-    peak = matmul_peak_tflops(args.device)
-    results["bf16_matmul_tflops"] = peak
-    print(f"# {results['env']} size={args.size} bf16 matmul peak={peak and round(peak)} TFLOP/s", flush=True)
-    all_families = families(args.size, args.device, dtype)
-    bar = progress(len(all_families) * len(args.configs), "families")
-    for family in all_families:
-        inputs = family.make_inputs()
-        reference = family.fn(*inputs)
-        for name, (backend, options) in args.configs.items():
-            bar.set_postfix_str(f"{family.name} {name}")
-            row = {"family": family.name, "shape": family.shape, "config": name}
-            try:
-                fn = _compiled(family.fn, backend, options)
-                dsfuse.reset_report()
-                with torch.no_grad():
-                    out = fn(*inputs)
-                    row["ms"] = time_ms(lambda: fn(*inputs), args.device, args.rep_ms)
-                row["tflops"] = family.flops / row["ms"] / 1e9
-                if peak:
-                    row["pct_peak"] = 100 * row["tflops"] / peak
-                row.update(_agreement(out, reference))
-                if backend == "dsfuse":
-                    row["rewritten"] = dsfuse.report().counts[family.pass_name]
-            except Exception as err:  # a broken configuration is reported, the others still run
-                row["ms"] = None
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-            bar.update()
-    bar.close()
-    base = {r["family"]: r["ms"] for r in results["rows"] if r["config"] == "inductor" and r.get("ms")}
-    print(f"\n{'family':<34} {'shape':<30} {'config':<11} {'ms':>9} {'TFLOP/s':>8} {'% peak':>7} {'vs Ind.':>7}  check")
-    for r in results["rows"]:
-        ms = r.get("ms")
-        check = r.get("error") or (f"agree {r['agreement']:.4f}" if "agreement" in r else f"rel_l2 {r.get('rel_l2', float('nan')):.2e}")
-        if "rewritten" in r:
-            check += f", rewritten {r['rewritten']}"
-        ratio = f"{base[r['family']] / ms:.2f}x" if ms and r["family"] in base else "-"
-        print(f"{r['family']:<34} {r['shape']:<30} {r['config']:<11} {round(ms, 3) if ms else '-'!s:>9} "
-              f"{round(r['tflops']) if ms else '-'!s:>8} {round(r['pct_peak'], 1) if 'pct_peak' in r else '-'!s:>7} "
-              f"{ratio:>7}  {check}")
-    return results
-
-
 def _check_parity(outputs: dict[str, torch.Tensor], seq: int, results: dict) -> None:
     reference = outputs.get("eager")
     for row in results["runs"]:
@@ -683,107 +475,3 @@ def _print_table(results: dict) -> None:
               f"{r.get('rel_l2_vs_eager', float('nan')):>12.3e}  {notes}")
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser, seq_default: list[int]) -> None:
-    parser.add_argument("--preset", default="v32-real-2l", choices=preset_names(), metavar="PRESET")
-    parser.add_argument("--seq", type=int, nargs="+", default=seq_default, help="prefill sequence lengths")
-    parser.add_argument("--batch", type=int, default=1, help="prefill batch")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
-    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--rep-ms", type=int, default=1000)
-    parser.add_argument("--logits", default="all", choices=("all", "last"),
-                        help="prefill logits for every position, or the last one only (as generate asks)")
-    parser.add_argument("--json", default=None, help="write results here")
-    parser.add_argument("--markdown", default=None, help="write Markdown tables here")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-    model = sub.add_parser("model", help="whole model, prefill and/or decode with a KV cache: "
-                                         "eager / Inductor / dsfuse")
-    _add_model_arguments(model, [2048, 8192])
-    model.add_argument("--configs", default=",".join(CONFIGS),
-                       help=f"comma list of {', '.join(CONFIGS)}, only:PASS (one pass alone), no:PASS (all but one)")
-    model.add_argument("--profile", action="store_true", help="add a per-kernel GPU-time breakdown of one call")
-    model.add_argument("--mode", default="prefill", choices=("prefill", "decode", "both"))
-    model.add_argument("--decode-batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
-    model.add_argument("--context", type=int, nargs="+", default=[8192, 32768], help="decode context lengths T")
-    model.add_argument("--prefill-cache", default="same", choices=("same", FALLBACK_PREFILL),
-                       help=f"who fills the decode cache: each configuration itself (falling back to "
-                            f"{FALLBACK_PREFILL} where it runs out of memory), or {FALLBACK_PREFILL} for all")
-    model.add_argument("--growing-steps", type=int, default=2,
-                       help="decode steps that really append to the cache, to count recompiles")
-    ablate = sub.add_parser("ablate", help="prefill with each pass off in turn and each pass alone: "
-                                           "per-pass contribution and GPU time by stage")
-    _add_model_arguments(ablate, [8192])
-    ablate.add_argument("--passes", default=",".join(PASS_NAMES), help="comma list of the passes to ablate")
-    ablate.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                        help="per-kernel GPU-time breakdown of each configuration (CUDA only)")
-    fam = sub.add_parser("families", help="each fused family's source subgraph: eager / Inductor / dsfuse")
-    fam.add_argument("--size", default=None, choices=("real", "tiny"), help="default: real on CUDA, tiny on CPU")
-    fam.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
-    fam.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    fam.add_argument("--configs", default="eager,inductor,dsfuse")
-    fam.add_argument("--rep-ms", type=int, default=300)
-    fam.add_argument("--json", default=None, help="write results here")
-    fam.add_argument("--markdown", default=None, help="write a Markdown table here")
-    from dsfuse import bench_generate
-
-    gen = sub.add_parser("generate", help="whole model.generate calls: time to first token, ms/token, peak memory")
-    bench_generate.add_arguments(gen)
-    plot = sub.add_parser("plot", help="figure from a `model` or `ablate` --json file (matplotlib)")
-    plot.add_argument("results", help="JSON written by `model --json` or `ablate --json`")
-    plot.add_argument("--out", required=True, help="image to write, e.g. bench.png")
-    args = parser.parse_args(argv)
-    if args.command == "plot":
-        with open(args.results) as f:
-            results = json.load(f)
-        try:
-            plot_model(results, args.out)
-        except ValueError as err:
-            parser.error(f"{args.results}: {err}")
-        print(f"wrote {args.out}")
-        return 0
-    if args.command == "generate":
-        _write(bench_generate.run(args, parser), args.json, args.markdown, bench_generate.generate_markdown)
-        return 0
-    if args.command == "families":
-        args.size = args.size or ("real" if args.device.startswith("cuda") else "tiny")
-        args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-        args.configs = resolve_configs([c for c in args.configs.split(",") if c])
-        results = bench_families(args)
-        _write(results, args.json, args.markdown, families_markdown)
-        return 0
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    if args.command == "ablate":
-        args.passes = [name for name in args.passes.split(",") if name]
-        unknown = [name for name in args.passes if name not in PASS_NAMES]
-        if unknown or not args.passes:
-            parser.error(f"--passes: unknown or no pass names {unknown}; valid: {', '.join(PASS_NAMES)}")
-        results = bench_ablate(args)
-        _write(results, args.json, args.markdown, ablation_markdown)
-        return 0
-    try:
-        args.configs = resolve_configs([c for c in args.configs.split(",") if c])
-    except ValueError as err:
-        parser.error(str(err))
-    if is_v4_preset(args.preset) and args.mode != "prefill":
-        parser.error(f"--mode {args.mode}: decode is benchmarked on V3.2 presets only; {args.preset} (DeepSeek V4) "
-                     "runs prefill (use_cache=False)")
-    results = bench_model(args)
-    _write(results, args.json, args.markdown, model_markdown)
-    return 0
-
-
-def _write(results: dict, json_path: str | None, markdown_path: str | None, to_markdown) -> None:
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(results, f, indent=2)
-    if markdown_path:
-        with open(markdown_path, "w") as f:
-            f.write(to_markdown(results))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

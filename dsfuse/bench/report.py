@@ -1,7 +1,7 @@
 """What `python -m dsfuse.bench` hands to people: Markdown tables, a figure, and a progress bar.
 
-Everything here reads the results dict that `bench.py` writes as JSON, so a table or figure can be made
-again later from a saved run (`python -m dsfuse.bench plot RESULTS.json --out FIG.png`).
+Everything here reads the results dict that `dsfuse.bench.model` and `dsfuse.bench.families` write as JSON, so a
+table or figure can be made again later from a saved run (`python -m dsfuse.bench plot RESULTS.json --out FIG.png`).
 matplotlib and tqdm stay optional: the figure asks for matplotlib by name, the bar is silent without tqdm.
 """
 
