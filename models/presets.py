@@ -141,6 +141,9 @@ V4_PRESETS: dict[str, dict[str, Any]] = {
         max_position_embeddings=1048576,
     ),
 }
+# `v4-tiny` with the grouped output projection's per-group rank a whole 128-row block, which transformers'
+# `FP8GroupedLinear` needs to split its scales by group, for checkpoints in V4-Flash's released FP8 / FP4 layout.
+V4_PRESETS["v4-fp8-tiny"] = dict(V4_PRESETS["v4-tiny"], o_lora_rank=128)
 V4_ATTN_IMPLEMENTATIONS = ("eager",)
 
 # transformers' GlmMoeDsaForCausalLM at a V3.2 preset's dims (the fields GLM's config has).

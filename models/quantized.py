@@ -8,6 +8,12 @@ or F8_E8M0 for `scale_fmt="ue8m0"`); the routed experts are stored one expert at
 (`mlp.experts.<e>.{gate,up,down}_proj.weight` and `.weight_scale_inv`), which transformers merges on load; the rest
 (embeddings, norms, the router, `lm_head`) stays bf16 / fp32; `config.json` carries the `quantization_config`.
 
+DeepSeek V4-Flash is released in its own names (`embed`, `layers.<i>.attn.wq_a`, `layers.<i>.ffn.experts.<e>.w1`,
+`head`, ...), with the block scales under `<name>.scale` and the routed experts in FP4 (E2M1 packed two per int8 byte,
+one E8M0 scale per 32 values; `expert_dtype: "fp4"` in config.json). transformers maps those names onto its modules at
+load (`conversion_mapping.py`, "deepseek_v4"; the FP8 quantizer renames `.scale` to `.weight_scale_inv`), so
+`V4_FLASH_LAYOUT` writes the inverse of that mapping.
+
 On a machine without a GPU transformers would dequantise such a checkpoint to bf16 at load;
 `load_quantized_model` keeps it quantised (dsfuse's FP8 ops run on the CPU too, as their reference math).
 """
@@ -17,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +33,54 @@ import torch
 from dsfuse.kernels.quant_formats import E8M0_DTYPE, FP8_BLOCK, FP8_DTYPE, FP8_MAX, power_of_two_ceil_exact
 
 SCALE_FORMATS = ("float", "ue8m0")
-EXPERT_STACKS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
+@dataclass(frozen=True)
+class ReleasedLayout:
+    """How a model family's released checkpoint names and stores what transformers loads as FP8 / FP4 layers: the
+    per-expert projections each fused expert stack is split into, the name of a weight's block scales, the routed
+    experts' format, extra config.json fields, and the renames (regex on transformers' key, in order) to its names."""
+
+    expert_parts: dict[str, tuple[str, ...]]
+    scale_name: str = "weight_scale_inv"
+    expert_dtype: str = "fp8"
+    config_fields: dict[str, Any] = field(default_factory=dict)
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def released_name(self, key: str) -> str:
+        for pattern, replacement in self.renames:
+            key = re.sub(pattern, replacement, key)
+        return key
+
+
+V32_LAYOUT = ReleasedLayout({"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)})
+# transformers' "deepseek_v4" conversion mapping read backwards (specific names before the general `.attn.` / `.ffn.`)
+V4_FLASH_LAYOUT = ReleasedLayout(
+    {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}, scale_name="scale", expert_dtype="fp4",
+    config_fields={"expert_dtype": "fp4"},
+    renames=(
+        (r"^lm_head\.", "head."), (r"^model\.", ""), (r"^embed_tokens\.", "embed."),
+        (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+        (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+        (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+        (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+        (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."),
+        (r"\.input_layernorm\.", ".attn_norm."), (r"\.post_attention_layernorm\.", ".ffn_norm."),
+        (r"\.(attn|ffn)_hc\.(fn|base|scale)$", r".hc_\1_\2"), (r"\.sinks$", ".attn_sink"),
+        (r"\.compressor\.kv_norm\.", ".compressor.norm."), (r"\.position_bias$", ".ape"),
+        (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
+        (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+        (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+        (r"\.q_a_proj\.", ".wq_a."), (r"\.q_b_proj\.", ".wq_b."), (r"\.kv_proj\.", ".wkv."),
+        (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."),
+        (r"\.q_a_norm\.", ".q_norm."), (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+    ),
+)
+
+
+def released_layout(config) -> ReleasedLayout:
+    """The layout `config`'s model family is released in (V4-Flash's for DeepSeek V4, V3.2's otherwise)."""
+    return V4_FLASH_LAYOUT if getattr(config, "model_type", None) == "deepseek_v4" else V32_LAYOUT
 
 
 def quantize_fp8_weight(weight: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "float"):
@@ -51,67 +106,111 @@ def quantization_config(scale_fmt: str = "ue8m0") -> dict[str, Any]:
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
-def fp8_layer_names(model: torch.nn.Module, scale_fmt: str = "ue8m0") -> list[str]:
-    """The modules transformers turns into FP8 layers for this model (its own rule, asked on a meta copy)."""
+def quantize_fp4_weight(weight: torch.Tensor):
+    """`weight [..., N, K]` to V4-Flash's FP4 experts: (E2M1 codes packed two per byte, low nibble first, as int8
+    `[..., N, K / 2]`; E8M0 scales `[..., N, K / 32]`, each the power of two that maps its 32 values' amax to <= 6)."""
+    from dsfuse.models.official import quantize_fp4
+
+    packed, scales = quantize_fp4(weight)
+    return packed.view(torch.int8), scales.view(E8M0_DTYPE)
+
+
+def fp8_skeleton(model_class, config, quantization: dict[str, Any] | None = None, dtype: torch.dtype | None = None):
+    """A meta-device `model_class` for `config` (unquantised tensors in `dtype`) with the FP8 / FP4 layers
+    transformers builds for a checkpoint with `quantization` (config.json's `quantization_config`; by default
+    `config`'s own, else V3.2's), by transformers' own rule: what such a checkpoint must hold."""
     from transformers import FineGrainedFP8Config
-    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, replace_with_fp8_linear
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
-    config = FineGrainedFP8Config(scale_fmt=scale_fmt)
+    from dsfuse.models.presets import keep_fp32_modules
+
+    quantization = dict(quantization or getattr(config, "quantization_config", None) or quantization_config())
+    quantization.pop("fmt", None)
+    quant_config = FineGrainedFP8Config(**quantization)
     with torch.device("meta"):
-        skeleton = type(model)._from_config(model.config)
-    quantizer = FineGrainedFP8HfQuantizer(config, pre_quantized=True)
-    skip = quantizer.get_modules_to_not_convert(skeleton, None, skeleton._keep_in_fp32_modules)
-    replace_with_fp8_linear(skeleton, modules_to_not_convert=skip, quantization_config=config, pre_quantized=True)
+        skeleton = keep_fp32_modules(model_class._from_config(config, dtype=dtype))
+    quantizer = FineGrainedFP8HfQuantizer(quant_config, pre_quantized=True)
+    skip = quantizer.get_modules_to_not_convert(skeleton, quant_config.modules_to_not_convert,
+                                                skeleton._keep_in_fp32_modules)
+    return replace_with_fp8_linear(skeleton, modules_to_not_convert=skip, quantization_config=quant_config,
+                                   pre_quantized=True)
+
+
+def fp8_layer_names(model: torch.nn.Module, scale_fmt: str = "ue8m0") -> list[str]:
+    """The modules transformers turns into FP8 layers for this model (its own rule, asked on a meta copy)."""
+    from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
+
+    skeleton = fp8_skeleton(type(model), model.config, quantization_config(scale_fmt))
     return [name for name, module in skeleton.named_modules() if isinstance(module, (FP8Linear, FP8Experts))]
 
 
-def quantized_state_dict(model: torch.nn.Module, scale_fmt: str = "ue8m0") -> dict[str, torch.Tensor]:
-    """`model`'s weights in the released FP8 layout (see the module docstring)."""
+def released_state(state: dict[str, torch.Tensor], layout: ReleasedLayout) -> dict[str, torch.Tensor]:
+    """transformers' in-memory FP8 state (`<name>.weight_scale_inv`, fused `experts.gate_up_proj` stacks and their
+    `_scale_inv`) in `layout`'s names, each expert stack split per expert and projection (views, no copies)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        owner, _, leaf = name.rpartition(".")
+        stack = leaf.removesuffix("_scale_inv")
+        if owner.endswith(".experts") and stack in layout.expert_parts:
+            parts = layout.expert_parts[stack]
+            if tensor.shape[-2] % len(parts):
+                raise ValueError(f"{name} {tuple(tensor.shape)}: its rows do not split into {len(parts)} projections")
+            released_owner = layout.released_name(f"{owner}.{stack}").rpartition(".")[0]
+            what = "weight" if leaf == stack else layout.scale_name
+            for part, rows in zip(parts, tensor.chunk(len(parts), dim=-2)):
+                for expert in range(rows.shape[0]):
+                    out[f"{released_owner}.{expert}.{part}.{what}"] = rows[expert]
+        elif leaf == "weight_scale_inv":
+            out[f"{layout.released_name(f'{owner}.weight').rpartition('.')[0]}.{layout.scale_name}"] = tensor
+        else:
+            out[layout.released_name(name)] = tensor
+    return out
+
+
+def quantized_state_dict(model: torch.nn.Module, scale_fmt: str = "ue8m0",
+                         layout: ReleasedLayout | None = None) -> dict[str, torch.Tensor]:
+    """`model`'s weights in its family's released layout (see the module docstring; `layout` defaults to
+    `released_layout(model.config)`)."""
+    layout = layout or released_layout(model.config)
+    if layout.expert_dtype == "fp4" and scale_fmt != "ue8m0":
+        raise ValueError(f"FP4 experts carry E8M0 scales: scale_fmt must be 'ue8m0', got {scale_fmt!r}")
     layers = set(fp8_layer_names(model, scale_fmt))
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         owner, _, leaf = name.rpartition(".")
-        if owner in layers and leaf in EXPERT_STACKS:
-            weight, scale = quantize_fp8_weight(tensor, scale_fmt=scale_fmt)
-            for part, (w, s) in zip(EXPERT_STACKS[leaf], _halves(weight, scale, len(EXPERT_STACKS[leaf]))):
-                for expert in range(w.shape[0]):
-                    state[f"{owner}.{expert}.{part}.weight"] = w[expert].contiguous()
-                    state[f"{owner}.{expert}.{part}.weight_scale_inv"] = s[expert].contiguous()
-        elif owner in layers and leaf == "weight":
-            state[name], state[f"{owner}.weight_scale_inv"] = quantize_fp8_weight(tensor, scale_fmt=scale_fmt)
+        if owner in layers and (leaf == "weight" or leaf in layout.expert_parts):
+            fp4 = leaf != "weight" and layout.expert_dtype == "fp4"
+            rows = tensor.shape[-2] // len(layout.expert_parts.get(leaf, (leaf,)))
+            if not fp4 and rows != tensor.shape[-2] and rows % FP8_BLOCK:  # each part keeps its own scale rows
+                raise ValueError(f"{name}: an expert projection of {rows} rows is not a whole number of "
+                                 f"{FP8_BLOCK}-row blocks")
+            weight, scale = quantize_fp4_weight(tensor) if fp4 else quantize_fp8_weight(tensor, scale_fmt=scale_fmt)
+            state[name], state[f"{name}_scale_inv"] = weight, scale
         else:
-            state[name] = tensor.contiguous()
-    return state
-
-
-def _halves(weight, scale, parts):
-    """A fused [E, parts * I, H] stack and its scales split into `parts` stacks of I rows (I a multiple of the block,
-    so each part keeps its own scale rows)."""
-    if parts == 1:
-        return [(weight, scale)]
-    rows, scale_rows = weight.shape[-2] // parts, scale.shape[-2] // parts
-    if rows % FP8_BLOCK:
-        raise ValueError(f"an expert projection of {rows} rows is not a whole number of {FP8_BLOCK}-row blocks")
-    return [(weight[..., i * rows:(i + 1) * rows, :], scale[..., i * scale_rows:(i + 1) * scale_rows, :])
-            for i in range(parts)]
+            state[name] = tensor
+    return {key: tensor.contiguous() for key, tensor in released_state(state, layout).items()}
 
 
 def write_fp8_checkpoint(directory: str | os.PathLike, preset: str = "fp8-tiny", *, scale_fmt: str = "ue8m0",
                          seed: int = 0, max_shard_bytes: int | None = None, **overrides) -> Path:
-    """A random HF `preset` model written as a released FP8 checkpoint (sharded, with an index, when
-    `max_shard_bytes` is given). Returns the directory."""
+    """A random HF `preset` model written as a released checkpoint of its family (V3.2 / GLM-5: FP8; V4: V4-Flash's
+    names, FP8 linears and FP4 experts), sharded with an index when `max_shard_bytes` is given. Returns the
+    directory."""
     from dsfuse.models.checkpoint import save_state
     from dsfuse.models.presets import build_hf_model
 
     model = build_hf_model(preset, dtype=torch.bfloat16, seed=seed, **overrides)
+    layout = released_layout(model.config)
+    state = quantized_state_dict(model, scale_fmt, layout)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config["quantization_config"] = quantization_config(scale_fmt)
     config["dtype"] = "bfloat16"
+    config.update(layout.config_fields)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    return save_state(quantized_state_dict(model, scale_fmt), directory, max_shard_bytes=max_shard_bytes)
+    return save_state(state, directory, max_shard_bytes=max_shard_bytes)
 
 
 @contextlib.contextmanager
@@ -156,5 +255,6 @@ def load_quantized_model(path: str | os.PathLike, *, device: str | torch.device 
     return model.eval()
 
 
-__all__ = ["SCALE_FORMATS", "fp8_layer_names", "load_quantized_model", "quantization_config",
-           "quantize_fp8_weight", "quantized_state_dict", "write_fp8_checkpoint"]
+__all__ = ["SCALE_FORMATS", "V32_LAYOUT", "V4_FLASH_LAYOUT", "ReleasedLayout", "fp8_layer_names",
+           "fp8_skeleton", "load_quantized_model", "quantization_config", "quantize_fp4_weight",
+           "quantize_fp8_weight", "quantized_state_dict", "released_layout", "released_state", "write_fp8_checkpoint"]

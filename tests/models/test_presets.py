@@ -120,7 +120,7 @@ def test_v4_presets_build_deepseek_v4_with_every_attention_kind():
     assert logits.shape == (2, 19, 256) and torch.isfinite(logits).all()
     real = hf_config("v4-flash-real-2l")
     assert (real.hidden_size, real.num_attention_heads, real.head_dim, real.index_topk) == (4096, 64, 512, 512)
-    assert real.qk_rope_head_dim == 64 and sorted(V4_PRESETS) == ["v4-flash-real-2l", "v4-tiny"]
+    assert real.qk_rope_head_dim == 64 and sorted(V4_PRESETS) == ["v4-flash-real-2l", "v4-fp8-tiny", "v4-tiny"]
     with pytest.raises(ValueError, match="valid: eager"):
         hf_config("v4-tiny", attn_implementation="flash_attention_2")
 
