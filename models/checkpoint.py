@@ -2,13 +2,16 @@
 
 Validation reads only `config.json` and the safetensors headers, and compares every tensor's name, shape and
 dtype with a meta-device skeleton of the model, so a bad checkpoint fails with the file and key named before any
-weight is copied or any kernel runs.
+weight is copied or any kernel runs. A checkpoint whose config.json has an fp8 `quantization_config` (DeepSeek V3.2,
+GLM-5, V4-Flash as released) is checked in its family's released layout (`dsfuse.models.quantized`): e4m3 weights,
+F32 or F8_E8M0 block scales, and for V4-Flash FP4 experts packed two per byte (I8 or U8) with F8_E8M0 scales.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,10 @@ CONFIG_NAME = "config.json"
 SINGLE_WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-MODEL_TYPE_TO_KIND = {"deepseek_v32": "hf", "dsfuse_deepseek": "own"}
+MODEL_TYPE_TO_KIND = {"deepseek_v32": "hf", "glm_moe_dsa": "hf", "deepseek_v4": "hf", "dsfuse_deepseek": "own"}
+HF_CLASSES = {"deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+              "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+              "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}
 KINDS = ("hf", "own")
 
 SAFETENSORS_DTYPES = {
@@ -33,6 +39,7 @@ SAFETENSORS_DTYPES = {
     torch.bfloat16: "BF16",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e8m0fnu: "F8_E8M0",
     torch.int64: "I64",
     torch.int32: "I32",
     torch.int16: "I16",
@@ -40,6 +47,9 @@ SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+# What each dtype of a model tensor may be stored as when that is not one safetensors name, and what it holds.
+STORAGE = {torch.int8: (("I8", "U8"), "packed FP4: two E2M1 values a byte, [N, K / 2]"),
+           torch.float8_e8m0fnu: (("F8_E8M0",), "E8M0 block scales")}
 
 
 class CheckpointError(ValueError):
@@ -167,7 +177,9 @@ def config_from_dir(directory: str | os.PathLike):
     data = read_config_json(directory)
     kind = MODEL_TYPE_TO_KIND[data["model_type"]]
     if kind == "hf":
-        from transformers import DeepseekV32Config as config_class
+        import transformers
+
+        config_class = getattr(transformers, HF_CLASSES[data["model_type"]][0])
     else:
         config_class = DsfuseDeepseekConfig
     try:
@@ -180,16 +192,29 @@ def config_from_dir(directory: str | os.PathLike):
     return kind, config
 
 
-def _model_class(kind: str):
+def _model_class(kind: str, config):
     if kind == "own":
         return DsfuseDeepseekForCausalLM
-    from transformers import DeepseekV32ForCausalLM
+    import transformers
 
-    return DeepseekV32ForCausalLM
+    return getattr(transformers, HF_CLASSES[config.model_type][1])
+
+
+def quantization(config, source: str | os.PathLike = CONFIG_NAME) -> dict[str, Any] | None:
+    """config.json's `quantization_config` when the checkpoint is quantised (only fp8 is supported), else None;
+    `source` names the config file in errors."""
+    quant = getattr(config, "quantization_config", None)
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method != "fp8":
+        raise CheckpointError(f"{source}: quantization_config quant_method {method!r} is not supported; "
+                              "supported: 'fp8' (block-scaled FP8, FP4 experts)")
+    return quant
 
 
 def _instantiate(kind: str, config, dtype: torch.dtype):
-    model_class = _model_class(kind)
+    model_class = _model_class(kind, config)
     if kind == "hf":
         return keep_fp32_modules(model_class._from_config(config, dtype=dtype))
     previous = torch.get_default_dtype()
@@ -210,12 +235,19 @@ def _config_dtype(config) -> torch.dtype:
 def expected_tensors(kind: str, config, source: str | os.PathLike = CONFIG_NAME) -> dict[str, tuple]:
     """Every state-dict key of the model `config` describes, as key → (shape, dtype), from a meta-device skeleton.
     `source` names the config file in errors."""
+    from dsfuse.models.quantized import fp8_skeleton, released_layout, released_state
+
+    quant = quantization(config, source)
     try:
-        with torch.device("meta"):
-            skeleton = _instantiate(kind, config, _config_dtype(config))
+        if quant:
+            skeleton = fp8_skeleton(_model_class(kind, config), config, quant, _config_dtype(config))
+            state = released_state(skeleton.state_dict(), released_layout(config))
+        else:
+            with torch.device("meta"):
+                state = _instantiate(kind, config, _config_dtype(config)).state_dict()
     except Exception as error:
         raise CheckpointError(f"{source}: cannot build the model this config describes: {error}") from None
-    return {key: (tuple(value.shape), value.dtype) for key, value in skeleton.state_dict().items()}
+    return {key: (tuple(value.shape), value.dtype) for key, value in state.items()}
 
 
 def safetensors_files(directory: str | os.PathLike) -> dict[str, Path]:
@@ -274,13 +306,15 @@ def validate_checkpoint(directory: str | os.PathLike):
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}{more}")
-    unexpected = [key for key in files if key not in expected]
+    ignored = getattr(_model_class(kind, config), "_keys_to_ignore_on_load_unexpected", None) or []
+    unexpected = [key for key in files if key not in expected and not any(re.search(p, key) for p in ignored)]
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected tensor {unexpected[0]!r} for {kind!r} model")
 
     by_file: dict[Path, list[str]] = {}
     for key, path in files.items():
-        by_file.setdefault(path, []).append(key)
+        if key in expected:
+            by_file.setdefault(path, []).append(key)
     for path, keys in by_file.items():
         try:
             with safe_open(str(path), framework="pt") as handle:
@@ -292,11 +326,13 @@ def validate_checkpoint(directory: str | os.PathLike):
                     shape = tuple(tensor_slice.get_shape())
                     stored = tensor_slice.get_dtype()
                     want_shape, want_dtype = expected[key]
+                    accepted, holds = STORAGE.get(want_dtype, ((SAFETENSORS_DTYPES.get(want_dtype),), None))
+                    note = f" ({holds})" if holds else ""
                     if shape != want_shape:
-                        raise CheckpointError(f"{path}: tensor {key!r} has shape {shape}, expected {want_shape}")
-                    if stored != SAFETENSORS_DTYPES.get(want_dtype):
+                        raise CheckpointError(f"{path}: tensor {key!r} has shape {shape}, expected {want_shape}{note}")
+                    if stored not in accepted:
                         raise CheckpointError(
-                            f"{path}: tensor {key!r} has dtype {stored}, expected {SAFETENSORS_DTYPES.get(want_dtype)}"
+                            f"{path}: tensor {key!r} has dtype {stored}, expected {' or '.join(accepted)}{note}"
                         )
         except CheckpointError:
             raise
@@ -316,13 +352,21 @@ def load_checkpoint(
     """Validate `directory`, then build the model on `device` without random init and copy the weights in.
 
     `dtype` casts floating weights (the router stays fp32); by default the checkpoint's own dtype is kept. The
-    implementation arguments only apply to `kind="hf"` checkpoints.
+    implementation arguments only apply to `kind="hf"` checkpoints (V4 has eager attention only: `"sdpa"` means
+    eager there). A quantised checkpoint loads through transformers with dsfuse's FP8 / FP4 ops
+    (`dsfuse.models.quantized.load_quantized_model`, the unquantised tensors in `dtype`, bf16 by default).
     """
     from transformers.initialization import no_init_weights
 
     kind, config, files = validate_checkpoint(directory)
+    if quantization(config):
+        from dsfuse.models.quantized import load_quantized_model
+
+        return load_quantized_model(directory, device=device, dtype=dtype or torch.bfloat16,
+                                    experts_implementation=experts_implementation)
     if kind == "hf":
-        config._attn_implementation = attn_implementation
+        v4 = config.model_type == "deepseek_v4" and attn_implementation == "sdpa"
+        config._attn_implementation = "eager" if v4 else attn_implementation
         config._experts_implementation = experts_implementation
     dtype = dtype or _config_dtype(config)
     with no_init_weights(), torch.device(device):
