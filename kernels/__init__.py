@@ -3,7 +3,7 @@
 import importlib
 
 FAMILY_MODULES = ("indexer_topk", "sparse_attention", "compressed_attention", "moe_experts", "norm_rope_quant",
-                  "hyper_connections", "compressor", "fp8_linear")
+                  "hyper_connections", "compressor", "fp8_linear", "moe_experts_fp8")
 
 
 def register_all() -> None:

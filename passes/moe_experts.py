@@ -1,8 +1,9 @@
 """`moe_experts`: routed SwiGLU experts (route -> expert GEMM -> SwiGLU -> expert GEMM -> weight -> combine)
-rewritten into one `dsfuse::moe_experts_bf16` or `dsfuse::moe_experts_fp4` call.
+rewritten into one `dsfuse::moe_experts_bf16`, `dsfuse::moe_experts_fp4` or `dsfuse::moe_experts_fp8` call.
 
-The anchor is an expert GEMM: `aten._grouped_mm` or transformers' `grouped_mm_fallback` (its CPU/fp32 stand-in)
-over expert-sorted rows, or a `bmm` of per-slot gathered expert weights `W[ids]`. From the first GEMM of a block:
+The anchor is an expert GEMM: `aten._grouped_mm`, transformers' `grouped_mm_fallback` (its CPU/fp32 stand-in) or
+`dsfuse::fp8_grouped_linear` (a released checkpoint's FP8 / FP4 experts, block-scaled) over expert-sorted rows, or a
+`bmm` of per-slot gathered expert weights `W[ids]`. From the first GEMM of a block:
 
     slots      s = t*k + j of `ids [T,k]`, visited in `perm = sort(ids.flatten())` order (grouped, own model) or
                in place (HF batched_mm); rows `x[perm // k]` or `x.repeat_interleave(k)`
@@ -18,7 +19,8 @@ over expert-sorted rows, or a `bmm` of per-slot gathered expert weights `W[ids]`
                `einsum('tkh,tk->th', out.view(T, k, H).float(), w)` (fp32 weights), or an accumulation into
                `zeros(T, H)` at `perm // k`: `index_add_` (own model), `scatter_add_`, `scatter_reduce(sum)`
 
-Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; weights decoded in the graph from FP4
+Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; block-scaled weights with their scales (both
+GEMMs `fp8_grouped_linear` in one format and block size) become `moe_experts_fp8`; weights decoded in the graph from FP4
 (E2M1 nibbles + E8M0 per-32 scales) become `moe_experts_fp4` on the packed bytes. The decode is recognised by
 what it computes, not by its spelling: each nibble branch, the value table and the scale transform are evaluated
 on all 256 byte values and compared with the format (LUT gather, `exp2`, `ldexp` and `pow` all pass).
@@ -44,12 +46,14 @@ import torch
 import torch.nn.functional as F
 
 import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_*)
+import dsfuse.kernels.moe_experts_fp8  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_fp8)
+from dsfuse.kernels.fp8_linear import weight_dims
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
-from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, ORDER_KEEPING_OPS, SPLIT_OPS,
-                          TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fill_value, in_graph_order, insert_call, is_op,
-                          node_arg, only_user, same_shape, same_size, shape, strip, walk_back)
+from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten,
+                          dtype, fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape,
+                          same_size, shape, strip, tensor_val, walk_back)
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -67,47 +71,13 @@ EAGER_LOOP_REASON = (
     "experts_implementation='grouped_mm' or 'batched_mm')")
 
 
-FP8_EXPERTS_REASON = (
-    "block-scaled FP8 / FP4 experts (transformers' FP8Experts): each expert projection runs as one "
-    "dsfuse.fp8_grouped_linear (activations quantised per token and 128 channels, as the checkpoint's kernels do); "
-    "a fused FP8 dispatch -> GEMM -> SwiGLU -> GEMM -> combine op is not built yet")
-
-
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, _gemm_targets(), _match, _rewrite)
     _report_eager_loops(graph, ctx)
-    _report_quantised_experts(graph, ctx)
-
-
-def _report_quantised_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    """One near-miss per block of FP8 experts: at its down projection, a grouped FP8 GEMM whose rows come from
-    another (the up projection) through the gate."""
-    grouped = getattr(torch.ops.dsfuse, "fp8_grouped_linear", None)
-    if grouped is None:
-        return
-    for node in graph.nodes:
-        if is_op(node, grouped.default) and _reads_grouped_gemm(node.args[0], grouped.default):
-            ctx.near_miss(node, FP8_EXPERTS_REASON)
-
-
-def _reads_grouped_gemm(node, target) -> bool:
-    """Whether `node` is computed from a call of `target` through pointwise, split and layout ops only (a gate)."""
-    pending, seen = [node], set()
-    while pending:
-        n = pending.pop()
-        if not isinstance(n, torch.fx.Node) or n in seen or n.op != "call_function":
-            continue
-        seen.add(n)
-        if is_op(n, target):
-            return True
-        pointwise = isinstance(n.target, torch._ops.OpOverload) and torch.Tag.pointwise in n.target.tags
-        if pointwise or is_op(n, operator.getitem, *SPLIT_OPS, *LAYOUT_OPS, aten.slice.Tensor):
-            pending.extend(n.all_input_nodes)
-    return False
 
 
 def _grouped_targets() -> tuple:
-    targets = [aten._grouped_mm.default]
+    targets = [aten._grouped_mm.default, torch.ops.dsfuse.fp8_grouped_linear.default]
     try:
         targets.append(torch.ops.transformers.grouped_mm_fallback.default)
     except (AttributeError, RuntimeError):
@@ -392,6 +362,14 @@ class ExpertGemm:
     route: torch.fx.Node | None = None  # grouped: offsets; batched: the per-slot expert ids
     out: torch.fx.Node | None = None  # [S, N]
     problem: str = ""
+    scale: torch.fx.Node | None = None  # block-scaled weights (fp8_grouped_linear): their scales
+    blocks: tuple[int, int] | None = None  # and their (block_n, block_k)
+
+    def dims(self) -> tuple:
+        """(E, N, K) of the weight, K counted in values (FP4 bytes hold two)."""
+        if self.scale is None:
+            return tuple(shape(self.weight))
+        return (shape(self.weight)[0], *weight_dims(tensor_val(self.weight)))
 
 
 def _transposed(node) -> torch.fx.Node | None:
@@ -425,6 +403,10 @@ def _squeezed(node, dim: int) -> torch.fx.Node | None:
 
 def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
     """Recognise an expert GEMM at `node`; None for a bmm that does not gather expert weights."""
+    if is_op(node, torch.ops.dsfuse.fp8_grouped_linear.default):
+        rows, weight, scale, offsets, block_n, block_k = node.args
+        return ExpertGemm(kind="grouped", rows=rows, weight=weight, route=offsets, out=node, scale=scale,
+                          blocks=(block_n, block_k))
     if node.target in _grouped_targets():
         args = dict(zip(("rows", "mat2", "offs", "bias", "out_dtype"), node.args))
         args.update(node.kwargs)
@@ -494,6 +476,7 @@ class Block:
     expert_parallel: bool = False
     fp4: tuple[Fp4Weights, Fp4Weights] | None = None
     notes: list[str] = field(default_factory=list)
+    quantized: tuple[ExpertGemm, ExpertGemm] | None = None  # block-scaled weights: (gate_up GEMM, down GEMM)
 
 
 def _flattened(node) -> torch.fx.Node | None:
@@ -1058,7 +1041,7 @@ def _match(anchor: torch.fx.Node) -> Block:
         raise NoMatch(g1.problem)
     if g1.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
-    E, two_i, H = shape(g1.weight)
+    E, two_i, H = g1.dims()
     if not isinstance(two_i, int) or two_i % 2:
         raise NoMatch(f"the first expert GEMM's output width {two_i} is not 2*I")
     inter = two_i // 2
@@ -1090,8 +1073,8 @@ def _match(anchor: torch.fx.Node) -> Block:
     g2 = _second_gemm(act, g1)
     if g2.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
-    if not same_shape(shape(g2.weight), (E, H, inter)):
-        raise NoMatch(f"down-projection weights {shape(g2.weight)} are not [E, H, I] = {(E, H, inter)}")
+    if not same_shape(g2.dims(), (E, H, inter)):
+        raise NoMatch(f"down-projection weights {g2.dims()} are not [E, H, I] = {(E, H, inter)}")
     out2 = g2.out
     if masked:
         user = only_user(out2)
@@ -1116,6 +1099,11 @@ def _match(anchor: torch.fx.Node) -> Block:
     block = Block(x=x, ids=ids, weights=weights, weights_cast=cast, gate_up=g1.weight, down=g2.weight, out=out,
                   kind=g1.kind, combine=combine, top_k=top_k, swiglu_limit=swiglu_limit,
                   expert_parallel=masked or route["sentinel"] is not None)
+    if g1.scale is not None or g2.scale is not None:
+        if g1.scale is None or g2.scale is None or g1.blocks != g2.blocks or dtype(g1.weight) != dtype(g2.weight):
+            raise NoMatch("the two expert GEMMs are not both block-scaled in one format and block size")
+        block.quantized = (g1, g2)
+        return block
     decoded = (_fp4_decode(g1.weight), _fp4_decode(g2.weight))
     if all(isinstance(d, Fp4Weights) for d in decoded):
         if any(d.dtype != dtype(x) for d in decoded):
@@ -1141,6 +1129,12 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
         w13, w2 = m.fp4
         args = (m.x, m.ids, weights, w13.packed, w13.scale, w2.packed, w2.scale, 0)
         op, target = "dsfuse.moe_experts_fp4", torch.ops.dsfuse.moe_experts_fp4.default
+    elif m.quantized is not None:
+        if m.weights_cast is not None and m.weights_cast != dtype(weights):
+            weights = insert_call(graph, out, CONVERT, (weights, m.weights_cast))
+        g1, g2 = m.quantized
+        args = (m.x, m.ids, weights, g1.weight, g1.scale, g2.weight, g2.scale, *g1.blocks, 0)
+        op, target = "dsfuse.moe_experts_fp8", torch.ops.dsfuse.moe_experts_fp8.default
     else:
         if m.weights_cast is not None and m.weights_cast != dtype(weights):
             weights = insert_call(graph, out, CONVERT, (weights, m.weights_cast))
@@ -1152,6 +1146,9 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
     out.replace_all_uses_with(fused)
     E = shape(m.gate_up)[0] if m.fp4 is None else shape(m.fp4[0].packed)[0]
     detail = f"{m.kind} GEMMs, {m.combine}, E={E}, k={m.top_k}"
+    if m.quantized is not None:
+        detail += f", {'FP4' if dtype(m.gate_up) in (torch.int8, torch.uint8) else 'FP8'} weights in " \
+                  f"{m.quantized[0].blocks[0]} x {m.quantized[0].blocks[1]} blocks"
     if m.swiglu_limit is not None:
         detail += f", SwiGLU clamped at {m.swiglu_limit:g}"
     if m.expert_parallel:
