@@ -1,0 +1,228 @@
+"""Proving a candidate site by running it: slice the pure subgraph from an anchor back to its frontier,
+run the slice on concrete CPU tensors and compare it with a family's reference on probes.
+
+A family binds some frontier nodes to its reference's named roles (q, k, a mask, ...) and supplies three
+functions: the probes (role -> tensor, at sizes this module picks), the reference on a probe, and a comparison
+that says what differs. What probes cannot establish stays the family's structural job; this only refuses
+candidates whose numbers disagree. Verdicts are cached by a structural hash of the slice and the binding, so
+the same layer repeated N times is run once.
+
+Sizes: a static size is the graph's own (the graph only ever runs at it); symbolic sizes get two assignments of
+small values, pairwise distinct and distinct from the static sizes, so a transposed or merged dim shows up.
+The slice runs outside any fake mode on real tensors: no guard of the graph's shape environment is touched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .graph_utils import in_graph_order, val
+
+MAX_NODES = 256
+MAX_ELEMENTS = 1 << 22  # summed over the slice's tensors at one size assignment
+SYMBOL_SIZES = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43)
+# Python-level size arithmetic Dynamo leaves in a graph (`s0 // 2`, `min(k, T)`).
+SIZE_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
+                            operator.truediv, operator.getitem, torch.sym_min, torch.sym_max, torch.sym_int,
+                            torch.sym_float, min, max, math.ceil, math.floor})
+
+Probe = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """`ok` True: every probe agreed; False: `reason` names the failing check; None: not run (too large)."""
+    ok: bool | None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family gives the verifier: probes at concrete role shapes, its reference, and a comparison
+    returning None when the slice's outputs agree with the reference, else what differs."""
+    probes: Callable[[dict[str, tuple], dict[str, torch.dtype]], list[tuple[str, Probe]]]
+    reference: Callable[[Probe], Any]
+    compare: Callable[[list, Any, Probe], str | None]
+
+
+_CACHE: dict[str, Verdict] = {}
+
+
+def is_pure(node: torch.fx.Node) -> bool:
+    """A call the slice may re-run on probes: an aten op that neither mutates nor draws random numbers."""
+    if node.op != "call_function":
+        return False
+    target = node.target
+    if target in SIZE_FUNCTIONS:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+def pure_slice(outputs: list[torch.fx.Node], stop: set, max_nodes: int = MAX_NODES) -> tuple[list, list] | None:
+    """(slice nodes in graph order, frontier nodes): the pure ancestors of `outputs`, cut at `stop`, at
+    anything impure and at graph inputs. None when it has more than `max_nodes` nodes."""
+    inside, frontier, pending = set(), set(), list(outputs)
+    while pending:
+        node = pending.pop()
+        if node in inside or node in frontier:
+            continue
+        if node in stop or not is_pure(node):
+            frontier.add(node)
+            continue
+        inside.add(node)
+        if len(inside) > max_nodes:
+            return None
+        pending.extend(node.all_input_nodes)
+    return in_graph_order(inside), in_graph_order(frontier)
+
+
+def _describe_value(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype}{list(value.shape)}"
+    return type(value).__name__ + (f":{value}" if isinstance(value, torch.SymInt) else "")
+
+
+def structural_key(nodes: list, frontier: list, roles: dict[str, torch.fx.Node], extra: Any) -> str:
+    """A hash of what the slice computes: each node's target and arguments, with nodes named by position and
+    frontier nodes by role, dtype and shape; `extra` is whatever else the family's verdict depends on."""
+    names = {}
+    role_of = {node: role for role, node in roles.items()}
+    parts = []
+    for i, node in enumerate(frontier):
+        names[node] = f"f{i}"
+        constant = _constant(node)
+        content = "" if constant is None else hashlib.sha256(
+            constant.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        parts.append(f"f{i}={role_of.get(node, '?')}:{_describe_value(val(node))}{content}")
+    for i, node in enumerate(nodes):
+        names[node] = f"n{i}"
+        args = torch.fx.map_arg((node.args, node.kwargs), names.__getitem__)
+        parts.append(f"n{i}={node.target}{args!r}")
+    parts.append(repr(extra))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _symbols(values) -> set:
+    found = set()
+    for value in values:
+        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
+        for size in sizes:
+            if isinstance(size, torch.SymInt):
+                found |= size.node.expr.free_symbols
+    return found
+
+
+def size_assignments(frontier: list, avoid: set, above: int = 0) -> list[dict]:
+    """Values for the symbols in the frontier's sizes: none for a static slice, else two assignments, taking
+    sizes over `above` first (a family's k, so a selection has keys to leave out)."""
+    values = [val(node) for node in frontier]
+    symbols = sorted(_symbols(values), key=str)
+    if not symbols:
+        return [{}]
+    free = sorted((s for s in SYMBOL_SIZES if s not in avoid), key=lambda s: s <= above)
+    if len(free) < 2 * len(symbols):
+        return []
+    return [dict(zip(symbols, free[i::2])) for i in (0, 1)]
+
+
+def concrete(size, assignment: dict) -> int:
+    """A size (int or SymInt) at a symbol assignment."""
+    if isinstance(size, torch.SymInt):
+        return int(size.node.expr.xreplace(assignment))
+    return int(size)
+
+
+def _static_sizes(values) -> set:
+    return {s for v in values if isinstance(v, torch.Tensor) for s in v.shape if isinstance(s, int)}
+
+
+def _elements(nodes: list, assignment: dict) -> int:
+    total = 0
+    for node in nodes:
+        value = val(node)
+        for tensor in value if isinstance(value, (tuple, list)) else [value]:
+            if isinstance(tensor, torch.Tensor):
+                total += math.prod(concrete(s, assignment) for s in tensor.shape)
+    return total
+
+
+def run_slice(nodes: list, outputs: list, env: dict) -> list:
+    """Run the slice's nodes on concrete values (`env`: frontier node -> value), on the CPU, outside fake mode."""
+    env = dict(env)
+    with unset_fake_temporarily(), torch.no_grad():
+        for node in nodes:
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), env.__getitem__)
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": torch.device("cpu")}
+            env[node] = node.target(*args, **kwargs)
+    return [env[node] for node in outputs]
+
+
+def verify(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], family: Family, extra: Any = (),
+           above: int = 0, max_nodes: int = MAX_NODES, max_elements: int = MAX_ELEMENTS) -> Verdict:
+    """Whether the slice ending at `outputs`, with its frontier bound to `roles`, computes the family's reference
+    on every probe at every size assignment (cached by the slice's structural hash)."""
+    found = pure_slice(outputs, set(roles.values()), max_nodes)
+    if found is None:
+        return Verdict(False, f"the slice from the anchor has more than {max_nodes} nodes")
+    nodes, frontier = found
+    key = structural_key(nodes, frontier, roles, extra)
+    if key in _CACHE:
+        return _CACHE[key]
+    verdict = _run(nodes, frontier, outputs, roles, family, above, max_elements)
+    if verdict.ok is not None:
+        _CACHE[key] = verdict
+    return verdict
+
+
+def _constant(node: torch.fx.Node) -> torch.Tensor | None:
+    """The real tensor a `get_attr` node reads (a constant the source built in forward), else None."""
+    if node.op != "get_attr" or node.graph.owning_module is None:
+        return None
+    value = node.graph.owning_module
+    for part in node.target.split("."):
+        value = getattr(value, part, None)
+    real = isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor)
+    return value.detach().cpu() if real else None
+
+
+def _run(nodes, frontier, outputs, roles, family: Family, above: int, max_elements: int) -> Verdict:
+    bound, constants = set(roles.values()), {}
+    for node in frontier:
+        if node in bound or isinstance(val(node), torch.SymInt):
+            continue
+        constants[node] = _constant(node)
+        if constants[node] is None:
+            return Verdict(False, f"the slice reads {node} ({_describe_value(val(node))}), bound to no role")
+    assignments = size_assignments(frontier, _static_sizes(val(n) for n in frontier), above)
+    if not assignments:
+        return Verdict(None, "too many symbolic sizes to probe")
+    for assignment in assignments:
+        if _elements(nodes, assignment) > max_elements:
+            return Verdict(None, f"probes over {max_elements} elements")
+        shapes = {role: tuple(concrete(s, assignment) for s in val(node).shape) for role, node in roles.items()}
+        dtypes = {role: val(node).dtype for role, node in roles.items()}
+        sizes = {node: concrete(val(node), assignment) for node in frontier if isinstance(val(node), torch.SymInt)}
+        for name, probe in family.probes(shapes, dtypes):
+            env = {**constants, **sizes, **{roles[role]: tensor for role, tensor in probe.items()}}
+            try:
+                got = run_slice(nodes, outputs, env)
+            except (RuntimeError, TypeError, ValueError, IndexError) as error:
+                return Verdict(False, f"the slice does not run on the {name} probe ({type(error).__name__})")
+            problem = family.compare(got, family.reference(probe), probe)
+            if problem is not None:
+                return Verdict(False, f"{name} probe: {problem}")
+    return Verdict(True)
+
+
+def clear_cache() -> None:
+    _CACHE.clear()

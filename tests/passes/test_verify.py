@@ -1,0 +1,72 @@
+"""`passes/verify.py`: slicing from an anchor to its frontier, running the slice on probes against a reference,
+the verdict cache, and symbolic sizes."""
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dsfuse.passes import verify
+
+
+def _graph(fn, *args, mode="fake"):
+    gm = make_fx(fn, tracing_mode=mode)(*args)
+    nodes = list(gm.graph.nodes)
+    return [n for n in nodes if n.op == "placeholder"], next(n for n in nodes if n.op == "output").args[0][0]
+
+
+def _scaled_relu(a, b):
+    return (torch.relu(a) * 2 + b,)
+
+
+def _family(calls):
+    def probes(shapes, dtypes):
+        gen = torch.Generator().manual_seed(0)
+        return [("random", {role: torch.randn(shape, generator=gen) for role, shape in shapes.items()})]
+
+    def reference(probe):
+        calls.append({role: tuple(t.shape) for role, t in probe.items()})
+        return torch.relu(probe["x"]) * 2 + probe["bias"]
+
+    def compare(got, want, probe):
+        return None if torch.equal(got[0], want) else "values differ"
+
+    return verify.Family(probes, reference, compare)
+
+
+def test_right_binding_verifies_once_then_from_the_cache():
+    verify.clear_cache()
+    (a, b), out = _graph(_scaled_relu, torch.randn(3, 5), torch.randn(3, 5))
+    calls = []
+    assert verify.verify([out], {"x": a, "bias": b}, _family(calls)).ok is True
+    assert verify.verify([out], {"x": a, "bias": b}, _family(calls)).ok is True
+    assert len(calls) == 1
+
+
+def test_swapped_binding_names_the_failing_probe():
+    verify.clear_cache()
+    (a, b), out = _graph(_scaled_relu, torch.randn(3, 5), torch.randn(3, 5))
+    verdict = verify.verify([out], {"x": b, "bias": a}, _family([]))
+    assert verdict == verify.Verdict(False, "random probe: values differ")
+
+
+def test_unbound_frontier_tensor_is_named():
+    verify.clear_cache()
+    (a, b), out = _graph(_scaled_relu, torch.randn(3, 5), torch.randn(3, 5))
+    verdict = verify.verify([out], {"x": a}, _family([]))
+    assert verdict.ok is False and "bound to no role" in verdict.reason
+
+
+def test_symbolic_sizes_get_two_small_distinct_assignments():
+    verify.clear_cache()
+    (a, b), out = _graph(_scaled_relu, torch.randn(3, 6), torch.randn(3, 6), mode="symbolic")
+    calls = []
+    assert verify.verify([out], {"x": a, "bias": b}, _family(calls)).ok is True
+    assert len(calls) == 2 and calls[0] != calls[1]
+    for shapes in calls:
+        assert len(set(shapes["x"])) == 2, "the two dims get distinct sizes"
+
+
+def test_slice_over_the_node_bound_is_refused():
+    verify.clear_cache()
+    (a, b), out = _graph(_scaled_relu, torch.randn(3, 5), torch.randn(3, 5))
+    verdict = verify.verify([out], {"x": a, "bias": b}, _family([]), max_nodes=1)
+    assert verdict.ok is False and "more than 1 nodes" in verdict.reason
