@@ -1,42 +1,52 @@
 """`indexer_topk`: the DSA lightning indexer (scores -> relu -> head-weighted sum -> mask -> top-k)
 rewritten into one `dsfuse::indexer_topk` call.
 
-The anchor is an `aten.topk` over the last dim of a `[B, S, T]` tensor (or `[S, T]`: one sequence, as
-vLLM's and SGLang's references write it). Walking back from it:
+The anchors are selections over the last dim of a `[B, S, T]` tensor (or `[S, T]`: one sequence, as
+vLLM's and SGLang's references write it): `aten.topk`, and a descending `sort` / `argsort` whose indices
+(and values, when read) are read as a prefix `[..., :k]`; a `kthvalue` threshold is reported. Walking back:
 
     topk(mask(k_scale[b,t]? * sum_h weights[b,s,h] * relu(scale * q[b,s,h,:] . k[b,t,:])))
 
-`mask` is `where(c, -inf, x)` (the canonical polarity; a negated condition keeps), `x + additive` or
-absent; the scale is a constant (chains of constant scalings are collected by the canonicaliser)
-before relu or after it (equal for a positive constant); the product may put q or k first;
+`mask` is `where(c, -inf, x)` (the canonical polarity; a negated condition keeps), `x + additive` (or two
+additive masks added in turn, which the op takes summed) or absent; the scale is a constant (chains of
+constant scalings are collected by the canonicaliser) before relu or after it (equal for a positive
+constant); the product may put q or k first;
 the head sum may be a bmm (HF's matmul, einsum) or a mul + sum; `q`/`k` may be fp32 upcasts of
 bf16/fp16/fp8 tensors, which the kernel reads in their narrow form (when only one of them is narrow,
 both are widened to fp32, which is exact). Which dims are contracted is checked by following them
 through every reshape/permute/expand (`dims.py`), so any spelling of the same math matches and nothing
-else does. Top-k values may only be compared with -inf (how official-style code marks picks of masked
+else does; q held heads-first throughout is read through a permute of its leaf. Top-k values may only be
+compared with -inf (how official-style code marks picks of masked
 keys as -1); that comparison is rebuilt from the mask.
 
 The fused op returns each row's picks as a set; when anything may see their slot order (they leave
 the graph, or are read slot by slot) and the top-k was sorted, the op is asked for `torch.topk`'s order.
 
-A top-k whose input is not a head-weighted relu score is not an indexer and is skipped silently;
-one that is but cannot be rewritten is reported with the reason.
+Before rewriting, the matched slice is run on probes against `indexer_topk_reference` (`verify.py`: random,
+tied keys, a zero query row, masked rows; symbolic sizes at two small assignments); a disagreement is a
+near-miss naming the failing probe. Slices too large to probe at a static graph's sizes rest on the dims proof.
+
+A selection whose input no head-weighted relu score reaches (through elementwise and layout ops) is not an
+indexer and is skipped silently; one that is but cannot be rewritten is reported with the reason.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
 
-import dsfuse.kernels.indexer_topk  # noqa: F401  (registers torch.ops.dsfuse.indexer_topk)
+from dsfuse.kernels.indexer_topk import indexer_topk_reference  # also registers torch.ops.dsfuse.indexer_topk
 
 from .canonicalize import canonical_scale
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
                    views_of_rank)
-from .graph_utils import (CONVERT, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, insert_call, is_neg_inf, is_op,
-                          only_user, same_shape, same_size, scalar_arg, shape, size_arg, unspecialised_float)
+from .graph_utils import (CONVERT, LAYOUT_OPS, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, insert_call, is_neg_inf,
+                          is_op, node_arg, only_user, piece_of, same_shape, same_size, scalar_arg, shape, size_arg,
+                          unspecialised_float)
+from .verify import Family, Verdict, verify
 
 NAME = "indexer_topk"
 IMPLEMENTED = True
@@ -46,8 +56,13 @@ SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3f
 PRODUCTS = (aten.bmm.default, aten.mm.default)
 
 
+SORTS = (aten.sort.default, aten.sort.stable)
+# Selections by op class: a top-k, a sort whose indices are read as a prefix, and a k-th value (reported only).
+ANCHORS = (aten.topk.default, *SORTS, aten.kthvalue.default)
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.topk.default,), _match, _rewrite)
+    rewrite_anchored(graph, ctx, ANCHORS, _match, _rewrite)
 
 
 def _topk_params(node: torch.fx.Node) -> tuple:
@@ -68,7 +83,7 @@ SLOT_PRESERVING = {CONVERT, aten.unsqueeze.default, aten.squeeze.dim, aten.view.
 SET_CONSUMERS = {aten.scatter.value, aten.scatter_.value}
 
 
-def _order_observed(getters: list[torch.fx.Node]) -> bool:
+def _order_observed(outputs: list[torch.fx.Node]) -> bool:
     """Whether anything may see the slot order of the top-k.
 
     The fused op returns each row's top-k as a set unless asked for `torch.topk`'s order. Scattering
@@ -76,7 +91,7 @@ def _order_observed(getters: list[torch.fx.Node]) -> bool:
     receives the indices, a gather read slot by slot, a slot-wise mix with a tensor that varies along
     the slots, such as `arange(k) < n`), so the order is kept for it.
     """
-    traced, frontier = set(getters), list(getters)
+    traced, frontier = set(outputs), list(outputs)
     while frontier:
         node = frontier.pop()
         for user in node.users:
@@ -104,14 +119,14 @@ def _neg_inf(node) -> bool:
 
 
 def _split_mask(x: torch.fx.Node) -> tuple:
-    """(scores, mask) where mask is ("keep", bool), ("drop", bool), ("add", float) or None.
+    """(scores, mask) where mask is ("keep", bool), ("drop", bool), ("add", float), ("add", (float, float)) or None.
 
     `where(c, -inf, x)` drops where c holds (HF `masked_fill`; canonicalize brings `where(c, x, -inf)` to
     this polarity); a negated condition keeps where its operand holds."""
     if is_op(x, aten.where.self):
         cond, fill, scores = x.args
         if not _neg_inf(fill):
-            raise NoMatch("masked with a fill value other than -inf", reported=False)
+            raise NoMatch("masked with a fill value other than -inf")
         if is_op(cond, *NOT_OPS):
             return scores, ("keep", cond.args[0])
         return scores, ("drop", cond)
@@ -119,7 +134,31 @@ def _split_mask(x: torch.fx.Node) -> tuple:
         for scores, mask in (x.args, x.args[::-1]):
             if _head_sum(scores, probe=True) is not None:
                 return scores, ("add", mask)
+            inner, inner_mask = _split_mask(scores) if is_op(scores, aten.add.Tensor) else (scores, None)
+            if inner_mask is not None and inner_mask[0] == "add" and isinstance(inner_mask[1], torch.fx.Node):
+                return inner, ("add", (inner_mask[1], mask))  # two additive masks (causal + padding), summed
     return x, None
+
+
+SIGNATURE_DEPTH = 8
+
+
+def _has_signature(x: torch.fx.Node) -> bool:
+    """Whether a head-weighted sum of relu scores reaches `x` through a few elementwise or layout ops: the
+    indexer's signature, which makes any selection of `x` a site or a reported near-miss."""
+    pending, seen = [(x, 0)], set()
+    while pending:
+        node, depth = pending.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen or depth > SIGNATURE_DEPTH:
+            continue
+        seen.add(node)
+        if _head_sum(node, probe=True) is not None:
+            return True
+        target = node.target if node.op == "call_function" else None
+        if target in LAYOUT_OPS or target is CONVERT or (
+                isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
+            pending.extend((arg, depth + 1) for arg in node.all_input_nodes)
+    return False
 
 
 def _is_relu(node) -> bool:
@@ -171,17 +210,50 @@ def _head_sum(scores: torch.fx.Node, probe: bool = False) -> dict | None:
     return None
 
 
-def _match(topk: torch.fx.Node) -> dict:
-    x, k, dim, largest, ordered = _topk_params(topk)
+def _selection(anchor: torch.fx.Node) -> dict:
+    """What a selection anchor selects: its input, count, dim, direction, whether its slots are sorted, and the
+    nodes that carry its indices and values. `topk(x, k)`; `sort(x, descending)` (or `argsort`) read through
+    prefix slices `[..., :k]` of its indices (and of its values, when those are read)."""
+    if anchor.target is aten.topk.default:
+        x, k, dim, largest, ordered = _topk_params(anchor)
+        outputs = {i: [g for g in anchor.users if g.args[1] == i] for i in (0, 1)}
+        return dict(x=x, count=k, dim=dim, largest=largest, ordered=ordered, values=outputs[0], indices=outputs[1])
+    x = anchor.args[0]
+    dim, descending = node_arg(anchor, 1, "dim", -1), node_arg(anchor, 2, "descending", False)
+    outputs, ends = {0: [], 1: []}, set()
+    for getter in anchor.users:
+        for user in getter.users:
+            piece = piece_of(user)
+            if piece is None or piece[1] != len(shape(x)) - 1 or piece[2] != 0:
+                raise NoMatch("the sorted scores are read other than as a prefix [..., :k] along the key dim")
+            outputs[getter.args[1]].append(user)
+            ends.add(piece[3])
+    if len(ends) != 1 or not isinstance(next(iter(ends)), int):
+        raise NoMatch("the sort's prefixes are not of one constant length")
+    if not outputs[1]:
+        raise NoMatch("only the sorted values are read (the fused op returns indices)")
+    return dict(x=x, count=ends.pop(), dim=dim, largest=descending, ordered=True, values=outputs[0],
+                indices=outputs[1])
+
+
+def _match(anchor: torch.fx.Node) -> dict:
+    x = anchor.args[0]
     batched = len(shape(x)) == 3
     if len(shape(x)) not in (2, 3):
         raise NoMatch("top-k input is not [B, S, T] or [S, T]", reported=False)
-    scores, mask = _split_mask(x)
-    head = _head_sum(scores)
-    if head is None:
+    if not _has_signature(x):
         raise NoMatch("top-k input is not a head-weighted sum of relu scores", reported=False)
 
     # From here on the candidate looks like an indexer: every miss is reported.
+    scores, mask = _split_mask(x)
+    head = _head_sum(scores)
+    if head is None:
+        raise NoMatch("the head-weighted relu scores reach the selection through ops other than one -inf or "
+                      "additive mask")
+    if anchor.target is aten.kthvalue.default:
+        raise NoMatch("keys selected by a kthvalue threshold (the fused op returns a top-k index set)")
+    sel = _selection(anchor)
+    k, dim, largest = sel["count"], sel["dim"], sel["largest"]
     if dim not in (-1, len(shape(x)) - 1):
         raise NoMatch(f"top-k over dim {dim}, not the key dim")
     if largest is not True:
@@ -203,18 +275,22 @@ def _match(topk: torch.fx.Node) -> dict:
     k_scale = leaf_of_rank(head["k_scale"], 1 + extra) if head["k_scale"] is not None else None
     found = None
     # the op reads any strided view, and the dims check picks the one laid out as it wants (V4 keeps q as
-    # [B, H, S, D] until a transpose)
-    pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in views_of_rank(qk.args[q_pos], 3 + extra)
-             for k in views_of_rank(qk.args[1 - q_pos], 2 + extra))
-    for q_pos, (q, q_ops), (k_node, k_ops) in pairs:
-        if len(shape(weights)) == 2 + extra and _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops,
-                                                                   relu_ops, weights, w_ops, k_scale):
-            found = q, k_node
+    # [B, H, S, D] until a transpose); failing that, a permutation of q's leaf (q held heads-first throughout)
+    for permuted in (False, True):
+        pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _q_candidates(qk.args[q_pos], 3 + extra, permuted)
+                 for k in views_of_rank(qk.args[1 - q_pos], 2 + extra))
+        for q_pos, (q, q_ops, q_order), (k_node, k_ops) in pairs:
+            q_view = (q, q_ops, q_order)
+            if len(shape(weights)) == 2 + extra and _computes_indexer(
+                    head, batched, q_pos, q_view, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale):
+                found = q, q_order, k_node
+                break
+        if found is not None:
             break
     if found is None:
         b, form = ("b,", "[B, S, T]") if batched else ("", "[S, T]")
         raise NoMatch(f"the contraction is not sum_h w[{b}s,h] * relu(q[{b}s,h,:] . k[{b}t,:]) over {form}")
-    q, k_node = found
+    q, q_order, k_node = found
     if dtype(qk) != torch.float32:
         raise NoMatch(f"scores are computed in {dtype(qk)}, not fp32")
     if dtype(q) not in SCORE_DTYPES or dtype(k_node) not in SCORE_DTYPES:
@@ -222,25 +298,45 @@ def _match(topk: torch.fx.Node) -> dict:
     if not (dtype(weights).is_floating_point and dtype(weights).itemsize <= 4):
         raise NoMatch(f"head weights are {dtype(weights)}, the kernel sums them in fp32")
     masked_checks = []
-    for getter in topk.users:
-        if getter.target is operator.getitem and getter.args[1] == 0:
-            for user in getter.users:
-                if not (is_op(user, aten.eq.Scalar) and user.args[1] == float("-inf")):
-                    raise NoMatch("the top-k values are used downstream (the fused op returns indices only)")
-                masked_checks.append(user)
+    for values in sel["values"]:
+        for user in values.users:
+            if not (is_op(user, aten.eq.Scalar) and user.args[1] == float("-inf")):
+                raise NoMatch("the top-k values are used downstream (the fused op returns indices only)")
+            masked_checks.append(user)
     if k_scale is not None:
         k_scale = k_scale[0]
         if dtype(k_scale) not in (torch.float32, torch.bfloat16, torch.float16):
             raise NoMatch(f"per-key scale is {dtype(k_scale)}, not a float the kernel can widen to fp32")
-    return dict(q=q, k=k_node, weights=weights, k_scale=k_scale, mask=mask, scale=softmax_scale,
-                topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
-                ordered=bool(ordered) and _order_observed(list(topk.users)))
+    found = dict(q=q, q_order=q_order, k=k_node, weights=weights, k_scale=k_scale, mask=mask, scale=softmax_scale,
+                 topk=_topk_count(k), masked_checks=masked_checks, batched=batched, indices=sel["indices"],
+                 ordered=bool(sel["ordered"]) and _order_observed(sel["indices"] + sel["values"]))
+    verdict = _verify(x, found)
+    if verdict.ok is False:
+        raise NoMatch(f"numeric check against the reference failed: {verdict.reason}")
+    return found
 
 
-def _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale) -> bool:
+def _q_candidates(node, rank: int, permuted: bool) -> list:
+    """(q, ops after it, order): each view of `rank` dims on q's layout chain (order None), or with `permuted`,
+    every other order of the dims of the one nearest the leaf (the op then reads `q.permute(order)`)."""
+    views = views_of_rank(node, rank)
+    if not permuted:
+        return [(q, ops, None) for q, ops in views]
+    if not views:
+        return []
+    q, ops = views[0]
+    return [(q, ops, order) for order in itertools.permutations(range(rank)) if order != tuple(range(rank))]
+
+
+def _computes_indexer(head, batched, q_pos, q_view, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale) -> bool:
     """Follow the dims from the leaves to the top-k input and check the contraction is the indexer's."""
     lead = "b" if batched else ""
-    sizes = dict(zip(lead + "shd", shape(q)))
+    q, q_ops, order = q_view
+    order = order or tuple(range(len(shape(q))))
+    sizes = dict(zip(lead + "shd", (shape(q)[i] for i in order)))
+    q_names = [""] * len(order)
+    for name, i in zip(lead + "shd", order):
+        q_names[i] = name
     sizes["t"] = shape(k_node)[-2]
     if not (same_shape(shape(k_node), [sizes[n] for n in lead + "td"])
             and same_shape(shape(weights), [sizes[n] for n in lead + "sh"])):
@@ -249,7 +345,7 @@ def _computes_indexer(head, batched, q_pos, q, q_ops, k_node, k_ops, qk_ops, rel
     def only(atoms, name) -> bool:
         return tuple(a[0] for a in atoms) == (() if same_size(sizes[name], 1) else (name,))
 
-    q_labels, k_labels = follow(leaf_labels(q, lead + "shd"), q_ops), follow(leaf_labels(k_node, lead + "td"), k_ops)
+    q_labels, k_labels = follow(leaf_labels(q, q_names), q_ops), follow(leaf_labels(k_node, lead + "td"), k_ops)
     if not q_labels or not k_labels:
         return False
     first, second = (q_labels, k_labels) if q_pos == 0 else (k_labels, q_labels)
@@ -298,6 +394,94 @@ def _topk_count(k) -> int:
     raise NoMatch(f"top-k count {k} is not a constant")
 
 
+def _verify(x: torch.fx.Node, m: dict) -> Verdict:
+    """Run the matched slice (scores and picks) on probes against `indexer_topk_reference` with the bound q, k,
+    weights, k_scale and mask; the picks must be distinct, in range, and score what the reference's score."""
+    roles = {name: m[name] for name in ("q", "k", "weights", "k_scale") if m[name] is not None}
+    kind = None
+    if m["mask"] is not None:
+        kind, masks = m["mask"]
+        roles.update(zip(("mask", "mask2"), masks if isinstance(masks, tuple) else (masks,)))
+    family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, kind, m["q_order"]),
+                    reference=lambda probe: _reference(probe, m, kind), compare=_same_picks)
+    extra = (kind, m["scale"], m["topk"], m["batched"], m["q_order"])
+    return verify([m["indices"][0], x], roles, family, extra, above=m["topk"])
+
+
+def _grid(shape, dtype, gen, low=None) -> torch.Tensor:
+    """Values on a 1/4 grid, small enough that every product and short sum is exact in fp32 (so any summation
+    order gives the same scores) and representable in fp8 e4m3; `low` given: uniform in [low, low + 1)."""
+    if low is not None:
+        return ((torch.rand(shape, generator=gen) + low) * 4).round().div(4).clamp_min(0.25).to(dtype)
+    return (torch.randn(shape, generator=gen) * 6).round().clamp(-15, 15).div(4).to(dtype)
+
+
+def _probes(shapes: dict, dtypes: dict, kind, q_order) -> list:
+    """A generic probe (a fully masked query row where a mask may), one with every other key a copy of the first
+    (tied scores), and one with the first query row zero (every score of that row ties at 0). q is probed in its
+    graph layout, whose query dim is `q_order[-3]` when the op reads it permuted."""
+    gen = torch.Generator().manual_seed(0)
+    base = {name: _grid(shapes[name], dtypes[name], gen) for name in ("q", "k", "weights")}
+    if "k_scale" in shapes:
+        base["k_scale"] = _grid(shapes["k_scale"], dtypes["k_scale"], gen, low=0.5)
+    if kind is not None:
+        keep = torch.rand(shapes["mask"], generator=gen) < 0.6
+        if keep.dim() >= 2:
+            keep[..., 0, :] = False
+        base["mask"] = {"keep": keep, "drop": ~keep}.get(
+            kind, torch.zeros(keep.shape).masked_fill(~keep, float("-inf")).to(dtypes["mask"]))
+        if "mask2" in shapes:
+            drop = torch.rand(shapes["mask2"], generator=gen) < 0.2
+            base["mask2"] = torch.zeros(drop.shape).masked_fill(drop, float("-inf")).to(dtypes["mask2"])
+    tied, zero = dict(base), dict(base)
+    tied["k"] = base["k"].clone()
+    tied["k"][..., ::2, :] = base["k"][..., :1, :]
+    zero["q"] = base["q"].clone()
+    zero["q"].select((q_order or range(zero["q"].dim()))[-3], 0).zero_()
+    return [("random", base), ("tied keys", tied), ("zero query", zero)]
+
+
+def _reference(probe: dict, m: dict, kind) -> torch.Tensor:
+    """`indexer_topk_reference` on a probe, with the op's argument conventions (keep-True mask, fp32 weights)."""
+    q, k = probe["q"], probe["k"]
+    if m["q_order"] is not None:
+        q = q.permute(m["q_order"])
+    if q.dtype != k.dtype:
+        q, k = q.float(), k.float()
+    weights, k_scale = probe["weights"].float(), probe.get("k_scale")
+    mask = probe.get("mask")
+    if kind == "drop":
+        mask = ~mask
+    elif kind == "add":
+        mask = mask.float() + probe["mask2"].float() if "mask2" in probe else mask.float()
+    if not m["batched"]:
+        q, k, weights = q[None], k[None], weights[None]
+        k_scale = k_scale[None] if k_scale is not None else None
+    picks = indexer_topk_reference(q, k, weights, k_scale.float() if k_scale is not None else None, mask, m["scale"],
+                                   m["topk"])
+    return picks if m["batched"] else picks[0]
+
+
+def _same_picks(got: list, want: torch.Tensor, probe: dict) -> str | None:
+    """The slice's picks against the reference's, by the family's tie rule: distinct, in range, and the same
+    sorted scores (the slice's own) as the reference's picks; without ties that is the same index set."""
+    picks, scores = got
+    if picks.shape != want.shape:
+        return f"picks of shape {list(picks.shape)}, the reference's {list(want.shape)}"
+    picks, want = picks.long(), want.long()
+    if picks.numel() == 0:
+        return None
+    if (picks < 0).any() or (picks >= scores.shape[-1]).any():
+        return "a pick out of range"
+    ordered = picks.sort(dim=-1).values
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        return "a key picked twice in one row"
+    chosen = scores.gather(-1, picks).sort(dim=-1).values
+    expected = scores.gather(-1, want).sort(dim=-1).values
+    differ = (chosen != expected).any(dim=-1)
+    return f"{int(differ.sum())} rows pick other scores than the reference" if differ.any() else None
+
+
 def _widened(graph: torch.fx.Graph, before: torch.fx.Node, node, to: torch.dtype, batched: bool):
     """`node` as the op wants it: converted to `to` (exact: the source computes in fp32 anyway) and, for
     one sequence, with a batch dim of 1 in front."""
@@ -308,53 +492,58 @@ def _widened(graph: torch.fx.Graph, before: torch.fx.Node, node, to: torch.dtype
     return node if batched else insert_call(graph, before, aten.unsqueeze.default, (node, 0))
 
 
-def _rewrite(graph: torch.fx.Graph, topk: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     count, mask, batched = m["topk"], m["mask"], m["batched"]
     mask_node = None
     if mask is not None:
         kind, mask_node = mask
         if kind == "drop":
-            mask_node = insert_call(graph, topk, aten.bitwise_not.default, (mask_node,))
-        elif kind == "add" and dtype(mask_node) != torch.float32:
-            mask_node = insert_call(graph, topk, CONVERT, (mask_node, torch.float32))
+            mask_node = insert_call(graph, anchor, aten.bitwise_not.default, (mask_node,))
+        elif kind == "add":
+            parts = mask_node if isinstance(mask_node, tuple) else (mask_node,)
+            parts = [insert_call(graph, anchor, CONVERT, (node, torch.float32)) if dtype(node) != torch.float32
+                     else node for node in parts]
+            mask_node = parts[0] if len(parts) == 1 else insert_call(graph, anchor, aten.add.Tensor, tuple(parts))
     qk_dtype = dtype(m["q"]) if dtype(m["q"]) == dtype(m["k"]) else torch.float32  # mixed: both widened
-    q, k = (_widened(graph, topk, m[name], qk_dtype, batched) for name in ("q", "k"))
-    weights, k_scale = (_widened(graph, topk, m[name], torch.float32, batched) for name in ("weights", "k_scale"))
-    fused = insert_call(graph, topk, torch.ops.dsfuse.indexer_topk.default,
+    q = m["q"]
+    if m["q_order"] is not None:
+        q = insert_call(graph, anchor, aten.permute.default, (q, list(m["q_order"])))
+    q, k = (_widened(graph, anchor, node, qk_dtype, batched) for node in (q, m["k"]))
+    weights, k_scale = (_widened(graph, anchor, m[name], torch.float32, batched) for name in ("weights", "k_scale"))
+    fused = insert_call(graph, anchor, torch.ops.dsfuse.indexer_topk.default,
                         (q, k, weights, k_scale, mask_node, m["scale"], count, m["ordered"]))
     if not batched:
-        fused = insert_call(graph, topk, aten.squeeze.dim, (fused, 0))
+        fused = insert_call(graph, anchor, aten.squeeze.dim, (fused, 0))
     if m["masked_checks"]:
-        _replace_masked_checks(graph, topk, fused, mask_node, m)
-    for user in list(topk.users):
-        if user.args[1] == 0:
-            continue
+        _replace_masked_checks(graph, anchor, fused, mask_node, m)
+    for user in m["indices"]:
         cast = only_user(user)
         if is_op(cast, CONVERT) and cast.args[1] == torch.int32:
             cast.replace_all_uses_with(fused)
         else:
-            widened = insert_call(graph, topk, CONVERT, (fused, torch.int64))
+            widened = insert_call(graph, anchor, CONVERT, (fused, torch.int64))
             user.replace_all_uses_with(widened)
     kind = "no mask" if mask is None else {"keep": "bool mask", "drop": "bool mask", "add": "additive mask"}[mask[0]]
     detail = (f"{kind}, k={count}, scale={m['scale']:.6g}{', fp8 k_scale' if m['k_scale'] is not None else ''}"
               f"{', one sequence' if not batched else ''}{', in topk order' if m['ordered'] else ''}")
-    ctx.site(topk, "dsfuse.indexer_topk", [m["q"], m["k"], m["weights"], m["k_scale"], mask_node], detail=detail)
+    ctx.site(anchor, "dsfuse.indexer_topk", [m["q"], m["k"], m["weights"], m["k_scale"], mask_node], detail=detail)
 
 
-def _replace_masked_checks(graph: torch.fx.Graph, topk: torch.fx.Node, fused: torch.fx.Node, mask_node, m: dict) -> None:
+def _replace_masked_checks(graph: torch.fx.Graph, anchor: torch.fx.Node, fused: torch.fx.Node, mask_node,
+                           m: dict) -> None:
     """`values == -inf` marks the picks that landed on masked keys (the scores are finite elsewhere), so
     it is the mask read at the picked indices: O(S*k) work instead of keeping the values."""
-    picked = insert_call(graph, topk, CONVERT, (fused, torch.int64))
+    picked = insert_call(graph, anchor, CONVERT, (fused, torch.int64))
     if mask_node is None:
-        masked = insert_call(graph, topk, aten.lt.Scalar, (picked, 0))
+        masked = insert_call(graph, anchor, aten.lt.Scalar, (picked, 0))
     else:
-        sizes = [size_arg(graph, topk, fused, d) for d in range(len(shape(fused)) - 1)]
-        sizes.append(size_arg(graph, topk, m["k"], -2))
-        full = insert_call(graph, topk, aten.expand.default, (mask_node, sizes))
-        gathered = insert_call(graph, topk, aten.gather.default, (full, -1, picked))
+        sizes = [size_arg(graph, anchor, fused, d) for d in range(len(shape(fused)) - 1)]
+        sizes.append(size_arg(graph, anchor, m["k"], -2))
+        full = insert_call(graph, anchor, aten.expand.default, (mask_node, sizes))
+        gathered = insert_call(graph, anchor, aten.gather.default, (full, -1, picked))
         if dtype(mask_node) == torch.bool:
-            masked = insert_call(graph, topk, aten.bitwise_not.default, (gathered,))
+            masked = insert_call(graph, anchor, aten.bitwise_not.default, (gathered,))
         else:
-            masked = insert_call(graph, topk, aten.eq.Scalar, (gathered, float("-inf")))
+            masked = insert_call(graph, anchor, aten.eq.Scalar, (gathered, float("-inf")))
     for check in m["masked_checks"]:
         check.replace_all_uses_with(masked)

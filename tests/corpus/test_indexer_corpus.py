@@ -163,6 +163,46 @@ def first_picks_scattered(q, k, w, keep):
     return torch.zeros(*index.shape[:-1], k.shape[1] + 1, dtype=torch.bool).scatter(-1, best, True)
 
 
+def _masked_index(q, k, w, keep):
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~keep, float("-inf"))
+
+
+def sort_descending_prefix(q, k, w, keep):
+    """Top-k as the first k of a descending sort's indices, returned (the caller sees the slots)."""
+    return _masked_index(q, k, w, keep).sort(dim=-1, descending=True).indices[..., :K]
+
+
+def argsort_prefix_scattered(q, k, w, keep):
+    """Top-k as `argsort(descending)[..., :k]`, scattered into a bool selection."""
+    picks = torch.argsort(_masked_index(q, k, w, keep), dim=-1, descending=True)[..., :K]
+    return torch.zeros(keep.shape, dtype=torch.bool).scatter(-1, picks, True)
+
+
+def stable_sort_minus_one(q, k, w, keep):
+    """A stable descending sort; picks whose sorted value is -inf marked -1 (official-style), from the prefixes."""
+    values, picks = torch.sort(_masked_index(q, k, w, keep), dim=-1, descending=True, stable=True)
+    return torch.where(values[..., :K] == float("-inf"), -1, picks[..., :K])
+
+
+def heads_first_q(q_hf, k, w, keep):
+    """q held heads-first [B,H,S,D] throughout: scores [B,H,S,T], head sum over dim 1."""
+    scores = F.relu(torch.matmul(q_hf.float(), k.float().transpose(-1, -2).unsqueeze(1)) * SCALE)
+    index = (scores * w.transpose(1, 2).unsqueeze(-1)).sum(dim=1)
+    return index.masked_fill(~keep, float("-inf")).topk(K, dim=-1, sorted=False).indices
+
+
+def ascending_argsort_tail(q, k, w, keep):
+    """The last k of an ascending argsort: the same keys, read as a suffix (not a prefix)."""
+    return torch.argsort(_masked_index(q, k, w, keep), dim=-1)[..., -K:]
+
+
+def kthvalue_threshold(q, k, w, keep):
+    """Keys at or above the k-th largest score, as a bool selection."""
+    index = _masked_index(q, k, w, keep)
+    return index >= torch.kthvalue(index, index.shape[-1] - K + 1, dim=-1, keepdim=True).values
+
+
 def bf16_scores(q, k, w, keep):
     """No fp32 upcast: the q.k product is bf16."""
     scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * SCALE)
@@ -253,6 +293,11 @@ def _fp32():
     return q.float(), k.float(), w, keep
 
 
+def _heads_first():
+    q, k, w, keep = _inputs()
+    return q.transpose(1, 2).contiguous(), k, w, keep
+
+
 def _router():
     gen = torch.Generator().manual_seed(2)
     return torch.randn(6, 8, generator=gen), torch.randn(4, 8, generator=gen)
@@ -269,6 +314,8 @@ NOT_FP32 = "scores are computed in torch.bfloat16, not fp32"
 VALUES_USED = "the top-k values are used downstream (the fused op returns indices only)"
 TENSOR_SCALE = "scores are scaled by a tensor, not a constant"
 SMALLEST = "top-k of the smallest scores"
+NOT_A_PREFIX = "the sorted scores are read other than as a prefix [..., :k] along the key dim"
+KTHVALUE = "keys selected by a kthvalue threshold (the fused op returns a top-k index set)"
 
 CORPUS = {
     "hf_v32_bool_mask": IndexerEntry(hf_v32, "transformers DeepseekV32Indexer", _v32(), REWRITTEN, 1, in_topk_order=True),
@@ -293,6 +340,18 @@ CORPUS = {
     "hf_v4_csa_minus_one": IndexerEntry(hf_v4_csa, "transformers DeepseekV4Indexer", _v4, REWRITTEN, 1, in_topk_order=True),
     "first_picks_scattered": IndexerEntry(first_picks_scattered, "written for the corpus (slots read, then scattered)", _v32(),
                                    REWRITTEN, 1, in_topk_order=True),
+    "sort_descending_prefix": IndexerEntry(sort_descending_prefix, "written for the corpus (sort + prefix)", _v32(),
+                                           REWRITTEN, 1, in_topk_order=True),
+    "argsort_prefix_scattered": IndexerEntry(argsort_prefix_scattered, "written for the corpus (argsort + prefix)",
+                                             _v32(), REWRITTEN, 1, in_topk_order=False),
+    "stable_sort_minus_one": IndexerEntry(stable_sort_minus_one, "written for the corpus (stable sort, -1 marks)",
+                                          _v32(), REWRITTEN, 1, in_topk_order=True),
+    "heads_first_q": IndexerEntry(heads_first_q, "written for the corpus (q heads-first)", _heads_first, REWRITTEN, 1,
+                                  order_seen=False),
+    "ascending_argsort_tail": IndexerEntry(ascending_argsort_tail, "written for the corpus", _v32(), NEAR_MISS,
+                                           reason=NOT_A_PREFIX),
+    "kthvalue_threshold": IndexerEntry(kthvalue_threshold, "written for the corpus", _v32(), NEAR_MISS,
+                                       reason=KTHVALUE),
     "bf16_product": IndexerEntry(bf16_scores, "written for the corpus", _v32(), NEAR_MISS, reason=NOT_FP32),
     "values_returned": IndexerEntry(values_returned, "written for the corpus", _v32(), NEAR_MISS, reason=VALUES_USED),
     "per_query_tensor_scale": IndexerEntry(per_query_scale, "written for the corpus", _v32(), NEAR_MISS, reason=TENSOR_SCALE),

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import dsfuse
 from dsfuse.kernels.indexer_topk import indexer_topk_reference
+from dsfuse.passes import indexer_topk, verify
 
 B, S, T, H, D, K = 2, 9, 9, 4, 16, 5
 SCALE = D**-0.5
@@ -325,3 +326,31 @@ def test_dynamic_true_score_scale_is_a_reported_near_miss_that_says_what_to_do()
         "the score scale is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as "
         "tensors whose values may change between calls; the default dynamic=None keeps them constant and compiles "
         "one graph for every length after the second"], str(rep)
+
+
+def test_indexer_with_a_wrong_mask_polarity_is_refused_by_the_numeric_check(monkeypatch):
+    """A hand walk that bound the mask with the wrong polarity: the probes catch it, and the site is a near-miss
+    naming the failing probe, not a wrong rewrite."""
+    split = indexer_topk._split_mask
+
+    def flipped(x):
+        scores, mask = split(x)
+        return scores, (("keep" if mask[0] == "drop" else "drop"), mask[1]) if mask else None
+
+    monkeypatch.setattr(indexer_topk, "_split_mask", flipped)
+    verify.clear_cache()  # a verdict for this slice may be cached from a right binding
+    gen = torch.Generator().manual_seed(0)
+    q, k, w = torch.randn(2, 9, 4, 16, generator=gen), torch.randn(2, 9, 16, generator=gen), torch.rand(2, 9, 4) + 0.5
+    keep = (torch.ones(9, 9, dtype=torch.bool).tril() | (torch.arange(9) < 4)).expand(2, 9, 9)
+
+    def indexer(q, k, w, keep):
+        scores = F.relu(torch.matmul(q, k.transpose(-1, -2).unsqueeze(1)) * 0.25)
+        return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~keep, float("-inf")).topk(4).indices
+
+    with torch._inductor.config.patch(force_disable_caches=True):
+        got = torch.compile(indexer, backend="dsfuse", options={"enable": ["indexer_topk"]})(q, k, w, keep)
+    rep = dsfuse.report()
+    assert rep.counts["indexer_topk"] == 0, str(rep)
+    [miss] = rep.near_misses
+    assert miss.reason.startswith("numeric check against the reference failed: random probe:"), miss.reason
+    assert torch.equal(got, indexer(q, k, w, keep))
