@@ -1031,10 +1031,32 @@ def _is_inverse_permutation(node, perm) -> bool:
             and same_shape(shape(values), shape(perm)))
 
 
+ROUTING_OPS = (*SORTS, aten.histc.default, aten.bincount.default, aten.searchsorted.Tensor, aten.eq.Tensor,
+               aten.eq.Scalar)
+
+
+def _routed(offsets: torch.fx.Node, depth: int = 16) -> bool:
+    """Whether group offsets are computed from a routing (a sort or a count of ids) rather than fixed: a block-scaled
+    grouped GEMM also serves block-diagonal linears (V4's grouped output projection), whose groups are constant."""
+    pending, seen = [(offsets, 0)], set()
+    while pending:
+        node, level = pending.pop()
+        if not isinstance(node, torch.fx.Node) or node in seen or level > depth:
+            continue
+        seen.add(node)
+        if is_op(node, *ROUTING_OPS):
+            return True
+        pending.extend((n, level + 1) for n in node.all_input_nodes)
+    return False
+
+
 def _match(anchor: torch.fx.Node) -> Block:
     g1 = _expert_gemm(anchor)
     if g1 is None:
         raise NoMatch("not an expert GEMM", reported=False)
+    if g1.scale is not None and not _routed(g1.route):
+        raise NoMatch("a block-scaled grouped GEMM over fixed groups (a block-diagonal linear), not routed experts",
+                      reported=False)
     if g1.rows is not None and _after_expert_gemm(g1.rows):
         raise NoMatch("the second GEMM of an expert block", reported=False)
     if g1.problem:

@@ -112,3 +112,25 @@ def test_negative_ids_raise_on_the_reference():
     ids[0, 0] = -1
     with pytest.raises(ValueError, match="expert ids must be >= 0"):
         moe_experts_fp8(x, ids, weights, *_stacks("float", 12), 128, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ue8m0", "fp4"])
+def test_cuda_matches_the_reference_and_replays_in_a_cuda_graph(kind):
+    """The CUDA path within the fp8 MMA's rounding of the reference, with no host sync: a CUDA graph captures it and
+    replays it on new tokens and new routing."""
+    x, ids, weights = (t.cuda() for t in _routing(13, torch.bfloat16))
+    stacks = tuple(t.cuda() for t in _stacks(kind, 14))
+
+    def rel(got, want):
+        return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+    assert rel(moe_experts_fp8(x, ids, weights, *stacks, 128, 128), moe_experts_fp8_reference(
+        x, ids, weights, *stacks, 128, 128)) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = moe_experts_fp8(x, ids, weights, *stacks, 128, 128)
+    new_x, new_ids, new_weights = _routing(15, torch.bfloat16)
+    x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
+    graph.replay()
+    assert rel(replayed, moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128)) < 2e-2
