@@ -351,14 +351,19 @@ def _gemm_config(rows: int, weight: torch.Tensor):
 
 @functools.lru_cache(maxsize=None)
 def _tile_config(rows_bucket: int, fp4: bool):
-    """(BLOCK_M, BLOCK_N, warps, stages) by row count: decode-sized calls stream the weight through many programs."""
+    """(BLOCK_M, BLOCK_N, warps, stages) by row count: decode-sized calls stream the weight through many programs.
+    The fastest of `benchmarks/fp8_linear_gpu.py`'s sweep on V3.2's projections and a V4 FP4 expert (H200, run 74)."""
     if interpreting():
         return 16, 32, 4, 1
+    if fp4:
+        if rows_bucket <= 16:
+            return (16, 128, 4, 4) if rows_bucket == 1 else (16, 64, 4, 4)
+        return (16, 32, 4, 4) if rows_bucket <= 64 else (128, 128, 8, 3)
     if rows_bucket <= 16:
-        return 16, 64, 4, 4
+        return 16, 32, 4, 4
     if rows_bucket <= 64:
         return 64, 64, 4, 4
-    return (64, 128, 4, 3) if fp4 else (128, 128, 8, 3)
+    return 64, 128, 4, 3
 
 
 def _splits(programs: int, groups: int, device) -> int:
