@@ -15,7 +15,7 @@ the head sum may be a bmm (HF's matmul, einsum) or a mul + sum; `q`/`k` may be f
 bf16/fp16/fp8 tensors, which the kernel reads in their narrow form (when only one of them is narrow,
 both are widened to fp32, which is exact). Which dims are contracted is checked by following them
 through every reshape/permute/expand (`dims.py`), so any spelling of the same math matches and nothing
-else does; q held heads-first throughout is read through a permute of its leaf. Top-k values may only be
+else does; q held heads-first (or k held as [D, T]) throughout is read through a permute of its leaf. Top-k values may only be
 compared with -inf (how official-style code marks picks of masked
 keys as -1); that comparison is rebuilt from the mask.
 
@@ -275,22 +275,22 @@ def _match(anchor: torch.fx.Node) -> dict:
     k_scale = leaf_of_rank(head["k_scale"], 1 + extra) if head["k_scale"] is not None else None
     found = None
     # the op reads any strided view, and the dims check picks the one laid out as it wants (V4 keeps q as
-    # [B, H, S, D] until a transpose); failing that, a permutation of q's leaf (q held heads-first throughout)
+    # [B, H, S, D] until a transpose); failing that, a permutation of q's or k's leaf (q held heads-first
+    # throughout, k held as [D, T])
     for permuted in (False, True):
-        pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _q_candidates(qk.args[q_pos], 3 + extra, permuted)
-                 for k in views_of_rank(qk.args[1 - q_pos], 2 + extra))
-        for q_pos, (q, q_ops, q_order), (k_node, k_ops) in pairs:
-            q_view = (q, q_ops, q_order)
+        pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _candidates(qk.args[q_pos], 3 + extra, permuted)
+                 for k in _candidates(qk.args[1 - q_pos], 2 + extra, permuted))
+        for q_pos, q_view, k_view in pairs:
             if len(shape(weights)) == 2 + extra and _computes_indexer(
-                    head, batched, q_pos, q_view, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale):
-                found = q, q_order, k_node
+                    head, batched, q_pos, q_view, k_view, qk_ops, relu_ops, weights, w_ops, k_scale):
+                found = q_view[0], q_view[2], k_view[0], k_view[2]
                 break
         if found is not None:
             break
     if found is None:
         b, form = ("b,", "[B, S, T]") if batched else ("", "[S, T]")
         raise NoMatch(f"the contraction is not sum_h w[{b}s,h] * relu(q[{b}s,h,:] . k[{b}t,:]) over {form}")
-    q, q_order, k_node = found
+    q, q_order, k_node, k_order = found
     if dtype(qk) != torch.float32:
         raise NoMatch(f"scores are computed in {dtype(qk)}, not fp32")
     if dtype(q) not in SCORE_DTYPES or dtype(k_node) not in SCORE_DTYPES:
@@ -307,45 +307,55 @@ def _match(anchor: torch.fx.Node) -> dict:
         k_scale = k_scale[0]
         if dtype(k_scale) not in (torch.float32, torch.bfloat16, torch.float16):
             raise NoMatch(f"per-key scale is {dtype(k_scale)}, not a float the kernel can widen to fp32")
-    found = dict(q=q, q_order=q_order, k=k_node, weights=weights, k_scale=k_scale, mask=mask, scale=softmax_scale,
-                 topk=_topk_count(k), masked_checks=masked_checks, batched=batched, indices=sel["indices"],
-                 ordered=bool(sel["ordered"]) and _order_observed(sel["indices"] + sel["values"]))
+    found = dict(q=q, q_order=q_order, k=k_node, k_order=k_order, weights=weights, k_scale=k_scale, mask=mask,
+                 scale=softmax_scale, topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
+                 indices=sel["indices"])
+    found["ordered"] = bool(sel["ordered"]) and _order_observed(sel["indices"] + sel["values"])
     verdict = _verify(x, found)
     if verdict.ok is False:
         raise NoMatch(f"numeric check against the reference failed: {verdict.reason}")
     return found
 
 
-def _q_candidates(node, rank: int, permuted: bool) -> list:
-    """(q, ops after it, order): each view of `rank` dims on q's layout chain (order None), or with `permuted`,
-    every other order of the dims of the one nearest the leaf (the op then reads `q.permute(order)`)."""
+def _candidates(node, rank: int, permuted: bool) -> list:
+    """(tensor, ops after it, order): each view of `rank` dims on `node`'s layout chain (order None), or with
+    `permuted`, every order of the dims of the one nearest the leaf (the op then reads `tensor.permute(order)`)."""
     views = views_of_rank(node, rank)
     if not permuted:
-        return [(q, ops, None) for q, ops in views]
+        return [(view, ops, None) for view, ops in views]
     if not views:
         return []
-    q, ops = views[0]
-    return [(q, ops, order) for order in itertools.permutations(range(rank)) if order != tuple(range(rank))]
+    view, ops = views[0]
+    identity = tuple(range(rank))
+    return [(view, ops, None if order == identity else order) for order in itertools.permutations(identity)]
 
 
-def _computes_indexer(head, batched, q_pos, q_view, k_node, k_ops, qk_ops, relu_ops, weights, w_ops, k_scale) -> bool:
+def _leaf_names(view: tuple, dims: str) -> tuple[list, list]:
+    """(the sizes of `dims` as the op reads the view, the name of each of the view's own dims)."""
+    node, _, order = view
+    order = order or tuple(range(len(shape(node))))
+    names_ = [""] * len(order)
+    for name, i in zip(dims, order):
+        names_[i] = name
+    return [shape(node)[i] for i in order], names_
+
+
+def _computes_indexer(head, batched, q_pos, q_view, k_view, qk_ops, relu_ops, weights, w_ops, k_scale) -> bool:
     """Follow the dims from the leaves to the top-k input and check the contraction is the indexer's."""
     lead = "b" if batched else ""
-    q, q_ops, order = q_view
-    order = order or tuple(range(len(shape(q))))
-    sizes = dict(zip(lead + "shd", (shape(q)[i] for i in order)))
-    q_names = [""] * len(order)
-    for name, i in zip(lead + "shd", order):
-        q_names[i] = name
-    sizes["t"] = shape(k_node)[-2]
-    if not (same_shape(shape(k_node), [sizes[n] for n in lead + "td"])
+    (q, q_ops, _), (k_node, k_ops, _) = q_view, k_view
+    q_shape, q_names = _leaf_names(q_view, lead + "shd")
+    k_shape, k_names = _leaf_names(k_view, lead + "td")
+    sizes = dict(zip(lead + "shd", q_shape))
+    sizes["t"] = k_shape[-2]
+    if not (same_shape(k_shape, [sizes[n] for n in lead + "td"])
             and same_shape(shape(weights), [sizes[n] for n in lead + "sh"])):
         return False
 
     def only(atoms, name) -> bool:
         return tuple(a[0] for a in atoms) == (() if same_size(sizes[name], 1) else (name,))
 
-    q_labels, k_labels = follow(leaf_labels(q, q_names), q_ops), follow(leaf_labels(k_node, lead + "td"), k_ops)
+    q_labels, k_labels = follow(leaf_labels(q, q_names), q_ops), follow(leaf_labels(k_node, k_names), k_ops)
     if not q_labels or not k_labels:
         return False
     first, second = (q_labels, k_labels) if q_pos == 0 else (k_labels, q_labels)
@@ -402,9 +412,10 @@ def _verify(x: torch.fx.Node, m: dict) -> Verdict:
     if m["mask"] is not None:
         kind, masks = m["mask"]
         roles.update(zip(("mask", "mask2"), masks if isinstance(masks, tuple) else (masks,)))
-    family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, kind, m["q_order"]),
+    orders = {"q": m["q_order"], "k": m["k_order"]}
+    family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, kind, orders),
                     reference=lambda probe: _reference(probe, m, kind), compare=_same_picks)
-    extra = (kind, m["scale"], m["topk"], m["batched"], m["q_order"])
+    extra = (kind, m["scale"], m["topk"], m["batched"], m["q_order"], m["k_order"])
     return verify([m["indices"][0], x], roles, family, extra, above=m["topk"])
 
 
@@ -416,12 +427,13 @@ def _grid(shape, dtype, gen, low=None) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * 6).round().clamp(-15, 15).div(4).to(dtype)
 
 
-def _probes(shapes: dict, dtypes: dict, kind, q_order) -> list:
+def _probes(shapes: dict, dtypes: dict, kind, orders: dict) -> list:
     """A generic probe (a fully masked query row where a mask may), one with every other key a copy of the first
-    (tied scores), and one with the first query row zero (every score of that row ties at 0). q is probed in its
-    graph layout, whose query dim is `q_order[-3]` when the op reads it permuted."""
+    (tied scores), and one with the first query row zero (every score of that row ties at 0). q and k are drawn
+    as the op reads them, then laid out as the graph holds them (`orders`: the op reads `x.permute(order)`)."""
     gen = torch.Generator().manual_seed(0)
-    base = {name: _grid(shapes[name], dtypes[name], gen) for name in ("q", "k", "weights")}
+    op_shapes = {name: [shapes[name][i] for i in order] if order else shapes[name] for name, order in orders.items()}
+    base = {name: _grid(op_shapes.get(name, shapes[name]), dtypes[name], gen) for name in ("q", "k", "weights")}
     if "k_scale" in shapes:
         base["k_scale"] = _grid(shapes["k_scale"], dtypes["k_scale"], gen, low=0.5)
     if kind is not None:
@@ -437,8 +449,13 @@ def _probes(shapes: dict, dtypes: dict, kind, q_order) -> list:
     tied["k"] = base["k"].clone()
     tied["k"][..., ::2, :] = base["k"][..., :1, :]
     zero["q"] = base["q"].clone()
-    zero["q"].select((q_order or range(zero["q"].dim()))[-3], 0).zero_()
-    return [("random", base), ("tied keys", tied), ("zero query", zero)]
+    zero["q"][..., 0, :, :] = 0
+    probes = [("random", base), ("tied keys", tied), ("zero query", zero)]
+    for probe in (p for _, p in probes):
+        for name, order in orders.items():
+            if order:
+                probe[name] = probe[name].permute([order.index(i) for i in range(len(order))]).contiguous()
+    return probes
 
 
 def _reference(probe: dict, m: dict, kind) -> torch.Tensor:
@@ -446,6 +463,8 @@ def _reference(probe: dict, m: dict, kind) -> torch.Tensor:
     q, k = probe["q"], probe["k"]
     if m["q_order"] is not None:
         q = q.permute(m["q_order"])
+    if m["k_order"] is not None:
+        k = k.permute(m["k_order"])
     if q.dtype != k.dtype:
         q, k = q.float(), k.float()
     weights, k_scale = probe["weights"].float(), probe.get("k_scale")
@@ -505,10 +524,9 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: dict, ctx: PassCon
                      else node for node in parts]
             mask_node = parts[0] if len(parts) == 1 else insert_call(graph, anchor, aten.add.Tensor, tuple(parts))
     qk_dtype = dtype(m["q"]) if dtype(m["q"]) == dtype(m["k"]) else torch.float32  # mixed: both widened
-    q = m["q"]
-    if m["q_order"] is not None:
-        q = insert_call(graph, anchor, aten.permute.default, (q, list(m["q_order"])))
-    q, k = (_widened(graph, anchor, node, qk_dtype, batched) for node in (q, m["k"]))
+    q, k = ((m[name] if m[f"{name}_order"] is None else
+             insert_call(graph, anchor, aten.permute.default, (m[name], list(m[f"{name}_order"])))) for name in "qk")
+    q, k = (_widened(graph, anchor, node, qk_dtype, batched) for node in (q, k))
     weights, k_scale = (_widened(graph, anchor, m[name], torch.float32, batched) for name in ("weights", "k_scale"))
     fused = insert_call(graph, anchor, torch.ops.dsfuse.indexer_topk.default,
                         (q, k, weights, k_scale, mask_node, m["scale"], count, m["ordered"]))

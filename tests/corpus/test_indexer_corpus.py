@@ -192,6 +192,13 @@ def heads_first_q(q_hf, k, w, keep):
     return index.masked_fill(~keep, float("-inf")).topk(K, dim=-1, sorted=False).indices
 
 
+def keys_stored_transposed(q, k_t, w, keep):
+    """k kept as k^T [B,D,T] (keys last), multiplied without a transpose."""
+    scores = F.relu(torch.matmul(q.float(), k_t.float().unsqueeze(1)) * SCALE)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+    return index.masked_fill(~keep, float("-inf")).topk(K, dim=-1).indices
+
+
 def ascending_argsort_tail(q, k, w, keep):
     """The last k of an ascending argsort: the same keys, read as a suffix (not a prefix)."""
     return torch.argsort(_masked_index(q, k, w, keep), dim=-1)[..., -K:]
@@ -298,6 +305,11 @@ def _heads_first():
     return q.transpose(1, 2).contiguous(), k, w, keep
 
 
+def _keys_last():
+    q, k, w, keep = _inputs()
+    return q, k.transpose(1, 2).contiguous(), w, keep
+
+
 def _router():
     gen = torch.Generator().manual_seed(2)
     return torch.randn(6, 8, generator=gen), torch.randn(4, 8, generator=gen)
@@ -348,6 +360,8 @@ CORPUS = {
                                           _v32(), REWRITTEN, 1, in_topk_order=True),
     "heads_first_q": IndexerEntry(heads_first_q, "written for the corpus (q heads-first)", _heads_first, REWRITTEN, 1,
                                   order_seen=False),
+    "keys_stored_transposed": IndexerEntry(keys_stored_transposed, "written for the corpus (k^T held)", _keys_last,
+                                           REWRITTEN, 1),
     "ascending_argsort_tail": IndexerEntry(ascending_argsort_tail, "written for the corpus", _v32(), NEAR_MISS,
                                            reason=NOT_A_PREFIX),
     "kthvalue_threshold": IndexerEntry(kthvalue_threshold, "written for the corpus", _v32(), NEAR_MISS,
