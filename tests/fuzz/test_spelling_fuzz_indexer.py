@@ -1,8 +1,8 @@
 """Spelling fuzzer for the `indexer_topk` family: each draw composes one program of the indexer's math from
 independent, semantics-preserving choices (how the top-k is selected, how the mask is applied, where the scale
-sits, how the heads are summed, whether q is laid out heads-first, batched or one sequence, the q/k dtype),
-compiles it with `backend="dsfuse"` and checks it against eager: the same index set in every row, and the site
-either fused or reported as a near-miss with its reason; never wrong, never silent.
+sits, how the heads are summed, whether q is laid out heads-first and k keys-last, batched or one sequence, the
+q/k dtype), compiles it with `backend="dsfuse"` and checks it against eager: the same index set in every row (up
+to ties), and the site either fused or reported as a near-miss with its reason; never wrong, never silent.
 
 The default run draws `DRAWS` programs; `DSFUSE_SPELLING_DRAWS=n` draws n. `DSFUSE_SPELLING_STATS=path` writes
 the outcomes per axis value (draws, fused, each near-miss reason) as JSON when the module finishes.
@@ -31,6 +31,7 @@ AXES = {
     "scale": ("before relu", "after relu"),
     "head_sum": ("einsum", "bmm", "mul+sum"),
     "q_layout": ("tokens-first", "heads-first"),
+    "k_layout": ("[T, D]", "[D, T]"),
     "batch": ("batched", "one sequence"),
     "dtype": ("bf16 upcast", "fp32"),
 }
@@ -39,16 +40,19 @@ OUTCOMES: dict[tuple[str, str], list[str]] = defaultdict(list)  # (axis, choice)
 
 def spelling(choice: dict):
     """The indexer written with the drawn choices. q arrives as [.., S, H, D], or [.., H, S, D] heads-first;
-    k [.., T, D], w [.., S, H], mask [.., S, T] (bool keep, or 0 / -inf); `..` is the batch dim or nothing."""
+    k [.., T, D] or [.., D, T], w [.., S, H], mask [.., S, T] (bool keep, or 0 / -inf); `..` is the batch dim or
+    nothing."""
     heads_first = choice["q_layout"] == "heads-first"
+    keys_last = choice["k_layout"] == "[D, T]"
     upcast = choice["dtype"] == "bf16 upcast"
 
     def scores_of(q, k):
         q, k = (q.float(), k.float()) if upcast else (q, k)
         if choice["head_sum"] == "einsum":
-            x = torch.einsum("...hsd,...td->...hst" if heads_first else "...shd,...td->...sht", q, k)
+            keys = "...dt" if keys_last else "...td"
+            x = torch.einsum(f"...hsd,{keys}->...hst" if heads_first else f"...shd,{keys}->...sht", q, k)
         else:
-            x = torch.matmul(q, k.transpose(-1, -2).unsqueeze(-3))
+            x = torch.matmul(q, (k if keys_last else k.transpose(-1, -2)).unsqueeze(-3))
         if choice["scale"] == "before relu":
             return F.relu(x * SCALE)
         return F.relu(x) * SCALE
@@ -112,6 +116,8 @@ def inputs(choice: dict, batch: int, seq: int, heads: int, seed: int) -> tuple:
     mask = torch.zeros(keep.shape).masked_fill(~keep, float("-inf")) if additive else keep
     if choice["q_layout"] == "heads-first":
         q = q.transpose(1, 2).contiguous()
+    if choice["k_layout"] == "[D, T]":
+        k = k.transpose(1, 2).contiguous()
     args = (q, k, w, mask)
     return args if choice["batch"] == "batched" else tuple(a[0] for a in args)
 
