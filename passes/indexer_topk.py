@@ -15,9 +15,9 @@ the head sum may be a bmm (HF's matmul, einsum) or a mul + sum; `q`/`k` may be f
 bf16/fp16/fp8 tensors, which the kernel reads in their narrow form (when only one of them is narrow,
 both are widened to fp32, which is exact). Which dims are contracted is checked by following them
 through every reshape/permute/expand (`dims.py`), so any spelling of the same math matches and nothing
-else does; q held heads-first (or k held as [D, T]) throughout is read through a permute of its leaf. Top-k values may only be
-compared with -inf (how official-style code marks picks of masked
-keys as -1); that comparison is rebuilt from the mask.
+else does; q held heads-first (or k held as [D, T]) throughout is read through a permute of its leaf.
+Top-k values may only be compared with -inf (how official-style code marks picks of masked keys as -1);
+that comparison is rebuilt from the mask.
 
 The fused op returns each row's picks as a set; when anything may see their slot order (they leave
 the graph, or are read slot by slot) and the top-k was sorted, the op is asked for `torch.topk`'s order.
