@@ -155,14 +155,18 @@ def _elements(nodes: list, assignment: dict) -> int:
     return total
 
 
+def _on_cpu(arg):
+    """A device argument (a constant's `device=`, a `device_put`) as the CPU, where the probes live."""
+    return torch.device("cpu") if isinstance(arg, torch.device) else arg
+
+
 def run_slice(nodes: list, outputs: list, env: dict) -> list:
     """Run the slice's nodes on concrete values (`env`: frontier node -> value), on the CPU, outside fake mode."""
     env = dict(env)
     with unset_fake_temporarily(), torch.no_grad():
         for node in nodes:
-            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), env.__getitem__)
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": torch.device("cpu")}
+            args, kwargs = torch.utils._pytree.tree_map(
+                _on_cpu, torch.fx.map_arg((node.args, node.kwargs), env.__getitem__))
             env[node] = node.target(*args, **kwargs)
     return [env[node] for node in outputs]
 
