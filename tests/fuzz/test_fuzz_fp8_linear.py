@@ -1,7 +1,8 @@
-"""Fuzz `dsfuse::fp8_linear` and `dsfuse::fp8_grouped_linear`: the op against the reference bit for bit (CPU), and the
-Triton kernels against the reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding),
-over row counts at the edges, K not a multiple of the 128-channel group, FP8 weights with fp32 or UE8M0 scales and
-FP4 weights, strided activations, expert groups that are empty or end before the last row, and zeros / ties."""
+"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear` and `dsfuse::moe_experts_fp8`: the op against the
+reference bit for bit (CPU), and the Triton kernels against the reference (bit for bit under the interpreter; on CUDA
+within the fp8 MMA's rounding), over row counts at the edges, K not a multiple of the 128-channel group, FP8 weights
+with fp32 or UE8M0 scales and FP4 weights, strided activations, expert groups that are empty or end before the last
+row, routed experts with repeated and other ranks' ids, and zeros / ties."""
 
 import torch
 from fuzz_support import DEVICE, assert_rel_close, assert_same, fuzzes, layouts, reference_output, restride, seeds, \
@@ -58,3 +59,31 @@ def test_fp8_linear(args):
 def test_fp8_grouped_linear(args):
     want = reference_output(torch.ops.dsfuse.fp8_grouped_linear, ops.fp8_grouped_linear_reference, *args)
     _compare(ops.fp8_grouped_linear_triton(*args), want, "fp8_grouped_linear")
+
+
+@st.composite
+def experts_inputs(draw):
+    """Routed experts over FP8 / FP4 stacks: T tokens (one to an odd count), k of E experts each (ids repeating,
+    other ranks' ids with an expert offset), router weights of either float dtype, an optional SwiGLU clamp."""
+    kind = draw(st.sampled_from(["float", "ue8m0", "fp4"]))
+    H, inter = draw(st.sampled_from([64, 128, 256])), draw(st.sampled_from([64, 128]))
+    T, E, seed = draw(sizes(1, 9)), draw(st.integers(1, 4)), draw(seeds())
+    top_k = draw(st.integers(1, min(E, 3)))
+    offset = draw(st.sampled_from([0, 0, E]))
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, E + offset, (T, top_k), generator=g)
+    weights = torch.rand(T, top_k, generator=g).to(draw(st.sampled_from([torch.float32, DTYPE])))
+    x = values((T, H), DTYPE, seed, scale=3.0, specials=draw(st.lists(st.sampled_from(["zero", "tie"]), max_size=1)))
+    up, down = _weight(kind, (E,), 2 * inter, H, seed + 1), _weight(kind, (E,), H, inter, seed + 2)
+    limit = draw(st.sampled_from([None, 0.75]))
+    tensors = (x, ids, weights, *up, *down)
+    return (*(t.to(DEVICE) for t in tensors), 128, 128, offset, limit)
+
+
+@fuzzes("dsfuse::moe_experts_fp8")
+@given(args=experts_inputs())
+def test_moe_experts_fp8(args):
+    from dsfuse.kernels import moe_experts_fp8 as experts
+
+    want = reference_output(torch.ops.dsfuse.moe_experts_fp8, experts.moe_experts_fp8_reference, *args)
+    _compare(experts.moe_experts_fp8_triton(*args), want, "moe_experts_fp8")
