@@ -50,6 +50,23 @@ def walk_back(node: Any, through: Callable[[Any], bool]) -> list:
     return chain[::-1]
 
 
+def reaches_back(node: Any, found: Callable[[torch.fx.Node], bool], through: Callable[[torch.fx.Node], bool],
+                 depth: int) -> bool:
+    """Whether a node for which `found` holds is among `node` and its ancestors up to `depth` steps back, walking back
+    only from nodes for which `through` holds."""
+    pending, seen = [(node, 0)], set()
+    while pending:
+        n, level = pending.pop()
+        if not isinstance(n, torch.fx.Node) or n in seen or level > depth:
+            continue
+        seen.add(n)
+        if found(n):
+            return True
+        if through(n):
+            pending.extend((arg, level + 1) for arg in n.all_input_nodes)
+    return False
+
+
 def walk_forward(node: Any, through: Callable[[Any], bool]) -> list:
     """[node, ..., last]: follow single users forward while `through(user)` holds."""
     chain = [node]

@@ -44,8 +44,8 @@ from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
                    views_of_rank)
 from .graph_utils import (CONVERT, LAYOUT_OPS, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, insert_call, is_neg_inf,
-                          is_op, node_arg, only_user, piece_of, same_shape, same_size, scalar_arg, shape, size_arg,
-                          unspecialised_float)
+                          is_op, node_arg, only_user, piece_of, reaches_back, same_shape, same_size, scalar_arg, shape,
+                          size_arg, unspecialised_float)
 from .verify import Family, Verdict, verify
 
 NAME = "indexer_topk"
@@ -146,19 +146,12 @@ SIGNATURE_DEPTH = 8
 def _has_signature(x: torch.fx.Node) -> bool:
     """Whether a head-weighted sum of relu scores reaches `x` through a few elementwise or layout ops: the
     indexer's signature, which makes any selection of `x` a site or a reported near-miss."""
-    pending, seen = [(x, 0)], set()
-    while pending:
-        node, depth = pending.pop()
-        if not isinstance(node, torch.fx.Node) or node in seen or depth > SIGNATURE_DEPTH:
-            continue
-        seen.add(node)
-        if _head_sum(node, probe=True) is not None:
-            return True
+    def through(node):
         target = node.target if node.op == "call_function" else None
-        if target in LAYOUT_OPS or target is CONVERT or (
-                isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags):
-            pending.extend((arg, depth + 1) for arg in node.all_input_nodes)
-    return False
+        return target in LAYOUT_OPS or target is CONVERT or (
+            isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+
+    return reaches_back(x, lambda node: _head_sum(node, probe=True) is not None, through, SIGNATURE_DEPTH)
 
 
 def _is_relu(node) -> bool:

@@ -53,7 +53,7 @@ from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
 from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten,
                           dtype, fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape,
-                          same_size, shape, strip, tensor_val, walk_back)
+                          reaches_back, same_size, shape, strip, tensor_val, walk_back)
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -1038,16 +1038,7 @@ ROUTING_OPS = (*SORTS, aten.histc.default, aten.bincount.default, aten.searchsor
 def _routed(offsets: torch.fx.Node, depth: int = 16) -> bool:
     """Whether group offsets are computed from a routing (a sort or a count of ids) rather than fixed: a block-scaled
     grouped GEMM also serves block-diagonal linears (V4's grouped output projection), whose groups are constant."""
-    pending, seen = [(offsets, 0)], set()
-    while pending:
-        node, level = pending.pop()
-        if not isinstance(node, torch.fx.Node) or node in seen or level > depth:
-            continue
-        seen.add(node)
-        if is_op(node, *ROUTING_OPS):
-            return True
-        pending.extend((n, level + 1) for n in node.all_input_nodes)
-    return False
+    return reaches_back(offsets, lambda node: is_op(node, *ROUTING_OPS), lambda node: True, depth)
 
 
 def _match(anchor: torch.fx.Node) -> Block:
