@@ -237,8 +237,8 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
     the nibbles decoded and scaled per 32 channels into bf16 (exact: two significant bits times a power of two) and
     multiplied with the activations widened to bf16 (exact), the low and the high nibbles of each byte as two MMAs
     over the even and the odd channels. The loop runs over computed bounds so that Triton pipelines its loads.
-    Writes the rounded output, or the split's fp32 partial sums. Under the interpreter (no fp8 or bf16 arithmetic there) the
-    FP4 path reads q as bytes and multiplies in fp32, exact too."""
+    Writes the rounded output, or the split's fp32 partial sums. Under the interpreter (no fp8 or bf16 arithmetic
+    there) the FP4 path reads q as bytes and multiplies in fp32, exact too."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
