@@ -35,9 +35,9 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
-                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits, e8m0_to_float, is_e8m0,
-                                          power_of_two_ceil, quantize_activations, round_to_e4m3_grid,
-                                          scales_to_float32)
+                                          dequantize_fp4, dequantize_fp8_blocks, e2m1_to_float, e4m3_bits,
+                                          e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
+                                          round_to_e4m3_grid, scales_to_float32)
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -202,17 +202,6 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 
 @triton.jit
-def _fp4_values(nibble):
-    """E2M1 codes (0..15, any integer type) as their fp32 values, built from the bits: 2^(e - 1) * (1 + m / 2) for
-    exponent e > 0, m / 2 for e = 0."""
-    code = nibble.to(tl.int32)
-    exp = (code >> 1) & 3
-    man = code & 1
-    magnitude = tl.where(exp > 0, ((exp + 126) << 23) | (man << 22), man * 0x3F000000)
-    return (magnitude | ((code & 8) << 28)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _e4m3_values(byte):
     """e4m3 bytes as their fp32 values, built from the bits (the interpreter has no fp8 conversion)."""
     code = byte.to(tl.int32)
@@ -272,8 +261,8 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
             scale_at = ws_base + ns[None, :].to(tl.int64) * sws_n + (pairs[:, None] // 16) * sws_k
             w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok[None, :] & pair_ok[:, None], other=127))
             operand = tl.float32 if INTERPRETER else tl.bfloat16
-            low = (_fp4_values(code & 0x0F) * w_scale).to(operand)
-            high = (_fp4_values(code >> 4) * w_scale).to(operand)
+            low = (e2m1_to_float((code & 0x0F).to(tl.int32)) * w_scale).to(operand)
+            high = (e2m1_to_float((code >> 4).to(tl.int32)) * w_scale).to(operand)
             wide = _e4m3_values(a) if INTERPRETER else a.to(operand)
             even, odd = tl.split(tl.reshape(wide, (BLOCK_M, BLOCK_K // 2, 2)))
             part = tl.dot(even, low) + tl.dot(odd, high)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.quant_formats import FP4_BLOCK, dequantize_fp4, e8m0_to_float
+from dsfuse.kernels.quant_formats import FP4_BLOCK, dequantize_fp4, e2m1_to_float, e8m0_to_float
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -140,12 +140,12 @@ def _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_exper
                            ("down", down)))
 
 
-def _check_limit(op, swiglu_limit):
+def check_swiglu_limit(op, swiglu_limit):
     if swiglu_limit is not None and not (0.0 < swiglu_limit < float("inf")):
         raise ValueError(f"{op}: swiglu_limit must be a positive finite float or None, got {swiglu_limit}")
 
 
-def _swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
     """`silu(gate) * up`, with both halves clamped first (gate above, up on both sides) when a limit is given; each
     step in the halves' dtype, as the source computes it."""
     if swiglu_limit is not None:
@@ -154,7 +154,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor, swiglu_limit: float | None) ->
     return torch.nn.functional.silu(gate) * up
 
 
-def _check_ids_non_negative(op, expert_ids):
+def check_ids_non_negative(op, expert_ids):
     if expert_ids.numel() and int(expert_ids.min()) < 0:
         raise ValueError(f"{op}: expert ids must be >= 0, got {int(expert_ids.min())}")
 
@@ -178,8 +178,8 @@ def moe_experts_reference(
     negative ids raise.
     """
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
-    _check_limit("moe_experts_fp4", swiglu_limit)
-    _check_ids_non_negative("moe_experts_fp4", expert_ids)
+    check_swiglu_limit("moe_experts_fp4", swiglu_limit)
+    check_ids_non_negative("moe_experts_fp4", expert_ids)
     T, top_k = expert_ids.shape
     num_experts = w13_packed.shape[0]
     inter = w13_packed.shape[1] // 2
@@ -194,7 +194,7 @@ def moe_experts_reference(
         w13 = dequantize_fp4(w13_packed[expert], w13_scale[expert], x.dtype)
         w2 = dequantize_fp4(w2_packed[expert], w2_scale[expert], x.dtype)
         gate_up = rows @ w13.t()
-        activated = _swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+        activated = swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
         out = (activated @ w2.t()) * flat_weights[slots].to(x.dtype).unsqueeze(-1)
         slot_out[slots] = out.float()
     return slot_out.view(T, top_k, -1).sum(dim=1).to(x.dtype)
@@ -218,8 +218,8 @@ def moe_experts_bf16_reference(
     nothing and are never read. Negative ids raise.
     """
     _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
-    _check_limit("moe_experts_bf16", swiglu_limit)
-    _check_ids_non_negative("moe_experts_bf16", expert_ids)
+    check_swiglu_limit("moe_experts_bf16", swiglu_limit)
+    check_ids_non_negative("moe_experts_bf16", expert_ids)
     T, top_k = expert_ids.shape
     num_experts = gate_up.shape[0]
     local_ids = expert_ids.reshape(-1).long() - local_expert_offset
@@ -231,7 +231,7 @@ def moe_experts_bf16_reference(
         if slots.numel() == 0:
             continue
         proj = x[slots // top_k] @ gate_up[expert].t()
-        activated = _swiglu(*proj.chunk(2, dim=-1), swiglu_limit)
+        activated = swiglu(*proj.chunk(2, dim=-1), swiglu_limit)
         weighted[slots] = (activated @ down[expert].t()) * flat_weights[slots].unsqueeze(-1)
     return weighted.view(T, top_k, -1).sum(dim=1).to(x.dtype)
 
@@ -239,17 +239,6 @@ def moe_experts_bf16_reference(
 # ---------------------------------------------------------------------------------------------------------------
 # FP4 decode (shared by both GEMMs and tested on its own)
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def e2m1_to_float(nibble):
-    """E2M1 code (int32, 0..15; higher bits must be zero) -> its value as fp32, exactly.
-
-    Sign to fp16 bit 15, the 3 magnitude bits to bits 9-11: that fp16 is `value * 2^-14` exactly (codes 0/1 land
-    on zero/subnormal, the sign gives -0); widening is exact and so is `* 2^14`.
-    """
-    half_bits = (((nibble & 8) << 12) | ((nibble & 7) << 9)).to(tl.int16)
-    return half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
 @triton.jit
@@ -967,7 +956,7 @@ def moe_experts_fp4_triton(
     are not range-checked here (that would sync): out-of-range ids count as non-local and are never dereferenced.
     """
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
-    _check_limit("moe_experts_fp4", swiglu_limit)
+    check_swiglu_limit("moe_experts_fp4", swiglu_limit)
     return _moe_experts_triton(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
                                local_expert_offset, w13_packed.shape[1] // 2, True, x.dtype, x.dtype, swiglu_limit,
                                config)
@@ -988,7 +977,7 @@ def moe_experts_bf16_triton(
     sizes on sm90+ the GEMMs run in `torch._grouped_mm` instead (`config={"gemm": "triton" | "grouped_mm"}` forces
     either)."""
     _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
-    _check_limit("moe_experts_bf16", swiglu_limit)
+    check_swiglu_limit("moe_experts_bf16", swiglu_limit)
     product_dtype = torch.promote_types(x.dtype, expert_weights.dtype)
     gemm = (config or {}).get("gemm") or ("grouped_mm" if _grouped_mm_applies(x, gate_up, expert_ids.numel())
                                           else "triton")
@@ -1027,7 +1016,7 @@ def moe_experts_fp4(
 def _moe_experts_fp4_fake(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale,
                           local_expert_offset=0, swiglu_limit=None):
     _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packed, w2_scale, local_expert_offset)
-    _check_limit("moe_experts_fp4", swiglu_limit)
+    check_swiglu_limit("moe_experts_fp4", swiglu_limit)
     return x.new_empty(x.shape)
 
 
@@ -1055,7 +1044,7 @@ def moe_experts_bf16(
 @moe_experts_bf16.register_fake
 def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None):
     _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
-    _check_limit("moe_experts_bf16", swiglu_limit)
+    check_swiglu_limit("moe_experts_bf16", swiglu_limit)
     return x.new_empty(x.shape)
 
 

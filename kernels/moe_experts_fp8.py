@@ -25,6 +25,7 @@ import torch
 
 from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, fp8_grouped_linear_triton,
                                        weight_dims)
+from dsfuse.kernels.moe_experts import check_ids_non_negative, check_swiglu_limit, swiglu
 from dsfuse.kernels.triton_support import direct_kernel
 
 
@@ -51,19 +52,10 @@ def _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_sca
                          f"[.., {two_i}, {H}] and [.., {down_h}, {inter}]")
     if local_expert_offset < 0:
         raise ValueError(f"{op}: local_expert_offset must be >= 0, got {local_expert_offset}")
-    if swiglu_limit is not None and not (0.0 < swiglu_limit < float("inf")):
-        raise ValueError(f"{op}: swiglu_limit must be a positive finite float or None, got {swiglu_limit}")
+    check_swiglu_limit(op, swiglu_limit)
     for t in (expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale):
         if t.device != x.device:
             raise ValueError(f"{op}: all inputs must be on {x.device}, found {t.device}")
-
-
-def _swiglu(h: torch.Tensor, swiglu_limit: float | None) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    if swiglu_limit is not None:
-        gate = gate.clamp(max=swiglu_limit)
-        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-    return torch.nn.functional.silu(gate) * up
 
 
 def _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
@@ -79,7 +71,7 @@ def _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_s
         0, key, torch.ones_like(key, dtype=torch.int32))
     offsets = counts[:E].cumsum(0, dtype=torch.int32)
     h = grouped_linear(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
-    y = grouped_linear(_swiglu(h, swiglu_limit), down, down_scale, offsets, block_n, block_k)
+    y = grouped_linear(swiglu(*h.chunk(2, dim=-1), swiglu_limit), down, down_scale, offsets, block_n, block_k)
     weighted = y * expert_weights.reshape(-1)[order].unsqueeze(-1)
     weighted = torch.where(is_local[order].unsqueeze(-1), weighted, 0)
     in_slot_order = torch.empty_like(weighted).index_copy_(0, order, weighted)
@@ -89,8 +81,7 @@ def _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_s
 def moe_experts_fp8_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n,
                               block_k, local_expert_offset=0, swiglu_limit=None):
     _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, local_expert_offset, swiglu_limit)
-    if expert_ids.numel() and int(expert_ids.min()) < 0:
-        raise ValueError(f"moe_experts_fp8: expert ids must be >= 0, got {int(expert_ids.min())}")
+    check_ids_non_negative("moe_experts_fp8", expert_ids)
     return _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
                     local_expert_offset, swiglu_limit, fp8_grouped_linear_reference)
 

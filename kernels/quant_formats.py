@@ -136,6 +136,17 @@ def e4m3_bits(v):
 
 
 @triton.jit
+def e2m1_to_float(nibble):
+    """E2M1 code (int32, 0..15; higher bits must be zero) -> its value as fp32, exactly.
+
+    Sign to fp16 bit 15, the 3 magnitude bits to bits 9-11: that fp16 is `value * 2^-14` exactly (codes 0/1 land
+    on zero/subnormal, the sign gives -0); widening is exact and so is `* 2^14`.
+    """
+    half_bits = (((nibble & 8) << 12) | ((nibble & 7) << 9)).to(tl.int16)
+    return half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+
+@triton.jit
 def e8m0_to_float(scale_byte):
     """E8M0 byte -> fp32 `2^(byte - 127)` built from bits: byte 0 is the subnormal 2^-127, byte 255 is NaN."""
     scale_int = scale_byte.to(tl.int32)
