@@ -78,18 +78,18 @@ def _recorded(case: dict, measure, reset: bool = True) -> dict:
     return case
 
 
-def _graphs_since(rep, first: int) -> dict:
-    """Sites, near-misses and notes of the graphs the report gained from index `first` on."""
+def _summary(rep, graphs: list) -> dict:
+    """Graphs compiled, sites per family, near-misses and notes of `graphs` (some of the report's graphs)."""
     from dsfuse import PASS_NAMES
 
-    new = {graph.index for graph in rep.graphs[first:]}
-    sites = [site.pass_name for site in rep.sites if site.graph in new]
+    chosen = {graph.index for graph in graphs}
+    sites = [site.pass_name for site in rep.sites if site.graph in chosen]
     return dict(
+        graphs=len(chosen),
         sites={name: sites.count(name) for name in PASS_NAMES if name in sites},
         near_misses=[{"pass": m.pass_name, "anchor": m.anchor, "reason": m.reason}
-                     for m in rep.near_misses if m.graph in new],
-        notes=[g.note for g in rep.graphs[first:] if g.note],
-        graphs=len(new),
+                     for m in rep.near_misses if m.graph in chosen],
+        notes=[graph.note for graph in graphs if graph.note],
     )
 
 
@@ -120,7 +120,7 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
             fused = compiled(input_ids=ids, attention_mask=mask).logits
             truth = None if reference is None else reference(input_ids=ids, attention_mask=mask).logits
         found = dict(
-            _graphs_since(dsfuse.report(), first),
+            _summary(dsfuse.report(), dsfuse.report().graphs[first:]),
             dsfuse_err=_rel_err(fused, eager, keep),
             inductor_err=None if inductor is None else _rel_err(inductor, eager, keep),
             nan=bool(fused[keep].isnan().any()),
@@ -133,8 +133,7 @@ def run_case(model, preset: str, batch: int, seq: int, device, with_inductor: bo
     case = {"preset": preset, "attn": model.config._attn_implementation, "batch": batch, "seq": seq}
     if reuse is not None:
         case["reuse"] = reuse[2]
-    case = _recorded(case, measure, reset=reuse is None)
-    return case
+    return _recorded(case, measure, reset=reuse is None)
 
 
 def _recipe_generate(model, ids, mask, new_tokens: int, options=None):
@@ -156,21 +155,8 @@ def _matching_prefix(out: torch.Tensor, ref: torch.Tensor, prompt: int) -> int:
 
 def _by_graph_kind(rep) -> dict:
     """{"prefill": ..., "decode": ...}: the graphs of each kind, their sites per family and their near-misses."""
-    from dsfuse import PASS_NAMES
-
-    kind_of = {graph.index: "decode" if graph.tokens == 1 else "prefill" for graph in rep.graphs}
-    kinds = {}
-    for kind in ("prefill", "decode"):
-        graphs = [graph for graph in rep.graphs if kind_of[graph.index] == kind]
-        sites = [site.pass_name for site in rep.sites if kind_of[site.graph] == kind]
-        kinds[kind] = {
-            "graphs": len(graphs),
-            "sites": {name: sites.count(name) for name in PASS_NAMES if name in sites},
-            "near_misses": [{"pass": m.pass_name, "anchor": m.anchor, "reason": m.reason}
-                            for m in rep.near_misses if kind_of[m.graph] == kind],
-            "notes": [graph.note for graph in graphs if graph.note],
-        }
-    return kinds
+    return {kind: _summary(rep, [graph for graph in rep.graphs if (graph.tokens == 1) == (kind == "decode")])
+            for kind in ("prefill", "decode")}
 
 
 def run_generate_case(model, preset: str, batch: int, seq: int, new_tokens: int, device,
