@@ -362,8 +362,10 @@ def load_checkpoint(
     if quantization(config):
         from dsfuse.models.quantized import load_quantized_model
 
+        v4 = config.model_type == "deepseek_v4" and attn_implementation == "sdpa"
         return load_quantized_model(directory, device=device, dtype=dtype or torch.bfloat16,
-                                    experts_implementation=experts_implementation)
+                                    experts_implementation=experts_implementation,
+                                    attn_implementation="eager" if v4 else attn_implementation)
     if kind == "hf":
         v4 = config.model_type == "deepseek_v4" and attn_implementation == "sdpa"
         config._attn_implementation = "eager" if v4 else attn_implementation

@@ -193,19 +193,21 @@ def quantized_state_dict(model: torch.nn.Module, scale_fmt: str = "ue8m0",
 
 
 def write_fp8_checkpoint(directory: str | os.PathLike, preset: str = "fp8-tiny", *, scale_fmt: str = "ue8m0",
-                         seed: int = 0, max_shard_bytes: int | None = None, **overrides) -> Path:
+                         seed: int = 0, max_shard_bytes: int | None = None, device: torch.device | str = "cpu",
+                         **overrides) -> Path:
     """A random HF `preset` model written as a released checkpoint of its family (V3.2 / GLM-5: FP8; V4: V4-Flash's
     names, FP8 linears and FP4 experts), sharded with an index when `max_shard_bytes` is given. Returns the
-    directory."""
+    directory. `device` draws and quantises the weights there (a GPU writes real-dimension checkpoints in seconds)."""
     from dsfuse.models.checkpoint import save_state
     from dsfuse.models.presets import build_hf_model
 
-    model = build_hf_model(preset, dtype=torch.bfloat16, seed=seed, **overrides)
+    model = build_hf_model(preset, dtype=torch.bfloat16, seed=seed, device=device, **overrides)
     layout = released_layout(model.config)
-    state = quantized_state_dict(model, scale_fmt, layout)
+    state = {key: tensor.cpu() for key, tensor in quantized_state_dict(model, scale_fmt, layout).items()}
+    config = model.config.to_dict()
+    del model
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = model.config.to_dict()
     config["quantization_config"] = quantization_config(scale_fmt)
     config["dtype"] = "bfloat16"
     config.update(layout.config_fields)
@@ -247,11 +249,11 @@ def load_quantized_model(path: str | os.PathLike, *, device: str | torch.device 
     settings = dict(quantization_config=FineGrainedFP8Config(dequantize=dequantize, **quant), dtype=dtype,
                     experts_implementation=experts_implementation, use_safetensors=True, local_files_only=True,
                     **kwargs)
+    if device is not None:
+        settings.setdefault("device_map", str(device))
     cpu_only = not torch.cuda.is_available()
     with _fp8_layers_without_gpu() if cpu_only and not dequantize else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_pretrained(path, **settings)
-    if device is not None:
-        model = model.to(device)
     return model.eval()
 
 

@@ -9,9 +9,12 @@
     python -m dsfuse.bench ablate --seq 8192 --json a.json --markdown a.md  # each pass off, each pass alone
     python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, decode, time by stage
     python -m dsfuse.bench generate --prompt 2048 8192 --batch 1 8         # whole model.generate calls
+    python -m dsfuse.bench checkpoint --preset v32-real-2l --out ckpt      # random weights, released FP8 layout
+    python -m dsfuse.bench model --checkpoint ckpt --seq 8192              # ... loaded with from_pretrained
 
 The subcommands live in `dsfuse.bench.model` (model, ablate), `dsfuse.bench.families`, `dsfuse.bench.generate`
-and `dsfuse.bench.report` (plot, and the Markdown of every subcommand).
+`dsfuse.bench.report` (plot, and the Markdown of every subcommand) and `dsfuse.bench.source` (checkpoint, and the
+model a benchmark loads).
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from dsfuse.bench.measure import CONFIGS, resolve_configs
 from dsfuse.bench.model import FALLBACK_PREFILL, bench_ablate, bench_model
 from dsfuse.bench.report import ablation_markdown, families_markdown, model_markdown, plot_model
 from dsfuse.config import PASS_NAMES
-from dsfuse.models.presets import is_v4_preset, preset_names
+from dsfuse.bench.source import (add_checkpoint_arguments, add_source_arguments, model_is_v4, source_label,
+                                 write_checkpoint)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser, seq_default: list[int]) -> None:
-    parser.add_argument("--preset", default="v32-real-2l", choices=preset_names(), metavar="PRESET")
+    add_source_arguments(parser)
     parser.add_argument("--seq", type=int, nargs="+", default=seq_default, help="prefill sequence lengths")
     parser.add_argument("--batch", type=int, default=1, help="prefill batch")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     fam.add_argument("--rep-ms", type=int, default=300)
     fam.add_argument("--json", default=None, help="write results here")
     fam.add_argument("--markdown", default=None, help="write a Markdown table here")
+    ckpt = sub.add_parser("checkpoint", help="write random weights at a preset's dimensions in its family's released "
+                                             "layout (FP8 / FP4), for `model --checkpoint` and `generate --checkpoint`")
+    add_checkpoint_arguments(ckpt)
     gen = sub.add_parser("generate", help="whole model.generate calls: time to first token, ms/token, peak memory")
     add_generate_arguments(gen)
     plot = sub.add_parser("plot", help="figure from a `model` or `ablate` --json file (matplotlib)")
@@ -92,6 +99,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         except ValueError as err:
             parser.error(f"{args.results}: {err}")
         print(f"wrote {args.out}")
+        return 0
+    if args.command == "checkpoint":
+        write_checkpoint(args)
         return 0
     if args.command == "generate":
         _write(run_generate(args, parser), args.json, args.markdown, generate_markdown)
@@ -116,9 +126,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         args.configs = resolve_configs([c for c in args.configs.split(",") if c])
     except ValueError as err:
         parser.error(str(err))
-    if is_v4_preset(args.preset) and args.mode != "prefill":
-        parser.error(f"--mode {args.mode}: decode is benchmarked on V3.2 presets only; {args.preset} (DeepSeek V4) "
-                     "runs prefill (use_cache=False)")
+    if model_is_v4(args) and args.mode != "prefill":
+        parser.error(f"--mode {args.mode}: decode is benchmarked on V3.2 models only; {source_label(args)} "
+                     "(DeepSeek V4) runs prefill (use_cache=False); its decode is in `generate`")
     results = bench_model(args)
     _write(results, args.json, args.markdown, model_markdown)
     return 0

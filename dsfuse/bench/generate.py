@@ -30,7 +30,7 @@ import time
 import torch
 
 from dsfuse.bench.measure import environment, error_text, free_device_memory, graph_count
-from dsfuse.models.presets import preset_names
+from dsfuse.bench.source import add_source_arguments, load_model, source_label
 
 GENERATE_CONFIGS = ("eager", "inductor", "dsfuse")
 
@@ -116,19 +116,16 @@ def _timed_generate(model, recipe: Recipe, ids, mask, new_tokens: int, cuda: boo
 
 def bench_generate(args) -> dict:
     import dsfuse
-    from dsfuse.models.presets import build_hf_model
-
     started = time.perf_counter()
     cuda = args.device.startswith("cuda")
-    model = build_hf_model(args.preset, dtype=getattr(torch, args.dtype), device=args.device,
-                           attn_implementation=args.attn)
+    model = load_model(args)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
     weights = torch.cuda.memory_allocated() if cuda else 0
-    results = {"env": environment(), "kind": "generate", "preset": args.preset, "dtype": args.dtype,
+    results = {"env": environment(), "kind": "generate", "preset": source_label(args), "dtype": args.dtype,
                "prompts": args.prompt, "batches": args.batch, "padded": args.padded, "new_tokens": args.new_tokens,
                "prefill_chunk": args.chunk, "weights_gib": round(weights / 2**30, 2), "runs": []}
-    print(f"# {results['env']} preset={args.preset} dtype={args.dtype} generate", flush=True)
+    print(f"# {results['env']} preset={results['preset']} dtype={args.dtype} generate", flush=True)
     for batch in args.batch:
         references: dict[int, torch.Tensor] = {}
         for name in args.configs:
@@ -243,7 +240,7 @@ def generate_markdown(results: dict) -> str:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--preset", default="v32-real-2l", choices=preset_names(), metavar="PRESET")
+    add_source_arguments(parser)
     parser.add_argument("--prompt", type=int, nargs="+", default=[2048, 8192], help="prompt lengths")
     parser.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")
     parser.add_argument("--padded", action="store_true", help="left-pad the rows of a batch to different lengths")

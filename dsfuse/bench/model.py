@@ -31,19 +31,20 @@ import dsfuse
 from dsfuse.bench.measure import (CONFIGS, CUDA_GRAPH_CONFIGS, compile_with, environment, error_text,
                                   free_device_memory, graph_count, profile_stages, resolve_configs, time_ms)
 from dsfuse.bench.report import ablation_summary, decode_notes, progress
+from dsfuse.bench.source import load_model, source_label
 from dsfuse.models.presets import is_v4_preset
 
 
 def bench_model(args) -> dict:
     """`model`: prefill (`--mode prefill`), decode with a KV cache (`--mode decode`) or both, one model build."""
-    from dsfuse.models.presets import build_hf_model
-
     started = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
-    model = build_hf_model(args.preset, dtype=dtype, device=args.device, attn_implementation=args.attn)
-    results = {"env": environment(), "preset": args.preset, "dtype": args.dtype, "batch": args.batch,
+    model = load_model(args)
+    results = {"env": environment(), "preset": source_label(args), "dtype": args.dtype, "batch": args.batch,
                "mode": args.mode, "runs": []}
-    print(f"# {results['env']} preset={args.preset} dtype={args.dtype} mode={args.mode}", flush=True)
+    if args.device.startswith("cuda"):
+        results["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+    print(f"# {results['env']} preset={results['preset']} dtype={args.dtype} mode={args.mode} "
+          f"weights={results.get('weights_gib', '-')} GiB", flush=True)
     if args.mode in ("prefill", "both"):
         _bench_prefill(model, args, results)
     if args.mode in ("decode", "both"):
@@ -57,7 +58,7 @@ def bench_model(args) -> dict:
 
 def _bench_prefill(model, args, results: dict) -> None:
     cuda = args.device.startswith("cuda")
-    bar = progress(len(args.seq) * len(args.configs), f"{args.preset} prefill")
+    bar = progress(len(args.seq) * len(args.configs), f"{source_label(args)} prefill")
     for seq in args.seq:
         ids = torch.randint(0, model.config.vocab_size, (args.batch, seq), device=args.device,
                             generator=torch.Generator(args.device).manual_seed(seq))
@@ -297,7 +298,7 @@ def _bench_decode_configs(model, args, results: dict) -> None:
     cache_argument = _cache_argument(model)
     caches = _DecodeCaches(model, args)
     shapes = [(batch, context) for batch in args.decode_batch for context in args.context]
-    bar = progress(len(shapes) * len(args.configs), f"{args.preset} decode")
+    bar = progress(len(shapes) * len(args.configs), f"{source_label(args)} decode")
     for name, (backend, options) in args.configs.items():
         fn = compile_with(model, backend, options)
         for batch, context in shapes:
