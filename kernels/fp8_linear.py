@@ -214,20 +214,21 @@ def _e4m3_values(byte):
 
 
 @triton.jit
-def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr,
+def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
                      N, K, G, num_experts, groups_per_split,
                      ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
                      block_n_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      FP4: tl.constexpr, E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr,
-                     INTERPRETER: tl.constexpr):
+                     GATHER_A: tl.constexpr, INTERPRETER: tl.constexpr):
     """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups. A group of BLOCK_K channels:
     its MMA, then the product of both scales, added into an fp32 accumulator. FP8 weights: an e4m3 MMA. FP4 weights:
     the nibbles decoded and scaled per 32 channels into bf16 (exact: two significant bits times a power of two) and
     multiplied with the activations widened to bf16 (exact), the low and the high nibbles of each byte as two MMAs
     over the even and the odd channels. The loop runs over computed bounds so that Triton pipelines its loads.
-    Writes the rounded output, or the split's fp32 partial sums. Under the interpreter (no fp8 or bf16 arithmetic
-    there) the FP4 path reads q as bytes and multiplies in fp32, exact too."""
+    Writes the rounded output, or the split's fp32 partial sums. With GATHER_A, output row r reads activation row
+    a_row[r] (the routed experts quantise each token once and read it for each of its slots). Under the interpreter
+    (no fp8 or bf16 arithmetic there) the FP4 path reads q as bytes and multiplies in fp32, exact too."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -242,12 +243,16 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
     n_ok = ns < N
     w_base = w_ptr + expert.to(tl.int64) * sw_e
     ws_base = ws_ptr + expert.to(tl.int64) * sws_e
-    a_rows = q_ptr + rows[:, None].to(tl.int64) * K
+    if GATHER_A:
+        a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        a_row = rows.to(tl.int64)
+    a_rows = q_ptr + a_row[:, None] * K
     g_first = split * groups_per_split
     g_last = tl.minimum(g_first + groups_per_split, G)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for g in range(g_first, g_last):
-        a_scale = tl.load(s_ptr + rows.to(tl.int64) * ss_m + g * ss_g, mask=row_ok, other=0.0)
+        a_scale = tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
         ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
             a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
@@ -363,11 +368,12 @@ def _splits(programs: int, groups: int, device) -> int:
     return max(1, min(groups, cdiv(2 * sms, max(programs, 1)), 16))
 
 
-def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts, config=None):
-    """`config` (BLOCK_M, BLOCK_N, warps, stages) replaces the row-count table's (the benchmark's sweep)."""
+def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts, config=None, a_rows=None):
+    """`config` (BLOCK_M, BLOCK_N, warps, stages) replaces the row-count table's (the benchmark's sweep); `a_rows`
+    [rows] int32: output row r reads activation row a_rows[r] of q."""
     N, K = weight_dims(weight)
     G = cdiv(K, block_k)
-    rows = q.shape[0]
+    rows = q.shape[0] if a_rows is None else a_rows.shape[0]
     BM, BN, warps, stages = config or _gemm_config(rows, weight)
     if tiles is None:
         tiles, tile_count = _row_tiles(rows, BM, q.device)
@@ -383,11 +389,13 @@ def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts
     target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
     q_as_bytes = _is_fp4(weight) and interpreting()  # the FP4 path decodes them itself there
     _fp8_gemm_kernel[(tile_count, columns, split)](
-        q.view(torch.uint8) if q_as_bytes else q, s, w3, s3, target, *tiles, N, K, G, experts, per_split,
+        q.view(torch.uint8) if q_as_bytes else q, s, w3, s3, target, *tiles, tiles[0] if a_rows is None else a_rows,
+        N, K, G, experts, per_split,
         s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
         out.stride(0), out.stride(1), rows * N if split > 1 else 0, block_n,
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=block_k, EVEN_K=K % block_k == 0, FP4=_is_fp4(weight),
-        E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, INTERPRETER=interpreting(), num_warps=warps, num_stages=stages)
+        E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None, INTERPRETER=interpreting(),
+        num_warps=warps, num_stages=stages)
     if split > 1:
         out.copy_(target.sum(0))
 
@@ -448,12 +456,24 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     E, N, K = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
     out = torch.zeros((x.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_activations_triton(x, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight),
+        q, s = quantize_activations_triton(x, block_k, pow2=activation_scales_pow2(weight, weight_scale),
                                            scales_column_major=True)
-        BM = _gemm_config(x.shape[0], weight)[0]
-        tiles, count = _expert_row_tiles(offsets, x.shape[0], BM)
-        _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, E)
+        grouped_gemm_quantized(q, s, None, weight, weight_scale, offsets, block_n, block_k, out)
     return out
+
+
+def activation_scales_pow2(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
+    """Whether activations quantised for `weight` get power-of-two scales (E8M0 weight scales, FP4 weights)."""
+    return is_e8m0(weight_scale) or _is_fp4(weight)
+
+
+def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, offsets, block_n, block_k, out):
+    """The grouped GEMM on activations already quantised by `quantize_activations_triton(..., scales_column_major=
+    True)`: out[r] = q[a_rows[r]] (q[r] without `a_rows`) through the weight of r's expert, for the rows up to
+    offsets[-1]; later rows of `out` are not defined afterwards."""
+    BM = _gemm_config(out.shape[0], weight)[0]
+    tiles, count = _expert_row_tiles(offsets, out.shape[0], BM)
+    _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, weight.shape[0], a_rows=a_rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -500,6 +520,7 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
     return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
 
 
-__all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
-           "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
-           "fp8_linear_triton", "quantize_activations_triton", "weight_bytes", "weight_dims"]
+__all__ = ["SCALED_MM_MIN_ROWS", "activation_scales_pow2", "cublas_block_scaled_gemm", "dequantize_weight",
+           "fp8_grouped_linear", "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear",
+           "fp8_linear_reference", "fp8_linear_triton", "grouped_gemm_quantized", "quantize_activations_triton",
+           "weight_bytes", "weight_dims"]

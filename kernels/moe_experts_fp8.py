@@ -7,7 +7,7 @@ V4-Flash (FP4 experts, E8M0 per 32) checkpoint.
     act        = silu(gate) * up of h's halves, in x's dtype (clamped at `swiglu_limit` as V4 does)
     y          = fp8_grouped_linear(act, down, down_scale)                          [slots, H]
     out        = sum over each token's k slots, in slot order, of y * router weight (torch's type promotion),
-                 rounded to x's dtype once
+                 accumulated in fp32 and rounded once (to the product's dtype, then x's)
 
 `fp8_grouped_linear` quantises each row's activations per 128 channels (W8A8, as the checkpoint's kernels do), so
 gathering the rows first or after changes nothing. Slots whose expert is not local (expert parallelism) add nothing.
@@ -16,17 +16,23 @@ gathering the rows first or after changes nothing. Slots whose expert is not loc
 [E, 2I, H / 2] bytes), gate_up_scale, down [E, H, I] (FP4: [E, H, I / 2]), down_scale, block_n, block_k,
 local_expert_offset=0, swiglu_limit=None) -> [T, H]`.
 
-On CUDA the routing is computed on the device (no host sync) and both GEMMs are `fp8_linear`'s grouped Triton GEMM.
+On CUDA the routing is computed on the device (no host sync) and both GEMMs are `fp8_linear`'s grouped Triton GEMM;
+each token is quantised once and read by its slots inside the first GEMM, and the combine is one kernel that reads
+the second GEMM's rows where they lie (instead of a gathered copy of x, a weighted fp32 copy of y, its scatter back
+to slot order and a sum, each a pass over memory).
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, fp8_grouped_linear_triton,
-                                       weight_dims)
+import triton
+import triton.language as tl
+
+from dsfuse.kernels.fp8_linear import (OUT_DTYPES, activation_scales_pow2, fp8_grouped_linear_reference,
+                                       grouped_gemm_quantized, quantize_activations_triton, weight_dims)
 from dsfuse.kernels.moe_experts import check_ids_non_negative, check_swiglu_limit, swiglu
-from dsfuse.kernels.triton_support import direct_kernel
+from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
 
 def _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, local_expert_offset,
@@ -58,40 +64,125 @@ def _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_sca
             raise ValueError(f"{op}: all inputs must be on {x.device}, found {t.device}")
 
 
-def _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
-             local_expert_offset, swiglu_limit, grouped_linear):
-    """The op's math with `grouped_linear` for both GEMMs; only device ops, so no host sync on CUDA."""
-    T, top_k = expert_ids.shape
-    E = gate_up.shape[0]
+def _routing(expert_ids, E, local_expert_offset):
+    """(order, is_local, offsets): the slots sorted by local expert (stable; other ranks' slots last), which slots
+    are local, and the running row totals of the local experts [E]. Device ops only: no host sync on CUDA."""
     local = expert_ids.reshape(-1).long() - local_expert_offset
     is_local = (local >= 0) & (local < E)
     key = torch.where(is_local, local, E)
     _, order = torch.sort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device).scatter_add_(
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=expert_ids.device).scatter_add_(
         0, key, torch.ones_like(key, dtype=torch.int32))
-    offsets = counts[:E].cumsum(0, dtype=torch.int32)
-    h = grouped_linear(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
-    y = grouped_linear(swiglu(*h.chunk(2, dim=-1), swiglu_limit), down, down_scale, offsets, block_n, block_k)
+    return order, is_local, counts[:E].cumsum(0, dtype=torch.int32)
+
+
+def _combine_reference(y, order, is_local, expert_weights, dtype):
+    """Each token's sum over its k slots, in slot order, of y * router weight (torch's type promotion), other ranks'
+    slots adding zero; accumulated in fp32 and rounded once (to the product's dtype, then `dtype`)."""
+    T, top_k = expert_weights.shape
     weighted = y * expert_weights.reshape(-1)[order].unsqueeze(-1)
     weighted = torch.where(is_local[order].unsqueeze(-1), weighted, 0)
-    in_slot_order = torch.empty_like(weighted).index_copy_(0, order, weighted)
-    return in_slot_order.view(T, top_k, -1).sum(dim=1).to(x.dtype)
+    in_slot_order = torch.empty_like(weighted).index_copy_(0, order, weighted).view(T, top_k, -1)
+    total = torch.zeros((T, y.shape[-1]), dtype=torch.float32, device=y.device)
+    for slot in range(top_k):
+        total = total + in_slot_order[:, slot].float()
+    return total.to(weighted.dtype).to(dtype)
+
+
+def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
+                       local_expert_offset, swiglu_limit):
+    top_k = expert_ids.shape[1]
+    order, is_local, offsets = _routing(expert_ids, gate_up.shape[0], local_expert_offset)
+    h = fp8_grouped_linear_reference(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
+    act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
+    y = fp8_grouped_linear_reference(act, down, down_scale, offsets, block_n, block_k)
+    return _combine_reference(y, order, is_local, expert_weights, x.dtype)
+
+
+@triton.jit
+def _combine_kernel(y_ptr, row_of_slot_ptr, w_ptr, out_ptr, H, sy_m, so_m,
+                    TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr):
+    """One token x BLOCK_H channels: sum over its slots in order of y[row] * weight (rounded to the product's dtype:
+    PRODUCT 0 fp32, 1 bf16, 2 fp16); a slot with row -1 (another rank's) is skipped, its router weight unread (the
+    reference adds zero: equal up to the sign of a zero); fp32 sum, rounded once."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = cols < H
+    total = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(row_of_slot_ptr + t * TOP_K + j)
+        if row >= 0:
+            weight = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
+            product = tl.load(y_ptr + row.to(tl.int64) * sy_m + cols, mask=ok, other=0.0).to(tl.float32) * weight
+            if PRODUCT == 1:
+                product = product.to(tl.bfloat16).to(tl.float32)
+            if PRODUCT == 2:
+                product = product.to(tl.float16).to(tl.float32)
+            total += product
+    if PRODUCT == 1:
+        total = total.to(tl.bfloat16).to(tl.float32)
+    if PRODUCT == 2:
+        total = total.to(tl.float16).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * so_m + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+PRODUCT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _combine_triton(y, order, is_local, expert_weights, dtype):
+    """`_combine_reference` in one launch: y is read once, in place of the weighted copy, its slot-order scatter and
+    the sum."""
+    T, top_k = expert_weights.shape
+    product = torch.promote_types(y.dtype, expert_weights.dtype)
+    if product not in PRODUCT_CODES:
+        return _combine_reference(y, order, is_local, expert_weights, dtype)
+    rows = torch.arange(order.numel(), device=y.device, dtype=torch.int32)
+    row_of_slot = torch.empty_like(rows).scatter_(0, order, rows)
+    row_of_slot = torch.where(is_local, row_of_slot, -1)
+    out = torch.empty((T, y.shape[-1]), dtype=dtype, device=y.device)
+    block_h = 1024
+    _combine_kernel[(T, cdiv(y.shape[-1], block_h))](
+        y, row_of_slot, expert_weights.contiguous(), out, y.shape[-1], y.stride(0), out.stride(0),
+        TOP_K=top_k, BLOCK_H=block_h, PRODUCT=PRODUCT_CODES[product])
+    return out
+
+
+def _experts_triton(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
+                    local_expert_offset, swiglu_limit):
+    """The reference's math with each token quantised once and read by its slots inside the first GEMM, both GEMMs
+    writing only the local experts' rows, and the combine reading the second GEMM's rows where they lie."""
+    T, top_k = expert_ids.shape
+    order, is_local, offsets = _routing(expert_ids, gate_up.shape[0], local_expert_offset)
+    (two_i, H), slots = weight_dims(gate_up), T * top_k
+    q, s = quantize_activations_triton(x, block_k, pow2=activation_scales_pow2(gate_up, gate_up_scale),
+                                       scales_column_major=True)
+    h = torch.empty((slots, two_i), dtype=x.dtype, device=x.device)
+    grouped_gemm_quantized(q, s, (order // top_k).to(torch.int32), gate_up, gate_up_scale, offsets, block_n, block_k,
+                           h)
+    act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
+    q, s = quantize_activations_triton(act, block_k, pow2=activation_scales_pow2(down, down_scale),
+                                       scales_column_major=True)
+    y = torch.empty((slots, H), dtype=x.dtype, device=x.device)
+    grouped_gemm_quantized(q, s, None, down, down_scale, offsets, block_n, block_k, y)
+    return _combine_triton(y, order, is_local, expert_weights, x.dtype)
 
 
 def moe_experts_fp8_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n,
                               block_k, local_expert_offset=0, swiglu_limit=None):
     _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, local_expert_offset, swiglu_limit)
     check_ids_non_negative("moe_experts_fp8", expert_ids)
-    return _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
-                    local_expert_offset, swiglu_limit, fp8_grouped_linear_reference)
+    return _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n,
+                              block_k, local_expert_offset, swiglu_limit)
 
 
 def moe_experts_fp8_triton(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n,
                            block_k, local_expert_offset=0, swiglu_limit=None):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): negative ids count as another rank's."""
     _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, local_expert_offset, swiglu_limit)
-    return _experts(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
-                    local_expert_offset, swiglu_limit, fp8_grouped_linear_triton)
+    if x.shape[0] == 0 or expert_ids.shape[1] == 0:
+        return torch.zeros_like(x)
+    return _experts_triton(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
+                           local_expert_offset, swiglu_limit)
 
 
 @torch.library.custom_op("dsfuse::moe_experts_fp8", mutates_args=())

@@ -58,9 +58,14 @@ def test_reference_is_each_slot_through_its_experts_fp8_linears(kind, limit):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["ue8m0", "fp4"])
-def test_triton_path_gives_the_references_bits(kind):
-    x, ids, weights = _routing(3)
+@pytest.mark.parametrize("kind,x_dtype,weights_dtype", [
+    ("ue8m0", torch.float16, torch.float32), ("fp4", torch.float16, torch.float32),
+    ("ue8m0", torch.float16, torch.float16)])
+def test_triton_path_gives_the_references_bits(kind, x_dtype, weights_dtype):
+    """The combine rounds each weighted row to the product's dtype (fp16 router weights) as the reference does. (bf16
+    is the GPU test's: the interpreter truncates fp32 to bf16 where the GPU rounds to nearest.)"""
+    x, ids, weights = _routing(3, dtype=x_dtype)
+    weights = weights.to(weights_dtype)
     stacks = _stacks(kind, 4)
     assert torch.equal(moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128),
                        moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128))
@@ -116,10 +121,12 @@ def test_negative_ids_raise_on_the_reference():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["ue8m0", "fp4"])
-def test_cuda_matches_the_reference_and_replays_in_a_cuda_graph(kind):
+@pytest.mark.parametrize("weights_dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_the_reference_and_replays_in_a_cuda_graph(kind, weights_dtype):
     """The CUDA path within the fp8 MMA's rounding of the reference, with no host sync: a CUDA graph captures it and
     replays it on new tokens and new routing."""
     x, ids, weights = (t.cuda() for t in _routing(13, torch.bfloat16))
+    weights = weights.to(weights_dtype)
     stacks = tuple(t.cuda() for t in _stacks(kind, 14))
 
     def rel(got, want):
@@ -134,3 +141,15 @@ def test_cuda_matches_the_reference_and_replays_in_a_cuda_graph(kind):
     x.copy_(new_x), ids.copy_(new_ids), weights.copy_(new_weights)
     graph.replay()
     assert rel(replayed, moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_cuda_skips_other_ranks_slots():
+    """Expert parallelism on the GPU: other ranks' slots (NaN router weights here) add nothing."""
+    x, ids, weights = (t.cuda() for t in _routing(17, torch.bfloat16, experts=2 * E))
+    weights = torch.where(ids < E, float("nan"), weights)
+    stacks = tuple(t.cuda() for t in _stacks("ue8m0", 18))
+    got = moe_experts_fp8(x, ids, weights, *stacks, 128, 128, E)
+    want = moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128, E)
+    assert not got.isnan().any()
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2
