@@ -795,11 +795,11 @@ def sparse_attention_masked_triton(
 
 
 def _rows_without_keys_see_all(bits: torch.Tensor, T: int) -> torch.Tensor:
-    """Set every key t < T in the bitmap rows [B, S, W] that selected none (no host sync: a `where`)."""
-    t = torch.arange(bits.shape[-1] * 32, device=bits.device).view(-1, 32)
-    weights = torch.tensor([1 << i if i < 31 else -(1 << 31) for i in range(32)], dtype=torch.int64,
-                           device=bits.device)
-    full = ((t < T).to(torch.int64) * weights).sum(-1).to(torch.int32)  # bit i of word w set iff 32w + i < T
+    """Set every key t < T in the bitmap rows [B, S, W] that selected none (no host sync: a `where`; no copy from
+    the host either, so a CUDA graph captures it)."""
+    keys_in_word = (T - 32 * torch.arange(bits.shape[-1], device=bits.device, dtype=torch.int64)).clamp(0, 32)
+    low_bits = (1 << keys_in_word.clamp(max=31)) - 1  # bit i of word w set iff 32w + i < T
+    full = torch.where(keys_in_word == 32, -1, low_bits).to(torch.int32)
     empty = (bits == 0).all(dim=-1, keepdim=True)
     return torch.where(empty, full, bits)
 

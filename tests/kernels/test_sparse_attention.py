@@ -611,21 +611,24 @@ def test_mla_gpu_bf16_real_head_dims_and_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mask_kind", ["causal_flag", "bool", "additive"])
+@pytest.mark.parametrize("mask_kind", ["causal_flag", "bool", "additive", "bool_empty_rows_see_all"])
 def test_masked_gpu_bf16_real_head_dims_and_cuda_graph(mask_kind):
+    """Each mask form, and the finite-bias semantics (`empty_rows_see_all`: the FP8 checkpoints' decode), within
+    bf16 rounding of the reference, captured in a CUDA graph (no host copy or sync inside) and replayed."""
     B, H, S, T = 1, 4, 300, 300
     q, k, v, idx = _masked_inputs(B, H, S, T, 192, 128, 64, torch.bfloat16, device="cuda")
     causal = mask_kind == "causal_flag"
+    see_all = mask_kind == "bool_empty_rows_see_all"
     mask = None if causal else _causal_bool(B, S, T, device="cuda")
     if mask_kind == "additive":
         mask = torch.zeros(B, 1, S, T, dtype=torch.bfloat16, device="cuda").masked_fill(
             ~mask, torch.finfo(torch.bfloat16).min)
-    out = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal)
-    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 192 ** -0.5, causal)
+    out = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal, see_all)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 192 ** -0.5, causal, see_all)
     assert _rel_err(out, ref) <= 1e-2
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal)
+        captured = torch.ops.dsfuse.sparse_attention_masked(q, k, v, idx, mask, 192 ** -0.5, causal, see_all)
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, out)
