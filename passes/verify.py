@@ -64,7 +64,23 @@ def is_pure(node: torch.fx.Node) -> bool:
         return True
     if not isinstance(target, torch._ops.OpOverload):
         return False
+    if target in SEEDED_BY_DROPOUT:
+        return _argument(node, "dropout_p", 0.0) == 0.0
     return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+# Fused attention ops tagged as seeded for their dropout: without dropout they compute the same every time.
+SEEDED_BY_DROPOUT = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                               torch.ops.aten._scaled_dot_product_efficient_attention.default,
+                               torch.ops.aten._scaled_dot_product_cudnn_attention.default})
+
+
+def _argument(node: torch.fx.Node, name: str, default: Any) -> Any:
+    """The argument `name` of a call of an op overload, by its schema."""
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.name == name:
+            return node.args[i] if i < len(node.args) else node.kwargs.get(name, default)
+    return default
 
 
 def pure_slice(outputs: list[torch.fx.Node], stop: set, max_nodes: int = MAX_NODES) -> tuple[list, list] | None:
@@ -160,6 +176,23 @@ def _on_cpu(arg):
     return torch.device("cpu") if isinstance(arg, torch.device) else arg
 
 
+def _sdpa_on_cpu(outputs: int, extra: tuple = ()) -> Callable:
+    """A CUDA-only fused SDPA op (efficient, cuDNN) as the math SDPA on the CPU: its output first, the auxiliary
+    outputs (log-sum-exp, RNG state) as None; a slice is only ever run where those are not read."""
+    def run(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *unused, scale=None):
+        out = torch.ops.aten._scaled_dot_product_attention_math(query, key, value, attn_bias, dropout_p, is_causal,
+                                                                 scale=scale)[0]
+        return (out,) + (None,) * (outputs - 1)
+    return run
+
+
+# Ops without a CPU kernel, run as their CPU math when a slice holding them is probed.
+CPU_STAND_INS: dict[Any, Callable] = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default: _sdpa_on_cpu(4),
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default: _sdpa_on_cpu(9),
+}
+
+
 def run_slice(nodes: list, outputs: list, env: dict) -> list:
     """Run the slice's nodes on concrete values (`env`: frontier node -> value), on the CPU, outside fake mode."""
     env = dict(env)
@@ -167,7 +200,7 @@ def run_slice(nodes: list, outputs: list, env: dict) -> list:
         for node in nodes:
             args, kwargs = torch.utils._pytree.tree_map(
                 _on_cpu, torch.fx.map_arg((node.args, node.kwargs), env.__getitem__))
-            env[node] = node.target(*args, **kwargs)
+            env[node] = CPU_STAND_INS.get(node.target, node.target)(*args, **kwargs)
     return [env[node] for node in outputs]
 
 

@@ -70,3 +70,31 @@ def test_slice_over_the_node_bound_is_refused():
     (a, b), out = _graph(_scaled_relu, torch.randn(3, 5), torch.randn(3, 5))
     verdict = verify.verify([out], {"x": a, "bias": b}, _family([]), max_nodes=1)
     assert verdict.ok is False and "more than 1 nodes" in verdict.reason
+
+
+def _sdpa_family(dropout_p):
+    def probes(shapes, dtypes):
+        gen = torch.Generator().manual_seed(0)
+        return [("random", {role: torch.randn(shape, generator=gen) for role, shape in shapes.items()})]
+
+    def reference(probe):
+        return torch.nn.functional.scaled_dot_product_attention(probe["q"], probe["k"], probe["v"], scale=0.5)
+
+    def compare(got, want, probe):
+        return None if torch.allclose(got[0], want, atol=1e-6) else "values differ"
+
+    return verify.Family(probes, reference, compare)
+
+
+def test_cuda_only_attention_without_dropout_runs_as_its_cpu_math():
+    """The memory-efficient SDPA op (no CPU kernel) is pure at dropout 0 and runs as the math SDPA on the probes; with
+    dropout it is impure, so the slice stops at it."""
+    for dropout_p, ok in ((0.0, True), (0.1, False)):
+        verify.clear_cache()
+        q, k, v = (torch.randn(1, 2, 5, 4, device="meta") for _ in range(3))
+        gm = make_fx(lambda q, k, v: torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, False, dropout_p, scale=0.5)[0] * 1.0, tracing_mode="fake")(q, k, v)
+        nodes = list(gm.graph.nodes)
+        roles = dict(zip("qkv", (n for n in nodes if n.op == "placeholder")))
+        out = next(n for n in nodes if n.op == "output").args[0]
+        assert verify.verify([out], roles, _sdpa_family(dropout_p)).ok is ok
