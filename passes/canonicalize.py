@@ -9,7 +9,8 @@ compile to the same numbers with dsfuse on as with it off. So every rule is one 
   cast to a tensor's own dtype or through an exact widening, `add.Scalar` spelled `add.Tensor`, a scalar moved to
   the second operand of a commutative op, `clamp_min(x, 0)` as `relu`, `x * 1` as `x`, `x * x` as `pow(x, 2)`
   (Inductor lowers both to one multiply), a division by a power of two as a multiplication by its exact reciprocal,
-  one mask polarity for `where`, a double `~` on a bool mask, split/cat coalescing, `~` of an integer comparison as
+  one mask polarity for `where`, a double `~` on a bool mask, a keep-polarity scatter of picks as the negated drop
+  one, a bool `index_put` of a scalar as `where`, split/cat coalescing, `~` of an integer comparison as
   the negated comparison, `where(i < 0, 0, i)` on integers as `clamp_min(i, 0)`, `select` of a size-1 dim as
   `squeeze`, a `repeat` of size-1 dims as `expand` + `clone`, and `t[t.argsort()]` as the sort's own values.
 * inexact equivalences (`Rule.exact` false): the two forms agree up to rounding (`x / 3` vs `x * (1/3)`, a chain of
@@ -31,10 +32,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch._guards import detect_fake_mode
 
 from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op,
-                          only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, slice_args, tensor_val,
-                          val)
+                          node_arg, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, slice_args,
+                          tensor_val, val)
 
 # Keys of the canonical forms recorded by the inexact rules.
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding
@@ -267,6 +269,45 @@ def double_not(node: torch.fx.Node) -> bool:
     inner = node.args[0]
     return (is_op(inner, *NOT_OPS) and dtype(inner.args[0]) == torch.bool
             and dtype(node) == torch.bool and _replace(node, inner.args[0]))
+
+
+def keep_scatter_is_negated_drop(node: torch.fx.Node) -> bool:
+    """`full(False).scatter(d, i, True)` -> `~full(True).scatter(d, i, False)`: a selection is always built as
+    'True where not picked' (HF's polarity), so its keep form reads as the negation of that."""
+    base, dim, index, value = node.args[:4]
+    if not (is_op(base, aten.full.default) and base.args[1] is False and dtype(base) == torch.bool and value is True):
+        return False
+    fake_mode = detect_fake_mode([tensor_val(base)])
+    if fake_mode is None:
+        return False
+    with fake_mode:
+        value = aten.full.default(base.args[0], True, **base.kwargs)
+    with node.graph.inserting_before(node):
+        full = node.graph.call_function(aten.full.default, (base.args[0], True), dict(base.kwargs))
+    full.meta["val"] = value
+    drop = _call(node, aten.scatter.value, (full, dim, index, False))
+    if drop is None:
+        node.graph.erase_node(full)
+        return False
+    if not _swap(node, aten.bitwise_not.default, (drop,)):
+        node.graph.erase_node(drop)
+        node.graph.erase_node(full)
+        return False
+    return True
+
+
+def bool_index_put_is_where(node: torch.fx.Node) -> bool:
+    """`x[m] = c` (`index_put(x, [m], c)` with a bool `m` of x's shape and a 0-d `c`, no accumulation) ->
+    `where(m, c, x)`: the same elements, the mask in the form every family reads."""
+    x, indices, values = node.args[:3]
+    accumulate = node_arg(node, 3, "accumulate", False)
+    if accumulate or len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+        return False
+    mask = indices[0]
+    if dtype(mask) != torch.bool or not same_shape(shape(mask), shape(x)) or scalar_constant(values) is None \
+            or dtype(values) != dtype(x):
+        return False
+    return _swap(node, aten.where.self, (mask, values, x))
 
 
 def _returns_its_input(node: torch.fx.Node) -> bool:
@@ -617,6 +658,8 @@ RULES: tuple[Rule, ...] = (
     Rule("div_by_power_of_two", (aten.div.Tensor,), div_by_power_of_two),
     Rule("mask_fill_first", (aten.where.self,), mask_fill_first),
     Rule("double_not", tuple(NOT_OPS), double_not),
+    Rule("keep_scatter_is_negated_drop", (aten.scatter.value,), keep_scatter_is_negated_drop),
+    Rule("bool_index_put_is_where", (aten.index_put.default,), bool_index_put_is_where),
     Rule("select_of_unit_dim_is_squeeze", (aten.select.int,), select_of_unit_dim_is_squeeze),
     Rule("repeat_of_unit_dims_is_expand", (aten.repeat.default,), repeat_of_unit_dims_is_expand),
     Rule("gather_by_own_sort_is_sorted", (aten.index.Tensor,), gather_by_own_sort_is_sorted),

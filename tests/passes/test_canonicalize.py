@@ -549,3 +549,48 @@ def test_padding_pad_mm_does_not_write_is_not_recorded(case):
     }
     gm = _trace(fns[case], [a, b], decompose=False)
     assert apply_rule(gm.graph, "padded_bmm_is_bmm") == 0
+
+
+def test_keep_polarity_scatter_is_the_negated_drop_scatter():
+    idx = torch.randint(0, 7, (2, 3, 4), generator=torch.Generator().manual_seed(2))
+    gm = _check(lambda i: torch.zeros(2, 3, 7, dtype=torch.bool).scatter(-1, i, True).unsqueeze(1), [idx],
+                "keep_scatter_is_negated_drop", {aten.scatter.value: 1, aten.bitwise_not.default: 0},
+                {aten.scatter.value: 1, aten.bitwise_not.default: 1})
+    scatter = next(n for n in gm.graph.nodes if n.target is aten.scatter.value)
+    assert scatter.args[0].args[1] is True and scatter.args[3] is False
+
+
+def test_scatter_of_other_values_is_kept():
+    idx = torch.randint(0, 7, (2, 3, 4), generator=torch.Generator().manual_seed(2))
+    _check(lambda i: torch.ones(2, 3, 7, dtype=torch.bool).scatter(-1, i, False), [idx],
+           "keep_scatter_is_negated_drop", {aten.scatter.value: 1}, {aten.scatter.value: 1}, fired=0)
+    _check(lambda i: torch.zeros(2, 3, 7).scatter(-1, i, 1.0), [idx],
+           "keep_scatter_is_negated_drop", {aten.scatter.value: 1}, {aten.scatter.value: 1}, fired=0)
+
+
+def _index_put(inputs, index_of, accumulate=False):
+    """`x[index] = -inf` as the post-grad graph spells it: a functional `index_put` of a 0-d `full`."""
+    def body(call, x, *rest):
+        fill = x.graph.call_function(aten.full.default, ([], NEG_INF))
+        fill.meta["val"] = x.meta["val"].new_full((), NEG_INF)
+        return call(aten.add.Tensor, call(aten.index_put.default, x, [index_of(call, *rest)], fill, accumulate), 1.0)
+    return _manual(inputs, body)
+
+
+def test_bool_index_put_of_a_scalar_is_where():
+    x, m = _floats(3, 5), torch.rand(3, 5, generator=torch.Generator().manual_seed(1)) > 0.5
+    gm = _index_put([x, m], lambda call, drop: drop)
+    want = gm(x, m)
+    _same(want, torch.where(m, NEG_INF, x) + 1)
+    assert apply_rule(gm.graph, "bool_index_put_is_where") == 1
+    gm.recompile()
+    assert _count(gm.graph, [aten.index_put.default, aten.where.self]) == {aten.index_put.default: 0,
+                                                                          aten.where.self: 1}
+    _same(gm(x, m), want)
+
+
+def test_index_put_by_integer_indices_or_with_accumulation_is_kept():
+    x, m = _floats(3, 5), torch.rand(3, 5, generator=torch.Generator().manual_seed(1)) > 0.5
+    for gm in (_index_put([x, torch.tensor([0, 2])], lambda call, rows: rows),
+               _index_put([x, m], lambda call, drop: drop, accumulate=True)):
+        assert apply_rule(gm.graph, "bool_index_put_is_where") == 0
