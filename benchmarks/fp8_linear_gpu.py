@@ -12,7 +12,8 @@ shapes and its and V4-Flash's expert shapes.
    top-8) and V4-Flash FP4 (256 experts, 4096 -> 2 x 2048 -> 4096, top-6) at T tokens, the two expert GEMMs as
    `fp8_grouped_linear` against bf16 `torch._grouped_mm` of the dequantised weights.
 
-Writes $OUT/fp8_linear.json and prints a markdown table last. ~2 minutes."""
+Writes $OUT/fp8_linear.json and prints a markdown table last. ~2 minutes. `ROWS="4096"` limits the linears' row
+counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes."""
 
 import json
 import os
@@ -172,8 +173,10 @@ def main():
             (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
     if os.environ.get("SWEEP"):
         RESULTS["sweep"] = []
-        for name, N, K, fp4 in (("q_b", 24576, 1536, False), ("o_proj", 7168, 16384, False),
-                                ("dense up", 18432, 7168, False), ("v4 expert up", 4096, 4096, True)):
+        shapes = (("q_b", 24576, 1536, False), ("o_proj", 7168, 16384, False), ("dense up", 18432, 7168, False),
+                  ("v4 expert up", 4096, 4096, True))
+        only = [name for name in os.environ.get("SWEEP_SHAPES", "").split(",") if name]
+        for name, N, K, fp4 in (shape for shape in shapes if not only or shape[0] in only):
             for M in (1, 16, 64, 512, 4096):
                 RESULTS["sweep"].append(sweep_case(name, N, K, M, fp4))
                 print(json.dumps(RESULTS["sweep"][-1]), flush=True)

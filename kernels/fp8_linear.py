@@ -35,9 +35,10 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
-                                          dequantize_fp4, dequantize_fp8_blocks, e2m1_to_float, e4m3_bits,
+                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits,
                                           e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
                                           round_to_e4m3_grid, scales_to_float32)
+from dsfuse.kernels.moe_experts import scale_tile, weight_tile
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -222,10 +223,11 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
                      FP4: tl.constexpr, E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr,
                      GATHER_A: tl.constexpr, INTERPRETER: tl.constexpr):
     """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups. A group of BLOCK_K channels:
-    its MMA, then the product of both scales, added into an fp32 accumulator. FP8 weights: an e4m3 MMA. FP4 weights:
-    the nibbles decoded and scaled per 32 channels into bf16 (exact: two significant bits times a power of two) and
-    multiplied with the activations widened to bf16 (exact), the low and the high nibbles of each byte as two MMAs
-    over the even and the odd channels. The loop runs over computed bounds so that Triton pipelines its loads.
+    its MMA, then the product of both scales, added into an fp32 accumulator. FP8 weights: an e4m3 MMA. FP4 weights
+    (row-major packed bytes and E8M0 scales, K contiguous): `moe_experts`' tile decode, the nibbles scaled per 32
+    channels into bf16 (exact: two significant bits times a power of two; integer ops and bf16x2 multiplies on CUDA)
+    and multiplied with the activations widened to bf16 (exact). The loop runs over computed bounds so that Triton
+    pipelines its loads.
     Writes the rounded output, or the split's fp32 partial sums. With GATHER_A, output row r reads activation row
     a_row[r] (the routed experts quantise each token once and read it for each of its slots). Under the interpreter
     (no fp8 or bf16 arithmetic there) the FP4 path reads q as bytes and multiplies in fp32, exact too."""
@@ -259,19 +261,12 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
         else:
             a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
         if FP4:
-            pairs = g * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-            pair_ok = pairs * 2 < K
-            code = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + pairs[:, None] * sw_k,
-                           mask=n_ok[None, :] & pair_ok[:, None], other=0)
-            scale_at = ws_base + ns[None, :].to(tl.int64) * sws_n + (pairs[:, None] // 16) * sws_k
-            w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok[None, :] & pair_ok[:, None], other=127))
             operand = tl.float32 if INTERPRETER else tl.bfloat16
-            low = (e2m1_to_float((code & 0x0F).to(tl.int32)) * w_scale).to(operand)
-            high = (e2m1_to_float((code >> 4).to(tl.int32)) * w_scale).to(operand)
+            w_scales = scale_tile(ws_base, ns, n_ok, g * BLOCK_K, K, sws_n, BLOCK_K, True)
+            w = weight_tile(w_base, w_scales, ns, n_ok, g * BLOCK_K, K, sw_n, BLOCK_K, True, not INTERPRETER,
+                            operand)
             wide = _e4m3_values(a) if INTERPRETER else a.to(operand)
-            even, odd = tl.split(tl.reshape(wide, (BLOCK_M, BLOCK_K // 2, 2)))
-            part = tl.dot(even, low) + tl.dot(odd, high)
-            acc += part * a_scale[:, None]
+            acc += tl.dot(wide, tl.trans(w)) * a_scale[:, None]
         else:
             if EVEN_K:
                 w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k, mask=n_ok[None, :],
@@ -385,7 +380,10 @@ def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     e8m0 = is_e8m0(s3) or s3.dtype == torch.uint8
     s3 = s3.view(torch.uint8) if e8m0 else s3
-    w3 = w3.view(torch.uint8) if _is_fp4(weight) else w3
+    if _is_fp4(weight):  # the tile decode reads bytes and scales along K
+        w3 = w3.view(torch.uint8)
+        if w3.stride(-1) != 1 or s3.stride(-1) != 1:
+            w3, s3 = w3.contiguous(), s3.contiguous()
     target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
     q_as_bytes = _is_fp4(weight) and interpreting()  # the FP4 path decodes them itself there
     _fp8_gemm_kernel[(tile_count, columns, split)](

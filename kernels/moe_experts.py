@@ -332,7 +332,7 @@ def _per_byte(block_values, BN: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _scale_tile(s_ptr, rows, row_mask, k0, K, stride_sn, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
+def scale_tile(s_ptr, rows, row_mask, k0, K, stride_sn, BLOCK_K: tl.constexpr, FP4: tl.constexpr):
     """The `[BN, BK/32]` E8M0 bytes of a K step (zeros when the weights are not FP4).
 
     Loaded one K step ahead by the GEMM loops: with a few bytes per thread Triton does not stream this load
@@ -347,11 +347,11 @@ def _scale_tile(s_ptr, rows, row_mask, k0, K, stride_sn, BLOCK_K: tl.constexpr, 
 
 
 @triton.jit
-def _weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
+def weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
                  BLOCK_K: tl.constexpr, FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """`[len(rows), BLOCK_K]` weights of one expert in the dot dtype (K columns from `k0`).
 
-    FP4: one load of the packed bytes `[BN, BK/2]`; the step's scales `[BN, BK/32]` (`_scale_tile`) are turned into
+    FP4: one load of the packed bytes `[BN, BK/2]`; the step's scales `[BN, BK/32]` (`scale_tile`) are turned into
     factors once per 32 elements and broadcast, both nibbles are decoded and interleaved back into K order. bf16 on
     CUDA (`DECODE_ASM`) decodes with integer ops and two exact bf16x2 multiplies (`fp4_decode_bf16_pair`); other
     dtypes and the interpreter go through fp32 (`fp4_decode`), rounded once.
@@ -391,14 +391,14 @@ def _weight_rows_times_tokens(a_rows, a_row_mask, w_expert, s_expert, w_rows, w_
                               DOT_DTYPE: tl.constexpr):
     """The K loop both GEMMs share: `acc[w_rows, tokens] = W[w_rows, k_lo:K] @ A[tokens, k_lo:K]^T` in fp32 (`k_lo`
     is 0, or a split-K slice's start: a multiple of BLOCK_K), one expert's weights decoded per K step in registers,
-    the next step's scales prefetched (see `_scale_tile`)."""
+    the next step's scales prefetched (see `scale_tile`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    scale = _scale_tile(s_expert, w_rows, w_mask, k_lo, K, stride_sn, BLOCK_K, FP4)
+    scale = scale_tile(s_expert, w_rows, w_mask, k_lo, K, stride_sn, BLOCK_K, FP4)
     for k0 in range(k_lo, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a_tile = tl.load(a_rows + offs_k[None, :], mask=a_row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
-        next_scale = _scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, K, stride_sn, BLOCK_K, FP4)
-        w_tile = _weight_tile(w_expert, scale, w_rows, w_mask, k0, K, stride_wn, BLOCK_K, FP4, DECODE_ASM, DOT_DTYPE)
+        next_scale = scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, K, stride_sn, BLOCK_K, FP4)
+        w_tile = weight_tile(w_expert, scale, w_rows, w_mask, k0, K, stride_wn, BLOCK_K, FP4, DECODE_ASM, DOT_DTYPE)
         scale = next_scale
         acc = tl.dot(w_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
     return acc
