@@ -30,7 +30,7 @@ import operator
 
 import torch
 
-import dsfuse.kernels.sparse_attention  # noqa: F401  (registers torch.ops.dsfuse.sparse_*attention)
+from dsfuse.kernels.sparse_attention import sparse_attention_masked_math, sparse_mla_attention_math  # and the ops
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
 
 from . import sparse_attention_v4
@@ -38,9 +38,11 @@ from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
-                          attention_softmax, broadcasts_to, dtype, insert_call, is_last_dim, is_neg_inf, is_op,
-                          masking_bias, node_arg, only_user, same_shape, same_size, scalar_constant, scale_factor,
-                          scaled_input, shape, strip, walk_back, walk_forward)
+                          attention_softmax, broadcasts_to, dtype, fill_value, insert_call, is_last_dim,
+                          is_last_dim_cat, is_neg_inf, is_op, masking_bias, node_arg, only_user, reaches_back,
+                          same_shape, same_size, scalar_constant, scale_factor, scaled_input, shape, size_arg, strip,
+                          walk_back, walk_forward)
+from .verify import Family, Verdict, verify
 
 NAME = "sparse_attention"
 IMPLEMENTED = True
@@ -56,10 +58,134 @@ FUSED_SDPA = {
 }
 
 
+# Index-driven selections, by op class: a mask built by scattering the picks (a scattered constant of either
+# polarity, bool or additive, or scattered values), and rows read by an index tensor (advanced indexing, `gather`,
+# which `take_along_dim` lowers to, `index_select`).
+MASK_ANCHORS = (aten.scatter.value, aten.scatter.src)
+ROW_ANCHORS = (aten.index.Tensor, aten.gather.default, aten.index_select.default)
+ANCHORS = MASK_ANCHORS + ROW_ANCHORS
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.scatter.value,), _match_masked, _rewrite_masked)
-    rewrite_anchored(graph, ctx, (aten.index.Tensor,), _match_mla, _rewrite_mla)
+    rewrite_anchored(graph, ctx, ANCHORS, _match, _rewrite)
     sparse_attention_v4.run(graph, ctx)
+
+
+def _match(anchor: torch.fx.Node) -> dict:
+    """The structural walk binds the roles (q, k, v, indices, mask, scale); the slice it found is then run on probes
+    against the op's reference. A selection that feeds an attention is a site or a near-miss with its reason."""
+    if getattr(anchor, "_erased", False):
+        raise NoMatch("part of a site already rewritten", reported=False)
+    try:
+        found = _match_masked(anchor) if anchor.target in MASK_ANCHORS else _match_mla(anchor)
+    except NoMatch as miss:
+        if miss.reported or not _feeds_attention(anchor) or _beside_a_row_gather(anchor):
+            raise
+        raise NoMatch(f"an index-driven selection ({anchor.target}) feeds an attention the matcher does not read: "
+                      f"{miss.reason}") from None
+    verdict = _verify(found)
+    if verdict.ok is False:
+        raise NoMatch(f"numeric check against the reference failed: {verdict.reason}")
+    return found
+
+
+def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: dict, ctx: PassContext) -> None:
+    if anchor.target in MASK_ANCHORS:
+        _rewrite_masked(graph, anchor, m, ctx)
+    else:
+        _rewrite_mla(graph, anchor, m, ctx)
+    # The replaced slice goes now, so its other anchors (the rope rows gathered beside the latent ones) are not
+    # matched again.
+    graph.eliminate_dead_code()
+
+
+# ---------------------------------------------------------------------------
+# The family's signature: a selection that reaches an attention
+# ---------------------------------------------------------------------------
+
+SIGNATURE_DEPTH = 12
+NORMALISERS = (aten.amax.default, aten.exp.default, aten._softmax.default, aten.logsumexp.default)
+PRODUCTS = (aten.bmm.default, aten.mm.default)
+
+
+def _elementwise(node: torch.fx.Node) -> bool:
+    target = node.target if node.op == "call_function" else None
+    return target in LAYOUT_OPS or target in (CONVERT, aten.slice.Tensor) or (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags)
+
+
+def _reaches(start: torch.fx.Node, found, through, depth: int = SIGNATURE_DEPTH) -> bool:
+    """Whether a user of `start` (or its users, through nodes for which `through` holds) satisfies `found`."""
+    pending, seen = [(start, 0)], set()
+    while pending:
+        node, level = pending.pop()
+        for user in node.users:
+            if user in seen or level >= depth:
+                continue
+            seen.add(user)
+            if found(user, node):
+                return True
+            if through(user):
+                pending.append((user, level + 1))
+    return False
+
+
+def _index_sources(node: torch.fx.Node) -> set:
+    """The integer tensors a row gather's indices are computed from (through elementwise integer arithmetic, layout
+    ops and casts: clamps, flattening offsets), constants left out."""
+    indices = [a for a in node.args[1] if isinstance(a, torch.fx.Node)] if is_op(node, aten.index.Tensor) \
+        else [node.args[2]]
+    found, pending, seen = set(), list(indices), set()
+    while pending:
+        cur = pending.pop()
+        if cur in seen or dtype(cur) not in INDEX_DTYPES:
+            continue
+        seen.add(cur)
+        if _elementwise(cur):
+            pending.extend(cur.all_input_nodes)
+        elif not is_op(cur, torch.ops.prims.iota.default, aten.full.default, aten.arange.start, aten.arange.default):
+            found.add(cur)
+    return found
+
+
+def _beside_a_row_gather(anchor: torch.fx.Node) -> bool:
+    """Rows gathered by the same indices as another row gather that reads them as keys and values (the rope rows
+    beside the latent ones): that gather's site or near-miss speaks for both."""
+    if anchor.target in MASK_ANCHORS:
+        return False
+    sources = _index_sources(anchor)
+    return bool(sources) and any(
+        node is not anchor and node.op == "call_function" and node.target in ROW_ANCHORS
+        and _index_sources(node) & sources and _used_as_keys_and_values(node) for node in anchor.graph.nodes)
+
+
+def _used_as_keys_and_values(rows: torch.fx.Node) -> bool:
+    return sum(pos >= 0 for _, pos, _ in _bmms_using(rows)) >= 2
+
+
+def _feeds_attention(anchor: torch.fx.Node) -> bool:
+    """Whether the selection reaches an attention: a mask reaches a softmax's normaliser or a fused SDPA op through
+    elementwise and layout ops; gathered rows, through layout ops and casts only, are an operand of a product that
+    is either P @ V (its other operand an exponential's quotient) or the scores (normalised after it). A mask that
+    becomes one part of a key concatenation is DeepSeek V4's form, `sparse_attention_v4`'s to match or report."""
+    if anchor.target in MASK_ANCHORS:
+        if _reaches(anchor, lambda user, _: is_last_dim_cat(user), _elementwise):
+            return False
+        return _reaches(anchor, lambda user, _: user.target in FUSED_SDPA or is_op(user, *NORMALISERS), _elementwise)
+
+    def direct(node):
+        return is_op(node, *LAYOUT_OPS, CONVERT, aten.slice.Tensor)
+
+    def attention_product(user, operand):
+        if user.target in FUSED_SDPA:
+            return True
+        if not is_op(user, *PRODUCTS):
+            return False
+        other = user.args[0] if user.args[1] is operand else user.args[1]
+        normalised = reaches_back(other, lambda n: is_op(n, aten.exp.default), _elementwise, SIGNATURE_DEPTH)
+        return normalised or _reaches(user, lambda u, _: is_op(u, *NORMALISERS), _elementwise)
+
+    return _reaches(anchor, attention_product, direct)
 
 
 # ---------------------------------------------------------------------------
@@ -173,11 +299,19 @@ def _index_source(index) -> torch.fx.Node:
 def _combined_mask(scatter: torch.fx.Node) -> dict:
     """Follow the selection mask into its combination with the attention mask."""
     sel, user = _single_user_chain(scatter, LAYOUT_OPS)
+    while is_op(user, *NOT_OPS):  # `~(~sel)[:, None]`: a keep mask negated back, through layout ops
+        after, again = _single_user_chain(user, LAYOUT_OPS)
+        if not is_op(again, *NOT_OPS):
+            break
+        sel, user = _single_user_chain(again, LAYOUT_OPS)
     if user is None:
         raise NoMatch("the selection mask is also used outside the attention mask")
     if is_op(user, *NOT_OPS):
-        inverted = user
-        user = only_user(inverted)
+        inverted, user = _single_user_chain(user, LAYOUT_OPS)
+        if is_op(user, *WHERE_OPS) and user.args[0] is inverted and scalar_constant(user.args[1]) == 0 \
+                and masking_bias(scalar_constant(user.args[2])) is not None:
+            # The kept keys alone as a bias (`where(keep, 0, -inf)`: how SDPA reads a bool mask), no attention mask.
+            return dict(kind="none", combined=user, attn_mask=None, fill=scalar_constant(user.args[2]))
         if not is_op(user, *AND_OPS) or inverted not in user.args:
             raise NoMatch("the inverted selection mask is not ANDed with the attention mask")
         other = user.args[0] if user.args[1] is inverted else user.args[1]
@@ -186,14 +320,34 @@ def _combined_mask(scatter: torch.fx.Node) -> dict:
         return dict(kind="bool", combined=user, attn_mask=other, fill=None)
     if is_op(user, *WHERE_OPS) and user.args[0] is sel:
         fill, other = scalar_constant(user.args[1]), user.args[2]
+        if isinstance(fill, float) and masking_bias(fill) is not None and fill_value(other) == 0:
+            # The selection alone as a bias (`zeros.masked_fill(sel, -inf)`, `bias[sel] = -inf`), no attention mask.
+            return dict(kind="none", combined=user, attn_mask=None, fill=fill)
+        if isinstance(fill, float) and masking_bias(fill) is not None and _are_scores(other):
+            # The selection applied to the scores themselves (`scores.masked_fill(sel, -inf)`).
+            return dict(kind="none", combined=None, masked_scores=user, attn_mask=None, fill=fill)
         if not isinstance(other, torch.fx.Node) or not isinstance(fill, float):
             raise NoMatch("the selection mask fills a constant, not an attention mask")
         return dict(kind="additive", combined=user, attn_mask=other, fill=fill)
     raise NoMatch(f"the selection mask is combined with the attention mask through {user.target}")
 
 
+def _are_scores(node) -> bool:
+    """Whether `node` is a product (q @ k^T) seen through layout ops, casts and constant scalings: scores, not a
+    mask."""
+    return isinstance(node, torch.fx.Node) and canonical_bmm(_chain_back(node)[0]) is not None
+
+
 def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
-    """(consumer, the input of it that carries the mask): an `add` to scores or a fused SDPA op."""
+    """(consumer, the input of it that carries the mask): an `add` to scores or a fused SDPA op; for the selection
+    applied to the scores, that `where` itself."""
+    if comb.get("masked_scores") is not None:
+        return comb["masked_scores"], comb["masked_scores"]
+    if comb["kind"] == "none":
+        node, user = _single_user_chain(comb["combined"], _bias_passthrough)
+        if user is None or not (is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA):
+            raise NoMatch("the selection bias is not added to the scores alone")
+        return user, node
     node, user = _single_user_chain(comb["combined"], LAYOUT_OPS | {CONVERT})
     if user is None:
         raise NoMatch("the combined attention mask is also used elsewhere")
@@ -291,7 +445,7 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
             raise NoMatch(f"unselected keys are filled with {comb['fill']}, not finfo({dtype(q)}).min")
         if not dtype(comb["attn_mask"]).is_floating_point:
             raise NoMatch(f"additive attention mask has dtype {dtype(comb['attn_mask'])}")
-    if not broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
+    if comb["attn_mask"] is not None and not broadcasts_to(shape(comb["attn_mask"]), (B, H, S, T)):
         raise NoMatch(f"attention mask {shape(comb['attn_mask'])} does not broadcast to [B, H, S, T]")
     if not _selection_in_place(scatter, bias, B, S, T):
         raise NoMatch("the selection mask is not laid out as [B, 1, S, T] where it meets the scores")
@@ -304,9 +458,9 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
             if why.reported:
                 found["absorb_refused"] = why.reason
     # A finite bias shifts every key of a row without selected, allowed keys alike, so that row attends over
-    # all T keys (a left-padding query, or one whose selection holds only padding); both ops reproduce that
-    # for a mask shared by the heads.
-    found["empty_rows_see_all"] = comb.get("bias") == "finite" and not causal
+    # all T keys (a left-padding query, one whose selection holds only padding, or only future keys under a causal
+    # mask); both ops reproduce that for a mask shared by the heads.
+    found["empty_rows_see_all"] = comb.get("bias") == "finite"
     mask_dims = shape(comb["attn_mask"])
     per_head = len(mask_dims) >= 3 and not same_size(mask_dims[-3], 1)
     if found["empty_rows_see_all"] and "absorbed" not in found and per_head:
@@ -353,9 +507,9 @@ def _latent_cache_source(m: dict) -> dict:
     B, H, S, D = shape(q)
     T = shape(k)[2]
     nope, rope_keys = _key_parts(k, D)
-    if m["comb"]["kind"] != "bool" and not m["causal"]:
+    if m["comb"]["kind"] == "additive":
         raise NoMatch("additive attention mask")
-    if not m["causal"] and not same_size(shape(m["comb"]["attn_mask"])[1], 1):
+    if m["comb"]["attn_mask"] is not None and not m["causal"] and not same_size(shape(m["comb"]["attn_mask"])[1], 1):
         raise NoMatch("per-head attention mask")
     if not (is_op(nope, operator.getitem) and nope.args[1] == 0 and is_op(v, operator.getitem) and v.args[1] == 1
             and nope.args[0] is v.args[0] and is_op(nope.args[0], aten.split_with_sizes.default)):
@@ -419,8 +573,9 @@ def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) ->
 
 
 def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -> dict:
-    """softmax(scale * q @ k^T + bias) @ v, written with bmm and a decomposed softmax."""
-    scores = add.args[0] if add.args[1] is bias else add.args[1]
+    """softmax(scale * q @ k^T + bias) @ v (or the selection `where` on the scores), written with bmm and a
+    decomposed softmax."""
+    scores = add.args[2] if is_op(add, *WHERE_OPS) else add.args[0] if add.args[1] is bias else add.args[1]
     if not isinstance(scores, torch.fx.Node) or len(shape(add)) != 4:
         raise NoMatch("the attention mask is added to something other than [B, H, S, T] scores")
     soft = attention_softmax(add)
@@ -448,8 +603,8 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     D = shape(qk[0])[-1]
     Dv = shape(pv)[-1]
     q_pick = _pick(_chain_back(qk[0]), (B, H, S, D))
-    k_pick = _pick(_chain_back(qk[1]), (B, H, T, D))
-    v_pick = _pick(_chain_back(pv_right), (B, H, T, Dv))
+    k_pick = _pick(_chain_back(qk[1]), (B, H, T, D)) or _pick(_chain_back(qk[1]), (B, 1, T, D))
+    v_pick = _pick(_chain_back(pv_right), (B, H, T, Dv)) or _pick(_chain_back(pv_right), (B, 1, T, Dv))
     if q_pick is None or k_pick is None or v_pick is None:
         raise NoMatch("q, k or v is not a [B, H, *, D] tensor")
     (q, q_ops), (k, k_ops), (v, v_ops) = q_pick, k_pick, v_pick
@@ -598,6 +753,15 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
                 scale=scales[0] * _scale_of(score_chain[1:]), out=out)
 
 
+def _over_heads(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, q: torch.fx.Node) -> torch.fx.Node:
+    """K or V as the op reads them, [B, H, T, *]: a tensor shared by the heads ([B, 1, T, *]) expanded (a view)."""
+    heads = shape(q)[1]
+    if same_size(shape(node)[1], heads):
+        return node
+    sizes = [size_arg(graph, before, q, 0), size_arg(graph, before, q, 1)] + [-1, -1]
+    return insert_call(graph, before, aten.expand.default, (node, sizes))
+
+
 def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     if m.get("index_bias"):
         _rewrite_mla(graph, scatter, m, ctx, "official -inf index mask over the latent cache, ")
@@ -615,8 +779,9 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
                 absorbed["nope_dim"], m["causal"], see_all, _top_k_indices(m["idx"]))
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:
+        k, v = (_over_heads(graph, out, m[name], m["q"]) for name in ("k", "v"))
         fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
-                            (m["q"], m["k"], m["v"], m["idx"], attn_mask, m["scale"], m["causal"], see_all))
+                            (m["q"], k, v, m["idx"], attn_mask, m["scale"], m["causal"], see_all))
     if dtype(out) != dtype(fused):
         fused = insert_call(graph, out, CONVERT, (fused, dtype(out)))
     out.replace_all_uses_with(fused)
@@ -626,7 +791,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         for getter in list(sdpa.users):
             graph.erase_node(getter)
         graph.erase_node(sdpa)
-    mask_kind = "causal (from positions)" if m["causal"] else f"{comb['kind']} mask"
+    mask_kind = "causal (from positions)" if m["causal"] else "selection only" if comb["kind"] == "none" \
+        else f"{comb['kind']} mask"
     detail = f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}"
     if see_all:
         detail += ", rows without keys attend to all keys (finite bias)"
@@ -647,7 +813,12 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
 
 
 def _gather_rows(node: torch.fx.Node) -> tuple | None:
-    """(source [B,T,C], idx [B,S,K]) for `src[arange(B)[:,None,None], idx.clamp(min=0)]`, else None."""
+    """(source [B,T,C], idx [B,S,K], the clamp) for `src[arange(B)[:,None,None], idx.clamp(min=0)]`, or the same
+    rows read by `gather` / `take_along_dim`, else None."""
+    if is_op(node, aten.gather.default):
+        return _gathered_along_keys(node)
+    if not is_op(node, aten.index.Tensor):
+        return None
     src, indices = node.args[:2]
     if len(indices) != 2 or any(i is None for i in indices) or len(shape(src)) != 3:
         return None
@@ -666,9 +837,40 @@ def _gather_rows(node: torch.fx.Node) -> tuple | None:
     return src, idx, safe
 
 
+def _gathered_along_keys(node: torch.fx.Node) -> tuple | None:
+    """(source [B,T,C], idx [B,S,K], the clamp) for `gather(src[:, None].expand(B,S,T,C), 2,
+    idx.clamp(min=0)[..., None].expand(B,S,K,C))`: row `idx[b,s,k]` of `src[b]` at [b,s,k,:], as the batch-index
+    gather reads it. `take_along_dim` adds `% T` to the clamped indices, which keeps every index below T."""
+    expanded, dim, index = node.args[:3]
+    if dim not in (2, -2) or len(shape(node)) != 4 or not is_op(expanded, aten.expand.default):
+        return None
+    unsqueezed = expanded.args[0]
+    if not is_op(unsqueezed, aten.unsqueeze.default) or unsqueezed.args[1] != 1:
+        return None
+    src = unsqueezed.args[0]
+    B, T, C = (shape(src) + (None, None, None))[:3] if len(shape(src)) == 3 else (None, None, None)
+    if B is None or not same_shape(shape(expanded), (B, shape(node)[1], T, C)):
+        return None
+    if is_op(index, aten.remainder.Scalar) and same_size(index.args[1], T):
+        index = index.args[0]
+    if not (is_op(index, aten.expand.default) and is_op(index.args[0], aten.unsqueeze.default)
+            and index.args[0].args[1] in (-1, 3)):
+        return None
+    safe = index.args[0].args[0]
+    if not is_op(safe, aten.clamp_min.default) or safe.args[1] != 0:
+        return None
+    idx = safe.args[0]
+    if dtype(idx) not in INDEX_DTYPES or not same_shape(shape(idx), shape(node)[:3]) \
+            or not same_shape(shape(node), (B, shape(idx)[1], shape(idx)[2], C)):
+        return None
+    return src, idx, safe
+
+
 def _one_sequence_gather(node: torch.fx.Node) -> bool:
     """Whether `node` is `src[idx.clamp(min=0)]` for [T, C] rows and [S, K] integer picks, read by two products
     (keys and values: the latent rows, not the rope rows gathered beside them)."""
+    if not is_op(node, aten.index.Tensor):
+        return False
     src, indices = node.args[:2]
     if len(indices) != 1 or len(shape(src)) != 2 or not is_op(indices[0], aten.clamp_min.default):
         return False
@@ -784,8 +986,8 @@ def _match_mla(index: torch.fx.Node) -> dict:
         raise NoMatch("the scores are not the sum of a latent and a rope product")
     pe_chain = _chain_back(pe_bmm[0].args[1])
     pe_index = pe_chain[0]
-    pe_gather = _gather_rows(pe_index) if is_op(pe_index, aten.index.Tensor) else None
-    if pe_gather is None or pe_gather[2] is not safe:
+    pe_gather = _gather_rows(pe_index)
+    if pe_gather is None or pe_gather[1] is not idx:
         raise NoMatch("the rope product does not read rows gathered with the same indices")
     pe, _, _ = pe_gather
     R = shape(pe)[2]
@@ -843,3 +1045,129 @@ def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: Pass
     out.replace_all_uses_with(fused)
     ctx.site(index, "dsfuse.sparse_mla_attention", [m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["sink"]],
              detail=f"{form}K={shape(m['idx'])[2]}, scale={m['scale']:.6g}{', sink' if m['sink'] is not None else ''}")
+
+
+# ---------------------------------------------------------------------------
+# Verification: the bound slice against the op's reference, on probes
+# ---------------------------------------------------------------------------
+
+# (rtol, atol) of the attention output per dtype: the probes' q / k values lie on a 1/4 grid, so every score is
+# exact and the slice and the reference differ only in the exponentials, the summation order and, in 16 bits,
+# where the probabilities are rounded.
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3e-2, 3e-2)}
+
+
+def _verify(m: dict) -> Verdict:
+    """Run the matched slice on probes against `sparse_mla_attention`'s reference (the gather and index-bias
+    forms) or `sparse_attention_masked`'s (the scatter-mask forms), with the roles the walk bound."""
+    if "q_nope" in m:
+        roles = {name: m[name] for name in ("q_nope", "q_pe", "kv", "pe", "idx", "sink") if m[name] is not None}
+        distinct = bool(m.get("index_bias"))  # top-k picks: in range, no repeats (proved structurally)
+        family = Family(probes=lambda shapes, dtypes: _mla_probes(shapes, dtypes, distinct),
+                        reference=lambda probe: sparse_mla_attention_math(
+                            probe["q_nope"], probe["q_pe"], probe["kv"], probe["pe"], probe["idx"], m["scale"],
+                            probe.get("sink")),
+                        compare=_close)
+        extra = ("mla", m["scale"], distinct)
+    else:
+        comb = m["comb"]
+        roles = {name: m[name] for name in ("q", "k", "v", "idx")}
+        if comb["attn_mask"] is not None:
+            roles["attn_mask"] = comb["attn_mask"]
+        kind, see_all = comb["kind"], m["empty_rows_see_all"]
+        family = Family(probes=lambda shapes, dtypes: _masked_probes(shapes, dtypes, kind),
+                        reference=lambda probe: sparse_attention_masked_math(
+                            probe["q"], *(probe[name].expand(*probe["q"].shape[:2], -1, -1) for name in "kv"),
+                            probe["idx"], probe.get("attn_mask"), m["scale"], empty_rows_see_all=see_all),
+                        compare=lambda got, want, probe: _close(got, want, probe, _rows_without_keys(probe)
+                                                                if see_all else None))
+        extra = ("masked", kind, m["scale"], see_all)
+    count = shape(m["idx"])[-1]
+    return verify([m["out"]], roles, family, extra, above=count if isinstance(count, int) else 0)
+
+
+def _grid(dims: tuple, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Values on a 1/4 grid, most within +-1: exact in every float dtype, and so are their products and short sums;
+    scores stay small, so a source that rounds them to 16 bits before the softmax stays within the tolerance."""
+    return (torch.randn(dims, generator=gen) * 2).round().clamp(-15, 15).div(4).to(dtype)
+
+
+def _tied(x: torch.Tensor) -> torch.Tensor:
+    """Every key row (dim -2) a copy of the first: all scores of a query tie."""
+    return x[..., :1, :].expand(x.shape).clone()
+
+
+def _masked_probes(shapes: dict, dtypes: dict, kind: str) -> list:
+    """Random picks (repeats happen), picks repeated on purpose, tied keys, and, with an attention mask, the first
+    query row fully masked; an additive mask holds HF's finfo.min, then -inf. Picks are in range: the scatter
+    spelling raises on any other, as the op's reference does."""
+    gen = torch.Generator().manual_seed(0)
+    base = {name: _grid(shapes[name], dtypes[name], gen) for name in ("q", "k", "v")}
+    B, S, K = shapes["idx"]
+    T = shapes["k"][-2]
+    base["idx"] = torch.randint(0, T, (B, S, K), generator=gen).to(dtypes["idx"])
+    probes = []
+    if "attn_mask" in shapes:
+        keep = torch.rand(shapes["attn_mask"], generator=gen) < 0.7
+        if keep.dim() >= 2:
+            keep[..., 0, :] = False
+        if kind == "bool":
+            base["attn_mask"] = keep
+        else:
+            fill = torch.finfo(dtypes["attn_mask"]).min
+            base["attn_mask"] = torch.zeros(keep.shape, dtype=dtypes["attn_mask"]).masked_fill(~keep, fill)
+            probes.append(("-inf mask", dict(base, attn_mask=base["attn_mask"].masked_fill(~keep, float("-inf")))))
+    repeated = base["idx"].clone()
+    repeated[:, ::2, 1:] = repeated[:, ::2, :1]
+    return [("random", base), ("repeated picks", dict(base, idx=repeated)),
+            ("tied keys", dict(base, k=_tied(base["k"])))] + probes
+
+
+def _mla_probes(shapes: dict, dtypes: dict, distinct: bool) -> list:
+    """Random picks with -1 (no key) among them and repeats, a query with no key at all, indices below -1 (no key
+    for the op), tied keys; top-k picks (`distinct`): in range and distinct in every row."""
+    gen = torch.Generator().manual_seed(0)
+    base = {name: _grid(shapes[name], dtypes[name], gen) for name in ("q_nope", "q_pe", "kv", "pe")}
+    if "sink" in shapes:
+        base["sink"] = _grid(shapes["sink"], dtypes["sink"], gen)
+    B, S, K = shapes["idx"]
+    T = shapes["kv"][-2]
+    if distinct:
+        picks = torch.stack([torch.randperm(T, generator=gen)[:K] for _ in range(B * S)]).view(B, S, K)
+        base["idx"] = picks.to(dtypes["idx"])
+        return [("random", base), ("tied keys", dict(base, kv=_tied(base["kv"]), pe=_tied(base["pe"])))]
+    idx = torch.randint(0, T, (B, S, K), generator=gen)
+    base["idx"] = idx.masked_fill(torch.rand(idx.shape, generator=gen) < 0.25, -1).to(dtypes["idx"])
+    empty = base["idx"].clone()
+    empty[:, 0] = -1
+    below = base["idx"].masked_fill(base["idx"] < 0, -2)
+    return [("random", base), ("a query without keys", dict(base, idx=empty)), ("indices below -1", dict(base, idx=below)),
+            ("tied keys", dict(base, kv=_tied(base["kv"]), pe=_tied(base["pe"])))]
+
+
+def _rows_without_keys(probe: dict) -> torch.Tensor:
+    """[B, 1 or H, S, 1]: the query rows of a masked-form probe where no selected key is allowed."""
+    q, idx, mask = probe["q"], probe["idx"].long(), probe.get("attn_mask")
+    B, S, T = q.shape[0], q.shape[2], probe["k"].shape[2]
+    selected = torch.zeros(B, 1, S, T, dtype=torch.bool).scatter(-1, idx.unsqueeze(1), True)
+    if mask is not None:
+        selected = selected & (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min)
+    return ~selected.any(dim=-1, keepdim=True)
+
+
+def _close(got: list, want: torch.Tensor, probe: dict, finite_bias_rows: torch.Tensor | None = None) -> str | None:
+    """The slice's output against the reference's, within the output dtype's tolerance, NaN where it is NaN. In the
+    `finite_bias_rows` (a row without keys under a finite bias, which then attends to every key) the bias rounds
+    each score to half its own ulp (2^-8 for cuDNN's -65536 in fp32): there the outputs may differ by 2^-6 max|v|."""
+    out = got[0]
+    if tuple(out.shape) != tuple(want.shape):
+        return f"output of shape {list(out.shape)}, the reference's {list(want.shape)}"
+    rtol, atol = TOLERANCE.get(out.dtype, TOLERANCE[torch.float32])
+    ok = torch.isclose(out.float(), want.float(), rtol=rtol, atol=atol, equal_nan=True)
+    if finite_bias_rows is not None:
+        loose = 2.0**-6 * probe["v"].float().abs().max()
+        ok |= finite_bias_rows & ((out.float() - want.float()).abs() <= loose)
+    if ok.all():
+        return None
+    worst = (out.float() - want.float()).abs().nan_to_num(float("inf")).max()
+    return f"{int((~ok).sum())} of {ok.numel()} outputs differ beyond rtol=atol={rtol:g} (largest {float(worst):.3g})"

@@ -351,7 +351,11 @@ def _position_causal(q):
 
 
 def test_structural_cudnn_finite_bias_with_causal_mask_is_fused():
+    """A position-built causal mask is applied in-kernel; a query whose picks all lie in its future is left without
+    keys, and the finite bias makes that row attend to every key, as the op is told to (found by the numeric
+    check: the op used to return 0 there)."""
     q, k, v, idx, _ = _data()
+    idx[0, 2] = torch.arange(S - K, S)  # query 2 of batch 0 picks future keys only
     gm = make_fx(lambda q, k, v, idx: _cudnn_bool(q, k, v, idx, _position_causal(q)), tracing_mode="fake")(
         *(t.to("meta") for t in (q, k, v, idx)))
     ctx = PassContext(name="sparse_attention")
@@ -360,9 +364,12 @@ def test_structural_cudnn_finite_bias_with_causal_mask_is_fused():
     gm.recompile()
     assert ctx.near_misses == [] and len(ctx.sites) == 1, ctx.near_misses
     fused = next(n for n in gm.graph.nodes if n.target is torch.ops.dsfuse.sparse_attention_masked.default)
-    assert fused.args[4] is None and fused.args[6] is True  # attn_mask=None, causal=True
-    causal = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
-    torch.testing.assert_close(gm(q, k, v, idx), sparse_attention_masked_reference(q, k, v, idx, causal, SCALE))
+    assert fused.args[4] is None and fused.args[6] is True and fused.args[7] is True  # no mask, causal, see all
+    allowed = torch.ones(S, S, dtype=torch.bool).tril() & ~torch.full((B, S, S), True).scatter(-1, idx, False)
+    assert not allowed[0, 2].any()
+    biased = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.where(allowed.unsqueeze(1), 0.0, -65536.0), scale=SCALE)
+    torch.testing.assert_close(gm(q, k, v, idx), biased, atol=5e-3, rtol=0)
 
 
 def test_structural_cudnn_finite_bias_with_padding_is_fused_with_its_empty_rows():
@@ -555,3 +562,117 @@ def test_online_softmax_form_is_matched(family):
     rep = dsfuse.report()
     assert rep.counts["sparse_attention"] == 1, str(rep)
     torch.testing.assert_close(out, fam.fn(*inputs), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Matching by op class, checked on probes
+# ---------------------------------------------------------------------------
+
+
+def keep_scatter_sdpa(q, k, v, idx, keep):
+    """The selection built in keep polarity (`zeros.scatter(idx, True)`) and ANDed with the bool mask."""
+    picked = torch.zeros(idx.shape[0], idx.shape[1], k.shape[2], dtype=torch.bool).scatter(-1, idx, True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep & picked[:, None], scale=SCALE)
+
+
+def selection_only_where(q, k, v, idx, keep):
+    """No attention mask: the scores of unpicked keys set to -inf, plain softmax (every row keeps its picks)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * SCALE
+    scores = scores.masked_fill(select_mask(idx, k.shape[2]), float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
+def selection_bias_index_put(q, k, v, idx, keep):
+    """The selection as an additive bias written by a boolean index_put of -inf."""
+    bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2])
+    bias[select_mask(idx, k.shape[2])] = float("-inf")
+    return torch.matmul(F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE + bias, dim=-1), v)
+
+
+def shared_kv_additive(q, k, v, idx, mask):
+    """K and V shared by the heads ([B, T, D], MQA), broadcast by matmul; HF's additive mask."""
+    k, v = k[:, 0], v[:, 0]
+    attn_mask = combine(mask, select_mask(idx, k.shape[1]), q.dtype)
+    weights = F.softmax(torch.matmul(q, k.unsqueeze(1).transpose(-1, -2)) * SCALE + attn_mask, dim=-1)
+    return torch.matmul(weights, v.unsqueeze(1))
+
+
+OP_CLASS_CASES = {
+    "keep-polarity": (keep_scatter_sdpa, "bool", "bool mask"),
+    "selection-only": (selection_only_where, "bool", "selection only"),
+    "index_put-bias": (selection_bias_index_put, "bool", "selection only"),
+    "shared-kv": (shared_kv_additive, "additive", "additive mask"),
+}
+
+
+@pytest.mark.parametrize("case", OP_CLASS_CASES)
+def test_other_spellings_of_the_selection_are_fused(case):
+    fn, mask_kind, detail = OP_CLASS_CASES[case]
+    args = _data(dv=8, mask_kind=mask_kind)
+    with torch.no_grad():
+        out = _compile(fn)(*args)
+    sites = _sites()
+    assert len(sites) == 1 and detail in sites[0].detail and _misses() == [], str(dsfuse.report())
+    torch.testing.assert_close(out, fn(*args), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def _rows_by(kind):
+    def rows(src, safe):
+        b, t, w = src.shape
+        if kind == "gather":
+            return torch.gather(src.unsqueeze(1).expand(b, safe.shape[1], t, w), 2,
+                                safe.unsqueeze(-1).expand(*safe.shape, w))
+        if kind == "take_along_dim":
+            return torch.take_along_dim(src[:, None], safe[..., None], dim=2)
+        flat = (safe + torch.arange(b)[:, None, None] * t).reshape(-1)
+        return src.reshape(b * t, w).index_select(0, flat).view(*safe.shape, w)
+
+    def attention(q_absorbed, q_pe, kv, k_pe, indices, sink):
+        safe = indices.clamp(min=0)
+        kv_rows, pe_rows = rows(kv, safe), rows(k_pe, safe)
+        scores = (torch.einsum("bshc,bskc->bshk", q_absorbed, kv_rows)
+                  + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * MLA_SCALE
+        scores = scores.float().masked_fill((indices < 0).unsqueeze(2), float("-inf"))
+        return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1), kv_rows)
+
+    return attention
+
+
+@pytest.mark.parametrize("kind", ["gather", "take_along_dim"])
+def test_rows_read_by_gather_are_fused(kind):
+    args = _mla_data(torch.float32, sink=False)
+    with torch.no_grad():
+        out = _compile(_rows_by(kind))(*args)
+    assert [s.op for s in _sites()] == ["dsfuse.sparse_mla_attention"] and _misses() == [], str(dsfuse.report())
+    torch.testing.assert_close(out, _rows_by(kind)(*args), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_rows_read_by_index_select_are_reported_not_silent():
+    args = _mla_data(torch.float32, sink=False)
+    with torch.no_grad():
+        out = _compile(_rows_by("index_select"))(*args)
+    assert _sites() == []
+    misses = _misses()  # one for the latent rows (keys and values); the rope rows beside them add none
+    assert len(misses) == 1 and misses[0].startswith("an index-driven selection (aten.index"), misses
+    assert misses[0].endswith("feeds an attention the matcher does not read: not a per-batch row gather")
+    torch.testing.assert_close(out, _rows_by("index_select")(*args), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_the_numeric_check_refuses_a_wrong_binding():
+    """The walk's binding, run on probes against the op's reference: right as found, refused with the failing probe
+    named once the scale (or the roles) are wrong."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    from dsfuse.passes import sparse_attention, verify
+    from dsfuse.passes.canonicalize import canonicalize
+
+    gm = make_fx(hf_eager, decomposition_table=select_decomp_table(), tracing_mode="fake")(
+        *_data(dv=8, mask_kind="additive"))
+    canonicalize(gm.graph)
+    scatter = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.scatter.value)
+    found = sparse_attention._match(scatter)
+    verify.clear_cache()
+    assert sparse_attention._verify(found).ok is True
+    assert sparse_attention._verify(dict(found, scale=2 * found["scale"])).reason.startswith("random probe: ")
+    swapped = sparse_attention._verify(dict(found, q=found["k"], k=found["q"]))
+    assert swapped.ok is False and "probe" in swapped.reason
