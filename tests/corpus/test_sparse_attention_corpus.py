@@ -314,6 +314,43 @@ def softmax_over_heads(q_abs, q_pe, kv, pe, idx):
     return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=2).type_as(q_abs), rows)
 
 
+def torch_gather_rows(q_abs, q_pe, kv, pe, idx):
+    """The picked rows read with `torch.gather` over the cache broadcast along the queries (a plain-torch spelling
+    of the batch-index gather)."""
+    safe = idx.clamp(min=0)
+    b, s, k = safe.shape
+
+    def rows(src):
+        return torch.gather(src.unsqueeze(1).expand(b, s, *src.shape[1:]), 2,
+                            safe.unsqueeze(-1).expand(b, s, k, src.shape[-1]))
+
+    kv_rows, pe_rows = rows(kv), rows(pe)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, kv_rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).type_as(q_abs), kv_rows)
+
+
+def take_along_dim_rows(q_abs, q_pe, kv, pe, idx):
+    """The picked rows read with `torch.take_along_dim` (gather of the clamped picks, wrapped modulo T)."""
+    safe = idx.clamp(min=0)[..., None]
+    kv_rows, pe_rows = torch.take_along_dim(kv[:, None], safe, dim=2), torch.take_along_dim(pe[:, None], safe, dim=2)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, kv_rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).type_as(q_abs), kv_rows)
+
+
+def index_select_rows(q_abs, q_pe, kv, pe, idx):
+    """The picked rows read with `index_select` from the flattened caches at `b * T + idx`: not the row gather the
+    matcher reads, reported."""
+    b, t = kv.shape[:2]
+    flat = (idx.clamp(min=0) + torch.arange(b)[:, None, None] * t).reshape(-1)
+    kv_rows = kv.reshape(b * t, -1).index_select(0, flat).view(*idx.shape, -1)
+    pe_rows = pe.reshape(b * t, -1).index_select(0, flat).view(*idx.shape, -1)
+    scores = (torch.einsum("bshc,bskc->bshk", q_abs, kv_rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
+    scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
+    return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).type_as(q_abs), kv_rows)
+
+
 def gathered_rows_summed(kv, idx):
     """A per-batch row gather that is no attention (an embedding-bag style sum of the picked rows)."""
     return _batch_rows(kv, idx.clamp(min=0)).sum(dim=2)
@@ -396,6 +433,22 @@ def official_decode_given_picks(q_abs, q_pe, kv, pe, picks):
     """The same decode attention over picks that are not a top-k's (an input): a pick repeated in a row is merged by
     the scatter but would count twice in the gathering op."""
     return _official_decode(q_abs, q_pe, kv, pe, picks)
+
+
+def keep_polarity_sdpa(q, k, v, idx, keep):
+    """The picks scattered as True into a zeros mask (keep polarity) and ANDed with the bool mask for SDPA."""
+    picked = torch.zeros(idx.shape[0], idx.shape[1], k.shape[2], dtype=torch.bool).scatter(-1, idx, True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep & picked.unsqueeze(1), scale=SCALE)
+
+
+def selection_bias_only(q, k, v, idx):
+    """No attention mask: the unpicked keys get a -inf bias written by a boolean `index_put`; MQA keys and values
+    (one [B, T, D] tensor each, broadcast over the heads)."""
+    k, v = k[:, :1], v[:, :1]
+    bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2])
+    bias[_not_selected(idx, k.shape[2])] = float("-inf")
+    weights = F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE + bias, dim=-1)
+    return torch.matmul(weights, v)
 
 
 def dense_attention(q, k, v):
@@ -484,6 +537,8 @@ INDEX_BIAS = ("the -inf index mask is combined with another mask before the scor
               "in rows without keys, which the fused ops do not reproduce)")
 NOT_TOPK = ("the index mask's picks are not a top-k's indices: the scatter merges repeated picks, the gather op would "
             "count them twice")
+INDEX_SELECT = ("an index-driven selection (aten.index.Tensor) feeds an attention the matcher does not read: not a "
+                "per-batch row gather")
 PROBS_USED = "the attention probabilities are also used elsewhere"
 FP32_INPUT_MASK = "the masked scores are computed in torch.float32, not in the input dtype torch.bfloat16"
 
@@ -540,6 +595,16 @@ CORPUS = {
                                reason=FINITE_FILL),
     "eager_weights_returned": AttentionEntry(eager_weights_returned, "transformers eager with output_attentions",
                                     lambda: _hf("additive"), NEAR_MISS, reason=PROBS_USED),
+    "torch_gather_rows": AttentionEntry(torch_gather_rows, "written for the corpus (torch.gather rows)", _mla, REWRITTEN,
+                                        1, GATHER),
+    "take_along_dim_rows": AttentionEntry(take_along_dim_rows, "written for the corpus (take_along_dim rows)", _mla,
+                                          REWRITTEN, 1, GATHER),
+    "index_select_rows": AttentionEntry(index_select_rows, "written for the corpus (index_select rows)", _mla,
+                                        NEAR_MISS, reason=INDEX_SELECT),
+    "keep_polarity_sdpa": AttentionEntry(keep_polarity_sdpa, "written for the corpus (keep-polarity scatter)", _hf,
+                                         REWRITTEN, 1, MASKED),
+    "selection_bias_only_mqa": AttentionEntry(selection_bias_only, "written for the corpus (index_put bias, MQA)",
+                                              lambda: _hf()[:4], REWRITTEN, 1, MASKED),
     "dense_attention": AttentionEntry(dense_attention, "plain attention (no selection)", _dense, LEFT_ALONE),
     "gathered_rows_summed": AttentionEntry(gathered_rows_summed, "written for the corpus", _embedding_bag, LEFT_ALONE),
 }
