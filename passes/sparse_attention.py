@@ -1141,7 +1141,8 @@ def _mla_probes(shapes: dict, dtypes: dict, distinct: bool) -> list:
     empty = base["idx"].clone()
     empty[:, 0] = -1
     below = base["idx"].masked_fill(base["idx"] < 0, -2)
-    return [("random", base), ("a query without keys", dict(base, idx=empty)), ("indices below -1", dict(base, idx=below)),
+    return [("random", base), ("a query without keys", dict(base, idx=empty)),
+            ("indices below -1", dict(base, idx=below)),
             ("tied keys", dict(base, kv=_tied(base["kv"]), pe=_tied(base["pe"])))]
 
 

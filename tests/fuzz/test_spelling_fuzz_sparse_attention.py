@@ -174,7 +174,8 @@ def inputs(choice: dict, batch: int, seq: int, heads: int, seed: int) -> tuple:
     dt = torch.bfloat16 if choice["dtype"] == "bf16" else torch.float32
     sink = torch.randn(heads, generator=gen)
     if choice["selection"] in ROW_SELECTIONS:
-        q_nope, q_pe = torch.randn(batch, seq, heads, C, generator=gen), torch.randn(batch, seq, heads, R, generator=gen)
+        q_nope = torch.randn(batch, seq, heads, C, generator=gen)
+        q_pe = torch.randn(batch, seq, heads, R, generator=gen)
         if choice["q_layout"] == "heads-first":
             q_nope, q_pe = q_nope.transpose(1, 2).contiguous(), q_pe.transpose(1, 2).contiguous()
         kv, pe = torch.randn(batch, seq, C, generator=gen), torch.randn(batch, seq, R, generator=gen)
