@@ -85,13 +85,16 @@ def linear_case(name, N, K, M, copy_gbs):
 
 def _triton_only(x, w, s):
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    q, qs = ops.quantize_activations_triton(x, 128, pow2=True, scales_column_major=True)
+    q, qs = ops.quantize_for_weight(x, w, s, 128)
     ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1)
     return out
 
 
 SWEEP = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
          (64, 128, 4, 4), (128, 128, 8, 3), (128, 128, 4, 3), (128, 256, 8, 3), (64, 256, 8, 3)]
+# FP4 (weights as the MMA's first operand: BLOCK_N is its M, at least 64 for wgmma)
+SWEEP_FP4 = [(16, 128, 8, 6), (16, 64, 4, 6), (32, 128, 8, 6), (64, 128, 8, 6), (64, 128, 8, 4), (128, 128, 8, 4),
+             (128, 128, 8, 3), (128, 64, 4, 4), (256, 128, 8, 3), (128, 256, 8, 3)]
 
 
 def sweep_case(name, N, K, M, fp4=False):
@@ -103,12 +106,12 @@ def sweep_case(name, N, K, M, fp4=False):
     else:
         w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    q, qs = ops.quantize_activations_triton(x, 128, pow2=True, scales_column_major=True)
+    q, qs = ops.quantize_for_weight(x, w, s, 128)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     want = ops.fp8_linear_reference(x, w, s, 128, 128)
     row = {"shape": name, "M": M, "fp4": fp4, "default": ops._gemm_config(M, w)}
-    for config in SWEEP:
-        if config[0] > 16 * max(M, 1) or (fp4 and config[1] > 128):
+    for config in SWEEP_FP4 if fp4 else SWEEP:
+        if config[0] > 16 * max(M, 1):
             continue
         fn = lambda: ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1, config=config)  # noqa: E731
         try:

@@ -45,6 +45,8 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # From this many rows up, FP8 weights go to cuBLAS (`torch._scaled_mm` with 1x128 / 128x128 block scales), which
 # refuses a single row and is slower than a weight-streaming kernel while the GEMM is bound by the weight bytes.
 SCALED_MM_MIN_ROWS = 128
+# K step of the FP4 GEMM: the decoded tile in registers stays small enough for several CTAs per SM (as moe_experts')
+FP4_BLOCK_K = 64
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_INV_MAX = tl.constexpr(FP8_INV_MAX)
 _AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
@@ -176,9 +178,11 @@ def fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, bloc
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_g,
-                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr,
+                      DEQUANTIZED: tl.constexpr):
     """Rows [BLOCK_R] x one channel group [BLOCK_K]: the group's scale and its e4m3 values (q is [rows_out, K]
     contiguous), rounded as `quantize_activations` rounds (an fp32 multiply by fp32(1 / 448), an IEEE reciprocal).
+    With DEQUANTIZED, q holds value * scale instead (bf16: exact for power-of-two scales, the FP4 GEMM's operand).
     Rows from M to rows_out (padding a GEMM asks for) are written as rows of zeros."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
@@ -195,7 +199,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
     q = tl.maximum(x * tl.div_rn(1.0, scale)[:, None], -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     q = tl.minimum(q, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     at = q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
-    if MANUAL_FP8_RNE:  # the interpreter: q_ptr is q's bytes
+    if DEQUANTIZED:
+        values = round_to_e4m3_grid(q) if MANUAL_FP8_RNE else q.to(tl.float8e4nv).to(tl.float32)
+        tl.store(at, (values * scale[:, None]).to(q_ptr.dtype.element_ty), mask=inside)
+    elif MANUAL_FP8_RNE:  # the interpreter: q_ptr is q's bytes
         tl.store(at, e4m3_bits(round_to_e4m3_grid(q)), mask=inside)
     else:
         tl.store(at, q.to(tl.float8e4nv), mask=inside)
@@ -203,15 +210,17 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 
 @triton.jit
-def _e4m3_values(byte):
-    """e4m3 bytes as their fp32 values, built from the bits (the interpreter has no fp8 conversion)."""
-    code = byte.to(tl.int32)
-    exp = (code >> 3) & 15
-    man = code & 7
-    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(exp > 0, normal, man.to(tl.float32) * 0.001953125)
-    magnitude = tl.where((code & 0x7F) == 0x7F, float("nan"), magnitude)
-    return tl.where((code & 0x80) != 0, -magnitude, magnitude)
+def _tile_rows(tile, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, BLOCK_M: tl.constexpr,
+               GATHER_A: tl.constexpr):
+    """(expert, output rows, which are valid, the activation row each reads) of a row tile."""
+    expert = tl.load(tile_expert_ptr + tile)
+    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(tile_end_ptr + tile)
+    if GATHER_A:
+        a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        a_row = rows.to(tl.int64)
+    return expert, rows, row_ok, a_row
 
 
 @triton.jit
@@ -220,35 +229,23 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
                      ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
                      block_n_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     FP4: tl.constexpr, E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr,
-                     GATHER_A: tl.constexpr, INTERPRETER: tl.constexpr):
-    """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups. A group of BLOCK_K channels:
-    its MMA, then the product of both scales, added into an fp32 accumulator. FP8 weights: an e4m3 MMA. FP4 weights
-    (row-major packed bytes and E8M0 scales, K contiguous): `moe_experts`' tile decode, the nibbles scaled per 32
-    channels into bf16 (exact: two significant bits times a power of two; integer ops and bf16x2 multiplies on CUDA)
-    and multiplied with the activations widened to bf16 (exact). The loop runs over computed bounds so that Triton
-    pipelines its loads.
-    Writes the rounded output, or the split's fp32 partial sums. With GATHER_A, output row r reads activation row
-    a_row[r] (the routed experts quantise each token once and read it for each of its slots). Under the interpreter
-    (no fp8 or bf16 arithmetic there) the FP4 path reads q as bytes and multiplies in fp32, exact too."""
+                     E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr):
+    """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups, e4m3 weights. A group of
+    BLOCK_K channels: its e4m3 MMA, then the product of both scales, added into an fp32 accumulator. The loop runs
+    over computed bounds so that Triton pipelines its loads. Writes the rounded output, or the split's fp32 partial
+    sums. With GATHER_A, output row r reads activation row a_row[r] (the routed experts quantise each token once
+    and read it for each of its slots)."""
     tile = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert, rows, row_ok, a_row = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, BLOCK_M,
+                                             GATHER_A)
     if expert >= num_experts:
         return
-    row0 = tl.load(tile_row_ptr + tile)
-    row_end = tl.load(tile_end_ptr + tile)
-    rows = row0 + tl.arange(0, BLOCK_M)
-    row_ok = rows < row_end
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = ns < N
     w_base = w_ptr + expert.to(tl.int64) * sw_e
     ws_base = ws_ptr + expert.to(tl.int64) * sws_e
-    if GATHER_A:
-        a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    else:
-        a_row = rows.to(tl.int64)
     a_rows = q_ptr + a_row[:, None] * K
     g_first = split * groups_per_split
     g_last = tl.minimum(g_first + groups_per_split, G)
@@ -258,56 +255,97 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
         ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
             a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k, mask=n_ok[None, :],
+                        other=0.0)
         else:
             a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-        if FP4:
-            operand = tl.float32 if INTERPRETER else tl.bfloat16
-            w_scales = scale_tile(ws_base, ns, n_ok, g * BLOCK_K, K, sws_n, BLOCK_K, True)
-            w = weight_tile(w_base, w_scales, ns, n_ok, g * BLOCK_K, K, sw_n, BLOCK_K, True, not INTERPRETER,
-                            operand)
-            wide = _e4m3_values(a) if INTERPRETER else a.to(operand)
-            acc += tl.dot(wide, tl.trans(w)) * a_scale[:, None]
+            w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
+                        mask=n_ok[None, :] & (ks[:, None] < K), other=0.0)
+        scale_at = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n + g * sws_k
+        if E8M0_SCALES:
+            w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok, other=127))
         else:
-            if EVEN_K:
-                w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k, mask=n_ok[None, :],
-                            other=0.0)
-            else:
-                w = tl.load(w_base + ns[None, :].to(tl.int64) * sw_n + ks[:, None] * sw_k,
-                            mask=n_ok[None, :] & (ks[:, None] < K), other=0.0)
-            scale_at = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n + g * sws_k
-            if E8M0_SCALES:
-                w_scale = e8m0_to_float(tl.load(scale_at, mask=n_ok, other=127))
-            else:
-                w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
-            acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
-    mask = row_ok[:, None] & n_ok[None, :]
-    at = rows[:, None].to(tl.int64) * so_m + ns[None, :] * so_n
+            w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
+        acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+    _store_tile(out_ptr, acc, rows[:, None], ns[None, :], row_ok[:, None] & n_ok[None, :], so_m, so_n, split, sp_k,
+                SPLIT_PARTIALS)
+
+
+@triton.jit
+def _store_tile(out_ptr, acc, rows, ns, mask, so_m, so_n, split, sp_k, SPLIT_PARTIALS: tl.constexpr):
+    at = rows.to(tl.int64) * so_m + ns * so_n
     if SPLIT_PARTIALS:
         tl.store(out_ptr + split.to(tl.int64) * sp_k + at, acc, mask=mask)
     else:
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
+                     N, K, num_experts, k_per_split, sw_e, sw_n, sws_e, sws_n, so_m, so_n, sp_k,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr, DECODE_ASM: tl.constexpr):
+    """FP4 weights (row-major packed bytes, E8M0 scales per 32 along K) x activations already dequantised to bf16
+    (`quantize_activations_triton(..., dequantized=True)`: e4m3 value times its power-of-two scale, exact), so one
+    fp32 accumulation over K serves every channel group. The weight tile is decoded in registers by `moe_experts`'
+    tile decode (exact bf16; integer ops and bf16x2 multiplies with DECODE_ASM) and is the MMA's first operand, the
+    activations (from shared memory) its second: acc is [outputs, rows] and is stored transposed."""
+    tile = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    expert, rows, row_ok, a_row = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, BLOCK_M,
+                                             GATHER_A)
+    if expert >= num_experts:
+        return
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    w_base = w_ptr + expert.to(tl.int64) * sw_e
+    ws_base = ws_ptr + expert.to(tl.int64) * sws_e
+    a_rows = a_ptr + a_row[:, None] * K
+    operand = tl.bfloat16 if DECODE_ASM else tl.float32
+    k_first = split * k_per_split
+    k_last = tl.minimum(k_first + k_per_split, K)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_first, k_last, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(operand)
+        w_scales = scale_tile(ws_base, ns, n_ok, k0, K, sws_n, BLOCK_K, True)
+        w = weight_tile(w_base, w_scales, ns, n_ok, k0, K, sw_n, BLOCK_K, True, DECODE_ASM, operand)
+        acc = tl.dot(w, tl.trans(a), acc)
+    _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
+                SPLIT_PARTIALS)
+
+
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
 def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scales_column_major: bool = False,
-                                rows_out: int | None = None):
+                                rows_out: int | None = None, dequantized: bool = False):
     """`quant_formats.quantize_activations` on the device: (q [M, K] e4m3, s [M, G] fp32); with
     `scales_column_major` s is laid out as [G, M] (the GEMMs read the scales of a group across rows), and with
-    `rows_out` both have that many rows, those past M zero (cuBLAS wants a multiple of 4)."""
+    `rows_out` both have that many rows, those past M zero (cuBLAS wants a multiple of 4). `dequantized` (with
+    `pow2`): q is value * scale in bf16, exactly (an e4m3 value times a power of two)."""
     M, K = x2.shape
     rows_out = M if rows_out is None else rows_out
     G = cdiv(K, block_k)
-    q = torch.empty((rows_out, K), dtype=FP8_DTYPE, device=x2.device)
+    q = torch.empty((rows_out, K), dtype=torch.bfloat16 if dequantized else FP8_DTYPE, device=x2.device)
     s = torch.empty((G, rows_out), dtype=torch.float32, device=x2.device).t() if scales_column_major else \
         torch.empty((rows_out, G), dtype=torch.float32, device=x2.device)
     if rows_out and K:
         block_r, manual = 16, interpreting()
         _act_quant_kernel[(cdiv(rows_out, block_r), G)](
-            x2, q.view(torch.uint8) if manual else q, s, M, rows_out, K, x2.stride(0), x2.stride(1), s.stride(0),
-            s.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2, MANUAL_FP8_RNE=manual)
+            x2, q.view(torch.uint8) if manual and not dequantized else q, s, M, rows_out, K, x2.stride(0),
+            x2.stride(1), s.stride(0), s.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2,
+            MANUAL_FP8_RNE=manual, DEQUANTIZED=dequantized)
     return q, s
+
+
+def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_k: int):
+    """Activations quantised as `weight`'s GEMM reads them: per row and block_k channels, column-major scales,
+    power-of-two scales for E8M0 or FP4 weights; for FP4 weights the dequantised values in bf16 (exact)."""
+    fp4 = _is_fp4(weight)
+    return quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or fp4, scales_column_major=True,
+                                       dequantized=fp4)
 
 
 def _row_tiles(rows: int, block_m: int, device):
@@ -341,13 +379,14 @@ def _gemm_config(rows: int, weight: torch.Tensor):
 @functools.lru_cache(maxsize=None)
 def _tile_config(rows_bucket: int, fp4: bool):
     """(BLOCK_M, BLOCK_N, warps, stages) by row count: decode-sized calls stream the weight through many programs.
-    The fastest of `benchmarks/fp8_linear_gpu.py`'s sweep on V3.2's projections and a V4 FP4 expert (H200, run 74)."""
+    FP8: the fastest of `benchmarks/fp8_linear_gpu.py`'s sweep on V3.2's projections (H200, run 74). FP4: the tiles
+    of `moe_experts`' FP4 GEMM, which has the same operand order."""
     if interpreting():
         return 16, 32, 4, 1
-    if fp4:
-        if rows_bucket <= 16:
-            return (16, 128, 4, 4) if rows_bucket == 1 else (16, 64, 4, 4)
-        return (16, 32, 4, 4) if rows_bucket <= 64 else (128, 128, 8, 3)
+    if fp4:  # BLOCK_N is the MMA's M there (weights first), K steps of FP4_BLOCK_K
+        if rows_bucket <= 64:
+            return max(16, rows_bucket), 128, 8, 6
+        return 128, 128, 8, 4
     if rows_bucket <= 16:
         return 16, 32, 4, 4
     if rows_bucket <= 64:
@@ -364,36 +403,41 @@ def _splits(programs: int, groups: int, device) -> int:
 
 
 def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts, config=None, a_rows=None):
-    """`config` (BLOCK_M, BLOCK_N, warps, stages) replaces the row-count table's (the benchmark's sweep); `a_rows`
-    [rows] int32: output row r reads activation row a_rows[r] of q."""
+    """`q`, `s` from `quantize_for_weight`; `config` (BLOCK_M, BLOCK_N, warps, stages) replaces the row-count
+    table's (the benchmark's sweep); `a_rows` [rows] int32: output row r reads activation row a_rows[r] of q."""
     N, K = weight_dims(weight)
-    G = cdiv(K, block_k)
     rows = q.shape[0] if a_rows is None else a_rows.shape[0]
     BM, BN, warps, stages = config or _gemm_config(rows, weight)
     if tiles is None:
         tiles, tile_count = _row_tiles(rows, BM, q.device)
+    fp4 = _is_fp4(weight)
+    step = FP4_BLOCK_K if fp4 else block_k
+    steps = cdiv(K, step)
     columns = cdiv(N, BN)
-    split = _splits(tile_count * columns, G, q.device)
-    per_split = cdiv(G, split)
-    split = cdiv(G, per_split)
+    per_split = cdiv(steps, _splits(tile_count * columns, steps, q.device))
+    split = cdiv(steps, per_split)
     w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     e8m0 = is_e8m0(s3) or s3.dtype == torch.uint8
     s3 = s3.view(torch.uint8) if e8m0 else s3
-    if _is_fp4(weight):  # the tile decode reads bytes and scales along K
+    target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None, num_warps=warps,
+                  num_stages=stages)
+    a_row_arg = tiles[0] if a_rows is None else a_rows
+    if fp4:  # the tile decode reads bytes and scales along K
         w3 = w3.view(torch.uint8)
         if w3.stride(-1) != 1 or s3.stride(-1) != 1:
             w3, s3 = w3.contiguous(), s3.contiguous()
-    target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
-    q_as_bytes = _is_fp4(weight) and interpreting()  # the FP4 path decodes them itself there
-    _fp8_gemm_kernel[(tile_count, columns, split)](
-        q.view(torch.uint8) if q_as_bytes else q, s, w3, s3, target, *tiles, tiles[0] if a_rows is None else a_rows,
-        N, K, G, experts, per_split,
-        s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1), s3.stride(2),
-        out.stride(0), out.stride(1), rows * N if split > 1 else 0, block_n,
-        BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=block_k, EVEN_K=K % block_k == 0, FP4=_is_fp4(weight),
-        E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None, INTERPRETER=interpreting(),
-        num_warps=warps, num_stages=stages)
+        _fp4_gemm_kernel[(tile_count, columns, split)](
+            q, w3, s3, target, *tiles, a_row_arg, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
+            s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), rows * N if split > 1 else 0,
+            BLOCK_K=step, DECODE_ASM=not interpreting(), **common)
+    else:
+        _fp8_gemm_kernel[(tile_count, columns, split)](
+            q, s, w3, s3, target, *tiles, a_row_arg, N, K, steps, experts, per_split,
+            s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1),
+            s3.stride(2), out.stride(0), out.stride(1), rows * N if split > 1 else 0, block_n,
+            BLOCK_K=block_k, EVEN_K=K % block_k == 0, E8M0_SCALES=e8m0, **common)
     if split > 1:
         out.copy_(target.sum(0))
 
@@ -444,8 +488,7 @@ def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
         return _scaled_mm_linear(x2, weight, weight_scale).view(*x.shape[:-1], N)
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or _is_fp4(weight),
-                                           scales_column_major=True)
+        q, s = quantize_for_weight(x2, weight, weight_scale, block_k)
         _gemm(q, s, weight, weight_scale, out, None, None, block_n, block_k, 1)
     return out.view(*x.shape[:-1], N)
 
@@ -454,21 +497,15 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     E, N, K = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
     out = torch.zeros((x.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_activations_triton(x, block_k, pow2=activation_scales_pow2(weight, weight_scale),
-                                           scales_column_major=True)
+        q, s = quantize_for_weight(x, weight, weight_scale, block_k)
         grouped_gemm_quantized(q, s, None, weight, weight_scale, offsets, block_n, block_k, out)
     return out
 
 
-def activation_scales_pow2(weight: torch.Tensor, weight_scale: torch.Tensor) -> bool:
-    """Whether activations quantised for `weight` get power-of-two scales (E8M0 weight scales, FP4 weights)."""
-    return is_e8m0(weight_scale) or _is_fp4(weight)
-
-
 def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, offsets, block_n, block_k, out):
-    """The grouped GEMM on activations already quantised by `quantize_activations_triton(..., scales_column_major=
-    True)`: out[r] = q[a_rows[r]] (q[r] without `a_rows`) through the weight of r's expert, for the rows up to
-    offsets[-1]; later rows of `out` are not defined afterwards."""
+    """The grouped GEMM on activations already quantised by `quantize_for_weight`: out[r] = q[a_rows[r]] (q[r]
+    without `a_rows`) through the weight of r's expert, for the rows up to offsets[-1]; later rows of `out` are not
+    defined afterwards."""
     BM = _gemm_config(out.shape[0], weight)[0]
     tiles, count = _expert_row_tiles(offsets, out.shape[0], BM)
     _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, weight.shape[0], a_rows=a_rows)
@@ -518,7 +555,7 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
     return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
 
 
-__all__ = ["SCALED_MM_MIN_ROWS", "activation_scales_pow2", "cublas_block_scaled_gemm", "dequantize_weight",
-           "fp8_grouped_linear", "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear",
-           "fp8_linear_reference", "fp8_linear_triton", "grouped_gemm_quantized", "quantize_activations_triton",
+__all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
+           "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
+           "fp8_linear_triton", "grouped_gemm_quantized", "quantize_activations_triton", "quantize_for_weight",
            "weight_bytes", "weight_dims"]
