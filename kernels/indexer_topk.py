@@ -19,7 +19,8 @@ CUDA path, never materialising [B,S,H,T] nor [B,S,T]:
      exactly their unmasked range ("plain": causal, padding) read no mask at all.
   4. `_select_kernel`: per row, the certificate "count >= k and no overflow" (or "every unmasked key
      is a candidate, and enough keys lie outside the row's unmasked range to fill the rest"), then
-     an exact radix (bitwise, at most 32 steps) select of the k-th largest key over the candidates.
+     an exact radix (bitwise, at most 32 steps) select of the k-th largest key over the candidates; of the keys
+     tied at the k-th score the lowest key indices win, as in CUDA's `torch.topk` (`indexer_topk_reference`).
   5. `_repair_kernel`: rows whose certificate failed are rescored in full into a per-program scratch
      row and selected exactly there. The sample only decides speed, never the answer.
 """
@@ -54,7 +55,14 @@ MASK_ADDITIVE = 2
 # Reference (also the CPU implementation)
 # --------------------------------------------------------------------------------------------
 def indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk):
-    """Plain PyTorch indexer top-k, the exact math of the HF module (fp32 upcast, relu after scale)."""
+    """Plain PyTorch indexer top-k, the exact math of the HF module (fp32 upcast, relu after scale).
+
+    Ties: keys whose scores equal the k-th largest are common (relu zeros in rows with fewer than k positive
+    scores, -inf in rows with fewer than k unmasked keys). CUDA's `torch.topk` radix-selects the k-th value,
+    then gathers in key order the keys above it and the first keys equal to it: of the tied keys, the lowest
+    indices (`topk_lowest_index_ties`). The CUDA kernel picks that set, so dsfuse's picks are eager's on CUDA.
+    This CPU reference calls `torch.topk` itself so that the op on CPU is eager on CPU; CPU `topk` breaks ties
+    by `std::partial_sort` / `std::nth_element`, not always by lowest index."""
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * softmax_scale
     scores = torch.relu(scores)
     index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
@@ -67,6 +75,18 @@ def indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk):
             index = index + mask
     width = min(topk, index.shape[-1])
     return index.topk(width, dim=-1).indices.to(torch.int32)
+
+
+def topk_lowest_index_ties(index, width):
+    """[..., width] int32: the top `width` of `index` along its last dim, of the keys tied at the k-th value the
+    lowest indices (the kernel's and CUDA `torch.topk`'s set), by score descending then index.
+
+    Order as the kernel's `_order_key`: NaN above +inf, every NaN equal, -0.0 equal to +0.0 (CUDA's radix puts
+    -0.0 below +0.0; the kernel does not, because a head sum's zero sign depends on its summation order)."""
+    bits = torch.where(index == 0, torch.zeros_like(index), index.float()).view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = torch.where(torch.isnan(index), torch.iinfo(torch.int32).max, key)
+    return key.sort(dim=-1, descending=True, stable=True).indices[..., :width].to(torch.int32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,8 +450,11 @@ def _row_range_kernel(mask_ptr, range_ptr, S, T, smb, sms, smt, keys_per_program
 
 @triton.jit
 def _order_key(sc):
-    """Order-preserving map fp32 -> uint32 (1 and up; 0 marks empty slots), NaN above +inf like torch.topk."""
-    bits = sc.to(tl.int32, bitcast=True)
+    """Order-preserving map fp32 -> uint32 (1 and up; 0 marks empty slots), NaN above +inf like torch.topk.
+
+    -0.0 maps to +0.0's key: CUDA's topk ranks it below +0.0, but a head sum of signed zeros is -0.0 in one
+    summation order and +0.0 in another, so keys that tie at zero in eager must tie here too."""
+    bits = tl.where(sc == 0.0, 0.0, sc).to(tl.int32, bitcast=True)
     key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = tl.where(sc != sc, 0x7FFFFFFF, key)
     return key.to(tl.uint32, bitcast=True) ^ tl.full([], 0x80000000, tl.uint32)
@@ -470,6 +493,25 @@ def _kth_largest_key(key, k, STOP_AT_K: tl.constexpr):
 
 
 @triton.jit
+def _mth_smallest_index(idx, member, m):
+    """The m-th smallest of the distinct non-negative `idx` where `member` (needs 1 <= m <= #member), one bit per
+    step from the top, each step a CTA-wide count; the high bits every member shares are copied without counting."""
+    lo = tl.min(tl.where(member, idx, 0x7FFFFFFF), axis=0)
+    diff = lo ^ tl.max(tl.where(member, idx, 0), axis=0)
+    cut = tl.zeros([], dtype=tl.int32)
+    bit = 30
+    while (bit >= 0) & (((diff >> tl.maximum(bit, 0)) & 1) == 0):  # no shift by -1 once bit < 0
+        cut = cut | (lo & (1 << bit))
+        bit -= 1
+    while bit >= 0:
+        trial = cut | (1 << bit)
+        if tl.sum((member & (idx < trial)).to(tl.int32), axis=0) < m:
+            cut = trial
+        bit -= 1
+    return cut
+
+
+@triton.jit
 def _sample_threshold_kernel(sample_ptr, thr_ptr, n_sample, rank, CHUNK: tl.constexpr):
     """Per row, the rank-th largest sampled score (exact, bitwise search): the filter threshold.
 
@@ -502,7 +544,10 @@ def _select_row(row, count, thr, first, last, cand_score_ptr, cand_idx_ptr, out_
                 CAP_P: tl.constexpr, FILL_BLOCK: tl.constexpr):
     """Certificate check and exact top-k over one row's candidates; flags the row for repair otherwise.
 
-    count: the row's candidates; thr: its filter threshold; [first, last]: its unmasked key range."""
+    count: the row's candidates; thr: its filter threshold; [first, last]: its unmasked key range.
+    Tie rule (CUDA torch.topk's): of the keys equal to the k-th largest, the lowest key indices. Candidates
+    are not in key order when the key range is split (atomic appends), so the rule looks at key indices:
+    the m-th smallest index among the tied candidates bounds the picks."""
     outside = tl.where(last >= first, first + (T - 1 - last), T)
     fits = count <= CAP_P
     fast = fits & (count >= K_OUT)
@@ -515,19 +560,25 @@ def _select_row(row, count, thr, first, last, cand_score_ptr, cand_idx_ptr, out_
         key = tl.where(ok, _order_key(sc), tl.zeros([CAP_P], dtype=tl.uint32))
         kth = _kth_largest_key(key, K_OUT, True)
         gt = key > kth
-        n_gt = tl.sum(gt.to(tl.int32), axis=0)
-        eq = key == kth
-        eq_rank = tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        sel = gt | (eq & (eq_rank < K_OUT - n_gt))
+        eq = ok & (key == kth)  # not the empty slots (key 0): kth is 0 when k keys share no high bit
+        need = K_OUT - tl.sum(gt.to(tl.int32), axis=0)
+        if tl.sum(eq.to(tl.int32), axis=0) > need:  # a tie straddles the k-th place
+            tied = tl.load(cand_idx_ptr + row * CAP_P + i, mask=eq, other=0)
+            sel = gt | (eq & (tied <= _mth_smallest_index(tied, eq, need)))
+        else:
+            sel = gt | eq
         pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
         idx = tl.load(cand_idx_ptr + row * CAP_P + i, mask=sel, other=0)
         tl.store(out_row + pos, idx, mask=sel)
         tl.store(fail_ptr + row, 0)
     elif fill:
         idx = tl.load(cand_idx_ptr + row * CAP_P + i, mask=ok, other=0)
-        # A key outside the range is a candidate when its score is NaN (NaN + -inf under an additive mask): the
-        # fill would pick it twice, so the row goes to repair (exact, torch.topk's NaN-first order) instead.
-        if tl.sum((ok & ((idx < first) | (idx > last))).to(tl.int32), axis=0) == 0:
+        # The fill appends the lowest keys outside [first, last]: torch.topk's -inf picks only when no key inside
+        # is -inf too (a mask with holes, or an infinite score), i.e. when every key inside is a candidate. A key
+        # outside the range is a candidate when its score is NaN (NaN + -inf under an additive mask): the fill
+        # would pick it twice. Other rows go to repair (exact, in key order).
+        in_range = tl.sum((ok & (idx >= first) & (idx <= last)).to(tl.int32), axis=0)
+        if (in_range == count) & (count == tl.maximum(last - first + 1, 0)):
             tl.store(out_row + i, idx, mask=ok)
             n_fill = K_OUT - count
             for j0 in range(0, n_fill, FILL_BLOCK):
@@ -566,7 +617,8 @@ def _repair_kernel(
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
     FP8_AS_FP16: tl.constexpr, HEAD_CHAIN: tl.constexpr,
 ):
-    """Exact path for rows whose certificate failed: full row scores in scratch, bitwise select."""
+    """Exact path for rows whose certificate failed: full row scores in scratch, bitwise select; the scan is in key
+    order, so the keys tied at the k-th score that it keeps are the lowest indices."""
     pid = tl.program_id(0)
     scratch = scratch_ptr + pid.to(tl.int64) * T
     d = tl.arange(0, DP)
@@ -783,7 +835,9 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     up to ~0.5 %, so the selected set can differ from the reference near the k-th score).
     `stats`, when given, receives device tensors (no host sync): per-row repair flags ("repaired"),
     candidate counts ("candidates") and filter thresholds ("threshold").
-    `ordered=True` returns each row's picks in `torch.topk`'s order (score descending): the picks are
+    The picks are `indexer_topk_reference`'s tie rule: the set CUDA's `torch.topk` returns. Unordered, a row's
+    picks come in no particular order (it varies from run to run when the key range is split);
+    `ordered=True` returns them in `torch.topk`'s order (score descending, ties in key order): the picks are
     rescored (K keys per row, gathered) and sorted on the device, no host sync.
     `config` overrides `default_config` keys. Tile keys (TILE_KEYS) switch the filter kernel's
     autotuning off; "append" ("asm" | "store" | "none": benchmark only, wrong output),
@@ -904,6 +958,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
         FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
     if ordered:
+        out = out.sort(dim=-1).values  # key order first, so that the stable sort below leaves ties in key order
         picked = torch.empty((n_rows, width), dtype=torch.float32, device=dev)
         _rescore_picks_kernel[(n_rows,)](
             q, k, weights, ks_arg, mask_arg, out, picked, S, T, H, D, softmax_scale, width, *strides,
@@ -951,4 +1006,5 @@ def flops(B, S, T, H, D, causal_offset=None):
     return 2.0 * H * D * pairs * B
 
 
-__all__ = ["default_config", "flops", "indexer_topk", "indexer_topk_reference", "indexer_topk_triton"]
+__all__ = ["default_config", "flops", "indexer_topk", "indexer_topk_reference", "indexer_topk_triton",
+           "topk_lowest_index_ties"]

@@ -1,13 +1,19 @@
 """Fuzz `indexer_topk`: the Triton path (interpreter on CPU) selects keys whose scores are the reference's top-k
-scores (indices may differ between tied scores), distinct and in range, with bool / additive / broadcast masks,
-fully masked rows, tied keys, strided inputs and fp8 key scales."""
+scores, distinct and in range, with bool / additive / broadcast masks, fully masked rows, tied keys, strided inputs
+and fp8 key scales; on grid-valued inputs (every score exact, so ties are the same ties in both) it selects exactly
+the lowest-index tie rule's keys (CUDA torch.topk's set)."""
 
 import torch
 from fuzz_support import DEVICE, SPECIALS, fuzzes, layouts, restride, seeds, sizes, values
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsfuse.kernels.indexer_topk import indexer_topk, indexer_topk_reference, indexer_topk_triton
+from dsfuse.kernels.indexer_topk import (
+    indexer_topk,
+    indexer_topk_reference,
+    indexer_topk_triton,
+    topk_lowest_index_ties,
+)
 
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
 
@@ -24,9 +30,9 @@ def _scores(q, k, weights, k_scale, mask, scale):
 
 
 @fuzzes("dsfuse::indexer_topk")
-@given(data=st.data(), mask_kind=st.sampled_from(["none", "bool", "additive", "broadcast"]),
-       with_k_scale=st.booleans(), tied_keys=st.booleans())
-def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_k_scale, tied_keys):
+@given(data=st.data(), mask_kind=st.sampled_from(["none", "bool", "additive", "broadcast", "causal_holes"]),
+       with_k_scale=st.booleans(), tied_keys=st.booleans(), exact=st.booleans())
+def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_k_scale, tied_keys, exact):
     B, S, H = (data.draw(sizes(1, n)) for n in (2, 9, 5))
     T, D = data.draw(sizes(1, 65)), data.draw(st.sampled_from([8, 16, 24]))
     topk = data.draw(st.integers(1, T + 3))
@@ -37,16 +43,20 @@ def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_
     # (test_additive_masked_nan_key_the_kernel_does_not_scan).
     specials = SPECIALS if mask_kind != "additive" else ("zero", "tie")
     q_specials, k_specials = (data.draw(st.lists(st.sampled_from(specials), max_size=1)) for _ in range(2))
-    q = restride(values((B, S, H, D), dtype, seed, specials=q_specials).to(DEVICE), data.draw(layouts(4)))
-    k = values((B, T, D), dtype, seed + 1, specials=k_specials)
+    # exact: q, k and weights on multiples of 1/4, so products and sums are exact in fp32 in any order
+    grid = 4 if exact else None
+    q = restride(values((B, S, H, D), dtype, seed, specials=q_specials, grid=grid).to(DEVICE), data.draw(layouts(4)))
+    k = values((B, T, D), dtype, seed + 1, specials=k_specials, grid=grid)
     if tied_keys:
         k[:, ::2] = k[:, :1].clone()  # every other key equals the first: many tied scores
     k = restride(k.to(DEVICE), data.draw(layouts(3)))
-    weights = values((B, S, H), torch.float32, seed + 2).to(DEVICE)
+    weights = values((B, S, H), torch.float32, seed + 2, grid=grid).to(DEVICE)
     k_scale = (torch.rand(B, T, generator=g) + 0.5).to(DEVICE) if with_k_scale else None
     mask = None
     if mask_kind != "none":
         keep = torch.rand(B, S, T, generator=g) < 0.6
+        if mask_kind == "causal_holes":  # query s sees keys 0..s, a few masked: rows with fewer than k keys
+            keep = (torch.arange(T)[None, :] <= torch.arange(S)[:, None]) & (torch.rand(B, S, T, generator=g) < 0.8)
         keep[:, data.draw(st.integers(0, S - 1))] = False  # a fully masked row
         if mask_kind == "broadcast":
             keep = keep[:1, :, :]  # [1, S, T], broadcast over the batch
@@ -64,6 +74,8 @@ def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_
     chosen = torch.gather(index, -1, got.long()).sort(-1).values
     best = index.topk(width, dim=-1).values.sort(-1).values
     torch.testing.assert_close(chosen, best, rtol=1e-5, atol=1e-5, equal_nan=True)
+    if exact:  # the same scores bit for bit: the tie rule decides every pick
+        assert torch.equal(got.sort(-1).values, topk_lowest_index_ties(index, width).sort(-1).values)
 
 
 def test_inf_key_with_padding_heads():

@@ -4,10 +4,12 @@ import pytest
 import sm90_offline
 import torch
 from dsfuse.kernels.indexer_topk import (
+    _select_kernel,
     flops,
     indexer_topk,
     indexer_topk_reference,
     indexer_topk_triton,
+    topk_lowest_index_ties,
 )
 
 ON_GPU = torch.cuda.is_available()
@@ -263,6 +265,117 @@ def test_triton_many_tied_scores():
     q = torch.zeros_like(q)  # every score 0: all candidate keys equal, no bit left to search
     out = indexer_topk_triton(q, k, w, None, mask, 1.0, topk)
     assert_exact_topk(out, q, k, w, None, mask, 1.0, topk)
+
+
+# ------------------------------------------------------------------------------------------ tie rule
+# CUDA's torch.topk keeps, of the keys tied at the k-th value, the lowest indices; the kernel picks that set
+# (`topk_lowest_index_ties`). CPU torch.topk does not always: std::partial_sort (k * 64 <= T) keeps the first tied
+# keys it meets but lets a larger later key evict any one of them, std::nth_element (otherwise) picks any (torch
+# 2.13: the top 4 of [-inf, 2, -inf, -inf, 5, -inf] are keys {0, 1, 4, 5} on the CPU, {0, 1, 2, 4} by the rule).
+# So these tests compare the kernel against the rule, never against CPU torch.topk's indices.
+def test_lowest_index_rule_by_hand():
+    nan, inf = float("nan"), float("inf")
+    index = torch.tensor([[0.0, 3.0, 0.0, -0.0, nan, 1.0, 0.0, -inf, nan, -1.0]])
+    assert topk_lowest_index_ties(index, 6).tolist() == [[4, 8, 1, 5, 0, 2]]  # NaN first, -0.0 ties with 0.0
+    assert topk_lowest_index_ties(index, 10).tolist() == [[4, 8, 1, 5, 0, 2, 3, 6, 9, 7]]
+    masked = torch.tensor([[-inf, 2.0, -inf, -inf, 5.0, -inf]])  # fewer than k unmasked keys: the lowest -inf
+    assert topk_lowest_index_ties(masked, 4).tolist() == [[4, 1, 0, 2]]
+
+
+def run_select(rows, T, width, cap):
+    """`_select_kernel` over hand-made candidate buffers, each row's (key, score) pairs in the given order."""
+    n = len(rows)
+    cand_score = torch.zeros(n, cap)
+    cand_idx = torch.zeros(n, cap, dtype=torch.int32)
+    for r, pairs in enumerate(rows):
+        cand_idx[r, :len(pairs)] = torch.tensor([t for t, _ in pairs], dtype=torch.int32)
+        cand_score[r, :len(pairs)] = torch.tensor([v for _, v in pairs])
+    count = torch.tensor([len(p) for p in rows], dtype=torch.int32)
+    thr = torch.full((n,), float("-inf"))
+    out = torch.full((n, width), -1, dtype=torch.int32)
+    fail = torch.full((n,), -1, dtype=torch.int32)
+    args = [x.to(DEVICE) for x in (cand_score, cand_idx, count, thr, out, out, fail)]
+    args[4] = args[5]  # no ranges (HAS_RANGES=False): any int32 pointer
+    _select_kernel[(n,)](*args, T, width, CAP_P=cap, HAS_RANGES=False, FILL_BLOCK=256)
+    return args[5].cpu(), args[6].cpu()
+
+
+def test_select_breaks_ties_by_key_index_not_buffer_order():
+    """Candidates appended out of key order (split key ranges append through atomics): of the keys tied at the
+    k-th place the lowest key indices win, whatever their buffer positions."""
+    g = torch.Generator().manual_seed(3)
+    T, width, cap = 1000, 12, 64
+    levels = [
+        [9.0] * 5 + [4.0] * 20 + [1.0] * 5,  # a tie straddling the k-th place
+        [0.0] * 20 + [-0.0] * 20,  # every candidate 0 (signed zeros, as a head sum leaves them)
+        [float("nan")] * 15 + [2.0] * 10,  # more NaN than k: NaN ranks first, ties among NaN too
+        [float(v) for v in range(40)],  # no tie: the common path
+        [7.0] * 12 + [3.0] * 30,  # exactly k keys above the rest: nothing to break
+    ]
+    rows = []
+    for values in levels:
+        keys = torch.randperm(T, generator=g)[:len(values)].tolist()
+        rows.append([(t, v) for t, v in zip(keys, values)])  # randperm: buffer order is not key order
+    out, fail = run_select(rows, T, width, cap)
+    assert fail.tolist() == [0] * len(rows)
+    for r, pairs in enumerate(rows):
+        dense = torch.full((1, T), float("-inf"))
+        for t, v in pairs:
+            dense[0, t] = v
+        want = sorted(topk_lowest_index_ties(dense, width)[0].tolist())
+        assert sorted(out[r].tolist()) == want, r
+
+
+def integer_scores_inputs(B, S, T, H, D, seed=0):
+    """q, k in {-1, 0, 1} and weights in {-1, 1}: every index score an exact small integer in the kernel and the
+    reference alike, so tie classes (zeros from the relu, duplicated keys, -inf from the mask) are the same."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, S, H, D, generator=g).sign()
+    k = torch.randn(B, T, D, generator=g).sign() * (torch.rand(B, T, D, generator=g) < 0.3)
+    k[:, 1::3] = k[:, :1]  # every third key a copy of the first
+    q[:, ::5] = -q[:, ::5].abs()  # rows with few positive dot products: many relu zeros
+    weights = torch.randint(0, 2, (B, S, H), generator=g).float() * 2 - 1
+    return q.to(HALF).to(DEVICE), k.to(HALF).to(DEVICE), weights.to(DEVICE)
+
+
+TIE_MASKS = {
+    "causal": lambda B, S, T: causal_mask(B, S, T),
+    "holes": lambda B, S, T: causal_with_holes(B, S, T),
+    "padded_additive": lambda B, S, T: padded_causal_additive(B, S, T, pad=[0, 5]),
+}
+
+
+@pytest.mark.parametrize("config", [None, {"splits": 3}, {"fuse_select": True}, {"every_key": False}],
+                         ids=["default", "split_keys", "fused_select", "sampled_threshold"])
+@pytest.mark.parametrize("mask_kind", list(TIE_MASKS))
+def test_triton_picks_lowest_index_among_ties(mask_kind, config):
+    """Tie-heavy exact-integer scores: the picked set is exactly the lowest-index rule's, also in rows with fewer
+    than k unmasked keys (the -inf filler keys: the lowest masked ones, holes inside the range included)."""
+    B, S, T, H, D, topk = 2, 32, 32, 4, 16, 16  # query s sees s + 1 keys: rows 0-14 fill with masked keys
+    q, k, w = integer_scores_inputs(B, S, T, H, D)
+    mask = TIE_MASKS[mask_kind](B, S, T).to(DEVICE)
+    out = indexer_topk_triton(q, k, w, None, mask, 1.0, topk, config=config).cpu()
+    index = masked_index_scores(q, k, w, None, mask, 1.0).cpu()
+    want = topk_lowest_index_ties(index, topk)
+    straddling = (index == torch.gather(index, -1, want[..., -1:].long())).sum(-1) > 1
+    assert int(straddling.sum()) >= S, "too few rows with a tie at the k-th place: the test cannot fail"
+    assert torch.equal(out.sort(-1).values, want.sort(-1).values)
+    ordered = indexer_topk_triton(q, k, w, None, mask, 1.0, topk, config=config, ordered=True).cpu()
+    assert torch.equal(ordered, want)  # score descending, ties in key order
+
+
+def test_triton_ties_in_rows_longer_than_the_candidate_buffer():
+    """A zero query row (every key scores 0) and relu-zero rows over more keys than the candidate buffer holds:
+    the sampled threshold is 0, the candidates overflow, and the repair picks in key order."""
+    B, S, T, H, D, topk = 1, 4, 300, 4, 16, 8
+    q, k, w = integer_scores_inputs(B, S, T, H, D, seed=1)
+    q[0, 0] = 0
+    stats = {}
+    out = indexer_topk_triton(q, k, w, None, None, 1.0, topk, stats=stats).cpu()
+    assert int(stats["repaired"][0]) == 1
+    want = topk_lowest_index_ties(masked_index_scores(q, k, w, None, None, 1.0).cpu(), topk)
+    assert out[0, 0].sort().values.tolist() == list(range(topk))
+    assert torch.equal(out.sort(-1).values, want.sort(-1).values)
 
 
 def test_triton_expanded_and_broadcast_masks_and_strided_inputs():
