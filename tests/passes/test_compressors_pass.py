@@ -5,12 +5,11 @@ reasons."""
 import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
+from v4_tiny_runs import CSA_THEN_HCA, SHARED_BF16, csa_then_hca_bf16
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model
 
-CSA_THEN_HCA = dict(num_hidden_layers=2, layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                    mlp_layer_types=["moe", "moe"], hc_sinkhorn_iters=2)
 # Per layer: the CSA layer's indexer compressor (index_head_dim 16) and its own (head_dim 32, two series of 2m = 8
 # slots); the HCA layer's (m' = 8 slots, one series). RoPE on the trailing 8 channels (partial_rotary_factor 0.25).
 EXPECTED = sorted(["m=4 D=16 R=8, two overlapping series", "m=4 D=32 R=8, two overlapping series",
@@ -39,16 +38,13 @@ def test_v4_tiny_counts_parity_batch_two_and_dynamic_lengths():
     assert rep.counts["compressors"] == 3 and not rep.near_misses, str(rep)
 
 
+@SHARED_BF16
 def test_v4_tiny_bf16_with_every_family():
     """bf16, every pass on: the compressors are rewritten beside the indexer and attention that read their
     entries, and the logits stay within bf16 noise of eager."""
-    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, **CSA_THEN_HCA)
-    ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(ids).logits.float()
-        out = torch.compile(model, backend="dsfuse")(ids).logits.float()
-    rep = dsfuse.report()
-    assert _details() == EXPECTED, str(rep)
+    _, _, expected, out, rep = csa_then_hca_bf16()
+    expected, out = expected.float(), out.float()
+    assert sorted(s.detail for s in rep.sites if s.pass_name == "compressors") == EXPECTED, str(rep)
     assert rep.counts["indexer_topk"] == 1 and rep.counts["sparse_attention"] == 2, str(rep)
     assert not rep.near_misses, str(rep)
     assert (out - expected).abs().max() < 0.1 * expected.abs().max(), (out - expected).abs().max()

@@ -7,6 +7,7 @@ runs: the CPU backend cannot lower an online softmax, so every softmax must be r
 import torch
 from inductor_forms import (CONVERT, FLOAT32_WHERES, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm,
                             inductor_folds_narrowing_round_trips, keep_constant_wheres_in_float32, pad_matmuls)
+from v4_tiny_runs import SHARED_BF16, csa_then_hca_bf16
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model
@@ -18,26 +19,33 @@ def _cuda_forms_and_padding(graph: torch.fx.Graph) -> None:
     pad_matmuls(graph)
 
 
+def _with(form, model, *args, **kwargs):
+    """(logits, report) of the model compiled with `form` applied to its graph first."""
+    torch._dynamo.reset()
+    dsfuse.reset_report()
+    REWRITES.clear()
+    FLOAT32_WHERES.clear()
+    with torch.no_grad():
+        logits = torch.compile(model, backend="dsfuse",
+                               options={"inductor": {"post_grad_custom_pre_pass": form}})(*args, **kwargs).logits
+    return logits, dsfuse.report()
+
+
 def _without_and_with(form, model, *args, **kwargs):
     """(logits, report) of the model compiled as it is, then of it compiled with `form` applied to the graph first."""
-    results = []
+    torch._dynamo.reset()
+    dsfuse.reset_report()
     with torch.no_grad():
-        for options in (None, {"inductor": {"post_grad_custom_pre_pass": form}}):
-            torch._dynamo.reset()
-            dsfuse.reset_report()
-            REWRITES.clear()
-            FLOAT32_WHERES.clear()
-            results += [torch.compile(model, backend="dsfuse", options=options)(*args, **kwargs).logits,
-                        dsfuse.report()]
-    return results
+        plain = torch.compile(model, backend="dsfuse")(*args, **kwargs).logits, dsfuse.report()
+    return (*plain, *_with(form, model, *args, **kwargs))
 
 
+@SHARED_BF16
 def test_v4_families_rewrite_on_torch_2_11_cuda_graph_forms():
-    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=2,
-                           layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
-                           mlp_layer_types=["moe", "moe"])
-    ids = torch.randint(0, 256, (1, 33), generator=torch.Generator().manual_seed(2))
-    want, plain_rep, got, rep = _without_and_with(_cuda_forms_and_padding, model, ids)
+    """v4-tiny's CSA and HCA layers, batch 2, 33 tokens; the compile without the forms is the one the compressors'
+    bf16 test reads."""
+    model, ids, _, want, plain_rep = csa_then_hca_bf16()
+    got, rep = _with(_cuda_forms_and_padding, model, ids)
     plain = dict(plain_rep.counts)
     # torch 2.11 and 2.12 fold the round trips themselves (on CPU too): their plain compile is already in that form,
     # and the emulation finds none left to drop; 2.13 and later keep them, and it drops them.
