@@ -994,14 +994,18 @@ def _match_mla(index: torch.fx.Node) -> dict:
 
     q_pick = _pick(_chain_back(qk.args[0]), (B, S, H, C))
     qpe_pick = _pick(_chain_back(pe_bmm[0].args[0]), (B, S, H, R))
+    heads_first = q_pick is None or qpe_pick is None
+    if heads_first:  # q held as [B, H, S, D] throughout: the op reads the leaf through a permute
+        q_pick, qpe_pick = _heads_first_leaf(qk.args[0], (B, H, S, C)), _heads_first_leaf(pe_bmm[0].args[0],
+                                                                                          (B, H, S, R))
     if q_pick is None or qpe_pick is None:
-        raise NoMatch("q_nope / q_pe are not [B, S, H, D] tensors")
+        raise NoMatch("q_nope / q_pe are not [B, S, H, D] tensors (nor [B, H, S, D] leaves)")
     (q_nope, q_ops), (q_pe, qpe_ops) = q_pick, qpe_pick
 
     want = _expected("bshk", (B, S, H, K))
-    nope_l = _product(q_nope, "bshc", q_ops, index, "bskc", kv_ops_k, "c", C)
+    nope_l = _product(q_nope, "bhsc" if heads_first else "bshc", q_ops, index, "bskc", kv_ops_k, "c", C)
     pe_ops = pe_chain[1:]
-    pe_l = _product(q_pe, "bshr", qpe_ops, pe_index, "bskr", pe_ops, "r", R)
+    pe_l = _product(q_pe, "bhsr" if heads_first else "bshr", qpe_ops, pe_index, "bskr", pe_ops, "r", R)
     nope_l = _through(_through(nope_l, nope_bmm[1]), score_chain[1:])
     pe_l = _through(_through(pe_l, pe_bmm[1]), score_chain[1:])
     if nope_l is None or pe_l is None or names(nope_l) != want or names(pe_l) != want:
@@ -1019,7 +1023,14 @@ def _match_mla(index: torch.fx.Node) -> dict:
     if not math.isclose(nope_scale, pe_scale, rel_tol=1e-6):
         raise NoMatch("the latent and rope scores are scaled differently")
     scale = nope_scale * _scale_of(score_chain[1:])
-    return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=sink, scale=scale, out=out)
+    return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=sink, scale=scale, out=out,
+                heads_first=heads_first)
+
+
+def _heads_first_leaf(node: torch.fx.Node, want: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """(the leaf of `node`'s chain, the ops after it) when the leaf is shaped `want` ([B, H, S, D])."""
+    chain = _chain_back(node)
+    return (chain[0], chain[1:]) if same_shape(shape(chain[0]), want) else None
 
 
 def _mla_output(pv: torch.fx.Node, o_l: Labels, bshc: tuple, operands: tuple, prob_ops: list) -> torch.fx.Node:
@@ -1040,8 +1051,12 @@ def _mla_output(pv: torch.fx.Node, o_l: Labels, bshc: tuple, operands: tuple, pr
 
 def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: PassContext, form: str = "") -> None:
     out = m["out"]
+    q_nope, q_pe = m["q_nope"], m["q_pe"]
+    if m.get("heads_first"):
+        q_nope, q_pe = (insert_call(graph, out, aten.permute.default, (q, [0, 2, 1, 3])) for q in (q_nope, q_pe))
+        form += "q heads-first, "
     fused = insert_call(graph, out, torch.ops.dsfuse.sparse_mla_attention.default,
-                        (m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["scale"], m["sink"]))
+                        (q_nope, q_pe, m["kv"], m["pe"], m["idx"], m["scale"], m["sink"]))
     out.replace_all_uses_with(fused)
     ctx.site(index, "dsfuse.sparse_mla_attention", [m["q_nope"], m["q_pe"], m["kv"], m["pe"], m["idx"], m["sink"]],
              detail=f"{form}K={shape(m['idx'])[2]}, scale={m['scale']:.6g}{', sink' if m['sink'] is not None else ''}")
@@ -1063,12 +1078,13 @@ def _verify(m: dict) -> Verdict:
     if "q_nope" in m:
         roles = {name: m[name] for name in ("q_nope", "q_pe", "kv", "pe", "idx", "sink") if m[name] is not None}
         distinct = bool(m.get("index_bias"))  # top-k picks: in range, no repeats (proved structurally)
+        order = (0, 2, 1, 3) if m.get("heads_first") else (0, 1, 2, 3)
         family = Family(probes=lambda shapes, dtypes: _mla_probes(shapes, dtypes, distinct),
                         reference=lambda probe: sparse_mla_attention_math(
-                            probe["q_nope"], probe["q_pe"], probe["kv"], probe["pe"], probe["idx"], m["scale"],
-                            probe.get("sink")),
+                            probe["q_nope"].permute(order), probe["q_pe"].permute(order), probe["kv"], probe["pe"],
+                            probe["idx"], m["scale"], probe.get("sink")),
                         compare=_close)
-        extra = ("mla", m["scale"], distinct)
+        extra = ("mla", m["scale"], distinct, order)
     else:
         comb = m["comb"]
         roles = {name: m[name] for name in ("q", "k", "v", "idx")}

@@ -12,7 +12,7 @@ by `masked_fill` or `where`, the same softmax forms. Both: q heads-first or toke
 scores, no sink, a sink as a softmax column or as a term of the denominator, fp32 or bf16.
 
 The default run draws `DRAWS` programs; `DSFUSE_SPELLING_DRAWS=n` draws n. `DSFUSE_SPELLING_STATS=path` writes the
-outcomes per axis value (draws, fused, each near-miss reason) as JSON when the module finishes.
+outcomes per axis value (draws, fused, each near-miss reason) as JSON, rewritten after every draw.
 """
 
 from __future__ import annotations
@@ -218,9 +218,12 @@ def test_every_spelling_is_fused_with_parity_or_reported(choice, batch, seq, hea
     drawn = dict(choice, softmax="F.softmax") if sdpa else choice
     for axis in ROW_AXES if rows else MASK_AXES:
         OUTCOMES[axis, drawn[axis]].append("fused" if fused else reasons[0])
+    _write_stats()
 
 
-def teardown_module():
+def _write_stats():
+    """The outcomes so far, per axis value, to DSFUSE_SPELLING_STATS (rewritten after every draw, so a long run
+    that is stopped still leaves its table)."""
     path = os.environ.get("DSFUSE_SPELLING_STATS")
     if path:
         table = {f"{axis}={value}": {"draws": len(runs), **{r: runs.count(r) for r in set(runs)}}

@@ -676,3 +676,22 @@ def test_the_numeric_check_refuses_a_wrong_binding():
     assert sparse_attention._verify(dict(found, scale=2 * found["scale"])).reason.startswith("random probe: ")
     swapped = sparse_attention._verify(dict(found, q=found["k"], k=found["q"]))
     assert swapped.ok is False and "probe" in swapped.reason
+
+
+def test_heads_first_queries_over_gathered_rows_are_read_through_a_permute():
+    def written_heads_first(q_absorbed, q_pe, kv, k_pe, indices, sink):
+        batch_index = torch.arange(kv.shape[0])[:, None, None]
+        safe = indices.clamp(min=0)
+        kv_rows, pe_rows = kv[batch_index, safe], k_pe[batch_index, safe]
+        scores = (torch.einsum("bhsc,bskc->bshk", q_absorbed, kv_rows)
+                  + torch.einsum("bhsr,bskr->bshk", q_pe, pe_rows)) * MLA_SCALE
+        scores = scores.float().masked_fill((indices < 0).unsqueeze(2), float("-inf"))
+        return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1), kv_rows)
+
+    q, q_pe, *rest = _mla_data(torch.float32, sink=False)
+    args = (q.transpose(1, 2).contiguous(), q_pe.transpose(1, 2).contiguous(), *rest)
+    with torch.no_grad():
+        out = _compile(written_heads_first)(*args)
+    sites = _sites()
+    assert len(sites) == 1 and sites[0].detail.startswith("q heads-first, ") and _misses() == [], str(dsfuse.report())
+    torch.testing.assert_close(out, own_mla(q, q_pe, *rest), rtol=1e-5, atol=1e-5, equal_nan=True)
