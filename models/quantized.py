@@ -21,6 +21,7 @@ On a machine without a GPU transformers would dequantise such a checkpoint to bf
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -83,6 +84,21 @@ def released_layout(config) -> ReleasedLayout:
     return V4_FLASH_LAYOUT if getattr(config, "model_type", None) == "deepseek_v4" else V32_LAYOUT
 
 
+def _one_matrix_at_a_time(quantize):
+    """`quantize` applied to each [N, K] matrix of a stack and the results stacked: a real-dimension expert stack
+    (V4-Flash: 256 x 4096 x 4096) would otherwise need its intermediates all at once (128 GiB asked on the H200)."""
+
+    @functools.wraps(quantize)
+    def per_matrix(weight: torch.Tensor, *args, **kwargs):
+        if weight.dim() <= 2:
+            return quantize(weight, *args, **kwargs)
+        parts = [quantize(matrix, *args, **kwargs) for matrix in weight.reshape(-1, *weight.shape[-2:])]
+        return tuple(torch.stack(items).view(*weight.shape[:-2], *items[0].shape) for items in zip(*parts))
+
+    return per_matrix
+
+
+@_one_matrix_at_a_time
 def quantize_fp8_weight(weight: torch.Tensor, block: int = FP8_BLOCK, scale_fmt: str = "float"):
     """`weight [..., N, K]` to (e4m3 `[..., N, K]`, scales `[..., ceil(N / block), ceil(K / block)]`): each block's
     scale is its amax / 448 (rounded up to a power of two and stored as E8M0 for `scale_fmt="ue8m0"`)."""
@@ -106,6 +122,7 @@ def quantization_config(scale_fmt: str = "ue8m0") -> dict[str, Any]:
             "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
 
 
+@_one_matrix_at_a_time
 def quantize_fp4_weight(weight: torch.Tensor):
     """`weight [..., N, K]` to V4-Flash's FP4 experts: (E2M1 codes packed two per byte, low nibble first, as int8
     `[..., N, K / 2]`; E8M0 scales `[..., N, K / 32]`, each the power of two that maps its 32 values' amax to <= 6)."""
