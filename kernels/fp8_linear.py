@@ -550,6 +550,23 @@ def _fp8_grouped_linear_cuda(x, weight, weight_scale, offsets, block_n, block_k)
     return fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k)
 
 
+@torch.library.custom_op("dsfuse::fp8_weight_dequantize", mutates_args=())
+def fp8_weight_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int, block_k: int,
+                          dtype: torch.dtype) -> torch.Tensor:
+    """A block-scaled FP8 (or FP4) weight's values `[..., N, K]` in `dtype` (exact in fp32, rounded once): what a
+    rewrite that needs the weight itself (the absorbed MLA decode's kv_b_proj) reads in place of the FP8 linear."""
+    _check_weight("fp8_weight_dequantize", weight, weight_scale, block_n, block_k,
+                  weight.shape[0] if weight.dim() == 3 else None)
+    return dequantize_weight(weight, weight_scale, block_n, block_k).to(dtype)
+
+
+@fp8_weight_dequantize.register_fake
+def _fp8_weight_dequantize_fake(weight, weight_scale, block_n, block_k, dtype):
+    _check_weight("fp8_weight_dequantize", weight, weight_scale, block_n, block_k,
+                  weight.shape[0] if weight.dim() == 3 else None)
+    return weight.new_empty((*weight.shape[:-2], *weight_dims(weight)), dtype=dtype)
+
+
 def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
     """The bytes a weight-streaming call must read at least: the weight and its scales once."""
     return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
@@ -557,5 +574,5 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
 
 __all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
            "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
-           "fp8_linear_triton", "grouped_gemm_quantized", "quantize_activations_triton", "quantize_for_weight",
+           "fp8_linear_triton", "fp8_weight_dequantize", "grouped_gemm_quantized", "quantize_activations_triton", "quantize_for_weight",
            "weight_bytes", "weight_dims"]

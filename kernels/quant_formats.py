@@ -90,10 +90,19 @@ def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     return _dequantize_fp4_chunk(packed, scales, dtype)
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (0..15) as fp32 `E2M1_VALUES`, computed from the bits on the codes' device (no table copied from
+    the host, so a CUDA graph captures it): exponent e and mantissa bit m give m / 2 for e = 0, else
+    2^(e - 1) * (1 + m / 2); bit 3 is the sign."""
+    exponent = ((codes >> 1) & 3).float()
+    mantissa = (codes & 1).float()
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa * 0.5))
+    return torch.where((codes & 8) != 0, -magnitude, magnitude)
+
+
 def _dequantize_fp4_chunk(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)
-    values = lut[codes.long()].unflatten(-1, (-1, FP4_BLOCK)) * scales_to_float32(scales).unsqueeze(-1)
+    values = e2m1_values(codes.int()).unflatten(-1, (-1, FP4_BLOCK)) * scales_to_float32(scales).unsqueeze(-1)
     return values.flatten(-2).to(dtype)
 
 
@@ -165,6 +174,6 @@ def power_of_two_ceil(scale):
 
 
 __all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
-           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e4m3_bits", "e8m0_to_float", "is_e8m0",
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e2m1_values", "e4m3_bits", "e8m0_to_float", "is_e8m0",
            "power_of_two_ceil", "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid",
            "scales_to_float32"]

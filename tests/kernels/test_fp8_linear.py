@@ -7,7 +7,7 @@ import torch
 
 from dsfuse.kernels.fp8_linear import (dequantize_weight, fp8_grouped_linear, fp8_grouped_linear_reference,
                                        fp8_grouped_linear_triton, fp8_linear, fp8_linear_reference, fp8_linear_triton,
-                                       quantize_activations_triton)
+                                       fp8_weight_dequantize, quantize_activations_triton)
 from dsfuse.kernels.quant_formats import E8M0_DTYPE, quantize_activations
 from dsfuse.models.quantized import quantize_fp8_weight
 
@@ -115,6 +115,28 @@ def test_ops_dispatch_to_the_reference_and_pass_opcheck():
     check_outputs_match_fake("dsfuse::fp8_grouped_linear", (xg, wg, sg, offsets, 128, 128), {}, out)
 
 
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+def test_weight_dequantize_op_gives_the_exact_values_rounded_once(kind):
+    from dsfuse.kernels.triton_support import check_outputs_match_fake
+
+    w, s = _weights(kind, 200, 256, 10)
+    args = (w, s, 128, 128, torch.bfloat16)
+    out = fp8_weight_dequantize(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == (200, 256)
+    assert torch.equal(out, dequantize_weight(w, s, 128, 128).to(torch.bfloat16))
+    torch.library.opcheck(fp8_weight_dequantize, args, test_utils=OPCHECK_TESTS)
+    check_outputs_match_fake("dsfuse::fp8_weight_dequantize", args, {}, out)
+    with pytest.raises(ValueError, match="weight_scale must be"):
+        fp8_weight_dequantize(w, s[:1], 128, 128, torch.bfloat16)
+
+
+def test_e2m1_values_are_the_table_with_signed_zero():
+    from dsfuse.kernels.quant_formats import E2M1_VALUES, e2m1_values
+
+    got, want = e2m1_values(torch.arange(16)), torch.tensor(E2M1_VALUES)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
 @pytest.mark.parametrize("change,error,message", [
     (lambda w, s, x: (w, s[:, :1], x), ValueError, r"weight_scale must be \[1, 2\]"),
     (lambda w, s, x: (w.float(), s, x), TypeError, "weight must be float8_e4m3fn or FP4"),
@@ -177,6 +199,21 @@ def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(k
     x.copy_(_x(S, K, 15, torch.bfloat16))
     graph.replay()
     assert _rel(replayed, fp8_grouped_linear_reference(x, w, s, offsets, 128, 128)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["ue8m0", "fp4"])
+def test_cuda_weight_dequantize_replays_in_a_cuda_graph(kind):
+    """No copy from the host inside (FP4 decodes its codes from the bits): a CUDA graph captures it."""
+    w, s = (t.cuda() for t in _weights(kind, 256, 512, 11))
+    want = fp8_weight_dequantize(w, s, 128, 128, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = fp8_weight_dequantize(w, s, 128, 128, torch.bfloat16)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(want.cpu(), dequantize_weight(
+        w.cpu(), s.cpu(), 128, 128).to(torch.bfloat16))
 
 
 @pytest.mark.gpu
