@@ -5,10 +5,9 @@ reasons."""
 import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb
-from v4_tiny_runs import CSA_THEN_HCA, SHARED_BF16, csa_then_hca_bf16
+from v4_tiny_runs import SHARED_BF16, SHARED_FP32, csa_then_hca_bf16, csa_then_hca_fp32_dynamic
 
 import dsfuse
-from dsfuse.models.presets import build_hf_model
 
 # Per layer: the CSA layer's indexer compressor (index_head_dim 16) and its own (head_dim 32, two series of 2m = 8
 # slots); the HCA layer's (m' = 8 slots, one series). RoPE on the trailing 8 channels (partial_rotary_factor 0.25).
@@ -16,25 +15,19 @@ EXPECTED = sorted(["m=4 D=16 R=8, two overlapping series", "m=4 D=32 R=8, two ov
                    "m=8 D=32 R=8, one series"])
 
 
-def _details(graph=None):
-    return sorted(s.detail for s in dsfuse.report().sites if s.pass_name == "compressors"
-                  and graph in (None, s.graph))
+def _details(report, graph=None):
+    return sorted(s.detail for s in report.sites if s.pass_name == "compressors" and graph in (None, s.graph))
 
 
+@SHARED_FP32
 def test_v4_tiny_counts_parity_batch_two_and_dynamic_lengths():
-    """fp32, batch 2, lengths not multiples of m (the tail is dropped): one graph with a symbolic length serves
-    every length, 3 compressors rewritten, logits equal eager."""
-    model = build_hf_model("v4-tiny", dtype=torch.float32, **CSA_THEN_HCA)
-    compiled = torch.compile(model, backend="dsfuse", options={"enable": ["compressors"]})
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for length in (21, 29, 37):  # one S % 8 (the compiled graph guards on S % 4), S // 4 > index_topk
-            ids = torch.randint(0, 256, (2, length), generator=gen)
-            torch._dynamo.mark_dynamic(ids, 1)
-            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
-    rep = dsfuse.report()
+    """fp32, every pass, batch 2, lengths not multiples of m (the tail is dropped): one graph with a symbolic length
+    serves every length, 3 compressors rewritten, logits equal eager."""
+    calls, rep = csa_then_hca_fp32_dynamic()
+    for compiled, eager in calls:
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert len(rep.graphs) == 1, str(rep)
-    assert _details(0) == EXPECTED, str(rep)
+    assert _details(rep, 0) == EXPECTED, str(rep)
     assert rep.counts["compressors"] == 3 and not rep.near_misses, str(rep)
 
 
@@ -44,7 +37,7 @@ def test_v4_tiny_bf16_with_every_family():
     entries, and the logits stay within bf16 noise of eager."""
     _, _, expected, out, rep = csa_then_hca_bf16()
     expected, out = expected.float(), out.float()
-    assert sorted(s.detail for s in rep.sites if s.pass_name == "compressors") == EXPECTED, str(rep)
+    assert _details(rep) == EXPECTED, str(rep)
     assert rep.counts["indexer_topk"] == 1 and rep.counts["sparse_attention"] == 2, str(rep)
     assert not rep.near_misses, str(rep)
     assert (out - expected).abs().max() < 0.1 * expected.abs().max(), (out - expected).abs().max()
@@ -78,7 +71,7 @@ def _small_inputs(S=19, m=4, D=16, R=8):
 def test_hf_code_on_given_projections_is_rewritten():
     args = _small_inputs()
     out = torch.compile(lambda *a: _hca(*a, m=4), backend="dsfuse")(*args)
-    assert _details() == ["m=4 D=16 R=8, one series"], str(dsfuse.report())
+    assert _details(dsfuse.report()) == ["m=4 D=16 R=8, one series"], str(dsfuse.report())
     torch.testing.assert_close(out, _hca(*args, m=4), rtol=1e-5, atol=1e-5)
 
 

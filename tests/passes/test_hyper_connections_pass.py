@@ -4,16 +4,14 @@ site counts, parity with eager, symbolic sequence lengths, and near-misses with 
 import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+from v4_tiny_runs import FP32_SINKHORN_ITERS, SHARED_FP32, csa_then_hca_fp32_dynamic
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model, hf_config
 
-TWO_SLIDING_MOE_LAYERS = dict(num_hidden_layers=2, layer_types=["sliding_attention", "sliding_attention"],
-                              mlp_layer_types=["moe", "moe"])
 
-
-def _ops(graph=None):
-    sites = [s for s in dsfuse.report().sites if s.pass_name == "hyper_connections" and graph in (None, s.graph)]
+def _ops(report, graph=None):
+    sites = [s for s in report.sites if s.pass_name == "hyper_connections" and graph in (None, s.graph)]
     return [s.op for s in sites], [s.detail for s in sites]
 
 
@@ -21,23 +19,19 @@ def _expected_ops(layers):
     return sorted(["dsfuse.hc_collapse"] * 2 * layers + ["dsfuse.hc_expand_mix"] * 2 * layers + ["dsfuse.hc_head"])
 
 
+@SHARED_FP32
 def test_v4_tiny_counts_parity_batch_two_and_dynamic_lengths():
-    """Two layers, batch 2, odd lengths: 2 collapses and 2 exits per layer plus the head, logits equal eager; the
-    graph is compiled once with a symbolic length (as Dynamo compiles after its first recompile) and serves every
-    length."""
-    model = build_hf_model("v4-tiny", dtype=torch.float32, hc_sinkhorn_iters=3, **TWO_SLIDING_MOE_LAYERS)
-    compiled = torch.compile(model, backend="dsfuse", options={"enable": ["hyper_connections"]})
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for length in (9, 13, 17):
-            ids = torch.randint(0, 256, (2, length), generator=gen)
-            torch._dynamo.mark_dynamic(ids, 1)
-            torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
-    rep = dsfuse.report()
+    """Two layers (CSA then HCA), every pass, batch 2, odd lengths: 2 collapses and 2 exits per layer plus the head,
+    logits equal eager; the graph is compiled once with a symbolic length (as Dynamo compiles after its first
+    recompile) and serves every length."""
+    calls, rep = csa_then_hca_fp32_dynamic()
+    for compiled, eager in calls:
+        torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert len(rep.graphs) == 1, str(rep)
-    ops, details = _ops(0)
+    ops, details = _ops(rep, 0)
     assert sorted(ops) == _expected_ops(2), str(rep)
-    assert all("sinkhorn_iters=3" in d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse")
+    collapses = [d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse"]
+    assert all(f"sinkhorn_iters={FP32_SINKHORN_ITERS}" in d for d in collapses), collapses
     assert not any("one launch" in d for d in details), details  # exits and collapses stay separate launches
     assert rep.counts["hyper_connections"] == 9 and not rep.near_misses, str(rep)
 
@@ -50,7 +44,7 @@ def test_default_twenty_sinkhorn_iterations():
     ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(compiled(ids).logits, model(ids).logits, rtol=1e-4, atol=1e-4)
-    ops, details = _ops()
+    ops, details = _ops(dsfuse.report())
     assert sorted(ops) == _expected_ops(1), str(dsfuse.report())
     assert [d for op, d in zip(ops, details) if op == "dsfuse.hc_collapse"] == [
         "n=4 D=64 sinkhorn_iters=20", "n=4 D=64 sinkhorn_iters=20"]
@@ -106,7 +100,7 @@ def test_block_is_rewritten_and_equals_eager(dtype, hc_mult):
     got, want = _run_block(block, streams)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    ops, details = _ops()
+    ops, details = _ops(dsfuse.report())
     assert sorted(ops) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix", "dsfuse.hc_head"], str(dsfuse.report())
     assert sorted(details) == [f"n={hc_mult} D=32"] * 2 + [f"n={hc_mult} D=32 sinkhorn_iters=4"], details
 
@@ -123,7 +117,7 @@ def test_exit_without_transposed_comb_is_a_near_miss():
     got, want = _run_block(block, torch.randn(1, 3, 4, 32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     rep = dsfuse.report()
-    assert sorted(_ops()[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_head"], str(rep)
+    assert sorted(_ops(rep)[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_head"], str(rep)
     assert [m.reason for m in rep.near_misses] == ["hyper-connection exit: the mix does not read comb transposed"]
 
 
@@ -135,7 +129,7 @@ def test_sinkhorn_ending_on_rows_is_a_near_miss():
     got, want = _run_block(block, torch.randn(1, 3, 4, 32))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     rep = dsfuse.report()
-    assert _ops()[0] == ["dsfuse.hc_head"], str(rep)
+    assert _ops(rep)[0] == ["dsfuse.hc_head"], str(rep)
     assert [m.reason for m in rep.near_misses] == [
         "hyper-connection: Sinkhorn steps ['col', 'row', 'col', 'row', 'col', 'row', 'col', 'row'] are not HF's "
         "col, (row, col)*"], str(rep)
