@@ -32,6 +32,7 @@ import torch
 
 from dsfuse.kernels.sparse_attention import sparse_attention_masked_math, sparse_mla_attention_math  # and the ops
 import dsfuse.kernels.indexer_topk  # noqa: F401  (torch.ops.dsfuse.indexer_topk: a source of top-k indices)
+from dsfuse.kernels.fp8_linear import weight_dims  # and the ops of an FP8 checkpoint's kv_b_proj
 
 from . import sparse_attention_v4
 from .canonicalize import canonical_bmm, padded_product
@@ -41,7 +42,7 @@ from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_O
                           attention_softmax, broadcasts_to, dtype, fill_value, insert_call, is_last_dim,
                           is_last_dim_cat, is_neg_inf, is_op, masking_bias, node_arg, only_user, reaches_back,
                           same_shape, same_size, scalar_constant, scale_factor, scaled_input, shape, size_arg, strip,
-                          walk_back, walk_forward)
+                          val, walk_back, walk_forward)
 from .verify import Family, Verdict, verify
 
 NAME = "sparse_attention"
@@ -525,15 +526,24 @@ def _latent_cache_source(m: dict) -> dict:
     if not same_shape(shape(node), (B, T, H, nope_dim + v_dim)):
         raise NoMatch(f"the projection is not viewed as [B, T, H, nope + v], got {shape(node)}")
     node = strip(node, VIEW_OPS)
-    if not is_op(node, aten.mm.default) or not same_shape(shape(node), (B * T, H * (nope_dim + v_dim))):
+    quantized = None
+    if is_op(node, torch.ops.dsfuse.fp8_linear.default):
+        # A released FP8 checkpoint's kv_b_proj: the rewrite reads its weight dequantised (`fp8_weight_dequantize`).
+        flat, *quantized = node.args
+        N, C = weight_dims(val(quantized[0]))
+        if not same_size(N, H * (nope_dim + v_dim)) or not same_size(C, shape(flat)[-1]):
+            raise NoMatch("the per-head keys and values are not one FP8 kv_b_proj(latent) product")
+        weight = None
+    elif is_op(node, aten.mm.default) and same_shape(shape(node), (B * T, H * (nope_dim + v_dim))):
+        flat, weight_t = node.args
+        transposed = is_op(weight_t, aten.t.default) or (
+            is_op(weight_t, aten.permute.default) and list(weight_t.args[1]) == [1, 0])
+        if not transposed:
+            raise NoMatch("kv_b_proj's weight is not used transposed")
+        weight = weight_t.args[0]
+        C = shape(weight)[1]
+    else:
         raise NoMatch("the per-head keys and values are not one latent @ kv_b_proj.T product")
-    flat, weight_t = node.args
-    transposed = is_op(weight_t, aten.t.default) or (
-        is_op(weight_t, aten.permute.default) and list(weight_t.args[1]) == [1, 0])
-    if not transposed:
-        raise NoMatch("kv_b_proj's weight is not used transposed")
-    weight = weight_t.args[0]
-    C = shape(weight)[1]
     # HF views the latents as [B, 1, T, C]; after the canonicaliser folds that view into the next one, the chain
     # reaches the [B, T, C] latents directly, which the rewrite unsqueezes.
     latent = flat
@@ -547,9 +557,9 @@ def _latent_cache_source(m: dict) -> dict:
     rope = rope_keys.args[0]
     if not same_shape(shape(rope), (B, 1, T, D - nope_dim)):
         raise NoMatch(f"the shared rope key is not [B, 1, T, {D - nope_dim}], got {shape(rope)}")
-    if len({dtype(q), dtype(latent), dtype(rope), dtype(weight)}) != 1:
+    if len({dtype(q), dtype(latent), dtype(rope), dtype(node if weight is None else weight)}) != 1:
         raise NoMatch("q, latent cache, rope key and kv_b_proj weight dtypes differ")
-    return dict(latent=latent, unsqueeze=unsqueeze, rope=rope, weight=weight, nope_dim=nope_dim)
+    return dict(latent=latent, unsqueeze=unsqueeze, rope=rope, weight=weight, quantized=quantized, nope_dim=nope_dim)
 
 
 def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) -> bool:
@@ -775,7 +785,11 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         latent = absorbed["latent"]
         if absorbed["unsqueeze"]:
             latent = insert_call(graph, out, aten.unsqueeze.default, (latent, 1))
-        args = (m["q"], latent, absorbed["rope"], absorbed["weight"], m["idx"], attn_mask, m["scale"],
+        weight = absorbed["weight"]
+        if weight is None:
+            weight = insert_call(graph, out, torch.ops.dsfuse.fp8_weight_dequantize.default,
+                                 (*absorbed["quantized"], dtype(m["q"])))
+        args = (m["q"], latent, absorbed["rope"], weight, m["idx"], attn_mask, m["scale"],
                 absorbed["nope_dim"], m["causal"], see_all, _top_k_indices(m["idx"]))
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:
@@ -799,8 +813,11 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     if absorbed is not None:
         if args[-1]:
             detail += ", top-k indices (no repeats)"
+        if absorbed["weight"] is None:
+            detail += ", FP8 kv_b_proj dequantised on each call (no activation quantisation of the latents)"
         ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],
-                 absorbed["weight"], m["idx"], attn_mask], detail="absorbed from the latent cache, " + detail)
+                 absorbed["weight"] or absorbed["quantized"][0], m["idx"], attn_mask],
+                 detail="absorbed from the latent cache, " + detail)
         return
     if "absorb_refused" in m:
         detail += f"; not absorbed: {m['absorb_refused']}"
