@@ -355,6 +355,11 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
     if comb["kind"] == "bool":
         if is_op(user, *NOT_OPS):
             flipped = only_user(user)
+            if is_op(flipped, *WHERE_OPS) and flipped.args[0] is user and _are_scores(flipped.args[2]) \
+                    and masking_bias(scalar_constant(flipped.args[1])):
+                # The combined mask applied to the scores themselves (`scores.masked_fill(~mask, -inf)`).
+                comb["bias"], comb["masked_scores"] = masking_bias(scalar_constant(flipped.args[1])), flipped
+                return flipped, flipped
             if not (is_op(flipped, *WHERE_OPS) and flipped.args[0] is user
                     and masking_bias(scalar_constant(flipped.args[1])) and scalar_constant(flipped.args[2]) == 0):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
