@@ -210,17 +210,20 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 
 @triton.jit
-def _tile_rows(tile, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, BLOCK_M: tl.constexpr,
-               GATHER_A: tl.constexpr):
-    """(expert, output rows, which are valid, the activation row each reads) of a row tile."""
-    expert = tl.load(tile_expert_ptr + tile)
-    rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(tile_end_ptr + tile)
+def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr):
+    """This program's row tile and column block: (expert, output rows, which are valid, the activation row each
+    reads, its pointer, output columns, which are valid, the expert's weight and scale bases)."""
+    expert = tl.load(tile_expert_ptr + tl.program_id(0))
+    rows = tl.load(tile_row_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
+    row_ok = rows < tl.load(tile_end_ptr + tl.program_id(0))
     if GATHER_A:
         a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
         a_row = rows.to(tl.int64)
-    return expert, rows, row_ok, a_row
+    ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return (expert, rows, row_ok, a_row, a_ptr + a_row[:, None] * K, ns, ns < N, w_ptr + expert.to(tl.int64) * sw_e,
+            ws_ptr + expert.to(tl.int64) * sws_e)
 
 
 @triton.jit
@@ -235,18 +238,12 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
     over computed bounds so that Triton pipelines its loads. Writes the rounded output, or the split's fp32 partial
     sums. With GATHER_A, output row r reads activation row a_row[r] (the routed experts quantise each token once
     and read it for each of its slots)."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    expert, rows, row_ok, a_row = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, BLOCK_M,
-                                             GATHER_A)
+    expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
+        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
+        BLOCK_N, GATHER_A)
     if expert >= num_experts:
         return
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
-    w_base = w_ptr + expert.to(tl.int64) * sw_e
-    ws_base = ws_ptr + expert.to(tl.int64) * sws_e
-    a_rows = q_ptr + a_row[:, None] * K
     g_first = split * groups_per_split
     g_last = tl.minimum(g_first + groups_per_split, G)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -290,18 +287,12 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
     fp32 accumulation over K serves every channel group. The weight tile is decoded in registers by `moe_experts`'
     tile decode (exact bf16; integer ops and bf16x2 multiplies with DECODE_ASM) and is the MMA's first operand, the
     activations (from shared memory) its second: acc is [outputs, rows] and is stored transposed."""
-    tile = tl.program_id(0)
-    pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    expert, rows, row_ok, a_row = _tile_rows(tile, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, BLOCK_M,
-                                             GATHER_A)
+    expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
+        a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
+        BLOCK_N, GATHER_A)
     if expert >= num_experts:
         return
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = ns < N
-    w_base = w_ptr + expert.to(tl.int64) * sw_e
-    ws_base = ws_ptr + expert.to(tl.int64) * sws_e
-    a_rows = a_ptr + a_row[:, None] * K
     operand = tl.bfloat16 if DECODE_ASM else tl.float32
     k_first = split * k_per_split
     k_last = tl.minimum(k_first + k_per_split, K)
