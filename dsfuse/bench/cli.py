@@ -5,6 +5,7 @@
     python -m dsfuse.bench model --preset v4-flash-real-2l --seq 8192     # DeepSeek V4 prefill (use_cache=False)
     python -m dsfuse.bench model --profile --json r.json --markdown r.md  # keep the results
     python -m dsfuse.bench model --seq 8192 --logits last                 # prefill as generate runs it
+    python -m dsfuse.bench model --preset v4-flash-real-2l --cast bfloat16  # the whole model cast, as .to() does
     python -m dsfuse.bench model --mode decode --decode-batch 1 8 --context 8192 32768
     python -m dsfuse.bench ablate --seq 8192 --json a.json --markdown a.md  # each pass off, each pass alone
     python -m dsfuse.bench plot r.json --out r.png                        # speedup vs S, decode, time by stage
@@ -41,6 +42,9 @@ def _add_model_arguments(parser: argparse.ArgumentParser, seq_default: list[int]
     parser.add_argument("--seq", type=int, nargs="+", default=seq_default, help="prefill sequence lengths")
     parser.add_argument("--batch", type=int, default=1, help="prefill batch")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
+    parser.add_argument("--cast", default=None, choices=("bfloat16", "float16"),
+                        help="cast the whole built model, as `model.to(dtype)` does (also what transformers keeps in "
+                             "fp32: V4's sinks, compressor biases, hyper-connections, routers)")
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--rep-ms", type=int, default=1000)
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         _write(results, args.json, args.markdown, families_markdown)
         return 0
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.cast is not None and args.checkpoint is not None:
+        parser.error("--cast casts a --preset model; a checkpoint keeps the dtypes it was saved in")
     if args.command == "ablate":
         args.passes = [name for name in args.passes.split(",") if name]
         unknown = [name for name in args.passes if name not in PASS_NAMES]

@@ -39,11 +39,14 @@ def bench_model(args) -> dict:
     """`model`: prefill (`--mode prefill`), decode with a KV cache (`--mode decode`) or both, one model build."""
     started = time.perf_counter()
     model = load_model(args)
-    results = {"env": environment(), "preset": source_label(args), "dtype": args.dtype, "batch": args.batch,
-               "mode": args.mode, "runs": []}
+    cast = getattr(args, "cast", None)
+    if cast is not None:
+        model = model.to(getattr(torch, cast))
+    results = {"env": environment(), "preset": source_label(args), "dtype": args.dtype, "cast": cast,
+               "batch": args.batch, "mode": args.mode, "runs": []}
     if args.device.startswith("cuda"):
         results["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
-    print(f"# {results['env']} preset={results['preset']} dtype={args.dtype} mode={args.mode} "
+    print(f"# {results['env']} preset={results['preset']} dtype={args.dtype} cast={cast} mode={args.mode} "
           f"weights={results.get('weights_gib', '-')} GiB", flush=True)
     if args.mode in ("prefill", "both"):
         _bench_prefill(model, args, results)
