@@ -124,6 +124,12 @@ def _softmax_in_gate_dtype(kv, gate):
     return (kv * gate.softmax(dim=2)).sum(dim=2)
 
 
+def _gate_rounded_after_bias(kv, gate, bias):
+    """The fp32 bias added in fp32, the sum then rounded to the gate's dtype (not a cast model's bf16 sum)."""
+    chunk_kv, chunk_gate = _windows(kv, gate, bias)
+    return chunk_kv, chunk_gate.to(gate.dtype)
+
+
 def _broadcast_bias(kv, gate, bias):
     """The bias broadcast explicitly, `bias[None, None]`."""
     return kv[:, :W * M].view(B, W, M, -1), gate[:, :W * M].view(B, W, M, -1) + bias[None, None]
@@ -205,8 +211,9 @@ class Entry(Formulation):
     reason: str = ""  # the near-miss reason, word for word
 
 
-BF16_GATE = ("compressor gate convert_element_type_1:float32[2x4x4x16] is the fp32 upcast of a torch.bfloat16 "
-             "gate: the windows + position bias are rounded before the softmax (HF adds the fp32 bias in fp32)")
+BF16_GATE = ("compressor gate convert_element_type:bfloat16[2x4x4x16] is the torch.float32 biased gate rounded to "
+             "torch.bfloat16 before the fp32 softmax; the op rounds it only as the sum's own dtype (a torch.bfloat16 "
+             "bias)")
 FP32_PRODUCTS = ("softmax-pooled values view:bfloat16[2x4x4x16] are not multiplied by the weights cast to their dtype "
                  "(HF: softmax(...).to(kv.dtype))")
 NOT_HF_ROPE = ("compressor: the normed entries are not roped as HF's apply_rotary_pos_emb (x*cos + rotate_half(x)*sin "
@@ -240,7 +247,11 @@ CORPUS = {
     "weights_not_cast_back": Entry(_compress(pool=_weights_not_cast_back), "written for the corpus (fp32 products)",
                                    _projections(torch.bfloat16), NEAR_MISS, reason=FP32_PRODUCTS),
     "bf16_softmax": Entry(_compress(pool=_softmax_in_gate_dtype, windows=_gate_dtype_bias), "written for the corpus "
-                          "(softmax in bf16)", _projections(torch.bfloat16), NEAR_MISS, reason=BF16_GATE),
+                          "(softmax in bf16 over a bf16 bias: a model cast as a whole)", _projections(torch.bfloat16),
+                          REWRITTEN, (ONE,)),
+    "gate_rounded_after_bias": Entry(_compress(windows=_gate_rounded_after_bias), "written for the corpus (the fp32 "
+                                     "biased gate rounded to bf16)", _projections(torch.bfloat16), NEAR_MISS,
+                                     reason=BF16_GATE),
     "slot_attention": Entry(slot_attention, "written for the corpus (softmax over dim 2, attention)", _attention,
                             LEFT_ALONE),
 }

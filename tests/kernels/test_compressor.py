@@ -78,17 +78,23 @@ def test_kernel_matches_reference(case, dtype):
         assert (got != want).float().mean() < 0.05
 
 
-def test_kernel_strided_inputs_and_bf16_bias():
-    """The projections' windows are views of a wider GEMM output; a bf16 bias makes the gate bf16."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_strided_inputs_and_narrow_bias(dtype):
+    """The projections' windows are views of a wider GEMM output; a bias in the model dtype (a model cast as a whole)
+    makes the biased gate that dtype, rounded before the fp32 softmax as torch rounds it."""
     B, W, m, D, R = 2, 4, 4, 16, 8
-    kv, gate, bias, weight, cos, sin = _inputs(B, W, m, D, R, True, torch.bfloat16, bias_dtype=torch.bfloat16)
+    kv, gate, bias, weight, cos, sin = _inputs(B, W, m, D, R, True, dtype, bias_dtype=dtype)
+    weight = weight.to(dtype)
     wide = torch.randn(B, W * m + 3, 4 * D).to(kv)
     wide[:, :W * m, :2 * D] = kv.reshape(B, W * m, 2 * D)
     kv_view = wide[:, :W * m, :2 * D].view(B, W, m, 2 * D)
     want = ops.kv_compress_reference(kv, gate, bias, weight, cos, sin, 1e-6, True)
     got = ops.kv_compress_triton(kv_view, gate.transpose(0, 1).contiguous().transpose(0, 1), bias, weight, cos, sin,
                                  1e-6, True)
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    # The rounding of the biased gate shows: the kernel is nearer the reference than the sum kept in fp32 is.
+    fp32_sum = ops.kv_compress_reference(kv, gate, bias.float(), weight, cos, sin, 1e-6, True)
+    assert (got != want).float().mean() < min(0.05, (got != fp32_sum).float().mean())
 
 
 def test_no_windows():
