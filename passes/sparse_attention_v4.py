@@ -21,6 +21,12 @@ proves, step by step:
   same query positions as the window mask;
 * optionally the inverse interleaved RoPE on the trailing `2R` dims of the output, folded into the op's epilogue.
 
+A model cast as a whole (`.to(torch.bfloat16)`, `.half()`) has bf16 / fp16 sinks, so HF's `cat` and the shift by the
+row max are in that dtype (the softmax itself still computes in fp32 and rounds its output, as the op does). The
+rewrite widens the sinks (exact) and the op shifts the logits in fp32 instead of rounding `logit - max` to the input
+dtype first: the one rounding of the cast graph it leaves out, which moves the result towards the fp32 model's (the
+distances are measured in tests/models/test_cast_models.py).
+
 The rewrite reads the window rows and the compressed entries where they are (not their `cat`) and builds the
 positions from the nodes the mask was built from, with symbolic sizes and no host sync.
 """
@@ -434,18 +440,20 @@ def _match(cat: torch.fx.Node) -> dict:
     users = list(cat.users)
     if not any(is_op(u, aten.max.dim, aten.amax.default) for u in users):
         raise NoMatch("not a cat of scores and a sink column", reported=False)
-    if dtype(sinks) != torch.float32 or dtype(cat) != torch.float32:
-        raise NoMatch(f"sink attention in {dtype(cat)} with {dtype(sinks)} sinks; the fused op's softmax is fp32")
+    if dtype(sinks) not in FLOAT_DTYPES:
+        raise NoMatch(f"sink attention with {dtype(sinks)} sinks (the fused op widens bf16 / fp16 / fp32 sinks)")
 
     probs = _softmax_of(cat)
-    # The sink column is dropped, the probabilities rounded to the value dtype and multiplied by the rows.
-    drop = only_user(probs)
+    # The sink column is dropped, the probabilities rounded to the value dtype and multiplied by the rows (a softmax
+    # over bf16 / fp16 logits rounds its output before the slice).
+    early_casts = walk_forward(probs, lambda n: is_op(n, CONVERT))[1:]
+    drop = only_user(early_casts[-1] if early_casts else probs)
     bounds = slice_args(drop) if is_op(drop, aten.slice.Tensor) else None
     if bounds is None or not (is_last_dim(drop, bounds[0]) and bounds[1] == 0 and bounds[3] == 1
                               and (bounds[2] == -1 or same_size(bounds[2], shape(cat)[3] - 1))):
         raise NoMatch("the softmax output is not sliced to drop the trailing sink column")
     chain = walk_forward(drop, lambda n: is_op(n, *LAYOUT_OPS, CONVERT))
-    node, prob_ops = chain[-1], chain[1:]
+    node, prob_ops = chain[-1], early_casts + chain[1:]
     nxt = only_user(node)
     if nxt is None:
         raise NoMatch("the attention probabilities are also used elsewhere (returned attention weights?)")
@@ -498,6 +506,8 @@ def _match(cat: torch.fx.Node) -> dict:
         raise NoMatch(f"q / K=V / P @ V dtypes {x_dtype} / {dtype(kv_all)} / {dtype(pv)} differ or are unsupported")
     if dtype(qk) != x_dtype or dtype(scaled) != x_dtype:
         raise NoMatch(f"the scores are computed in {dtype(scaled)}, not in the input dtype {x_dtype}")
+    if dtype(cat) not in (torch.float32, x_dtype):
+        raise NoMatch(f"sink attention softmax over {dtype(cat)} logits, neither fp32 nor the input dtype {x_dtype}")
     casts = [op for op in prob_ops if is_op(op, CONVERT)]
     if any(op.args[1] != x_dtype for op in casts):
         raise NoMatch(f"the probabilities are rounded to {casts[-1].args[1]}, not {x_dtype}")
@@ -678,8 +688,11 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
     cos = sin = None
     if epilogue is not None:
         cos, sin = (_fp32_rows(graph, before, t, B) for t in (epilogue["cos"], epilogue["sin"]))
+    sinks = m["sinks"]
+    if dtype(sinks) != torch.float32:  # a model cast as a whole (`.to(torch.bfloat16)`): the widening is exact
+        sinks = insert_call(graph, before, CONVERT, (sinks, torch.float32))
     fused = insert_call(graph, before, torch.ops.dsfuse.compressed_attention.default,
-                        (q, kv, q_positions, kv_positions, compressed, m["indices"], m["sinks"], m["scale"],
+                        (q, kv, q_positions, kv_positions, compressed, m["indices"], sinks, m["scale"],
                          window, m["compress_rate"], cos, sin, window_mask))
     if epilogue is not None:
         epilogue["cat"].replace_all_uses_with(insert_call(graph, before, aten.permute.default, (fused, [0, 2, 1, 3])))

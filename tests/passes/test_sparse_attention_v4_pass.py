@@ -5,6 +5,8 @@ near-miss with its reason.
 The whole model is compiled once (the logits); the other cases compile the model's three attention layers alone on
 one hidden state, with the masks and RoPE tables the model builds (same HF code, a fraction of the compile time)."""
 
+import copy
+
 import pytest
 import torch
 from transformers.masking_utils import create_sliding_window_causal_mask
@@ -125,6 +127,25 @@ def test_left_padding_and_dynamic_lengths_do_not_recompile(model):
     assert len(rep.graphs) == 2, str(rep)
     assert rep.counts["sparse_attention"] == 6 and _kinds(_sites()) == LAYER_KINDS * 2
     assert all("padding" in s.detail for s in _sites())
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+def test_model_cast_as_a_whole(model, cast):
+    """`model.to(torch.bfloat16)` / `.half()` casts the sinks too: HF's sink column and the shift by the row max are
+    then in the model dtype. Each layer is still rewritten (the sinks widened, exactly); the op shifts in fp32, so its
+    output is as close to the fp32 layers' as eager's cast layers are (10 % slack for summation order)."""
+    hidden = _hidden(2, 29)
+    cast_attentions = Attentions(copy.deepcopy(model).to(cast))
+    with torch.no_grad():
+        reference = Attentions(model)(hidden).double()
+        eager = cast_attentions(hidden.to(cast)).double()
+        out = torch.compile(cast_attentions, backend="dsfuse", options=OPTIONS)(hidden.to(cast)).double()
+    rep = dsfuse.report()
+    assert rep.counts["sparse_attention"] == 3 and _kinds(_sites()) == LAYER_KINDS, str(rep)
+    assert rep.near_misses == [], str(rep)
+    eager_distance = ((eager - reference).norm() / reference.norm()).item()
+    fused_distance = ((out - reference).norm() / reference.norm()).item()
+    assert 0 < fused_distance <= 1.1 * eager_distance, (fused_distance, eager_distance)
 
 
 class _Stub(torch.nn.Module):
