@@ -348,6 +348,9 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         node, user = _single_user_chain(comb["combined"], _bias_passthrough)
         if user is None or not (is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA):
             raise NoMatch("the selection bias is not added to the scores alone")
+        if is_op(user, aten.add.Tensor) and not _are_scores(user.args[0] if user.args[1] is node else user.args[1]):
+            raise NoMatch("the selection's -inf bias is summed with another additive mask; the op takes one mask "
+                          "with unpicked keys at finfo.min, which differs in a row whose picks are all masked")
         return user, node
     node, user = _single_user_chain(comb["combined"], LAYOUT_OPS | {CONVERT})
     if user is None:

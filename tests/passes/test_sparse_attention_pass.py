@@ -695,3 +695,17 @@ def test_heads_first_queries_over_gathered_rows_are_read_through_a_permute():
     sites = _sites()
     assert len(sites) == 1 and sites[0].detail.startswith("q heads-first, ") and _misses() == [], str(dsfuse.report())
     torch.testing.assert_close(out, own_mla(q, q_pe, *rest), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_selection_bias_summed_with_an_additive_mask_is_reported():
+    def two_additive(q, k, v, idx, mask):
+        bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2])
+        bias[select_mask(idx, k.shape[2])] = float("-inf")
+        return torch.matmul(F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE + mask + bias, dim=-1), v)
+
+    args = _data(dv=8, mask_kind="additive")
+    with torch.no_grad():
+        out = _compile(two_additive)(*args)
+    assert _sites() == [] and len(_misses()) == 1 and _misses()[0].startswith(
+        "the selection's -inf bias is summed with another additive mask"), str(dsfuse.report())
+    torch.testing.assert_close(out, two_additive(*args), rtol=1e-5, atol=1e-5, equal_nan=True)
