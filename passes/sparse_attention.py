@@ -1,26 +1,33 @@
 """`sparse_attention`: attention restricted to indexer-selected keys, rewritten into one fused op.
 
-Two source forms:
+Anchors, by op class: index-driven selections, i.e. masks built by scattering the picks (`scatter.value`, either
+polarity once canonicalised, `scatter.src`) and rows read by an index tensor (`index.Tensor`, `gather`, which
+`take_along_dim` lowers to, `index_select`). From each, a walk binds the roles of the op's reference:
 
-* HF `DeepseekV32Attention` (eager / SDPA interfaces). The anchor is the selection mask
-  `full(True, [B,S,T]).scatter(-1, idx, False)`. Walking forward: it is combined with the attention
-  mask (`mask & ~sel` for bool masks, `where(sel, finfo.min, mask)` for additive ones), turned into a
-  bias (`where(keep, 0, -inf)` for bool) and consumed either by the decomposed attention
-  `softmax(scale * q @ k^T + bias) @ v` (eager, or Inductor's CPU SDPA math with its "safe softmax")
-  or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}_attention`, `..._flash_attention_for_cpu`).
-  The whole chain from the scatter to the attention output becomes `dsfuse::sparse_attention_masked`,
-  which gets the original attention mask and applies the selection itself; a bool mask built only
-  from query/key positions (`key <= query + T - S`, no padding) is replaced by `causal=True`.
-* dsfuse's own absorbed-MLA model. The anchor is the gather `kv[arange(B)[:,None,None], idx.clamp(min=0)]`
-  used both as keys and as values; with `pe[...]` gathered by the same indices, `-1` picks masked to
-  -inf, an fp32 softmax (optionally with a sink column) and P @ kv_rows, it becomes
-  `dsfuse::sparse_mla_attention`.
+* HF `DeepseekV32Attention` / `GlmMoeDsaAttention` (eager / SDPA interfaces): the selection mask
+  `full(True, [B,S,T]).scatter(-1, idx, False)` combined with the attention mask (`mask & ~sel` for bool masks,
+  `where(sel, finfo.min, mask)` for additive ones) or used alone (a `where` on the scores, a -inf bias added to them
+  or given to SDPA), consumed by the decomposed attention `softmax(scale * q @ k^T + bias) @ v` (eager, or
+  Inductor's CPU SDPA math with its "safe softmax") or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}
+  _attention`, `..._flash_attention_for_cpu`); K/V per head or shared by the heads (read through an expand). The
+  chain from the scatter to the attention output becomes `dsfuse::sparse_attention_masked`, which gets the
+  original attention mask and applies the selection itself; a bool mask built only from query/key positions
+  (`key <= query + T - S`, no padding) is replaced by `causal=True`; decode-sized steps over HF's latent cache are
+  read in absorbed form (`dsfuse::absorbed_mla_attention`).
+* Official-style absorbed MLA (and dsfuse's own model): latent rows `kv[arange(B)[:,None,None], idx.clamp(min=0)]`
+  (or the same rows by `gather`) used both as keys and as values, rope rows gathered by the same indices, `-1`
+  picks masked to -inf, an fp32 softmax (optionally with a sink column) and P @ kv_rows, q tokens- or heads-first:
+  `dsfuse::sparse_mla_attention`; the official decode form (`full(-inf).scatter(-1, topk, 0)` added to scores over
+  the whole caches) too, when the picks are a top-k's.
 * HF `DeepseekV4Attention` (sink attention over the sliding window plus compressed entries): matched in
   `sparse_attention_v4.py` and rewritten into `dsfuse::compressed_attention`.
 
-Every contraction is checked by following labelled dims (`dims.py`), so a product over the wrong
-axis is never fused. A scatter or gather without the family's signature is skipped silently; one
-that has it but cannot be rewritten is reported with the reason.
+Every contraction is checked by following labelled dims (`dims.py`), and the slice from the bound roles to the
+attention output is then run on probes against the op's reference math (`verify.py`): random picks with repeats,
+tied keys, fully masked rows, finfo.min and -inf masks, -1 and lower picks and a query without keys for the gather
+forms; a disagreement is a near-miss naming the probe. A selection that reaches an attention (a mask reaching a
+softmax or SDPA, rows used as an operand of the score or output product) ends in a site or a near-miss with the
+reason; one that does not (an unrelated scatter or gather) is skipped silently.
 """
 
 from __future__ import annotations
