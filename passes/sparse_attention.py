@@ -376,7 +376,8 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
             comb["bias"] = masking_bias(scalar_constant(flipped.args[1]))
             user = flipped
         elif is_op(user, *WHERE_OPS):
-            if not (user.args[0] is node and scalar_constant(user.args[1]) == 0 and masking_bias(scalar_constant(user.args[2]))):
+            if not (user.args[0] is node and scalar_constant(user.args[1]) == 0
+                    and masking_bias(scalar_constant(user.args[2]))):
                 raise NoMatch("the combined bool mask is not turned into a -inf bias")
             comb["bias"] = masking_bias(scalar_constant(user.args[2]))
         elif user.target not in FUSED_SDPA:
