@@ -545,6 +545,9 @@ def _latent_cache_source(m: dict) -> dict:
     quantized = None
     if is_op(node, torch.ops.dsfuse.fp8_linear.default):
         # A released FP8 checkpoint's kv_b_proj: the rewrite reads its weight dequantised (`fp8_weight_dequantize`).
+        if same_size(T, S):
+            raise NoMatch("an FP8 kv_b_proj is absorbed only in steps over a longer cache (the absorbed form leaves "
+                          "out W8A8's rounding of the latents; without a cache the masked form does no extra work)")
         flat, *quantized = node.args
         N, C = weight_dims(val(quantized[0]))
         if not same_size(N, H * (nope_dim + v_dim)) or not same_size(C, shape(flat)[-1]):

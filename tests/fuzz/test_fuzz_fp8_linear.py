@@ -1,8 +1,9 @@
-"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear` and `dsfuse::moe_experts_fp8`: the op against the
-reference bit for bit (CPU), and the Triton kernels against the reference (bit for bit under the interpreter; on CUDA
-within the fp8 MMA's rounding), over row counts at the edges, K not a multiple of the 128-channel group, FP8 weights
-with fp32 or UE8M0 scales and FP4 weights, strided activations, expert groups that are empty or end before the last
-row, routed experts with repeated and other ranks' ids, and zeros / ties."""
+"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear`, `dsfuse::fp8_weight_dequantize` and
+`dsfuse::moe_experts_fp8`: the op against the reference bit for bit (CPU), and the Triton kernels against the
+reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding), over row counts at the edges, K
+not a multiple of the 128-channel group, FP8 weights with fp32 or UE8M0 scales and FP4 weights, strided activations,
+expert groups that are empty or end before the last row, routed experts with repeated and other ranks' ids, and
+zeros / ties."""
 
 import torch
 from fuzz_support import DEVICE, assert_rel_close, assert_same, fuzzes, layouts, reference_output, restride, seeds, \
@@ -59,6 +60,17 @@ def test_fp8_linear(args):
 def test_fp8_grouped_linear(args):
     want = reference_output(torch.ops.dsfuse.fp8_grouped_linear, ops.fp8_grouped_linear_reference, *args)
     _compare(ops.fp8_grouped_linear_triton(*args), want, "fp8_grouped_linear")
+
+
+@fuzzes("dsfuse::fp8_weight_dequantize")
+@given(kind=st.sampled_from(["float", "ue8m0", "fp4"]), lead=st.sampled_from([(), (1,), (3,)]), N=sizes(1, 300),
+       K=st.sampled_from([64, 128, 160, 320]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=seeds())
+def test_fp8_weight_dequantize(kind, lead, N, K, dtype, seed):
+    """The exact values rounded once, on the op's device, whatever the stack, block remainder or format."""
+    weight, scale = (t.to(DEVICE) for t in _weight(kind, lead, N, K, seed))
+    got = torch.ops.dsfuse.fp8_weight_dequantize(weight, scale, 128, 128, dtype)
+    assert_same(got.cpu(), ops.dequantize_weight(weight.cpu(), scale.cpu(), 128, 128).to(dtype),
+                what="fp8_weight_dequantize")
 
 
 @st.composite
