@@ -558,6 +558,12 @@ def _fp8_weight_dequantize_fake(weight, weight_scale, block_n, block_k, dtype):
     return weight.new_empty((*weight.shape[:-2], *weight_dims(weight)), dtype=dtype)
 
 
+@direct_kernel(fp8_weight_dequantize)
+def _fp8_weight_dequantize_cuda(weight, weight_scale, block_n, block_k, dtype):
+    """The same torch ops on the device (no host copy: a CUDA graph captures them)."""
+    return dequantize_weight(weight, weight_scale, block_n, block_k).to(dtype)
+
+
 def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
     """The bytes a weight-streaming call must read at least: the weight and its scales once."""
     return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
