@@ -280,8 +280,8 @@ def keep_scatter_is_negated_drop(node: torch.fx.Node) -> bool:
     fake_mode = detect_fake_mode([tensor_val(base)])
     if fake_mode is None:
         return False
-    with fake_mode:
-        value = aten.full.default(base.args[0], True, **base.kwargs)
+    with fake_mode:  # from the base's value: its size list may hold symbolic sizes as graph nodes
+        value = torch.full_like(tensor_val(base), True)
     with node.graph.inserting_before(node):
         full = node.graph.call_function(aten.full.default, (base.args[0], True), dict(base.kwargs))
     full.meta["val"] = value
