@@ -546,22 +546,26 @@ def fp8_weight_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, bloc
                           dtype: torch.dtype) -> torch.Tensor:
     """A block-scaled FP8 (or FP4) weight's values `[..., N, K]` in `dtype` (exact in fp32, rounded once): what a
     rewrite that needs the weight itself (the absorbed MLA decode's kv_b_proj) reads in place of the FP8 linear."""
+    return _dequantized(weight, weight_scale, block_n, block_k, dtype)
+
+
+def _check_dequantize(weight, weight_scale, block_n, block_k):
     _check_weight("fp8_weight_dequantize", weight, weight_scale, block_n, block_k,
                   weight.shape[0] if weight.dim() == 3 else None)
+
+
+@direct_kernel(fp8_weight_dequantize)
+def _dequantized(weight, weight_scale, block_n, block_k, dtype):
+    """The op on any device (also its CUDA kernel, registered directly): torch ops only, no copy from the host, so a
+    CUDA graph captures it."""
+    _check_dequantize(weight, weight_scale, block_n, block_k)
     return dequantize_weight(weight, weight_scale, block_n, block_k).to(dtype)
 
 
 @fp8_weight_dequantize.register_fake
 def _fp8_weight_dequantize_fake(weight, weight_scale, block_n, block_k, dtype):
-    _check_weight("fp8_weight_dequantize", weight, weight_scale, block_n, block_k,
-                  weight.shape[0] if weight.dim() == 3 else None)
+    _check_dequantize(weight, weight_scale, block_n, block_k)
     return weight.new_empty((*weight.shape[:-2], *weight_dims(weight)), dtype=dtype)
-
-
-@direct_kernel(fp8_weight_dequantize)
-def _fp8_weight_dequantize_cuda(weight, weight_scale, block_n, block_k, dtype):
-    """The same torch ops on the device (no host copy: a CUDA graph captures them)."""
-    return dequantize_weight(weight, weight_scale, block_n, block_k).to(dtype)
 
 
 def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
@@ -571,5 +575,5 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
 
 __all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
            "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
-           "fp8_linear_triton", "fp8_weight_dequantize", "grouped_gemm_quantized", "quantize_activations_triton", "quantize_for_weight",
-           "weight_bytes", "weight_dims"]
+           "fp8_linear_triton", "fp8_weight_dequantize", "grouped_gemm_quantized", "quantize_activations_triton",
+           "quantize_for_weight", "weight_bytes", "weight_dims"]

@@ -100,6 +100,16 @@ def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, do
 
 
 @triton.jit
+def _round_to_product(value, PRODUCT: tl.constexpr):
+    """fp32 `value` rounded to the product's dtype (PRODUCT 0 fp32: as it is, 1 bf16, 2 fp16), kept in fp32."""
+    if PRODUCT == 1:
+        value = value.to(tl.bfloat16).to(tl.float32)
+    if PRODUCT == 2:
+        value = value.to(tl.float16).to(tl.float32)
+    return value
+
+
+@triton.jit
 def _combine_kernel(y_ptr, row_of_slot_ptr, w_ptr, out_ptr, H, sy_m, so_m,
                     TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PRODUCT: tl.constexpr):
     """One token x BLOCK_H channels: sum over its slots in order of y[row] * weight (rounded to the product's dtype:
@@ -114,16 +124,9 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, w_ptr, out_ptr, H, sy_m, so_m,
         if row >= 0:
             weight = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
             product = tl.load(y_ptr + row.to(tl.int64) * sy_m + cols, mask=ok, other=0.0).to(tl.float32) * weight
-            if PRODUCT == 1:
-                product = product.to(tl.bfloat16).to(tl.float32)
-            if PRODUCT == 2:
-                product = product.to(tl.float16).to(tl.float32)
-            total += product
-    if PRODUCT == 1:
-        total = total.to(tl.bfloat16).to(tl.float32)
-    if PRODUCT == 2:
-        total = total.to(tl.float16).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * so_m + cols, total.to(out_ptr.dtype.element_ty), mask=ok)
+            total += _round_to_product(product, PRODUCT)
+    tl.store(out_ptr + t.to(tl.int64) * so_m + cols, _round_to_product(total, PRODUCT).to(out_ptr.dtype.element_ty),
+             mask=ok)
 
 
 PRODUCT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

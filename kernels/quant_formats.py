@@ -174,6 +174,6 @@ def power_of_two_ceil(scale):
 
 
 __all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
-           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e2m1_values", "e4m3_bits", "e8m0_to_float", "is_e8m0",
-           "power_of_two_ceil", "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid",
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e2m1_values", "e4m3_bits", "e8m0_to_float",
+           "is_e8m0", "power_of_two_ceil", "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid",
            "scales_to_float32"]
