@@ -835,7 +835,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         if absorbed["weight"] is None:
             detail += ", FP8 kv_b_proj dequantised on each call (no activation quantisation of the latents)"
         ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],
-                 absorbed["weight"] or absorbed["quantized"][0], m["idx"], attn_mask],
+                 absorbed["quantized"][0] if absorbed["weight"] is None else absorbed["weight"], m["idx"],
+                 attn_mask],
                  detail="absorbed from the latent cache, " + detail)
         return
     if "absorb_refused" in m:
