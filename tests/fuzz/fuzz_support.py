@@ -7,6 +7,9 @@ Adding an op: a strategy that draws its arguments (`@st.composite`), a test `@gi
 
 from __future__ import annotations
 
+import json
+import os
+
 import torch
 from hypothesis import strategies as st
 
@@ -131,3 +134,14 @@ def reference_output(op, reference, *args):
                 one, other = one.view(torch.uint8), other.view(torch.uint8)
             assert_same(one, other, what="op")
     return want
+
+
+def write_spelling_stats(outcomes: dict) -> None:
+    """A spelling fuzzer's outcomes per axis value ({(axis, value): ["fused" or a reason, ...]}) to the JSON file
+    DSFUSE_SPELLING_STATS names, when it is set."""
+    path = os.environ.get("DSFUSE_SPELLING_STATS")
+    if path:
+        table = {f"{axis}={value}": {"draws": len(runs), **{r: runs.count(r) for r in set(runs)}}
+                 for (axis, value), runs in outcomes.items()}
+        with open(path, "w") as out:
+            json.dump(table, out, indent=1, sort_keys=True)

@@ -17,13 +17,13 @@ outcomes per axis value (draws, fused, each near-miss reason) as JSON, rewritten
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+from fuzz_support import write_spelling_stats
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -224,12 +224,7 @@ def test_every_spelling_is_fused_with_parity_or_reported(choice, batch, seq, hea
 def _write_stats():
     """The outcomes so far, per axis value, to DSFUSE_SPELLING_STATS (rewritten after every draw, so a long run
     that is stopped still leaves its table)."""
-    path = os.environ.get("DSFUSE_SPELLING_STATS")
-    if path:
-        table = {f"{axis}={value}": {"draws": len(runs), **{r: runs.count(r) for r in set(runs)}}
-                 for (axis, value), runs in OUTCOMES.items()}
-        with open(path, "w") as out:
-            json.dump(table, out, indent=1, sort_keys=True)
+    write_spelling_stats(OUTCOMES)
 
 
 def test_every_axis_has_a_spelling_for_each_family():
