@@ -20,10 +20,13 @@ Ops:
   -> [S, N]`: rows `offsets[e-1]:offsets[e]` through expert e (rows sorted by expert; `offsets` the running total of
   rows per expert, as transformers passes it); rows past `offsets[-1]` are zero.
 
-CUDA: activations are quantised by one Triton kernel, then multiplied by `_fp8_gemm_kernel` (the same kernel serves
-every M, grouped or not: a list of row tiles, each of one expert, computed on the device without a host sync) or,
-for FP8 weights at `M >= SCALED_MM_MIN_ROWS`, by cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where
-the GEMM is compute-bound.
+CUDA: activations are quantised by one Triton kernel, then multiplied by `_fp8_gemm_kernel` (grouped or not: a
+list of row tiles, each of one expert, computed on the device without a host sync), by `_fp8_decode_kernel` up to
+DECODE_MAX_ROWS rows (the weight streamed as the MMA's first operand, every row in one tile), by `_fp4_gemm_kernel`
+for FP4 weights (decode-sized calls with wider tiles), or, for FP8 weights at `M >= SCALED_MM_MIN_ROWS`, by
+cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where the GEMM is compute-bound. Where the programs of
+the output tiles alone would leave SMs idle, the channel groups are split and a second kernel sums the fp32
+partials in split order.
 """
 
 from __future__ import annotations
@@ -286,7 +289,8 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
     (`quantize_activations_triton(..., dequantized=True)`: e4m3 value times its power-of-two scale, exact), so one
     fp32 accumulation over K serves every channel group. The weight tile is decoded in registers by `moe_experts`'
     tile decode (exact bf16; integer ops and bf16x2 multiplies with DECODE_ASM) and is the MMA's first operand, the
-    activations (from shared memory) its second: acc is [outputs, rows] and is stored transposed."""
+    activations (from shared memory) its second: acc is [outputs, rows] and is stored transposed. The scales of a
+    K step are loaded one step ahead (`scale_tile`)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
         a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
@@ -297,14 +301,84 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
     k_first = split * k_per_split
     k_last = tl.minimum(k_first + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    w_scales = scale_tile(ws_base, ns, n_ok, k_first, K, sws_n, BLOCK_K, True)
     for k0 in range(k_first, k_last, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0).to(operand)
-        w_scales = scale_tile(ws_base, ns, n_ok, k0, K, sws_n, BLOCK_K, True)
         w = weight_tile(w_base, w_scales, ns, n_ok, k0, K, sw_n, BLOCK_K, True, DECODE_ASM, operand)
+        w_scales = scale_tile(ws_base, ns, n_ok, k0 + BLOCK_K, K, sws_n, BLOCK_K, True)
         acc = tl.dot(w, tl.trans(a), acc)
     _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
                 SPLIT_PARTIALS)
+
+
+@triton.jit
+def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
+                       N, K, G, num_experts, groups_per_split,
+                       ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
+                       block_n_scale,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr):
+    """`_fp8_gemm_kernel`'s math for decode-sized row tiles, shaped to stream the weight: the weight tile
+    [BLOCK_N, BLOCK_K] is the MMA's first operand (BLOCK_N >= 64 fills its M; the few rows are its N), loaded
+    straight into the dot so that Triton pipelines it, and both scales of the next channel group are loaded one
+    group ahead (a small load Triton does not pipeline would otherwise wait its full latency every group)."""
+    split = tl.program_id(2)
+    expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
+        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
+        BLOCK_N, GATHER_A)
+    if expert >= num_experts:
+        return
+    g_first = split * groups_per_split
+    g_last = tl.minimum(g_first + groups_per_split, G)
+    w_scale_rows = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n
+    a_scale, w_scale = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_first, ss_m, ss_g, sws_k,
+                                        E8M0_SCALES)
+    w_rows = w_base + ns[:, None].to(tl.int64) * sw_n
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for g in range(g_first, g_last):
+        ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+        a_next, w_next = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, tl.minimum(g + 1, G - 1), ss_m,
+                                          ss_g, sws_k, E8M0_SCALES)
+        acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * w_scale[:, None])
+        a_scale, w_scale = a_next, w_next
+    _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
+                SPLIT_PARTIALS)
+
+
+@triton.jit
+def _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g, ss_m, ss_g, sws_k, E8M0_SCALES: tl.constexpr):
+    """Channel group g's activation scales [rows] and weight scales [columns] as fp32 (g < G: the prefetch past a
+    split's last group reads the last group's again, unused)."""
+    a_scale = tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
+    if E8M0_SCALES:
+        w_scale = e8m0_to_float(tl.load(w_scale_rows + g * sws_k, mask=n_ok, other=127))
+    else:
+        w_scale = tl.load(w_scale_rows + g * sws_k, mask=n_ok, other=0.0)
+    return a_scale, w_scale
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, row_end_ptr, rows, N, splits, sp_k, so_m, so_n,
+                       BLOCK: tl.constexpr, ROW_END: tl.constexpr):
+    """out = the sum over splits, in split order, of the fp32 partials [splits, rows, N], rounded once; with
+    ROW_END only the rows before *row_end_ptr (the grouped GEMM's computed rows) are written."""
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    row, col = at // N, at % N
+    ok = at < rows * N
+    if ROW_END:
+        ok = ok & (row < tl.load(row_end_ptr))
+    at_out = row * so_m + col * so_n  # where the GEMM wrote each split's partial, as out lays the sums out
+    total = tl.load(part_ptr + at_out, mask=ok, other=0.0)
+    for split in range(1, splits):
+        total += tl.load(part_ptr + split * sp_k + at_out, mask=ok, other=0.0)
+    tl.store(out_ptr + at_out, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,19 +421,20 @@ def _row_tiles(rows: int, block_m: int, device):
 
 def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
     """The row tiles of a grouped GEMM, each within one expert, from the running row totals `offsets` [E], on the
-    device (no host sync): a fixed number of tiles, cdiv(rows, block_m) + E, enough for any split of the rows; the
-    ones left over get expert E and do nothing."""
+    device (no host sync): a fixed number of tiles, enough for any split of the rows (at most cdiv(rows, block_m)
+    + E, and at most one per row: a decode step's few rows launch a few tiles, not one per expert); the ones left
+    over get expert E and do nothing. Also the end of the rows they cover [1]."""
     E = offsets.shape[0]
     ends = offsets.to(torch.int64).clamp(0, rows).cummax(0).values
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + block_m - 1) // block_m
     tile_ends = tiles.cumsum(0)
-    count = cdiv(rows, block_m) + E
+    count = max(1, min(cdiv(rows, block_m) + E, rows))
     index = torch.arange(count, device=offsets.device)
     expert = torch.searchsorted(tile_ends, index, right=True)
     safe = expert.clamp(max=E - 1)
     first_row = starts[safe] + (index - (tile_ends[safe] - tiles[safe])) * block_m
-    return (expert.to(torch.int32), first_row.to(torch.int32), ends[safe].to(torch.int32)), count
+    return (expert.to(torch.int32), first_row.to(torch.int32), ends[safe].to(torch.int32)), count, ends[-1:]
 
 
 def _gemm_config(rows: int, weight: torch.Tensor):
@@ -385,52 +460,103 @@ def _tile_config(rows_bucket: int, fp4: bool):
     return 64, 128, 4, 3
 
 
-def _splits(programs: int, groups: int, device) -> int:
-    """Channel-group splits so that at least two programs run per SM (decode: few row tiles, few column tiles)."""
+# Up to this many rows a call takes the decode path (`_fp8_decode_kernel`, or `_fp4_gemm_kernel` with decode tiles):
+# one row tile holds every row (grouped: tiles of DECODE_EXPERT_BLOCK_M per expert), so each program reads its
+# weight columns once and the rows are the MMA's N. At 64 rows an FP8 weight byte feeds 128 flops, below what the
+# H200's FP8 MMA sustains at HBM speed; beyond it `_tile_config`'s row tiles reuse each weight tile for more rows.
+DECODE_MAX_ROWS = 64
+# Row tile of a grouped call on the decode path: a few rows per expert, the MMA's smallest N.
+DECODE_EXPERT_BLOCK_M = 16
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_config(fp4: bool):
+    """(BLOCK_N, warps, stages, programs per SM, FP4 K step) of the decode path; programs per SM sets the
+    channel-group split when the columns alone are fewer (o_proj, q_a, kv_a). FP8: BLOCK_N 64 is one warpgroup's MMA
+    M, 8 KB of weight per stage, three stages in flight. FP4: the tile is decoded in registers, so twice the
+    columns per program (one warpgroup each) and twice the programs keep as many bytes in flight. First guesses;
+    the `DECODE_SWEEP` of `benchmarks/fp8_linear_gpu.py` times the alternatives."""
+    if fp4:
+        return 128, 8, 4, 4, 128
+    return 64, 4, 4, 2, 128
+
+
+def _decode_block_m(rows: int, grouped: bool) -> int:
+    if grouped:
+        return DECODE_EXPERT_BLOCK_M
+    return min(max(16, 1 << max(rows - 1, 0).bit_length()), DECODE_MAX_ROWS)
+
+
+def _sm_count(device) -> int:
+    """The SMs a GEMM's programs should fill; 0 on the interpreter (no split unless asked for)."""
     if interpreting() or device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(groups, cdiv(2 * sms, max(programs, 1)), 16))
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _gemm(q, s, weight, scale, out, tiles, tile_count, block_n, block_k, experts, config=None, a_rows=None):
-    """`q`, `s` from `quantize_for_weight`; `config` (BLOCK_M, BLOCK_N, warps, stages) replaces the row-count
-    table's (the benchmark's sweep); `a_rows` [rows] int32: output row r reads activation row a_rows[r] of q."""
+def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None, config=None, decode=None,
+          split=None):
+    """out = `q`, `s` (from `quantize_for_weight`) through `weight`; grouped by expert with the running row totals
+    `offsets` [E]; `a_rows` [rows] int32: output row r reads activation row a_rows[r] of q. `decode` (by default:
+    at most DECODE_MAX_ROWS rows) picks the decode path; `config` replaces its tile table's entry (`_decode_config`
+    or `_tile_config`'s tuple: the benchmark's sweeps) and `split` the count of channel-group splits."""
     N, K = weight_dims(weight)
-    rows = q.shape[0] if a_rows is None else a_rows.shape[0]
-    BM, BN, warps, stages = config or _gemm_config(rows, weight)
-    if tiles is None:
-        tiles, tile_count = _row_tiles(rows, BM, q.device)
-    fp4 = _is_fp4(weight)
-    step = FP4_BLOCK_K if fp4 else block_k
-    steps = cdiv(K, step)
-    columns = cdiv(N, BN)
-    per_split = cdiv(steps, _splits(tile_count * columns, steps, q.device))
+    rows, fp4 = out.shape[0], _is_fp4(weight)
+    decode = rows <= DECODE_MAX_ROWS if decode is None else decode
+    if decode:
+        BN, warps, stages, programs_per_sm, fp4_step = config or _decode_config(fp4)
+        BM = _decode_block_m(rows, offsets is not None)
+    else:
+        (BM, BN, warps, stages), programs_per_sm, fp4_step = config or _gemm_config(rows, weight), 2, FP4_BLOCK_K
+    if offsets is None:
+        (tiles, tile_count), row_end, experts = _row_tiles(rows, BM, q.device), None, 1
+    else:
+        *tiles_and_count, row_end = _expert_row_tiles(offsets, rows, BM)
+        (tiles, tile_count), experts = tiles_and_count, offsets.shape[0]
+    step = fp4_step if fp4 else block_k
+    steps, columns = cdiv(K, step), cdiv(N, BN)
+    if split is None:
+        split = cdiv(programs_per_sm * _sm_count(q.device), tile_count * columns)
+        split = split if decode else min(split, 16)
+    per_split = cdiv(steps, max(1, min(split, steps)))
     split = cdiv(steps, per_split)
     w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     e8m0 = is_e8m0(s3) or s3.dtype == torch.uint8
     s3 = s3.view(torch.uint8) if e8m0 else s3
-    target = torch.zeros((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    target = torch.empty((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    partials_stride = rows * N if split > 1 else 0
     common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None, num_warps=warps,
                   num_stages=stages)
     a_row_arg = tiles[0] if a_rows is None else a_rows
+    grid = (tile_count, columns, split)
     if fp4:  # the tile decode reads bytes and scales along K
         w3 = w3.view(torch.uint8)
         if w3.stride(-1) != 1 or s3.stride(-1) != 1:
             w3, s3 = w3.contiguous(), s3.contiguous()
-        _fp4_gemm_kernel[(tile_count, columns, split)](
+        _fp4_gemm_kernel[grid](
             q, w3, s3, target, *tiles, a_row_arg, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
-            s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), rows * N if split > 1 else 0,
+            s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), partials_stride,
             BLOCK_K=step, DECODE_ASM=not interpreting(), **common)
     else:
-        _fp8_gemm_kernel[(tile_count, columns, split)](
+        kernel = _fp8_decode_kernel if decode else _fp8_gemm_kernel
+        kernel[grid](
             q, s, w3, s3, target, *tiles, a_row_arg, N, K, steps, experts, per_split,
             s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1),
-            s3.stride(2), out.stride(0), out.stride(1), rows * N if split > 1 else 0, block_n,
+            s3.stride(2), out.stride(0), out.stride(1), partials_stride, block_n,
             BLOCK_K=block_k, EVEN_K=K % block_k == 0, E8M0_SCALES=e8m0, **common)
     if split > 1:
-        out.copy_(target.sum(0))
+        _sum_splits(target, out, row_end)
+
+
+def _sum_splits(partials, out, row_end):
+    """out = the split partials summed in order (one launch, no zero-filled buffer); with `row_end` [1] (a grouped
+    GEMM's computed rows) the rows from there on are left as they are."""
+    splits, rows, N = partials.shape
+    block = 1024
+    _sum_splits_kernel[(cdiv(rows * N, block),)](
+        partials, out, partials if row_end is None else row_end, rows, N, splits, rows * N, out.stride(0),
+        out.stride(1), BLOCK=block, ROW_END=row_end is not None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -480,7 +606,7 @@ def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
         q, s = quantize_for_weight(x2, weight, weight_scale, block_k)
-        _gemm(q, s, weight, weight_scale, out, None, None, block_n, block_k, 1)
+        _gemm(q, s, weight, weight_scale, out, block_n, block_k)
     return out.view(*x.shape[:-1], N)
 
 
@@ -497,9 +623,7 @@ def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, offsets, block_n,
     """The grouped GEMM on activations already quantised by `quantize_for_weight`: out[r] = q[a_rows[r]] (q[r]
     without `a_rows`) through the weight of r's expert, for the rows up to offsets[-1]; later rows of `out` are not
     defined afterwards."""
-    BM = _gemm_config(out.shape[0], weight)[0]
-    tiles, count = _expert_row_tiles(offsets, out.shape[0], BM)
-    _gemm(q, s, weight, weight_scale, out, tiles, count, block_n, block_k, weight.shape[0], a_rows=a_rows)
+    _gemm(q, s, weight, weight_scale, out, block_n, block_k, offsets=offsets, a_rows=a_rows)
 
 
 # --------------------------------------------------------------------------------------------
