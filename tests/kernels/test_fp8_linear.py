@@ -1,13 +1,15 @@
 """Block-scaled FP8 / FP4 linears: the reference is W8A8 (the dequantised weight times e4m3-rounded activations),
-the Triton kernels (interpreter on CPU) give the reference's bits, opcheck, bad input; on the GPU, the kernels and
-cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph replay."""
+the Triton kernels (interpreter on CPU) give the reference's bits on the decode path (up to DECODE_MAX_ROWS rows,
+grouped or not, split channel groups summed in order) and the row-tiled GEMM, opcheck, bad input; on the GPU, the
+kernels and cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph replay."""
 
 import pytest
 import torch
 
+from dsfuse.kernels import fp8_linear as ops
 from dsfuse.kernels.fp8_linear import (dequantize_weight, fp8_grouped_linear, fp8_grouped_linear_reference,
                                        fp8_grouped_linear_triton, fp8_linear, fp8_linear_reference, fp8_linear_triton,
-                                       fp8_weight_dequantize, quantize_activations_triton)
+                                       fp8_weight_dequantize, quantize_activations_triton, quantize_for_weight)
 from dsfuse.kernels.quant_formats import E8M0_DTYPE, quantize_activations
 from dsfuse.models.quantized import quantize_fp8_weight
 
@@ -68,8 +70,9 @@ def test_triton_activation_quantisation_gives_the_references_bytes(pow2):
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
-@pytest.mark.parametrize("M,N,K", [(1, 48, 256), (17, 40, 320), (5, 33, 64)])
+@pytest.mark.parametrize("M,N,K", [(1, 48, 256), (17, 40, 320), (5, 33, 64), (80, 33, 320)])
 def test_triton_linear_gives_the_references_bits(kind, M, N, K):
+    """Both paths: the decode path up to DECODE_MAX_ROWS rows, the row-tiled GEMM past it (80)."""
     if kind == "fp4" and K % 32:
         pytest.skip("FP4 rows are whole 32-value blocks")
     w, s = _weights(kind, N, K, M + N)
@@ -78,18 +81,112 @@ def test_triton_linear_gives_the_references_bits(kind, M, N, K):
 
 
 @pytest.mark.parametrize("kind", ["float", "fp4"])
-def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind):
-    """Experts with no rows, one with a tile's worth plus one, and rows past the last offset (other ranks' slots)."""
-    E, N, K, S = 5, 40, 256, 30
+@pytest.mark.parametrize("S,offsets", [(30, [0, 17, 17, 20, 26]), (90, [0, 40, 40, 70, 80])])
+def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, S, offsets):
+    """Experts with no rows, one with a tile's worth plus one, and rows past the last offset (other ranks' slots);
+    30 rows take the decode path, 90 the row-tiled GEMM."""
+    E, N, K = 5, 40, 256
     w, s = _weights(kind, N, K, 4, lead=(E,))
     x = _x(S, K, 5)
-    offsets = torch.tensor([0, 17, 17, 20, 26], dtype=torch.int32)
-    got = fp8_grouped_linear_triton(x, w, s, offsets, 128, 128)
-    want = fp8_grouped_linear_reference(x, w, s, offsets, 128, 128)
-    assert torch.equal(got, want) and not got[26:].any()
-    for e, (start, end) in enumerate([(0, 0), (0, 17), (17, 17), (17, 20), (20, 26)]):
+    got = fp8_grouped_linear_triton(x, w, s, torch.tensor(offsets, dtype=torch.int32), 128, 128)
+    want = fp8_grouped_linear_reference(x, w, s, torch.tensor(offsets, dtype=torch.int32), 128, 128)
+    assert torch.equal(got, want) and not got[offsets[-1]:].any()
+    for e, (start, end) in enumerate(zip([0, *offsets[:-1]], offsets)):
         if end > start:
             assert torch.equal(want[start:end], fp8_linear_reference(x[start:end], w[e], s[e], 128, 128))
+
+
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's grid and BLOCK_M, then launches the kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append((grid, kwargs["BLOCK_M"]))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def _record_decode_launches(monkeypatch, kind):
+    name = "_fp4_gemm_kernel" if kind == "fp4" else "_fp8_decode_kernel"
+    recorder = _LaunchRecorder(getattr(ops, name))
+    monkeypatch.setattr(ops, name, recorder)
+    return recorder
+
+
+def _k_slices(kind, K, bounds):
+    """Per channel range [k0, k1): the slices of x, the weight (FP4: bytes) and its scales (FP4: per 32)."""
+    for k0, k1 in zip(bounds[:-1], bounds[1:]):
+        if kind == "fp4":
+            yield slice(k0, k1), slice(k0 // 2, k1 // 2), slice(k0 // 32, k1 // 32)
+        else:
+            yield slice(k0, k1), slice(k0, k1), slice(k0 // 128, (k1 + 127) // 128)
+
+
+def _split_sums(x, w, s, kind, bounds):
+    """The fp32 sums of a GEMM split at the channels `bounds` (multiples of 128): each split the reference over its
+    channels, the splits added in order."""
+    total = 0
+    for xs, ws, ss in _k_slices(kind, x.shape[1], bounds):
+        total = total + ops._linear_math(x[:, xs], w[..., ws], s[..., ss], 128, 128)
+    return total
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("M,N,K", [(1, 70, 320), (2, 33, 448), (7, 129, 192), (16, 64, 256), (33, 65, 320),
+                                   (64, 40, 160)])
+def test_decode_path_gives_the_references_bits(kind, M, N, K, monkeypatch):
+    """Up to DECODE_MAX_ROWS rows, one row tile (16 to 64 rows) through the decode kernel, N and K not multiples of
+    the tiles or the scale blocks: the reference's bits."""
+    recorder = _record_decode_launches(monkeypatch, kind)
+    w, s = _weights(kind, N, K, M + N)
+    x = _x(M, K, K + M)
+    assert torch.equal(fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128))
+    (grid, block_m), = recorder.launches
+    assert M <= ops.DECODE_MAX_ROWS and grid[0] == 1 and block_m == max(16, 1 << (M - 1).bit_length())
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("M,split,bounds", [(1, 2, [0, 256, 448]), (7, 4, [0, 128, 256, 384, 448]),
+                                            (64, 3, [0, 256, 448])])
+def test_decode_split_partials_are_summed_in_split_order(kind, M, split, bounds, monkeypatch):
+    """Channel groups split across programs (3 splits of 4 groups become 2 of 2): each split's fp32 partials, summed
+    in split order by the second kernel, rounded once: the bits of the reference run per split and added in that
+    order."""
+    N, K = 70, 448
+    recorder = _record_decode_launches(monkeypatch, kind)
+    w, s = _weights(kind, N, K, M)
+    x = _x(M, K, M + 1)
+    out = torch.empty((M, N), dtype=x.dtype)
+    q, qs = quantize_for_weight(x, w, s, 128)
+    ops._gemm(q, qs, w, s, out, 128, 128, split=split)
+    assert recorder.launches[0][0][2] == len(bounds) - 1
+    assert torch.equal(out, _split_sums(x, w, s, kind, bounds).to(x.dtype))
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("split", [1, 2])
+def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, split, monkeypatch):
+    """A decode step's experts: 16 experts, most empty, one row or a few each, rows past the last offset left as
+    they are (zeros here), tiles of 16 rows per expert and at most one tile per row; with split channel groups too
+    (the second kernel writes only the computed rows)."""
+    E, N, K, S = 16, 70, 320, 12
+    recorder = _record_decode_launches(monkeypatch, kind)
+    w, s = _weights(kind, N, K, 20 + split, lead=(E,))
+    x = _x(S, K, 21)
+    offsets = torch.tensor([0, 1, 1, 1, 4, 4, 9, 10] + [10] * 8, dtype=torch.int32)
+    out = torch.zeros((S, N), dtype=x.dtype)
+    q, qs = quantize_for_weight(x, w, s, 128)
+    ops._gemm(q, qs, w, s, out, 128, 128, offsets=offsets, split=split)
+    bounds = [0, 256, 320] if split == 2 else [0, 320]
+    for e, (start, end) in enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist())):
+        want = _split_sums(x[start:end], w[e], s[e], kind, bounds).to(x.dtype)
+        assert torch.equal(out[start:end], want)
+    assert not out[10:].any()
+    (grid, block_m), = recorder.launches
+    assert grid[0] <= S and block_m == ops.DECODE_EXPERT_BLOCK_M
 
 
 # opcheck's schema test compares the inputs before and after with an op CPU lacks for float8 tensors; the fake
@@ -199,6 +296,35 @@ def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(k
     x.copy_(_x(S, K, 15, torch.bfloat16))
     graph.replay()
     assert _rel(replayed, fp8_grouped_linear_reference(x, w, s, offsets, 128, 128)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+def test_cuda_decode_path_with_split_groups_replays_in_a_cuda_graph(kind):
+    """The decode path under capture: one row through a weight whose columns alone are too few programs (channel
+    groups split, the partials summed by the second kernel) and a decode step's grouped call (8 rows, one each for
+    8 of 64 experts, rows past the last offset zero)."""
+    E = 64
+    w, s = (t.cuda() for t in _weights(kind, 512, 4096, 18))
+    wg, sg = (t.cuda() for t in _weights(kind, 256, 512, 19, lead=(E,)))
+    counts = torch.zeros(E, dtype=torch.int32)
+    counts[[3, 10, 17, 24, 31, 38, 45, 52]] = 1
+    offsets = counts.cumsum(0, dtype=torch.int32).cuda()
+    x, xg = _x(1, 4096, 20, torch.bfloat16).cuda(), _x(10, 512, 21, torch.bfloat16).cuda()
+
+    def both():
+        return fp8_linear(x, w, s, 128, 128), fp8_grouped_linear(xg, wg, sg, offsets, 128, 128)
+
+    both()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got, got_grouped = both()
+    x.copy_(_x(1, 4096, 22, torch.bfloat16))
+    xg.copy_(_x(10, 512, 23, torch.bfloat16))
+    graph.replay()
+    assert _rel(got, fp8_linear_reference(x, w, s, 128, 128)) < 1e-2
+    assert _rel(got_grouped, fp8_grouped_linear_reference(xg, wg, sg, offsets, 128, 128)) < 1e-2
+    assert not got_grouped[8:].any()
 
 
 @pytest.mark.gpu
