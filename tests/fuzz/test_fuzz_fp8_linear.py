@@ -1,6 +1,7 @@
 """Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear`, `dsfuse::fp8_weight_dequantize` and
 `dsfuse::moe_experts_fp8`: the op against the reference bit for bit (CPU), and the Triton kernels against the
-reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding), over row counts at the edges, K
+reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding), over row counts at the edges
+(and on either side of the decode path's DECODE_MAX_ROWS), K
 not a multiple of the 128-channel group, FP8 weights with fp32 or UE8M0 scales and FP4 weights, strided activations,
 expert groups that are empty or end before the last row, routed experts with repeated and other ranks' ids, and
 zeros / ties."""
@@ -30,7 +31,8 @@ def _weight(kind, lead, N, K, seed):
 def linear_inputs(draw, grouped=False):
     kind = draw(st.sampled_from(["float", "ue8m0", "fp4"]))
     K = draw(st.sampled_from([64, 128, 160, 256, 320] if kind == "fp4" else [16, 64, 130, 256, 300]))
-    N, M, seed = draw(sizes(1, 33)), draw(sizes(0 if grouped else 1, 33)), draw(seeds())
+    rows = st.one_of(sizes(0 if grouped else 1, 33), st.sampled_from([ops.DECODE_MAX_ROWS, ops.DECODE_MAX_ROWS + 1]))
+    N, M, seed = draw(sizes(1, 33)), draw(rows), draw(seeds())
     specials = draw(st.lists(st.sampled_from(["zero", "tie"]), max_size=1))
     x = restride(values((M, K), DTYPE, seed, scale=3.0, specials=specials), draw(layouts(2))).to(DEVICE)
     if not grouped:
