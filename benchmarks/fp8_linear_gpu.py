@@ -3,16 +3,23 @@ shapes and its and V4-Flash's expert shapes.
 
 1. Ceilings measured in the same run: bf16 8192^3 matmul (TFLOP/s) and a device copy (GB/s, read + write).
 2. Linears `[M, K] x [N, K]^T` for M from 1 to 8192: dsfuse's op as dispatched (cuBLAS block-scaled from
-   SCALED_MM_MIN_ROWS rows when the probe passes and K is a multiple of 512, else Triton), dsfuse's Triton GEMM alone (activation quantisation
-   included), `torch._scaled_mm` with 1x128 / 128x128 block scales on pre-quantised operands (the GEMM alone: the
-   quantisation it needs is not timed), and bf16 `x @ w.T`. TFLOP/s, and for M <= 64 the weight bytes read over the
-   time as a fraction of the copy bandwidth (the floor of a weight-streaming call). Each provider's result is checked
-   against the reference (max error over max |reference|).
+   SCALED_MM_MIN_ROWS rows when the probe passes and K is a multiple of 512, else Triton), dsfuse's Triton GEMM
+   alone (activation quantisation included), `torch._scaled_mm` with 1x128 / 128x128 block scales on pre-quantised
+   operands (the GEMM alone: the quantisation it needs is not timed), and bf16 `x @ w.T`. TFLOP/s, and for M <= 64
+   the weight bytes read over the time as a fraction of the copy bandwidth (the floor of a weight-streaming call).
+   Each provider's result is checked against the reference (max error over max |reference|).
 3. Grouped experts: V3.2 FP8 (64 of its 256 experts, as on a 4-way expert-parallel rank: 7168 -> 2 x 2048 -> 7168,
    top-8) and V4-Flash FP4 (256 experts, 4096 -> 2 x 2048 -> 4096, top-6) at T tokens, the two expert GEMMs as
-   `fp8_grouped_linear` against bf16 `torch._grouped_mm` of the dequantised weights.
+   `fp8_grouped_linear` against bf16 `torch._grouped_mm` of the dequantised weights (and, at decode size, against
+   the row-tiled GEMM's tiles as before the decode path).
+4. The decode path (issue 31: at most DECODE_MAX_ROWS rows): for M in 1, 8, 16, 64 on V3.2's projections and
+   V4-Flash's FP4 expert up (4096 -> 4096), the op's path as dispatched (activation quantisation, decode GEMM and,
+   where the channel groups are split, the sum of the partials), the decode GEMM alone on quantised activations,
+   and the row-tiled GEMM's old decode tiles (the run-74 configuration) with the same quantisation: ms, weight
+   GB/s and the fraction of the copy bandwidth. `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N, warps,
+   stages, programs per SM, FP4 K step) at M = 1, 16, 64.
 
-Writes $OUT/fp8_linear.json and prints a markdown table last. ~2 minutes. `ROWS="4096"` limits the linears' row
+Writes $OUT/fp8_linear.json and prints markdown tables last. ~2 minutes. `ROWS="4096"` limits the linears' row
 counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes."""
 
 import json
@@ -83,11 +90,83 @@ def linear_case(name, N, K, M, copy_gbs):
     return row
 
 
-def _triton_only(x, w, s):
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+def _triton_only(x, w, s, decode=None):
+    out = torch.empty((x.shape[0], ops.weight_dims(w)[0]), dtype=x.dtype, device=x.device)
     q, qs = ops.quantize_for_weight(x, w, s, 128)
-    ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1)
+    ops._gemm(q, qs, w, s, out, 128, 128, decode=decode)
     return out
+
+
+def _weight(N, K, fp4, seed, lead=()):
+    """A V3.2-style FP8 weight (UE8M0 block scales) or V4-Flash-style FP4 bytes with E8M0 scales per 32."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if fp4:
+        return (torch.randint(0, 256, (*lead, N, K // 2), device="cuda", dtype=torch.uint8, generator=g).view(
+            torch.int8), torch.randint(118, 126, (*lead, N, K // 32), device="cuda", dtype=torch.uint8,
+                                       generator=g).view(E8M0_DTYPE))
+    return quantize_fp8_weight(torch.randn(*lead, N, K, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
+
+
+DECODE_ROWS = (1, 8, 16, 64)
+DECODE_SHAPES = {**{name: (N, K, False) for name, (N, K) in LINEARS.items()}, "v4 expert up fp4": (4096, 4096, True)}
+
+
+def _bandwidth(entry, w, s, ms, copy_gbs):
+    gbs = ops.weight_bytes(w, s) / ms / 1e6
+    entry.update(ms=round(ms, 4), gbs=round(gbs), copy_frac=round(gbs / copy_gbs, 3))
+    return entry
+
+
+def decode_case(name, N, K, fp4, M, copy_gbs):
+    """One decode-sized linear: the op's path, the decode GEMM alone and the old row-tiled tiles, as bandwidth."""
+    w, s = _weight(N, K, fp4, M + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(M))
+    want = ops.fp8_linear_reference(x, w, s, 128, 128)
+    q, qs = ops.quantize_for_weight(x, w, s, 128)
+    out = torch.empty((M, N), dtype=x.dtype, device="cuda")
+
+    def gemm_only():
+        ops._gemm(q, qs, w, s, out, 128, 128, decode=True)
+        return out
+
+    row = {"shape": name, "M": M, "weight_mb": round(ops.weight_bytes(w, s) / 1e6, 1)}
+    providers = {"decode": lambda: torch.ops.dsfuse.fp8_linear(x, w, s, 128, 128), "decode GEMM only": gemm_only,
+                 "old tiles": lambda: _triton_only(x, w, s, decode=False)}
+    for provider, fn in providers.items():
+        try:
+            err = rel(fn(), want)
+            row[provider] = _bandwidth({"err": round(err, 5)}, w, s, bench(fn), copy_gbs)
+        except Exception as error:  # noqa: BLE001  (a failing provider is a finding)
+            row[provider] = f"{type(error).__name__}: {str(error)[:80]}"
+    return row
+
+
+# (BLOCK_N, warps, stages, programs per SM, FP4 K step); each list starts with `ops._decode_config`'s choice
+DECODE_SWEEP = [(64, 4, 4, 2, 128), (64, 4, 3, 2, 128), (64, 4, 6, 2, 128), (64, 4, 4, 4, 128), (32, 4, 4, 2, 128),
+                (128, 4, 4, 2, 128), (128, 8, 4, 2, 128)]
+DECODE_SWEEP_FP4 = [(128, 8, 4, 4, 128), (128, 8, 3, 2, 128), (128, 8, 4, 8, 128), (64, 4, 4, 4, 128),
+                    (128, 4, 4, 4, 64)]
+
+
+def decode_sweep_case(name, N, K, fp4, M, copy_gbs):
+    """The decode GEMM alone (activations quantised beforehand) under each decode tile config."""
+    w, s = _weight(N, K, fp4, M + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(M))
+    want = ops.fp8_linear_reference(x, w, s, 128, 128)
+    q, qs = ops.quantize_for_weight(x, w, s, 128)
+    out = torch.empty((M, N), dtype=x.dtype, device="cuda")
+    row = {"shape": name, "M": M, "default": ops._decode_config(fp4)}
+    for config in DECODE_SWEEP_FP4 if fp4 else DECODE_SWEEP:
+        fn = lambda: ops._gemm(q, qs, w, s, out, 128, 128, config=config, decode=True)  # noqa: E731
+        try:
+            fn()
+            err = rel(out, want)
+            row[str(config)] = _bandwidth({"err": round(err, 5)}, w, s, bench(fn), copy_gbs)
+        except Exception as error:  # noqa: BLE001
+            row[str(config)] = f"{type(error).__name__}: {str(error)[:60]}"
+    timed = {k: v["ms"] for k, v in row.items() if isinstance(v, dict)}
+    row["best"] = min(timed, key=timed.get) if timed else None
+    return row
 
 
 SWEEP = [(16, 32, 4, 4), (16, 64, 4, 4), (16, 128, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
@@ -113,7 +192,7 @@ def sweep_case(name, N, K, M, fp4=False):
     for config in SWEEP_FP4 if fp4 else SWEEP:
         if config[0] > 16 * max(M, 1):
             continue
-        fn = lambda: ops._gemm(q, qs, w, s, out, None, None, 128, 128, 1, config=config)  # noqa: E731
+        fn = lambda: ops._gemm(q, qs, w, s, out, 128, 128, config=config, decode=False)  # noqa: E731
         try:
             fn()
             err = rel(out, want)
@@ -154,10 +233,23 @@ def experts_case(name, E, H, inter, T, top_k, fp4):
         torch._grouped_mm(x, up_bf16, offs=offsets)
         return torch._grouped_mm(mid, down_bf16, offs=offsets)
 
+    def old_tiles():
+        """Both GEMMs through the row-tiled GEMM's tiles, as before the decode path."""
+        for a, (w, s), out in ((x, up, h_out), (mid, down, y_out)):
+            q, qs = ops.quantize_for_weight(a, w, s, 128)
+            ops._gemm(q, qs, w, s, out, 128, 128, offsets=offsets, decode=False)
+        return y_out
+
+    h_out = torch.zeros((rows, 2 * inter), device="cuda", dtype=torch.bfloat16)
+    y_out = torch.zeros((rows, H), device="cuda", dtype=torch.bfloat16)
     got, want = quantised(), ops.fp8_grouped_linear_reference(mid, *down, offsets, 128, 128)
     flops = 2 * rows * (2 * inter * H + H * inter)
     row = {"case": name, "T": T, "rows": rows, "err": round(rel(got, want), 5)}
-    for provider, fn in (("dsfuse fp8_grouped_linear x2", quantised), ("bf16 _grouped_mm x2", plain)):
+    providers = [("dsfuse fp8_grouped_linear x2", quantised), ("bf16 _grouped_mm x2", plain)]
+    if rows <= ops.DECODE_MAX_ROWS:
+        row["old tiles err"] = round(rel(old_tiles(), want), 5)
+        providers.append(("old tiles x2", old_tiles))
+    for provider, fn in providers:
         ms = bench(fn)
         row[provider] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
     return row
@@ -183,6 +275,20 @@ def main():
             for M in (1, 16, 64, 512, 4096):
                 RESULTS["sweep"].append(sweep_case(name, N, K, M, fp4))
                 print(json.dumps(RESULTS["sweep"][-1]), flush=True)
+    RESULTS["decode"] = []
+    for name, (N, K, fp4) in DECODE_SHAPES.items():
+        for M in DECODE_ROWS:
+            RESULTS["decode"].append(decode_case(name, N, K, fp4, M, copy_gbs))
+            print(json.dumps(RESULTS["decode"][-1]), flush=True)
+        torch.cuda.empty_cache()
+    (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
+    if os.environ.get("DECODE_SWEEP"):
+        RESULTS["decode_sweep"] = []
+        for name in ("q_b 24576x1536", "o_proj 7168x16384", "dense up 18432x7168", "v4 expert up fp4"):
+            for M in (1, 16, 64):
+                RESULTS["decode_sweep"].append(decode_sweep_case(name, *DECODE_SHAPES[name], M, copy_gbs))
+                print(json.dumps(RESULTS["decode_sweep"][-1]), flush=True)
+        (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
     for args in (("V3.2 fp8", 64, 7168, 2048, 4096, 8, False), ("V3.2 fp8", 64, 7168, 2048, 1, 8, False),
                  ("V4-Flash fp4", 256, 4096, 2048, 8192, 6, True), ("V4-Flash fp4", 256, 4096, 2048, 1, 6, True)):
         try:
@@ -210,6 +316,19 @@ def table():
     for r in RESULTS["experts"]:
         lines.append(f"| experts {r['case']} T={r['T']} | {r.get('rows')} | " + " | ".join(
             f"{k}: {v}" for k, v in r.items() if k not in ("case", "T", "rows")) + " |")
+    lines += ["", "| decode shape | M | op ms | op GB/s | op / copy | GEMM only ms | GEMM only / copy | old tiles ms | "
+              "old tiles / copy | old / op | err |", "|" + " --- |" * 11]
+    for r in RESULTS["decode"]:
+        d, g, o = (r.get(k) for k in ("decode", "decode GEMM only", "old tiles"))
+        ratio = round(o["ms"] / d["ms"], 2) if isinstance(o, dict) and isinstance(d, dict) else "-"
+        lines.append(f"| {r['shape']} | {r['M']} | {_cell(d, 'ms')} | {_cell(d, 'gbs')} | {_cell(d, 'copy_frac')} | "
+                     f"{_cell(g, 'ms')} | {_cell(g, 'copy_frac')} | {_cell(o, 'ms')} | {_cell(o, 'copy_frac')} | "
+                     f"{ratio} | {_cell(d, 'err')} |")
+    for r in RESULTS.get("decode_sweep", []):
+        best = r.get(r["best"]) if r["best"] else None
+        lines.append(f"| sweep {r['shape']} | {r['M']} | best {r['best']}: {_cell(best, 'ms')} ms, "
+                     f"{_cell(best, 'copy_frac')} of copy; default {r['default']}: "
+                     f"{_cell(r.get(str(r['default'])), 'copy_frac')} |")
     return "\n".join(lines)
 
 
