@@ -186,10 +186,18 @@ def _sdpa_on_cpu(outputs: int, extra: tuple = ()) -> Callable:
     return run
 
 
-# Ops without a CPU kernel, run as their CPU math when a slice holding them is probed.
+def _histc_on_cpu(values, bins=100, min=0, max=0):
+    """`histc` of integer values (CUDA has it, the CPU only for floats): counted in fp32, exact for the small
+    integers probes hold, in the input's dtype as CUDA returns it."""
+    return torch.histc(values.float(), bins, min, max).to(values.dtype)
+
+
+# Ops without a CPU kernel (or without one for some dtypes), run as their CPU math when a slice holding them is
+# probed.
 CPU_STAND_INS: dict[Any, Callable] = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default: _sdpa_on_cpu(4),
     torch.ops.aten._scaled_dot_product_cudnn_attention.default: _sdpa_on_cpu(9),
+    torch.ops.aten.histc.default: _histc_on_cpu,
 }
 
 
