@@ -213,13 +213,19 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 
 @triton.jit
-def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr):
+def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr, GROUPED: tl.constexpr):
     """This program's row tile and column block: (expert, output rows, which are valid, the activation row each
-    reads, its pointer, output columns, which are valid, the expert's weight and scale bases)."""
-    expert = tl.load(tile_expert_ptr + tl.program_id(0))
-    rows = tl.load(tile_row_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
-    row_ok = rows < tl.load(tile_end_ptr + tl.program_id(0))
+    reads, its pointer, output columns, which are valid, the expert's weight and scale bases). GROUPED: the tile
+    list's entry; otherwise row tile program_id(0) of M rows through expert 0 (no tile list to build or read)."""
+    if GROUPED:
+        expert = tl.load(tile_expert_ptr + tl.program_id(0))
+        rows = tl.load(tile_row_ptr + tl.program_id(0)) + tl.arange(0, BLOCK_M)
+        row_ok = rows < tl.load(tile_end_ptr + tl.program_id(0))
+    else:
+        expert = tl.zeros((), tl.int32)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < M
     if GATHER_A:
         a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
@@ -231,11 +237,12 @@ def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_
 
 @triton.jit
 def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
-                     N, K, G, num_experts, groups_per_split,
+                     M, N, K, G, num_experts, groups_per_split,
                      ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
                      block_n_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                     E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr):
+                     E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
+                     GROUPED: tl.constexpr):
     """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups, e4m3 weights. A group of
     BLOCK_K channels: its e4m3 MMA, then the product of both scales, added into an fp32 accumulator. The loop runs
     over computed bounds so that Triton pipelines its loads. Writes the rounded output, or the split's fp32 partial
@@ -243,8 +250,8 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
     and read it for each of its slots)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A)
+        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
+        BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -282,9 +289,10 @@ def _store_tile(out_ptr, acc, rows, ns, mask, so_m, so_n, split, sp_k, SPLIT_PAR
 
 @triton.jit
 def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
-                     N, K, num_experts, k_per_split, sw_e, sw_n, sws_e, sws_n, so_m, so_n, sp_k,
+                     M, N, K, num_experts, k_per_split, sw_e, sw_n, sws_e, sws_n, so_m, so_n, sp_k,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr, DECODE_ASM: tl.constexpr):
+                     SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr, DECODE_ASM: tl.constexpr,
+                     GROUPED: tl.constexpr):
     """FP4 weights (row-major packed bytes, E8M0 scales per 32 along K) x activations already dequantised to bf16
     (`quantize_activations_triton(..., dequantized=True)`: e4m3 value times its power-of-two scale, exact), so one
     fp32 accumulation over K serves every channel group. The weight tile is decoded in registers by `moe_experts`'
@@ -293,8 +301,8 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
     K step are loaded one step ahead (`scale_tile`)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A)
+        a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
+        BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     operand = tl.bfloat16 if DECODE_ASM else tl.float32
@@ -314,19 +322,20 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
 
 @triton.jit
 def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
-                       N, K, G, num_experts, groups_per_split,
+                       M, N, K, G, num_experts, groups_per_split,
                        ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
                        block_n_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                       E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr):
+                       E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
+                       GROUPED: tl.constexpr):
     """`_fp8_gemm_kernel`'s math for decode-sized row tiles, shaped to stream the weight: the weight tile
     [BLOCK_N, BLOCK_K] is the MMA's first operand (BLOCK_N >= 64 fills its M; the few rows are its N), loaded
     straight into the dot so that Triton pipelines it, and both scales of the next channel group are loaded one
     group ahead (a small load Triton does not pipeline would otherwise wait its full latency every group)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A)
+        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
+        BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -411,12 +420,6 @@ def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: to
     fp4 = _is_fp4(weight)
     return quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or fp4, scales_column_major=True,
                                        dequantized=fp4)
-
-
-def _row_tiles(rows: int, block_m: int, device):
-    """The row tiles of an ungrouped GEMM: (expert, first row, row end) per tile, all of expert 0."""
-    first = torch.arange(0, max(rows, 1), block_m, device=device, dtype=torch.int32)
-    return (torch.zeros_like(first), first, torch.full_like(first, rows)), first.numel()
 
 
 def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
@@ -508,8 +511,8 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
         BM = _decode_block_m(rows, offsets is not None)
     else:
         (BM, BN, warps, stages), programs_per_sm, fp4_step = config or _gemm_config(rows, weight), 2, FP4_BLOCK_K
-    if offsets is None:
-        (tiles, tile_count), row_end, experts = _row_tiles(rows, BM, q.device), None, 1
+    if offsets is None:  # row tiles from the program id: nothing to build on the device
+        tiles, tile_count, row_end, experts = (q, q, q), cdiv(rows, BM), None, 1
     else:
         *tiles_and_count, row_end = _expert_row_tiles(offsets, rows, BM)
         (tiles, tile_count), experts = tiles_and_count, offsets.shape[0]
@@ -526,8 +529,8 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     s3 = s3.view(torch.uint8) if e8m0 else s3
     target = torch.empty((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
     partials_stride = rows * N if split > 1 else 0
-    common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None, num_warps=warps,
-                  num_stages=stages)
+    common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None,
+                  GROUPED=offsets is not None, num_warps=warps, num_stages=stages)
     a_row_arg = tiles[0] if a_rows is None else a_rows
     grid = (tile_count, columns, split)
     if fp4:  # the tile decode reads bytes and scales along K
@@ -535,13 +538,13 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
         if w3.stride(-1) != 1 or s3.stride(-1) != 1:
             w3, s3 = w3.contiguous(), s3.contiguous()
         _fp4_gemm_kernel[grid](
-            q, w3, s3, target, *tiles, a_row_arg, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
+            q, w3, s3, target, *tiles, a_row_arg, rows, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
             s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), partials_stride,
             BLOCK_K=step, DECODE_ASM=not interpreting(), **common)
     else:
         kernel = _fp8_decode_kernel if decode else _fp8_gemm_kernel
         kernel[grid](
-            q, s, w3, s3, target, *tiles, a_row_arg, N, K, steps, experts, per_split,
+            q, s, w3, s3, target, *tiles, a_row_arg, rows, N, K, steps, experts, per_split,
             s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1),
             s3.stride(2), out.stride(0), out.stride(1), partials_stride, block_n,
             BLOCK_K=block_k, EVEN_K=K % block_k == 0, E8M0_SCALES=e8m0, **common)
