@@ -1,24 +1,111 @@
-"""Every notebook in examples/ runs top to bottom (on CPU with the tiny preset here)."""
+"""Every notebook in examples/ runs top to bottom (on CPU with the tiny presets here); the outputs committed with a
+notebook come from a dated run of benchmarks/execute_notebooks.py, whose recording is tested on a small notebook."""
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "examples").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "benchmarks" / "execute_notebooks.py"
+NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
 # ablation.ipynb runs test_bench.py's ablation (tiny, S=16, indexer_topk): on that test's pytest-xdist worker, after
-# it, Inductor's FX graph cache serves the notebook's four graphs.
+# it, Inductor's FX graph cache serves the notebook's graphs.
 GROUPS = {"ablation.ipynb": pytest.mark.xdist_group("bench_tiny_s16")}
+RUN_RECORD = ("date", "device", "commit", "torch", "triton", "transformers")
 
 
-def test_notebooks_exist():
-    assert NOTEBOOKS, "examples/ holds the notebook demos"
+def code_cells(notebook) -> list:
+    return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+def undated_outputs(notebook) -> list[str]:
+    """What a notebook with outputs lacks of the runner's record of when, where and at which commit they were made."""
+    if not any(cell.get("outputs") for cell in code_cells(notebook)):
+        return []
+    record = notebook["metadata"].get("dsfuse_execution", {})
+    return [key for key in RUN_RECORD if not record.get(key)]
+
+
+def test_the_examples_are_there():
+    assert {p.name for p in NOTEBOOKS} >= {"quickstart.ipynb", "ablation.ipynb", "kernels.ipynb", "generate.ipynb",
+                                           "v4.ipynb"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, id=p.name, marks=GROUPS.get(p.name, ())) for p in NOTEBOOKS])
-def test_notebook_runs_and_is_committed_without_outputs(path):
-    nb = nbformat.read(path, as_version=4)
-    assert all(not cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), "clear outputs before committing"
-    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}).execute()
-    assert any(cell.get("outputs") for cell in nb.cells if cell.cell_type == "code")
+def test_notebook_runs_on_cpu(path):
+    notebook = nbformat.read(path, as_version=4)
+    for cell in code_cells(notebook):
+        cell.outputs, cell.execution_count = [], None
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(path.parent)}}).execute()
+    cells = code_cells(notebook)
+    assert all(cell.execution_count for cell in cells)
+    assert not [o for cell in cells for o in cell.outputs if o.output_type == "error"]
+    assert any(cell.outputs for cell in cells)
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.name) for p in NOTEBOOKS])
+def test_committed_outputs_are_valid_and_dated(path):
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    refresh = f"python benchmarks/execute_notebooks.py examples/{path.name}"
+    assert not undated_outputs(notebook), f"outputs without the runner's record of the run: refresh them with {refresh}"
+
+
+CELLS = [
+    "import sys\nprint('to stdout')\nprint('to stderr', file=sys.stderr)\nprint('more stdout')",
+    "answer = 6 * 7\nanswer",
+    "import matplotlib.pyplot as plt\nfigure, axes = plt.subplots()\naxes.bar(['a', 'b'], [1, 2])\nNone",
+    "display({'text/markdown': '| a |\\n|---|'}, raw=True)\nplt.plot([1, 2])\nplt.show()",
+    "def fails():\n    return answer / 0\n\nfails()",
+    "print('never run')",
+]
+
+
+def _synthetic_notebook(path: Path, cells: list[str]) -> None:
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# synthetic")]
+                                        + [nbformat.v4.new_code_cell(source) for source in cells])
+    path.write_text(nbformat.writes(notebook))
+
+
+def test_runner_records_streams_results_figures_and_the_first_error(tmp_path):
+    _synthetic_notebook(tmp_path / "cells.ipynb", CELLS)
+    _synthetic_notebook(tmp_path / "fine.ipynb", ["print('fine')"])
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(RUNNER), "--out", str(out), str(tmp_path / "fine.ipynb"),
+                          str(tmp_path / "cells.ipynb")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr  # one of the two notebooks raised
+    assert "cell 5 raised" in run.stderr
+    fine = nbformat.read(out / "fine.ipynb", as_version=4)
+    assert [o.text for o in fine.cells[1].outputs] == ["fine\n"] and not undated_outputs(fine)
+
+    notebook = nbformat.read(out / "cells.ipynb", as_version=4)
+    nbformat.validate(notebook)
+    assert not undated_outputs(notebook) and notebook.metadata.dsfuse_execution.device == "cpu"
+    assert json.loads((tmp_path / "cells.ipynb").read_text()) != json.loads((out / "cells.ipynb").read_text())
+    printed, expression, figure, display, error, after = code_cells(notebook)
+    assert [(o.output_type, o.name, o.text) for o in printed.outputs] == [
+        ("stream", "stdout", "to stdout\n"), ("stream", "stderr", "to stderr\n"), ("stream", "stdout", "more stdout\n")]
+    assert [(o.output_type, o.execution_count, o.data["text/plain"]) for o in expression.outputs] == [
+        ("execute_result", 2, "42")]
+    assert [o.output_type for o in figure.outputs] == ["display_data"]  # a None result shows nothing
+    assert figure.outputs[0].data["image/png"].startswith("iVBORw0KGgo")  # PNG's signature in base64
+    assert [sorted(o.data) for o in display.outputs] == [["text/markdown"], ["image/png", "text/plain"]]
+    assert [(o.output_type, o.ename) for o in error.outputs] == [("error", "ZeroDivisionError")]
+    traceback = "\n".join(error.outputs[0].traceback)
+    assert "<cell 5>" in traceback and "return answer / 0" in traceback and "execute_notebooks" not in traceback
+    assert [c.execution_count for c in code_cells(notebook)] == [1, 2, 3, 4, 5, None] and after.outputs == []
+
+
+def test_outputs_without_the_runners_record_are_caught():
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
+    assert undated_outputs(notebook) == []
+    notebook.cells[0].outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "1"}, execution_count=1)]
+    assert undated_outputs(notebook) == list(RUN_RECORD)
+    notebook.metadata["dsfuse_execution"] = {key: "x" for key in RUN_RECORD}
+    assert undated_outputs(notebook) == []
