@@ -17,8 +17,8 @@ shapes and its and V4-Flash's expert shapes.
    where the channel groups are split, the sum of the partials), the decode GEMM alone on quantised activations,
    and the row-tiled GEMM with its decode-sized tiles of run 74 (BLOCK_M 16, BLOCK_N 32, 4 warps, 4 stages and its
    split rule; its partials now summed by the same kernel, no tile list built) with the same quantisation: ms,
-   weight GB/s and the fraction of the copy bandwidth. `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N, warps,
-   stages, programs per SM, FP4 K step) at M = 1, 16, 64.
+   weight GB/s and the fraction of the copy bandwidth. `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N,
+   warps, stages, programs per SM, FP4 K step) at M = 1, 16, 64.
 
 Writes $OUT/fp8_linear.json and prints markdown tables last. ~2 minutes. `ROWS="4096"` limits the linears' row
 counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes."""
