@@ -3,7 +3,8 @@ rewritten into one `dsfuse::moe_experts_bf16`, `dsfuse::moe_experts_fp4` or `dsf
 
 The anchor is an expert GEMM: `aten._grouped_mm`, transformers' `grouped_mm_fallback` (its CPU/fp32 stand-in) or
 `dsfuse::fp8_grouped_linear` (a released checkpoint's FP8 / FP4 experts, block-scaled) over expert-sorted rows, or a
-`bmm` of per-slot gathered expert weights `W[ids]`. From the first GEMM of a block:
+`bmm` of per-slot gathered expert weights `W[ids]` (`matmul` and `einsum` lower to it; its output squeezed or
+reshaped). From the first GEMM of a block:
 
     slots      s = t*k + j of `ids [T,k]`, visited in `perm = sort(ids.flatten())` order (grouped, own model) or
                in place (HF batched_mm); rows `x[perm // k]` or `x.repeat_interleave(k)`
@@ -15,9 +16,17 @@ The anchor is an expert GEMM: `aten._grouped_mm`, transformers' `grouped_mm_fall
                clamps evaluated around +-L: one L)
     weighting  `out * w.flatten()[perm]` (optionally cast to x's dtype first); batched also
                `out.view(T, k, H) * w.view(T, k, 1)`
-    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched),
+    combine    `out[inverse(perm)].view(T, k, H).sum(1)` (HF), `out.view(T, k, H).sum(1)` (batched; sorted slots
+               put back by the inverse permutation before or after the weighting),
                `einsum('tkh,tk->th', out.view(T, k, H).float(), w)` (fp32 weights), or an accumulation into
-               `zeros(T, H)` at `perm // k`: `index_add_` (own model), `scatter_add_`, `scatter_reduce(sum)`
+               `zeros(T, H)` at `perm // k` (slots in place: `arange(T*k) // k`): `index_add_` (own model),
+               `scatter_add_`, `scatter_reduce(sum)`, in the activations' dtype or in fp32 and then cast
+
+Every matched block (plain or FP4 weights) is then run on probes against the op's reference (`verify.py`): a random
+routing whose unrouted expert holds NaN weights (reading it shows), every slot on one expert (duplicate ids), zero
+router weights, and under expert parallelism other ranks' sentinel ids. The output must have the reference's NaNs
+and be within `BUDGET` of it; a block that is not is a near-miss naming the failing probe. FP8 blocks keep their
+structural match: both GEMMs are dsfuse's own `fp8_grouped_linear`.
 
 Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; block-scaled weights with their scales (both
 GEMMs `fp8_grouped_linear` in one format and block size) become `moe_experts_fp8`; weights decoded in the graph from FP4
@@ -32,9 +41,12 @@ ops skip every id outside `[0, E)`, so it maps to `local_expert_offset=0` on the
 Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows) are reported, not fused: the ops
 read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights.
 
-A bmm that does not gather expert weights, and the second GEMM of a block, are skipped silently; a first expert
-GEMM that cannot be rewritten is reported with the reason. transformers' eager experts loop never reaches a
-graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users see why nothing fused.
+A dense MoE (every expert on every token over whole weight stacks, by `einsum` or a loop over the experts, the
+router weights spread over all experts by a scatter or a one-hot) is reported once per gate stack: the fused ops
+skip the unrouted experts it computes. A bmm that does not gather expert weights, and the second GEMM of a block,
+are skipped silently; a first expert GEMM that cannot be rewritten is reported with the reason. transformers' eager
+experts loop never reaches a graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users see
+why nothing fused.
 """
 
 from __future__ import annotations
@@ -48,12 +60,15 @@ import torch.nn.functional as F
 import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_*)
 import dsfuse.kernels.moe_experts_fp8  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_fp8)
 from dsfuse.kernels.fp8_linear import weight_dims
+from dsfuse.kernels.moe_experts import moe_experts_bf16_reference, moe_experts_reference
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
-from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, ORDER_KEEPING_OPS, TRANSPOSE_OPS, VIEW_OPS, aten,
+from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, ORDER_KEEPING_OPS, SPLIT_OPS,
+                          TRANSPOSE_OPS, VIEW_OPS, aten,
                           dtype, fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape,
                           reaches_back, same_size, shape, strip, tensor_val, walk_back)
+from .verify import Family, Verdict, verify
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -71,9 +86,16 @@ EAGER_LOOP_REASON = (
     "experts_implementation='grouped_mm' or 'batched_mm')")
 
 
+DENSE_REASON = (
+    "every expert is computed for every token over its whole weight stack, the router weights zeroing the unrouted "
+    "ones (a dense MoE); the fused ops compute only the routed experts, which differs where an unrouted expert's "
+    "output is not finite (0 * inf is NaN), so the block is left to Inductor")
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, _gemm_targets(), _match, _rewrite)
     _report_eager_loops(graph, ctx)
+    _report_dense_experts(graph, ctx)
 
 
 def _grouped_targets() -> tuple:
@@ -393,12 +415,21 @@ def _weight_gather(node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
 
 
 def _squeezed(node, dim: int) -> torch.fx.Node | None:
+    """The user of a bmm's `[S, N, 1]` / `[S, 1, N]` output that drops its size-1 `dim`: a squeeze, or a reshape to
+    `[S, N]` (an einsum's) or straight to `[T, k, N]`."""
     user = only_user(node)
     if is_op(user, aten.squeeze.dim) and user.args[1] % 3 == dim:
         return user
     if is_op(user, aten.squeeze.dims) and [d % 3 for d in user.args[1]] == [dim]:
         return user
-    return None
+    rows, width = [size for d, size in enumerate(shape(node)) if d != dim]
+    if not (is_op(user, *VIEW_OPS) and same_size(shape(node)[dim], 1)):
+        return None
+    if same_shape(shape(user), (rows, width)):
+        return user
+    viewed = shape(user)  # straight to the combine's [T, k, N]
+    return user if len(viewed) == 3 and same_size(viewed[2], width) and same_size(viewed[0] * viewed[1], rows) \
+        else None
 
 
 def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
@@ -430,8 +461,11 @@ def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
     if gather is not None and is_op(a, aten.unsqueeze.default) and a.args[1] % 3 == 1:
         return ExpertGemm(kind="batched", rows=a.args[0], weight=gather[0], route=gather[1],
                           out=_squeezed(node, 1))
-    if _weight_gather(b) is not None and is_op(a, aten.unsqueeze.default):
-        return ExpertGemm(kind="batched", rows=a.args[0], problem=(
+    k_major = (_weight_gather(b) is not None and is_op(a, aten.unsqueeze.default)) or (
+        _transposed(a) is not None and _weight_gather(_transposed(a)) is not None
+        and is_op(b, aten.unsqueeze.default) and b.args[1] % 3 == 2)
+    if k_major:  # `rows @ W[ids]`, or an einsum's `W[ids].transpose(1, 2) @ rows`
+        return ExpertGemm(kind="batched", rows=(a if is_op(a, aten.unsqueeze.default) else b).args[0], problem=(
             "the expert weights are stored [E, K, N] (is_transposed); the fused ops take [E, N, K] as F.linear does"))
     return None
 
@@ -907,13 +941,17 @@ def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch
     """(the block's output node, the combine's name)."""
     T, H = shape(x)
     user = only_user(weighted)
-    if route["order"] is not None and _is_accumulate(user):
+    if _is_accumulate(user):
         zeros, dim, index, source, alpha = _accumulate_args(user)
-        if dim != 0 or source is not weighted or alpha != 1 or _floordiv(index, top_k) is not route["order"]:
+        slots = _floordiv(index, top_k)
+        own_token = slots is route["order"] if route["order"] is not None else _slot_numbers(slots, T * top_k)
+        if dim != 0 or source is not weighted or alpha != 1 or not own_token:
             raise NoMatch("the index_add_ does not add each slot's output to its own token")
         if not (is_op(zeros, aten.full.default) and zeros.args[1] == 0 and same_shape(shape(zeros), (T, H))):
             raise NoMatch("the index_add_ accumulates into something other than zeros [T, H]")
-        return user, "index_add" if is_op(user, aten.index_add.default, aten.index_put.default) else "scatter_add"
+        cast = only_user(user)
+        out = cast if dtype(user) != dtype(x) and is_op(cast, CONVERT) and dtype(cast) == dtype(x) else user
+        return out, "index_add" if is_op(user, aten.index_add.default, aten.index_put.default) else "scatter_add"
     node, combine = weighted, "sum"
     if route["order"] is not None:
         inverse = user.args[1][0] if is_op(user, aten.index.Tensor) and len(user.args[1]) == 1 else None
@@ -973,6 +1011,22 @@ def _contracted_combine(viewed: torch.fx.Node, T, H) -> tuple[torch.fx.Node, tor
     return column.args[0], bmm, (cast if is_op(cast, CONVERT) else total)
 
 
+def _slot_outputs_per_token(out2, route: dict, T, top_k: int, H) -> torch.fx.Node | None:
+    """The down GEMM's slot outputs as `[T, k, H]` in slot order, where the combine reads them so (viewed, or
+    reshaped straight from the bmm; sorted slots first put back by the inverse permutation), else None."""
+    node = out2
+    if route["order"] is not None:
+        user = only_user(out2)
+        inverse = user.args[1][0] if is_op(user, aten.index.Tensor) and len(user.args[1]) == 1 else None
+        if not (is_op(inverse, aten.index_put.default) and _is_inverse_permutation(inverse, route["order"])):
+            return None
+        node = user
+    if same_shape(shape(node), (T, top_k, H)):
+        return node
+    user = only_user(node)
+    return user if is_op(user, *VIEW_OPS) and same_shape(shape(user), (T, top_k, H)) else None
+
+
 def _per_token_sum(weighted: torch.fx.Node) -> tuple[torch.fx.Node, str]:
     """(the block's output node, the combine's name) for weighted `[T, k, H]` slot outputs summed over k."""
     total = only_user(weighted)
@@ -1017,6 +1071,12 @@ def _accumulate_args(node) -> tuple:
     if len(indices) != 1 or indices[0] is None:
         return base, None, None, source, 1
     return base, 0, indices[0], source, 1
+
+
+def _slot_numbers(node, slots) -> bool:
+    """Whether `node` is `arange(slots)`: each slot in place, so slot s belongs to token s // k."""
+    return (is_op(node, torch.ops.prims.iota.default) and same_shape(shape(node), (slots,))
+            and node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1)
 
 
 def _is_inverse_permutation(node, perm) -> bool:
@@ -1094,14 +1154,15 @@ def _match(anchor: torch.fx.Node) -> Block:
         if _sentinel_masked(user, route["sorted"], E, True) is not out2:
             raise NoMatch("expert-parallel: the second GEMM's sentinel rows are not masked to zero")
         out2 = user
+    viewed = _slot_outputs_per_token(out2, route, T, top_k, H)
+    per_token = viewed is not None
     weighted = only_user(out2)
-    per_token = route["order"] is None and is_op(weighted, *VIEW_OPS) and same_shape(shape(weighted), (T, top_k, H))
-    contracted = _contracted_combine(weighted, T, H) if per_token else None
+    contracted = _contracted_combine(viewed, T, H) if per_token else None
     if contracted is not None:
         (weights, product, out), cast, combine = contracted, None, "[T, k, H] contracted with the weights"
     else:
         if per_token:  # the slot outputs viewed [T, k, H], then weighted by [T, k, 1] and summed over k
-            out2, weighted = weighted, only_user(weighted)
+            out2, weighted = viewed, only_user(viewed)
         weights, cast, out, combine = _weighted_combine(out2, weighted, per_token, route, x, T, top_k, E)
         product = weighted
     if not same_shape(shape(weights), (T, top_k)) or dtype(weights) not in FLOAT_DTYPES:
@@ -1125,14 +1186,132 @@ def _match(anchor: torch.fx.Node) -> Block:
             raise NoMatch(f"the router-weight product is {dtype(product)}; moe_experts_fp4 rounds it to "
                           f"{dtype(x)}")
         block.fp4 = (decoded[0], decoded[1])
-        return block
+        return _verified(block)
     if any(isinstance(d, Fp4Weights) for d in decoded):
         raise NoMatch("only one of the two expert weight stacks is an FP4 decode")
     block.notes = [d for d in decoded if isinstance(d, str)]
     if dtype(g1.weight) != dtype(x) or dtype(g2.weight) != dtype(x):
         raise NoMatch(f"expert weights {dtype(g1.weight)}/{dtype(g2.weight)} differ from the activations' "
                       f"{dtype(x)}")
+    return _verified(block)
+
+
+# ---------------------------------------------------------------------------
+# The numeric check
+# ---------------------------------------------------------------------------
+
+# Budget of a block's output against the op's reference, relative to the output's largest magnitude: fp32 GEMMs
+# summed in another order differ far below 1e-5; 16-bit blocks round the same steps to 16 bits, but may sum the k
+# slots in their dtype (index_add into a bf16 buffer) where the op sums in fp32 and rounds once.
+BUDGET = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def _verified(block: Block) -> Block:
+    """The block, after its slice (routing, both GEMMs, SwiGLU, weighting, combine) agreed with the op's reference on
+    every probe; raises with the failing probe's reason otherwise. Block-scaled (FP8) blocks are left to their
+    structure: both GEMMs are dsfuse's own `fp8_grouped_linear`, whose numbers the op shares."""
+    verdict = _verify(block)
+    if verdict.ok is False:
+        raise NoMatch(f"numeric check against the reference failed: {verdict.reason}")
     return block
+
+
+def _verify(block: Block) -> Verdict:
+    if block.fp4 is not None:
+        w13, w2 = block.fp4
+        stacks = {"w13_packed": w13.packed, "w13_scale": w13.scale, "w2_packed": w2.packed, "w2_scale": w2.scale}
+    else:
+        stacks = {"gate_up": block.gate_up, "down": block.down}
+    roles = {"x": block.x, "ids": block.ids, "weights": block.weights, **stacks}
+    if len(set(roles.values())) != len(roles):
+        return Verdict(False, "two roles of the op are bound to one tensor")
+    family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, block.expert_parallel),
+                    reference=lambda probe: _reference(probe, block), compare=_within_budget)
+    extra = (block.fp4 is not None, block.swiglu_limit, block.weights_cast, block.expert_parallel)
+    return verify([block.out], roles, family, extra)
+
+
+def _grid(shape, dt: torch.dtype, gen: torch.Generator, step: float) -> torch.Tensor:
+    """Small values on multiples of `step` (exact in every float dtype, so the first GEMM's sums are exact)."""
+    return ((torch.randn(shape, generator=gen) * 3).round().clamp(-8, 8) * step).to(dt)
+
+
+def _probes(shapes: dict, dtypes: dict, expert_parallel: bool) -> list:
+    """A random routing whose last expert gets no slot and holds NaN weights (an op or a slice that reads an unrouted
+    expert shows a NaN), every slot routed to expert 0 (duplicate ids in each token), a zero router weight on every
+    slot of the first token and on one slot of each other token, and under expert parallelism other ranks' slots
+    (id E, the sentinel) that add nothing."""
+    gen = torch.Generator().manual_seed(0)
+    T, top_k = shapes["ids"]
+    fp4 = "w13_packed" in shapes
+    E = shapes["w13_packed" if fp4 else "gate_up"][0]
+    base = {"x": _grid(shapes["x"], dtypes["x"], gen, 0.25),
+            "ids": torch.randint(0, max(E - 1, 1), (T, top_k), generator=gen).to(dtypes["ids"]),
+            "weights": ((torch.rand(shapes["weights"], generator=gen) * 8).round() / 8 + 0.125).to(dtypes["weights"]),
+            }
+    if fp4:
+        for name in ("w13", "w2"):
+            base[f"{name}_packed"] = torch.randint(0, 256, shapes[f"{name}_packed"], generator=gen,
+                                                   dtype=torch.uint8)
+            scale = torch.randint(123, 127, shapes[f"{name}_scale"], generator=gen, dtype=torch.uint8)
+            if E > 1:
+                scale[-1] = 255  # E8M0's NaN
+            base[f"{name}_scale"] = scale
+    else:
+        for name in ("gate_up", "down"):
+            stack = _grid(shapes[name], dtypes[name], gen, 1 / 16)
+            if E > 1:
+                stack[-1] = float("nan")
+            base[name] = stack
+    one_expert = dict(base, ids=torch.zeros_like(base["ids"]))
+    zero_weights = dict(base, weights=base["weights"].clone())
+    zero_weights["weights"][0] = 0
+    zero_weights["weights"][:, -1] = 0
+    probes = [("random routing", base), ("one expert for every slot", one_expert), ("zero weights", zero_weights)]
+    if expert_parallel:
+        # Finite stacks here: transformers' batched expert-parallel form clamps the sentinel onto expert E - 1 and
+        # zeroes its weight, so it computes that expert where the op skips the slot (they differ only where that
+        # expert's output is not finite, which the structural match accepts).
+        other_ranks = dict(base, ids=base["ids"].clone(), **_finite_stacks(base))
+        other_ranks["ids"][:, 0] = E
+        probes.append(("other ranks' slots", other_ranks))
+    return probes
+
+
+def _finite_stacks(probe: dict) -> dict:
+    """The probe's weight stacks with the unrouted expert's NaN weights (or NaN scales) made finite."""
+    if "w13_scale" in probe:
+        return {name: probe[name].masked_fill(probe[name] == 255, 127) for name in ("w13_scale", "w2_scale")}
+    return {name: probe[name].nan_to_num(0.0) for name in ("gate_up", "down")}
+
+
+def _reference(probe: dict, block: Block) -> torch.Tensor:
+    weights = probe["weights"]
+    if block.fp4 is not None:
+        return moe_experts_reference(probe["x"], probe["ids"], weights, probe["w13_packed"], probe["w13_scale"],
+                                     probe["w2_packed"], probe["w2_scale"], 0, block.swiglu_limit)
+    if block.weights_cast is not None:
+        weights = weights.to(block.weights_cast)
+    return moe_experts_bf16_reference(probe["x"], probe["ids"], weights, probe["gate_up"], probe["down"], 0,
+                                      block.swiglu_limit)
+
+
+def _within_budget(got: list, want: torch.Tensor, probe: dict) -> str | None:
+    """None when the slice's output has the reference's shape, dtype and NaN positions and is within `BUDGET`."""
+    (out,) = got
+    if out.shape != want.shape or out.dtype != want.dtype:
+        return f"an output {out.dtype}{list(out.shape)}, the reference's {want.dtype}{list(want.shape)}"
+    budget = BUDGET.get(want.dtype, BUDGET[torch.bfloat16])
+    out, want = out.float(), want.float()
+    if not torch.equal(out.isnan(), want.isnan()):
+        return "NaN where the reference has none, or the reverse (an unrouted expert read, or a slot lost)"
+    if out.numel() == 0:
+        return None
+    diff = (out - want).nan_to_num(0.0).abs().max()
+    size = want.nan_to_num(0.0).abs().max().clamp_min(1e-6)
+    if diff > budget * size:
+        return f"outputs differ by {float(diff / size):.1e} of their size (budget {budget:g})"
+    return None
 
 
 def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassContext) -> None:
@@ -1169,6 +1348,65 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
     ctx.site(anchor, op, [a for a in args if isinstance(a, torch.fx.Node)], detail=detail)
     for note in m.notes:
         ctx.near_miss(anchor, f"{note}: fused with the decoded weight stack (moe_experts_bf16), not from the bytes")
+
+
+# ---------------------------------------------------------------------------
+# Dense experts: every expert on every token
+# ---------------------------------------------------------------------------
+
+DENSE_GEMMS = (aten.mm.default, aten.bmm.default)
+STACK_READS = LAYOUT_OPS | {aten.select.int, aten.slice.Tensor, CONVERT}
+# How a dense MoE spreads the router's [T, k] weights over [T, E]: a scatter, an index_put or a one-hot compare.
+DENSE_WEIGHTING = (aten.scatter.src, aten.scatter.value, aten.index_put.default, aten.eq.Tensor)
+
+
+def _report_dense_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """Report each SwiGLU expert block that multiplies whole weight stacks (`einsum` over all experts, or a loop
+    over the experts) and weights its outputs by routing weights spread over every expert, once per gate stack:
+    the expert GEMM anchors no rewrite there, and a dense MoE must not pass silently."""
+    reported = set()
+    for node in list(graph.nodes):
+        if not is_op(node, aten.mul.Tensor) or not all(isinstance(a, torch.fx.Node) for a in node.args):
+            continue
+        for side in node.args:
+            roots = _roots(side)
+            found = _dense_gemm(next(iter(roots))) if len(roots) == 1 else None
+            if found is None or found[1] in reported:
+                continue
+            if _silu_side(side, next(iter(roots))) and _densely_weighted(node):
+                reported.add(found[1])
+                ctx.near_miss(found[0], DENSE_REASON)
+
+
+def _dense_gemm(gate: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(the GEMM, its weight stack) for a gate computed by an `mm` / `bmm` of a whole 3-D graph input (read through
+    layout ops, a per-expert `select` included), else None."""
+    gemm = strip(gate, (*STACK_READS, operator.getitem, *SPLIT_OPS))
+    if not is_op(gemm, *DENSE_GEMMS):
+        return None
+    for operand in gemm.args[:2]:
+        stack = strip(operand, STACK_READS)
+        if isinstance(stack, torch.fx.Node) and stack.op in ("placeholder", "get_attr") and len(shape(stack)) == 3:
+            return gemm, stack
+    return None
+
+
+def _densely_weighted(product: torch.fx.Node, depth: int = 12) -> bool:
+    """Whether the SwiGLU `product`'s downstream (the down GEMM and its weighting) reads router weights spread over
+    every expert."""
+    frontier, seen = [(product, 0)], {product}
+    while frontier:
+        node, d = frontier.pop()
+        for user in node.users:
+            if user in seen or d >= depth or user.op != "call_function":
+                continue
+            seen.add(user)
+            for other in user.all_input_nodes:
+                if other not in seen and reaches_back(other, lambda n: is_op(n, *DENSE_WEIGHTING),
+                                                      lambda n: n.target in STACK_READS, 4):
+                    return True
+            frontier.append((user, d + 1))
+    return False
 
 
 # ---------------------------------------------------------------------------

@@ -292,13 +292,34 @@ def vllm_dense_masks(x, ids, weights, gate_up, down):
 
 def dense_all_experts(x, ids, weights, gate_up, down):
     """Every expert on every token (`einsum` over the whole stacks), combined with a dense [T, E] weight matrix that
-    holds the router weights at the routed experts and zeros elsewhere. No routing reaches the GEMMs (they are
-    plain einsums over whole stacks) and the fused ops would skip the zero-weight experts that this form computes
-    (an inf there gives NaN here): another computation, left to Inductor."""
+    holds the router weights at the routed experts and zeros elsewhere. The fused ops would skip the zero-weight
+    experts that this form computes (an inf there gives NaN here): another computation, left to Inductor and
+    reported."""
     dense_w = torch.zeros(T, E).scatter(1, ids, weights)
     gate, up = torch.einsum("th,eih->eti", x, gate_up).chunk(2, dim=-1)
     out = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
     return torch.einsum("eth,te->th", out.float(), dense_w).to(x.dtype)
+
+
+def einsum_gathered_index_add(x, ids, weights, gate_up, down):
+    """Per-slot GEMMs as `einsum('snh,sh->sn')` of the gathered weights (a bmm whose output is reshaped, not
+    squeezed), the fp32 weighted outputs accumulated per token by `index_add_` into fp32 zeros, then cast."""
+    rows = x.repeat_interleave(K, dim=0)
+    flat_ids = ids.reshape(-1)
+    gate, up = torch.einsum("snh,sh->sn", gate_up[flat_ids], rows).chunk(2, dim=-1)
+    out = torch.einsum("shi,si->sh", down[flat_ids], F.silu(gate) * up)
+    token = torch.arange(T * K) // K
+    return torch.zeros(T, H).index_add_(0, token, out * weights.reshape(-1, 1)).to(x.dtype)
+
+
+def sorted_then_unsorted_weights(x, ids, weights, gate_up, down):
+    """Sort-based grouped GEMMs whose slot outputs are put back in slot order first, then weighted by the router's
+    [T, k] weights and summed per token."""
+    sorted_ids, perm = torch.sort(ids.reshape(-1))
+    offsets = _histc_offsets(sorted_ids)
+    gate, up = _grouped_linear(x[perm // K], gate_up, offsets).chunk(2, dim=-1)
+    out = _grouped_linear(F.silu(gate) * up, down, offsets)[_inverse(perm)]
+    return (out.view(T, K, H) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
 def gelu_gate(x, ids, weights, gate_up, down):
@@ -400,6 +421,9 @@ WEIGHTED_BEFORE_DOWN = ("the SwiGLU activation is multiplied by another tensor b
                         "ops apply the router weights to each expert's output, after it (another rounding)")
 NOT_WEIGHTED = "the expert outputs are not multiplied by the router weights"
 NOT_PER_SLOT = "the expert outputs are not scaled by one router weight per slot"
+DENSE = ("every expert is computed for every token over its whole weight stack, the router weights zeroing the "
+         "unrouted ones (a dense MoE); the fused ops compute only the routed experts, which differs where an unrouted "
+         "expert's output is not finite (0 * inf is NaN), so the block is left to Inductor")
 
 CORPUS = {
     "hf_grouped_mm": MoeEntry(hf_grouped_mm, "transformers grouped_mm_experts_forward", _plain, REWRITTEN, 1,
@@ -433,7 +457,12 @@ CORPUS = {
     "official_v3_loop": MoeEntry(official_v3_loop, "DeepSeek V3 inference MoE.forward", _plain, LEFT_ALONE),
     "vllm_dense_masks": MoeEntry(vllm_dense_masks, "vLLM torch_moe (tests reference)", _plain, LEFT_ALONE),
     "dense_all_experts": MoeEntry(dense_all_experts, "written for the corpus (all experts, dense weights)", _plain,
-                               LEFT_ALONE),
+                               NEAR_MISS, reason=DENSE),
+    "einsum_gathered_index_add": MoeEntry(einsum_gathered_index_add, "written for the corpus (einsum, fp32 index_add)",
+                                       _plain, REWRITTEN, 1, detail="batched GEMMs, index_add"),
+    "sorted_then_unsorted_weights": MoeEntry(sorted_then_unsorted_weights, "written for the corpus (weights after "
+                                          "the inverse permutation)", _plain, REWRITTEN, 1,
+                                          detail="grouped GEMMs, [T, k, H] weighted + sum"),
     "bincount_graph_break": MoeEntry(bincount_offsets, "DeepSeek V3 inference MoE (bincount counts)", _plain, NEAR_MISS,
                                   reason=COUNTS_OUTSIDE),
     "separate_gate_up": MoeEntry(separate_gate_up, "DeepSeek V3 / V4 inference Expert (w1, w3, w2)", _separate,

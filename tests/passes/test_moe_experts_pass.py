@@ -295,6 +295,25 @@ def test_unfusable_gate_is_a_reported_near_miss(act, reason):
     assert [m.reason for m in rep.near_misses] == [reason], str(rep)
 
 
+def test_every_block_is_checked_on_probes_against_the_reference(monkeypatch):
+    """The matched slice runs on probes against the op's reference before it is rewritten: a block read with a
+    SwiGLU clamp its graph does not compute (as a wrong structural reading would) is refused on the numbers."""
+    from dsfuse.passes import moe_experts
+
+    read_swiglu = moe_experts._swiglu
+    monkeypatch.setattr(moe_experts, "_swiglu", lambda out1, inter: (*read_swiglu(out1, inter)[:2], 0.5))
+    fn = _dense_moe()
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    args = (x, ids, weights, *_dense_weights(torch.bfloat16))
+    with torch.no_grad():
+        _close(_compile(fn)(*args), fn(*args))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 0
+    (reason,) = [m.reason for m in rep.near_misses]
+    assert reason.startswith("numeric check against the reference failed: random routing probe: outputs differ"), \
+        reason
+
+
 def test_weights_stored_k_major_are_a_reported_near_miss():
     """`is_transposed` experts keep `[E, K, N]` stacks; the fused ops read `[E, N, K]`."""
 
