@@ -165,6 +165,66 @@ def e8m0_to_float(scale_byte):
 
 
 @triton.jit
+def e4m3_to_float(byte):
+    """e4m3fn byte (any integer type) -> its value as fp32, exactly, from the bits: the same on the GPU and in the
+    interpreter (whose fp8 loads and casts differ), -0 and NaN (exponent and mantissa all ones) kept."""
+    bits = byte.to(tl.uint32) & 0xFF
+    exponent = (bits >> 3) & 15
+    mantissa = bits & 7
+    negative = (bits & 0x80) != 0
+    normal = (((bits & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    subnormal = mantissa.to(tl.float32) * 0.001953125  # m * 2^-9
+    subnormal = tl.where(negative, -subnormal, subnormal)
+    value = tl.where(exponent == 0, subnormal, normal)
+    return tl.where((exponent == 15) & (mantissa == 7), float("nan"), value)
+
+
+@triton.jit
+def _dequantize_weight_kernel(w_ptr, s_ptr, out_ptr, N, K, block_n, block_k, sw_e, sw_n, ss_e, ss_n, ss_g, so_e, so_n,
+                              FP4: tl.constexpr, E8M0: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_N, BLOCK_K] tile of one stacked weight: code -> fp32 value, times its block's scale (exact for
+    power-of-two scales, one fp32 rounding for fp32 scales, as the reference's multiply), stored in out's dtype."""
+    e = tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (rows[:, None] < N) & (cols[None, :] < K)
+    if FP4:  # two codes a byte, low nibble first; one scale per row and FP4_BLOCK channels
+        byte = tl.load(w_ptr + e * sw_e + rows[:, None] * sw_n + cols[None, :] // 2, mask=inside, other=0)
+        value = e2m1_to_float((byte.to(tl.int32) >> ((cols[None, :] % 2) * 4)) & 15)
+        scale_at = rows[:, None] * ss_n + (cols[None, :] // 32) * ss_g
+    else:
+        byte = tl.load(w_ptr + e * sw_e + rows[:, None] * sw_n + cols[None, :], mask=inside, other=0)
+        value = e4m3_to_float(byte)
+        scale_at = (rows[:, None] // block_n) * ss_n + (cols[None, :] // block_k) * ss_g
+    scale = tl.load(s_ptr + e * ss_e + scale_at, mask=inside, other=1)
+    scale = e8m0_to_float(scale) if E8M0 else scale.to(tl.float32)
+    tl.store(out_ptr + e * so_e + rows[:, None] * so_n + cols[None, :], (value * scale).to(out_ptr.dtype.element_ty),
+             mask=inside)
+
+
+def dequantize_weight_triton(weight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """A block-scaled e4m3 weight `[..., N, K]` (scales `[..., ceil(N / block_n), ceil(K / block_k)]`) or FP4 weight
+    `[..., N, K / 2]` (E8M0 scales `[..., N, K / 32]`) in `dtype`, in one pass over the bytes: the torch form makes
+    three fp32 copies of the weight, which on a decode step costs more than the attention it feeds."""
+    fp4 = weight.dtype in (torch.int8, torch.uint8)
+    N, width = weight.shape[-2:]
+    K = width * 2 if fp4 else width
+    w3 = weight.view(torch.uint8).reshape(-1, N, width)
+    e8m0 = scales.dtype != torch.float32
+    if e8m0 and not (is_e8m0(scales) or scales.dtype == torch.uint8):
+        raise TypeError(f"block scales must be float32 or E8M0, got {scales.dtype}")
+    s3 = (scales.view(torch.uint8) if e8m0 else scales).reshape(-1, *scales.shape[-2:])
+    out = torch.empty((w3.shape[0], N, K), dtype=dtype, device=weight.device)
+    BLOCK_N, BLOCK_K = 32, 128
+    grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(K, BLOCK_K), w3.shape[0])
+    _dequantize_weight_kernel[grid](w3, s3, out, N, K, block_n, block_k, w3.stride(0), w3.stride(1), s3.stride(0),
+                                    s3.stride(1), s3.stride(2), out.stride(0), out.stride(1), FP4=fp4, E8M0=e8m0,
+                                    BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out.reshape(*weight.shape[:-2], N, K)
+
+
+@triton.jit
 def power_of_two_ceil(scale):
     """exp2(ceil(log2(scale))) for a positive normal fp32 `scale`, exactly: scale itself when it is a power
     of two, else the next power of two (mantissa cleared, exponent + 1)."""
@@ -174,6 +234,6 @@ def power_of_two_ceil(scale):
 
 
 __all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
-           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "e2m1_values", "e4m3_bits", "e8m0_to_float",
-           "is_e8m0", "power_of_two_ceil", "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid",
-           "scales_to_float32"]
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "dequantize_weight_triton", "e2m1_values",
+           "e4m3_bits", "e4m3_to_float", "e8m0_to_float", "is_e8m0", "power_of_two_ceil", "power_of_two_ceil_exact",
+           "quantize_activations", "round_to_e4m3_grid", "scales_to_float32"]
