@@ -93,8 +93,9 @@ def _device_us(event, self_only: bool) -> float:
     return 0.0
 
 
-def profile_stages(fn: Callable[[], object], top: int = 12) -> dict:
-    """GPU time of one call by kernel, and the share of each dsfuse fused op."""
+def profile_stages(fn: Callable[[], object], top: int = 24) -> dict:
+    """GPU time of one call by kernel (with its launch count: a decode step's small kernels add up), and the share
+    of each dsfuse fused op."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -104,8 +105,8 @@ def profile_stages(fn: Callable[[], object], top: int = 12) -> dict:
         torch.cuda.synchronize()
     events = list(prof.key_averages())
     # Only device-side events are kernels: an operator's own self device time repeats its kernels'.
-    kernels = [(e.key, _device_us(e, True)) for e in events
-               if e.device_type != torch.autograd.DeviceType.CPU and _device_us(e, True) > 0]
+    device_events = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and _device_us(e, True) > 0]
+    kernels = [(e.key, _device_us(e, True)) for e in device_events]
     total = sum(us for _, us in kernels)
     fused = {e.key: _device_us(e, False) for e in events if e.key.startswith("dsfuse::")}
     return {
@@ -113,6 +114,8 @@ def profile_stages(fn: Callable[[], object], top: int = 12) -> dict:
         "dsfuse_ops_ms": {k: v / 1e3 for k, v in fused.items()},
         "dsfuse_ops_share": {k: v / total for k, v in fused.items()} if total else {},
         "top_kernels_ms": [(k[:80], us / 1e3) for k, us in sorted(kernels, key=lambda kv: -kv[1])[:top]],
+        "kernel_launches": sum(e.count for e in device_events),
+        "launches_by_kernel": {e.key[:80]: e.count for e in device_events},
     }
 
 

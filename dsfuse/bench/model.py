@@ -129,14 +129,19 @@ def _prefill_step(fn, logits: str, cudagraphs: bool, without_cache: bool = False
     return step
 
 
+PRINTED_KERNELS = 16
+
+
 def _print_row(row: dict) -> None:
     print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
     if "profile" in row:
         prof = row["profile"]
         shares = ", ".join(f"{k} {v:.1%}" for k, v in prof["dsfuse_ops_share"].items())
-        print(f"  profile: {prof['gpu_ms']:.2f} ms GPU; fused ops: {shares or 'none'}", flush=True)
-        for kernel, ms in prof["top_kernels_ms"][:8]:
-            print(f"    {ms:8.3f} ms  {kernel}", flush=True)
+        print(f"  profile: {prof['gpu_ms']:.2f} ms GPU in {prof.get('kernel_launches', '?')} kernel launches; fused "
+              f"ops: {shares or 'none'}", flush=True)
+        launches = prof.get("launches_by_kernel", {})
+        for kernel, ms in prof["top_kernels_ms"][:PRINTED_KERNELS]:
+            print(f"    {ms:8.3f} ms {launches.get(kernel, '?'):>4}x  {kernel}", flush=True)
 
 
 # The configuration that fills the KV cache for configurations whose own prefill runs out of memory
