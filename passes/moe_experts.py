@@ -67,7 +67,8 @@ from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
 from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, ORDER_KEEPING_OPS, SPLIT_OPS,
                           TRANSPOSE_OPS, VIEW_OPS, aten,
                           dtype, fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape,
-                          reaches_back, same_size, shape, strip, tensor_val, walk_back)
+                          reaches_back, same_size, shape, slice_args, slice_position, strip, tensor_val,
+                          walk_back)
 from .verify import Family, Verdict, verify
 
 NAME = "moe_experts"
@@ -596,6 +597,9 @@ def _counted_ids(offsets, num_experts) -> tuple[torch.fx.Node, bool]:
                                                      else _iota_from(ends, 1, num_experts)):
             return located, True
         raise NoMatch("the group offsets are searched for in the sorted ids, but not as the ends of groups 0..E-1")
+    if offsets.op == "placeholder":
+        raise NoMatch("the group offsets are an input of the compiled graph, not computed in it from the expert ids "
+                      "(a graph break before them, as at a torch.bincount, hides what they count)")
     if not (is_op(offsets, aten.cumsum.default) and offsets.args[1] in (0, -1)):
         raise NoMatch("the group offsets are not a cumulative sum of per-expert counts")
     counts = strip(offsets.args[0], (CONVERT,))
@@ -784,9 +788,9 @@ def _swiglu_product(gate: torch.fx.Node, up: torch.fx.Node) -> tuple[torch.fx.No
         for user in node.users:
             if is_op(user, aten.mul.Tensor) and node in user.args:
                 side = user.args[0] if user.args[1] is node else user.args[1]
-                if isinstance(side, torch.fx.Node) and _roots(side) == {gate}:
+                if isinstance(side, torch.fx.Node) and _roots(side) == _roots(gate):
                     return user, side, node
-            if user not in seen and user.op == "call_function" and _is_pointwise(user) and _roots(user) == {up}:
+            if user not in seen and user.op == "call_function" and _is_pointwise(user) and _roots(user) == _roots(up):
                 seen.add(user)
                 frontier.append(user)
     if is_op(only_user(up), aten.mul.Tensor):
@@ -817,10 +821,12 @@ def _halves(out1: torch.fx.Node, inter) -> dict:
     raise NoMatch("the first expert GEMM's output is not split into gate and up halves")
 
 
-def _swiglu(out1: torch.fx.Node, inter) -> tuple[torch.fx.Node, torch.fx.Node, float | None]:
+def _swiglu(out1: torch.fx.Node, inter,
+            halves: dict | None = None) -> tuple[torch.fx.Node, torch.fx.Node, float | None]:
     """(act, gate, swiglu limit or None) for `gate, up = out1.chunk(2, -1); act = silu(gate) * up`, or DeepSeek
-    V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (one constant L, each clamp in the halves' dtype)."""
-    halves = _halves(out1, inter)
+    V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)` (one constant L, each clamp in the halves' dtype); `halves`
+    given ({0: gate, 1: up}), the two outputs of GEMMs over the halves of one stack instead of `out1`'s."""
+    halves = halves or _halves(out1, inter)
     if set(halves) != {0, 1} or len(halves[1].users) != 1:
         raise NoMatch("the gate/up halves are used outside the SwiGLU")
     gate, up = halves[0], halves[1]
@@ -885,6 +891,32 @@ def _rows_gemms(g1: ExpertGemm) -> list[torch.fx.Node]:
             if other is not None and other.rows is g1.rows and other.route is g1.route:
                 gemms.append(n)
     return in_graph_order(gemms)
+
+
+def _halves_of_one_stack(gemms: list[torch.fx.Node]) -> tuple[torch.fx.Node, dict] | None:
+    """(the stack W [E, 2I, H], {0: gate GEMM's output, 1: up GEMM's output}) for two expert GEMMs over its halves
+    `W[:, :I]` and `W[:, I:]` (views: the op reads W itself, nothing is copied), else None."""
+    if len(gemms) != 2:
+        return None
+    halves, bases = {}, set()
+    for node in gemms:
+        gemm = _expert_gemm(node)
+        weight = gemm.weight
+        if gemm.problem or gemm.out is None or gemm.scale is not None or not is_op(weight, aten.slice.Tensor):
+            return None
+        base = weight.args[0]
+        dim, start, end, step = slice_args(weight)
+        if len(shape(base)) != 3 or dim % 3 != 1 or step != 1:
+            return None
+        width = shape(base)[1]
+        if not isinstance(width, int) or width % 2:
+            return None
+        half = {(0, width // 2): 0, (width // 2, width): 1}.get((start, min(slice_position(end, width), width)))
+        if half is None or half in halves:
+            return None
+        halves[half] = gemm.out
+        bases.add(base)
+    return (bases.pop(), halves) if len(bases) == 1 else None
 
 
 def _slot_weights(sw: torch.fx.Node, route: dict, num_experts) -> tuple[torch.fx.Node, torch.dtype | None]:
@@ -1114,7 +1146,17 @@ def _match(anchor: torch.fx.Node) -> Block:
         raise NoMatch(g1.problem)
     if g1.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
-    E, two_i, H = g1.dims()
+    siblings = _rows_gemms(g1)
+    one_stack = None
+    if len(siblings) > 1:
+        if siblings[0] is not anchor:
+            raise NoMatch("the up GEMM of separate gate/up stacks", reported=False)
+        one_stack = _halves_of_one_stack(siblings)
+        if one_stack is None:
+            raise NoMatch("gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read "
+                          "one [E, 2I, H] gate_up stack (concatenating the stacks would copy every expert's weights "
+                          "per call)")
+    E, two_i, H = g1.dims() if one_stack is None else shape(one_stack[0])
     if not isinstance(two_i, int) or two_i % 2:
         raise NoMatch(f"the first expert GEMM's output width {two_i} is not 2*I")
     inter = two_i // 2
@@ -1136,13 +1178,9 @@ def _match(anchor: torch.fx.Node) -> Block:
         if len(sentinel_users) != 1 or len(out1.users) != 1:
             raise NoMatch("expert-parallel: the first GEMM's sentinel rows are not masked to zero")
         out1 = sentinel_users[0]
-    siblings = _rows_gemms(g1)
-    if len(siblings) > 1:
-        if siblings[0] is not anchor:
-            raise NoMatch("the up GEMM of separate gate/up stacks", reported=False)
-        raise NoMatch("gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read one "
-                      "[E, 2I, H] gate_up stack (concatenating the stacks would copy every expert's weights per call)")
-    act, _, swiglu_limit = _swiglu(out1, inter)
+    if one_stack is not None and masked:
+        raise NoMatch("expert-parallel: the gate and up GEMMs' sentinel rows are masked apart")
+    act, _, swiglu_limit = _swiglu(out1, inter, one_stack[1] if one_stack is not None else None)
     g2 = _second_gemm(act, g1)
     if g2.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
@@ -1170,7 +1208,8 @@ def _match(anchor: torch.fx.Node) -> Block:
     if dtype(out) != dtype(x) or not same_shape(shape(out), (T, H)):
         raise NoMatch(f"the block's output is {dtype(out)}, not the activations' {dtype(x)}")
 
-    block = Block(x=x, ids=ids, weights=weights, weights_cast=cast, gate_up=g1.weight, down=g2.weight, out=out,
+    gate_up = g1.weight if one_stack is None else one_stack[0]
+    block = Block(x=x, ids=ids, weights=weights, weights_cast=cast, gate_up=gate_up, down=g2.weight, out=out,
                   kind=g1.kind, combine=combine, top_k=top_k, swiglu_limit=swiglu_limit,
                   expert_parallel=masked or route["sentinel"] is not None)
     if g1.scale is not None or g2.scale is not None:

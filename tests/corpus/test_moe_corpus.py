@@ -228,6 +228,18 @@ def separate_gate_up(x, ids, weights, w1, w3, w2):
     return out[_inverse(perm)].view(T, K, H).sum(dim=1).to(x.dtype)
 
 
+def halves_of_one_stack(x, ids, weights, gate_up, down):
+    """w1 and w3 as the two halves of one gate_up stack, sliced in forward, each in its own per-slot GEMM: views of
+    the stack the fused op reads, so nothing is copied."""
+    rows = x.repeat_interleave(K, dim=0)
+    flat_ids = ids.reshape(-1)
+    w1, w3 = gate_up[:, :I], gate_up[:, I:]
+    gate = torch.bmm(w1[flat_ids], rows.unsqueeze(-1)).squeeze(-1)
+    up = torch.bmm(w3[flat_ids], rows.unsqueeze(-1)).squeeze(-1)
+    out = torch.bmm(down[flat_ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+    return (out * weights.reshape(-1, 1)).view(T, K, H).sum(dim=1).to(x.dtype)
+
+
 def fp4_experts(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
     """DeepSeek V4 FP4 experts decoded in the graph: E2M1 nibbles (low first) through a value table times E8M0
     per-32 scales `2^(s - 127)`, rounded to bf16, then the sort-based grouped experts with an index_add combine."""
@@ -450,6 +462,8 @@ CORPUS = {
     "scatter_add_combine": MoeEntry(scatter_add_combine, "written for the corpus (scatter_add_)", _plain, REWRITTEN, 1),
     "scatter_reduce_combine": MoeEntry(scatter_reduce_combine, "written for the corpus (scatter_reduce sum)", _plain,
                                     REWRITTEN, 1),
+    "halves_of_one_stack": MoeEntry(halves_of_one_stack, "written for the corpus (w1, w3 sliced from one stack)",
+                                 _plain, REWRITTEN, 1, detail="batched GEMMs, sum"),
     "fp4_experts": MoeEntry(fp4_experts, "DeepSeek V4 inference FP4 experts", _fp4, REWRITTEN, 1,
                          op="dsfuse.moe_experts_fp4"),
     "fp8_block_dequant": MoeEntry(fp8_block_dequant, "DeepSeek V3 FP8 block-scaled weights, dequantised", _fp8,

@@ -301,7 +301,7 @@ def test_every_block_is_checked_on_probes_against_the_reference(monkeypatch):
     from dsfuse.passes import moe_experts
 
     read_swiglu = moe_experts._swiglu
-    monkeypatch.setattr(moe_experts, "_swiglu", lambda out1, inter: (*read_swiglu(out1, inter)[:2], 0.5))
+    monkeypatch.setattr(moe_experts, "_swiglu", lambda *args: (*read_swiglu(*args)[:2], 0.5))
     fn = _dense_moe()
     x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
     args = (x, ids, weights, *_dense_weights(torch.bfloat16))
@@ -312,6 +312,33 @@ def test_every_block_is_checked_on_probes_against_the_reference(monkeypatch):
     (reason,) = [m.reason for m in rep.near_misses]
     assert reason.startswith("numeric check against the reference failed: random routing probe: outputs differ"), \
         reason
+
+
+def test_group_offsets_from_outside_the_graph_are_reported():
+    """`bincount(ids).cumsum(0)` as the offsets, in a helper: the graph breaks at bincount and the expert GEMMs' graph
+    receives the offsets as an input; what they count cannot be checked, so the block is reported with that
+    reason."""
+
+    def offsets_of(flat_ids):
+        return torch.bincount(flat_ids, minlength=EXPERTS).cumsum(0).to(torch.int32)
+
+    def bincount_offsets(x, ids, weights, gate_up, down):
+        sorted_experts, order = torch.sort(ids.reshape(-1))
+        offsets = offsets_of(ids.reshape(-1))  # the break in a helper: Dynamo resumes after its return
+        gate, up = torch._grouped_mm(x[order // TOP_K], gate_up.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, order // TOP_K, out)
+
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    args = (x, ids, weights, *_dense_weights(torch.bfloat16))
+    with torch.no_grad():
+        _close(_compile(bincount_offsets)(*args), bincount_offsets(*args))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 0
+    assert [m.reason for m in rep.near_misses] == [
+        "the group offsets are an input of the compiled graph, not computed in it from the expert ids (a graph break "
+        "before them, as at a torch.bincount, hides what they count)"], str(rep)
 
 
 def test_weights_stored_k_major_are_a_reported_near_miss():
