@@ -6,7 +6,8 @@ its reason; never wrong, never silent.
 Axes: the expert GEMM (`_grouped_mm` over expert-sorted rows, `bmm` or `einsum` of per-slot gathered weights, every
 expert on every token by `einsum` or by a loop over the experts), how the sorted form counts its groups (`histc`, a
 one-hot sum, `searchsorted` of the sorted ids, of ids gathered by `argsort`, `bincount`), the weight layout (one
-gate_up stack `[E, 2I, H]` or stored `[E, H, 2I]`, or separate w1 / w3 stacks), the SiLU's spelling, the combine
+gate_up stack `[E, 2I, H]` or stored `[E, H, 2I]`, separate w1 / w3 stacks, or w1 / w3 sliced from one gate_up
+stack), the SiLU's spelling, the combine
 (`index_add`, `scatter_add`, the slot outputs summed per token, or contracted with the weights by `einsum`) and the
 dtype. The routing is adversarial: tokens share experts, some experts get no token, and one router weight is zero.
 
@@ -34,7 +35,7 @@ GROUPED, GATHERED, DENSE = ("grouped_mm",), ("bmm gathered", "einsum gathered"),
 AXES = {
     "gemm": GROUPED + GATHERED + DENSE,
     "count": ("histc", "one-hot sum", "searchsorted", "argsort+searchsorted", "bincount"),
-    "layout": ("gate_up [E,2I,H]", "gate_up [E,H,2I]", "w1+w3 [E,I,H]"),
+    "layout": ("gate_up [E,2I,H]", "gate_up [E,H,2I]", "w1+w3 [E,I,H]", "w1+w3 halves of gate_up"),
     "activation": ("F.silu", "x*sigmoid(x)", "x/(1+exp(-x))"),
     "combine": ("index_add", "scatter_add", "slot sum", "einsum weights"),
     "dtype": ("bf16", "fp32"),
@@ -79,8 +80,8 @@ def program(choice: dict):
         return torch._grouped_mm(rows, stack if stored_kn else stack.transpose(-2, -1), offs=offsets)
 
     def swiglu(gemm_of, rows, stacks):
-        if layout == "w1+w3 [E,I,H]":
-            w1, w3, down = stacks
+        if layout.startswith("w1+w3"):
+            w1, w3, down = stacks if layout == "w1+w3 [E,I,H]" else (stacks[0][:, :I], stacks[0][:, I:], stacks[1])
             return gemm_of(silu(choice, gemm_of(rows, w1)) * gemm_of(rows, w3), down)
         gate_up, down = stacks
         gate, up = gemm_of(rows, gate_up).chunk(2, dim=-1)
