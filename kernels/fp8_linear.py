@@ -22,7 +22,8 @@ Ops:
 
 CUDA: activations are quantised by one Triton kernel, then multiplied by `_fp8_gemm_kernel` (grouped or not: a
 list of row tiles, each of one expert, computed on the device without a host sync), by `_fp8_decode_kernel` up to
-DECODE_MAX_ROWS rows (the weight streamed as the MMA's first operand, every row in one tile), by `_fp4_gemm_kernel`
+DECODE_MAX_ROWS rows (the weight streamed as the MMA's first operand, every row in one tile; row tiles of up to 16
+rows quantise their activations in it, the same arithmetic in one launch fewer), by `_fp4_gemm_kernel`
 for FP4 weights (decode-sized calls with wider tiles), or, for FP8 weights at `M >= SCALED_MM_MIN_ROWS`, by
 cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where the GEMM is compute-bound. Where the programs of
 the output tiles alone would leave SMs idle, the channel groups are split and a second kernel sums the fp32
@@ -180,6 +181,20 @@ def fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, bloc
 # Triton kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _quantize_rows(x, POW2: tl.constexpr):
+    """x [rows, channels] fp32 -> (x / scale clamped to +-448, still to be rounded to e4m3; scale per row) as
+    `quantize_activations` computes them (an fp32 multiply by fp32(1 / 448), an IEEE reciprocal)."""
+    nan_rows = tl.max((x != x).to(tl.int32), axis=1) > 0  # a GPU max reduction skips NaN; torch's amax keeps it
+    amax = tl.where(nan_rows, float("nan"), tl.max(tl.abs(x), axis=1))
+    scale = tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * _FP8_INV_MAX
+    if POW2:
+        scale = tl.where(scale != scale, scale, power_of_two_ceil(scale))
+    q = tl.maximum(x * tl.div_rn(1.0, scale)[:, None], -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return q, scale
+
+
+@triton.jit
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_g,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr,
                       DEQUANTIZED: tl.constexpr):
@@ -193,14 +208,7 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
     x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k,
                 mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
     inside = (rows[:, None] < rows_out) & (cols[None, :] < K)
-    x = x.to(tl.float32)
-    nan_rows = tl.max((x != x).to(tl.int32), axis=1) > 0  # a GPU max reduction skips NaN; torch's amax keeps it
-    amax = tl.where(nan_rows, float("nan"), tl.max(tl.abs(x), axis=1))
-    scale = tl.maximum(amax, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL) * _FP8_INV_MAX
-    if POW2:
-        scale = tl.where(scale != scale, scale, power_of_two_ceil(scale))
-    q = tl.maximum(x * tl.div_rn(1.0, scale)[:, None], -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    q = tl.minimum(q, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q, scale = _quantize_rows(x.to(tl.float32), POW2)
     at = q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
     if DEQUANTIZED:
         values = round_to_e4m3_grid(q) if MANUAL_FP8_RNE else q.to(tl.float8e4nv).to(tl.float32)
@@ -323,15 +331,19 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
 @triton.jit
 def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
                        M, N, K, G, num_experts, groups_per_split,
-                       ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
+                       ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k, sx_m, sx_k,
                        block_n_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
-                       GROUPED: tl.constexpr):
+                       GROUPED: tl.constexpr, QUANTIZE_A: tl.constexpr, POW2: tl.constexpr,
+                       MANUAL_FP8_RNE: tl.constexpr):
     """`_fp8_gemm_kernel`'s math for decode-sized row tiles, shaped to stream the weight: the weight tile
     [BLOCK_N, BLOCK_K] is the MMA's first operand (BLOCK_N >= 64 fills its M; the few rows are its N), loaded
     straight into the dot so that Triton pipelines it, and both scales of the next channel group are loaded one
-    group ahead (a small load Triton does not pipeline would otherwise wait its full latency every group)."""
+    group ahead (a small load Triton does not pipeline would otherwise wait its full latency every group).
+    QUANTIZE_A: q_ptr is x itself (strides sx_m, sx_k), each group quantised in the program as `_act_quant_kernel`
+    does (a few rows: re-reading them from L2 per program costs less than a launch and q's round trip), its
+    channels loaded one group ahead as the scales are."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
         q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
@@ -342,35 +354,76 @@ def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, ti
     g_last = tl.minimum(g_first + groups_per_split, G)
     w_scale_rows = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n
     a_scale, w_scale = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_first, ss_m, ss_g, sws_k,
-                                        E8M0_SCALES)
+                                        E8M0_SCALES, not QUANTIZE_A)
+    x = _x_group(q_ptr, a_row, row_ok, g_first, K, sx_m, sx_k, BLOCK_K, QUANTIZE_A)
     w_rows = w_base + ns[:, None].to(tl.int64) * sw_n
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(g_first, g_last):
         ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
             w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None], other=0.0)
         else:
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
             w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
-        a_next, w_next = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, tl.minimum(g + 1, G - 1), ss_m,
-                                          ss_g, sws_k, E8M0_SCALES)
-        acc += tl.dot(w, tl.trans(a)) * (a_scale[None, :] * w_scale[:, None])
+        if QUANTIZE_A:
+            a, a_scale = _quantized_group(x, POW2, MANUAL_FP8_RNE)
+        elif EVEN_K:
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+        g_next = tl.minimum(g + 1, G - 1)
+        a_next, w_next = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_next, ss_m, ss_g, sws_k,
+                                          E8M0_SCALES, not QUANTIZE_A)
+        x = _x_group(q_ptr, a_row, row_ok, g_next, K, sx_m, sx_k, BLOCK_K, QUANTIZE_A)
+        if MANUAL_FP8_RNE:  # the interpreter: fp32 operands (rows it quantises are fp32 there), an fp32 product
+            part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(w, tl.trans(a))
+        acc += part * (a_scale[None, :] * w_scale[:, None])
         a_scale, w_scale = a_next, w_next
     _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
                 SPLIT_PARTIALS)
 
 
 @triton.jit
-def _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g, ss_m, ss_g, sws_k, E8M0_SCALES: tl.constexpr):
-    """Channel group g's activation scales [rows] and weight scales [columns] as fp32 (g < G: the prefetch past a
-    split's last group reads the last group's again, unused)."""
-    a_scale = tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
+def _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g, ss_m, ss_g, sws_k, E8M0_SCALES: tl.constexpr,
+                     LOAD_A: tl.constexpr):
+    """Channel group g's activation scales [rows] (zeros without LOAD_A: the kernel quantises the rows itself)
+    and weight scales [columns] as fp32 (g < G: the prefetch past a split's last group reads the last group's
+    again, unused)."""
+    if LOAD_A:
+        a_scale = tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
+    else:
+        a_scale = tl.zeros(a_row.shape, tl.float32)
     if E8M0_SCALES:
         w_scale = e8m0_to_float(tl.load(w_scale_rows + g * sws_k, mask=n_ok, other=127))
     else:
         w_scale = tl.load(w_scale_rows + g * sws_k, mask=n_ok, other=0.0)
     return a_scale, w_scale
+
+
+@triton.jit
+def _x_group(x_ptr, a_row, row_ok, g, K, sx_m, sx_k, BLOCK_K: tl.constexpr, LOAD: tl.constexpr):
+    """Channel group g of the rows of x [rows, BLOCK_K] as stored, converted where it is used so that nothing waits
+    for the load before then (fp32 zeros without LOAD: x is quantised already)."""
+    ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
+    if LOAD:
+        x = tl.load(x_ptr + a_row[:, None] * sx_m + ks[None, :] * sx_k, mask=row_ok[:, None] & (ks[None, :] < K),
+                    other=0.0)
+    else:
+        x = tl.zeros((a_row.shape[0], BLOCK_K), tl.float32)
+    return x
+
+
+@triton.jit
+def _quantized_group(x, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
+    """x [rows, channels] quantised as `_act_quant_kernel` quantises it: (e4m3 values, or on the interpreter the
+    same values in fp32; scale per row)."""
+    q, scale = _quantize_rows(x.to(tl.float32), POW2)
+    if MANUAL_FP8_RNE:
+        values = round_to_e4m3_grid(q)
+    else:
+        values = q.to(tl.float8e4nv)
+    return values, scale
 
 
 @triton.jit
@@ -470,6 +523,10 @@ def _tile_config(rows_bucket: int, fp4: bool):
 DECODE_MAX_ROWS = 64
 # Row tile of a grouped call on the decode path: a few rows per expert, the MMA's smallest N.
 DECODE_EXPERT_BLOCK_M = 16
+# Row tiles up to this size quantise their activations inside the decode kernel (FP8 weights): the bf16 rows of a
+# channel group each program re-reads from L2 are at most half its weight tile, and the call saves the quantising
+# launch. Larger tiles read activations quantised beforehand (e4m3, half the bytes, no per-program quantising).
+DECODE_QUANTIZE_MAX_ROW_TILE = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -499,10 +556,12 @@ def _sm_count(device) -> int:
 
 def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None, config=None, decode=None,
           split=None):
-    """out = `q`, `s` (from `quantize_for_weight`) through `weight`; grouped by expert with the running row totals
-    `offsets` [E]; `a_rows` [rows] int32: output row r reads activation row a_rows[r] of q. `decode` (by default:
-    at most DECODE_MAX_ROWS rows) picks the decode path; `config` replaces its tile table's entry (`_decode_config`
-    or `_tile_config`'s tuple: the benchmark's sweeps) and `split` the count of channel-group splits."""
+    """out = `q`, `s` (from `quantize_for_weight`) through `weight`, or with `s` None, `q` the activations x
+    themselves, quantised inside the decode kernel (FP8 weights on the decode path) or first; grouped by expert with
+    the running row totals `offsets` [E]; `a_rows` [rows] int32: output row r reads activation row a_rows[r] of q.
+    `decode` (by default: at most DECODE_MAX_ROWS rows) picks the decode path; `config` replaces its tile table's
+    entry (`_decode_config` or `_tile_config`'s tuple: the benchmark's sweeps) and `split` the count of
+    channel-group splits."""
     N, K = weight_dims(weight)
     rows, fp4 = out.shape[0], _is_fp4(weight)
     decode = rows <= DECODE_MAX_ROWS if decode is None else decode
@@ -511,6 +570,9 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
         BM = _decode_block_m(rows, offsets is not None)
     else:
         (BM, BN, warps, stages), programs_per_sm, fp4_step = config or _gemm_config(rows, weight), 2, FP4_BLOCK_K
+    quantize_a = s is None and decode and not fp4 and BM <= DECODE_QUANTIZE_MAX_ROW_TILE
+    if s is None and not quantize_a:
+        q, s = quantize_for_weight(q, weight, scale, block_k)
     if offsets is None:  # row tiles from the program id: nothing to build on the device
         tiles, tile_count, row_end, experts = (q, q, q), cdiv(rows, BM), None, 1
     else:
@@ -541,9 +603,15 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
             q, w3, s3, target, *tiles, a_row_arg, rows, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
             s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), partials_stride,
             BLOCK_K=step, DECODE_ASM=not interpreting(), **common)
+    elif decode:
+        _fp8_decode_kernel[grid](
+            q, q if quantize_a else s, w3, s3, target, *tiles, a_row_arg, rows, N, K, steps, experts, per_split,
+            *((0, 0) if quantize_a else s.stride()), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0),
+            s3.stride(1), s3.stride(2), out.stride(0), out.stride(1), partials_stride, q.stride(0), q.stride(1),
+            block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, E8M0_SCALES=e8m0, QUANTIZE_A=quantize_a, POW2=e8m0,
+            MANUAL_FP8_RNE=interpreting(), **common)
     else:
-        kernel = _fp8_decode_kernel if decode else _fp8_gemm_kernel
-        kernel[grid](
+        _fp8_gemm_kernel[grid](
             q, s, w3, s3, target, *tiles, a_row_arg, rows, N, K, steps, experts, per_split,
             s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1),
             s3.stride(2), out.stride(0), out.stride(1), partials_stride, block_n,
@@ -608,8 +676,7 @@ def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
         return _scaled_mm_linear(x2, weight, weight_scale).view(*x.shape[:-1], N)
     out = torch.empty((x2.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_for_weight(x2, weight, weight_scale, block_k)
-        _gemm(q, s, weight, weight_scale, out, block_n, block_k)
+        _gemm(x2, None, weight, weight_scale, out, block_n, block_k)
     return out.view(*x.shape[:-1], N)
 
 
@@ -617,8 +684,7 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     E, N, K = _check_grouped(x, weight, weight_scale, offsets, block_n, block_k)
     out = torch.zeros((x.shape[0], N), dtype=x.dtype, device=x.device)
     if out.numel():
-        q, s = quantize_for_weight(x, weight, weight_scale, block_k)
-        grouped_gemm_quantized(q, s, None, weight, weight_scale, offsets, block_n, block_k, out)
+        _gemm(x, None, weight, weight_scale, out, block_n, block_k, offsets=offsets)
     return out
 
 
