@@ -97,14 +97,15 @@ def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_
 
 
 class _LaunchRecorder:
-    """Stands in for a Triton kernel: records each launch's grid and BLOCK_M, then launches the kernel."""
+    """Stands in for a Triton kernel: records each launch's grid, BLOCK_M and whether it quantises the activations
+    itself, then launches the kernel."""
 
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            self.launches.append((grid, kwargs["BLOCK_M"]))
+            self.launches.append((grid, kwargs["BLOCK_M"], kwargs.get("QUANTIZE_A", False)))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
@@ -138,20 +139,41 @@ def _split_sums(x, w, s, kind, bounds):
 @pytest.mark.parametrize("M,N,K", [(1, 70, 320), (2, 33, 448), (7, 129, 192), (16, 64, 256), (33, 65, 320),
                                    (64, 40, 160)])
 def test_decode_path_gives_the_references_bits(kind, M, N, K, monkeypatch):
-    """Up to DECODE_MAX_ROWS rows, one row tile (16 to 64 rows) through the decode kernel, N and K not multiples of
-    the tiles or the scale blocks: the reference's bits."""
+    """Up to DECODE_MAX_ROWS rows, one row tile (16 to 64 rows) through the decode kernel (FP8 tiles of up to 16
+    rows quantise their activations in it), N and K not multiples of the tiles or the scale blocks: the
+    reference's bits."""
     recorder = _record_decode_launches(monkeypatch, kind)
     w, s = _weights(kind, N, K, M + N)
     x = _x(M, K, K + M)
     assert torch.equal(fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128))
-    (grid, block_m), = recorder.launches
+    (grid, block_m, quantises), = recorder.launches
     assert M <= ops.DECODE_MAX_ROWS and grid[0] == 1 and block_m == max(16, 1 << (M - 1).bit_length())
+    assert quantises == (kind != "fp4" and block_m <= ops.DECODE_QUANTIZE_MAX_ROW_TILE)
+
+
+def _activations(x, w, s, quantise_first):
+    """(activations, scales) as `_gemm` takes them: quantised beforehand, or x itself (FP8: quantised in the
+    kernel)."""
+    return quantize_for_weight(x, w, s, 128) if quantise_first else (x, None)
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+def test_decode_path_gives_nan_rows_for_nan_and_inf_activations(kind):
+    """A NaN or an infinity in a row makes the row's scale NaN or infinite, and the row NaN, as in the reference;
+    the other rows keep their values (the activations are quantised in the decode kernel)."""
+    w, s = _weights(kind, 40, 256, 24)
+    x = _x(4, 256, 25)
+    x[1, 3], x[2, 200] = float("nan"), float("inf")
+    got, want = fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[1].isnan().all() and got[2].isnan().all() and not got[[0, 3]].isnan().any()
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("quantise_first", [False, True])
 @pytest.mark.parametrize("M,split,bounds", [(1, 2, [0, 256, 448]), (7, 4, [0, 128, 256, 384, 448]),
                                             (64, 3, [0, 256, 448])])
-def test_decode_split_partials_are_summed_in_split_order(kind, M, split, bounds, monkeypatch):
+def test_decode_split_partials_are_summed_in_split_order(kind, quantise_first, M, split, bounds, monkeypatch):
     """Channel groups split across programs (3 splits of 4 groups become 2 of 2): each split's fp32 partials, summed
     in split order by the second kernel, rounded once: the bits of the reference run per split and added in that
     order."""
@@ -160,15 +182,16 @@ def test_decode_split_partials_are_summed_in_split_order(kind, M, split, bounds,
     w, s = _weights(kind, N, K, M)
     x = _x(M, K, M + 1)
     out = torch.empty((M, N), dtype=x.dtype)
-    q, qs = quantize_for_weight(x, w, s, 128)
-    ops._gemm(q, qs, w, s, out, 128, 128, split=split)
+    ops._gemm(*_activations(x, w, s, quantise_first), w, s, out, 128, 128, split=split)
     assert recorder.launches[0][0][2] == len(bounds) - 1
     assert torch.equal(out, _split_sums(x, w, s, kind, bounds).to(x.dtype))
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("quantise_first", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
-def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, split, monkeypatch):
+def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, quantise_first, split,
+                                                                                     monkeypatch):
     """A decode step's experts: 16 experts, most empty, one row or a few each, rows past the last offset left as
     they are (zeros here), tiles of 16 rows per expert and at most one tile per row; with split channel groups too
     (the second kernel writes only the computed rows)."""
@@ -178,15 +201,14 @@ def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_r
     x = _x(S, K, 21)
     offsets = torch.tensor([0, 1, 1, 1, 4, 4, 9, 10] + [10] * 8, dtype=torch.int32)
     out = torch.zeros((S, N), dtype=x.dtype)
-    q, qs = quantize_for_weight(x, w, s, 128)
-    ops._gemm(q, qs, w, s, out, 128, 128, offsets=offsets, split=split)
+    ops._gemm(*_activations(x, w, s, quantise_first), w, s, out, 128, 128, offsets=offsets, split=split)
     bounds = [0, 256, 320] if split == 2 else [0, 320]
     for e, (start, end) in enumerate(zip([0, *offsets[:-1].tolist()], offsets.tolist())):
         want = _split_sums(x[start:end], w[e], s[e], kind, bounds).to(x.dtype)
         assert torch.equal(out[start:end], want)
     assert not out[10:].any()
-    (grid, block_m), = recorder.launches
-    assert grid[0] <= S and block_m == ops.DECODE_EXPERT_BLOCK_M
+    (grid, block_m, quantises), = recorder.launches
+    assert grid[0] <= S and block_m == ops.DECODE_EXPERT_BLOCK_M and quantises == (kind != "fp4" and not quantise_first)
 
 
 # opcheck's schema test compares the inputs before and after with an op CPU lacks for float8 tensors; the fake
