@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
+import builtins
 import datetime
 import io
 import json
@@ -112,6 +113,8 @@ def mime_bundle(obj) -> dict:
     if isinstance(obj, Figure):
         data["image/png"] = _figure_png(obj)
         return data
+    if isinstance(obj, type):  # a class: its _repr_*_ are functions of an instance
+        return data
     for mime, method in (("text/html", "_repr_html_"), ("text/markdown", "_repr_markdown_"),
                          ("image/png", "_repr_png_")):
         value = getattr(obj, method, lambda: None)()
@@ -134,7 +137,7 @@ class _Kernel:
         self.plt = plt
         plt.show = show
         self.outputs = _CellOutputs()
-        self.namespace = {"__name__": "__main__", "__builtins__": __builtins__, "display": self.display}
+        self.namespace = {"__name__": "__main__", "__builtins__": builtins, "display": self.display}
 
     def display(self, *objs, raw: bool = False) -> None:
         from matplotlib.figure import Figure
@@ -207,7 +210,7 @@ def run_record(wall_s: float) -> dict:
 def execute_notebook(path: Path, out: Path) -> bool:
     """Run `path` top to bottom with the notebook's folder as working directory; write it with its outputs to
     `out`. Returns whether every cell ran."""
-    notebook = json.loads(path.read_text())
+    notebook = json.loads(path.read_text(encoding="utf-8"))
     started = time.perf_counter()
     kernel = _Kernel()
     count, failed = 0, False
@@ -230,7 +233,7 @@ def execute_notebook(path: Path, out: Path) -> bool:
         os.chdir(cwd)
     notebook["metadata"][METADATA_KEY] = run_record(time.perf_counter() - started)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+    out.write_text(json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
     return not failed
 
 

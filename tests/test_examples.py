@@ -2,6 +2,7 @@
 notebook come from a dated run of benchmarks/execute_notebooks.py, whose recording is tested on a small notebook."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ def undated_outputs(notebook) -> list[str]:
     if not any(cell.get("outputs") for cell in code_cells(notebook)):
         return []
     record = notebook["metadata"].get("dsfuse_execution", {})
-    return [key for key in RUN_RECORD if not record.get(key)]
+    return [key for key in RUN_RECORD if record.get(key) in (None, "", "unknown")]
 
 
 def test_the_examples_are_there():
@@ -78,7 +79,8 @@ def test_runner_records_streams_results_figures_and_the_first_error(tmp_path):
     _synthetic_notebook(tmp_path / "fine.ipynb", ["print('fine')"])
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, str(RUNNER), "--out", str(out), str(tmp_path / "fine.ipynb"),
-                          str(tmp_path / "cells.ipynb")], capture_output=True, text=True, timeout=300)
+                          str(tmp_path / "cells.ipynb")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "DSFUSE_COMMIT": "abc1234"})
     assert run.returncode == 1, run.stderr  # one of the two notebooks raised
     assert "cell 5 raised" in run.stderr
     fine = nbformat.read(out / "fine.ipynb", as_version=4)
@@ -86,8 +88,8 @@ def test_runner_records_streams_results_figures_and_the_first_error(tmp_path):
 
     notebook = nbformat.read(out / "cells.ipynb", as_version=4)
     nbformat.validate(notebook)
-    assert not undated_outputs(notebook) and notebook.metadata.dsfuse_execution.device == "cpu"
-    assert json.loads((tmp_path / "cells.ipynb").read_text()) != json.loads((out / "cells.ipynb").read_text())
+    assert not undated_outputs(notebook) and notebook.metadata.dsfuse_execution.commit == "abc1234"
+    assert not any(cell.get("outputs") for cell in code_cells(json.loads((tmp_path / "cells.ipynb").read_text())))
     printed, expression, figure, display, error, after = code_cells(notebook)
     assert [(o.output_type, o.name, o.text) for o in printed.outputs] == [
         ("stream", "stdout", "to stdout\n"), ("stream", "stderr", "to stderr\n"), ("stream", "stdout", "more stdout\n")]
@@ -102,6 +104,14 @@ def test_runner_records_streams_results_figures_and_the_first_error(tmp_path):
     assert [c.execution_count for c in code_cells(notebook)] == [1, 2, 3, 4, 5, None] and after.outputs == []
 
 
+def test_runner_writes_in_place_without_out(tmp_path):
+    _synthetic_notebook(tmp_path / "fine.ipynb", ["print('fine')"])
+    subprocess.run([sys.executable, str(RUNNER), str(tmp_path / "fine.ipynb")], check=True, timeout=300,
+                   capture_output=True)
+    notebook = nbformat.read(tmp_path / "fine.ipynb", as_version=4)
+    assert [o.text for o in notebook.cells[1].outputs] == ["fine\n"] and notebook.metadata.dsfuse_execution.date
+
+
 def test_outputs_without_the_runners_record_are_caught():
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")])
     assert undated_outputs(notebook) == []
@@ -109,3 +119,5 @@ def test_outputs_without_the_runners_record_are_caught():
     assert undated_outputs(notebook) == list(RUN_RECORD)
     notebook.metadata["dsfuse_execution"] = {key: "x" for key in RUN_RECORD}
     assert undated_outputs(notebook) == []
+    notebook.metadata["dsfuse_execution"]["commit"] = "unknown"  # the runner's word for "no git, no DSFUSE_COMMIT"
+    assert undated_outputs(notebook) == ["commit"]
