@@ -13,8 +13,9 @@ shapes and its and V4-Flash's expert shapes.
    `fp8_grouped_linear` against bf16 `torch._grouped_mm` of the dequantised weights (and, at decode size, against
    the row-tiled GEMM's tiles as before the decode path).
 4. The decode path (issue 31: at most DECODE_MAX_ROWS rows): for M in 1, 8, 16, 64 on V3.2's projections and
-   V4-Flash's FP4 expert up (4096 -> 4096), the op's path as dispatched (activation quantisation, decode GEMM and,
-   where the channel groups are split, the sum of the partials), the decode GEMM alone on quantised activations,
+   V4-Flash's FP4 expert up (4096 -> 4096), the op's path as dispatched (activation quantisation, inside the decode
+   GEMM for FP8 tiles of up to 16 rows, decode GEMM and, where the channel groups are split, the sum of the
+   partials), the decode GEMM alone on activations quantised beforehand,
    and the row-tiled GEMM with its decode-sized tiles of run 74 (BLOCK_M 16, BLOCK_N 32, 4 warps, 4 stages and its
    split rule; its partials now summed by the same kernel, no tile list built) with the same quantisation: ms,
    weight GB/s and the fraction of the copy bandwidth. `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N,
@@ -119,7 +120,8 @@ def _bandwidth(entry, w, s, ms, copy_gbs):
 
 
 def decode_case(name, N, K, fp4, M, copy_gbs):
-    """One decode-sized linear: the op's path, the decode GEMM alone and the old row-tiled tiles, as bandwidth."""
+    """One decode-sized linear: the op's path, the decode GEMM alone on activations quantised beforehand, and the
+    old row-tiled tiles, as bandwidth."""
     w, s = _weight(N, K, fp4, M + N)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(M))
     want = ops.fp8_linear_reference(x, w, s, 128, 128)
@@ -150,15 +152,15 @@ DECODE_SWEEP_FP4 = [(128, 8, 4, 4, 128), (128, 8, 3, 2, 128), (128, 8, 4, 8, 128
 
 
 def decode_sweep_case(name, N, K, fp4, M, copy_gbs):
-    """The decode GEMM alone (activations quantised beforehand) under each decode tile config."""
+    """The decode path as the op runs it (activations quantised in the kernel where its row tile allows, else
+    first) under each decode tile config."""
     w, s = _weight(N, K, fp4, M + N)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(M))
     want = ops.fp8_linear_reference(x, w, s, 128, 128)
-    q, qs = ops.quantize_for_weight(x, w, s, 128)
     out = torch.empty((M, N), dtype=x.dtype, device="cuda")
     row = {"shape": name, "M": M, "default": ops._decode_config(fp4)}
     for config in DECODE_SWEEP_FP4 if fp4 else DECODE_SWEEP:
-        fn = lambda: ops._gemm(q, qs, w, s, out, 128, 128, config=config, decode=True)  # noqa: E731
+        fn = lambda: ops._gemm(x, None, w, s, out, 128, 128, config=config, decode=True)  # noqa: E731
         try:
             fn()
             err = rel(out, want)
