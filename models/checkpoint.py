@@ -232,9 +232,11 @@ def _config_dtype(config) -> torch.dtype:
     return dtype if isinstance(dtype, torch.dtype) else torch.float32
 
 
-def expected_tensors(kind: str, config, source: str | os.PathLike = CONFIG_NAME) -> dict[str, tuple]:
+def expected_tensors(kind: str, config, source: str | os.PathLike = CONFIG_NAME,
+                     saved_names: bool = False) -> dict[str, tuple]:
     """Every state-dict key of the model `config` describes, as key → (shape, dtype), from a meta-device skeleton.
-    `source` names the config file in errors."""
+    With `saved_names`, the names and shapes transformers' `save_pretrained` writes for it (DeepSeek V4 saves in
+    its released names, e.g. `attn.attn_sink` for `self_attn.sinks`). `source` names the config file in errors."""
     from dsfuse.models.quantized import fp8_skeleton, released_layout, released_state
 
     quant = quantization(config, source)
@@ -244,7 +246,12 @@ def expected_tensors(kind: str, config, source: str | os.PathLike = CONFIG_NAME)
             state = released_state(skeleton.state_dict(), released_layout(config))
         else:
             with torch.device("meta"):
-                state = _instantiate(kind, config, _config_dtype(config)).state_dict()
+                skeleton = _instantiate(kind, config, _config_dtype(config))
+            state = skeleton.state_dict()
+            if saved_names:
+                from transformers.core_model_loading import revert_weight_conversion
+
+                state = revert_weight_conversion(skeleton, dict(state))
     except Exception as error:
         raise CheckpointError(f"{source}: cannot build the model this config describes: {error}") from None
     return {key: (tuple(value.shape), value.dtype) for key, value in state.items()}
@@ -303,6 +310,11 @@ def validate_checkpoint(directory: str | os.PathLike):
     files = safetensors_files(directory)
 
     missing = [key for key in expected if key not in files]
+    if missing and kind == "hf" and not quantization(config):  # or in the names save_pretrained writes?
+        saved = expected_tensors(kind, config, directory / CONFIG_NAME, saved_names=True)
+        missing_saved = [key for key in saved if key not in files]
+        if len(missing_saved) < len(missing):
+            expected, missing = saved, missing_saved
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}{more}")
@@ -341,6 +353,15 @@ def validate_checkpoint(directory: str | os.PathLike):
     return kind, config, files
 
 
+def _in_saved_names(kind: str, config, files: dict[str, Path]) -> bool:
+    """Whether an unquantised transformers checkpoint holds its tensors in the names `save_pretrained` writes
+    rather than the in-memory ones (`save_model`'s); only transformers' own loader maps those back."""
+    if kind != "hf" or quantization(config):
+        return False
+    saved = expected_tensors(kind, config, saved_names=True)
+    return saved.keys() != expected_tensors(kind, config).keys() and all(key in files for key in saved)
+
+
 def load_checkpoint(
     directory: str | os.PathLike,
     *,
@@ -366,11 +387,17 @@ def load_checkpoint(
         return load_quantized_model(directory, device=device, dtype=dtype or torch.bfloat16,
                                     experts_implementation=experts_implementation,
                                     attn_implementation="eager" if v4 else attn_implementation)
+    dtype = dtype or _config_dtype(config)
     if kind == "hf":
         v4 = config.model_type == "deepseek_v4" and attn_implementation == "sdpa"
-        config._attn_implementation = "eager" if v4 else attn_implementation
+        attn_implementation = "eager" if v4 else attn_implementation
+        if _in_saved_names(kind, config, files):
+            model = _model_class(kind, config).from_pretrained(
+                directory, config=config, local_files_only=True, use_safetensors=True, dtype=dtype,
+                attn_implementation=attn_implementation, experts_implementation=experts_implementation)
+            return keep_fp32_modules(model).to(device).eval()
+        config._attn_implementation = attn_implementation
         config._experts_implementation = experts_implementation
-    dtype = dtype or _config_dtype(config)
     with no_init_weights(), torch.device(device):
         model = _instantiate(kind, config, dtype)
     for path in sorted(set(files.values())):

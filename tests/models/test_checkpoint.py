@@ -184,3 +184,22 @@ def test_kind_must_match_preset(tmp_path):
         write_random_checkpoint("own-tiny", tmp_path, kind="hf")
     with pytest.raises(ValueError, match="valid presets"):
         write_random_checkpoint("enormous", tmp_path)
+
+
+def test_v4_saved_by_transformers_loads_in_its_released_names(tmp_path):
+    """transformers saves DeepSeek V4 in its released names (`attn.attn_sink`, `head.weight`, ...): the validator
+    takes them and the loader maps them back through transformers, to the same weights."""
+    model = build_hf_model("v4-tiny", seed=4)
+    model.save_pretrained(tmp_path / "v4")
+    assert "model.layers.0.attn.attn_sink" in load_file(tmp_path / "v4" / "model.safetensors")
+    loaded = load_checkpoint(tmp_path / "v4")
+    assert type(loaded) is type(model)
+    assert loaded.state_dict().keys() == model.state_dict().keys()
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_v4_in_released_names_with_a_tensor_missing_names_it(tmp_path):
+    build_hf_model("v4-tiny", seed=4).save_pretrained(tmp_path / "v4")
+    rewrite_weights(tmp_path / "v4", lambda state: state.pop("model.layers.1.attn.attn_sink"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.attn\.attn_sink'$"):
+        checkpoint.validate_checkpoint(tmp_path / "v4")
