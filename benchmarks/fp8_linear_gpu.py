@@ -145,10 +145,8 @@ def decode_case(name, N, K, fp4, M, copy_gbs):
 
 
 # (BLOCK_N, warps, stages, programs per SM, FP4 K step); each list starts with `ops._decode_config`'s choice
-DECODE_SWEEP = [(64, 4, 4, 2, 128), (64, 4, 3, 2, 128), (64, 4, 6, 2, 128), (64, 4, 4, 4, 128), (32, 4, 4, 2, 128),
-                (128, 4, 4, 2, 128), (128, 8, 4, 2, 128)]
-DECODE_SWEEP_FP4 = [(128, 8, 4, 4, 128), (128, 8, 3, 2, 128), (128, 8, 4, 8, 128), (64, 4, 4, 4, 128),
-                    (128, 4, 4, 4, 64)]
+DECODE_SWEEP = [(64, 4, 4, 2, 128), (64, 4, 6, 2, 128), (64, 4, 4, 4, 128), (32, 4, 4, 2, 128), (128, 8, 4, 2, 128)]
+DECODE_SWEEP_FP4 = [(128, 8, 4, 4, 128), (128, 8, 3, 2, 128), (64, 4, 4, 4, 128), (128, 4, 4, 4, 64)]
 
 
 def decode_sweep_case(name, N, K, fp4, M, copy_gbs):
