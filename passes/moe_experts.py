@@ -202,8 +202,8 @@ def _roots(node, depth: int = 24) -> set:
         seen.add(n)
         if is_op(n, aten.full.default, aten.scalar_tensor.default, LIFT) or n.op == "get_attr":
             continue
-        if n.op == "call_function" and d < depth and (
-                _is_pointwise(n) or n.target in ORDER_KEEPING_OPS | BROADCASTING | {aten.cat.default, aten.index.Tensor}):
+        if n.op == "call_function" and d < depth and (_is_pointwise(n) or n.target in ORDER_KEEPING_OPS | BROADCASTING
+                                                       | {aten.cat.default, aten.index.Tensor}):
             args = n.args[1] if is_op(n, aten.index.Tensor) else n.args
             for a in torch.utils._pytree.tree_leaves((args, dict(n.kwargs))):
                 stack.append((a, d + 1))
@@ -395,6 +395,10 @@ class ExpertGemm:
         return (shape(self.weight)[0], *weight_dims(tensor_val(self.weight)))
 
 
+K_MAJOR_REASON = ("the expert weights are stored [E, K, N] (is_transposed); the fused ops read [E, N, K] stacks with K "
+                  "contiguous (as F.linear does), so binding this one would copy every expert's weights per call")
+
+
 def _transposed(node) -> torch.fx.Node | None:
     """`w` for `w.transpose(1, 2)` / `w.permute(0, 2, 1)` of a 3-D `w`, else None."""
     if is_op(node, aten.permute.default) and list(node.args[1]) in ([0, 2, 1], [0, -1, -2], [-3, -1, -2]):
@@ -450,8 +454,7 @@ def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
         else:
             gemm.weight = _transposed(args["mat2"])
             if gemm.weight is None:
-                gemm.problem = ("the expert weights are stored [E, K, N] (is_transposed); the fused ops take "
-                                "[E, N, K] as F.linear does")
+                gemm.problem = K_MAJOR_REASON
         return gemm
     a, b = node.args[:2]
     gather = _weight_gather(a)
@@ -466,8 +469,8 @@ def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
         _transposed(a) is not None and _weight_gather(_transposed(a)) is not None
         and is_op(b, aten.unsqueeze.default) and b.args[1] % 3 == 2)
     if k_major:  # `rows @ W[ids]`, or an einsum's `W[ids].transpose(1, 2) @ rows`
-        return ExpertGemm(kind="batched", rows=(a if is_op(a, aten.unsqueeze.default) else b).args[0], problem=(
-            "the expert weights are stored [E, K, N] (is_transposed); the fused ops take [E, N, K] as F.linear does"))
+        return ExpertGemm(kind="batched", rows=(a if is_op(a, aten.unsqueeze.default) else b).args[0],
+                          problem=K_MAJOR_REASON)
     return None
 
 
@@ -1019,10 +1022,10 @@ def _weighted_combine(out2, weighted, per_token: bool, route: dict, x, T, top_k,
 
 
 def _contracted_combine(viewed: torch.fx.Node, T, H) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
-    """(router weights, the product node, the block's output) for slot outputs viewed `[T, k, H]` and contracted with fp32 weights
-    over k (`einsum('tkh,tk->th', out.float(), w)`: a bmm of `[T, H, k] @ [T, k, 1]`), else None. Each product is
-    an fp32 product of the slot output and its weight summed in fp32, which is what the fused op computes for fp32
-    weights; a bf16 contraction would round differently, so only fp32 is taken."""
+    """(router weights, the product node, the block's output) for slot outputs viewed `[T, k, H]` and contracted with
+    fp32 weights over k (`einsum('tkh,tk->th', out.float(), w)`: a bmm of `[T, H, k] @ [T, k, 1]`), else None. Each
+    product is an fp32 product of the slot output and its weight summed in fp32, which is what the fused op computes
+    for fp32 weights; a bf16 contraction would round differently, so only fp32 is taken."""
     node = only_user(viewed)
     if is_op(node, CONVERT):
         if node.args[1] != torch.float32:

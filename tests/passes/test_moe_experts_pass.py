@@ -355,7 +355,8 @@ def test_weights_stored_k_major_are_a_reported_near_miss():
     rep = dsfuse.report()
     assert rep.counts["moe_experts"] == 0
     assert [m.reason for m in rep.near_misses] == [
-        "the expert weights are stored [E, K, N] (is_transposed); the fused ops take [E, N, K] as F.linear does"]
+        "the expert weights are stored [E, K, N] (is_transposed); the fused ops read [E, N, K] stacks with K "
+        "contiguous (as F.linear does), so binding this one would copy every expert's weights per call"]
 
 
 def test_unrelated_bmm_is_left_alone_silently():
