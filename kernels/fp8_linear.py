@@ -689,9 +689,10 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
 
 
 def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, offsets, block_n, block_k, out):
-    """The grouped GEMM on activations already quantised by `quantize_for_weight`: out[r] = q[a_rows[r]] (q[r]
-    without `a_rows`) through the weight of r's expert, for the rows up to offsets[-1]; later rows of `out` are not
-    defined afterwards."""
+    """The grouped GEMM on activations quantised by `quantize_for_weight` (or `q` the activations and `s` None: a
+    decode-sized call quantises them in its kernel, a larger one beforehand): out[r] = q[a_rows[r]] (q[r] without
+    `a_rows`) through the weight of r's expert, for the rows up to offsets[-1]; later rows of `out` are not defined
+    afterwards."""
     _gemm(q, s, weight, weight_scale, out, block_n, block_k, offsets=offsets, a_rows=a_rows)
 
 

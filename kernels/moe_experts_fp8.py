@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized,
-                                       quantize_for_weight, weight_dims)
+from dsfuse.kernels.fp8_linear import OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized, weight_dims
 from dsfuse.kernels.moe_experts import check_ids_non_negative, check_swiglu_limit, swiglu
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
@@ -157,14 +156,13 @@ def _experts_triton(x, expert_ids, expert_weights, gate_up, gate_up_scale, down,
     T, top_k = expert_ids.shape
     order, is_local, offsets = _routing(expert_ids, gate_up.shape[0], local_expert_offset)
     (two_i, H), slots = weight_dims(gate_up), T * top_k
-    q, s = quantize_for_weight(x, gate_up, gate_up_scale, block_k)
+    # activations passed unquantised: a decode-sized GEMM quantises them in its kernel (one launch less each)
     h = torch.empty((slots, two_i), dtype=x.dtype, device=x.device)
-    grouped_gemm_quantized(q, s, (order // top_k).to(torch.int32), gate_up, gate_up_scale, offsets, block_n, block_k,
-                           h)
+    grouped_gemm_quantized(x, None, (order // top_k).to(torch.int32), gate_up, gate_up_scale, offsets, block_n,
+                           block_k, h)
     act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
-    q, s = quantize_for_weight(act, down, down_scale, block_k)
     y = torch.empty((slots, H), dtype=x.dtype, device=x.device)
-    grouped_gemm_quantized(q, s, None, down, down_scale, offsets, block_n, block_k, y)
+    grouped_gemm_quantized(act, None, None, down, down_scale, offsets, block_n, block_k, y)
     return _combine_triton(y, order, is_local, expert_weights, x.dtype)
 
 
