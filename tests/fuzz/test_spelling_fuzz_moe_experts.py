@@ -38,7 +38,7 @@ AXES = {
     "layout": ("gate_up [E,2I,H]", "gate_up [E,H,2I]", "w1+w3 [E,I,H]", "w1+w3 halves of gate_up"),
     "activation": ("F.silu", "x*sigmoid(x)", "x/(1+exp(-x))"),
     "combine": ("index_add", "scatter_add", "slot sum", "einsum weights"),
-    "dtype": ("bf16", "fp32"),
+    "dtype": ("bf16", "fp16", "fp32"),
 }
 # Axes each GEMM form reads (the others do not change its program).
 READS = {"grouped_mm": ("gemm", "count", "layout", "activation", "combine"),
@@ -46,6 +46,7 @@ READS = {"grouped_mm": ("gemm", "count", "layout", "activation", "combine"),
          "einsum gathered": ("gemm", "layout", "activation", "combine", "dtype"),
          "dense einsum": ("gemm", "layout", "activation", "dtype"),
          "dense loop": ("gemm", "layout", "activation", "dtype")}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OUTCOMES: dict[tuple[str, str], list[str]] = defaultdict(list)  # (axis, choice) -> "fused" or the reason, per draw
 
 
@@ -151,7 +152,7 @@ def inputs(choice: dict, tokens: int, seed: int) -> tuple:
     """Tokens, routing and the stacks in the drawn layout and dtype. Each token's k experts are distinct, tokens share
     experts, the last expert gets no token, and the first token's second router weight is zero."""
     gen = torch.Generator().manual_seed(seed)
-    dt = torch.bfloat16 if choice["dtype"] == "bf16" or choice["gemm"] == "grouped_mm" else torch.float32
+    dt = DTYPES["bf16" if choice["gemm"] == "grouped_mm" else choice["dtype"]]
     x = torch.randn(tokens, H, generator=gen).to(dt)
     ids = torch.stack([torch.randperm(E - 1, generator=gen)[:K] for _ in range(tokens)])
     weights = torch.rand(tokens, K, generator=gen) + 0.1
@@ -178,7 +179,7 @@ def test_every_spelling_is_fused_with_parity_or_reported(choice, tokens, seed):
         got = torch.compile(fn, backend="dsfuse", options={"enable": ["moe_experts"]})(*args)
         want = fn(*args)
     rep = dsfuse.report()
-    tolerance = 3e-2 if args[0].dtype == torch.bfloat16 else 1e-4
+    tolerance = 1e-4 if args[0].dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance * want.abs().max().item(),
                                msg=lambda m: f"{m}\n{choice}\n{rep}")
     fused = rep.counts["moe_experts"]
@@ -198,7 +199,8 @@ def test_every_axis_value_runs_eagerly():
         for axis in READS[gemm]:
             for value in AXES[axis]:
                 choice = {name: values[0] for name, values in AXES.items()} | {"gemm": gemm, axis: value}
-                choice["dtype"] = "fp32"
+                if axis != "dtype":
+                    choice["dtype"] = "fp32"
                 x, ids, weights, *stacks = inputs(choice, 6, 0)
                 if choice["layout"] == "w1+w3 [E,I,H]":
                     gate_up, down = torch.cat(stacks[:2], dim=1), stacks[2]
@@ -207,6 +209,6 @@ def test_every_axis_value_runs_eagerly():
                 else:
                     gate_up, down = stacks
                 want = moe_experts_bf16_reference(x, ids, weights, gate_up, down)
-                tolerance = 3e-2 if x.dtype == torch.bfloat16 else 1e-4
+                tolerance = 1e-4 if x.dtype == torch.float32 else 3e-2
                 torch.testing.assert_close(program(choice)(x, ids, weights, *stacks), want, rtol=tolerance,
                                            atol=tolerance, msg=lambda m: f"{m}\n{choice}")
