@@ -1406,6 +1406,8 @@ def _report_dense_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
     """Report each SwiGLU expert block that multiplies whole weight stacks (`einsum` over all experts, or a loop
     over the experts) and weights its outputs by routing weights spread over every expert, once per gate stack:
     the expert GEMM anchors no rewrite there, and a dense MoE must not pass silently."""
+    if not any(_dense_gemm(node) for node in graph.nodes if is_op(node, *DENSE_GEMMS)):
+        return  # most graphs: no GEMM reads a whole 3-D stack, so no product needs tracing back
     reported = set()
     for node in list(graph.nodes):
         if not is_op(node, aten.mul.Tensor) or not all(isinstance(a, torch.fx.Node) for a in node.args):

@@ -12,7 +12,7 @@ import dsfuse
 from dsfuse.models import build_own_model, official
 from dsfuse.models.official import E2M1_VALUES, FP4_BLOCK_SIZE
 from dsfuse.models.presets import build_hf_model
-from dsfuse.passes import PassContext, run_pass
+from dsfuse.passes import PassContext, moe_experts, run_pass
 from dsfuse.passes.moe_experts import EAGER_LOOP_REASON
 
 HIDDEN, EXPERTS, TOP_K = 64, 8, 2
@@ -298,8 +298,6 @@ def test_unfusable_gate_is_a_reported_near_miss(act, reason):
 def test_every_block_is_checked_on_probes_against_the_reference(monkeypatch):
     """The matched slice runs on probes against the op's reference before it is rewritten: a block read with a
     SwiGLU clamp its graph does not compute (as a wrong structural reading would) is refused on the numbers."""
-    from dsfuse.passes import moe_experts
-
     read_swiglu = moe_experts._swiglu
     monkeypatch.setattr(moe_experts, "_swiglu", lambda *args: (*read_swiglu(*args)[:2], 0.5))
     fn = _dense_moe()
@@ -339,6 +337,28 @@ def test_group_offsets_from_outside_the_graph_are_reported():
     assert [m.reason for m in rep.near_misses] == [
         "the group offsets are an input of the compiled graph, not computed in it from the expert ids (a graph break "
         "before them, as at a torch.bincount, hides what they count)"], str(rep)
+
+
+def test_dense_experts_loop_is_reported_once():
+    """A loop over the experts that runs each on every token and weights its output by a dense [T, E] matrix of the
+    router weights computes the unrouted experts too: one near-miss for the block (not one per expert), and
+    eager's numbers."""
+    gate_up, down = _dense_weights(torch.float32)
+
+    def dense_loop(x, ids, weights, gate_up, down):
+        dense_weights = torch.zeros(x.shape[0], EXPERTS).scatter(1, ids, weights)
+        total = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
+            total = total + (F.silu(gate) * up) @ down[e].t() * dense_weights[:, e:e + 1]
+        return total
+
+    x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
+    with torch.no_grad():
+        _close(_compile(dense_loop)(x, ids, weights, gate_up, down), dense_loop(x, ids, weights, gate_up, down))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 0
+    assert [m.reason for m in rep.near_misses] == [moe_experts.DENSE_REASON], str(rep)
 
 
 def test_weights_stored_k_major_are_a_reported_near_miss():
