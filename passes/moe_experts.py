@@ -22,11 +22,12 @@ reshaped). From the first GEMM of a block:
                `zeros(T, H)` at `perm // k` (slots in place: `arange(T*k) // k`): `index_add_` (own model),
                `scatter_add_`, `scatter_reduce(sum)`, in the activations' dtype or in fp32 and then cast
 
-Every matched block (plain or FP4 weights) is then run on probes against the op's reference (`verify.py`): a random
-routing whose unrouted expert holds NaN weights (reading it shows), every slot on one expert (duplicate ids), zero
-router weights, and under expert parallelism other ranks' sentinel ids. The output must have the reference's NaNs
-and be within `BUDGET` of it; a block that is not is a near-miss naming the failing probe. FP8 blocks keep their
-structural match: both GEMMs are dsfuse's own `fp8_grouped_linear`.
+Every matched block (plain, FP4-decoded or block-scaled weights) is then run on probes against its op's reference
+(`verify.py`): a random routing whose unrouted expert holds NaN weights or scales (reading it shows), every slot on
+one expert (duplicate ids), zero router weights, and under expert parallelism other ranks' sentinel ids. The output
+must have the reference's NaNs and be within `BUDGET` of it; a block that is not is a near-miss naming the failing
+probe. Probes run at the graph's static sizes: a block whose stacks hold more than `verify.MAX_ELEMENTS` values (a
+real checkpoint's experts) is not run, and its structural match stands.
 
 Dense weights `[E, 2I, H]` / `[E, H, I]` become `moe_experts_bf16`; block-scaled weights with their scales (both
 GEMMs `fp8_grouped_linear` in one format and block size) become `moe_experts_fp8`; weights decoded in the graph from FP4
@@ -57,10 +58,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-import dsfuse.kernels.moe_experts  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_*)
-import dsfuse.kernels.moe_experts_fp8  # noqa: F401  (registers torch.ops.dsfuse.moe_experts_fp8)
 from dsfuse.kernels.fp8_linear import weight_dims
+# Importing the references also registers the ops they are the CPU implementations of (torch.ops.dsfuse.moe_experts_*).
 from dsfuse.kernels.moe_experts import moe_experts_bf16_reference, moe_experts_reference
+from dsfuse.kernels.moe_experts_fp8 import moe_experts_fp8_reference
 
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
@@ -1219,7 +1220,7 @@ def _match(anchor: torch.fx.Node) -> Block:
         if g1.scale is None or g2.scale is None or g1.blocks != g2.blocks or dtype(g1.weight) != dtype(g2.weight):
             raise NoMatch("the two expert GEMMs are not both block-scaled in one format and block size")
         block.quantized = (g1, g2)
-        return block
+        return _verified(block)
     decoded = (_fp4_decode(g1.weight), _fp4_decode(g2.weight))
     if all(isinstance(d, Fp4Weights) for d in decoded):
         if any(d.dtype != dtype(x) for d in decoded):
@@ -1250,8 +1251,7 @@ BUDGET = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 def _verified(block: Block) -> Block:
     """The block, after its slice (routing, both GEMMs, SwiGLU, weighting, combine) agreed with the op's reference on
-    every probe; raises with the failing probe's reason otherwise. Block-scaled (FP8) blocks are left to their
-    structure: both GEMMs are dsfuse's own `fp8_grouped_linear`, whose numbers the op shares."""
+    every probe; raises with the failing probe's reason otherwise."""
     verdict = _verify(block)
     if verdict.ok is False:
         raise NoMatch(f"numeric check against the reference failed: {verdict.reason}")
@@ -1262,6 +1262,9 @@ def _verify(block: Block) -> Verdict:
     if block.fp4 is not None:
         w13, w2 = block.fp4
         stacks = {"w13_packed": w13.packed, "w13_scale": w13.scale, "w2_packed": w2.packed, "w2_scale": w2.scale}
+    elif block.quantized is not None:
+        g1, g2 = block.quantized
+        stacks = {"gate_up": g1.weight, "gate_up_scale": g1.scale, "down": g2.weight, "down_scale": g2.scale}
     else:
         stacks = {"gate_up": block.gate_up, "down": block.down}
     roles = {"x": block.x, "ids": block.ids, "weights": block.weights, **stacks}
@@ -1269,7 +1272,8 @@ def _verify(block: Block) -> Verdict:
         return Verdict(False, "two roles of the op are bound to one tensor")
     family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, block.expert_parallel),
                     reference=lambda probe: _reference(probe, block), compare=_within_budget)
-    extra = (block.fp4 is not None, block.swiglu_limit, block.weights_cast, block.expert_parallel)
+    extra = (block.fp4 is not None, block.quantized is not None and block.quantized[0].blocks, block.swiglu_limit,
+             block.weights_cast, block.expert_parallel)
     return verify([block.out], roles, family, extra)
 
 
@@ -1278,33 +1282,47 @@ def _grid(shape, dt: torch.dtype, gen: torch.Generator, step: float) -> torch.Te
     return ((torch.randn(shape, generator=gen) * 3).round().clamp(-8, 8) * step).to(dt)
 
 
+def _stack_probe(name: str, shape, dt: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Values for a weight stack or its scales, by dtype: grid values for float weights (e4m3 included), random bytes
+    for FP4 (two E2M1 nibbles a byte), E8M0 scale bytes near 1, and float scales on a grid of 1/8."""
+    if name.endswith("_scale"):
+        if dt == torch.uint8:
+            return torch.randint(123, 127, shape, generator=gen, dtype=torch.uint8)
+        return (torch.randint(1, 9, shape, generator=gen) / 8).to(dt)
+    if dt in (torch.uint8, torch.int8):
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dt)
+    return _grid(shape, dt, gen, 1 / 16 if dt.itemsize > 1 else 1 / 4)
+
+
+def _poisoned(stack: torch.Tensor) -> torch.Tensor:
+    """The stack with its last expert made NaN where its format has a NaN: float weights or scales, or E8M0's 255
+    (an FP4 decode's scales); e4m3 weights keep their values (their scales carry the NaN)."""
+    stack = stack.clone()
+    if stack.dtype in FLOAT_DTYPES:
+        stack[-1] = float("nan")
+    return stack
+
+
 def _probes(shapes: dict, dtypes: dict, expert_parallel: bool) -> list:
-    """A random routing whose last expert gets no slot and holds NaN weights (an op or a slice that reads an unrouted
-    expert shows a NaN), every slot routed to expert 0 (duplicate ids in each token), a zero router weight on every
-    slot of the first token and on one slot of each other token, and under expert parallelism other ranks' slots
-    (id E, the sentinel) that add nothing."""
+    """A random routing whose last expert gets no slot and holds NaN weights or scales (an op or a slice that reads
+    an unrouted expert shows a NaN), every slot routed to expert 0 (duplicate ids in each token), a zero router
+    weight on every slot of the first token and on one slot of each other token, and under expert parallelism other
+    ranks' slots (id E, the sentinel) that add nothing."""
     gen = torch.Generator().manual_seed(0)
     T, top_k = shapes["ids"]
-    fp4 = "w13_packed" in shapes
-    E = shapes["w13_packed" if fp4 else "gate_up"][0]
+    stacks = [name for name in shapes if name not in ("x", "ids", "weights")]
+    E = shapes[stacks[0]][0]
     base = {"x": _grid(shapes["x"], dtypes["x"], gen, 0.25),
             "ids": torch.randint(0, max(E - 1, 1), (T, top_k), generator=gen).to(dtypes["ids"]),
             "weights": ((torch.rand(shapes["weights"], generator=gen) * 8).round() / 8 + 0.125).to(dtypes["weights"]),
             }
-    if fp4:
-        for name in ("w13", "w2"):
-            base[f"{name}_packed"] = torch.randint(0, 256, shapes[f"{name}_packed"], generator=gen,
-                                                   dtype=torch.uint8)
-            scale = torch.randint(123, 127, shapes[f"{name}_scale"], generator=gen, dtype=torch.uint8)
-            if E > 1:
-                scale[-1] = 255  # E8M0's NaN
-            base[f"{name}_scale"] = scale
-    else:
-        for name in ("gate_up", "down"):
-            stack = _grid(shapes[name], dtypes[name], gen, 1 / 16)
-            if E > 1:
-                stack[-1] = float("nan")
-            base[name] = stack
+    finite = {name: _stack_probe(name, shapes[name], dtypes[name], gen) for name in stacks}
+    base.update(finite)
+    if E > 1:
+        base.update({name: _poisoned(stack) for name, stack in finite.items()})
+        if "w13_packed" in shapes:
+            base.update({name: finite[name].clone().index_fill_(0, torch.tensor([E - 1]), 255)
+                         for name in ("w13_scale", "w2_scale")})
     one_expert = dict(base, ids=torch.zeros_like(base["ids"]))
     zero_weights = dict(base, weights=base["weights"].clone())
     zero_weights["weights"][0] = 0
@@ -1314,17 +1332,10 @@ def _probes(shapes: dict, dtypes: dict, expert_parallel: bool) -> list:
         # Finite stacks here: transformers' batched expert-parallel form clamps the sentinel onto expert E - 1 and
         # zeroes its weight, so it computes that expert where the op skips the slot (they differ only where that
         # expert's output is not finite, which the structural match accepts).
-        other_ranks = dict(base, ids=base["ids"].clone(), **_finite_stacks(base))
+        other_ranks = dict(base, ids=base["ids"].clone(), **finite)
         other_ranks["ids"][:, 0] = E
         probes.append(("other ranks' slots", other_ranks))
     return probes
-
-
-def _finite_stacks(probe: dict) -> dict:
-    """The probe's weight stacks with the unrouted expert's NaN weights (or NaN scales) made finite."""
-    if "w13_scale" in probe:
-        return {name: probe[name].masked_fill(probe[name] == 255, 127) for name in ("w13_scale", "w2_scale")}
-    return {name: probe[name].nan_to_num(0.0) for name in ("gate_up", "down")}
 
 
 def _reference(probe: dict, block: Block) -> torch.Tensor:
@@ -1334,6 +1345,10 @@ def _reference(probe: dict, block: Block) -> torch.Tensor:
                                      probe["w2_packed"], probe["w2_scale"], 0, block.swiglu_limit)
     if block.weights_cast is not None:
         weights = weights.to(block.weights_cast)
+    if block.quantized is not None:
+        return moe_experts_fp8_reference(probe["x"], probe["ids"], weights, probe["gate_up"], probe["gate_up_scale"],
+                                         probe["down"], probe["down_scale"], *block.quantized[0].blocks, 0,
+                                         block.swiglu_limit)
     return moe_experts_bf16_reference(probe["x"], probe["ids"], weights, probe["gate_up"], probe["down"], 0,
                                       block.swiglu_limit)
 
