@@ -1413,7 +1413,8 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
 
 DENSE_GEMMS = (aten.mm.default, aten.bmm.default)
 STACK_READS = LAYOUT_OPS | {aten.select.int, aten.slice.Tensor, CONVERT}
-# How a dense MoE spreads the router's [T, k] weights over [T, E]: a scatter, an index_put or a one-hot compare.
+# How a dense MoE spreads the router's [T, k] weights over [T, E]: a scatter, an index_put or a one-hot compare
+# (summed with the weights over k).
 DENSE_WEIGHTING = (aten.scatter.src, aten.scatter.value, aten.index_put.default, aten.eq.Tensor)
 
 
@@ -1450,6 +1451,13 @@ def _dense_gemm(gate: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | No
     return None
 
 
+def _spreads(node: torch.fx.Node) -> bool:
+    """Whether `node` may lie between the routing and the dense [T, E] weights: a read of them, an elementwise op, or
+    a sum (`(one_hot(ids, E) * w[..., None]).sum(1)`)."""
+    return node.op == "call_function" and (node.target in STACK_READS or _is_pointwise(node)
+                                           or is_op(node, aten.sum.dim_IntList))
+
+
 def _densely_weighted(product: torch.fx.Node, depth: int = 12) -> bool:
     """Whether the SwiGLU `product`'s downstream (the down GEMM and its weighting) reads router weights spread over
     every expert."""
@@ -1461,8 +1469,7 @@ def _densely_weighted(product: torch.fx.Node, depth: int = 12) -> bool:
                 continue
             seen.add(user)
             for other in user.all_input_nodes:
-                if other not in seen and reaches_back(other, lambda n: is_op(n, *DENSE_WEIGHTING),
-                                                      lambda n: n.target in STACK_READS, 4):
+                if other not in seen and reaches_back(other, lambda n: is_op(n, *DENSE_WEIGHTING), _spreads, 6):
                     return True
             frontier.append((user, d + 1))
     return False

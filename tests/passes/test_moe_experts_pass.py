@@ -339,14 +339,18 @@ def test_group_offsets_from_outside_the_graph_are_reported():
         "before them, as at a torch.bincount, hides what they count)"], str(rep)
 
 
-def test_dense_experts_loop_is_reported_once():
+@pytest.mark.parametrize("spread", [
+    lambda ids, weights: torch.zeros(ids.shape[0], EXPERTS).scatter(1, ids, weights),
+    lambda ids, weights: (F.one_hot(ids, EXPERTS).float() * weights[..., None]).sum(1),
+], ids=["scatter", "one-hot sum"])
+def test_dense_experts_loop_is_reported_once(spread):
     """A loop over the experts that runs each on every token and weights its output by a dense [T, E] matrix of the
-    router weights computes the unrouted experts too: one near-miss for the block (not one per expert), and
-    eager's numbers."""
+    router weights (scattered, or a one-hot sum) computes the unrouted experts too: one near-miss for the block (not
+    one per expert), and eager's numbers."""
     gate_up, down = _dense_weights(torch.float32)
 
     def dense_loop(x, ids, weights, gate_up, down):
-        dense_weights = torch.zeros(x.shape[0], EXPERTS).scatter(1, ids, weights)
+        dense_weights = spread(ids, weights)
         total = torch.zeros_like(x)
         for e in range(EXPERTS):
             gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
