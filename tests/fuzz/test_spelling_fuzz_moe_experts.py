@@ -7,9 +7,10 @@ Axes: the expert GEMM (`_grouped_mm` over expert-sorted rows, `bmm` or `einsum` 
 expert on every token by `einsum` or by a loop over the experts), how the sorted form counts its groups (`histc`, a
 one-hot sum, `searchsorted` of the sorted ids, of ids gathered by `argsort`, `bincount`), the weight layout (one
 gate_up stack `[E, 2I, H]` or stored `[E, H, 2I]`, separate w1 / w3 stacks, or w1 / w3 sliced from one gate_up
-stack), the SiLU's spelling, the combine
-(`index_add`, `scatter_add`, the slot outputs summed per token, or contracted with the weights by `einsum`) and the
-dtype. The routing is adversarial: tokens share experts, some experts get no token, and one router weight is zero.
+stack), the SiLU's spelling, the combine (`index_add`, `scatter_add`, the slot outputs summed per token, or
+contracted with the weights by `einsum`), how a dense form spreads the router weights over every expert (a scatter or
+a one-hot sum) and the dtype (`_grouped_mm` takes bf16 only: its programs are bf16 whatever the draw). The routing
+is adversarial: tokens share experts, some experts get no token, and one router weight is zero.
 
 The default run draws `DRAWS` programs; `DSFUSE_SPELLING_DRAWS=n` draws n. `DSFUSE_SPELLING_STATS=path` writes the
 outcomes per axis value (draws, fused, each near-miss reason) as JSON, rewritten after every draw.
@@ -38,14 +39,15 @@ AXES = {
     "layout": ("gate_up [E,2I,H]", "gate_up [E,H,2I]", "w1+w3 [E,I,H]", "w1+w3 halves of gate_up"),
     "activation": ("F.silu", "x*sigmoid(x)", "x/(1+exp(-x))"),
     "combine": ("index_add", "scatter_add", "slot sum", "einsum weights"),
+    "spread": ("scatter", "one-hot sum"),
     "dtype": ("bf16", "fp16", "fp32"),
 }
 # Axes each GEMM form reads (the others do not change its program).
 READS = {"grouped_mm": ("gemm", "count", "layout", "activation", "combine"),
          "bmm gathered": ("gemm", "layout", "activation", "combine", "dtype"),
          "einsum gathered": ("gemm", "layout", "activation", "combine", "dtype"),
-         "dense einsum": ("gemm", "layout", "activation", "dtype"),
-         "dense loop": ("gemm", "layout", "activation", "dtype")}
+         "dense einsum": ("gemm", "layout", "activation", "spread", "dtype"),
+         "dense loop": ("gemm", "layout", "activation", "spread", "dtype")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OUTCOMES: dict[tuple[str, str], list[str]] = defaultdict(list)  # (axis, choice) -> "fused" or the reason, per draw
 
@@ -134,7 +136,10 @@ def program(choice: dict):
         if gemm in GATHERED:
             out = swiglu(lambda rows, stack: gathered(rows, stack, flat_ids), x.repeat_interleave(K, dim=0), stacks)
             return combine_slots(out, torch.arange(T * K) // K, weights, x)
-        dense_weights = torch.zeros(T, E).scatter(1, ids, weights)
+        if choice["spread"] == "scatter":
+            dense_weights = torch.zeros(T, E).scatter(1, ids, weights)
+        else:
+            dense_weights = (F.one_hot(ids, E).float() * weights.unsqueeze(-1)).sum(dim=1)
         if gemm == "dense einsum":
             out = swiglu(lambda rows, stack: linear_all(rows, stack) if rows.dim() == 2 else torch.einsum(
                 "esk,ekn->esn" if stored_kn else "esk,enk->esn", rows, stack), x, stacks)
