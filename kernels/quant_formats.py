@@ -45,7 +45,10 @@ def scales_to_float32(scales: torch.Tensor) -> torch.Tensor:
         scales = scales.view(torch.uint8)
     if scales.dtype != torch.uint8:
         raise TypeError(f"block scales must be float32 or E8M0, got {scales.dtype}")
-    powers = torch.exp2(scales.float() - E8M0_BIAS)
+    # built from the exponent bits (byte 0: the subnormal 2^-127), exact on every device: CUDA's exp2 is only
+    # promised to within 2 ulp
+    bits = torch.where(scales == 0, 0x00400000, scales.int() << 23)
+    powers = bits.view(torch.float32)
     return torch.where(scales == E8M0_NAN, torch.full_like(powers, float("nan")), powers)
 
 
@@ -94,9 +97,10 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """E2M1 codes (0..15) as fp32 `E2M1_VALUES`, computed from the bits on the codes' device (no table copied from
     the host, so a CUDA graph captures it): exponent e and mantissa bit m give m / 2 for e = 0, else
     2^(e - 1) * (1 + m / 2); bit 3 is the sign."""
-    exponent = ((codes >> 1) & 3).float()
+    exponent = (codes >> 1) & 3
     mantissa = (codes & 1).float()
-    magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa * 0.5))
+    power = torch.bitwise_left_shift(torch.ones_like(exponent), (exponent - 1).clamp(min=0)).float()  # exact
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, power * (1 + mantissa * 0.5))
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 

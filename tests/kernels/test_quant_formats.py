@@ -4,8 +4,8 @@ for bit: every e4m3 code, fp32 and E8M0 block scales, block remainders, stacked 
 import pytest
 import torch
 
-from dsfuse.kernels.quant_formats import (E8M0_DTYPE, dequantize_fp4, dequantize_fp8_blocks,
-                                          dequantize_weight_triton)
+from dsfuse.kernels.quant_formats import (E2M1_VALUES, E8M0_DTYPE, dequantize_fp4, dequantize_fp8_blocks,
+                                          dequantize_weight_triton, e2m1_values, scales_to_float32)
 
 
 def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -14,6 +14,14 @@ def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     bits = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}[got.dtype]
     nan = want.isnan()
     return torch.equal(got.isnan(), nan) and torch.equal(got.view(bits)[~nan], want.view(bits)[~nan])
+
+
+def test_every_e8m0_byte_and_e2m1_code_is_exact():
+    """The references build powers of two from bits (exact on every device), byte 0 the subnormal 2^-127."""
+    scales = scales_to_float32(torch.arange(256, dtype=torch.uint8))
+    assert scales[:255].tolist() == [2.0 ** (b - 127) for b in range(255)] and scales[255].isnan()
+    assert e2m1_values(torch.arange(16)).tolist() == list(E2M1_VALUES)
+    assert torch.signbit(e2m1_values(torch.tensor([8]))).item()
 
 
 def test_every_e4m3_code_decodes_exactly():
