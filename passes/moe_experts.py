@@ -40,7 +40,9 @@ ranks' slots and masks those rows to 0 (grouped) or clamps the ids and zeroes th
 ops skip every id outside `[0, E)`, so it maps to `local_expert_offset=0` on the local ids.
 
 Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows) are reported, not fused: the ops
-read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights.
+read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights. Two GEMMs over the halves
+`W[:, :I]`, `W[:, I:]` of one stack bind that stack (views: nothing is copied) and are fused. Stacks stored
+`[E, K, N]` are reported for the same reason as separate ones: the ops read K-contiguous rows.
 
 A dense MoE (every expert on every token over whole weight stacks, by `einsum` or a loop over the experts, the
 router weights spread over all experts by a scatter or a one-hot) is reported once per gate stack: the fused ops
@@ -66,10 +68,9 @@ from dsfuse.kernels.moe_experts_fp8 import moe_experts_fp8_reference
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
 from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, ORDER_KEEPING_OPS, SPLIT_OPS,
-                          TRANSPOSE_OPS, VIEW_OPS, aten,
-                          dtype, fill_value, in_graph_order, insert_call, is_op, node_arg, only_user, same_shape,
-                          reaches_back, same_size, shape, slice_args, slice_position, strip, tensor_val,
-                          walk_back)
+                          TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fill_value, in_graph_order, insert_call, is_op,
+                          node_arg, only_user, reaches_back, same_shape, same_size, shape, slice_args,
+                          slice_position, strip, tensor_val, walk_back)
 from .verify import Family, Verdict, verify
 
 NAME = "moe_experts"
