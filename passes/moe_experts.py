@@ -46,10 +46,11 @@ read one `[E, 2I, H]` stack, and building it per call would copy every expert's 
 
 A dense MoE (every expert on every token over whole weight stacks, by `einsum` or a loop over the experts, the
 router weights spread over all experts by a scatter or a one-hot) is reported once per gate stack: the fused ops
-skip the unrouted experts it computes. A bmm that does not gather expert weights, and the second GEMM of a block,
-are skipped silently; a first expert GEMM that cannot be rewritten is reported with the reason. transformers' eager
-experts loop never reaches a graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users see
-why nothing fused.
+skip the unrouted experts it computes. So is a loop over the experts whose rows a `nonzero()` picks (compiled whole
+only when Dynamo captures data-dependent shapes). A bmm that does not gather expert weights, and the second GEMM of a
+block, are skipped silently; a first expert GEMM that cannot be rewritten is reported with the reason. transformers'
+eager experts loop never reaches a graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users
+see why nothing fused.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ DENSE_REASON = (
     "every expert is computed for every token over its whole weight stack, the router weights zeroing the unrouted "
     "ones (a dense MoE); the fused ops compute only the routed experts, which differs where an unrouted expert's "
     "output is not finite (0 * inf is NaN), so the block is left to Inductor")
+
+
+PICKED_ROWS_REASON = (
+    "a loop over the experts, each run on the rows a nonzero() of the routing picks (E GEMMs of data-dependent sizes): "
+    "the same math as the fused ops, but the unrolled loop is not bound to them (only sorted, per-slot gathered and "
+    "dense forms are matched)")
 
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
@@ -1434,9 +1441,22 @@ def _report_dense_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
             found = _dense_gemm(next(iter(roots))) if len(roots) == 1 else None
             if found is None or found[1] in reported:
                 continue
-            if _silu_side(side, next(iter(roots))) and _densely_weighted(node):
+            if not _silu_side(side, next(iter(roots))):
+                continue
+            reason = PICKED_ROWS_REASON if _rows_picked_by_nonzero(found[0], found[1]) else (
+                DENSE_REASON if _densely_weighted(node) else None)
+            if reason is not None:
                 reported.add(found[1])
-                ctx.near_miss(found[0], DENSE_REASON)
+                ctx.near_miss(found[0], reason)
+
+
+def _rows_picked_by_nonzero(gemm: torch.fx.Node, stack: torch.fx.Node) -> bool:
+    """Whether the GEMM's rows (its operand other than the stack) are picked by a `nonzero` of the routing: a loop
+    over the experts that runs each on its own tokens (`torch.where(ids == e)`), compiled whole only where Dynamo
+    captures data-dependent shapes."""
+    rows = [a for a in gemm.args[:2] if strip(a, STACK_READS) is not stack]
+    return any(reaches_back(a, lambda n: is_op(n, aten.nonzero.default), lambda n: n.op == "call_function", 8)
+               for a in rows)
 
 
 def _dense_gemm(gate: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:

@@ -365,6 +365,28 @@ def test_dense_experts_loop_is_reported_once(spread):
     assert [m.reason for m in rep.near_misses] == [moe_experts.DENSE_REASON], str(rep)
 
 
+def test_loop_over_rows_picked_by_nonzero_is_reported():
+    """The official inference loop (`idx, top = torch.where(ids == e)`, each expert on its own rows, accumulated into
+    `y[idx]`) reaches the backend whole only when Dynamo captures data-dependent shapes; then it is reported for what
+    it is, not as a dense MoE, and keeps eager's numbers."""
+    gate_up, down = _dense_weights(torch.float32)
+
+    def picked_rows(x, ids, weights, gate_up, down):
+        y = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            idx, top = torch.where(ids == e)
+            gate, up = (x[idx] @ gate_up[e].t()).chunk(2, dim=-1)
+            y[idx] += (F.silu(gate) * up) @ down[e].t() * weights[idx, top, None]
+        return y
+
+    x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), torch.no_grad():
+        _close(_compile(picked_rows)(x, ids, weights, gate_up, down), picked_rows(x, ids, weights, gate_up, down))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 0
+    assert [m.reason for m in rep.near_misses] == [moe_experts.PICKED_ROWS_REASON], str(rep)
+
+
 def test_weights_stored_k_major_are_a_reported_near_miss():
     """`is_transposed` experts keep `[E, K, N]` stacks; the fused ops read `[E, N, K]`."""
 
