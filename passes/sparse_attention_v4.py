@@ -188,7 +188,7 @@ def _window_mask(mask: torch.fx.Node, B, S, N) -> dict:
                 and term.args[0].args[0] is term.args[1].args[0]:
             packed = term
         elif is_op(term, aten.index.Tensor) and _table_read(term, 3) is not None and dtype(term) == torch.bool:
-            padding = _table_read(term, 3)[0]
+            padding = term
         else:
             raise NoMatch(f"the attention mask has a term ({term.target}) that is not the sliding-window causal "
                           "mask, padding or HF's packed-sequence test")
@@ -216,10 +216,14 @@ def _window_mask(mask: torch.fx.Node, B, S, N) -> dict:
                           "in the fused op)")
     elif not (isinstance(q_term["start"], int) and q_term["start"] >= 0):
         raise NoMatch("the mask's positions do not start at a non-negative constant")
-    if padding is not None:
-        padding = strip(padding, (CONVERT,)) if dtype(strip(padding, (CONVERT,))) == torch.bool else padding
-        if not same_shape(shape(padding), (B, N)):
-            raise NoMatch(f"the padding mask {shape(padding)} is not [B, N] = [{B}, {N}]")
+    if padding is not None:  # kept as eager reads it, table[b, key]: the table may be longer than the keys, and
+        # under dynamic shapes its length is a symbol of its own
+        table, length = _table_read(padding, 3)
+        read = shape(padding)
+        if not (same_size(length, N) and same_size(shape(table)[0], B) and len(read) == 4
+                and all(same_size(d, 1) for d in read[1:3])):
+            raise NoMatch(f"the padding mask's read {read} of {shape(table)} is not one value per batch row and key "
+                          f"([B, 1, 1, N] = [{B}, 1, 1, {N}])")
     return dict(q=q_term, kv=kv_term, window=window, padding=padding)
 
 
@@ -684,7 +688,8 @@ def _rewrite(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContex
         q_positions = _positions_node(graph, before, win["q"], B)
         kv_positions = _positions_node(graph, before, win["kv"], B)
     if win["padding"] is not None:
-        kv_positions = insert_call(graph, before, aten.where.ScalarOther, (win["padding"], kv_positions, -1))
+        padding = insert_call(graph, before, aten.squeeze.dims, (win["padding"], [1, 2]))
+        kv_positions = insert_call(graph, before, aten.where.ScalarOther, (padding, kv_positions, -1))
     cos = sin = None
     if epilogue is not None:
         cos, sin = (_fp32_rows(graph, before, t, B) for t in (epilogue["cos"], epilogue["sin"]))

@@ -129,6 +129,24 @@ def test_left_padding_and_dynamic_lengths_do_not_recompile(model):
     assert all("padding" in s.detail for s in _sites())
 
 
+def test_whole_model_at_a_dynamic_length_keeps_every_layer(model):
+    """Through the model, `input_ids` and `attention_mask` are separate inputs: once the length is dynamic each gets
+    a symbol of its own, and the padding table is no longer provably [B, N]. The op reads it as eager does,
+    `table[b, key]`, so the dynamic graph keeps all three layers (it lost them, a near-miss, on the H200 grid)."""
+    compiled = torch.compile(model, backend="dsfuse", options=OPTIONS)
+    with torch.no_grad():
+        for seq in (9, 12):
+            ids = torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(seq))
+            mask = _left_padding(2, seq)
+            torch.testing.assert_close(compiled(input_ids=ids, attention_mask=mask).logits,
+                                       model(input_ids=ids, attention_mask=mask).logits, rtol=1e-4, atol=1e-4)
+    rep = dsfuse.report()
+    dynamic = rep.graphs[-1].index
+    assert len(rep.graphs) == 2, str(rep)
+    assert [s.pass_name for s in rep.sites if s.graph == dynamic].count("sparse_attention") == 3, str(rep)
+    assert not [m for m in rep.near_misses if m.pass_name == "sparse_attention"], str(rep)
+
+
 @pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
 def test_model_cast_as_a_whole(model, cast):
     """`model.to(torch.bfloat16)` / `.half()` casts the sinks too: HF's sink column and the shift by the row max are
