@@ -42,6 +42,7 @@ from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, 
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding
 MEAN = "dsfuse_mean"  # (input, dims, keepdim): the node is `mean(input, dims, keepdim)` up to rounding
 BMM = "dsfuse_bmm"  # (a, b): the node is `bmm(a, b)` of batch-1 operands, computed as an unbatched `mm`
+MM = "dsfuse_mm"  # (a, b): the node is `mm(a, b)`, computed by Inductor's pad_mm on zero-padded operands
 
 MAX_ROUNDS = 32
 
@@ -562,35 +563,37 @@ def _zero_padded(node: Any) -> tuple[Any, int, int] | None:
     return node.args[0], pads[1], pads[3]
 
 
-def padded_bmm_is_bmm(node: torch.fx.Node) -> bool:
-    """Record `BMM = (a, b)` where Inductor's pad_mm computes `a @ b` as `bmm(pad(a), pad(b))` sliced back: zeros
-    appended to the contraction dim of both operands (and to M / N, cut off again by the slices that follow).
-    Recorded on the bmm, or on the slice that has `a @ b`'s shape. Not rewritten: the padded GEMM may run another
-    kernel."""
+def padded_matmul_is_matmul(node: torch.fx.Node) -> bool:
+    """Record `BMM = (a, b)` (`MM` for an mm) where Inductor's pad_mm computes `a @ b` as `bmm(pad(a), pad(b))` or
+    `mm(pad(a), pad(b))` sliced back: zeros appended to the contraction dim of both operands (and to M / N, cut off
+    again by the slices that follow). Recorded on the product, or on the slice that has `a @ b`'s shape. Not
+    rewritten: the padded GEMM may run another kernel."""
+    rank = 3 if is_op(node, aten.bmm.default) else 2
     left, right = _zero_padded(node.args[0]), _zero_padded(node.args[1])
-    if left is None or right is None or len(shape(node)) != 3:
+    if left is None or right is None or len(shape(node)) != rank:
         return False
     (a, k_left, m_pad), (b, n_pad, k_right) = left, right
-    if k_left != k_right or not (k_left or m_pad or n_pad) or len(shape(a)) != 3 or len(shape(b)) != 3:
+    if k_left != k_right or not (k_left or m_pad or n_pad) or len(shape(a)) != rank or len(shape(b)) != rank:
         return False
-    want = (shape(a)[0], shape(a)[1], shape(b)[2])
+    want = (*shape(a)[:-1], shape(b)[-1])
     product = node
     while not same_shape(shape(product), want):
         product = only_user(product)
         if not is_op(product, aten.slice.Tensor):
             return False
         dim, start, _, step = slice_args(product)
-        if dim not in (1, 2) or start != 0 or step != 1:
+        if dim % rank not in (rank - 2, rank - 1) or start != 0 or step != 1:
             return False
-    if BMM in product.meta:
+    key = BMM if rank == 3 else MM
+    if key in product.meta:
         return False
-    product.meta[BMM] = (a, b)
+    product.meta[key] = (a, b)
     return True
 
 
 def padded_product(left: Any) -> torch.fx.Node | None:
     """The node that computes `left @ b` for `left`'s only use: its bmm, or the product recorded where Inductor's
-    pad_mm padded `left` first (`padded_bmm_is_bmm`)."""
+    pad_mm padded `left` first (`padded_matmul_is_matmul`)."""
     user = only_user(left)
     if is_op(user, aten.bmm.default) and user.args[0] is left:
         return user
@@ -610,6 +613,15 @@ def canonical_bmm(node: Any) -> tuple[Any, Any] | None:
     if isinstance(node, torch.fx.Node) and BMM in node.meta:
         return node.meta[BMM]
     if is_op(node, aten.bmm.default):
+        return node.args[0], node.args[1]
+    return None
+
+
+def canonical_mm(node: Any) -> tuple[Any, Any] | None:
+    """(a, b) when `node` computes `mm(a, b)`: as written, or as recorded (`MM`: a zero-padded mm sliced back)."""
+    if isinstance(node, torch.fx.Node) and MM in node.meta:
+        return node.meta[MM]
+    if is_op(node, aten.mm.default):
         return node.args[0], node.args[1]
     return None
 
@@ -665,7 +677,7 @@ RULES: tuple[Rule, ...] = (
     Rule("gather_by_own_sort_is_sorted", (aten.index.Tensor,), gather_by_own_sort_is_sorted),
     Rule("collect_scale", (aten.mul.Tensor, aten.div.Tensor), collect_scale, exact=False),
     Rule("batch_one_mm_is_bmm", (aten.unsqueeze.default, *VIEW_OPS), batch_one_mm_is_bmm, exact=False),
-    Rule("padded_bmm_is_bmm", (aten.bmm.default,), padded_bmm_is_bmm, exact=False),
+    Rule("padded_matmul_is_matmul", (aten.bmm.default, aten.mm.default), padded_matmul_is_matmul, exact=False),
     Rule("sum_over_count_is_mean", (aten.div.Tensor, aten.mul.Tensor), sum_over_count_is_mean, exact=False),
     Rule("not_of_integer_comparison", tuple(NOT_OPS),
          not_of_integer_comparison),

@@ -41,7 +41,7 @@ import torch
 
 import dsfuse.kernels.hyper_connections  # noqa: F401  (registers torch.ops.dsfuse.hc_*)
 
-from .canonicalize import MEAN, canonical_bmm
+from .canonicalize import MEAN, canonical_bmm, canonical_mm
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, element_of, fake_call, insert_call, is_op,
@@ -348,13 +348,14 @@ def _match_projection(mixes, x, hc, hidden, head) -> dict:
         rsqrt_after = picked[0]
         chain = walk_back(picked[1], lambda n: is_op(n, *LAYOUT_OPS)) + chain[1:]
     proj, out_ops = chain[0], chain[1:]
-    if not is_op(proj, aten.mm.default, aten.bmm.default):
+    operands = canonical_mm(proj) or canonical_bmm(proj)  # also as Inductor's pad_mm computes it on CUDA
+    if operands is None:
         raise NoMatch(f"hyper-connection: mixing logits {mixes} are not an fp32 projection (mm)")
     if dtype(proj) != torch.float32:
         raise NoMatch(f"hyper-connection: projection runs in {dtype(proj)}, HF's in fp32")
-    lhs_chain = walk_back(proj.args[0], lambda n: is_op(n, *LAYOUT_OPS))
+    lhs_chain = walk_back(operands[0], lambda n: is_op(n, *LAYOUT_OPS))
     a, lhs_ops = lhs_chain[0], lhs_chain[1:]
-    fn_leaf, fn_ops = layout_chain(proj.args[1])
+    fn_leaf, fn_ops = layout_chain(operands[1])
     tokens = len(shape(x)) - 2
     fn_labels = [(("r", rows),), (("n", hc), ("c", hidden))] if len(shape(fn_leaf)) == 2 else None
     labels = _bmm_labels(_follow(_flat_labels(a, tokens, hc, hidden), lhs_ops), _follow(fn_labels, fn_ops))

@@ -5,8 +5,8 @@
 - `batch_one_bmm_as_mm`: on CUDA, Inductor's joint-graph `bmm_to_mm` computes a bmm of batch 1 as
   `mm(a.squeeze(0), b.squeeze(0)).unsqueeze(0)` (a decode step's one token makes the batch of a per-token bmm 1).
 - `pad_matmuls`: on CUDA, Inductor's pad_mm (when its benchmark finds it faster: compute-bound products with dims
-  that are not multiples of the dtype's alignment) computes `a @ b` as `bmm(pad(a), pad(b))` with zeros appended to
-  the contraction dim and to M / N, then slices M / N back.
+  that are not multiples of the dtype's alignment, at static shapes) computes `a @ b` as `bmm(pad(a), pad(b))` (or
+  `mm`) with zeros appended to the contraction dim and to M / N, then slices M / N back.
 - `drop_narrowing_round_trips`: torch 2.11's and 2.12's `pointless_convert` (a joint-graph pattern, for every
   device in 2.12's source) folds `x.to(bf16).to(fp32)` into `x.to(fp32)` (2.13 and later keep a narrower
   intermediate); with an fp32 x the chain disappears. `inductor_folds_narrowing_round_trips()` asks the installed
@@ -125,24 +125,27 @@ def _padding(size: int, align: int = 8) -> int:
     return -size % align
 
 
-def pad_matmuls(graph: torch.fx.Graph, min_dim: int = 16) -> None:
-    """Every bmm with all of M, K, N at least `min_dim` (the compute-bound ones pad_mm considers), one of them not a
-    multiple of 8, written as pad_mm writes it."""
-    for bmm in [n for n in graph.nodes if n.target is aten.bmm.default]:
-        a, b = bmm.args
-        _, M, K = a.meta["val"].shape
-        N = b.meta["val"].shape[2]
+def pad_matmuls(graph: torch.fx.Graph, min_dim: int = 16, mms: bool = False) -> None:
+    """Every bmm (and with `mms` every mm) with all of M, K, N at least `min_dim` (the compute-bound ones pad_mm
+    considers), one of them not a multiple of 8, written as pad_mm writes it."""
+    targets = (aten.bmm.default, aten.mm.default) if mms else (aten.bmm.default,)
+    for product in [n for n in graph.nodes if n.target in targets]:
+        a, b = product.args
+        M, K = a.meta["val"].shape[-2:]
+        N = b.meta["val"].shape[-1]
         pm, pk, pn = _padding(M), _padding(K), _padding(N)
         if min(M, K, N) < min_dim or not (pm or pk or pn):
             continue
-        a_pad = insert_call(graph, bmm, aten.constant_pad_nd.default, (a, [0, pk, 0, pm, 0, 0]))
-        b_pad = insert_call(graph, bmm, aten.constant_pad_nd.default, (b, [0, pn, 0, pk, 0, 0]))
-        out = insert_call(graph, bmm, aten.bmm.default, (a_pad, b_pad))
-        for dim, pad in ((1, pm), (2, pn)):
+        batch = [0, 0] if product.target is aten.bmm.default else []
+        a_pad = insert_call(graph, product, aten.constant_pad_nd.default, (a, [0, pk, 0, pm, *batch]))
+        b_pad = insert_call(graph, product, aten.constant_pad_nd.default, (b, [0, pn, 0, pk, *batch]))
+        out = insert_call(graph, product, product.target, (a_pad, b_pad))
+        rank = len(a.meta["val"].shape)
+        for dim, pad in ((rank - 2, pm), (rank - 1, pn)):
             if pad:
-                out = insert_call(graph, bmm, aten.slice.Tensor, (out, dim, 0, -pad))
-        bmm.replace_all_uses_with(out)
-        graph.erase_node(bmm)
+                out = insert_call(graph, product, aten.slice.Tensor, (out, dim, 0, -pad))
+        product.replace_all_uses_with(out)
+        graph.erase_node(product)
         REWRITES.append(out)
 
 

@@ -15,8 +15,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsfuse.passes.graph_utils import fake_call
-from dsfuse.passes.canonicalize import (BMM, BY_NAME, MEAN, RULES, SCALE, apply_rule, canonical_bmm, canonical_scale,
-                                        canonicalize, padded_product, row_mean)
+from dsfuse.passes.canonicalize import (BMM, BY_NAME, MEAN, MM, RULES, SCALE, apply_rule, canonical_bmm, canonical_mm,
+                                        canonical_scale, canonicalize, padded_product, row_mean)
 
 aten, prims = torch.ops.aten, torch.ops.prims
 NEG_INF = float("-inf")
@@ -77,7 +77,7 @@ def _floats(*shape, dtype=torch.float32):
 def test_every_rule_is_classified_and_named_once():
     assert len(BY_NAME) == len(RULES)
     assert {r.name for r in RULES if not r.exact} == {"collect_scale", "sum_over_count_is_mean", "batch_one_mm_is_bmm",
-                                                     "padded_bmm_is_bmm"}
+                                                     "padded_matmul_is_matmul"}
 
 
 def test_view_of_view_collapses():
@@ -525,7 +525,7 @@ def test_a_zero_padded_bmm_sliced_back_is_recorded_as_the_bmm(pm, pk, pn):
     a, b = torch.randn(2, 3, 5, generator=gen), torch.randn(2, 5, 4, generator=gen)
     gm = _trace(lambda x, y: _pad_mm_form(x, y, pm, pk, pn), [a, b], decompose=False)
     code, want = gm.code, gm(a, b)
-    assert apply_rule(gm.graph, "padded_bmm_is_bmm") == 1
+    assert apply_rule(gm.graph, "padded_matmul_is_matmul") == 1
     gm.recompile()
     assert gm.code == code
     (node,) = [n for n in gm.graph.nodes if BMM in n.meta]
@@ -533,6 +533,25 @@ def test_a_zero_padded_bmm_sliced_back_is_recorded_as_the_bmm(pm, pk, pn):
     assert [x.name for x in node.meta[BMM]] == [p.name for p in gm.graph.find_nodes(op="placeholder")]
     assert padded_product(node.meta[BMM][0]) is node and canonical_bmm(node) == node.meta[BMM]
     torch.testing.assert_close(torch.bmm(a, b) + 1, want)
+
+
+@pytest.mark.parametrize("pm, pk, pn", [(0, 3, 0), (2, 3, 1), (5, 0, 0)])
+def test_a_zero_padded_mm_sliced_back_is_recorded_as_the_mm(pm, pk, pn):
+    """pad_mm's unbatched form (a hyper-connection's projection at a static token count off the alignment)."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randn(3, 5, generator=gen), torch.randn(5, 4, generator=gen)
+
+    def padded(x, y):
+        out = torch.mm(torch.constant_pad_nd(x, [0, pk, 0, pm]), torch.constant_pad_nd(y, [0, pn, 0, pk]))
+        return (out[:-pm] if pm else out)[:, :out.shape[1] - pn] + 1
+
+    gm = _trace(padded, [a, b], decompose=False)
+    want = gm(a, b)
+    assert apply_rule(gm.graph, "padded_matmul_is_matmul") == 1
+    (node,) = [n for n in gm.graph.nodes if MM in n.meta]
+    assert node.meta["val"].shape == (3, 4) and BMM not in node.meta
+    assert canonical_mm(node) == node.meta[MM] == tuple(gm.graph.find_nodes(op="placeholder"))
+    torch.testing.assert_close(torch.mm(a, b) + 1, want)
 
 
 @pytest.mark.parametrize("case", ["nonzero pad", "pad in front", "padded rows kept"])
@@ -548,7 +567,7 @@ def test_padding_pad_mm_does_not_write_is_not_recorded(case):
         "padded rows kept": lambda x, y: torch.bmm(torch.constant_pad_nd(x, [0, 0, 0, 2, 0, 0]), y),
     }
     gm = _trace(fns[case], [a, b], decompose=False)
-    assert apply_rule(gm.graph, "padded_bmm_is_bmm") == 0
+    assert apply_rule(gm.graph, "padded_matmul_is_matmul") == 0
 
 
 def test_keep_polarity_scatter_is_the_negated_drop_scatter():

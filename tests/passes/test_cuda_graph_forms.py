@@ -107,3 +107,22 @@ def test_v32_eager_attention_rewrites_when_cuda_pads_its_products():
     assert rep.counts == plain and plain["sparse_attention"] == 2, (plain, str(rep))
     assert not rep.near_misses, str(rep)
     assert torch.equal(got, want)
+
+
+def test_v4_hyper_connections_rewrite_when_cuda_pads_their_projections():
+    """At a static length whose token count is not a multiple of 8 (the H200 grid's batch 3 x 7 tokens) pad_mm pads
+    the hyper-connections' fp32 projections, `mm(pad(flat), pad(fn^T))` sliced back: every site is still rewritten."""
+    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
+                           layer_types=["sliding_attention"], mlp_layer_types=["moe"])
+    ids = torch.randint(1, 256, (3, 7), generator=torch.Generator().manual_seed(7))
+    padded_mms = []
+
+    def pad_products(graph):
+        pad_matmuls(graph, mms=True)
+        padded_mms.extend(n for n in REWRITES if n.args[0].target is torch.ops.aten.mm.default)
+
+    want, plain, got, rep = _without_and_with(pad_products, model, ids)
+    assert padded_mms, "no projection was padded"
+    assert plain.counts["hyper_connections"] == 5 and rep.counts["hyper_connections"] == 5, (str(plain), str(rep))
+    assert not [m for m in rep.near_misses if m.pass_name == "hyper_connections"], str(rep)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
