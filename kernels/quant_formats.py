@@ -175,10 +175,11 @@ def e4m3_to_float(byte):
     bits = byte.to(tl.uint32) & 0xFF
     exponent = (bits >> 3) & 15
     mantissa = bits & 7
-    negative = (bits & 0x80) != 0
-    normal = (((bits & 0x80) << 24) | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    subnormal = mantissa.to(tl.float32) * 0.001953125  # m * 2^-9
-    subnormal = tl.where(negative, -subnormal, subnormal)
+    sign = (bits & 0x80) << 24
+    normal = (sign | ((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    # m * 2^-9, signed through its bit (triton 3.6's interpreter negates 0.0 to +0.0)
+    subnormal = mantissa.to(tl.float32) * 0.001953125
+    subnormal = (subnormal.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     value = tl.where(exponent == 0, subnormal, normal)
     return tl.where((exponent == 15) & (mantissa == 7), float("nan"), value)
 
