@@ -62,6 +62,8 @@ def test_a_decode_time_inside_the_calls_spread_is_reported_as_unresolved():
     assert ms is None and "not resolved" in why and "more new tokens" in why
     ms, why = decode_step_ms([10.0], [10.0], 4)  # one repeat, no difference
     assert ms is None
+    ms, why = decode_step_ms([1123.0], [696.0], 4)  # one repeat, the longer call timed shorter (a CPU run)
+    assert ms is None and "427.00 ms shorter than the 1-token call" in why and "-427" not in why
     runs = [{"config": "inductor", "batch": 1, "prompt": 32768, "ttft_ms": 1002.0, "ms_per_token": None,
              "decode_unresolved": why, "tok_per_s": 16.2, "padded": False},
             {"config": "dsfuse", "batch": 1, "prompt": 32768, "ttft_ms": 194.6, "ms_per_token": 2.13,

@@ -194,8 +194,9 @@ def decode_step_ms(ttft: list[float], full: list[float], new_tokens: int) -> tup
     decode = statistics.median(full) - statistics.median(ttft)
     spread = max(full) - min(full) + max(ttft) - min(ttft)
     if decode <= spread:
-        return None, (f"decode not resolved: the {new_tokens}-token call is {decode:.2f} ms longer than the 1-token "
-                      f"call, within the repeats' spread of {spread:.2f} ms; ask for more new tokens")
+        difference = (f"{decode:.2f} ms longer than" if decode >= 0 else f"{-decode:.2f} ms shorter than")
+        return None, (f"decode not resolved: the {new_tokens}-token call is {difference} the 1-token call, within the "
+                      f"repeats' spread of {spread:.2f} ms or below it; ask for more new tokens or repeats")
     return decode / max(new_tokens - 1, 1), ""
 
 
