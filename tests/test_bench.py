@@ -406,3 +406,17 @@ def test_plot_decode_and_ablation(tmp_path):
     plot_model(ablation, str(tmp_path / "ablation.png"))
     for name in ("decode.png", "ablation.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_name_this_checkouts_commit_from_any_working_directory(tmp_path, monkeypatch):
+    """Run from a notebook's or a results folder's directory, the commit is still the one the code comes from."""
+    import subprocess
+    from pathlib import Path
+
+    from dsfuse.bench.measure import git_commit
+
+    root = Path(__file__).resolve().parents[1]
+    want = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=root)
+    monkeypatch.delenv("DSFUSE_COMMIT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert git_commit() == (want.stdout.strip() or "unknown")

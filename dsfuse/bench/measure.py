@@ -9,6 +9,7 @@ import platform
 import statistics
 import subprocess
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -44,11 +45,15 @@ def resolve_configs(names: list[str]) -> dict[str, tuple[str | None, dict | None
 
 
 def git_commit() -> str:
-    """The checkout's commit; `DSFUSE_COMMIT` names it where the code runs from an exported snapshot."""
+    """The commit of the checkout this code runs from (asked there, not in the working directory, which may be
+    another repository or none); `DSFUSE_COMMIT` names it where the code runs from an exported snapshot."""
     if os.environ.get("DSFUSE_COMMIT"):
         return os.environ["DSFUSE_COMMIT"]
+    checkout = Path(__file__).resolve().parents[2]  # dsfuse/bench/measure.py in an editable install
+    if not (checkout / "pyproject.toml").is_file() or not (checkout / "dsfuse" / "bench").is_dir():
+        return "unknown"
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=checkout,
                               timeout=10).stdout.strip() or "unknown"
     except OSError:
         return "unknown"
