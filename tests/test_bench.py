@@ -170,6 +170,19 @@ def test_plot_writes_png(tmp_path, capsys):
     assert f"wrote {figure}" in capsys.readouterr().out
 
 
+def test_time_by_stage_legend_keeps_kernels_named_with_a_leading_underscore():
+    """matplotlib leaves labels that start with "_" out of a legend; dsfuse's Triton kernels are named so."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from dsfuse.bench.report import _draw_stages
+
+    results = _hand_made_results()
+    results["runs"][3]["profile"]["top_kernels_ms"][1][0] = "_indexer_topk_kernel"
+    fig, ax = plt.subplots()
+    _draw_stages(ax, results)
+    assert "indexer_topk_kernel" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+
+
 @pytest.mark.parametrize("content", [{"env": {}, "preset": "tiny", "runs": []}, {"env": {}, "size": "tiny", "rows": []}])
 def test_plot_without_runs_is_refused(tmp_path, capsys, content):
     results = tmp_path / "empty.json"

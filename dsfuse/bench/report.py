@@ -352,7 +352,7 @@ def _draw_stages(ax, results: dict) -> None:
     bottoms = [0.0] * len(configs)
     for name in next(iter(stages.values())):
         heights = [stages[c][name] for c in configs]
-        ax.bar(configs, heights, bottom=bottoms, label=name[:48])
+        ax.bar(configs, heights, bottom=bottoms, label=name.lstrip("_")[:48])  # matplotlib hides "_" labels
         bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax.set_ylabel("GPU ms per call")
     ax.set_title(f"GPU time by stage, S={seq}")
