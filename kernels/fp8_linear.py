@@ -83,6 +83,8 @@ def _check_weight(op, weight, scale, block_n, block_k, experts=None):
         raise ValueError(f"{op}: weight and weight_scale must be {rank}-D, got {tuple(weight.shape)} and "
                          f"{tuple(scale.shape)}")
     N, K = weight_dims(weight)
+    if K < 1:
+        raise ValueError(f"{op}: the weight {tuple(weight.shape)} has no input channels (K = 0)")
     if _is_fp4(weight):
         if block_k % FP4_BLOCK or K % FP4_BLOCK:
             raise ValueError(f"{op}: FP4 weights need K ({K}) and block_k ({block_k}) multiples of {FP4_BLOCK}")

@@ -262,6 +262,7 @@ def test_e2m1_values_are_the_table_with_signed_zero():
     (lambda w, s, x: (w, s.double(), x), TypeError, "weight_scale must be float32 or E8M0"),
     (lambda w, s, x: (w, s, x[:, :100]), ValueError, "must end in K = 256"),
     (lambda w, s, x: (w, s, x.int()), TypeError, "x must be one of"),
+    (lambda w, s, x: (w[:, :0], s[:, :0], x[:, :0]), ValueError, r"no input channels \(K = 0\)"),
 ])
 def test_bad_inputs_are_refused_with_the_argument_named(change, error, message):
     w, s = _fp8_weight(48, 256, 10)
