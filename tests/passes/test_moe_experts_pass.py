@@ -51,6 +51,15 @@ def _close(got, want):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+def _left_alone(fn, *args):
+    """The report of `fn` compiled on `args`: eager's numbers, and no moe_experts site."""
+    with torch.no_grad():
+        _close(_compile(fn)(*args), fn(*args))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 0, str(rep)
+    return rep
+
+
 def test_hf_grouped_mm_two_moe_layers_and_dynamic_tokens():
     """Two MoE layers of the real model (router, grouped_mm experts, shared expert): one site per layer, and
     one graph with a symbolic token count serves every length."""
@@ -126,10 +135,7 @@ def test_hf_grouped_mm_cuda_form_on_meta_tensors():
 def test_hf_eager_loop_is_a_reported_near_miss_and_stays_correct():
     experts = _hf_experts("eager", torch.bfloat16).experts
     x, ids, weights = _tokens(3, torch.bfloat16), torch.tensor([[0, 1], [1, 2], [0, 2]]), torch.rand(3, TOP_K)
-    with torch.no_grad():
-        _close(_compile(experts)(x, ids, weights), experts(x, ids, weights))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    rep = _left_alone(experts, x, ids, weights)
     assert [m.reason for m in rep.near_misses] == [EAGER_LOOP_REASON], str(rep)
 
 
@@ -287,11 +293,7 @@ def _dense_weights(dtype):
 def test_unfusable_gate_is_a_reported_near_miss(act, reason):
     fn = _dense_moe(act)
     x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
-    args = (x, ids, weights, *_dense_weights(torch.bfloat16))
-    with torch.no_grad():
-        _close(_compile(fn)(*args), fn(*args))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    rep = _left_alone(fn, x, ids, weights, *_dense_weights(torch.bfloat16))
     assert [m.reason for m in rep.near_misses] == [reason], str(rep)
 
 
@@ -302,11 +304,7 @@ def test_every_block_is_checked_on_probes_against_the_reference(monkeypatch):
     monkeypatch.setattr(moe_experts, "_swiglu", lambda *args: (*read_swiglu(*args)[:2], 0.5))
     fn = _dense_moe()
     x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
-    args = (x, ids, weights, *_dense_weights(torch.bfloat16))
-    with torch.no_grad():
-        _close(_compile(fn)(*args), fn(*args))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    rep = _left_alone(fn, x, ids, weights, *_dense_weights(torch.bfloat16))
     (reason,) = [m.reason for m in rep.near_misses]
     assert reason.startswith("numeric check against the reference failed: random routing probe: outputs differ"), \
         reason
@@ -329,11 +327,7 @@ def test_group_offsets_from_outside_the_graph_are_reported():
         return torch.zeros_like(x).index_add_(0, order // TOP_K, out)
 
     x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
-    args = (x, ids, weights, *_dense_weights(torch.bfloat16))
-    with torch.no_grad():
-        _close(_compile(bincount_offsets)(*args), bincount_offsets(*args))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    rep = _left_alone(bincount_offsets, x, ids, weights, *_dense_weights(torch.bfloat16))
     assert [m.reason for m in rep.near_misses] == [
         "the group offsets are an input of the compiled graph, not computed in it from the expert ids (a graph break "
         "before them, as at a torch.bincount, hides what they count)"], str(rep)
@@ -358,10 +352,7 @@ def test_dense_experts_loop_is_reported_once(spread):
         return total
 
     x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
-    with torch.no_grad():
-        _close(_compile(dense_loop)(x, ids, weights, gate_up, down), dense_loop(x, ids, weights, gate_up, down))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    rep = _left_alone(dense_loop, x, ids, weights, gate_up, down)
     assert [m.reason for m in rep.near_misses] == [moe_experts.DENSE_REASON], str(rep)
 
 
@@ -380,10 +371,8 @@ def test_loop_over_rows_picked_by_nonzero_is_reported():
         return y
 
     x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True), torch.no_grad():
-        _close(_compile(picked_rows)(x, ids, weights, gate_up, down), picked_rows(x, ids, weights, gate_up, down))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        rep = _left_alone(picked_rows, x, ids, weights, gate_up, down)
     assert [m.reason for m in rep.near_misses] == [moe_experts.PICKED_ROWS_REASON], str(rep)
 
 
@@ -396,10 +385,7 @@ def test_weights_stored_k_major_are_a_reported_near_miss():
     gate_up, down = _dense_weights(torch.bfloat16)
     x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
     args = (x, ids, weights, gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous())
-    with torch.no_grad():
-        _close(_compile(k_major)(*args), k_major(*args))
-    rep = dsfuse.report()
-    assert rep.counts["moe_experts"] == 0
+    rep = _left_alone(k_major, *args)
     assert [m.reason for m in rep.near_misses] == [
         "the expert weights are stored [E, K, N] (is_transposed); the fused ops read [E, N, K] stacks with K "
         "contiguous (as F.linear does), so binding this one would copy every expert's weights per call"]
