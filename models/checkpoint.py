@@ -304,17 +304,24 @@ def _header_keys(path: Path) -> list[str]:
 def validate_checkpoint(directory: str | os.PathLike):
     """Check config.json and every tensor's presence, shape and dtype from headers alone. Returns
     `(kind, config, key → file)`; raises `CheckpointError` naming the file and key of the first problem."""
+    return _validated(directory)[:3]
+
+
+def _validated(directory: str | os.PathLike):
+    """`validate_checkpoint`'s result and whether the tensors are in the names transformers' `save_pretrained`
+    writes (only transformers' own loader maps those back) rather than the in-memory ones (`save_model`'s)."""
     directory = Path(directory)
     kind, config = config_from_dir(directory)
     expected = expected_tensors(kind, config, directory / CONFIG_NAME)
     files = safetensors_files(directory)
 
     missing = [key for key in expected if key not in files]
+    saved_names = False
     if missing and kind == "hf" and not quantization(config):  # or in the names save_pretrained writes?
         saved = expected_tensors(kind, config, directory / CONFIG_NAME, saved_names=True)
         missing_saved = [key for key in saved if key not in files]
         if len(missing_saved) < len(missing):
-            expected, missing = saved, missing_saved
+            expected, missing, saved_names = saved, missing_saved, True
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"{directory}: missing tensor {missing[0]!r}{more}")
@@ -350,16 +357,7 @@ def validate_checkpoint(directory: str | os.PathLike):
             raise
         except Exception as error:
             raise CheckpointError(f"{path}: not a readable safetensors file: {error}") from None
-    return kind, config, files
-
-
-def _in_saved_names(kind: str, config, files: dict[str, Path]) -> bool:
-    """Whether an unquantised transformers checkpoint holds its tensors in the names `save_pretrained` writes
-    rather than the in-memory ones (`save_model`'s); only transformers' own loader maps those back."""
-    if kind != "hf" or quantization(config):
-        return False
-    saved = expected_tensors(kind, config, saved_names=True)
-    return saved.keys() != expected_tensors(kind, config).keys() and all(key in files for key in saved)
+    return kind, config, files, saved_names
 
 
 def load_checkpoint(
@@ -379,7 +377,7 @@ def load_checkpoint(
     """
     from transformers.initialization import no_init_weights
 
-    kind, config, files = validate_checkpoint(directory)
+    kind, config, files, saved_names = _validated(directory)
     if quantization(config):
         from dsfuse.models.quantized import load_quantized_model
 
@@ -391,7 +389,7 @@ def load_checkpoint(
     if kind == "hf":
         v4 = config.model_type == "deepseek_v4" and attn_implementation == "sdpa"
         attn_implementation = "eager" if v4 else attn_implementation
-        if _in_saved_names(kind, config, files):
+        if saved_names:
             model = _model_class(kind, config).from_pretrained(
                 directory, config=config, local_files_only=True, use_safetensors=True, dtype=dtype,
                 attn_implementation=attn_implementation, experts_implementation=experts_implementation)
