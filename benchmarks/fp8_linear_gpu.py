@@ -19,7 +19,7 @@ shapes and its and V4-Flash's expert shapes.
    and the row-tiled GEMM with its decode-sized tiles of run 74 (BLOCK_M 16, BLOCK_N 32, 4 warps, 4 stages and its
    split rule; its partials now summed by the same kernel, no tile list built) with the same quantisation: ms,
    weight GB/s and the fraction of the copy bandwidth. `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N,
-   warps, stages, programs per SM, FP4 K step) at M = 1, 16, 64.
+   warps, stages, programs per SM, FP4 K step) at M = 1, 16, 64; `DECODE_ONLY=1` runs this section alone.
 
 Writes $OUT/fp8_linear.json and prints markdown tables last. ~2 minutes. `ROWS="4096"` limits the linears' row
 counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes."""
@@ -145,7 +145,8 @@ def decode_case(name, N, K, fp4, M, copy_gbs):
 
 
 # (BLOCK_N, warps, stages, programs per SM, FP4 K step); each list starts with `ops._decode_config`'s choice
-DECODE_SWEEP = [(64, 4, 4, 2, 128), (64, 4, 6, 2, 128), (64, 4, 4, 4, 128), (32, 4, 4, 2, 128), (128, 8, 4, 2, 128)]
+DECODE_SWEEP = [(64, 4, 4, 2, 128), (64, 4, 6, 2, 128), (64, 4, 4, 1, 128), (64, 4, 4, 4, 128), (32, 4, 4, 2, 128),
+                (128, 8, 4, 2, 128), (128, 8, 4, 1, 128), (128, 8, 3, 1, 128), (128, 4, 4, 1, 128), (128, 8, 4, 4, 128)]
 DECODE_SWEEP_FP4 = [(128, 8, 4, 4, 128), (128, 8, 3, 2, 128), (64, 4, 4, 4, 128), (128, 4, 4, 4, 64)]
 
 
@@ -262,7 +263,7 @@ def main():
                    copy_gbs=round(copy_gbs), cublas_block_scaled=ops.cublas_block_scaled_gemm(0))
     print(f"ceilings: bf16 {mm_tflops:.0f} TFLOP/s, copy {copy_gbs:.0f} GB/s; cuBLAS block-scaled usable: "
           f"{RESULTS['cublas_block_scaled']}", flush=True)
-    for name, (N, K) in LINEARS.items():
+    for name, (N, K) in LINEARS.items() if not os.environ.get("DECODE_ONLY") else ():
         for M in ROWS:
             RESULTS["linears"].append(linear_case(name, N, K, M, copy_gbs))
             print(json.dumps(RESULTS["linears"][-1]), flush=True)
@@ -285,12 +286,12 @@ def main():
     (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
     if os.environ.get("DECODE_SWEEP"):
         RESULTS["decode_sweep"] = []
-        for name in ("q_b 24576x1536", "o_proj 7168x16384", "dense up 18432x7168", "v4 expert up fp4"):
+        for name in DECODE_SHAPES:
             for M in (1, 16, 64):
                 RESULTS["decode_sweep"].append(decode_sweep_case(name, *DECODE_SHAPES[name], M, copy_gbs))
                 print(json.dumps(RESULTS["decode_sweep"][-1]), flush=True)
         (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
-    for args in (("V3.2 fp8", 64, 7168, 2048, 4096, 8, False), ("V3.2 fp8", 64, 7168, 2048, 1, 8, False),
+    for args in () if os.environ.get("DECODE_ONLY") else (("V3.2 fp8", 64, 7168, 2048, 4096, 8, False), ("V3.2 fp8", 64, 7168, 2048, 1, 8, False),
                  ("V4-Flash fp4", 256, 4096, 2048, 8192, 6, True), ("V4-Flash fp4", 256, 4096, 2048, 1, 6, True)):
         try:
             RESULTS["experts"].append(experts_case(*args))
