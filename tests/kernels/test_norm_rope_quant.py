@@ -548,15 +548,16 @@ def test_rope_quant_kernel_bit_exact_in_each_complex_rounding(dtype, interleaved
 @pytest.mark.parametrize("dtype", QUANT_DTYPES)
 def test_rope_quant_cuda_scale_rule_is_eager_cudas(dtype):
     """The CUDA setting (`reciprocal_scale`, on by default for CUDA tensors) reproduces eager CUDA's `amax / 448`
-    (a multiply by fp32(1/448)); through the interpreter here, against the source run that way."""
+    (a multiply by fp32(1/448)), against the source run that way. The true division it replaces is the source on
+    CPU tensors (on CUDA tensors `amax / 448` is itself that multiply)."""
     x, freqs, _, _ = _indexer_rows(dtype, heads=8, seq=16)
     complex_mul = ("rounded", "rounded")
     got = rope_quant_fp8_triton(x, _rows_freqs(freqs), 0, False, 16, False, complex_mul=complex_mul,
                                 reciprocal_scale=True)
     _assert_fp8_equal(got, _official_indexer_path(x, freqs, False, 16, False, None, complex_mul,
                                                   quantize=_quantize_as_eager_cuda))
-    divided = _official_indexer_path(x, freqs, False, 16, False, None, complex_mul)
-    assert not torch.equal(got[1], divided[1])  # the two scale rules differ on these rows
+    divided = _official_indexer_path(x.cpu(), freqs.cpu(), False, 16, False, None, complex_mul)
+    assert not torch.equal(got[1].cpu(), divided[1])  # the two scale rules differ on these rows
 
 
 def test_complex_roundings_differ_so_each_test_can_fail():
