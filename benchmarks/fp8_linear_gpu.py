@@ -152,7 +152,7 @@ def decode_case(name, N, K, fp4, M, copy_gbs):
     return row
 
 
-# (BLOCK_N, warps, stages, programs per SM, FP4 K step); each list starts with `ops._decode_config`'s choice
+# (BLOCK_N, warps, stages, programs per SM, FP4 K step); `ops._decode_config` picks among them by row tile
 DECODE_SWEEP = [(64, 4, 4, 2, 128), (64, 4, 6, 2, 128), (64, 4, 4, 1, 128), (64, 4, 4, 4, 128), (32, 4, 4, 2, 128),
                 (128, 8, 4, 2, 128), (128, 8, 4, 1, 128), (128, 8, 3, 1, 128), (128, 4, 4, 1, 128), (128, 8, 4, 4, 128)]
 DECODE_SWEEP_FP4 = [(128, 8, 4, 4, 128), (128, 8, 3, 2, 128), (64, 4, 4, 4, 128), (128, 4, 4, 4, 64)]
@@ -165,7 +165,7 @@ def decode_sweep_case(name, N, K, fp4, M, copy_gbs):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=torch.Generator(device="cuda").manual_seed(M))
     want = ops.fp8_linear_reference(x, w, s, 128, 128)
     out = torch.empty((M, N), dtype=x.dtype, device="cuda")
-    row = {"shape": name, "M": M, "default": ops._decode_config(fp4)}
+    row = {"shape": name, "M": M, "default": ops._decode_config(fp4, ops._decode_block_m(M, False))}
     for config in DECODE_SWEEP_FP4 if fp4 else DECODE_SWEEP:
         fn = lambda: ops._gemm(x, None, w, s, out, 128, 128, config=config, decode=True)  # noqa: E731
         try:

@@ -532,15 +532,17 @@ DECODE_QUANTIZE_MAX_ROW_TILE = 16
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_config(fp4: bool):
-    """(BLOCK_N, warps, stages, programs per SM, FP4 K step) of the decode path; programs per SM sets the
-    channel-group split when the columns alone are fewer (o_proj, q_a, kv_a). FP8: BLOCK_N 64 is one warpgroup's MMA
-    M, 8 KB of weight per stage, three stages in flight. FP4: the tile is decoded in registers, so twice the
-    columns per program (one warpgroup each) and twice the programs keep as many bytes in flight. First guesses;
-    the `DECODE_SWEEP` of `benchmarks/fp8_linear_gpu.py` times the alternatives."""
+def _decode_config(fp4: bool, block_m: int):
+    """(BLOCK_N, warps, stages, programs per SM, FP4 K step) of the decode path for a row tile of `block_m` rows;
+    programs per SM sets the channel-group split when the columns alone are fewer (o_proj, q_a, kv_a). The fastest
+    of `benchmarks/fp8_linear_gpu.py`'s `DECODE_SWEEP` on V3.2's projections and V4-Flash's FP4 expert, timed as
+    CUDA-graph replays (H200, run 87). FP8: up to 16 rows, 128 columns over two warpgroups (0.72-0.81 of the copy
+    bandwidth on q_b, o_proj and dense up, against 0.55-0.73 with 64); at 64 rows the accumulator is four times
+    larger and 64 columns on one warpgroup keep more programs resident. FP4: the tile is decoded in registers,
+    so fewer columns per program at few rows."""
     if fp4:
-        return 128, 8, 4, 4, 128
-    return 64, 4, 4, 2, 128
+        return (64, 4, 4, 4, 128) if block_m <= 16 else (128, 8, 3, 2, 128)
+    return (128, 8, 4, 2, 128) if block_m <= 16 else (64, 4, 4, 2, 128)
 
 
 def _decode_block_m(rows: int, grouped: bool) -> int:
@@ -568,8 +570,8 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     rows, fp4 = out.shape[0], _is_fp4(weight)
     decode = rows <= DECODE_MAX_ROWS if decode is None else decode
     if decode:
-        BN, warps, stages, programs_per_sm, fp4_step = config or _decode_config(fp4)
         BM = _decode_block_m(rows, offsets is not None)
+        BN, warps, stages, programs_per_sm, fp4_step = config or _decode_config(fp4, BM)
     else:
         (BM, BN, warps, stages), programs_per_sm, fp4_step = config or _gemm_config(rows, weight), 2, FP4_BLOCK_K
     quantize_a = s is None and decode and not fp4 and BM <= DECODE_QUANTIZE_MAX_ROW_TILE
