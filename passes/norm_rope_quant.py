@@ -61,7 +61,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 import dsfuse.kernels.fp8_linear  # noqa: F401  (registers torch.ops.dsfuse.fp8_linear, a projection)
 import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
 
-from .canonicalize import MEAN
+from .canonicalize import MEAN, canonical_bmm, canonical_mm
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
     CONVERT,
@@ -836,12 +836,13 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     if dtype(part) not in FLOAT_DTYPES or (part is not xf and dtype(part) == torch.float32):
         raise NoMatch("not an RMSNorm input", reported=False)
     source = strip(part, VIEW_OPS)
-    if not is_op(source, *PROJECTIONS) or not shape(part):
+    projected = is_op(source, *PROJECTIONS) or canonical_mm(source) or canonical_bmm(source)  # or as pad_mm pads it
+    if not projected or not shape(part):
         raise NoMatch("input is not a projection output", reported=False)
     try:
         return {"part": part, **_match_rmsnorm(part, dtype(part))}
-    except NoMatch as miss:
-        raise NoMatch(miss.reason, reported=False) from None
+    except NoMatch as miss:  # reported when it is a projection norm the call could not take
+        raise NoMatch(miss.reason, reported=UNSPECIALISED_FLOAT in miss.reason) from None
 
 
 def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: dict, ctx: PassContext) -> None:
@@ -941,27 +942,28 @@ def _match_pair_rope(rotated: torch.fx.Node, rot: torch.fx.Node, x_dtype: torch.
     return {"cos": tables[0], "sin": tables[1]}
 
 
-def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, list[torch.fx.Node]]:
+def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, list[torch.fx.Node], str | None]:
     """The RMSNorm whose output `row` is, or is a view of (through single-user views, permutes, unsqueezes),
-    and the views from the norm output to `row`, in order; (None, []) when there is none."""
+    and the views from the norm output to `row`, in order; (None, [], None) when there is none, and (None, [],
+    reason) for an RMSNorm that cannot join the call (its eps a tensor under `dynamic=True`), to be reported."""
     out, *views = _sole_views(row, ROW_VIEWS)
     rsqrt = next((n for n in _ancestors(out, 3) if is_op(n, aten.rsqrt.default)), None)
     add = rsqrt.args[0] if rsqrt is not None else None
     mean = add.args[0] if is_op(add, aten.add.Tensor) else None
     square = mean.args[0] if is_op(mean, aten.mean.dim) else mean.meta.get(MEAN, (None,))[0] if mean else None
     if not (is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
-        return None, []
+        return None, [], None
     xf = square.args[0]
     part = xf.args[0] if is_upcast(xf) else xf
     if dtype(part) != x_dtype:
-        return None, []
+        return None, [], None
     try:
         norm = _match_rmsnorm(part, x_dtype, unweighted=True)
-    except NoMatch:
-        return None, []
+    except NoMatch as miss:
+        return None, [], miss.reason if UNSPECIALISED_FLOAT in miss.reason else None
     if norm["norm_out"] is not out:
-        return None, []
-    return {"input": part, **norm}, views
+        return None, [], None
+    return {"input": part, **norm}, views, None
 
 
 def _ancestors(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
@@ -997,11 +999,12 @@ def _match_trailing_rope(cat: torch.fx.Node) -> dict:
         raise NoMatch(f"V4 RoPE: rotated width {c_rope} is not even")
     if len(shape(row)) > 4:
         raise NoMatch(f"V4 RoPE: row rank {len(shape(row))} above 4")
-    norm, views = _norm_above(row, x_dtype)
+    norm, views, norm_missed = _norm_above(row, x_dtype)
     source = row if norm is None else norm["input"]
     if not _last_dim_contiguous(source):
         raise NoMatch(f"V4 RoPE: {source}'s last dim is not contiguous")
-    return {"cat": cat, "row": row, "rot": rot, "c_rope": c_rope, "norm": norm, "views": views, **rope}
+    return {"cat": cat, "row": row, "rot": rot, "c_rope": c_rope, "norm": norm, "views": views,
+            "norm_missed": norm_missed, **rope}
 
 
 def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
@@ -1019,6 +1022,8 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
     from dsfuse.kernels.norm_rope_quant import RMS_NORMS
 
     norm, row = m["norm"], m["row"]
+    if m["norm_missed"]:
+        ctx.near_miss(cat, f"the RMSNorm before this RoPE is left out of its call: {m['norm_missed']}")
     x = row
     if norm is not None:  # the norm's input, viewed as the source viewed the norm's output
         x = norm["input"]

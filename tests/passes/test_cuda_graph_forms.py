@@ -126,3 +126,22 @@ def test_v4_hyper_connections_rewrite_when_cuda_pads_their_projections():
     assert plain.counts["hyper_connections"] == 5 and rep.counts["hyper_connections"] == 5, (str(plain), str(rep))
     assert not [m for m in rep.near_misses if m.pass_name == "hyper_connections"], str(rep)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_v4_projection_norms_rewrite_when_cuda_pads_their_projections():
+    """pad_mm pads a projection whose dims are not multiples of 8 (`mm(pad(x), pad(w^T))` sliced back, here every
+    mm): the RMSNorm of its output is still an `rmsnorm_rope` site (the H200 grid lost these at some lengths, with
+    no near-miss, when pad_mm's benchmark chose the padded product)."""
+    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
+                           layer_types=["sliding_attention"], mlp_layer_types=["moe"]).eval()
+    ids = torch.randint(1, 256, (2, 5), generator=torch.Generator().manual_seed(7))
+
+    def pad_every_product(graph):
+        pad_matmuls(graph, min_dim=1, mms=True)
+
+    want, plain, got, rep = _without_and_with(pad_every_product, model, ids)
+    assert REWRITES, "no product was padded"
+    norms = [s for s in rep.sites if s.op == "dsfuse.rmsnorm_rope"]
+    assert len(norms) == sum(s.op == "dsfuse.rmsnorm_rope" for s in plain.sites) == 1, (str(plain), str(rep))
+    assert rep.counts == plain.counts and not rep.near_misses, (str(plain), str(rep))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
