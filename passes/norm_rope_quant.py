@@ -16,8 +16,9 @@ and its second part (through views) a RoPE in one of two forms, each matched on 
     half-split (`apply_rotary_pos_emb`):
         r*cos + cat([-r[..., h:], r[..., :h]], -1)*sin
 
-A split whose first part is an RMSNorm but whose other part is no RoPE this pass knows is reported with
-the reason. Two more site kinds, each into one launch:
+The split may be written as two slices (`proj[..., :C_norm]`, `proj[..., C_norm:]`): the same views, the
+same call. A split whose first part is an RMSNorm but whose other part is no RoPE this pass knows is reported
+with the reason. Two more site kinds, each into one launch:
 
 - `dsfuse::rope_cat`: a two-way last-dim split whose one part goes through a RoPE (either form, same
   structural matchers) and is `cat`'ed back with the other part in the split's order: HF's main query
@@ -43,9 +44,13 @@ the reason. Two more site kinds, each into one launch:
 
   When the row is (a view of: the K=V head's view + transpose, the compressors' unsqueeze) an RMSNorm's output,
   the norm joins the call (`rope_cat`'s `rms_norm`): `q_b_norm` (unweighted, `x * rsqrt(..).to(dtype)`),
-  `kv_norm` and the compressors' `kv_norm` (fp32 weight). Without a norm: the indexer's query.
+  `kv_norm` and the compressors' `kv_norm` (fp32 weight). Without a norm: the indexer's query. The two parts may
+  be a `split`'s; HF's RoPE forms (in the input dtype) on a trailing slice are `rope_cat` as on a split's part,
+  and any other product of the trailing part with other tensors, `cat` back, is reported.
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
-  `addmm`, `bmm`, or `dsfuse::fp8_linear` in a quantised checkpoint): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched.
+  `addmm`, `bmm`, or `dsfuse::fp8_linear` in a quantised checkpoint): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched;
+  an RMSNorm of a projection output that the call cannot take (`x / sqrt(..)`) is reported. Without a weight
+  (`(x * r).to(dtype)`, here or on the kv side) the call reads a weight of fp32 ones: the same bits.
 
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
 call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
@@ -89,7 +94,6 @@ from .graph_utils import (
     size_arg,
     size_args,
     slice_args,
-    strip,
     unspecialised_float,
     users_of,
     val,
@@ -110,6 +114,7 @@ PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     # splits first (kv: norm + rope; q and indexer: rope + cat), then norms left on a projection output (q_a)
     rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match_split, _rewrite_split)
+    rewrite_anchored(graph, ctx, (aten.slice.Tensor,), _match_sliced, _rewrite_split)  # the kv side as two slices
     # V4: RoPE on the trailing slice of (a norm of) a row, `cat` back (q, the K=V head, the compressors' entries)
     rewrite_anchored(graph, ctx, (aten.cat.default,), _match_trailing_rope, _rewrite_trailing_rope)
     rewrite_anchored(graph, ctx, (aten.pow.Tensor_Scalar,), _match_projection_norm, _rewrite_projection_norm)
@@ -152,7 +157,27 @@ def _match(split: torch.fx.Node) -> dict:
     parts = _getitems(split)
     if 0 not in parts or 1 not in parts:
         raise NoMatch("split part unused", reported=False)
-    norm = _match_rmsnorm(parts[0], dtype(proj))
+    return _match_parts(proj, sizes, parts)
+
+
+def _match_sliced(first: torch.fx.Node) -> dict:
+    """The kv side with the split written as two slices, `proj[..., :C_norm]` (an RMSNorm's input) and
+    `proj[..., C_norm:]`: the same views as `split`'s parts, so the same call."""
+    proj = first.args[0] if is_op(first, aten.slice.Tensor) else None
+    width = shape(proj)[-1] if proj is not None and shape(proj) else None
+    kept = _last_dim_slice(first, width) if isinstance(width, int) else None
+    if kept is None or kept[1] != 0 or not 0 < kept[2] < width or dtype(proj) not in FLOAT_DTYPES:
+        raise NoMatch("not a leading slice of a row", reported=False)
+    rest = next((u for u in proj.users if u is not first and _last_dim_slice(u, width) == (proj, kept[2], width)),
+                None)
+    if rest is None or not _starts_rmsnorm(first):
+        raise NoMatch("not an RMSNorm'd leading slice beside the trailing one", reported=False)
+    return {"kind": "norm_rope", **_match_parts(proj, [kept[2], width - kept[2]], {0: first, 1: rest})}
+
+
+def _match_parts(proj: torch.fx.Node, sizes: list, parts: dict[int, torch.fx.Node]) -> dict:
+    """Part 0 of `proj` through an RMSNorm, part 1 through a RoPE."""
+    norm = _match_weighted_or_unit_norm(parts[0], dtype(proj))
     rope = _match_rope(parts[1], dtype(proj))
     return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
 
@@ -213,6 +238,26 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     if is_upcast(weight):
         weight = weight.args[0]
     return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
+
+
+def _match_weighted_or_unit_norm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+    """An RMSNorm `rmsnorm_rope` computes: weighted in either rounding, or without a weight, `(x * r).to(dtype)`,
+    which is the fp32-weight rounding with a weight of ones (a product by 1.0 is exact; `weight` None)."""
+    norm = _match_rmsnorm(part, x_dtype, unweighted=True)
+    if norm["rounding"] == "unweighted_scale_cast":
+        raise NoMatch("RMSNorm: x * rsqrt(...).to(dtype) rounds the scale before the product, which rmsnorm_rope "
+                      "does not")
+    if norm["weight"] is None:
+        norm["weight_in_fp32"] = True
+    return norm
+
+
+def _unit_weight_if_none(graph: torch.fx.Graph, before: torch.fx.Node, m: dict, x: torch.fx.Node, width):
+    """The norm's weight, or fp32 ones for an unweighted norm."""
+    if m["weight"] is not None:
+        return m["weight"]
+    return insert_call(graph, before, aten.full.default, ([width], 1.0),
+                       {"dtype": torch.float32, "device": val(x).device})
 
 
 def _row_mean(square: torch.fx.Node) -> torch.fx.Node | None:
@@ -278,7 +323,10 @@ def _match_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     for node in _view_chain(part):
         if _complex_rope_entry(node) is not None:
             return _match_official_kv_rope(node, x_dtype)
-    raise NoMatch("RMSNorm beside a split part that is not RoPE'd in a known form")
+    raise NoMatch(NO_KNOWN_ROPE)
+
+
+NO_KNOWN_ROPE = "RMSNorm beside a split part that is not RoPE'd in a known form"
 
 
 def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
@@ -407,7 +455,8 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     else:
         rope_args = (_rows_of(graph, before, m["cos"], m["rot"]), _rows_of(graph, before, m["sin"], m["rot"]),
                      m["interleaved"], m["weight_in_fp32"])
-    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, m["weight"], m["eps"], *rope_args))
+    weight = _unit_weight_if_none(graph, before, m, x, m["c_norm"])
+    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, weight, m["eps"], *rope_args))
     normed = insert_call(graph, before, operator.getitem, (fused, 0))
     roped = insert_call(graph, before, operator.getitem, (fused, 1))
     proj_lead = [size_arg(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
@@ -420,7 +469,7 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     form = "interleaved" if m["interleaved"] else "half-split"
     if "freqs" in m:
         form = f"complex-multiply {form}"
-    rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
+    rounding = "no weight" if m["weight"] is None else "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
     tables = [m["freqs"]] if "freqs" in m else [m["cos"][0], m["sin"][0]]
     ctx.site(split, "dsfuse.rmsnorm_rope", [m["proj"], m["weight"], *tables],
              detail=f"RMSNorm {m['c_norm']} ({rounding}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}",
@@ -835,14 +884,22 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     part = xf.args[0] if is_upcast(xf) else xf
     if dtype(part) not in FLOAT_DTYPES or (part is not xf and dtype(part) == torch.float32):
         raise NoMatch("not an RMSNorm input", reported=False)
-    source = strip(part, VIEW_OPS)
+    source = part
+    while is_op(source, *VIEW_OPS) or _moves_unit_dims_only(source):  # an einsum's bmm output is permuted back
+        source = source.args[0]
     projected = is_op(source, *PROJECTIONS) or canonical_mm(source) or canonical_bmm(source)  # or as pad_mm pads it
     if not projected or not shape(part):
         raise NoMatch("input is not a projection output", reported=False)
-    try:
-        return {"part": part, **_match_rmsnorm(part, dtype(part))}
-    except NoMatch as miss:  # reported when it is a projection norm the call could not take
-        raise NoMatch(miss.reason, reported=UNSPECIALISED_FLOAT in miss.reason) from None
+    return {"part": part, **_match_weighted_or_unit_norm(part, dtype(part))}  # one the call cannot take is reported
+
+
+def _moves_unit_dims_only(node: torch.fx.Node) -> bool:
+    """A permute that keeps the order of the dims of size other than 1 (a layout no-op)."""
+    if not is_op(node, aten.permute.default):
+        return False
+    sizes = shape(node.args[0])
+    moved = [d for d in node.args[1] if not same_size(sizes[d], 1)]
+    return moved == sorted(moved)
 
 
 def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: dict, ctx: PassContext) -> None:
@@ -850,12 +907,13 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
     c_norm = shape(part)[-1]
     x = insert_call(graph, out, aten.reshape.default, (part, [-1, c_norm]))
     fused = insert_call(graph, out, torch.ops.dsfuse.rmsnorm_rope.default,
-                        (x, m["weight"], m["eps"], None, None, True, m["weight_in_fp32"]))
+                        (x, _unit_weight_if_none(graph, out, m, x, c_norm), m["eps"], None, None, True,
+                         m["weight_in_fp32"]))
     normed = insert_call(graph, out, operator.getitem, (fused, 0))
     sizes = size_args(graph, out, part)
     out.replace_all_uses_with(insert_call(graph, out, aten.reshape.default, (normed, sizes)))
     graph.eliminate_dead_code()
-    rounding = "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
+    rounding = "no weight" if m["weight"] is None else "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
     ctx.site(square, "dsfuse.rmsnorm_rope", [part, m["weight"]],
              detail=f"RMSNorm {c_norm} ({rounding}) of a projection output, eps={m['eps']:g}, no RoPE",
              call=fused)
@@ -976,25 +1034,25 @@ def _ancestors(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
 
 def _match_trailing_rope(cat: torch.fx.Node) -> dict:
     """`cat([row[..., :D-R], rope(row[..., D-R:])], -1)` with V4's fp32 pair RoPE, `row` optionally (a view of)
-    an RMSNorm's output (`kv_norm`, `q_b_norm`, the compressors' `kv_norm`)."""
+    an RMSNorm's output (`kv_norm`, `q_b_norm`, the compressors' `kv_norm`). The two parts may be a two-way
+    `split`'s. HF's RoPE forms in the input dtype there are `rope_cat` as for a split (the norm then stays a call
+    of its own); any other RoPE-like product of the trailing part is reported."""
     items = cat.args[0]
     if len(items) != 2 or not is_last_dim_cat(cat):
         raise NoMatch("not a two-way last-dim cat", reported=False)
     nope, rotated = items
-    row = nope.args[0] if is_op(nope, aten.slice.Tensor) else None
-    if row is None or dtype(row) not in FLOAT_DTYPES or not shape(row):
-        raise NoMatch("not a cat of a slice", reported=False)
-    width = shape(row)[-1]
-    if not isinstance(width, int):
-        raise NoMatch("symbolic row width", reported=False)
-    kept = _last_dim_slice(nope, width)
-    rot = next((u for u in row.users if u is not nope and is_op(u, aten.slice.Tensor)
-                and _last_dim_slice(u, width) == (row, kept[2] if kept else -1, width)), None)
-    if kept is None or kept[1] != 0 or rot is None:
-        raise NoMatch("not the leading and trailing slices of one row", reported=False)
-    x_dtype = dtype(row)
-    rope = _match_pair_rope(rotated, rot, x_dtype)
-    c_rope = width - kept[2]
+    parts = _leading_and_trailing(nope)
+    if parts is None:
+        raise NoMatch("not the leading and trailing parts of one row", reported=False)
+    row, kept_width, rot = parts
+    width, x_dtype = shape(row)[-1], dtype(row)
+    try:
+        rope = _match_pair_rope(rotated, rot, x_dtype)
+    except NoMatch as miss:
+        if miss.reported:  # V4's RoPE in a form its call cannot take
+            raise
+        return _match_tail_rope_cat(cat, row, rot, rotated, miss)
+    c_rope = width - kept_width
     if c_rope < 2 or c_rope % 2:
         raise NoMatch(f"V4 RoPE: rotated width {c_rope} is not even")
     if len(shape(row)) > 4:
@@ -1005,6 +1063,69 @@ def _match_trailing_rope(cat: torch.fx.Node) -> dict:
         raise NoMatch(f"V4 RoPE: {source}'s last dim is not contiguous")
     return {"cat": cat, "row": row, "rot": rot, "c_rope": c_rope, "norm": norm, "views": views,
             "norm_missed": norm_missed, **rope}
+
+
+def _leading_and_trailing(nope: torch.fx.Node) -> tuple | None:
+    """(row, w, tail) when `nope` is `row[..., :w]` beside a `tail` = `row[..., w:]`, or part 0 of a two-way
+    last-dim split of `row` (the tail its part 1); None otherwise."""
+    if is_op(nope, operator.getitem) and nope.args[1] == 0 and is_op(nope.args[0], aten.split_with_sizes.default):
+        split = nope.args[0]
+        row, sizes, parts = split.args[0], split.args[1], _getitems(split)
+        if (len(sizes) == 2 and is_last_dim(row, node_arg(split, 2, "dim", 0)) and 1 in parts
+                and dtype(row) in FLOAT_DTYPES and isinstance(sizes[0], int) and isinstance(shape(row)[-1], int)):
+            return row, sizes[0], parts[1]
+        return None
+    row = nope.args[0] if is_op(nope, aten.slice.Tensor) else None
+    if row is None or dtype(row) not in FLOAT_DTYPES or not shape(row) or not isinstance(shape(row)[-1], int):
+        return None
+    width = shape(row)[-1]
+    kept = _last_dim_slice(nope, width)
+    if kept is None or kept[1] != 0:
+        return None
+    tail = next((u for u in row.users if u is not nope and _last_dim_slice(u, width) == (row, kept[2], width)), None)
+    return None if tail is None else (row, kept[2], tail)
+
+
+def _match_tail_rope_cat(cat, row, rot, rotated, pair_miss: NoMatch) -> dict:
+    """The trailing part RoPE'd in one of HF's forms in the input dtype (`rope_cat`, as for a split's parts), or
+    else a reported miss when the part goes through products with other tensors, as a RoPE does."""
+    try:
+        rope = _match_rope(rot, dtype(row))
+    except NoMatch as miss:
+        if not _rotated_by_products(rotated, rot):
+            raise NoMatch(pair_miss.reason, reported=False) from None
+        reason = (miss.reason if miss.reported and miss.reason != NO_KNOWN_ROPE
+                  else f"{pair_miss.reason}, and not HF's half-split or interleaved form")
+        raise NoMatch(f"RoPE of a row's trailing part, concatenated back, in no form a call takes: {reason}") from None
+    if "freqs" in rope:
+        raise NoMatch("complex RoPE of a row's trailing part, concatenated back: fused only before its fp8 "
+                      "quantisation (no fused kernel for the unquantised output)")
+    if rope["rope_out"] is not rotated or rope["rot"] is not rot or len(shape(row)) > 4:
+        raise NoMatch("RoPE of a row's trailing part, concatenated back: the RoPE reads the part through views, "
+                      "or the row's rank is above 4")
+    for node in (row, rope["cos"][0], rope["sin"][0]):
+        if not _last_dim_contiguous(node):
+            raise NoMatch(f"RoPE + cat: {node}'s last dim is not contiguous")
+    width = shape(row)[-1]
+    return {"kind": "rope_cat", "x": row, "cat": cat, "rope_start": width - shape(rot)[-1], "c_rope": shape(rot)[-1],
+            "layer_norm": None, **rope}
+
+
+def _rotated_by_products(rotated: torch.fx.Node, rot: torch.fx.Node) -> bool:
+    """Whether `rotated` is computed from `rot` (within a few ops) through products with tensors not derived
+    from it: the cos / sin factors of a RoPE."""
+    seen, frontier = set(), [rotated]
+    for _ in range(8):
+        frontier = [a for n in frontier if n is not rot for a in n.all_input_nodes if a not in seen]
+        seen.update(frontier)
+    if rot not in seen:
+        return False
+    derived, frontier = {rot}, [rot]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if u in seen and u not in derived]
+        derived.update(frontier)
+    return any(is_op(n, aten.mul.Tensor) and any(a not in derived for a in n.all_input_nodes)
+               for n in derived if n is not rot)
 
 
 def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
@@ -1020,6 +1141,10 @@ def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, r
 
 def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     from dsfuse.kernels.norm_rope_quant import RMS_NORMS
+
+    if m.get("kind") == "rope_cat":
+        _rewrite_rope_cat(graph, cat, m, ctx)
+        return
 
     norm, row = m["norm"], m["row"]
     if m["norm_missed"]:
