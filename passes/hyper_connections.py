@@ -21,7 +21,10 @@ For a hyper-connection the other two pieces of the same mixes are then proven:
 
 where scale[i] is `scale.unbind(0)[i]` or `scale[i]`, the chain of steps is walked to its end (the Sinkhorn loop is
 unrolled in the graph: any iteration count), and it must alternate column, row, ..., column with the same eps, as
-HF's loop does. The collapse, `post` and `comb` are replaced by the outputs of one `hc_collapse` call.
+HF's loop does. The collapse, `post` and `comb` are replaced by the outputs of one `hc_collapse` call (the casts and
+views of an fp32 copy of the streams made after post or comb moved before it; a collapse its reader views with the
+token dims merged viewed so). Streams only read flattened `[*, n*D]` and Sinkhorn steps written as products with
+`1 / (sum + eps)` are reported: the ops take the streams as [*, n, D] and divide.
 
 Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + comb.to(dtype)^T @ residual`, the mix a bmm
 (`matmul`, `einsum`, `.mT`) or a broadcast sum of fp32 products (`hc_post`), its dims followed through layout ops,
@@ -248,6 +251,9 @@ def _bmm_collapse(bmm: torch.fx.Node) -> tuple:
                         and same_shape(shape(n)[:-1], shape(pre)))
     rank = len(shape(x))
     if rank < 3 or len(shape(pre)) != rank - 1 or dtype(bmm) != torch.float32:
+        if dtype(bmm) == torch.float32 and _affine(_sigmoid_arg(_add_const(pre)[0])) is not None:
+            raise NoMatch(f"hyper-connection collapse: sigmoid(w * scale + base) + eps weights contract streams "
+                          f"never held as [*, n, D] (read from {list(shape(x))}); the op takes them so")
         raise NoMatch("a bmm of sigmoid weights that is not an fp32 collapse of streams", reported=False)
     lead = _lead_names(rank - 2)
     x_labels = leaf_labels(x, lead + ["j", "d"])
@@ -255,14 +261,25 @@ def _bmm_collapse(bmm: torch.fx.Node) -> tuple:
     labels = _bmm_labels(a, b)
     if labels is None or names([contracted(a, b)]) != [("j",)]:
         raise NoMatch("a bmm of sigmoid weights that does not contract the streams", reported=False)
-    expected, node = _names_without(x_labels, rank - 2), bmm
+    expected, node, result_labels = _names_without(x_labels, rank - 2), bmm, labels
     while names(labels) != expected or len(shape(node)) != rank - 1:
         user = only_user(node, *LAYOUT_OPS)
         labels = apply_op(labels, user) if user is not None else None
         if labels is None:
-            raise NoMatch("a bmm of sigmoid weights whose result is not viewed as [*, D]", reported=False)
+            return pre, x, _flat_collapse(bmm, result_labels, expected)
         node = user
     return pre, x, node
+
+
+def _flat_collapse(bmm, labels, expected):
+    """The bmm itself when its result holds the collapse's values in their order, only with the token dims merged
+    (its [*, D] view folded into the reader's view): the fused value is then viewed as the bmm's shape."""
+    if [a for dim in names(labels) for a in dim] != [a for dim in expected for a in dim]:
+        raise NoMatch("a bmm of sigmoid weights whose result is not viewed as [*, D]", reported=False)
+    if not all(isinstance(size, int) for size in shape(bmm)):
+        raise NoMatch(f"hyper-connection collapse: the collapse is read as {list(shape(bmm))} (its tokens merged), "
+                      "a view the pass builds for static shapes only")
+    return bmm
 
 
 def _match_collapse(anchor: torch.fx.Node) -> dict:
@@ -285,7 +302,28 @@ def _match_collapse(anchor: torch.fx.Node) -> dict:
     else:
         m.update(_match_mixing(mixes, scale_node, base_node, hc, hc_eps))
     m["output"], m["upcast"] = _collapsed_output(total, x)
+    m["before"], m["hoisted"] = _call_position(anchor.graph, [x, m["fn"], m["base"], m["scale"]],
+                                 [m["output"]] if head else [m["output"], m["post"], m["comb"]])
     return m
+
+
+def _call_position(graph: torch.fx.Graph, inputs: list, replaced: list) -> tuple[torch.fx.Node, list]:
+    """(the first node the fused call replaces, which it goes before; the views and casts its inputs need that are
+    computed after that node, in graph order, to be moved before it: the collapse may read an fp32 copy of the
+    streams made after post or comb)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(replaced, key=order.__getitem__)
+    late, pending = set(), list(inputs)
+    while pending:
+        node = pending.pop()
+        if order[node] < order[first] or node in late:
+            continue
+        if node in replaced or not is_op(node, CONVERT, *LAYOUT_OPS):
+            raise NoMatch(f"hyper-connection: the collapse's input {node} is computed after {first}, which the "
+                          "fused op replaces")
+        late.add(node)
+        pending.extend(node.all_input_nodes)
+    return first, sorted(late, key=order.__getitem__)
 
 
 def _affine(z):
@@ -474,6 +512,9 @@ def _match_comb(w_comb, scale, base, hc, hc_eps):
         if eps != hc_eps:
             raise NoMatch(f"hyper-connection: Sinkhorn eps {eps} differs from hc_eps {hc_eps}")
         steps.append(axis)
+    if _reciprocal_step(c):
+        raise NoMatch("hyper-connection: a Sinkhorn step multiplies by 1 / (sum + eps), rounding twice; HF's step "
+                      "and the op divide")
     expected = [rank - 2 if i % 2 == 0 else rank - 1 for i in range(len(steps))]
     if not steps or steps != expected or len(steps) % 2 == 0:
         names_ = ["col" if a == rank - 2 else "row" for a in steps]
@@ -507,6 +548,16 @@ def _sinkhorn_step(c, rank):
     return None
 
 
+def _reciprocal_step(c) -> bool:
+    """Whether c is next normalised as `c * (1 / (sum(c, dim, keepdim) + eps))`."""
+    for total in c.users:
+        add = only_user(total, aten.add.Tensor) if is_op(total, aten.sum.dim_IntList) else None
+        inverse = only_user(add, aten.reciprocal.default) if add is not None and _add_const(add) else None
+        if inverse is not None and any(is_op(u, aten.mul.Tensor) and c in u.args for u in inverse.users):
+            return True
+    return False
+
+
 def _collapsed_output(total, x):
     """The collapse's value in x's dtype, `sum.to(x.dtype)` (the sum itself when x is fp32): (node, upcast).
     With `upcast`, the sum is read only in fp32: Inductor's `pointless_convert` dropped HF's round trip
@@ -526,8 +577,9 @@ def _collapsed_output(total, x):
 def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     x = m["x"]
     replaced = [m["output"]] if m["head"] else [m["output"], m["post"], m["comb"]]
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    first = min(replaced, key=order.__getitem__)
+    first = m["before"]
+    for node in m["hoisted"]:
+        first.prepend(node)
     if m["head"]:
         call = insert_call(graph, first, HC_HEAD, (x, m["fn"], m["base"], m["scale"], m["norm_eps"], m["hc_eps"]))
         m["output"].replace_all_uses_with(_as_read(graph, call, m))
@@ -549,7 +601,13 @@ def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx:
 
 
 def _as_read(graph: torch.fx.Graph, collapsed: torch.fx.Node, m: dict) -> torch.fx.Node:
-    """The collapsed value as the graph reads it: upcast to fp32 where Inductor had dropped HF's round trip."""
+    """The collapsed value as the graph reads it: viewed as the replaced node's shape where the graph had merged
+    its token dims, upcast to fp32 where Inductor had dropped HF's round trip."""
+    if not same_shape(shape(collapsed), shape(m["output"])):
+        with graph.inserting_after(collapsed):
+            view = graph.call_function(aten.view.default, (collapsed, list(shape(m["output"]))))
+        view.meta["val"] = fake_call(aten.view.default, (collapsed, list(shape(m["output"]))))
+        collapsed = view
     if not m["upcast"]:
         return collapsed
     with graph.inserting_after(collapsed):
@@ -622,6 +680,9 @@ def _comb_mix(mixed, call, streams_shape):
     for comb_operand, residual_operand in pairs:
         comb, comb_ops = layout_chain(comb_operand)
         residual, residual_ops = _nearest(residual_operand, lambda n: same_shape(shape(n), streams_shape))
+        if _hc_output(comb, 2) is call and not same_shape(shape(residual), streams_shape):
+            raise NoMatch(f"hyper-connection exit: comb^T mixes streams never held as {list(streams_shape)} (read "
+                          f"from {list(shape(residual))}); the op takes them so")
         if _hc_output(comb, 2) is None or len(shape(comb)) != len(shape(residual)):
             continue
         if _hc_output(comb, 2) is not call:

@@ -1,8 +1,11 @@
 """`hyper_connections` on HF `DeepseekV4ForCausalLM` (v4-tiny) and on small graphs written with HF's modules: exact
 site counts, parity with eager, symbolic sequence lengths, and near-misses with their reasons."""
 
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 from v4_tiny_runs import FP32_SINKHORN_ITERS, SHARED_FP32, csa_then_hca_fp32_dynamic
 
@@ -134,3 +137,76 @@ def test_sinkhorn_ending_on_rows_is_a_near_miss():
         "hyper-connection: Sinkhorn steps ['col', 'row', 'col', 'row', 'col', 'row', 'col', 'row'] are not HF's "
         "col, (row, col)*"], str(rep)
 
+
+
+# --------------------------------------------------------------------------------------------
+# Spellings the spelling fuzzer found: rewritten, or reported with their reason
+# --------------------------------------------------------------------------------------------
+N, D, EPS = 4, 16, 1e-6
+
+
+def _hc_params():
+    g = torch.Generator().manual_seed(0)
+    mixes = (2 + N) * N
+    return (torch.randn(mixes, N * D, generator=g) * 0.1, torch.randn(mixes, generator=g) * 0.1 + 0.5,
+            torch.randn(3, generator=g) * 0.1 + 0.5, torch.randn(D, D, generator=g) * 0.2)
+
+
+def _spelled_block(x, fn, base, scale, block, flat_streams=False, collapse="einsum", reciprocal_steps=False):
+    """HF's hyper-connection and exit written out: the collapse (`einsum`, `bmm` or a broadcast sum) over an fp32
+    copy of the streams made after post and comb; optionally the streams given flattened [B, S, n*D] or the
+    Sinkhorn steps as products with a reciprocal."""
+    streams = x.view(*x.shape[:-1], N, D) if flat_streams else x
+    flat = streams.flatten(-2).float()
+    mixes = F.linear(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS), fn)
+    pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
+    pre_b, post_b, comb_b = base.split([N, N, N * N])
+    post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], N, N) * scale[2] + comb_b.view(N, N), dim=-1) + EPS
+    for dim in (-2, -1, -2):
+        total = comb.sum(dim=dim, keepdim=True) + EPS
+        comb = comb * (1 / total) if reciprocal_steps else comb / total
+    pre = torch.sigmoid(pre_w * scale[0] + pre_b) + EPS
+    if collapse == "sum":
+        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2)
+    elif collapse == "einsum":
+        collapsed = torch.einsum("...n,...nd->...d", pre, streams.float())
+    else:
+        collapsed = torch.bmm(pre.reshape(-1, 1, N), streams.float().reshape(-1, N, D)).view(*streams.shape[:-2], D)
+    out = F.linear(collapsed.to(x.dtype), block.to(x.dtype))
+    mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), streams)
+    new = post.to(x.dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
+    return new.flatten(-2) if flat_streams else new
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_collapse_of_a_late_fp32_copy_is_rewritten(dtype):
+    """The collapse reads `streams.float()` made after post and comb (the cast is moved before the fused call); in
+    fp32 the graph reads the collapse with its tokens merged (the fused value is viewed so)."""
+    x = torch.randn(2, 3, N, D).to(dtype)
+    compiled = torch.compile(_spelled_block, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    with torch.no_grad():
+        got, want = compiled(x, *_hc_params()), _spelled_block(x, *_hc_params())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    rep = dsfuse.report()
+    assert sorted(_ops(rep)[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
+
+
+@pytest.mark.parametrize("spelling, reason", [
+    (dict(reciprocal_steps=True), "hyper-connection: a Sinkhorn step multiplies by 1 / (sum + eps), rounding twice; "
+                                  "HF's step and the op divide"),
+    (dict(flat_streams=True, collapse="bmm"), "hyper-connection collapse: sigmoid(w * scale + base) + eps weights "
+                                              "contract streams never held as [*, n, D] (read from [2, 3, 64]); the "
+                                              "op takes them so"),
+    (dict(flat_streams=True, collapse="sum"), "hyper-connection exit: comb^T mixes streams never held as "
+                                              "[2, 3, 4, 16] (read from [2, 3, 64]); the op takes them so"),
+])
+def test_spellings_the_op_does_not_take_are_near_misses(spelling, reason):
+    x = torch.randn(2, 3, N * D) if spelling.get("flat_streams") else torch.randn(2, 3, N, D)
+    block = functools.partial(_spelled_block, **spelling)
+    compiled = torch.compile(block, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, *_hc_params()), block(x, *_hc_params()), rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    assert [m.reason for m in rep.near_misses] == [reason], str(rep)
