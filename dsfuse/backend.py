@@ -19,6 +19,7 @@ import torch
 
 from . import report as _report
 from .config import DECODE_MAX_TOKENS, BackendConfig, DsfuseConfigError, resolve_config
+from .module_floats import specialise_module_floats
 from .pass_manager import DsfusePassManager, sources_digest
 
 TRAINING_NOTE = (
@@ -243,6 +244,7 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     elif cfg.enabled:
         manager = DsfusePassManager(cfg.enabled)
         patches["post_grad_custom_post_pass"] = manager
+        specialise_module_floats(gm)  # under dynamic=True: restarts Dynamo's trace with them constant
     graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note,
                                       tokens=tokens)
     if quantised := quantised_layers_note(gm):

@@ -226,14 +226,14 @@ def scalar_arg(node: Any) -> float | None:
 
 def unspecialised_float(node: Any) -> bool:
     """Whether `node` is a 0-d floating tensor in the graph where the source had a Python scalar: what
-    `torch.compile(dynamic=True)` makes of a module's float attributes (a norm's eps, a softmax scale)."""
+    `torch.compile(dynamic=True)` makes of a float argument (`dsfuse.module_floats` specialises module attributes)."""
     value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
-UNSPECIALISED_FLOAT = ("is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as "
-                       "tensors whose values may change between calls; the default dynamic=None keeps them constant "
-                       "and compiles one graph for every length after the second")
+UNSPECIALISED_FLOAT = ("is a 0-d tensor, not a constant: a Python float passed to the compiled call under "
+                       "torch.compile(dynamic=True) is a graph input whose value may change between calls (dsfuse "
+                       "bakes in the floats it reads from module attributes, guarded, not the call's arguments)")
 
 
 def only_user(node: torch.fx.Node, *targets: Any) -> torch.fx.Node | None:

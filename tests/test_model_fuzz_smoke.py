@@ -99,3 +99,25 @@ def test_model_fuzz_cpu_grid():
         assert {k: v for k, v in case["sites"].items() if v} == {k: v for k, v in want.items() if v}, case
         assert case["near_misses"] == [] and not case["nan"], case
         assert case["dsfuse_err"] <= 1e-4, case
+
+
+@pytest.mark.slow
+def test_model_fuzz_cpu_dynamic_true_keeps_every_family():
+    """`torch.compile(dynamic=True)` on V4: one graph serves two lengths and keeps every family of the layer with no
+    near-miss (Dynamo passes the modules' floats, eps and softmax scales, in as tensors unless dsfuse has them
+    specialised; the H200 grid once lost the sparse attention, compressors and hyper-connections to that)."""
+    import dsfuse
+    from dsfuse.models.presets import build_hf_model
+
+    fuzz = _module()
+    model = build_hf_model("v4-tiny", num_hidden_layers=1)
+    reuse = (None, torch.compile(model, backend="dsfuse", dynamic=True), "dynamic")
+    # two lengths with the same size specialisations (S % 8 == 1 leaves a one-row remainder: a graph of its own)
+    first, second = (fuzz.run_case(model, "v4-tiny", 2, seq, "cpu", with_inductor=False, reuse=reuse) for seq in (10, 14))
+    for case in (first, second):
+        assert "error" not in case and case["near_misses"] == [] and case["dsfuse_err"] <= 1e-4, case
+    want = {k: v for k, v in V4_ONE_LAYER_SITES.items() if k != "norm_rope_quant"}
+    assert {k: v for k, v in first["sites"].items() if k in want} == want, first
+    assert first["sites"]["norm_rope_quant"] >= V4_ONE_LAYER_SITES["norm_rope_quant"], first
+    assert first["graphs"] == 1 and second["graphs"] == 0, (first, second)
+    assert len(dsfuse.report().graphs) == 1

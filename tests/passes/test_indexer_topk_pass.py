@@ -305,27 +305,37 @@ def test_v4_csa_indexer_is_rewritten_once_and_matches_eager():
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_dynamic_true_score_scale_is_a_reported_near_miss_that_says_what_to_do():
-    """`dynamic=True` passes a module's float (the HF indexer's `softmax_scale`) in as a 0-d tensor whose value may
-    change between calls: not a constant the kernel may take. The report says so and names the default that works."""
+def test_dynamic_true_keeps_a_module_scale_and_reports_a_scale_passed_as_an_argument():
+    """`dynamic=True` passes every Python float in as a 0-d tensor. dsfuse bakes back the one read from the module
+    (the HF indexer's `softmax_scale`), so the site is fused as under the default compile; a scale the caller passes
+    to the compiled function stays an input whose value may change between calls, and the report says so."""
 
     class Indexer(torch.nn.Module):
         softmax_scale = SCALE
 
-        def forward(self, q, k, w, mask):
-            scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale)
+        def forward(self, q, k, w, mask, scale=None):
+            scale = self.softmax_scale if scale is None else scale
+            scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * scale)
             index_scores = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~mask, float("-inf"))
             return index_scores.topk(K, dim=-1).indices
 
     q, k, w, causal = _data()
     with torch.no_grad():
-        torch.compile(Indexer(), backend="dsfuse", dynamic=True)(q, k, w, causal)
+        want = Indexer()(q, k, w, causal)
+        got = torch.compile(Indexer(), backend="dsfuse", dynamic=True)(q, k, w, causal)
+    assert dsfuse.report().counts["indexer_topk"] == 1 and not dsfuse.report().near_misses, str(dsfuse.report())
+    torch.testing.assert_close(selection(got, S), selection(want, S), rtol=0, atol=0)
+
+    torch._dynamo.reset()
+    dsfuse.reset_report()
+    with torch.no_grad():
+        torch.compile(Indexer(), backend="dsfuse", dynamic=True)(q, k, w, causal, SCALE)
     rep = dsfuse.report()
     assert rep.counts["indexer_topk"] == 0
     assert [m.reason for m in rep.near_misses] == [
-        "the score scale is a 0-d tensor, not a constant: torch.compile(dynamic=True) passes Python floats in as "
-        "tensors whose values may change between calls; the default dynamic=None keeps them constant and compiles "
-        "one graph for every length after the second"], str(rep)
+        "the score scale is a 0-d tensor, not a constant: a Python float passed to the compiled call under "
+        "torch.compile(dynamic=True) is a graph input whose value may change between calls (dsfuse bakes in the "
+        "floats it reads from module attributes, guarded, not the call's arguments)"], str(rep)
 
 
 def test_indexer_with_a_wrong_mask_polarity_is_refused_by_the_numeric_check(monkeypatch):
