@@ -26,7 +26,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .graph_utils import in_graph_order, val
 
 MAX_NODES = 256
-MAX_ELEMENTS = 1 << 22  # summed over the slice's tensors at one size assignment
+MAX_ELEMENTS = 1 << 22  # summed over the slice's tensors and its probed inputs at one size assignment
 SYMBOL_SIZES = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43)
 # Python-level size arithmetic Dynamo leaves in a graph (`s0 // 2`, `min(k, T)`).
 SIZE_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
@@ -251,8 +251,9 @@ def _run(nodes, frontier, outputs, roles, family: Family, above: int, max_elemen
     assignments = size_assignments(frontier, _static_sizes(val(n) for n in frontier), above)
     if not assignments:
         return Verdict(None, "too many symbolic sizes to probe")
+    probed = [node for node in frontier if node in bound]  # the probes build these: a checkpoint's expert stacks
     for assignment in assignments:
-        if _elements(nodes, assignment) > max_elements:
+        if _elements(nodes + probed, assignment) > max_elements:
             return Verdict(None, f"probes over {max_elements} elements")
         shapes = {role: tuple(concrete(s, assignment) for s in val(node).shape) for role, node in roles.items()}
         dtypes = {role: val(node).dtype for role, node in roles.items()}

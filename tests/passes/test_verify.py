@@ -55,6 +55,23 @@ def test_unbound_frontier_tensor_is_named():
     assert verdict.ok is False and "bound to no role" in verdict.reason
 
 
+def test_inputs_too_large_to_probe_are_not_built():
+    """A small slice over a large input (a checkpoint's expert stack read by index): the probes would have to build
+    the input at its static size, so the slice is not run and no probe is drawn (the verdict is None, not False)."""
+    verify.clear_cache()
+    (stack, ids), out = _graph(lambda w, i: (torch.index_select(w, 0, i),), torch.empty(verify.MAX_ELEMENTS + 1, 1),
+                               torch.zeros(2, dtype=torch.long))
+    drawn = []
+
+    def probes(shapes, dtypes):
+        drawn.append(shapes)
+        return []
+
+    family = verify.Family(probes, lambda probe: None, lambda got, want, probe: None)
+    verdict = verify.verify([out], {"stack": stack, "ids": ids}, family)
+    assert verdict.ok is None and "elements" in verdict.reason and not drawn, verdict
+
+
 def test_symbolic_sizes_get_two_small_distinct_assignments():
     verify.clear_cache()
     (a, b), out = _graph(_scaled_relu, torch.randn(3, 6), torch.randn(3, 6), mode="symbolic")
