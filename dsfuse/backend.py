@@ -103,6 +103,15 @@ def _query_tokens(example_inputs: Sequence[Any]) -> int | None:
     return max(lengths)
 
 
+def _dynamo_frame() -> tuple[int, int] | None:
+    """(frame id, compile number of that frame) of the Dynamo compile calling the backend, else None."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    frame, attempt = getattr(compile_id, "frame_id", None), getattr(compile_id, "frame_compile_id", None)
+    return (frame, attempt) if isinstance(frame, int) and isinstance(attempt, int) else None
+
+
 def _is_weight(node: torch.fx.Node) -> bool:
     """A placeholder Dynamo lifted from a module's parameters or buffers (inlined nn modules): the model's weights,
     not the step's data."""
@@ -246,7 +255,7 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         patches["post_grad_custom_post_pass"] = manager
         specialise_module_floats(gm)  # under dynamic=True: restarts Dynamo's trace with them constant
     graph_index = _report.start_graph(nodes=len(gm.graph.nodes), enabled=cfg.enabled if manager else (), note=note,
-                                      tokens=tokens)
+                                      tokens=tokens, frame=_dynamo_frame())
     if quantised := quantised_layers_note(gm):
         _report.annotate_graph(graph_index, quantised)
     if manager is None:
@@ -271,6 +280,7 @@ def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             _report.record_site(_report.Site(**{**site.__dict__, "graph": graph_index}))
         for miss in manager.near_misses:
             _report.record_near_miss(_report.NearMiss(**{**miss.__dict__, "graph": graph_index}))
+        _report.note_sites_lost_to_recompile(graph_index)
         note = _decode_without_graphs(manager.sites, example_inputs, patches)
         if note is not None:
             _report.annotate_graph(graph_index, note)

@@ -47,6 +47,8 @@ class GraphRecord:
     note: str = ""
     # tokens per sequence of the step the graph computes (1: a decode step); None when the length is symbolic
     tokens: int | None = None
+    # Dynamo's (frame, compile of that frame): graphs of one frame with a later compile number are its recompiles
+    frame: tuple[int, int] | None = None
 
 
 @dataclass
@@ -145,9 +147,11 @@ def report() -> Report:
     return copy.deepcopy(_REPORT)
 
 
-def start_graph(nodes: int, enabled: tuple[str, ...], note: str = "", tokens: int | None = None) -> int:
+def start_graph(nodes: int, enabled: tuple[str, ...], note: str = "", tokens: int | None = None,
+                frame: tuple[int, int] | None = None) -> int:
     index = len(_REPORT.graphs)
-    _REPORT.graphs.append(GraphRecord(index=index, nodes=nodes, enabled=enabled, note=note, tokens=tokens))
+    _REPORT.graphs.append(GraphRecord(index=index, nodes=nodes, enabled=enabled, note=note, tokens=tokens,
+                                      frame=frame))
     if note:
         log.info("graph %d: %s", index, note)
     return index
@@ -170,3 +174,30 @@ def record_near_miss(miss: NearMiss) -> None:
 def annotate_graph(index: int, note: str) -> None:
     graph = _REPORT.graphs[index]
     graph.note = f"{graph.note}; {note}" if graph.note else note
+
+
+def note_sites_lost_to_recompile(index: int) -> None:
+    """Annotate graph `index` where it is a recompile of an earlier graph's frame with fewer sites of a family than
+    that graph had: a length, batch or dtype the first compile did not see can cost a family, and the user should
+    not have to diff reports to find out."""
+    graph = _REPORT.graphs[index]
+    if graph.frame is None:
+        return
+    earlier = [g for g in _REPORT.graphs[:index] if g.frame is not None and g.frame[0] == graph.frame[0]
+               and g.frame[1] < graph.frame[1]]
+    if not earlier:
+        return
+    previous = earlier[-1].index
+
+    def counts(of: int) -> dict[str, int]:
+        found = {name: 0 for name in PASS_NAMES}
+        for site in _REPORT.sites:
+            if site.graph == of:
+                found[site.pass_name] += 1
+        return found
+
+    now, before = counts(index), counts(previous)
+    lost = [f"{name} {now[name]} (graph {previous}: {before[name]})" for name in PASS_NAMES if now[name] < before[name]]
+    if lost:
+        annotate_graph(index, f"a recompile of graph {previous}'s function with fewer sites: {', '.join(lost)}; "
+                              "the near-misses say why where a pass saw a candidate")

@@ -18,6 +18,16 @@ def smallest(q, k, w):
     return torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).topk(3, dim=-1, largest=False).indices
 
 
+SELECT_LARGEST = True
+
+
+def selected(q, k, w, mask):
+    """`indexer` with the selection direction read from a global: changing it recompiles the function."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * 0.25)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~mask, float("-inf"))
+    return index.topk(3, dim=-1, sorted=False, largest=SELECT_LARGEST).indices
+
+
 class ReportText(expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
@@ -57,3 +67,32 @@ rewritten sites:
   [indexer_topk] graph 0 at topk -> dsfuse.indexer_topk (arg0_1:bfloat16[1x6x2x8], arg1_1:bfloat16[1x6x8], arg2_1:float32[1x6x2], arg3_1:bool[1x6x6]) bool mask, k=3, scale=0.25
 not rewritten:
   [indexer_topk] graph 1 at topk: top-k of the smallest scores""")
+
+    def test_sites_lost_to_a_recompile(self):
+        global SELECT_LARGEST
+        gen = torch.Generator().manual_seed(0)
+        q = torch.randn(1, 6, 2, 8, generator=gen).to(torch.bfloat16)
+        k = torch.randn(1, 6, 8, generator=gen).to(torch.bfloat16)
+        w = torch.randn(1, 6, 2, generator=gen)
+        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        compiled = torch.compile(selected, backend="dsfuse", options={"enable": ["indexer_topk"]})
+        try:
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                compiled(q, k, w, mask)
+                SELECT_LARGEST = False
+                compiled(q, k, w, mask)
+        finally:
+            SELECT_LARGEST = True
+        self.assertExpectedInline(str(dsfuse.report()), """\
+dsfuse report: 2 graph(s) compiled
+  pass               rewritten  near-misses  state
+  norm_rope_quant            0            0  disabled
+  indexer_topk               1            1  enabled
+  sparse_attention           0            0  disabled
+  moe_experts                0            0  disabled
+  hyper_connections          0            0  disabled
+  compressors                0            0  disabled
+  graph 1: a recompile of graph 0's function with fewer sites: indexer_topk 0 (graph 0: 1); the near-misses say why where a pass saw a candidate
+not rewritten:
+  [indexer_topk] top-k of the smallest scores (graph 1 at topk)
+every site: print(dsfuse.report().details())""")
