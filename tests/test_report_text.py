@@ -28,17 +28,21 @@ def selected(q, k, w, mask):
     return index.topk(3, dim=-1, sorted=False, largest=SELECT_LARGEST).indices
 
 
+def _indexer_inputs():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, 2, 8, generator=gen).to(torch.bfloat16)
+    k = torch.randn(1, 6, 8, generator=gen).to(torch.bfloat16)
+    w = torch.randn(1, 6, 2, generator=gen)
+    return q, k, w, torch.ones(6, 6, dtype=torch.bool).tril()[None]
+
+
 class ReportText(expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
         dsfuse.reset_report()
 
     def test_rewritten_and_near_miss(self):
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 6, 2, 8, generator=gen, dtype=torch.float32).to(torch.bfloat16)
-        k = torch.randn(1, 6, 8, generator=gen).to(torch.bfloat16)
-        w = torch.randn(1, 6, 2, generator=gen)
-        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        q, k, w, mask = _indexer_inputs()
         with torch._inductor.config.patch(fx_graph_cache=False):  # a cache hit would add a note to the text
             torch.compile(indexer, backend="dsfuse", options={"disable": ["moe_experts"]})(q, k, w, mask)
             torch.compile(smallest, backend="dsfuse", options={"disable": ["moe_experts"]})(q, k, w)
@@ -70,11 +74,7 @@ not rewritten:
 
     def test_sites_lost_to_a_recompile(self):
         global SELECT_LARGEST
-        gen = torch.Generator().manual_seed(0)
-        q = torch.randn(1, 6, 2, 8, generator=gen).to(torch.bfloat16)
-        k = torch.randn(1, 6, 8, generator=gen).to(torch.bfloat16)
-        w = torch.randn(1, 6, 2, generator=gen)
-        mask = torch.ones(6, 6, dtype=torch.bool).tril()[None]
+        q, k, w, mask = _indexer_inputs()
         compiled = torch.compile(selected, backend="dsfuse", options={"enable": ["indexer_topk"]})
         try:
             with torch._inductor.config.patch(fx_graph_cache=False):
