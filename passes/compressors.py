@@ -44,7 +44,7 @@ from .canonicalize import row_mean
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call,
-                          is_op, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts,
+                          is_op, is_upcast, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts,
                           users_of, walk_back)
 
 NAME = "compressors"
@@ -130,6 +130,10 @@ def _match(stats: torch.fx.Node) -> dict:
         raise NoMatch("not a softmax over the slots of 4-D windows", reported=False)
     parts = softmax_parts(G, dim=2)
     if parts is None or parts["stats"] is not stats:
+        weights = _exp_of_log_softmax(stats, G)
+        if weights is not None and _pooling(weights):  # raises, reported, where the weights pool no values
+            raise NoMatch("compressor weights are exp(log_softmax(gate)) over the slots, which round otherwise than "
+                          "the op's exp(g - max) / sum: not fused")
         raise NoMatch("amax over dim 2 that is not a softmax", reported=False)
     pooled, kv_slots = _pooling(parts["probs"])
     kv_dtype = dtype(pooled)
@@ -139,6 +143,18 @@ def _match(stats: torch.fx.Node) -> dict:
     rope = _rope(norm["out"], kv_dtype)
     layout = _slots(G, kv_slots)
     return dict(pooled=pooled, **norm, **rope, **layout)
+
+
+def _exp_of_log_softmax(stats, G):
+    """exp(log_softmax(G, 2)) as decomposed, exp((G - max) - log(sum(exp(G - max), 2))), from its max; else None."""
+    shifted = next((u for u in users_of(stats, aten.sub.Tensor) if u.args == (G, stats)), None)
+    for log_sum in users_of(shifted, aten.sub.Tensor) if shifted is not None else ():
+        log = log_sum.args[1]
+        total = log.args[0] if is_op(log, aten.log.default) else None
+        exps = total.args[0] if is_op(total, aten.sum.dim_IntList) else None
+        if log_sum.args[0] is shifted and is_op(exps, aten.exp.default) and exps.args[0] is shifted:
+            return only_user(log_sum, aten.exp.default)
+    return None
 
 
 def _pooling(probs):
@@ -163,11 +179,11 @@ def _pooling(probs):
 
 
 def _forward_layout(node, labels):
-    """Follow `node`'s single-reader chain of layout ops forward: (the first reader that is not one, its input,
-    the input's labels)."""
+    """Follow `node`'s single-reader chain of layout ops and fp32 upcasts forward: (the first reader that is
+    neither, its input, the input's labels)."""
     while True:
         reader = only_user(node)
-        if not is_op(reader, *LAYOUT_OPS):
+        if not (is_op(reader, *LAYOUT_OPS) or is_upcast(reader)):
             return reader, node, labels
         labels = apply_op(labels, reader) if labels is not None else None
         node = reader
@@ -175,44 +191,52 @@ def _forward_layout(node, labels):
 
 def _contracted_pooling(w):
     """(pooled [B, W, D], KVs) of the weighted sum spelled as a contraction over the slots (`einsum('bwld,bwld->
-    bwd')`: a bmm, or Inductor's mul + sum of its operands laid out [B*W*D, l]), dims followed through layout ops;
-    None otherwise."""
+    bwd')`: a bmm, or Inductor's mul + sum of its operands laid out [B*W*D, l], which for 16-bit operands widens
+    them to fp32 and rounds the sum back once, as the bmm does), dims followed through layout ops; None otherwise."""
     core, w_end, w_labels = _forward_layout(w, leaf_labels(w, "bwld"))
     if w_labels is None or not is_op(core, aten.mul.Tensor, aten.bmm.default) or len(core.args) != 2:
         return None
     other = _other(core, w_end)
     if not isinstance(other, torch.fx.Node):
         return None
-    chain = walk_back(other, lambda n: is_op(n, *LAYOUT_OPS))
-    at = next((i for i in range(len(chain) - 1, -1, -1) if same_shape(shape(chain[i]), shape(w))), None)
+    chain = walk_back(other, lambda n: is_op(n, *LAYOUT_OPS) or is_upcast(n))
+    # the earliest node of the weights' shape: a later one may be a transpose that only looks alike (2m == D)
+    at = next((i for i in range(len(chain)) if same_shape(shape(chain[i]), shape(w))), None)
     if at is None:
         return None
     values, ops = chain[at], chain[at + 1:]
+    # a partner of the weights' own shape: a pooling, reported from here on when it cannot be followed
+    unfollowed = NoMatch(f"softmax-pooled values {describe(values)}: the weighted sum over the slots is a "
+                         "contraction whose layout ops could not be followed to [B, W, D] (size-1 dims?)")
     v_labels = follow(leaf_labels(values, "bwld"), ops)
     if v_labels is None:
-        return None
+        raise unfollowed
     if is_op(core, aten.bmm.default):
         pair = (w_labels, v_labels) if core.args[0] is w_end else (v_labels, w_labels)
         labels = bmm_labels(*pair)
         if labels is None or names([contracted(*pair)]) != [("l",)]:
-            return None
+            raise unfollowed
         node = core
     else:
         product = broadcast(w_labels, v_labels)
         total = only_user(core, aten.sum.dim_IntList)
         if product is None or total is None or len(total.args[1]) != 1:
-            return None
+            raise unfollowed
         dim = total.args[1][0] % len(product)
         keepdim = len(total.args) > 2 and total.args[2]
         if names([product[dim]]) != [("l",)]:
-            return None
+            raise unfollowed
         labels = product[:dim] + ([()] if keepdim else []) + product[dim + 1:]
         node = total
-    while not (names(labels) == names(leaf_labels(values, "bwld"))[:2] + [("d",)] and len(shape(node)) == 3):
-        reader = only_user(node, *LAYOUT_OPS)
-        labels = apply_op(labels, reader) if reader is not None else None
+    while not (names(labels) == names(leaf_labels(values, "bwld"))[:2] + [("d",)] and len(shape(node)) == 3
+               and dtype(node) == dtype(values)):
+        reader = only_user(node, *LAYOUT_OPS, CONVERT)
+        if is_op(reader, CONVERT):  # the widened sum rounded back to the values' dtype
+            labels = labels if dtype(node) == torch.float32 and reader.args[1] == dtype(values) else None
+        else:
+            labels = apply_op(labels, reader) if reader is not None else None
         if labels is None:
-            return None
+            raise unfollowed
         node = reader
     if dtype(w) != dtype(values) or dtype(node) != dtype(values):
         raise NoMatch(f"softmax-pooled values {describe(values)} are not multiplied by the weights cast to their "
@@ -371,6 +395,9 @@ def _slots(G, kv_slots) -> dict:
     narrow = None
     if is_op(G, CONVERT) and dtype(G.args[0]) in (torch.bfloat16, torch.float16):
         G, narrow = G.args[0], dtype(G.args[0])
+    if is_op(G, aten.cat.default) or is_op(kv_slots, aten.cat.default):
+        raise NoMatch(f"compressor slots {describe(G)} are concatenated (torch.cat), not laid out as HF's two "
+                      "overlapping series (slice assignments into full buffers): not fused")
     if is_op(G, aten.slice_scatter.default) or is_op(kv_slots, aten.slice_scatter.default):
         gate_x = _overlap_source(G, float("-inf"), "gate")
         kv_x = _overlap_source(kv_slots, 0.0, "kv")

@@ -109,6 +109,11 @@ def _einsum_pool(kv, gate):
     return torch.einsum("bwld,bwld->bwd", kv, torch.softmax(gate.float(), dim=2).to(kv.dtype))
 
 
+def _log_softmax_pool(kv, gate):
+    """The weights as `exp(log_softmax(g))`: the same softmax, rounded another way."""
+    return (kv * torch.exp(torch.log_softmax(gate.float(), dim=2)).to(kv.dtype)).sum(dim=2)
+
+
 def _weights_not_cast_back(kv, gate):
     """The fp32 softmax weights multiplied into bf16 values without `.to(kv.dtype)`: fp32 products."""
     return (kv * gate.softmax(dim=2, dtype=torch.float32)).sum(dim=2).to(kv.dtype)
@@ -218,6 +223,8 @@ FP32_PRODUCTS = ("softmax-pooled values view:bfloat16[2x4x4x16] are not multipli
                  "(HF: softmax(...).to(kv.dtype))")
 NOT_HF_ROPE = ("compressor: the normed entries are not roped as HF's apply_rotary_pos_emb (x*cos + rotate_half(x)*sin "
                "over interleaved pairs not found)")
+LOG_SOFTMAX = ("compressor weights are exp(log_softmax(gate)) over the slots, which round otherwise than the op's "
+               "exp(g - max) / sum: not fused")
 NO_WINDOW_BIAS = "compressor gate view_1:float32[2x4x4x16] has no [m, C] position bias added to its windows"
 
 CORPUS = {
@@ -232,6 +239,11 @@ CORPUS = {
                                  _projections(), REWRITTEN, (ONE,)),
     "einsum_weighted_sum": Entry(_compress(pool=_einsum_pool), "written for the corpus (einsum pooling)",
                                  _projections(), REWRITTEN, (ONE,)),
+    "einsum_weighted_sum_bf16": Entry(_compress(pool=_einsum_pool), "written for the corpus (einsum pooling, bf16: "
+                                      "Inductor's widened mul + sum on the CPU)", _projections(torch.bfloat16),
+                                      REWRITTEN, (ONE,)),
+    "log_softmax_weights": Entry(_compress(pool=_log_softmax_pool), "written for the corpus (exp of log_softmax)",
+                                 _projections(), NEAR_MISS, reason=LOG_SOFTMAX),
     "broadcast_bias": Entry(_compress(windows=_broadcast_bias), "written for the corpus (bias[None, None])",
                             _projections(), REWRITTEN, (ONE,)),
     "sum_over_width_norm": Entry(_compress(norm=_sum_over_width_norm), "written for the corpus (sum(x * x) / D)",
