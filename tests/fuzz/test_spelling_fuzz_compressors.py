@@ -31,7 +31,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_po
 
 import dsfuse
 
-DRAWS = int(os.environ.get("DSFUSE_SPELLING_DRAWS", "12"))
+DRAWS = int(os.environ.get("DSFUSE_SPELLING_DRAWS", "8"))
 D, R, EPS = 16, 8, 1e-6  # entry width, RoPE width (the trailing R channels)
 
 AXES = {
