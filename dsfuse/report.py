@@ -61,10 +61,7 @@ class Report:
 
     @property
     def counts(self) -> dict[str, int]:
-        counts = {name: 0 for name in PASS_NAMES}
-        for site in self.sites:
-            counts[site.pass_name] += 1
-        return counts
+        return _counts(self.sites)
 
     def _table(self) -> list[str]:
         lines = [f"dsfuse report: {len(self.graphs)} graph(s) compiled"]
@@ -119,6 +116,14 @@ class Report:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _counts(sites) -> dict[str, int]:
+    """Sites per pass, every pass name a key."""
+    counts = {name: 0 for name in PASS_NAMES}
+    for site in sites:
+        counts[site.pass_name] += 1
+    return counts
 
 
 def _grouped(pairs) -> list[tuple]:
@@ -188,15 +193,7 @@ def note_sites_lost_to_recompile(index: int) -> None:
     if not earlier:
         return
     previous = earlier[-1].index
-
-    def counts(of: int) -> dict[str, int]:
-        found = {name: 0 for name in PASS_NAMES}
-        for site in _REPORT.sites:
-            if site.graph == of:
-                found[site.pass_name] += 1
-        return found
-
-    now, before = counts(index), counts(previous)
+    now, before = (_counts(s for s in _REPORT.sites if s.graph == of) for of in (index, previous))
     lost = [f"{name} {now[name]} (graph {previous}: {before[name]})" for name in PASS_NAMES if now[name] < before[name]]
     if lost:
         annotate_graph(index, f"a recompile of graph {previous}'s function with fewer sites: {', '.join(lost)}; "

@@ -44,8 +44,8 @@ from .canonicalize import row_mean
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labels, names
 from .graph_utils import (CONVERT, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call,
-                          is_op, is_upcast, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, softmax_parts,
-                          users_of, walk_back)
+                          is_op, is_upcast, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape,
+                          softmax_parts, users_of, walk_back)
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -131,7 +131,8 @@ def _match(stats: torch.fx.Node) -> dict:
     parts = softmax_parts(G, dim=2)
     if parts is None or parts["stats"] is not stats:
         weights = _exp_of_log_softmax(stats, G)
-        if weights is not None and _pooling(weights):  # raises, reported, where the weights pool no values
+        if weights is not None:
+            _pooling(weights)  # raises (unreported) where these weights pool no values: not a compressor
             raise NoMatch("compressor weights are exp(log_softmax(gate)) over the slots, which round otherwise than "
                           "the op's exp(g - max) / sum: not fused")
         raise NoMatch("amax over dim 2 that is not a softmax", reported=False)
