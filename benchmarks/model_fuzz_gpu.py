@@ -20,11 +20,16 @@ that call compiled: a length that recompiles, or one whose graph lost a family's
 With `--fp32-reference` the same weights also run eagerly in fp32, and each of eager bf16, Inductor and dsfuse is
 measured against it: a kernel that rounds less than bf16 eager is further from eager but not from the math.
 
+With `--boundary-lengths` each preset runs at the lengths its kernels and transformers' code split on, drawn from its
+config (`boundary_lengths`). `--merge A.json B.json ...` writes the cases of several runs (say one process per preset,
+batch and compile mode, run side by side) as one table, under a line naming the date, commit, device and versions.
+
 Writes `model_fuzz.json` and `model_fuzz.md` to --out (default $OUT).
 
     python -P benchmarks/model_fuzz_gpu.py                       # the GPU sweep (H200)
     python -P benchmarks/model_fuzz_gpu.py --generate 8 --presets glm-tiny --lengths 5 200 --batches 1 8
     python -P benchmarks/model_fuzz_gpu.py --cpu-smoke --out DIR # one tiny-preset case on CPU (< 1 min on a free CPU)
+    python -P benchmarks/model_fuzz_gpu.py --presets v4-tiny --batches 3 --reuse auto --boundary-lengths
 """
 
 from __future__ import annotations
@@ -46,6 +51,22 @@ GPU_LENGTHS = (1, 5, 65, 200, 2049, 8192)
 GPU_BATCHES = (1, 2, 8)
 # the real-dims preset at batch 8 and 8192 tokens does not fit beside eager's materialised attention
 SKIP = {("v32-real-2l", 8, 8192), ("v32-real-2l", 8, 2049)}
+
+
+LONGEST_BOUNDARY = 4097
+
+
+def boundary_lengths(config) -> list[int]:
+    """Sequence lengths around every edge a preset's code splits on, up to LONGEST_BOUNDARY: one to three tokens,
+    small primes, the index top-k, the sliding window, each compressor ratio and the compressed length that fills the
+    top-k (ratio x top-k) each minus one, at and plus one; a block of 128 either side; 1000, 2049 and 4097."""
+    points = {1, 2, 3, 7, 13, 127, 128, 129, 1000, 2049, LONGEST_BOUNDARY}
+    topk = getattr(config, "index_topk", None)
+    rates = list((getattr(config, "compress_rates", None) or {}).values())
+    edges = [topk, getattr(config, "sliding_window", None), *rates, *(rate * topk for rate in rates if topk)]
+    for edge in filter(None, edges):
+        points |= {edge - 1, edge, edge + 1}
+    return sorted(p for p in points if 1 <= p <= LONGEST_BOUNDARY)
 
 
 def _inputs(vocab: int, batch: int, seq: int, device, seed: int = 0):
@@ -200,6 +221,22 @@ def write(out: Path, cases: list[dict]) -> None:
     (out / "model_fuzz.md").write_text(markdown(cases))
 
 
+def merge(paths: list[str], out: Path) -> list[dict]:
+    """The cases of several runs' `model_fuzz.json` files, in preset, batch and compile-mode order, written as one
+    `model_fuzz.json` / `model_fuzz.md` under a line naming where and at which commit they ran."""
+    from dsfuse.bench.measure import environment
+
+    cases = [case for path in paths for case in json.loads(Path(path).read_text())]
+    cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c))
+    env = environment()
+    head = (f"{env['date'][:10]}, commit {env['commit']}, {env['device']}, torch {env['torch']}, "
+            f"triton {env['triton']}, transformers {env.get('transformers', '-')}\n\n")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_fuzz.json").write_text(json.dumps({"env": env, "cases": cases}, indent=1))
+    (out / "model_fuzz.md").write_text(head + markdown(cases))
+    return cases
+
+
 def markdown(cases: list[dict]) -> str:
     """The prefill cases' table and the generate cases' table, each where there are such cases."""
     prefills = [c for c in cases if "generate" not in c]
@@ -251,6 +288,10 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-smoke", action="store_true", help="one layer of the tiny preset, B=2 at S=5, on CPU")
     parser.add_argument("--presets", nargs="*", default=None)
     parser.add_argument("--lengths", nargs="*", type=int, default=None)
+    parser.add_argument("--boundary-lengths", action="store_true",
+                        help="each preset at boundary_lengths(its config) instead of --lengths")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="write these runs' cases as one table to --out and exit")
     parser.add_argument("--batches", nargs="*", type=int, default=None)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="the models' attention implementation")
@@ -261,6 +302,9 @@ def main(argv=None) -> int:
     parser.add_argument("--generate", type=int, default=None, metavar="N",
                         help="each case a greedy generate of N new tokens (prompts of --lengths) instead of a prefill")
     args = parser.parse_args(argv)
+    if args.merge:
+        merge(args.merge, Path(args.out))
+        return 0
     # The Inductor- and the dsfuse-compiled model share the wrapped forward's code object, hence one recompile
     # count: V4's length boundaries give each backend up to five graphs, past Dynamo's default limit of 8 in all.
     # A case past the raised limit fails rather than running eagerly and matching eager exactly.
@@ -296,7 +340,7 @@ def main(argv=None) -> int:
                 dynamic = True if args.reuse == "dynamic" else None
                 reuse = (torch.compile(model, backend="inductor", dynamic=dynamic),
                          torch.compile(model, backend="dsfuse", dynamic=dynamic), args.reuse)
-            for seq in lengths:
+            for seq in boundary_lengths(model.config) if args.boundary_lengths else lengths:
                 if (preset, batch, seq) in SKIP and not args.cpu_smoke:
                     continue
                 if args.generate:
