@@ -133,10 +133,14 @@ def _traced_tokens(gm: torch.fx.GraphModule) -> int | None:
 def _record_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], cfg: BackendConfig,
                 active: tuple[str, ...]) -> str:
     """The key of a Dynamo graph's record, for when AOTAutograd's cache serves the whole graph (then
-    Inductor is not called and its FX graph key is not known)."""
+    Inductor is not called and its FX graph key is not known). Inputs are described as Dynamo traced them: a dynamic
+    graph, served from the cache at any size, keys its symbols, not the sizes of the call that compiled it."""
+    traced = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
+    if len(traced) != len(example_inputs) or any(t is None for t in traced):
+        traced = list(example_inputs)
     described = [
         (tuple(str(s) for s in t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
-        for t in example_inputs
+        for t in traced
     ]
     text = json.dumps([gm.code, described, active, sorted(map(str, cfg.inductor_options.items())), cfg.mode])
     return hashlib.sha256((text + sources_digest()).encode()).hexdigest()

@@ -104,3 +104,29 @@ def test_a_cache_hit_without_dsfuse_record_says_sites_are_not_counted(tmp_path, 
     assert (hit, miss) == (1, 0)
     assert rep.graphs[0].note == UNRECORDED_NOTE and rep.counts["indexer_topk"] == 0
     assert torch.equal(again, first)
+
+
+def test_a_dynamic_graph_served_at_another_size_reports_its_sites(tmp_path, monkeypatch):
+    """Under dynamic shapes one cached graph serves every size: a later compile at another length (a fresh Dynamo, the
+    same symbolic graph) is served from the caches and must find the record of the first."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(batch, seq):
+        return (torch.randn(batch, seq, 2, 8, generator=gen), torch.randn(batch, seq, 8, generator=gen),
+                torch.randn(batch, seq, 2, generator=gen),
+                torch.ones(seq, seq, dtype=torch.bool).tril().expand(batch, seq, seq))
+
+    reports = []
+    with inductor_config.patch(fx_graph_cache=True, force_disable_caches=False):
+        for seq in (6, 7):
+            torch._dynamo.reset()
+            dsfuse.reset_report()
+            hits = counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"]
+            torch.compile(indexer, backend="dsfuse", dynamic=True)(*inputs(3, seq))
+            reports.append(dsfuse.report())
+    assert counters["aot_autograd"]["autograd_cache_hit"] + counters["inductor"]["fxgraph_cache_hit"] > hits
+    first, second = reports
+    assert first.counts["indexer_topk"] == 1 and first.graphs[0].note == ""
+    assert second.counts["indexer_topk"] == 1, second.graphs[0].note
+    assert "sites restored" in second.graphs[0].note
