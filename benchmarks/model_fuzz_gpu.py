@@ -221,19 +221,41 @@ def write(out: Path, cases: list[dict]) -> None:
     (out / "model_fuzz.md").write_text(markdown(cases))
 
 
-def merge(paths: list[str], out: Path) -> list[dict]:
-    """The cases of several runs' `model_fuzz.json` files, in preset, batch and compile-mode order, written as one
-    `model_fuzz.json` / `model_fuzz.md` under a line naming where and at which commit they ran."""
+def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynamic")) -> list[dict]:
+    """The cases of several runs' `model_fuzz.json` files (a process's list of cases, or an earlier merge with its
+    environment) as one `model_fuzz.json` / `model_fuzz.md`: a line per source environment (date, commit, device,
+    versions), the table in preset, batch and compile-mode order, and the grid's cells no source ran (each preset
+    seen x `batches` x `modes` x its `boundary_lengths`)."""
     from dsfuse.bench.measure import environment
+    from dsfuse.models.presets import hf_config
 
-    cases = [case for path in paths for case in json.loads(Path(path).read_text())]
+    cases, envs = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        source = data["env"] if isinstance(data, dict) else environment()
+        source = source if isinstance(source, list) else [source]
+        envs += [env for env in source if env not in envs]
+        for case in data["cases"] if isinstance(data, dict) else data:
+            cases.append({**case, "commit": case.get("commit", source[0]["commit"])})
     cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c))
-    env = environment()
-    head = (f"{env['date'][:10]}, commit {env['commit']}, {env['device']}, torch {env['torch']}, "
-            f"triton {env['triton']}, transformers {env.get('transformers', '-')}\n\n")
+    heads = sorted({f"{e['date'][:10]}, commit {e['commit']}, {e['device']}, torch {e['torch']}, triton {e['triton']}, "
+                    f"transformers {e.get('transformers', '-')}" for e in envs})
+    ran = {(c["preset"], c["batch"], c.get("reuse"), c["seq"]) for c in cases if "generate" not in c}
+    missing = []
+    for preset in sorted({c["preset"] for c in cases}):
+        lengths = boundary_lengths(hf_config(preset))
+        for batch in batches:
+            for mode in modes:
+                absent = [seq for seq in lengths if (preset, batch, mode, seq) not in ran]
+                if absent:
+                    missing.append(f"| {preset} | {mode} | {batch} | {' '.join(map(str, absent))} |")
+    text = "\n".join(heads) + "\n\n" + markdown(cases)
+    if missing:
+        text += ("\nCells of the grid no source ran:\n\n| preset | compile | B | S |\n| --- | --- | ---: | --- |\n"
+                 + "\n".join(missing) + "\n")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "model_fuzz.json").write_text(json.dumps({"env": env, "cases": cases}, indent=1))
-    (out / "model_fuzz.md").write_text(head + markdown(cases))
+    (out / "model_fuzz.json").write_text(json.dumps({"env": envs, "cases": cases}, indent=1))
+    (out / "model_fuzz.md").write_text(text)
     return cases
 
 
