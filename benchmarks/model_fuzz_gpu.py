@@ -237,7 +237,7 @@ def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynami
         envs += [env for env in source if env not in envs]
         for case in data["cases"] if isinstance(data, dict) else data:
             cases.append({**case, "commit": case.get("commit", source[0]["commit"])})
-    cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c))
+    cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
     heads = sorted({f"{e['date'][:10]}, commit {e['commit']}, {e['device']}, torch {e['torch']}, triton {e['triton']}, "
                     f"transformers {e.get('transformers', '-')}" for e in envs})
     ran = {(c["preset"], c["batch"], c.get("reuse"), c["seq"]) for c in cases if "generate" not in c}
