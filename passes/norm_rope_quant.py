@@ -483,18 +483,28 @@ def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot
 
 
 def _broadcast_to_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple,
-                       rot: torch.fx.Node) -> torch.fx.Node:
+                       rot: torch.fx.Node, sizes: list | None = None) -> torch.fx.Node:
     """The cos/sin table in the rotated part's shape (HF's unsqueeze, then broadcast dims expanded; a table of
-    one column per pair doubled first, as HF's `cat(freqs, freqs)`)."""
+    one column per pair doubled first, as HF's `cat(freqs, freqs)`). `sizes`: rot's sizes as arguments, read off
+    a node that stays in the graph when rot is to go (`_rewrite_rope_cat`)."""
     table, dim, *doubled = table_dim
     if doubled and doubled[0]:
         table = insert_call(graph, before, aten.cat.default, ([table, table], -1))
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
     if not same_shape(shape(table), shape(rot)):
-        sizes = size_args(graph, before, rot)
+        sizes = size_args(graph, before, rot) if sizes is None else sizes
         table = insert_call(graph, before, aten.expand.default, (table, sizes))
     return table
+
+
+def _replay_views(graph: torch.fx.Graph, before: torch.fx.Node, x: torch.fx.Node, views: list) -> torch.fx.Node:
+    """`x` through the same view ops (same arguments) as `views`, in order: a norm's input viewed as the source
+    viewed the norm's output (the norm keeps the shape, so the result has the shape of the last view)."""
+    for view in views:
+        target = aten.reshape.default if view.target is aten.view.default else view.target
+        x = insert_call(graph, before, target, (x, *view.args[1:]), dict(view.kwargs))
+    return x
 
 
 def _with_unit_dims(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, count: int) -> torch.fx.Node:
@@ -546,7 +556,7 @@ def _sole_views(node: torch.fx.Node, targets: tuple) -> list[torch.fx.Node]:
 def _match_layer_norm(x: torch.fx.Node) -> dict | None:
     """The LayerNorm that `x` is a view of (torch's decomposition of `layer_norm` over the last dim, with
     weight, bias and a constant eps, nothing else reading its intermediates), or None."""
-    out = _sole_views(x, LAYER_NORM_VIEWS)[0]
+    out, *views = _sole_views(x, LAYER_NORM_VIEWS)
     width = shape(x)[-1] if shape(x) else None
     if width is None or not shape(out) or not same_size(shape(out)[-1], width) or len(out.users) != 1:
         return None
@@ -586,7 +596,7 @@ def _match_layer_norm(x: torch.fx.Node) -> dict | None:
         source = xf.args[0]
     if not _last_dim_contiguous(source):
         return None
-    return {"input": source, "weight": weight, "bias": bias, "eps": scalar_arg(eps)}
+    return {"input": source, "weight": weight, "bias": bias, "eps": scalar_arg(eps), "views": views}
 
 
 def _private_operand(node: torch.fx.Node, target) -> torch.fx.Node | None:
@@ -619,16 +629,18 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
     pad = 4 - len(shape(m["x"]))
     norm = m["layer_norm"]
     x = m["x"]
-    if norm is not None:  # the LayerNorm's input in x's shape (x is a view of the LayerNorm output)
-        sizes = size_args(graph, cat, m["x"])
-        x = insert_call(graph, cat, aten.reshape.default, (norm["input"], sizes))
+    if norm is not None:  # the LayerNorm's input viewed as its output was to give x
+        x = _replay_views(graph, cat, norm["input"], norm["views"])
+    # Sizes read off what the call reads. Under dynamic=True a size is a `sym_size` read of its node: read off the
+    # nodes the call replaces (the LayerNorm's output, the RoPE'd part), it would keep them alive for their shape.
+    sizes = size_args(graph, cat, x)
+    rot_sizes = [*sizes[:-1], size_arg(graph, cat, m["rot"], -1)]  # the RoPE'd part: x's rows (its width an int)
     x = _with_unit_dims(graph, cat, x, pad)
-    tables = [_with_unit_dims(graph, cat, _broadcast_to_rows(graph, cat, table_dim, m["rot"]), pad)
+    tables = [_with_unit_dims(graph, cat, _broadcast_to_rows(graph, cat, table_dim, m["rot"], rot_sizes), pad)
               for table_dim in (m["cos"], m["sin"])]
     norm_args = () if norm is None else (norm["weight"], norm["bias"], norm["eps"])
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
                         (x, tables[0], tables[1], m["rope_start"], m["interleaved"], *norm_args))
-    sizes = size_args(graph, cat, m["x"])
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     form = "interleaved" if m["interleaved"] else "half-split"
@@ -1128,12 +1140,13 @@ def _rotated_by_products(rotated: torch.fx.Node, rot: torch.fx.Node) -> bool:
                for n in derived if n is not rot)
 
 
-def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
-    """A pair table ([..., R/2], unsqueezed as the source did) expanded to the rotated part's rows."""
+def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node,
+               rows: list) -> torch.fx.Node:
+    """A pair table ([..., R/2], unsqueezed as the source did) expanded to the rotated part's rows (`rows`, its
+    leading sizes as arguments, read off the row the call reads: `_rewrite_trailing_rope`)."""
     table, dim = table_dim
     if dim is not None:
         table = insert_call(graph, before, aten.unsqueeze.default, (table, dim))
-    rows = [size_arg(graph, before, rot, d) for d in range(len(shape(rot)) - 1)]
     if not same_shape(shape(table)[:-1], shape(rot)[:-1]):
         table = insert_call(graph, before, aten.expand.default, (table, [*rows, shape(table)[-1]]))
     return table
@@ -1151,18 +1164,19 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
         ctx.near_miss(cat, f"the RMSNorm before this RoPE is left out of its call: {m['norm_missed']}")
     x = row
     if norm is not None:  # the norm's input, viewed as the source viewed the norm's output
-        x = norm["input"]
-        for view in m["views"]:
-            x = insert_call(graph, cat, view.target, (x, *view.args[1:]), dict(view.kwargs))
+        x = _replay_views(graph, cat, norm["input"], m["views"])
+    # row's shape, read off what the call reads: under dynamic=True a `sym_size` of the norm's output (or of the
+    # RoPE'd slice) kept the norm alive for its shape alone, where the projection-norm matcher met it again (q_b's
+    # `x * rsqrt(..).to(dtype)` reported, kv's norm fused a second time, when S is 1)
+    sizes = size_args(graph, cat, x)
     pad = 4 - len(shape(row))
     x = _with_unit_dims(graph, cat, x, pad)
-    tables = [_with_unit_dims(graph, cat, _pair_rows(graph, cat, table_dim, m["rot"]), pad)
+    tables = [_with_unit_dims(graph, cat, _pair_rows(graph, cat, table_dim, m["rot"], sizes[:-1]), pad)
               for table_dim in (m["cos"], m["sin"])]
     width = shape(row)[-1]
     rms = (0, None, 0.0) if norm is None else (RMS_NORMS.index(norm["rounding"]), norm["weight"], norm["eps"])
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
                         (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms, True))
-    sizes = size_args(graph, cat, row)
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     detail = f"V4 fp32 pair RoPE {m['c_rope']} of the trailing columns of {width}, concatenated in place"

@@ -278,15 +278,16 @@ def _launches(gm):
     return launches
 
 
-def _post_grad_graph(fn, args, require_var_mean=True):
-    """`fn` traced with Inductor's decompositions (its post-grad form of `layer_norm`), then this pass."""
+def _post_grad_graph(fn, args, require_var_mean=True, tracing_mode="fake"):
+    """`fn` traced with Inductor's decompositions (its post-grad form of `layer_norm`), then this pass
+    (`tracing_mode="symbolic"`: every size a symbol, as under `dynamic=True`)."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from dsfuse.passes import run_pass
     from dsfuse.passes.context import PassContext
 
-    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+    gm = make_fx(fn, decomposition_table=select_decomp_table(), tracing_mode=tracing_mode)(*args)
     gm.graph.eliminate_dead_code()  # as Inductor's post-grad graph: HF's unused query RoPE dropped
     assert not require_var_mean or any(n.target is torch.ops.aten.var_mean.correction for n in gm.graph.nodes)
     ctx = PassContext(name="norm_rope_quant")
@@ -324,6 +325,20 @@ def test_indexer_key_layer_norm_rope_cat_is_one_call(dtype):
     k = torch.nn.functional.layer_norm(k_proj, [D_KEY], weight, bias, 1e-6).unsqueeze(2)
     other, _ = apply_rotary_pos_emb_interleave(k[..., :C_ROPE], k[..., :C_ROPE], cos, sin, unsqueeze_dim=2)
     assert not torch.allclose(got[..., :C_ROPE], other.squeeze(2), atol=1e-2)
+
+
+def test_indexer_key_layer_norm_rope_cat_with_symbolic_sizes_leaves_no_layer_norm():
+    """Symbolic sizes: the call's input and output sizes are read off the LayerNorm's input (its views replayed),
+    not off the LayerNorm's output, whose `sym_size` reads kept the LayerNorm in the graph beside the call."""
+    args = _key_inputs(torch.bfloat16)
+    gm, ctx = _post_grad_graph(hf_indexer_key, args, tracing_mode="symbolic")
+    assert not ctx.near_misses and len(ctx.sites) == 1, (ctx.sites, ctx.near_misses)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.dsfuse.rope_cat.default) == 1
+    assert not [t for t in targets if t in (torch.ops.aten.var_mean.correction, torch.ops.aten.rsqrt.default,
+                                            torch.ops.aten.cat.default)], targets
+    static = _post_grad_graph(hf_indexer_key, args)[0]  # the rewrite with static sizes, bit for bit
+    assert torch.equal(gm(*args), static(*args))
 
 
 def test_layer_norm_read_elsewhere_stays_with_inductor():
@@ -783,8 +798,8 @@ def test_hf_v4_rope_with_tables_in_another_dtype_is_a_near_miss():
 
 def test_v4_norms_under_dynamic_true_are_fused_as_under_the_default():
     """`torch.compile(dynamic=True)` passes a norm's eps in as a 0-d tensor; dsfuse has Dynamo specialise the floats
-    read from module attributes, so each RMSNorm a static compile fuses is fused under `dynamic=True` too (a
-    projection norm before a RoPE may be a site of its own there), nothing is reported, and the logits stay eager's."""
+    read from module attributes, so each RMSNorm a static compile fuses is fused under `dynamic=True` too, nothing is
+    reported, and the logits stay eager's."""
     from dsfuse.models.presets import build_hf_model
 
     model = build_hf_model("v4-tiny", dtype=torch.float32, hc_sinkhorn_iters=2, num_hidden_layers=1,
@@ -798,8 +813,35 @@ def test_v4_norms_under_dynamic_true_are_fused_as_under_the_default():
             got = torch.compile(model, backend="dsfuse", dynamic=dynamic)(ids).logits
             torch.testing.assert_close(got, model(ids).logits, rtol=1e-5, atol=1e-5)
         reports[dynamic] = dsfuse.report()
-    # the norms by what they are (a dynamic graph counts the kv norm fused into its RoPE call as a site of its own)
+    # the norms by what they are (a norm fused twice: test_v4_one_token_rows_under_dynamic_true_leave_no_norm_behind)
     norms = {dynamic: {s.detail.split(")")[0] for s in rep.sites if s.detail.startswith("RMSNorm")}
              for dynamic, rep in reports.items()}
     assert norms[True] == norms[None] and len(norms[None]) == 3, norms
     assert not reports[True].near_misses and len(reports[True].graphs) == 1, str(reports[True])
+
+
+def test_v4_one_token_rows_under_dynamic_true_leave_no_norm_behind():
+    """Two rows of one token each, `dynamic=True` (the fuzzer's reuse="dynamic" first compile): the rewrites read
+    the symbolic sizes they need off the nodes the fused call reads, not off the RMSNorm output it replaces, so no
+    `sym_size` keeps q_b's or kv's norm alive. Left alive, the projection-norm matcher met them again (the transposed
+    [B, H, 1, D] rows are a projection output's view when S is 1): q_b's `x * rsqrt(..).to(dtype)` reported as a
+    near-miss, kv's norm fused a second time. Same sites as a static compile, no near-miss, logits as eager's."""
+    from dsfuse.models.presets import build_hf_model
+
+    model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
+                           layer_types=["sliding_attention"], mlp_layer_types=["moe"]).eval()
+    ids = torch.randint(0, 256, (2, 1), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    details = {}
+    for dynamic in (None, True):
+        torch._dynamo.reset()
+        dsfuse.reset_report()
+        with torch.no_grad():
+            got = torch.compile(model, backend="dsfuse", dynamic=dynamic)(input_ids=ids, attention_mask=mask).logits
+            torch.testing.assert_close(got.float(), model(input_ids=ids, attention_mask=mask).logits.float(),
+                                       rtol=2e-2, atol=2e-2)
+        rep = dsfuse.report()
+        assert not [m for m in rep.near_misses if m.pass_name == "norm_rope_quant"], str(rep)
+        details[dynamic] = sorted(s.detail.split("; one launch")[0] for s in rep.sites
+                                  if s.pass_name == "norm_rope_quant")
+    assert details[True] == details[None] and len(details[None]) == 4, details
