@@ -221,11 +221,16 @@ def write(out: Path, cases: list[dict]) -> None:
     (out / "model_fuzz.md").write_text(markdown(cases))
 
 
+def _cell(case: dict) -> tuple:
+    return case["preset"], case["batch"], case.get("reuse"), case["seq"], case.get("generate")
+
+
 def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynamic")) -> list[dict]:
     """The cases of several runs' `model_fuzz.json` files (a process's list of cases, or an earlier merge with its
     environment) as one `model_fuzz.json` / `model_fuzz.md`: a line per source environment (date, commit, device,
-    versions), the table in preset, batch and compile-mode order, and the grid's cells no source ran (each preset
-    seen x `batches` x `modes` x its `boundary_lengths`)."""
+    versions), the table in preset, batch, compile-mode and length order, and the grid's cells no source ran (each
+    preset seen x `batches` x `modes` x its `boundary_lengths`). A cell's error is listed apart when another case of
+    the cell ran without one (a rerun, e.g. alone after running out of memory beside other processes)."""
     from dsfuse.bench.measure import environment
     from dsfuse.models.presets import hf_config
 
@@ -238,6 +243,9 @@ def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynami
         for case in data["cases"] if isinstance(data, dict) else data:
             cases.append({**case, "commit": case.get("commit", source[0]["commit"])})
     cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
+    good = {_cell(c) for c in cases if "error" not in c}
+    replaced = [c for c in cases if "error" in c and _cell(c) in good]
+    cases = [c for c in cases if c not in replaced]
     heads = sorted({f"{e['date'][:10]}, commit {e['commit']}, {e['device']}, torch {e['torch']}, triton {e['triton']}, "
                     f"transformers {e.get('transformers', '-')}" for e in envs})
     ran = {(c["preset"], c["batch"], c.get("reuse"), c["seq"]) for c in cases if "generate" not in c}
@@ -250,11 +258,17 @@ def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynami
                 if absent:
                     missing.append(f"| {preset} | {mode} | {batch} | {' '.join(map(str, absent))} |")
     text = "\n".join(heads) + "\n\n" + markdown(cases)
+    if replaced:
+        text += ("\nErrors of cells that ran again without one (the rerun is in the table):\n\n"
+                 "| preset | compile | B | S | commit | error |\n| --- | --- | ---: | ---: | --- | --- |\n"
+                 + "\n".join(f"| {c['preset']} | {c.get('reuse', 'fresh')} | {c['batch']} | {c['seq']} | {c['commit']} "
+                             f"| {c['error'][:120]} |" for c in replaced) + "\n")
     if missing:
         text += ("\nCells of the grid no source ran:\n\n| preset | compile | B | S |\n| --- | --- | ---: | --- |\n"
                  + "\n".join(missing) + "\n")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "model_fuzz.json").write_text(json.dumps({"env": envs, "cases": cases}, indent=1))
+    (out / "model_fuzz.json").write_text(json.dumps({"env": envs, "cases": cases, "replaced_errors": replaced},
+                                                    indent=1))
     (out / "model_fuzz.md").write_text(text)
     return cases
 
