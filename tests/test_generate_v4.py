@@ -93,12 +93,11 @@ def test_decode_cache_full_reads_its_length_and_refuses_one_more_step():
         model(ids[:, :1], cache=cache, use_cache=True, position_ids=torch.tensor([[23]]))
 
 
-def test_compiled_forward_decodes_with_the_mask_it_builds():
+def test_compiled_forward_decodes_with_the_mask_it_builds(model):
     """A compiled forward called step by step with a 2-D mask, so the model builds its mask inside the compiled call
     from the cache's count: the count is then a symbol of the step's graph (one graph for every step; no CUDA graph
     replay), HF's logits to compiler rounding."""
     torch._dynamo.reset()
-    model = build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
     ids, mask = _prompt(1, 21)
     reference = _decode(model, DynamicCache(config=model.config), ids, mask, 5)
     before = _graphs()
