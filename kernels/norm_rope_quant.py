@@ -43,6 +43,12 @@ K=V head), with `r = rsqrt(mean(xf^2) + rms_eps)` and one of the sources' roundi
     "unweighted":         (xf * r).to(dtype)
     "unweighted_scale_cast": x * r.to(dtype)                   (V4 `DeepseekV4UnweightedRMSNorm`)
 
+The RMSNorm as a division (`rmsnorm_rope`'s `div_sqrt`, `rope_cat`'s `rms_div_sqrt`): a source that writes
+`xf / sqrt(mean(xf^2) + eps)` rounds the square root and the quotient where `xf * rsqrt(..)` rounds the reciprocal
+square root and the product, so the results differ in the last bit. With the flag each `xf * r` above is `xf / s`,
+`s = sqrt(mean(xf^2) + eps)` (and `x * r.to(dtype)` is `x / s.to(dtype)`), the square root and the quotient
+IEEE-rounded as torch computes them (`tl.sqrt_rn`, `tl.div_rn`: Triton's `sqrt` and `/` are approximate on the GPU).
+
 With `fp32_pairs`, the RoPE is V4's `apply_rotary_pos_emb` (and GPT-J's in fp32): the rotated columns are
 pairs (2j, 2j+1) rotated in place, `cos` / `sin` hold one column per pair ([..., C_rope/2], HF's table before
 its `repeat_interleave(2)`), every product and sum in fp32 and one rounding at the end:
@@ -111,11 +117,11 @@ CUDA_COMPLEX_MUL = ("fma_first", "fma_first")
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU implementation)
 # --------------------------------------------------------------------------------------------
-def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
+def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False):
     """The source's math, op by op, in torch (so the rounding is the source's)."""
     c_norm = norm_weight.shape[0]
     xf = x[:, :c_norm].float()
-    h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    h = _rms_normalised(xf, xf.pow(2).mean(-1, keepdim=True) + eps, div_sqrt)
     if weight_in_fp32:
         normed = (h * norm_weight.float()).to(x.dtype)
     else:
@@ -150,18 +156,27 @@ def layer_norm_reference(x, weight, bias, eps):
     return ((centred * torch.rsqrt(var + eps)) * weight.float() + bias.float()).to(x.dtype)
 
 
-def rms_norm_reference(x, rms_norm, weight, eps):
-    """RMSNorm over the last dim in rounding `RMS_NORMS[rms_norm]`, op by op as the sources write it."""
+def _rms_normalised(xf, mean_square, div_sqrt):
+    """xf * rsqrt(mean_square), or with `div_sqrt` xf / sqrt(mean_square) (the sources' two roundings)."""
+    return xf / torch.sqrt(mean_square) if div_sqrt else xf * torch.rsqrt(mean_square)
+
+
+def rms_norm_reference(x, rms_norm, weight, eps, div_sqrt=False):
+    """RMSNorm over the last dim in rounding `RMS_NORMS[rms_norm]` (by a division with `div_sqrt`), op by op as the
+    sources write it."""
     xf = x.float()
-    scale = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    mean_square = xf.pow(2).mean(-1, keepdim=True) + eps
     kind = RMS_NORMS[rms_norm]
+    if kind == "unweighted_scale_cast":
+        if div_sqrt:
+            return x / torch.sqrt(mean_square).to(x.dtype)
+        return x * torch.rsqrt(mean_square).to(x.dtype)
+    h = _rms_normalised(xf, mean_square, div_sqrt)
     if kind == "weight_fp32":
-        return (xf * scale * weight.float()).to(x.dtype)
+        return (h * weight.float()).to(x.dtype)
     if kind == "weight_after_cast":
-        return weight * (xf * scale).to(x.dtype)
-    if kind == "unweighted":
-        return (xf * scale).to(x.dtype)
-    return x * scale.to(x.dtype)
+        return weight * h.to(x.dtype)
+    return h.to(x.dtype)
 
 
 def pair_rope_fp32_reference(rot, cos, sin):
@@ -173,13 +188,13 @@ def pair_rope_fp32_reference(rot, cos, sin):
 
 
 def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                       rms_norm=0, rms_weight=None, rms_eps=0.0, fp32_pairs=False):
+                       rms_norm=0, rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
     """`cat` of x's column parts in their order, the part [rope_start, rope_start + C_rope) RoPE'd; with
     `ln_weight` / `ln_bias`, x's rows are LayerNorm'd first, with `rms_norm` RMSNorm'd first."""
     if ln_weight is not None:
         x = layer_norm_reference(x, ln_weight, ln_bias, ln_eps)
     if rms_norm:
-        x = rms_norm_reference(x, rms_norm, rms_weight, rms_eps)
+        x = rms_norm_reference(x, rms_norm, rms_weight, rms_eps, rms_div_sqrt)
     if fp32_pairs:
         end = rope_start + 2 * cos.shape[-1]
         roped = pair_rope_fp32_reference(x[..., rope_start:end], cos, sin)
@@ -285,7 +300,7 @@ def _validate_rows(op, x):
 
 
 def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                       rms_weight=None, rms_eps=0.0, fp32_pairs=False):
+                       rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
     _validate_rows("rope_cat", x)
     table = cos.shape[-1]
     c_rope = 2 * table if fp32_pairs else table
@@ -304,15 +319,17 @@ def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln
         if t.stride(-1) != 1:
             raise ValueError(f"rope_cat: {name}'s last dim must be contiguous")
     _validate_layer_norm("rope_cat", x, ln_weight, ln_bias, ln_eps)
-    _validate_rms_norm(x, ln_weight, rms_norm, rms_weight, rms_eps)
+    _validate_rms_norm(x, ln_weight, rms_norm, rms_weight, rms_eps, rms_div_sqrt)
 
 
-def _validate_rms_norm(x, ln_weight, rms_norm, rms_weight, rms_eps):
+def _validate_rms_norm(x, ln_weight, rms_norm, rms_weight, rms_eps, rms_div_sqrt):
     if not 0 <= rms_norm < len(RMS_NORMS):
         raise ValueError(f"rope_cat: rms_norm {rms_norm} is not an index of {RMS_NORMS}")
     if not rms_norm:
         if rms_weight is not None:
             raise ValueError("rope_cat: rms_weight given without an RMSNorm")
+        if rms_div_sqrt:
+            raise ValueError("rope_cat: rms_div_sqrt given without an RMSNorm")
         return
     if ln_weight is not None:
         raise ValueError("rope_cat: a LayerNorm and an RMSNorm on the same rows")
@@ -438,10 +455,11 @@ def _rmsnorm_rope_block(
     sx, scos, ssin, snorm, srope, sf, sfj,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr, COMPLEX: tl.constexpr,
-    REAL_MUL: tl.constexpr, IMAG_MUL: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+    REAL_MUL: tl.constexpr, IMAG_MUL: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr, DIV_SQRT: tl.constexpr,
 ):
-    """Program `pid`'s ROWS rows: the norm over C_NORM columns, then the rope over 2*HALF columns (HF's, from
-    cos/sin rows; or with COMPLEX the official complex product, row t rotated by freqs row t % F_ROWS)."""
+    """Program `pid`'s ROWS rows: the norm over C_NORM columns (by `_rms_scale`, `_over_rms`), then the rope over
+    2*HALF columns (HF's, from cos/sin rows; or with COMPLEX the official complex product, row t rotated by freqs
+    row t % F_ROWS)."""
     dtype = normed_ptr.dtype.element_ty
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
@@ -451,8 +469,8 @@ def _rmsnorm_rope_block(
     col_ok = cols < C_NORM
     ok = row_ok[:, None] & col_ok[None, :]
     xv = tl.load(x_ptr + rows64[:, None] * sx + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    var = tl.sum(xv * xv, axis=1) / C_NORM
-    h = xv * tl.rsqrt(var + eps)[:, None]
+    scale = _rms_scale(tl.sum(xv * xv, axis=1) / C_NORM + eps, DIV_SQRT)
+    h = _over_rms(xv, scale[:, None], DIV_SQRT)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     if WEIGHT_FP32:
         y = h * w[None, :]
@@ -481,6 +499,26 @@ def _rmsnorm_rope_block(
 
 
 @triton.jit
+def _rms_scale(mean_square, DIV_SQRT: tl.constexpr):
+    """A row's RMSNorm scale: rsqrt(mean_square), or with DIV_SQRT the divisor sqrt(mean_square), IEEE-rounded
+    (`tl.sqrt` is approximate on the GPU)."""
+    if DIV_SQRT:
+        return tl.sqrt_rn(mean_square)
+    else:
+        return tl.rsqrt(mean_square)
+
+
+@triton.jit
+def _over_rms(xf, scale, DIV_SQRT: tl.constexpr):
+    """xf normalised by its row's `_rms_scale`: xf * rsqrt, or with DIV_SQRT xf / sqrt as an IEEE division
+    (Triton's `/` is an approximate reciprocal on the GPU)."""
+    if DIV_SQRT:
+        return tl.div_rn(xf, scale)
+    else:
+        return xf * scale
+
+
+@triton.jit
 def _layer_norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, MANUAL_BF16_RNE: tl.constexpr):
     """((xf - mean) * rstd) * weight + bias in fp32, rounded once to `dtype` (torch's decomposition)."""
     w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
@@ -489,33 +527,34 @@ def _layer_norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, MANUAL_BF16
 
 
 @triton.jit
-def _norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, NORM: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+def _norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, NORM: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+                DIV_SQRT: tl.constexpr):
     """The row norm `NORM` of columns xf (fp32) from the rows' statistics, rounded to `dtype` (kept in fp32):
-    1 LayerNorm (`_layer_norm_apply`), 2 + i the RMSNorm rounding `RMS_NORMS[1 + i]` (`rstd` = rsqrt(mean(x^2)
-    + eps); the weight at `w_ptrs`)."""
+    1 LayerNorm (`_layer_norm_apply`), 2 + i the RMSNorm rounding `RMS_NORMS[1 + i]` (`rstd` = the rows'
+    `_rms_scale`, by which `_over_rms` normalises; the weight at `w_ptrs`)."""
     if NORM == 1:
         return _layer_norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, MANUAL_BF16_RNE)
     elif NORM == 2:  # (xf * r * w).to(dtype)
         w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        return _round_to((xf * rstd) * w, dtype, MANUAL_BF16_RNE)
+        return _round_to(_over_rms(xf, rstd, DIV_SQRT) * w, dtype, MANUAL_BF16_RNE)
     elif NORM == 3:  # w * (xf * r).to(dtype)
         w = tl.load(w_ptrs, mask=col_ok, other=0.0).to(tl.float32)
-        return _round_to(_round_to(xf * rstd, dtype, MANUAL_BF16_RNE) * w, dtype, MANUAL_BF16_RNE)
+        return _round_to(_round_to(_over_rms(xf, rstd, DIV_SQRT), dtype, MANUAL_BF16_RNE) * w, dtype, MANUAL_BF16_RNE)
     elif NORM == 4:  # (xf * r).to(dtype)
-        return _round_to(xf * rstd, dtype, MANUAL_BF16_RNE)
+        return _round_to(_over_rms(xf, rstd, DIV_SQRT), dtype, MANUAL_BF16_RNE)
     else:  # x * r.to(dtype)
-        return _round_to(xf * _round_to(rstd, dtype, MANUAL_BF16_RNE), dtype, MANUAL_BF16_RNE)
+        return _round_to(_over_rms(xf, _round_to(rstd, dtype, MANUAL_BF16_RNE), DIV_SQRT), dtype, MANUAL_BF16_RNE)
 
 
 @triton.jit
 def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_rstd, ln_w, ln_b,
                BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-               MANUAL_BF16_RNE: tl.constexpr, FP32_PAIRS: tl.constexpr = False):
+               MANUAL_BF16_RNE: tl.constexpr, FP32_PAIRS: tl.constexpr = False, DIV_SQRT: tl.constexpr = False):
     """RoPE of 2*HALF columns for a [ROWS, 1] block of row pointers (x and the output at the first rotated
     column, cos / sin at their row start), in HF's op order and output layout. With NORM (`_norm_apply`), x is
     first normalised with the rows' `ln_mean` / `ln_rstd` ([ROWS]) and the weight / bias at `ln_w` / `ln_b`
-    (pointers at the first rotated column). FP32_PAIRS: V4's form (pairs rotated in place in fp32, one table
-    column per pair, one rounding)."""
+    (pointers at the first rotated column), DIV_SQRT its division form. FP32_PAIRS: V4's form (pairs rotated in
+    place in fp32, one table column per pair, one rounding)."""
     dtype = out_rows.dtype.element_ty
     j = tl.arange(0, BLOCK_H)
     hok = row_ok[:, None] & (j < HALF)[None, :]
@@ -528,7 +567,7 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_r
         if NORM:
             pair_ok = (j < HALF)[None, :, None] & (lane < 2)[None, None, :]
             pairs = _norm_apply(pairs.to(tl.float32), ln_mean[:, None, None], ln_rstd[:, None, None],
-                                ln_w + pair_cols, ln_b + pair_cols, pair_ok, dtype, NORM, MANUAL_BF16_RNE)
+                                ln_w + pair_cols, ln_b + pair_cols, pair_ok, dtype, NORM, MANUAL_BF16_RNE, DIV_SQRT)
         a, b = tl.split(pairs)
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -543,9 +582,9 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_r
             jj = j[None, :]
             j_ok = (j < HALF)[None, :]
             a = _norm_apply(a, ln_mean[:, None], ln_rstd[:, None], ln_w + jj, ln_b + jj, j_ok, dtype, NORM,
-                            MANUAL_BF16_RNE)
+                            MANUAL_BF16_RNE, DIV_SQRT)
             b = _norm_apply(b, ln_mean[:, None], ln_rstd[:, None], ln_w + HALF + jj, ln_b + HALF + jj, j_ok,
-                            dtype, NORM, MANUAL_BF16_RNE)
+                            dtype, NORM, MANUAL_BF16_RNE, DIV_SQRT)
         c_lo = tl.load(cos_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         s_lo = tl.load(sin_rows + j[None, :], mask=hok, other=0.0).to(tl.float32)
         c_hi = tl.load(cos_rows + HALF + j[None, :], mask=hok, other=0.0).to(tl.float32)
@@ -582,10 +621,11 @@ def _rope_cat_block(
     sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, NORM: tl.constexpr, FP32_PAIRS: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+    DIV_SQRT: tl.constexpr,
 ):
     """Program `pid`'s ROWS rows (of the A0*A1*A2 rows of a strided 4-D x): the columns outside
-    [R0, R0 + 2*HALF) copied (normalised with NORM: 1 LayerNorm, 2.. an RMSNorm, see `_norm_apply`), those
-    inside RoPE'd, into a contiguous output."""
+    [R0, R0 + 2*HALF) copied (normalised with NORM: 1 LayerNorm, 2.. an RMSNorm, by a division with DIV_SQRT, see
+    `_norm_apply`), those inside RoPE'd, into a contiguous output."""
     dtype = out_ptr.dtype.element_ty
     row_ok, r, i0, i1, i2 = _program_rows(pid, N, A1, A2, ROWS)
     x_rows = x_ptr + i0 * sx0 + i1 * sx1 + i2 * sx2
@@ -604,9 +644,9 @@ def _rope_cat_block(
             rstd = tl.rsqrt(tl.sum(centred * centred, axis=1) / D + ln_eps)
         else:
             mean = tl.zeros([ROWS], dtype=tl.float32)
-            rstd = tl.rsqrt(tl.div_rn(tl.sum(xf * xf, axis=1), D.to(tl.float32)) + ln_eps)
+            rstd = _rms_scale(tl.div_rn(tl.sum(xf * xf, axis=1), D.to(tl.float32)) + ln_eps, DIV_SQRT)
         normed = _norm_apply(xf, mean[:, None], rstd[:, None], lnw_ptr + cols[None, :], lnb_ptr + cols[None, :],
-                             col_ok, dtype, NORM, MANUAL_BF16_RNE)
+                             col_ok, dtype, NORM, MANUAL_BF16_RNE, DIV_SQRT)
         tl.store(out_rows[:, None] + cols[None, :], normed.to(dtype), mask=ok)
     else:
         mean = 0.0
@@ -614,7 +654,8 @@ def _rope_cat_block(
         tl.store(out_rows[:, None] + cols[None, :], tl.load(x_rows[:, None] + cols[None, :], mask=ok), mask=ok)
     _rope_rows(x_rows[:, None] + R0, cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None],
                sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None], out_rows[:, None] + R0, row_ok, HALF,
-               mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, NORM, MANUAL_BF16_RNE, FP32_PAIRS)
+               mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, NORM, MANUAL_BF16_RNE, FP32_PAIRS,
+               DIV_SQRT)
 
 
 @triton.jit
@@ -715,7 +756,7 @@ def default_num_warps(width, rows):
     return 4 if next_power_of_2(width) * rows <= 4096 else 8
 
 
-def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None,
+def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
                         rows_per_program=None, num_warps=None, complex_mul=None) -> "BlockLaunch":
     """`rmsnorm_rope`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), its outputs
     allocated. `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them);
@@ -743,13 +784,14 @@ def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
         ROWS=rows, BLOCK_N=next_power_of_2(c_norm), BLOCK_H=next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
         COMPLEX=freqs is not None, REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
-        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, DIV_SQRT=bool(div_sqrt))
 
 
-def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, **launch):
+def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
+                        **launch):
     """One launch of `rmsnorm_rope`, no host sync (keyword arguments as `rmsnorm_rope_launch`)."""
     return launch_blocks([rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs,
-                                              **launch)])[0]
+                                              div_sqrt, **launch)])[0]
 
 
 def rope_cat_default_rows(n_rows, width):
@@ -759,10 +801,11 @@ def rope_cat_default_rows(n_rows, width):
 
 
 def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rows_per_program=None,
+                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, rows_per_program=None,
                     num_warps=None) -> "BlockLaunch":
     """`rope_cat`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
-    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs)
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs,
+                       rms_div_sqrt)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     width = x.shape[3]
@@ -777,14 +820,16 @@ def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bia
         *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
         ROWS=rows, BLOCK_D=next_power_of_2(width), BLOCK_H=next_power_of_2(half),
         INTERLEAVED=bool(interleaved), NORM=norm, FP32_PAIRS=bool(fp32_pairs),
-        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16)
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, DIV_SQRT=bool(rms_div_sqrt))
 
 
 def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rows_per_program=None, num_warps=None):
+                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, rows_per_program=None,
+                    num_warps=None):
     """One launch of `rope_cat`."""
     return launch_blocks([rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm,
-                                          rms_weight, rms_eps, fp32_pairs, rows_per_program, num_warps)])[0][0]
+                                          rms_weight, rms_eps, fp32_pairs, rms_div_sqrt, rows_per_program,
+                                          num_warps)])[0][0]
 
 
 def _broadcast_strides(t, dims):
@@ -957,18 +1002,19 @@ def launch_blocks(launches: list[BlockLaunch]) -> list[tuple]:
 @torch.library.custom_op("dsfuse::rmsnorm_rope", mutates_args=())
 def rmsnorm_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: Optional[torch.Tensor],
                  sin: Optional[torch.Tensor], interleaved: bool, weight_in_fp32: bool,
-                 freqs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 freqs: Optional[torch.Tensor] = None, div_sqrt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed [T, C_norm], roped [T, C_rope]) in x's dtype (reference math on CPU). `freqs` (complex64
     [F, C_rope/2], F dividing T; row t rotated by freqs row t % F) instead of cos/sin: the official
-    complex-multiply RoPE, in the source's layout."""
+    complex-multiply RoPE, in the source's layout. `div_sqrt`: the norm divides by sqrt(mean + eps)."""
     _validate(x, norm_weight, eps, cos, sin, freqs)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
-    normed, roped = rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs)
+    normed, roped = rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs,
+                                           div_sqrt)
     return normed.contiguous(), roped.contiguous()
 
 
 @rmsnorm_rope.register_fake
-def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
+def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False):
     _validate(x, norm_weight, eps, cos, sin, freqs)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
@@ -977,38 +1023,41 @@ def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
 
 
 @direct_kernel(rmsnorm_rope)
-def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None):
-    return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs)
+def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False):
+    return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs, div_sqrt)
 
 
 @torch.library.custom_op("dsfuse::rope_cat", mutates_args=())
 def rope_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_start: int, interleaved: bool,
              ln_weight: Optional[torch.Tensor] = None, ln_bias: Optional[torch.Tensor] = None,
              ln_eps: float = 0.0, rms_norm: int = 0, rms_weight: Optional[torch.Tensor] = None,
-             rms_eps: float = 0.0, fp32_pairs: bool = False) -> torch.Tensor:
+             rms_eps: float = 0.0, fp32_pairs: bool = False, rms_div_sqrt: bool = False) -> torch.Tensor:
     """x ([A0, A1, A2, D], any strides but a contiguous last dim) with columns [rope_start, rope_start +
     C_rope) RoPE'd and the rest copied, contiguous: HF's `cat` of a split's parts after the RoPE of one.
     cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0; with `fp32_pairs`, V4's RoPE, one column
     per pair: [A0, A1, A2, C_rope/2]). With `ln_weight` / `ln_bias` ([D]), each row is first LayerNorm'd (eps
     `ln_eps`): HF's indexer key path; with `rms_norm` (an index of `RMS_NORMS`), RMSNorm'd (weight
-    `rms_weight`, eps `rms_eps`): HF V4's query and K=V head. Reference math on CPU."""
-    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs)
+    `rms_weight`, eps `rms_eps`, by a division with `rms_div_sqrt`): HF V4's query and K=V head. Reference math on
+    CPU."""
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs,
+                       rms_div_sqrt)
     return rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
-                              rms_eps, fp32_pairs).contiguous()
+                              rms_eps, fp32_pairs, rms_div_sqrt).contiguous()
 
 
 @rope_cat.register_fake
 def _rope_cat_fake(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                   rms_weight=None, rms_eps=0.0, fp32_pairs=False):
-    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs)
+                   rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
+    _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs,
+                       rms_div_sqrt)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @direct_kernel(rope_cat)
 def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                   rms_weight=None, rms_eps=0.0, fp32_pairs=False):
+                   rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
     return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
-                           rms_eps, fp32_pairs)
+                           rms_eps, fp32_pairs, rms_div_sqrt)
 
 
 @torch.library.custom_op("dsfuse::rope_quant_fp8", mutates_args=())

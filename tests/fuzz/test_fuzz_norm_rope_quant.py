@@ -53,8 +53,8 @@ def test_complex_rope_kernel_is_the_reference(args):
 
 @st.composite
 def rope_cat_args(draw, layer_norm=None, rms_norm=None):
-    """x, cos, sin, rope_start, interleaved, then optionally a LayerNorm or an RMSNorm (`nrq.RMS_NORMS`) and
-    V4's fp32 pair RoPE (half-width tables, in x's dtype or fp32)."""
+    """x, cos, sin, rope_start, interleaved, then optionally a LayerNorm or an RMSNorm (`nrq.RMS_NORMS`, by
+    `x * rsqrt` or `x / sqrt`) and V4's fp32 pair RoPE (half-width tables, in x's dtype or fp32)."""
     x = draw(row_views())
     fp32_pairs = draw(st.booleans())
     c_rope = 2 * draw(st.integers(1, x.shape[-1] // 2))
@@ -66,7 +66,7 @@ def rope_cat_args(draw, layer_norm=None, rms_norm=None):
     norm = draw(st.sampled_from(["none", "layer", "rms"])) if layer_norm is None else "layer" if layer_norm else "none"
     if rms_norm is not None:
         norm = "rms" if rms_norm else "none" if norm == "rms" else norm
-    ln, rms = (None, None, 0.0), (0, None, 0.0)
+    ln, rms, div_sqrt = (None, None, 0.0), (0, None, 0.0), False
     if norm == "layer":
         ln = (values((x.shape[-1],), x.dtype, seed + 1, grid=8).to(DEVICE),
               values((x.shape[-1],), x.dtype, seed + 2, grid=8).to(DEVICE), 1e-6)
@@ -76,8 +76,8 @@ def rope_cat_args(draw, layer_norm=None, rms_norm=None):
         if kind in nrq.RMS_WEIGHTED:
             weight_dtype = torch.float32 if nrq.RMS_NORMS[kind] == "weight_fp32" else x.dtype
             weight = values((x.shape[-1],), weight_dtype, seed + 1, grid=8).to(DEVICE)
-        rms = (kind, weight, 1e-6)
-    return (x, cos, sin, start, draw(st.booleans()), *ln, *rms, fp32_pairs)
+        rms, div_sqrt = (kind, weight, 1e-6), draw(st.booleans())
+    return (x, cos, sin, start, draw(st.booleans()), *ln, *rms, fp32_pairs, div_sqrt)
 
 
 @fuzzes("dsfuse::rope_cat")
@@ -111,7 +111,7 @@ def rmsnorm_rope_args(draw):
     else:
         angle = values((rows, c_rope), torch.float32, seed + 2, grid=16).clamp(-1, 1)
         cos, sin = angle.to(dtype).to(DEVICE), angle.flip(-1).to(dtype).to(DEVICE)
-    return x, weight, 1e-6, cos, sin, draw(st.booleans()), weight_in_fp32, freqs
+    return x, weight, 1e-6, cos, sin, draw(st.booleans()), weight_in_fp32, freqs, draw(st.booleans())
 
 
 @fuzzes("dsfuse::rmsnorm_rope")

@@ -198,7 +198,8 @@ for label, members, options in json.loads(sys.argv[1]):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n] in ("*bf16", "i32")}
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options}).asm["ptx"]
-    found[label] = sorted(set(re.findall(r"\b(?:fma|mul|add|sub|neg|cvt)\.[a-z0-9.]*(?:bf16x2|bf16|f32)\b", ptx)))
+    ops = r"\b(?:fma|mul|add|sub|neg|cvt|div|sqrt|rsqrt)\.[a-z0-9.]*(?:bf16x2|bf16|f32)\b"
+    found[label] = sorted(set(re.findall(ops, ptx)))
 print(json.dumps(found))
 """
 
@@ -221,21 +222,23 @@ def _sm90_float_instructions(configs):
 def test_sm90_ptx_rounds_every_op_like_eager():
     """The shipped options leave no FMA and only explicitly rounded (`.rn`) multiplies, adds and subtracts,
     so each torch op's rounding survives; Triton's default (fusion on) contracts the bf16 RoPE into
-    `fma.rn.bf16`, the 1-ulp mismatch measured on the H200 (this half shows the check can fail)."""
+    `fma.rn.bf16`, the 1-ulp mismatch measured on the H200 (this half shows the check can fail). The RMSNorm's
+    division form takes an IEEE square root and quotient (`sqrt.rn`, `div.rn`), as torch does."""
     import triton
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this triton build has no NVIDIA backend")
     from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS
 
-    def norm(interleaved):
+    def norm(interleaved, div_sqrt=False):
         return {"ROWS": 8, "BLOCK_N": 512, "BLOCK_H": 32, "INTERLEAVED": interleaved, "WEIGHT_FP32": False,
-                "HAS_ROPE": True, "COMPLEX": False, "REAL_MUL": 0, "IMAG_MUL": 0, "MANUAL_BF16_RNE": False}
+                "HAS_ROPE": True, "COMPLEX": False, "REAL_MUL": 0, "IMAG_MUL": 0, "MANUAL_BF16_RNE": False,
+                "DIV_SQRT": div_sqrt}
 
-    def cat(interleaved, layer_norm=False, v4=False):
+    def cat(interleaved, layer_norm=False, v4=False, div_sqrt=False):
         norm_kind = 1 + RMS_NORMS.index("unweighted_scale_cast") if v4 else int(layer_norm)
         return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "NORM": norm_kind,
-                "FP32_PAIRS": v4, "MANUAL_BF16_RNE": False}
+                "FP32_PAIRS": v4, "MANUAL_BF16_RNE": False, "DIV_SQRT": div_sqrt}
 
     q_a_norm = {**norm(True), "ROWS": 2, "BLOCK_N": 2048, "HAS_ROPE": False}
 
@@ -246,18 +249,25 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         ["cat_half_split", [["_rope_cat_block", cat(False)]], COMPILE_OPTIONS],
         ["cat_layer_norm_half_split", [["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
         ["cat_v4_rms_norm_pairs", [["_rope_cat_block", cat(True, v4=True)]], COMPILE_OPTIONS],
+        ["norm_div_sqrt", [["_rmsnorm_rope_block", norm(True, div_sqrt=True)]], COMPILE_OPTIONS],
+        ["cat_v4_rms_div_sqrt", [["_rope_cat_block", cat(True, v4=True, div_sqrt=True)]], COMPILE_OPTIONS],
         ["layer_group", [["_rmsnorm_rope_block", norm(True)], ["_rmsnorm_rope_block", q_a_norm],
                          ["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
         ["fusion_on", [["_rmsnorm_rope_block", norm(True)]], {"enable_fp_fusion": True}],
     ])
+    division = ("norm_div_sqrt", "cat_v4_rms_div_sqrt")
     for label, ops in found.items():
         if label == "fusion_on":
             continue
         assert not [op for op in ops if op.startswith("fma")], (label, ops)
         arithmetic = [op for op in ops if op.split(".")[0] in ("mul", "add", "sub")]
-        assert any("bf16" in op for op in arithmetic), (label, ops)
+        assert label in division or any("bf16" in op for op in arithmetic), (label, ops)
         assert all(".rn." in op for op in arithmetic), (label, ops)
     assert "fma.rn.bf16" in found["fusion_on"], found["fusion_on"]
+    for label in division:  # IEEE square root and quotient, no reciprocal square root
+        ops = found[label]
+        assert {"sqrt.rn.f32", "div.rn.f32"} <= set(ops), (label, ops)
+        assert not [op for op in ops if op.startswith("rsqrt") or op.startswith("sqrt.approx")], (label, ops)
 
 
 def _q_states(dtype, heads=3, seq=5, batch=2, c_pass=12, c_rope=8, seed=1):
@@ -1065,3 +1075,117 @@ def test_gpu_v4_query_and_kv_head_equal_eager_cuda():
         torch.testing.assert_close(got, want, rtol=8e-3, atol=8e-3)
     roped = rope_cat_triton(q, cos4, sin4, d - 64, True, None, None, 0.0, 0, None, 0.0, True)  # the indexer query
     _assert_equal(roped, v4_rope(q, cos, sin))
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm written as a division, `x / sqrt(mean(x^2) + eps)`: `rmsnorm_rope`'s `div_sqrt`, `rope_cat`'s `rms_div_sqrt`
+# --------------------------------------------------------------------------------------------
+def _divided_norm(x, weight, eps, rounding):
+    """The sources' RMSNorm with a division, in rounding `rounding` (a name of `RMS_NORMS`), op by op."""
+    xf = x.float()
+    root = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if rounding == "unweighted_scale_cast":
+        return x / root.to(x.dtype)
+    h = xf / root
+    if rounding == "weight_fp32":
+        return (h * weight.float()).to(x.dtype)
+    if rounding == "weight_after_cast":
+        return weight * h.to(x.dtype)
+    return h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_in_fp32", [False, True], ids=["hf", "official"])
+@pytest.mark.parametrize("T", [1, 7])
+def test_div_sqrt_kernel_is_the_division_bit_for_bit(dtype, weight_in_fp32, T):
+    """Odd widths (37 normed, 10 roped), sums of squares exact (1/8 grid): the reference and the kernel equal the
+    source's `x / sqrt(mean + eps)` bit for bit, and in fp32 that is not what `x * rsqrt(..)` gives (so this test
+    tells the roundings apart)."""
+    x, w, cos, sin = _inputs(T, 37, 10, dtype)
+    weight = w.float() * 1.01 if weight_in_fp32 else w
+    want = _divided_norm(x[:, :37], weight, 1e-6, "weight_fp32" if weight_in_fp32 else "weight_after_cast")
+    for fn in (rmsnorm_rope_reference, rmsnorm_rope_triton):
+        normed, roped = fn(x, weight, 1e-6, cos, sin, False, weight_in_fp32, None, True)
+        _assert_equal(normed, want)
+        _assert_equal(roped, rmsnorm_rope_reference(x, weight, 1e-6, cos, sin, False, weight_in_fp32)[1])
+    if dtype == torch.float32 and T > 1:
+        assert not torch.equal(want, rmsnorm_rope_reference(x, weight, 1e-6, cos, sin, False, weight_in_fp32)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_div_sqrt_random_inputs_within_summation_order(dtype):
+    """Sums that round: the kernel's division form is within two ulps of the source's (summation order only)."""
+    x, w, cos, sin = _inputs(5, 61, 16, dtype, dyadic=False, seed=3)
+    want = _divided_norm(x[:, :61], w, 1e-6, "weight_after_cast")
+    normed, _ = rmsnorm_rope_triton(x, w, 1e-6, cos, sin, True, False, None, True)
+    ulp = torch.finfo(dtype).eps * want.float().abs().clamp(min=1e-3)
+    assert ((normed.float() - want.float()).abs() <= ulp * 2).all()
+
+
+def test_div_sqrt_norm_only_and_opcheck():
+    x, w, cos, sin = _inputs(5, 33, 0, torch.bfloat16)
+    normed, roped = rmsnorm_rope_triton(x, w, 1e-6, None, None, True, False, div_sqrt=True)
+    _assert_equal(normed, _divided_norm(x, w, 1e-6, "weight_after_cast"))
+    assert roped.shape == (5, 0)
+    _assert_equal(torch.ops.dsfuse.rmsnorm_rope(x, w, 1e-6, None, None, True, False, div_sqrt=True)[0], normed)
+    x, w, cos, sin = _inputs(5, 32, 16, torch.bfloat16)
+    torch.library.opcheck(rmsnorm_rope, (x, w, 1e-6, cos, sin, True, False, None, True))
+    torch.library.opcheck(rmsnorm_rope, (x, w.float(), 1e-6, cos, sin, False, True), {"div_sqrt": True})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms_norm", [1, 2, 3, 4], ids=lambda i: RMS_NORMS[i])
+def test_rope_cat_rms_div_sqrt_is_the_sources_division(dtype, rms_norm):
+    """Each RMSNorm rounding, written as a division, on V4's strided query (odd width 37, exact sums): the
+    reference is the source's expression and the kernel equals it bit for bit."""
+    q, _, weight, cos, sin = _v4_states(dtype, dim=37)
+    w = weight if rms_norm == 1 else weight.to(dtype)
+    weighted = w if rms_norm in (1, 2) else None
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 4) for t in (cos, sin))
+    args = (q, cos4, sin4, 0, True, None, None, 0.0, rms_norm, weighted, 1e-6, True, True)
+    want = rope_cat_reference(*args)
+    _assert_equal(want[..., 8:], _divided_norm(q, w, 1e-6, RMS_NORMS[rms_norm])[..., 8:])
+    _assert_equal(rope_cat_triton(*args), want)
+    if dtype == torch.float32:
+        assert not torch.equal(want, rope_cat_reference(*args[:-1]))
+
+
+def test_rope_cat_rms_div_sqrt_opcheck_and_bad_input():
+    q, _, weight, cos, sin = _v4_states(torch.bfloat16)
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 4).contiguous() for t in (cos, sin))
+    torch.library.opcheck(rope_cat, (q, cos4, sin4, 24, True, None, None, 0.0, 1, weight, 1e-6, True, True))
+    torch.library.opcheck(rope_cat, (q, cos4, sin4, 24, True, None, None, 0.0, 4, None, 1e-6, True),
+                          {"rms_div_sqrt": True})
+    with pytest.raises(ValueError, match="rms_div_sqrt given without an RMSNorm"):
+        rope_cat(q, cos4, sin4, 24, True, fp32_pairs=True, rms_div_sqrt=True)
+
+
+def test_launch_group_with_div_sqrt_members_equals_each_launch_alone():
+    """A kv norm in the division form beside the same norm in the rsqrt form and V4's query in the division form,
+    in one launch (fp32, where the forms differ): each member's outputs are its own launch's, bit for bit, and the
+    group op's are its members' ops' (the flag is a member argument like any other)."""
+    from dsfuse.kernels.norm_rope_quant import launch_blocks, norm_rope_group, rmsnorm_rope_launch, rope_cat_launch
+
+    launches = {"rmsnorm_rope": rmsnorm_rope_launch, "rope_cat": rope_cat_launch}
+    x, w, cos, sin = _inputs(7, 48, 16, torch.float32)
+    q, _, weight, qcos, qsin = _v4_states(torch.float32)
+    b, h, s, d = q.shape
+    qcos4, qsin4 = (t.unsqueeze(1).expand(b, h, s, 4) for t in (qcos, qsin))
+    members = [("rmsnorm_rope", (x, w, 1e-6, cos, sin, True, False, None, True)),
+               ("rmsnorm_rope", (x, w, 1e-6, cos, sin, True, False)),
+               ("rope_cat", (q, qcos4, qsin4, 24, True, None, None, 0.0, 1, weight, 1e-6, True, True))]
+    grouped = launch_blocks([launches[op](*args) for op, args in members])
+    for (op, args), outputs in zip(members, grouped):
+        for got, want in zip(outputs, launch_blocks([launches[op](*args)])[0]):
+            _assert_equal(got, want)
+    assert not torch.equal(grouped[0][0], grouped[1][0])
+    got = norm_rope_group(*_group_args(members))
+    want = [out for op, args in members for out in _flat(getattr(torch.ops.dsfuse, op)(*args))]
+    for g, w_ in zip(got, want):
+        _assert_equal(g, w_)
+
+
+def _flat(out):
+    return list(out) if isinstance(out, (tuple, list)) else [out]
