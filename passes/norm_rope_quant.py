@@ -8,6 +8,9 @@ be an RMSNorm in one of two roundings:
     HF:        weight * (xf * rsqrt(mean(xf^2, -1) + eps)).to(dtype)        (product in x's dtype)
     official:  ((xf * rsqrt(mean(xf^2, -1) + eps)) * weight.float()).to(dtype)
 
+each also written `xf / sqrt(mean(xf^2, -1) + eps)`, which rounds otherwise (the call's `div_sqrt`; so do
+`rope_cat`'s RMSNorms below, `rms_div_sqrt`). A sqrt that does not divide `xf` itself is reported.
+
 and its second part (through views) a RoPE in one of two forms, each matched on its own structure:
 
     interleaved (`apply_rotary_pos_emb_interleave`):
@@ -49,8 +52,8 @@ with the reason. Two more site kinds, each into one launch:
   and any other product of the trailing part with other tensors, `cat` back, is reported.
 - `dsfuse::rmsnorm_rope` without RoPE: an RMSNorm whose input is (a view of) a projection output (`mm`,
   `addmm`, `bmm`, or `dsfuse::fp8_linear` in a quantised checkpoint): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched;
-  an RMSNorm of a projection output that the call cannot take (`x / sqrt(..)`) is reported. Without a weight
-  (`(x * r).to(dtype)`, here or on the kv side) the call reads a weight of fp32 ones: the same bits.
+  an RMSNorm of a projection output that the call cannot take (`x * rsqrt(..).to(dtype)`) is reported. Without a
+  weight (`(x * r).to(dtype)`, here or on the kv side) the call reads a weight of fp32 ones: the same bits.
 
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
 call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
@@ -184,7 +187,8 @@ def _match_parts(proj: torch.fx.Node, sizes: list, parts: dict[int, torch.fx.Nod
 
 def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool = False) -> dict:
     """The RMSNorm of `part`: its final node, weight, eps and rounding (`weight_in_fp32`; `rounding`, a name of
-    `RMS_NORMS`). With `unweighted`, a norm without weight too (weight None): `(x * r).to(dtype)` or V4's
+    `RMS_NORMS`; `div_sqrt`, written `x / sqrt(mean + eps)` instead of `x * rsqrt(mean + eps)`, each rounding
+    other than the other). With `unweighted`, a norm without weight too (weight None): `(x * r).to(dtype)` or V4's
     `x * r.to(dtype)`."""
     xf = part
     if x_dtype != torch.float32:
@@ -199,37 +203,36 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     if mean is None:
         raise NoMatch("no mean over the last dim", reported=False)
     add = only_user(mean, aten.add.Tensor)
-    rsqrt = only_user(add, aten.rsqrt.default) if add is not None else None
-    if add is not None and only_user(add, aten.sqrt.default) is not None:
-        raise NoMatch("RMSNorm: no rsqrt(mean + eps): the norm divides by sqrt(mean + eps), another rounding than "
-                      "the kernel's")
-    if rsqrt is None:
-        raise NoMatch("no rsqrt(mean + eps)", reported=False)
+    root = only_user(add, aten.rsqrt.default, aten.sqrt.default) if add is not None else None
+    if root is None:
+        raise NoMatch("no rsqrt(mean + eps) or sqrt(mean + eps)", reported=False)
     eps = scalar_arg(add.args[1])
     if eps is None:
         raise NoMatch(f"RMSNorm: eps {UNSPECIALISED_FLOAT}" if unspecialised_float(add.args[1])
                       else f"RMSNorm: eps {add.args[1]} is a graph input, not a constant")
-    if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)`
-        scale = only_user(rsqrt, CONVERT)
-        product = only_user(scale, aten.mul.Tensor) if scale is not None and scale.args[1] == x_dtype else None
-        if product is not None and other_operand(product, scale) is part:
-            return {"norm_out": product, "weight": None, "eps": eps, "rounding": "unweighted_scale_cast"}
-    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if other_operand(u, rsqrt) is xf]
-    if len(scaled) != 1:
-        raise NoMatch("RMSNorm: x * rsqrt(...) not found")
-    h = scaled[0]
+    div_sqrt = is_op(root, aten.sqrt.default)
+    scaling = {"eps": eps, "div_sqrt": div_sqrt}
+    if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)` (or `x / sqrt(...).to(x.dtype)`)
+        scale = only_user(root, CONVERT)
+        applied = _applies(scale, part, div_sqrt) if scale is not None and scale.args[1] == x_dtype else None
+        if applied is not None:
+            return {"norm_out": applied, "weight": None, **scaling, "rounding": "unweighted_scale_cast"}
+    h = _applies(root, xf, div_sqrt)
+    if h is None:
+        raise NoMatch("RMSNorm: sqrt(mean + eps) does not divide x itself (another rounding than any kernel's)"
+                      if div_sqrt else "RMSNorm: x * rsqrt(...) not found")
     c_norm = shape(part)[-1]
     if x_dtype == torch.float32:
         if unweighted and not users_of(h, aten.mul.Tensor):
-            return {"norm_out": h, "weight": None, "eps": eps, "rounding": "unweighted"}
+            return {"norm_out": h, "weight": None, **scaling, "rounding": "unweighted"}
         out, weight = _weight_mul(h, c_norm, torch.float32)
-        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
+        return {"norm_out": out, "weight": weight, **scaling, "weight_in_fp32": True, "rounding": "weight_fp32"}
     narrowed = [u for u in users_of(h, CONVERT) if u.args[1] == x_dtype]
     if len(narrowed) == 1 and len(h.users) == 1:
         if unweighted and not users_of(narrowed[0], aten.mul.Tensor):
-            return {"norm_out": narrowed[0], "weight": None, "eps": eps, "rounding": "unweighted"}
+            return {"norm_out": narrowed[0], "weight": None, **scaling, "rounding": "unweighted"}
         out, weight = _weight_mul(narrowed[0], c_norm, x_dtype)
-        return {"norm_out": out, "weight": weight, "eps": eps, "weight_in_fp32": False,
+        return {"norm_out": out, "weight": weight, **scaling, "weight_in_fp32": False,
                 "rounding": "weight_after_cast"}
     out32, weight = _weight_mul(h, c_norm, torch.float32)
     final = only_user(out32, CONVERT)
@@ -237,7 +240,17 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
         raise NoMatch("RMSNorm: the fp32 weight product is not cast back to the input dtype")
     if is_upcast(weight):
         weight = weight.args[0]
-    return {"norm_out": final, "weight": weight, "eps": eps, "weight_in_fp32": True, "rounding": "weight_fp32"}
+    return {"norm_out": final, "weight": weight, **scaling, "weight_in_fp32": True, "rounding": "weight_fp32"}
+
+
+def _applies(scale: torch.fx.Node, x: torch.fx.Node, div_sqrt: bool) -> torch.fx.Node | None:
+    """The one node that normalises `x` by `scale`: `x / scale` with `div_sqrt` (scale a sqrt; the quotient, not a
+    product by its reciprocal), else `x * scale` (either order); None when there is not exactly one."""
+    if div_sqrt:
+        found = [u for u in users_of(scale, aten.div.Tensor) if u.args[:2] == (x, scale)]
+    else:
+        found = [u for u in users_of(scale, aten.mul.Tensor) if other_operand(u, scale) is x]
+    return found[0] if len(found) == 1 else None
 
 
 def _match_weighted_or_unit_norm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
@@ -245,8 +258,9 @@ def _match_weighted_or_unit_norm(part: torch.fx.Node, x_dtype: torch.dtype) -> d
     which is the fp32-weight rounding with a weight of ones (a product by 1.0 is exact; `weight` None)."""
     norm = _match_rmsnorm(part, x_dtype, unweighted=True)
     if norm["rounding"] == "unweighted_scale_cast":
-        raise NoMatch("RMSNorm: x * rsqrt(...).to(dtype) rounds the scale before the product, which rmsnorm_rope "
-                      "does not")
+        written = ("x / sqrt(...).to(dtype) rounds the divisor before the quotient" if norm["div_sqrt"]
+                   else "x * rsqrt(...).to(dtype) rounds the scale before the product")
+        raise NoMatch(f"RMSNorm: {written}, which rmsnorm_rope does not")
     if norm["weight"] is None:
         norm["weight_in_fp32"] = True
     return norm
@@ -456,7 +470,8 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
         rope_args = (_rows_of(graph, before, m["cos"], m["rot"]), _rows_of(graph, before, m["sin"], m["rot"]),
                      m["interleaved"], m["weight_in_fp32"])
     weight = _unit_weight_if_none(graph, before, m, x, m["c_norm"])
-    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, weight, m["eps"], *rope_args))
+    fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, weight, m["eps"], *rope_args),
+                        _div_sqrt_kwargs(m, "div_sqrt"))
     normed = insert_call(graph, before, operator.getitem, (fused, 0))
     roped = insert_call(graph, before, operator.getitem, (fused, 1))
     proj_lead = [size_arg(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
@@ -469,11 +484,22 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     form = "interleaved" if m["interleaved"] else "half-split"
     if "freqs" in m:
         form = f"complex-multiply {form}"
-    rounding = "no weight" if m["weight"] is None else "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
     tables = [m["freqs"]] if "freqs" in m else [m["cos"][0], m["sin"][0]]
     ctx.site(split, "dsfuse.rmsnorm_rope", [m["proj"], m["weight"], *tables],
-             detail=f"RMSNorm {m['c_norm']} ({rounding}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}",
+             detail=f"RMSNorm {m['c_norm']} ({_rounding(m)}) + {form} RoPE {m['c_rope']}, eps={m['eps']:g}",
              call=fused)
+
+
+def _div_sqrt_kwargs(norm: dict, name: str) -> dict:
+    """The fused call's keyword for a norm written `x / sqrt(..)` (argument `name`); none for `x * rsqrt(..)`, the
+    ops' default."""
+    return {name: True} if norm["div_sqrt"] else {}
+
+
+def _rounding(norm: dict) -> str:
+    """How an `rmsnorm_rope` norm rounds, for the report."""
+    weight = "no weight" if norm["weight"] is None else "weight in fp32" if norm["weight_in_fp32"] else "HF rounding"
+    return f"{weight}, x / sqrt" if norm["div_sqrt"] else weight
 
 
 def _rows_of(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, rot: torch.fx.Node) -> torch.fx.Node:
@@ -920,14 +946,13 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
     x = insert_call(graph, out, aten.reshape.default, (part, [-1, c_norm]))
     fused = insert_call(graph, out, torch.ops.dsfuse.rmsnorm_rope.default,
                         (x, _unit_weight_if_none(graph, out, m, x, c_norm), m["eps"], None, None, True,
-                         m["weight_in_fp32"]))
+                         m["weight_in_fp32"]), _div_sqrt_kwargs(m, "div_sqrt"))
     normed = insert_call(graph, out, operator.getitem, (fused, 0))
     sizes = size_args(graph, out, part)
     out.replace_all_uses_with(insert_call(graph, out, aten.reshape.default, (normed, sizes)))
     graph.eliminate_dead_code()
-    rounding = "no weight" if m["weight"] is None else "weight in fp32" if m["weight_in_fp32"] else "HF rounding"
     ctx.site(square, "dsfuse.rmsnorm_rope", [part, m["weight"]],
-             detail=f"RMSNorm {c_norm} ({rounding}) of a projection output, eps={m['eps']:g}, no RoPE",
+             detail=f"RMSNorm {c_norm} ({_rounding(m)}) of a projection output, eps={m['eps']:g}, no RoPE",
              call=fused)
 
 
@@ -1017,8 +1042,8 @@ def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, 
     and the views from the norm output to `row`, in order; (None, [], None) when there is none, and (None, [],
     reason) for an RMSNorm that cannot join the call (its eps a tensor under `dynamic=True`), to be reported."""
     out, *views = _sole_views(row, ROW_VIEWS)
-    rsqrt = next((n for n in _ancestors(out, 3) if is_op(n, aten.rsqrt.default)), None)
-    add = rsqrt.args[0] if rsqrt is not None else None
+    root = next((n for n in _ancestors(out, 3) if is_op(n, aten.rsqrt.default, aten.sqrt.default)), None)
+    add = root.args[0] if root is not None else None
     mean = add.args[0] if is_op(add, aten.add.Tensor) else None
     square = mean.args[0] if is_op(mean, aten.mean.dim) else mean.meta.get(MEAN, (None,))[0] if mean else None
     if not (is_op(square, aten.pow.Tensor_Scalar) and square.args[1] == 2):
@@ -1176,13 +1201,15 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
     width = shape(row)[-1]
     rms = (0, None, 0.0) if norm is None else (RMS_NORMS.index(norm["rounding"]), norm["weight"], norm["eps"])
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
-                        (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms, True))
+                        (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms, True),
+                        _div_sqrt_kwargs(norm, "rms_div_sqrt") if norm is not None else {})
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
     detail = f"V4 fp32 pair RoPE {m['c_rope']} of the trailing columns of {width}, concatenated in place"
     inputs = [row, m["cos"][0], m["sin"][0]]
     if norm is not None:
         weight = "no weight" if norm["weight"] is None else "weight"
-        detail = f"RMSNorm {width} ({norm['rounding']}, {weight}, eps={norm['eps']:g}) + {detail}"
+        division = ", x / sqrt" if norm["div_sqrt"] else ""
+        detail = f"RMSNorm {width} ({norm['rounding']}{division}, {weight}, eps={norm['eps']:g}) + {detail}"
         inputs = [norm["input"], m["cos"][0], m["sin"][0]] + ([norm["weight"]] if norm["weight"] is not None else [])
     ctx.site(cat, "dsfuse.rope_cat", inputs, detail=detail, call=fused)

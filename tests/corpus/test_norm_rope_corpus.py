@@ -161,10 +161,20 @@ def hadamard_between_rope_and_quant(q, freqs, rotation):
 
 def divide_by_sqrt(proj, weight, cos, sin):
     """The kv side with the norm spelled `x / sqrt(var + eps)`: a division by a rounded sqrt, not a multiply by
-    rsqrt (another rounding)."""
+    rsqrt (another rounding, which the call's division form computes)."""
     kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
     xf = kv_pass.float()
     normed = weight * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(proj.dtype)
+    _, k_rot = hf_interleaved_rope(k_rot.unsqueeze(1), k_rot.unsqueeze(1), cos, sin)
+    return normed, k_rot
+
+
+def multiply_by_reciprocal_sqrt(proj, weight, cos, sin):
+    """The kv side with the norm spelled `x * reciprocal(sqrt(var + eps))`: the reciprocal rounded, then the
+    product, which neither the rsqrt form nor the division form computes."""
+    kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
+    xf = kv_pass.float()
+    normed = weight * (xf * torch.reciprocal(torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))).to(proj.dtype)
     _, k_rot = hf_interleaved_rope(k_rot.unsqueeze(1), k_rot.unsqueeze(1), cos, sin)
     return normed, k_rot
 
@@ -295,7 +305,7 @@ def _residual():
 # --------------------------------------------------------------------------------------- the corpus
 GPTJ_IN_PLACE = ("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no kernel "
                  "computes that form")
-NO_RSQRT = "RMSNorm: no rsqrt(mean + eps): the norm divides by sqrt(mean + eps), another rounding than the kernel's"
+NOT_DIVIDED = "RMSNorm: sqrt(mean + eps) does not divide x itself (another rounding than any kernel's)"
 WEIGHT_PROMOTES = "RMSNorm: weight dtype torch.float32 differs from the product's torch.bfloat16"
 NOT_QUANTISED = ("complex RoPE + cat not followed by the fp8 per-block quantisation (no fused kernel for the "
                  "unquantised output)")
@@ -332,8 +342,10 @@ CORPUS = {
     "hadamard_before_quant": Entry(hadamard_between_rope_and_quant, "DeepSeek V3.2 inference Indexer "
                                    "(rotate_activation)", _complex_query(rotation=True), NEAR_MISS,
                                    reason=NOT_QUANTISED),
-    "divide_by_sqrt": Entry(divide_by_sqrt, "written for the corpus (x / sqrt)", _kv_split(), NEAR_MISS,
-                            reason=NO_RSQRT),
+    "divide_by_sqrt": Entry(divide_by_sqrt, "written for the corpus (x / sqrt)", _kv_split(), REWRITTEN, 1,
+                            op="dsfuse.rmsnorm_rope", detail="x / sqrt"),
+    "reciprocal_sqrt": Entry(multiply_by_reciprocal_sqrt, "written for the corpus (x * reciprocal(sqrt))",
+                             _kv_split(), NEAR_MISS, reason=NOT_DIVIDED),
     "gptj_pairs_in_bf16": Entry(gptj_pairs_in_bf16, "vLLM _apply_rotary_emb_torch (GPT-J) beside an RMSNorm",
                                 _kv_split(tables="half"), NEAR_MISS, reason=GPTJ_IN_PLACE),
     "fp32_weight_after_cast": Entry(fp32_weight_after_cast, "written for the corpus (promoting weight)",

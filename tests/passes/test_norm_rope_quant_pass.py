@@ -845,3 +845,113 @@ def test_v4_one_token_rows_under_dynamic_true_leave_no_norm_behind():
         details[dynamic] = sorted(s.detail.split("; one launch")[0] for s in rep.sites
                                   if s.pass_name == "norm_rope_quant")
     assert details[True] == details[None] and len(details[None]) == 4, details
+
+
+# --- the RMSNorm written as a division, `x / sqrt(mean + eps)`: its own rounding, its own calls ------------------
+def divided_kv_side_and_q_a(proj, weight, cos, sin, hidden, wqa, qa_weight):
+    """The kv side (HF rounding, interleaved RoPE) and q_a's norm (fp32 weight, the mean as `sum / d`), each norm
+    dividing by sqrt(mean + eps) as some sources write it."""
+    kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
+    xf = kv_pass.float()
+    k_pass = weight * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(proj.dtype)
+    _, k_rot = apply_rotary_pos_emb_interleave(k_rot.view(B, 1, S, C_ROPE), k_rot.view(B, 1, S, C_ROPE), cos, sin)
+    qf = (hidden @ wqa).float()
+    q_a = (qf / torch.sqrt(qf.pow(2).sum(-1, keepdim=True) / qf.shape[-1] + 1e-6) * qa_weight).to(hidden.dtype)
+    return k_pass * 2, k_rot + 1, q_a
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_norms_divided_by_sqrt_are_one_call_each_and_equal_eager(dtype):
+    """Two sites, each one `rmsnorm_rope` in the division form, nothing reported, bit for bit with eager (which
+    rounds otherwise than the rsqrt form: a call in that form would not be)."""
+    proj, weight, cos, sin = _data(dtype)
+    g = torch.Generator().manual_seed(6)
+    hidden, wqa = torch.randn(B, S, 24, generator=g).to(dtype), torch.randn(24, 16, generator=g).to(dtype)
+    args = (proj, weight, cos, sin, hidden, wqa, 1 + 0.3 * torch.randn(16, generator=g))
+    got = _compiled(divided_kv_side_and_q_a)(*args)
+    rep = dsfuse.report()
+    assert rep.counts["norm_rope_quant"] == 2 and not rep.near_misses, str(rep)
+    weights = ("HF rounding", "weight in fp32") if dtype == torch.bfloat16 else ("weight in fp32", "weight in fp32")
+    assert sorted(d.split(";")[0] for d in _site_details()) == sorted([
+        f"RMSNorm 32 ({weights[0]}, x / sqrt) + interleaved RoPE 8, eps=1e-06",
+        f"RMSNorm 16 ({weights[1]}, x / sqrt) of a projection output, eps=1e-06, no RoPE"])
+    for g_, w in zip(got, divided_kv_side_and_q_a(*args)):
+        assert torch.equal(g_, w), (g_.float() - w.float()).abs().max()
+
+
+def _divided_v4_norm(weight):
+    """`DeepseekV4RMSNorm` (fp32 weight) written with a division."""
+    def norm(x):
+        xf = x.float()
+        return (weight * (xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6))).to(x.dtype)
+    return norm
+
+
+def divided_v4_attention_glue(x, wqa, wqb, wkv, wiq, cos, sin, qa_weight, kv_weight):
+    """`hf_v4_attention_glue` with every RMSNorm dividing by sqrt(mean + eps) (q_b's unweighted norm by the sqrt
+    rounded to x's dtype, as `DeepseekV4UnweightedRMSNorm` rounds its rsqrt)."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import apply_rotary_pos_emb as v4_rope
+
+    q_residual = _divided_v4_norm(qa_weight)(x @ wqa)
+    q = (q_residual @ wqb).view(V4_B, V4_S, V4_H, V4_D).transpose(1, 2)
+    q = v4_rope(q / torch.sqrt(q.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(q.dtype), cos, sin)
+    kv = _divided_v4_norm(kv_weight)(x @ wkv).view(V4_B, V4_S, 1, V4_D).transpose(1, 2)
+    kv = v4_rope(kv, cos, sin)
+    index_q = (q_residual @ wiq).view(V4_B, V4_S, -1, V4_INDEX_D).transpose(1, 2)
+    index_q = v4_rope(index_q, cos, sin).transpose(1, 2)
+    return q * 2, kv + 1, index_q.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_v4_glue_with_divided_norms_is_bit_exact(dtype):
+    """V4's four glue sites with the norms written as divisions: the same sites as HF's spelling, each norm in the
+    division form (`rope_cat`'s `rms_div_sqrt`, `rmsnorm_rope`'s `div_sqrt`), no sqrt left, bit for bit."""
+    args = _v4_glue_inputs(dtype)
+    gm, ctx = _post_grad_graph(divided_v4_attention_glue, args, require_var_mean=False)
+    details = [s.detail.split("; one launch")[0] for s in ctx.sites]
+    q_b = "unweighted_scale_cast" if dtype == torch.bfloat16 else "unweighted"
+    assert sorted(details) == sorted([
+        f"RMSNorm 32 ({q_b}, x / sqrt, no weight, eps=1e-06) + V4 fp32 pair RoPE 8 of the trailing columns of 32, "
+        "concatenated in place",
+        "RMSNorm 32 (weight_fp32, x / sqrt, weight, eps=1e-06) + V4 fp32 pair RoPE 8 of the trailing columns of 32, "
+        "concatenated in place",
+        "V4 fp32 pair RoPE 8 of the trailing columns of 16, concatenated in place",
+        "RMSNorm 16 (weight in fp32, x / sqrt) of a projection output, eps=1e-06, no RoPE"]), details
+    assert not ctx.near_misses, ctx.near_misses
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.dsfuse.norm_rope_group.default) == 2 and torch.ops.aten.sqrt.default not in targets
+    with torch.no_grad():
+        for got, want in zip(gm(*args), divided_v4_attention_glue(*args)):
+            assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_divisions_no_call_computes_are_reported():
+    """A product by the sqrt's reciprocal, a quotient of the weighted x and, for `rmsnorm_rope`, a divisor rounded
+    to x's dtype first: each rounds otherwise than the calls, so each is a near-miss with its reason."""
+    proj = torch.nn.Linear(C_NORM, C_NORM, bias=False).to(torch.bfloat16).requires_grad_(False)
+    weight = (1 + 0.3 * torch.randn(C_NORM, generator=torch.Generator().manual_seed(3))).to(torch.bfloat16)
+
+    def reciprocal(hidden):
+        xf = proj(hidden).float()
+        return weight * (xf * torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6).reciprocal()).to(hidden.dtype)
+
+    def weighted_quotient(hidden):
+        xf = proj(hidden).float()
+        return ((weight.float() * xf) / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(hidden.dtype)
+
+    def divisor_cast(hidden):
+        x = proj(hidden)
+        return x / torch.sqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype)
+
+    hidden = torch.randn(B, S, C_NORM, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    not_x = "RMSNorm: sqrt(mean + eps) does not divide x itself (another rounding than any kernel's)"
+    expected = {reciprocal: not_x, weighted_quotient: not_x,
+                divisor_cast: "RMSNorm: x / sqrt(...).to(dtype) rounds the divisor before the quotient, which "
+                              "rmsnorm_rope does not"}
+    for fn, reason in expected.items():
+        torch._dynamo.reset()
+        dsfuse.reset_report()
+        _compiled(fn)(hidden)
+        rep = dsfuse.report()
+        assert rep.counts["norm_rope_quant"] == 0, (fn.__name__, str(rep))
+        assert [m.reason for m in rep.near_misses] == [reason], (fn.__name__, str(rep))
