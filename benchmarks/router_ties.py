@@ -56,7 +56,8 @@ class _Noise:
 
     def router_hook(self, name):
         def hook(module, args):
-            self.captured[name] = args[0].detach().clone()
+            if self.target is None:  # the unperturbed forward's input, whose margins are reported
+                self.captured[name] = args[0].detach().clone()
             changed = self.apply(name, args[0])
             return None if changed is None else (changed, *args[1:])
         return hook
@@ -69,7 +70,8 @@ class _Noise:
 
 
 def measure(model, cells, perturb: str = "router", noise_exp: int = 8, trials: int = 6) -> dict:
-    """{cell: {module: {"group_margin", "expert_margin" (routers), "max_jump" (perturbed modules)}}}, per token."""
+    """{cell: {module: {"group_margin", "expert_margin" (routers), f"max_jump_{perturb}" (perturbed modules)}}},
+    each a list over the cell's tokens."""
     routers = [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopkRouter")]
     if not routers:
         raise ValueError("the model has no group-limited top-k router (*TopkRouter)")
