@@ -1,20 +1,24 @@
 """DeepSeek V4's KV compressors (HF `DeepseekV4CSACompressor`, `DeepseekV4HCACompressor` and the CSA indexer's
 own compressor) as one custom op, from the projections' outputs to the roped compressed entries:
 
-`torch.ops.dsfuse.kv_compress(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap) -> [B, W, D]`,
-kv and gate the `kv_proj` / `gate_proj` outputs viewed as W windows of m tokens, [B, W, m, C]:
+`torch.ops.dsfuse.kv_compress(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt=False,
+exp_log_softmax=False) -> [B, W, D]`, kv and gate the `kv_proj` / `gate_proj` outputs viewed as W windows of m
+tokens, [B, W, m, C]:
 
     g        = gate + position_bias                                  (torch's promotion: fp32 for HF's fp32 bias)
     overlap (CSA, C = 2D): slots [0, m) of window w are window w-1's first channel half (none for w = 0: kv 0,
              gate -inf), slots [m, 2m) window w's second half; without overlap (HCA, C = D) the m slots of w
     pooled   = (kv * softmax(g, slots, fp32).to(kv.dtype)).sum(slots)          (product and sum in kv's dtype)
     normed   = (norm_weight * (p * rsqrt(mean(p^2) + eps))).to(kv.dtype),  p = pooled.float()
+               (div_sqrt: p / sqrt(mean(p^2) + eps), a division that rounds otherwise than the rsqrt product)
     out      = cat([normed[..., :-R], rope(normed[..., -R:])]),  R = 2 * cos.shape[-1]
     rope(r)  = (r.float() * c + rotate_half(r).float() * s).to(kv.dtype),  c, s = cos / sin repeated twice
                (interleaved pairs (2i, 2i + 1): rotate_half(r) = (-r[2i+1], r[2i]))
 
-cos / sin [B, W, R/2] are the tables at the windows' positions, computed outside (HF's `DeepseekV4RotaryEmbedding`
-at `i * m + first_window_position`). The reference below is HF's code op by op (also the CPU implementation).
+exp_log_softmax: the weights are exp(log_softmax(g)) = exp((g - max) - log(sum(exp(g - max)))), which rounds
+otherwise than softmax's exp(g - max) / sum. cos / sin [B, W, R/2] are the tables at the windows' positions,
+computed outside (HF's `DeepseekV4RotaryEmbedding` at `i * m + first_window_position`). The reference below is HF's
+code op by op (also the CPU implementation).
 
 Kernel design: one program per window, the whole head (D channels) in registers. The softmax runs per channel
 over the window's slots, in three passes over slot chunks of BLOCK_L (max, sum of exp, then the normalised weights
@@ -22,8 +26,8 @@ rounded to kv's dtype, the rounded products summed in fp32), so every value is r
 an HCA window of 128 slots never has to fit in registers; gate chunks are re-read from L1/L2. RMSNorm and the
 interleaved RoPE follow on the pooled row in registers (pairs split with `tl.reshape` + `tl.split`), one store of
 the entry. No dot products: nothing the interpreter mis-computes. Compiled without fp fusion (`COMPILE_OPTIONS`)
-so no product's rounding is folded into an FMA; divisions are IEEE (`tl.div_rn`) and exp is libdevice's on the
-GPU, as torch's softmax computes it.
+so no product's rounding is folded into an FMA; divisions and the division form's sqrt are IEEE (`tl.div_rn`,
+`tl.sqrt_rn`), and exp and log are libdevice's on the GPU, as torch's softmax and log_softmax compute them.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _round_to
+from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _over_rms, _rms_scale, _round_to
 from dsfuse.kernels.triton_support import direct_kernel, interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -44,6 +48,13 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # --------------------------------------------------------------------------------------------
 def _rotate_half_interleaved(x: torch.Tensor) -> torch.Tensor:
     return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def interleaved_rope(rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF V4's RoPE of `rope` over interleaved pairs, in fp32, rounded to rope's dtype; cos / sin one column per
+    pair, broadcast over rope's leading dims. The op's RoPE, and what the pass proves a spelling computes."""
+    c, s = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    return ((rope.float() * c) + (_rotate_half_interleaved(rope).float() * s)).to(rope.dtype)
 
 
 def window_slots(kv: torch.Tensor, gate: torch.Tensor, overlap: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,23 +73,27 @@ def window_slots(kv: torch.Tensor, gate: torch.Tensor, overlap: bool) -> tuple[t
     return slot_kv, slot_gate
 
 
-def kv_compress_reference(kv, gate, position_bias, norm_weight, cos, sin, eps: float, overlap: bool) -> torch.Tensor:
+def kv_compress_reference(kv, gate, position_bias, norm_weight, cos, sin, eps: float, overlap: bool,
+                          div_sqrt: bool = False, exp_log_softmax: bool = False) -> torch.Tensor:
     slot_kv, slot_gate = window_slots(kv, gate + position_bias, overlap)
-    pooled = (slot_kv * slot_gate.softmax(dim=2, dtype=torch.float32).to(slot_kv.dtype)).sum(dim=2)
+    if exp_log_softmax:
+        weights = torch.exp(torch.log_softmax(slot_gate, dim=2, dtype=torch.float32))
+    else:
+        weights = slot_gate.softmax(dim=2, dtype=torch.float32)
+    pooled = (slot_kv * weights.to(slot_kv.dtype)).sum(dim=2)
     x = pooled.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    mean_square = x.pow(2).mean(-1, keepdim=True) + eps
+    x = x / torch.sqrt(mean_square) if div_sqrt else x * torch.rsqrt(mean_square)
     normed = (norm_weight * x).to(pooled.dtype)
     rope_dim = 2 * cos.shape[-1]
-    nope, rope = normed[..., :-rope_dim], normed[..., -rope_dim:]
-    c, s = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
-    rotated = ((rope.float() * c) + (_rotate_half_interleaved(rope).float() * s)).to(normed.dtype)
-    return torch.cat([nope, rotated], dim=-1)
+    return torch.cat([normed[..., :-rope_dim], interleaved_rope(normed[..., -rope_dim:], cos, sin)], dim=-1)
 
 
 # --------------------------------------------------------------------------------------------
 # Input checks
 # --------------------------------------------------------------------------------------------
-def _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap) -> None:
+def _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt=False, exp_log_softmax=False
+              ) -> None:
     op = "dsfuse::kv_compress"
     named = {"kv": kv, "gate": gate, "position_bias": position_bias, "norm_weight": norm_weight, "cos": cos,
              "sin": sin}
@@ -109,8 +124,9 @@ def _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap) -> N
         raise ValueError(f"{op}: RoPE width {rope} must be in (0, D={D}] and leave an even number of leading channels")
     if not isinstance(eps, float) or not eps >= 0.0:
         raise ValueError(f"{op}: eps must be a finite float >= 0, got {eps!r}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"{op}: overlap must be a bool, got {type(overlap).__name__}")
+    for name, flag in {"overlap": overlap, "div_sqrt": div_sqrt, "exp_log_softmax": exp_log_softmax}.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {type(flag).__name__}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -122,6 +138,14 @@ def _exp(x, ACCURATE_EXP: tl.constexpr):
         return libdevice.exp(x)
     else:
         return tl.exp(x)
+
+
+@triton.jit
+def _log(x, ACCURATE_EXP: tl.constexpr):
+    if ACCURATE_EXP:
+        return libdevice.log(x)
+    else:
+        return tl.log(x)
 
 
 @triton.jit
@@ -162,9 +186,11 @@ def _kv_compress_kernel(
     W, M, D, R, eps,
     s_kb, s_kw, s_km, s_kc, s_gb, s_gw, s_gm, s_gc, s_pm, s_pc, s_cb, s_cw, s_cr, s_sb, s_sw, s_sr,
     GATE_DT: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-    ACCURATE_EXP: tl.constexpr, KV_RNE: tl.constexpr, GATE_RNE: tl.constexpr,
+    ACCURATE_EXP: tl.constexpr, KV_RNE: tl.constexpr, GATE_RNE: tl.constexpr, DIV_SQRT: tl.constexpr,
+    EXP_LOG_SOFTMAX: tl.constexpr,
 ):
-    """KV_RNE / GATE_RNE: round to bf16 by hand (the interpreter's fp32 -> bf16 cast truncates)."""
+    """KV_RNE / GATE_RNE: round to bf16 by hand (the interpreter's fp32 -> bf16 cast truncates). DIV_SQRT,
+    EXP_LOG_SOFTMAX: the op's `div_sqrt`, `exp_log_softmax` roundings."""
     pid = tl.program_id(0)
     b = (pid // W).to(tl.int64)
     w = pid % W
@@ -183,17 +209,21 @@ def _kv_compress_kernel(
         g, kv = _slot_chunk(kv_ptr, gate_ptr, bias_ptr, b, w, l0, d, d_ok, s_kb, s_kw, s_km, s_kc, s_gb, s_gw, s_gm,
                             s_gc, s_pm, s_pc, M, D, GATE_DT, OVERLAP, BLOCK_L, GATE_RNE)
         total += tl.sum(_exp(g - peak[None, :], ACCURATE_EXP), axis=0)
+    log_total = _log(total, ACCURATE_EXP)
     pooled = tl.zeros([BLOCK_D], tl.float32)
     for l0 in range(0, L, BLOCK_L):
         g, kv = _slot_chunk(kv_ptr, gate_ptr, bias_ptr, b, w, l0, d, d_ok, s_kb, s_kw, s_km, s_kc, s_gb, s_gw, s_gm,
                             s_gc, s_pm, s_pc, M, D, GATE_DT, OVERLAP, BLOCK_L, GATE_RNE)
-        p = tl.div_rn(_exp(g - peak[None, :], ACCURATE_EXP), total[None, :])
+        if EXP_LOG_SOFTMAX:
+            p = _exp((g - peak[None, :]) - log_total[None, :], ACCURATE_EXP)
+        else:
+            p = tl.div_rn(_exp(g - peak[None, :], ACCURATE_EXP), total[None, :])
         p = _round_to(p, KV_DT, KV_RNE)
         pooled += tl.sum(_round_to(kv * p, KV_DT, KV_RNE), axis=0)
     pooled = tl.where(d_ok, _round_to(pooled, KV_DT, KV_RNE), 0.0)
 
     variance = tl.div_rn(tl.sum(pooled * pooled, axis=0), D.to(tl.float32))
-    h = pooled * tl.rsqrt(variance + eps)
+    h = _over_rms(pooled, _rms_scale(variance + eps, DIV_SQRT), DIV_SQRT)
     weight = tl.load(weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
     normed = _round_to(weight * h, KV_DT, KV_RNE)
 
@@ -221,9 +251,10 @@ def default_launch(D: int, slots: int) -> dict[str, int]:
 
 
 def kv_compress_triton(kv, gate, position_bias, norm_weight, cos, sin, eps: float, overlap: bool,
-                       block_l: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+                       div_sqrt: bool = False, exp_log_softmax: bool = False, block_l: int | None = None,
+                       num_warps: int | None = None) -> torch.Tensor:
     """One launch of `kv_compress` (launch overrides: block_l, num_warps); any strides."""
-    _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap)
+    _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt, exp_log_softmax)
     B, W, m, C = kv.shape
     D = C // 2 if overlap else C
     out = torch.empty((B, W, D), dtype=kv.dtype, device=kv.device)
@@ -237,7 +268,8 @@ def kv_compress_triton(kv, gate, position_bias, norm_weight, cos, sin, eps: floa
         GATE_DT=_TL_DTYPES[gate_dtype], OVERLAP=bool(overlap), BLOCK_L=block_l or defaults["block_l"],
         BLOCK_D=next_power_of_2(max(D, 2)), ACCURATE_EXP=not interpreting(),
         KV_RNE=interpreting() and kv.dtype == torch.bfloat16,
-        GATE_RNE=interpreting() and gate_dtype == torch.bfloat16, num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
+        GATE_RNE=interpreting() and gate_dtype == torch.bfloat16, DIV_SQRT=bool(div_sqrt),
+        EXP_LOG_SOFTMAX=bool(exp_log_softmax), num_warps=num_warps or defaults["num_warps"], **COMPILE_OPTIONS)
     return out
 
 
@@ -252,24 +284,29 @@ def bytes_moved(B: int, S: int, C: int, D: int, m: int, dtype: torch.dtype) -> i
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsfuse::kv_compress", mutates_args=())
 def kv_compress(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, norm_weight: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, eps: float, overlap: bool) -> torch.Tensor:
+                cos: torch.Tensor, sin: torch.Tensor, eps: float, overlap: bool, div_sqrt: bool = False,
+                exp_log_softmax: bool = False) -> torch.Tensor:
     """The compressed entries [B, W, D] in kv's dtype of W windows (see the module docstring). Reference math on
     CPU."""
-    _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap)
-    return kv_compress_reference(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap).contiguous()
+    _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt, exp_log_softmax)
+    return kv_compress_reference(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt,
+                                 exp_log_softmax).contiguous()
 
 
 @kv_compress.register_fake
-def _kv_compress_fake(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap):
-    _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap)
+def _kv_compress_fake(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt=False,
+                      exp_log_softmax=False):
+    _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt, exp_log_softmax)
     B, W, _, C = kv.shape
     return kv.new_empty((B, W, C // 2 if overlap else C))
 
 
 @direct_kernel(kv_compress)
-def _kv_compress_cuda(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap):
-    return kv_compress_triton(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap)
+def _kv_compress_cuda(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt=False,
+                      exp_log_softmax=False):
+    return kv_compress_triton(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_sqrt,
+                              exp_log_softmax)
 
 
-__all__ = ["bytes_moved", "default_launch", "kv_compress", "kv_compress_reference", "kv_compress_triton",
-           "window_slots"]
+__all__ = ["bytes_moved", "default_launch", "interleaved_rope", "kv_compress", "kv_compress_reference",
+           "kv_compress_triton", "window_slots"]

@@ -97,6 +97,50 @@ def test_kernel_strided_inputs_and_narrow_bias(dtype):
     assert (got != want).float().mean() < min(0.05, (got != fp32_sum).float().mean())
 
 
+FLAGS = {"div_sqrt": dict(div_sqrt=True), "exp_log_softmax": dict(exp_log_softmax=True),
+         "both": dict(div_sqrt=True, exp_log_softmax=True)}
+
+
+@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
+def test_reference_rounding_variants_are_the_written_spellings(flags):
+    """`div_sqrt` is `x / sqrt(mean + eps)` and `exp_log_softmax` is `exp(log_softmax(g))`, bit for bit, each a
+    rounding of its own: the default reference differs from the spelled one (in fp32, where no rounding to a 16-bit
+    dtype hides an ulp)."""
+    B, W, m, D, R, overlap = 2, 3, 4, 32, 8, True
+    kv, gate, bias, weight, cos, sin = _inputs(B, W, m, D, R, overlap, torch.float32)
+    slot_kv, slot_gate = ops.window_slots(kv, gate + bias, overlap)
+    if flags.get("exp_log_softmax"):
+        p = torch.exp(torch.log_softmax(slot_gate.float(), dim=2))
+    else:
+        p = slot_gate.softmax(dim=2, dtype=torch.float32)
+    x = (slot_kv * p.to(kv.dtype)).sum(dim=2).float()
+    mean_square = x.pow(2).mean(-1, keepdim=True) + 1e-6
+    x = x / torch.sqrt(mean_square) if flags.get("div_sqrt") else x * torch.rsqrt(mean_square)
+    normed = (weight * x).to(kv.dtype)
+    c, s = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+    rope = normed[..., -R:]
+    turned = ((rope.float() * c) + (ops._rotate_half_interleaved(rope).float() * s)).to(kv.dtype)
+    want = torch.cat([normed[..., :-R], turned], dim=-1)
+    assert torch.equal(ops.kv_compress_reference(kv, gate, bias, weight, cos, sin, 1e-6, overlap, **flags), want)
+    assert not torch.equal(ops.kv_compress_reference(kv, gate, bias, weight, cos, sin, 1e-6, overlap), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("flags", FLAGS.values(), ids=FLAGS.keys())
+def test_kernel_rounding_variants_match_their_reference(flags, dtype):
+    """The kernel's DIV_SQRT / EXP_LOG_SOFTMAX: equal to the flagged reference but for exp, log and the summation
+    order (bf16: at most one ulp on a few elements), and in fp32, where their ulps show, not the default kernel."""
+    B, W, m, D, R, overlap = 2, 5, 8, 32, 8, True
+    args = _inputs(B, W, m, D, R, overlap, dtype, seed=3)
+    want = ops.kv_compress_reference(*args, 1e-6, overlap, **flags)
+    got = ops.kv_compress_triton(*args, 1e-6, overlap, **flags, block_l=4)
+    torch.testing.assert_close(got, want, rtol=TOL[dtype], atol=TOL[dtype])
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.05
+    else:
+        assert not torch.equal(got, ops.kv_compress_triton(*args, 1e-6, overlap, block_l=4))
+
+
 def test_no_windows():
     args = _inputs(2, 0, 4, 16, 8, True, torch.float32)
     assert ops.kv_compress_triton(*args, 1e-6, True).shape == (2, 0, 16)
@@ -107,6 +151,7 @@ def test_no_windows():
 def test_opcheck(overlap):
     args = _inputs(2, 3, 4, 16, 8, overlap, torch.float32)
     torch.library.opcheck(torch.ops.dsfuse.kv_compress.default, (*args, 1e-6, overlap))
+    torch.library.opcheck(torch.ops.dsfuse.kv_compress.default, (*args, 1e-6, overlap, True, True))
 
 
 @pytest.mark.parametrize("change, message", [
