@@ -247,6 +247,17 @@ def users_of(node: torch.fx.Node, *targets: Any) -> list[torch.fx.Node]:
     return [u for u in node.users if is_op(u, *targets)]
 
 
+def normalised_by(scale: torch.fx.Node, x: torch.fx.Node, div_sqrt: bool) -> torch.fx.Node | None:
+    """The one node that normalises `x` by an RMSNorm's `scale`: `x / scale` with `div_sqrt` (scale a sqrt; the
+    quotient, not a product by its reciprocal), else `x * scale` (either order); None when there is not exactly
+    one."""
+    if div_sqrt:
+        found = [u for u in users_of(scale, aten.div.Tensor) if u.args[:2] == (x, scale)]
+    else:
+        found = [u for u in users_of(scale, aten.mul.Tensor) if other_operand(u, scale) is x]
+    return found[0] if len(found) == 1 else None
+
+
 def is_last_dim(node: Any, dims_arg: Any, dim: int = -1) -> bool:
     """Whether a reduction's dims argument names exactly the last dim of `node` (or `dim`)."""
     rank = len(shape(node))

@@ -88,6 +88,7 @@ from .graph_utils import (
     is_op,
     is_upcast,
     node_arg,
+    normalised_by,
     only_user,
     other_operand,
     same_shape,
@@ -214,10 +215,10 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     scaling = {"eps": eps, "div_sqrt": div_sqrt}
     if unweighted and x_dtype != torch.float32:  # V4's `x * rsqrt(...).to(x.dtype)` (or `x / sqrt(...).to(x.dtype)`)
         scale = only_user(root, CONVERT)
-        applied = _applies(scale, part, div_sqrt) if scale is not None and scale.args[1] == x_dtype else None
+        applied = normalised_by(scale, part, div_sqrt) if scale is not None and scale.args[1] == x_dtype else None
         if applied is not None:
             return {"norm_out": applied, "weight": None, **scaling, "rounding": "unweighted_scale_cast"}
-    h = _applies(root, xf, div_sqrt)
+    h = normalised_by(root, xf, div_sqrt)
     if h is None:
         raise NoMatch("RMSNorm: sqrt(mean + eps) does not divide x itself (another rounding than any kernel's)"
                       if div_sqrt else "RMSNorm: x * rsqrt(...) not found")
@@ -241,16 +242,6 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     if is_upcast(weight):
         weight = weight.args[0]
     return {"norm_out": final, "weight": weight, **scaling, "weight_in_fp32": True, "rounding": "weight_fp32"}
-
-
-def _applies(scale: torch.fx.Node, x: torch.fx.Node, div_sqrt: bool) -> torch.fx.Node | None:
-    """The one node that normalises `x` by `scale`: `x / scale` with `div_sqrt` (scale a sqrt; the quotient, not a
-    product by its reciprocal), else `x * scale` (either order); None when there is not exactly one."""
-    if div_sqrt:
-        found = [u for u in users_of(scale, aten.div.Tensor) if u.args[:2] == (x, scale)]
-    else:
-        found = [u for u in users_of(scale, aten.mul.Tensor) if other_operand(u, scale) is x]
-    return found[0] if len(found) == 1 else None
 
 
 def _match_weighted_or_unit_norm(part: torch.fx.Node, x_dtype: torch.dtype) -> dict:
