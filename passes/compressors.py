@@ -6,26 +6,36 @@ The anchor is the softmax over the window slots, `amax(G, [2], keepdim)` (on CUD
 match proves, from there, the whole compressor (the projections stay where they are, GEMMs for Inductor):
 
     P      = exp(G - amax(G)) / sum(exp(G - amax(G)), 2)  [.to(kv dtype)]
+             or exp((G - amax(G)) - log(sum(exp(G - amax(G)), 2)))  (exp(log_softmax): the op's `exp_log_softmax`)
     pooled = sum(KVs * P, 2)                                                        [B, W, D]
     normed = (w * (p * rsqrt(mean(p^2, -1) + eps))).to(dtype),  p = pooled.float()   (HF RMSNorm, 1-D weight)
-    out    = cat([n[..., :-R], (r.float() * c2 + rotate_half(r).float() * s2).to(dtype)], -1),  n = normed
-             [unsqueezed], r = n[..., -R:], rotate_half the interleaved (-r[1::2], r[0::2]) pairs, c2 / s2 =
-             cos / sin [B, W, R/2] repeated twice along the last dim (`repeat_interleave(2, -1)`)
+             or p / sqrt(mean(p^2, -1) + eps)                                        (the op's `div_sqrt`)
+    out    = cat([n[..., :-R], rope(r)], -1),  n = normed [unsqueezed], r = n[..., -R:],
+    rope   = (r.float() * c2 + rotate_half(r).float() * s2).to(dtype),  rotate_half the interleaved
+             (-r[1::2], r[0::2]) pairs, c2 / s2 = cos / sin [B, W, R/2] repeated twice along the last dim
+             (`repeat_interleave(2, -1)`)
+
+The RoPE in HF's spelling is proven by its structure; any other part cat'ed back after n[..., :-R] (the even / odd
+halves written out, the official complex product, tables negated or widened otherwise) by what it computes: the two
+latest [B, W, R/2] nodes not derived from r are taken as cos and sin, and the slice from r and them to the part
+must equal `interleaved_rope` on probes (`verify.py`: free tables and tables of angles, two ulps of the dtype; a
+complex product may fuse a multiply-add that the op rounds twice).
 
 and the slot layout of (G, KVs), each from the 4-D windows X = view(chunk, [B, W, m, C]) of a projection (the
 gate's with `+ position_bias [m, C]`):
 
     HCA (no overlap): G, KVs are the windows themselves (C = D).
     CSA (overlap, C = 2D): full([B, W, 2m, D], -inf / 0) with slots [m, 2m) <- X[..., D:] and, when W > 1, slots
-        [0, m) of windows [1, W) <- X[:, :-1, :, :D], as `slice_scatter`s of `copy`s (HF's slice assignments).
+        [0, m) of windows [1, W) <- X[:, :-1, :, :D], as `slice_scatter`s of `copy`s (HF's slice assignments), or
+        the same values by `cat`: cat([cat([full([B, 1, m, D], -inf / 0), X[:, :-1, :, :D]], 1), X[..., D:]], 2).
 
 The weighted sum may be any contraction over the slots (`einsum('bwld,bwld->bwd')`: a bmm, or Inductor's mul + sum
 of it), proven with `dims.py` labels; the bias may be broadcast from [m, C] explicitly; the norm's mean may be
 `sum / D`. A softmax over slots whose weights pool values but whose surroundings differ is reported with the
 reason; other softmaxes over dim 2 are skipped silently. Not fused (reported): window 0's first half taken from
 the cache's overlap state (a step that continues from a cache: a later prefill chunk, the decode step that closes a
-window), a gate without a [m, C] bias, a biased gate rounded to bf16 other than by the sum itself, RoPE in another
-spelling than HF's (the official complex product).
+window), a gate without a [m, C] bias, a biased gate rounded to bf16 other than by the sum itself, a part cat'ed
+back that is not the op's RoPE at two tables the graph holds.
 
 A model cast as a whole (`.to(torch.bfloat16)`, `.half()`) has a bias in the model dtype, so `gate + bias` is rounded
 to that dtype before the fp32 softmax; the op, given that bias, rounds at the same point. Summing in fp32 instead (the
@@ -36,16 +46,19 @@ transformers' dtypes).
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
-import dsfuse.kernels.compressor  # noqa: F401  (registers torch.ops.dsfuse.kv_compress)
+from dsfuse.kernels.compressor import interleaved_rope  # (also registers torch.ops.dsfuse.kv_compress)
 
 from .canonicalize import row_mean
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labels, names
-from .graph_utils import (CONVERT, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype, insert_call,
-                          is_op, is_upcast, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape,
-                          softmax_parts, users_of, walk_back)
+from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
+                          insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
+                          scalar_constant, shape, softmax_parts, users_of, walk_back)
+from .verify import Family, pure_slice, verify
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -129,31 +142,40 @@ def _match(stats: torch.fx.Node) -> dict:
     if len(shape(G)) != 4 or not _dims_are(dims, G, (2,)) or not keepdim:
         raise NoMatch("not a softmax over the slots of 4-D windows", reported=False)
     parts = softmax_parts(G, dim=2)
-    if parts is None or parts["stats"] is not stats:
-        weights = _exp_of_log_softmax(stats, G)
-        if weights is not None:
-            _pooling(weights)  # raises (unreported) where these weights pool no values: not a compressor
-            raise NoMatch("compressor weights are exp(log_softmax(gate)) over the slots, which round otherwise than "
-                          "the op's exp(g - max) / sum: not fused")
+    exp_log_softmax = parts is None or parts["stats"] is not stats
+    weights = _exp_of_log_softmax(stats, G) if exp_log_softmax else parts["probs"]
+    if weights is None:
         raise NoMatch("amax over dim 2 that is not a softmax", reported=False)
-    pooled, kv_slots = _pooling(parts["probs"])
+    pooled, kv_slots = _pooling(weights)
     kv_dtype = dtype(pooled)
     if dtype(G) != torch.float32:
         raise NoMatch(f"compressor softmax over a {dtype(G)} gate, not fp32 (HF: softmax(dtype=float32))")
     norm = _rmsnorm(pooled, kv_dtype)
     rope = _rope(norm["out"], kv_dtype)
     layout = _slots(G, kv_slots)
-    return dict(pooled=pooled, **norm, **rope, **layout)
+    return dict(pooled=pooled, exp_log_softmax=exp_log_softmax, **norm, **rope, **layout)
 
 
 def _exp_of_log_softmax(stats, G):
-    """exp(log_softmax(G, 2)) as decomposed, exp((G - max) - log(sum(exp(G - max), 2))), from its max; else None."""
-    shifted = next((u for u in users_of(stats, aten.sub.Tensor) if u.args == (G, stats)), None)
+    """The weights exp(log_softmax(G, 2)) as decomposed, exp((G - max) - log(sum(exp(G - max), 2, keepdim))), from
+    their max (an amax, or Inductor's online softmax giving the max and the sum); else None. They round otherwise
+    than exp(G - max) / sum: the op's `exp_log_softmax`."""
+    row_max, row_sum = stats, None
+    if stats.target is PREPARE_SOFTMAX_ONLINE:
+        getters = {u.args[1]: u for u in stats.users if u.target is operator.getitem}
+        row_max, row_sum = getters.get(0), getters.get(1)
+    shifted = next((u for u in users_of(row_max, aten.sub.Tensor) if u.args == (G, row_max)), None) \
+        if row_max is not None else None
     for log_sum in users_of(shifted, aten.sub.Tensor) if shifted is not None else ():
         log = log_sum.args[1]
         total = log.args[0] if is_op(log, aten.log.default) else None
-        exps = total.args[0] if is_op(total, aten.sum.dim_IntList) else None
-        if log_sum.args[0] is shifted and is_op(exps, aten.exp.default) and exps.args[0] is shifted:
+        if row_sum is None and is_op(total, aten.sum.dim_IntList) and _dims_are(total.args[1], shifted, (2,)) \
+                and len(total.args) > 2 and total.args[2]:
+            exps = total.args[0]
+            summed = is_op(exps, aten.exp.default) and exps.args[0] is shifted
+        else:
+            summed = row_sum is not None and total is row_sum
+        if log_sum.args[0] is shifted and summed:
             return only_user(log_sum, aten.exp.default)
     return None
 
@@ -246,7 +268,8 @@ def _contracted_pooling(w):
 
 
 def _rmsnorm(pooled, kv_dtype) -> dict:
-    """HF `DeepseekV4RMSNorm` of the pooled entries: (weight * (x * rsqrt(mean(x^2) + eps))).to(dtype)."""
+    """HF `DeepseekV4RMSNorm` of the pooled entries: (weight * (x * rsqrt(mean(x^2) + eps))).to(dtype), or with
+    `x / sqrt(mean(x^2) + eps)` (`div_sqrt`: the quotient rounds otherwise than the product)."""
     miss = "compressor: the pooled entries are not RMS-normalised as HF's DeepseekV4RMSNorm"
     xf = _cast_user(pooled, torch.float32)
     if xf is None:
@@ -258,22 +281,24 @@ def _rmsnorm(pooled, kv_dtype) -> dict:
     if mean is None:
         raise NoMatch(f"{miss} (no mean over the last dim)")
     add = only_user(mean, aten.add.Tensor)
-    rsqrt = only_user(add, aten.rsqrt.default) if add is not None else None
+    root = only_user(add, aten.rsqrt.default, aten.sqrt.default) if add is not None else None
     eps = scalar_arg(add.args[1]) if add is not None else None
-    if rsqrt is None or eps is None:
-        raise NoMatch(f"{miss} (no rsqrt(mean + eps) with a constant eps)")
-    scaled = [u for u in users_of(rsqrt, aten.mul.Tensor) if _other(u, rsqrt) is xf]
-    if len(scaled) != 1 or len(xf.users) != 2:
-        raise NoMatch(f"{miss} (x * rsqrt(...) not found, or x has other readers)")
-    weighted = only_user(scaled[0], aten.mul.Tensor)
-    weight = _other(weighted, scaled[0]) if weighted is not None else None
+    if root is None or eps is None:
+        raise NoMatch(f"{miss} (no rsqrt(mean + eps) or sqrt(mean + eps) with a constant eps)")
+    div_sqrt = is_op(root, aten.sqrt.default)
+    scaled = normalised_by(root, xf, div_sqrt)
+    if scaled is None or len(xf.users) != 2:
+        raise NoMatch(f"{miss} ({'x / sqrt(...)' if div_sqrt else 'x * rsqrt(...)'} not found, or x has other "
+                      "readers)")
+    weighted = only_user(scaled, aten.mul.Tensor)
+    weight = _other(weighted, scaled) if weighted is not None else None
     if not isinstance(weight, torch.fx.Node) or len(shape(weight)) != 1 \
             or not same_size(shape(weight)[0], shape(pooled)[-1]) or dtype(weighted) != torch.float32:
         raise NoMatch(f"{miss} (no fp32 product with a 1-D [D] weight)")
     out = _cast_user(weighted, kv_dtype)
     if out is None:
         raise NoMatch(f"{miss} (the weighted value is not cast back to {kv_dtype})")
-    return dict(norm_weight=weight, eps=eps, out=out)
+    return dict(norm_weight=weight, eps=eps, div_sqrt=div_sqrt, out=out)
 
 
 def _repeated_table(node, rows):
@@ -299,8 +324,10 @@ def _repeated_table(node, rows):
 
 
 def _rope(normed, kv_dtype) -> dict:
-    """HF `apply_rotary_pos_emb` (interleaved, trailing R channels) of the normed entries at the windows' tables."""
-    miss = "compressor: the normed entries are not roped as HF's apply_rotary_pos_emb"
+    """The RoPE of the normed entries' trailing R channels at the windows' tables, cat'ed back after the rest: HF's
+    `apply_rotary_pos_emb` by its structure, any other spelling (even / odd halves written out, the official
+    complex product) by what it computes on probes (`_rotation_by_probes`)."""
+    miss = "compressor: the normed entries are not roped as HF's apply_rotary_pos_emb computes"
     base = normed
     lifted = [u for u in normed.users if is_op(u, aten.unsqueeze.default) and _dim(u, u.args[1]) == 1]
     if len(lifted) == 1 and len(normed.users) == 1:
@@ -315,14 +342,18 @@ def _rope(normed, kv_dtype) -> dict:
         nope = [s for s in slices if s is not rope_part and _is_slice(s, base, last, 0, D - R)]
         if len(nope) != 1:
             raise NoMatch(f"{miss} (no leading [..., :-{R}] part)")
-        found = _rotation(rope_part, kv_dtype, shape(normed)[:2])
-        if found is None:
-            raise NoMatch(f"{miss} (x*cos + rotate_half(x)*sin over interleaved pairs not found)")
-        rotated, cos, sin = found
-        cat = [c for c in users_of(rotated, aten.cat.default) if list(c.args[0]) == [nope[0], rotated]
+        cat = [c for c in users_of(nope[0], aten.cat.default) if len(c.args[0]) == 2 and c.args[0][0] is nope[0]
                and _dim(c, c.args[1] if len(c.args) > 1 else 0) == last]
         if len(cat) != 1:
             raise NoMatch(f"{miss} (the roped part is not cat'ed back after the rest)")
+        rotated = cat[0].args[0][1]
+        found = _rotation(rope_part, kv_dtype, shape(normed)[:2])
+        if found is None or found[0] is not rotated:
+            found = _rotation_by_probes(rope_part, rotated, kv_dtype, shape(normed)[:2])
+        if found is None:
+            raise NoMatch(f"{miss} (the part cat'ed back is not its RoPE over interleaved pairs at two [B, W, R/2] "
+                          "tables: not x*cos + rotate_half(x)*sin on probes)")
+        _, cos, sin = found
         return dict(cos=cos, sin=sin, final=cat[0], lifted=base is not normed)
     raise NoMatch(f"{miss} (no trailing RoPE slice)")
 
@@ -358,6 +389,75 @@ def _rotation(r, kv_dtype, rows):
             if cos is not None and sin is not None and rotated is not None and add.args[0] is cos_mul:
                 return rotated, cos, sin
     return None
+
+
+def _rotation_by_probes(r, rotated, kv_dtype, rows):
+    """(rotated, cos, sin) when `rotated`, computed from `r` and two tables [B, W, R/2] (the latest such nodes not
+    derived from r), equals the op's RoPE of r at those tables on probes (`verify.py`), in one of the two
+    orders; None otherwise."""
+    if dtype(rotated) != kv_dtype or not same_shape(shape(rotated), shape(r)) or not same_size(shape(r)[-1] % 2, 0):
+        return None
+    found = pure_slice([rotated], {r})
+    if found is None or r not in found[1]:
+        return None
+    inside = set(found[0]) | set(found[1])
+    derived, frontier = {r}, [r]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if u in inside and u not in derived]
+        derived.update(frontier)
+    table_shape = (*rows, shape(r)[-1] // 2)
+    candidates = [n for n in inside if n not in derived and dtype(n) in FLOAT_DTYPES
+                  and same_shape(shape(n), table_shape)]
+    above = {n: _ancestors_within(n, inside) for n in candidates}
+    tables = [n for n in candidates if not any(n in above[other] for other in candidates)]
+    if len(tables) != 2:
+        return None
+    family = Family(probes=_rope_probes, reference=lambda probe: interleaved_rope(*_lifted_tables(probe)),
+                    compare=_same_rope)
+    for cos, sin in (tables, tables[::-1]):
+        if verify([rotated], {"rope": r, "cos": cos, "sin": sin}, family).ok:
+            return rotated, cos, sin
+    return None
+
+
+def _ancestors_within(node, inside: set) -> set:
+    found, pending = set(), list(node.all_input_nodes)
+    while pending:
+        ancestor = pending.pop()
+        if ancestor in inside and ancestor not in found:
+            found.add(ancestor)
+            pending.extend(ancestor.all_input_nodes)
+    return found
+
+
+def _rope_probes(shapes: dict, dtypes: dict) -> list:
+    """Tables of unrelated values (a spelling that reads one table for the other, or a table through anything but a
+    product, fails) and tables of angles."""
+    gen = torch.Generator().manual_seed(0)
+    rope = torch.randn(shapes["rope"], generator=gen).to(dtypes["rope"])
+    free = {name: torch.randn(shapes[name], generator=gen).to(dtypes[name]) for name in ("cos", "sin")}
+    angles = torch.rand(shapes["cos"], generator=gen) * 6
+    turns = {"cos": angles.cos().to(dtypes["cos"]), "sin": angles.sin().to(dtypes["sin"])}
+    return [("free tables", {"rope": rope, **free}), ("angles", {"rope": rope, **turns})]
+
+
+def _lifted_tables(probe: dict) -> tuple:
+    """(rope, cos, sin) with the tables unsqueezed at dim 1 where the rope part is lifted to [B, 1, W, R]."""
+    rope, cos, sin = probe["rope"], probe["cos"], probe["sin"]
+    if rope.dim() == 4:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return rope, cos, sin
+
+
+def _same_rope(got: list, want: torch.Tensor, probe: dict) -> str | None:
+    """None when the slice's RoPE is the reference's up to two ulps of its dtype at the largest magnitude (a complex
+    product may fuse a multiply-add where the op rounds both products)."""
+    out = got[0]
+    if not isinstance(out, torch.Tensor) or out.dtype != want.dtype or out.shape != want.shape:
+        return f"the RoPE is not a {want.dtype} tensor of shape {list(want.shape)}"
+    error = (out.float() - want.float()).abs().max().item()
+    budget = 2 * torch.finfo(want.dtype).eps * want.float().abs().max().item()
+    return None if error <= budget else f"differs from x*cos + rotate_half(x)*sin by {error:.3g} (> {budget:.3g})"
 
 
 def _broadcast_source(bias):
@@ -396,10 +496,8 @@ def _slots(G, kv_slots) -> dict:
     narrow = None
     if is_op(G, CONVERT) and dtype(G.args[0]) in (torch.bfloat16, torch.float16):
         G, narrow = G.args[0], dtype(G.args[0])
-    if is_op(G, aten.cat.default) or is_op(kv_slots, aten.cat.default):
-        raise NoMatch(f"compressor slots {describe(G)} are concatenated (torch.cat), not laid out as HF's two "
-                      "overlapping series (slice assignments into full buffers): not fused")
-    if is_op(G, aten.slice_scatter.default) or is_op(kv_slots, aten.slice_scatter.default):
+    if is_op(G, aten.slice_scatter.default, aten.cat.default) or is_op(kv_slots, aten.slice_scatter.default,
+                                                                        aten.cat.default):
         gate_x = _overlap_source(G, float("-inf"), "gate")
         kv_x = _overlap_source(kv_slots, 0.0, "kv")
         overlap = True
@@ -423,6 +521,8 @@ def _slots(G, kv_slots) -> dict:
 def _overlap_source(slots, fill: float, what: str):
     """X of HF's two-series layout `slots` [B, W, 2m, D] (module docstring), proven slice by slice."""
     miss = f"compressor {what} slots are not HF's two overlapping series"
+    if is_op(slots, aten.cat.default):
+        return _concatenated_source(slots, fill, miss)
     if is_op(slots, aten.select_scatter.default):
         raise NoMatch(f"{miss}: window 0's first half is filled from the cache's overlap state (a step that "
                       "continues from a cache), not fused yet")
@@ -462,6 +562,43 @@ def _overlap_source(slots, fill: float, what: str):
     return X
 
 
+def _concatenated_source(slots, fill: float, miss: str):
+    """X of the two series built by `cat` instead of slice assignments (the same values):
+    cat([cat([full([B, 1, m, D], fill), X[:, :-1, :, :D]], 1), X[..., D:]], 2), the previous windows' halves
+    sliced in either order; at one window the previous series may be the full alone."""
+    B, W, L, D = shape(slots)
+    items = slots.args[0]
+    if _dim(slots, slots.args[1] if len(slots.args) > 1 else 0) != 2 or len(items) != 2:
+        raise NoMatch(f"{miss} (a cat of other than the previous and the current series along the slots)")
+    previous, current = items
+    m = shape(current)[2]
+    if not same_size(L, 2 * m) or not same_shape(shape(previous), shape(current)):
+        raise NoMatch(f"{miss} (the concatenated series are not m slots each)")
+    X = current.args[0] if is_op(current, aten.slice.Tensor) else None
+    if X is None or not _is_slice(current, X, 3, D, 2 * D) or not same_shape(shape(X), (B, W, m, 2 * D)) \
+            or dtype(X) != dtype(slots):
+        raise NoMatch(f"{miss} (slots [m, 2m) are not X[..., D:] of windows X [B, W, m, 2D] in the slots' dtype)")
+    pieces = list(previous.args[0]) if is_op(previous, aten.cat.default) \
+        and _dim(previous, previous.args[1] if len(previous.args) > 1 else 0) == 1 else [previous]
+    first, earlier = pieces[0], pieces[1:]
+    if not (is_op(first, aten.full.default) and scalar_constant(first.args[1]) == fill and dtype(first) == dtype(X)
+            and same_shape(shape(first), (B, 1, m, D))):
+        raise NoMatch(f"{miss} (window 0's first half is not full([B, 1, m, D], {fill}))")
+    if not (earlier and len(earlier) == 1 and _first_halves_before_last(earlier[0], X, W, D)) \
+            and not (not earlier and same_size(W, 1)):
+        raise NoMatch(f"{miss} (slots [0, m) of window w are not X[w - 1, :, :, :D])")
+    return X
+
+
+def _first_halves_before_last(node, X, W, D) -> bool:
+    """node = X[:, :W - 1, :, :D], the two slices in either order."""
+    inner = node.args[0] if is_op(node, aten.slice.Tensor) else None
+    if not is_op(inner, aten.slice.Tensor) or inner.args[0] is not X:
+        return False
+    return ((_is_slice(inner, X, 1, 0, W - 1) and _is_slice(node, inner, 3, 0, D))
+            or (_is_slice(inner, X, 3, 0, D) and _is_slice(node, inner, 1, 0, W - 1)))
+
+
 def _scatter_at(node, dim: int, start, end) -> bool:
     args = list(node.args[2:]) + [None] * (4 - len(node.args[2:]))
     scatter_dim, scatter_start, scatter_end, step = args[:4]
@@ -490,12 +627,13 @@ def _copied(value, base_ok, dim: int, start, end):
 def _rewrite(graph: torch.fx.Graph, stats: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     final = m["final"]
     args = (m["kv"], m["gate"], m["position_bias"], m["norm_weight"], m["cos"], m["sin"], float(m["eps"]),
-            bool(m["overlap"]))
+            bool(m["overlap"]), bool(m["div_sqrt"]), bool(m["exp_log_softmax"]))
     call = insert_call(graph, final, torch.ops.dsfuse.kv_compress.default, args)
     out = insert_call(graph, final, aten.unsqueeze.default, (call, 1)) if m["lifted"] else call
     final.replace_all_uses_with(out)
     B, W, m_slots, C = shape(m["kv"])
     D = shape(m["norm_weight"])[0]
     kind = "two overlapping series" if m["overlap"] else "one series"
+    roundings = "".join(f" {name}" for name in ("exp_log_softmax", "div_sqrt") if m[name])
     ctx.site(stats, "dsfuse.kv_compress", [m["kv"], m["gate"]],
-             f"m={m_slots} D={D} R={2 * shape(m['cos'])[-1]}, {kind}", call=call)
+             f"m={m_slots} D={D} R={2 * shape(m['cos'])[-1]}{roundings}, {kind}", call=call)

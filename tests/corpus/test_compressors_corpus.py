@@ -145,6 +145,22 @@ def _bias_before_windows(kv, gate, bias):
     return kv[:, :W * M].view(B, W, M, -1), (gate[:, :W * M] + bias.repeat(W, 1)).view(B, W, M, -1)
 
 
+def _concatenated_series(kv, gate, bias):
+    """The official code's two overlapping series built by `cat` (window w - 1's first half, then window w's second
+    half; -inf gates and zero values before the first window) instead of HF's slice assignments."""
+    chunk_kv, chunk_gate = _windows(kv, gate, bias)
+    first_kv, first_gate = chunk_kv.new_zeros(B, 1, M, D), chunk_gate.new_full((B, 1, M, D), float("-inf"))
+    series_kv = torch.cat([torch.cat([first_kv, chunk_kv[:, :-1, :, :D]], dim=1), chunk_kv[..., D:]], dim=2)
+    series_gate = torch.cat([torch.cat([first_gate, chunk_gate[:, :-1, :, :D]], dim=1), chunk_gate[..., D:]], dim=2)
+    return series_kv, series_gate
+
+
+def _divided_norm(pooled, weight):
+    """The norm spelled `x / sqrt(mean(x^2) + eps)`: a quotient, rounded otherwise than the rsqrt product."""
+    x = pooled.float()
+    return (weight * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + EPS))).to(pooled.dtype)
+
+
 def _sum_over_width_norm(pooled, weight):
     """The mean spelled `sum(x * x) / D`."""
     x = pooled.float()
@@ -172,6 +188,23 @@ def _complex_rope(normed, cos, sin):
     return torch.cat([normed[..., :-R], rotated], dim=-1)
 
 
+def _written_out_pairs_rope(normed, cos, sin):
+    """RoPE of the even / odd channels written out in fp32 and interleaved back with `stack`."""
+    rope = normed[..., -R:]
+    even, odd, c, s = rope[..., 0::2].float(), rope[..., 1::2].float(), cos.float(), sin.float()
+    turned = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    return torch.cat([normed[..., :-R], turned.to(normed.dtype)], dim=-1)
+
+
+def _backwards_rope(normed, cos, sin):
+    """The pairs turned by -angle (`even*c + odd*s`, `odd*c - even*s`): the op's RoPE at the tables (cos, -sin), but
+    no node holds -sin; the tables the graph holds give another rotation."""
+    rope = normed[..., -R:]
+    even, odd, c, s = rope[..., 0::2].float(), rope[..., 1::2].float(), cos.float(), sin.float()
+    turned = torch.stack((even * c + odd * s, odd * c - even * s), dim=-1).flatten(-2)
+    return torch.cat([normed[..., :-R], turned.to(normed.dtype)], dim=-1)
+
+
 def slot_attention(q, k, v):
     """A softmax over dim 2 of a 4-D tensor that is attention over keys, not a compressor."""
     return torch.matmul(torch.softmax(torch.matmul(q, k.transpose(-1, -2)), dim=2), v)
@@ -189,12 +222,13 @@ def _module_inputs(seq=S):
     return hidden, q_residual, torch.arange(seq).expand(B, seq)
 
 
-def _projections(dtype=torch.float32):
+def _projections(dtype=torch.float32, width=D):
+    """kv and gate [B, S, width] (2D for two series), the bias [M, width], the weight and the tables."""
     def make():
         g = _gen(4)
-        kv = torch.randn(B, S, D, generator=g).to(dtype)
-        gate = torch.randn(B, S, D, generator=g).to(dtype)
-        bias, weight = torch.randn(M, D, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
+        kv = torch.randn(B, S, width, generator=g).to(dtype)
+        gate = torch.randn(B, S, width, generator=g).to(dtype)
+        bias, weight = torch.randn(M, width, generator=g), 1 + 0.1 * torch.randn(D, generator=g)
         angles = torch.rand(B, W, R // 2, generator=g) * 3
         return kv, gate, bias, weight, angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -221,10 +255,9 @@ BF16_GATE = ("compressor gate convert_element_type:bfloat16[2x4x4x16] is the tor
              "bias)")
 FP32_PRODUCTS = ("softmax-pooled values view:bfloat16[2x4x4x16] are not multiplied by the weights cast to their dtype "
                  "(HF: softmax(...).to(kv.dtype))")
-NOT_HF_ROPE = ("compressor: the normed entries are not roped as HF's apply_rotary_pos_emb (x*cos + rotate_half(x)*sin "
-               "over interleaved pairs not found)")
-LOG_SOFTMAX = ("compressor weights are exp(log_softmax(gate)) over the slots, which round otherwise than the op's "
-               "exp(g - max) / sum: not fused")
+NOT_ITS_ROPE = ("compressor: the normed entries are not roped as HF's apply_rotary_pos_emb computes (the part cat'ed "
+                "back is not its RoPE over interleaved pairs at two [B, W, R/2] tables: not x*cos + rotate_half(x)*sin "
+                "on probes)")
 NO_WINDOW_BIAS = "compressor gate view_1:float32[2x4x4x16] has no [m, C] position bias added to its windows"
 
 CORPUS = {
@@ -243,7 +276,16 @@ CORPUS = {
                                       "Inductor's widened mul + sum on the CPU)", _projections(torch.bfloat16),
                                       REWRITTEN, (ONE,)),
     "log_softmax_weights": Entry(_compress(pool=_log_softmax_pool), "written for the corpus (exp of log_softmax)",
-                                 _projections(), NEAR_MISS, reason=LOG_SOFTMAX),
+                                 _projections(), REWRITTEN, (ONE,)),
+    "log_softmax_weights_bf16": Entry(_compress(pool=_log_softmax_pool), "written for the corpus (exp of "
+                                      "log_softmax, bf16)", _projections(torch.bfloat16), REWRITTEN, (ONE,)),
+    "concatenated_series": Entry(_compress(windows=_concatenated_series), "DeepSeek V4 inference Compressor "
+                                 "(two series by cat)", _projections(width=2 * D), REWRITTEN, (TWO,)),
+    "concatenated_series_bf16": Entry(_compress(windows=_concatenated_series), "DeepSeek V4 inference Compressor "
+                                      "(two series by cat, bf16)", _projections(torch.bfloat16, 2 * D), REWRITTEN,
+                                      (TWO,)),
+    "divided_norm": Entry(_compress(norm=_divided_norm), "written for the corpus (x / sqrt(mean + eps))",
+                          _projections(), REWRITTEN, (ONE,)),
     "broadcast_bias": Entry(_compress(windows=_broadcast_bias), "written for the corpus (bias[None, None])",
                             _projections(), REWRITTEN, (ONE,)),
     "sum_over_width_norm": Entry(_compress(norm=_sum_over_width_norm), "written for the corpus (sum(x * x) / D)",
@@ -253,7 +295,13 @@ CORPUS = {
     "expanded_tables_rope": Entry(_compress(rope=_expanded_tables_rope), "written for the corpus (expand tables)",
                                   _projections(), REWRITTEN, (ONE,)),
     "complex_rope": Entry(_compress(rope=_complex_rope), "DeepSeek V4 inference apply_rotary_emb (complex)",
-                          _projections(), NEAR_MISS, reason=NOT_HF_ROPE),
+                          _projections(), REWRITTEN, (ONE,)),
+    "complex_rope_bf16": Entry(_compress(rope=_complex_rope), "DeepSeek V4 inference apply_rotary_emb (complex, "
+                               "bf16)", _projections(torch.bfloat16), REWRITTEN, (ONE,)),
+    "written_out_pairs_rope": Entry(_compress(rope=_written_out_pairs_rope), "written for the corpus (even / odd "
+                                    "pairs in fp32, stacked back)", _projections(), REWRITTEN, (ONE,)),
+    "backwards_rope": Entry(_compress(rope=_backwards_rope), "written for the corpus (the inverse rotation)",
+                            _projections(), NEAR_MISS, reason=NOT_ITS_ROPE),
     "bias_before_windows": Entry(_compress(windows=_bias_before_windows), "written for the corpus (bias.repeat)",
                                  _projections(), NEAR_MISS, reason=NO_WINDOW_BIAS),
     "weights_not_cast_back": Entry(_compress(pool=_weights_not_cast_back), "written for the corpus (fp32 products)",

@@ -47,18 +47,45 @@ def test_v4_tiny_bf16_with_every_family():
 # Small graphs: HCA's compressor written with HF's code, and near-misses
 # --------------------------------------------------------------------------------------------
 def _hca(kv, gate, bias, weight, cos, sin, m, form="hf"):
-    """`DeepseekV4HCACompressor.forward`'s math on given projections (cache None); `form` breaks one part."""
+    """`DeepseekV4HCACompressor.forward`'s math on given projections (cache None); `form` respells or breaks one
+    part."""
     B, S, D = kv.shape
     W = S // m
     chunk_kv = kv[:, :W * m].view(B, W, m, -1)
     chunk_gate = gate[:, :W * m].view(B, W, m, -1) + (bias if form != "no_bias" else 0.0)
-    pooled = (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
+    if form == "exp_log_softmax":
+        weights = torch.exp(torch.log_softmax(chunk_gate.float(), dim=2))
+    else:
+        weights = chunk_gate.softmax(dim=2, dtype=torch.float32)
+    pooled = (chunk_kv * weights.to(chunk_kv.dtype)).sum(dim=2)
     if form == "no_norm":
         return pooled * 2
     x = pooled.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    if form == "div_sqrt":
+        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    else:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
     normed = (weight * x).to(pooled.dtype)
+    if form in SPELLED_ROPES:
+        return torch.cat([normed[..., :-8], SPELLED_ROPES[form](normed[..., -8:], cos[:, :W], sin[:, :W])], dim=-1)
     return apply_rotary_pos_emb(normed.unsqueeze(1), cos[:, :W], sin[:, :W]).squeeze(1)
+
+
+def _complex_rope(rope, cos, sin):
+    pairs = torch.view_as_complex(rope.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * torch.complex(cos.float(), sin.float())).flatten(-2).to(rope.dtype)
+
+
+def _pairs_rope(rope, cos, sin, odd_sign=1.0):
+    """The even / odd channels turned by the angle in fp32; odd_sign -1 turns the odd ones by minus it, which is no
+    rotation: no pair of tables gives it."""
+    even, odd, c, s = rope[..., 0::2].float(), rope[..., 1::2].float(), cos.float(), sin.float()
+    return torch.stack((even * c - odd * s, odd * c + odd_sign * even * s), dim=-1).flatten(-2).to(rope.dtype)
+
+
+SPELLED_ROPES = {"complex_rope": _complex_rope, "pairs_rope": _pairs_rope,
+                 "backwards_rope": lambda rope, cos, sin: _pairs_rope(rope, cos, -sin),
+                 "not_a_rotation": lambda rope, cos, sin: _pairs_rope(rope, cos, sin, odd_sign=-1.0)}
 
 
 def _small_inputs(S=19, m=4, D=16, R=8):
@@ -78,6 +105,7 @@ def test_hf_code_on_given_projections_is_rewritten():
 @pytest.mark.parametrize("form, reason", [
     ("no_norm", "the pooled entries are not RMS-normalised as HF's DeepseekV4RMSNorm"),
     ("no_bias", "has no [m, C] position bias added to its windows"),
+    ("not_a_rotation", "not x*cos + rotate_half(x)*sin on probes"),
 ])
 def test_near_misses_say_why(form, reason):
     args = _small_inputs()
@@ -87,3 +115,70 @@ def test_near_misses_say_why(form, reason):
     assert [miss.reason for miss in rep.near_misses if miss.pass_name == "compressors"] and all(
         reason in miss.reason for miss in rep.near_misses if miss.pass_name == "compressors"), str(rep)
     torch.testing.assert_close(out, _hca(*args, m=4, form=form), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("form, detail", [
+    ("exp_log_softmax", "m=4 D=16 R=8 exp_log_softmax, one series"),
+    ("div_sqrt", "m=4 D=16 R=8 div_sqrt, one series"),
+    ("complex_rope", "m=4 D=16 R=8, one series"),
+    ("pairs_rope", "m=4 D=16 R=8, one series"),
+    ("backwards_rope", "m=4 D=16 R=8, one series"),
+])
+def test_respelled_parts_are_rewritten_with_parity(form, detail, dtype):
+    """Spellings that compute the same compressor: one site each. The roundings of their own (`exp(log_softmax)`,
+    `x / sqrt`) are the op's flags, so eager's result comes back bit for bit; the RoPEs, proven on probes, are the
+    op's RoPE within an ulp (turned backwards by a negated sin: the op reads -sin as its table)."""
+    args = [t.to(dtype) if i < 2 else t for i, t in enumerate(_small_inputs())]
+    out = torch.compile(lambda *a: _hca(*a, m=4, form=form), backend="dsfuse")(*args)
+    assert _details(dsfuse.report()) == [detail], str(dsfuse.report())
+    want = _hca(*args, m=4, form=form)
+    if form in SPELLED_ROPES:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(out, want)
+
+
+def _csa_by_cat(kv, gate, bias, weight, cos, sin, m, previous=-1):
+    """CSA's compressor with its two overlapping series built by `cat` (the official code's layout): slots [0, m)
+    of window w from window w + `previous` (-1: the compressor; +1: not one)."""
+    B, S, C = kv.shape
+    D, W = C // 2, S // m
+    chunk_kv = kv[:, :W * m].view(B, W, m, C)
+    chunk_gate = gate[:, :W * m].view(B, W, m, C) + bias
+    empty_kv, empty_gate = chunk_kv.new_zeros(B, 1, m, D), chunk_gate.new_full((B, 1, m, D), float("-inf"))
+    earlier = slice(None, -1) if previous == -1 else slice(1, None)
+    series_kv = torch.cat([torch.cat([empty_kv, chunk_kv[:, earlier, :, :D]], dim=1), chunk_kv[..., D:]], dim=2)
+    series_gate = torch.cat([torch.cat([empty_gate, chunk_gate[:, earlier, :, :D]], dim=1), chunk_gate[..., D:]],
+                            dim=2)
+    pooled = (series_kv * series_gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
+    x = pooled.float()
+    normed = (weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))).to(kv.dtype)
+    return apply_rotary_pos_emb(normed.unsqueeze(1), cos[:, :W], sin[:, :W]).squeeze(1)
+
+
+@pytest.mark.parametrize("S", [4, 5, 13])
+def test_two_series_by_cat_are_rewritten(S):
+    """One window (its previous series the -inf / zero fill alone) and three windows: one two-series site, the
+    slice-assignment layout's result."""
+    kv, gate, _, weight, cos, sin = _small_inputs(S=S)
+    g = torch.Generator().manual_seed(1)
+    kv, gate, bias = torch.randn(2, S, 32, generator=g), torch.randn(2, S, 32, generator=g), torch.randn(4, 32)
+    out = torch.compile(lambda *a: _csa_by_cat(*a, m=4), backend="dsfuse")(kv, gate, bias, weight, cos, sin)
+    assert _details(dsfuse.report()) == ["m=4 D=16 R=8, two overlapping series"], str(dsfuse.report())
+    torch.testing.assert_close(out, _csa_by_cat(kv, gate, bias, weight, cos, sin, m=4), rtol=1e-5, atol=1e-5)
+
+
+def test_two_series_by_cat_from_the_next_window_are_reported():
+    """Slots [0, m) taken from window w + 1: another layout, reported with the slot it breaks."""
+    _, _, _, weight, cos, sin = _small_inputs(S=13)
+    g = torch.Generator().manual_seed(1)
+    kv, gate, bias = torch.randn(2, 13, 32, generator=g), torch.randn(2, 13, 32, generator=g), torch.randn(4, 32)
+    out = torch.compile(lambda *a: _csa_by_cat(*a, m=4, previous=1), backend="dsfuse")(kv, gate, bias, weight, cos,
+                                                                                         sin)
+    rep = dsfuse.report()
+    reasons = [m.reason for m in rep.near_misses if m.pass_name == "compressors"]
+    assert rep.counts["compressors"] == 0 and reasons == ["compressor gate slots are not HF's two overlapping series "
+                                                          "(slots [0, m) of window w are not X[w - 1, :, :, :D])"], rep
+    torch.testing.assert_close(out, _csa_by_cat(kv, gate, bias, weight, cos, sin, m=4, previous=1), rtol=1e-5,
+                               atol=1e-5)
