@@ -175,3 +175,50 @@ def test_rope_wider_than_head_raises():
     args[4] = args[5] = torch.ones(1, 2, 6)
     with pytest.raises(ValueError, match="RoPE width 12"):
         torch.ops.dsfuse.kv_compress(*args, 1e-6, True)
+
+
+_PTX_PROBE = r"""
+import json, re, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from dsfuse.kernels import compressor as ck
+from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS
+
+found = {}
+for label, flags in json.loads(sys.argv[1]):
+    kernel = ck._kv_compress_kernel
+    consts = {"GATE_DT": tl.float32, "OVERLAP": True, "BLOCK_L": 8, "BLOCK_D": 512, "ACCURATE_EXP": True,
+              "KV_RNE": False, "GATE_RNE": False, **flags}
+    sig = {n: "constexpr" if n in consts else "*fp32" if n in ("gate_ptr", "bias_ptr", "weight_ptr") else
+           "*bf16" if n.endswith("_ptr") else "fp32" if n == "eps" else "i32" for n in kernel.arg_names}
+    src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, **COMPILE_OPTIONS}).asm["ptx"]
+    found[label] = sorted(set(re.findall(r"\b(?:div|sqrt|rsqrt)\.[a-z0-9.]*f32\b", ptx)))
+print(json.dumps(found))
+"""
+
+
+def test_sm90_ptx_divides_by_an_ieee_sqrt_with_div_sqrt():
+    """Compiled offline for sm_90 (no GPU) with the shipped options: DIV_SQRT normalises by an IEEE square root and
+    quotient (`sqrt.rn`, `div.rn`), as torch's `x / sqrt(..)`, and takes no reciprocal square root; the default
+    takes `rsqrt` and no IEEE sqrt (this half shows the check can fail)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this triton build has no NVIDIA backend")
+    configs = [["default", {"DIV_SQRT": False, "EXP_LOG_SOFTMAX": False}],
+               ["div_sqrt", {"DIV_SQRT": True, "EXP_LOG_SOFTMAX": True}]]
+    done = subprocess.run([sys.executable, "-c", _PTX_PROBE, json.dumps(configs)],
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, check=False, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"sqrt.rn.f32", "div.rn.f32"} <= set(found["div_sqrt"]), found
+    assert not [op for op in found["div_sqrt"] if op.startswith("rsqrt") or op.startswith("sqrt.approx")], found
+    assert any(op.startswith("rsqrt") for op in found["default"]) and "sqrt.rn.f32" not in found["default"], found
