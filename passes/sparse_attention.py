@@ -45,8 +45,8 @@ from . import sparse_attention_v4
 from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
-from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, VIEW_OPS, WHERE_OPS, aten,
-                          attention_softmax, broadcasts_to, dtype, fill_value, insert_call, is_last_dim,
+from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, PREPARE_SOFTMAX_ONLINE,
+                          VIEW_OPS, WHERE_OPS, aten, attention_softmax, broadcasts_to, dtype, fill_value, insert_call, is_last_dim,
                           is_last_dim_cat, is_neg_inf, is_op, masking_bias, node_arg, only_user, reaches_back,
                           same_shape, same_size, scalar_constant, scale_factor, scaled_input, shape, size_arg, strip,
                           val, walk_back, walk_forward)
@@ -171,11 +171,24 @@ def _used_as_keys_and_values(rows: torch.fx.Node) -> bool:
     return sum(pos >= 0 for _, pos, _ in _bmms_using(rows)) >= 2
 
 
+def _softmax_reduction(node: torch.fx.Node) -> bool:
+    """A softmax's row statistic: its max, its log-sum-exp, the op itself, Inductor's online (max, sum), or a sum of
+    exponentials. An exponential alone is not one: SiLU's `x / (1 + exp(-x))` between an expert's GEMMs has one."""
+    if is_op(node, aten.amax.default, aten._softmax.default, aten.logsumexp.default, PREPARE_SOFTMAX_ONLINE):
+        return True
+    if node.op == "call_function" and node.target is operator.getitem:
+        return is_op(node.args[0], PREPARE_SOFTMAX_ONLINE)
+    return is_op(node, aten.sum.dim_IntList) and reaches_back(
+        node.args[0], lambda n: is_op(n, aten.exp.default), _elementwise, SIGNATURE_DEPTH)
+
+
 def _feeds_attention(anchor: torch.fx.Node) -> bool:
     """Whether the selection reaches an attention: a mask reaches a softmax's normaliser or a fused SDPA op through
     elementwise and layout ops; gathered rows, through layout ops and casts only, are an operand of a product that
-    is either P @ V (its other operand an exponential's quotient) or the scores (normalised after it). A mask that
-    becomes one part of a key concatenation is DeepSeek V4's form, `sparse_attention_v4`'s to match or report."""
+    is either P @ V (its other operand an exponential over a softmax statistic) or the scores (a softmax statistic
+    read after it). Expert weights gathered by the routing feed products too, between which SiLU's exponential sits
+    but no softmax statistic. A mask that becomes one part of a key concatenation is DeepSeek V4's form,
+    `sparse_attention_v4`'s to match or report."""
     if anchor.target in MASK_ANCHORS:
         if _reaches(anchor, lambda user, _: is_last_dim_cat(user), _elementwise):
             return False
@@ -190,8 +203,9 @@ def _feeds_attention(anchor: torch.fx.Node) -> bool:
         if not is_op(user, *PRODUCTS):
             return False
         other = user.args[0] if user.args[1] is operand else user.args[1]
-        normalised = reaches_back(other, lambda n: is_op(n, aten.exp.default), _elementwise, SIGNATURE_DEPTH)
-        return normalised or _reaches(user, lambda u, _: is_op(u, *NORMALISERS), _elementwise)
+        normalised = reaches_back(other, lambda n: is_op(n, aten.exp.default), _elementwise, SIGNATURE_DEPTH) \
+            and reaches_back(other, _softmax_reduction, _elementwise, SIGNATURE_DEPTH)
+        return normalised or _reaches(user, lambda u, _: _softmax_reduction(u), _elementwise)
 
     return _reaches(anchor, attention_product, direct)
 

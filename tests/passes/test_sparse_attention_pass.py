@@ -264,6 +264,32 @@ def test_dense_attention_and_unrelated_scatter_are_left_alone_silently():
     assert rep.counts["sparse_attention"] == 0 and rep.near_misses == [], str(rep)
 
 
+@pytest.mark.parametrize("silu", [F.silu, lambda x: x / (1 + torch.exp(-x)), lambda x: x * torch.sigmoid(x)],
+                         ids=["F.silu", "x/(1+exp(-x))", "x*sigmoid(x)"])
+def test_expert_weights_gathered_by_the_routing_are_not_an_attention(silu):
+    """A decode step's experts as transformers' batched form writes them: each slot's weights gathered by the router's
+    ids, a SiLU between the gate and the down products, the slots weighted and summed. The products read gathered
+    rows and an exponential sits between them (CUDA's decomposition of SiLU), but no softmax statistic: silent."""
+    experts, hidden, inter, top_k = 6, 16, 8, 2
+    gen = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    down = torch.randn(experts, hidden, inter, generator=gen)
+
+    def step(x, logits):
+        weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+        flat = ids.reshape(-1)
+        rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)
+        gate, up = torch.bmm(gate_up[flat], rows).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(down[flat], (silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (out.view(-1, top_k, hidden) * weights.unsqueeze(-1)).sum(1)
+
+    x, logits = torch.randn(1, hidden, generator=gen), torch.randn(1, experts, generator=gen)
+    with torch.no_grad():
+        got = _compile(step)(x, logits)
+    torch.testing.assert_close(got, step(x, logits))
+    assert _sites() == [] and _misses() == [], str(dsfuse.report())
+
+
 def test_dynamic_sequence_length_does_not_recompile_per_length():
     fn = _compile(hf_eager)
     with torch.no_grad():
