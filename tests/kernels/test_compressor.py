@@ -159,7 +159,7 @@ def test_opcheck(overlap):
     (lambda a: a.__setitem__(2, a[2][:-1]), "position_bias must be"),
     (lambda a: a.__setitem__(3, a[3][:-1]), "norm_weight must be"),
     (lambda a: a.__setitem__(4, a[4][:, :-1]), "cos and sin"),
-    (lambda a: a.__setitem__(4, torch.ones(2, 3, 9)), "cos and sin"),
+    (lambda a: a.__setitem__(4, torch.ones(2, 3, 9, device=DEVICE)), "cos and sin"),
     (lambda a: a.__setitem__(0, a[0].long()), "must be bf16, fp16 or fp32"),
     (lambda a: a.__setitem__(0, a[0][0]), "kv must be"),
 ])
@@ -172,7 +172,7 @@ def test_bad_inputs_raise(change, message):
 
 def test_rope_wider_than_head_raises():
     args = _inputs(1, 2, 4, 8, 8, True, torch.float32)
-    args[4] = args[5] = torch.ones(1, 2, 6)
+    args[4] = args[5] = torch.ones(1, 2, 6, device=DEVICE)
     with pytest.raises(ValueError, match="RoPE width 12"):
         torch.ops.dsfuse.kv_compress(*args, 1e-6, True)
 
