@@ -23,8 +23,9 @@ where scale[i] is `scale.unbind(0)[i]` or `scale[i]`, the chain of steps is walk
 unrolled in the graph: any iteration count), and it must alternate column, row, ..., column with the same eps, as
 HF's loop does. The collapse, `post` and `comb` are replaced by the outputs of one `hc_collapse` call (the casts and
 views of an fp32 copy of the streams made after post or comb moved before it; a collapse its reader views with the
-token dims merged viewed so). Streams only read flattened `[*, n*D]` and Sinkhorn steps written as products with
-`1 / (sum + eps)` are reported: the ops take the streams as [*, n, D] and divide.
+token dims merged viewed so). Streams the graph holds only flattened `[*, n*D]` (their [*, n, D] view folded into
+the bmm's) are followed from the flat tensor, one dim carrying both atoms, and the ops read a view of it. Sinkhorn
+steps written as products with `1 / (sum + eps)` are reported: the op divides.
 
 Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + comb.to(dtype)^T @ residual`, the mix a bmm
 (`matmul`, `einsum`, `.mT`) or a broadcast sum of fp32 products (`hc_post`), its dims followed through layout ops,
@@ -197,8 +198,23 @@ def _lead_names(rank: int) -> list[str]:
     return [f"t{i}" for i in range(rank)]
 
 
-def _names_without(labels, dim: int):
-    return [n for i, n in enumerate(names(labels)) if i != dim]
+def _is_flat_streams(node, streams_shape) -> bool:
+    """Whether `node` holds streams of `streams_shape` [*, n, D] flattened as [*, n*D] (static n and D)."""
+    hc, hidden = streams_shape[-2:]
+    return isinstance(hc, int) and isinstance(hidden, int) and len(shape(node)) == len(streams_shape) - 1 \
+        and same_shape(shape(node), tuple(streams_shape[:-2]) + (hc * hidden,))
+
+
+def _stream_labels(node, streams_shape, stream: str, column: str):
+    """Labels of streams of `streams_shape` [*, n, D] as `node` holds them: [*, n, D], or flattened [*, n*D] (one
+    dim carrying both atoms, which a view back to [*, n, D] splits), else None."""
+    lead = _lead_names(len(streams_shape) - 2)
+    if same_shape(shape(node), streams_shape):
+        return leaf_labels(node, lead + [stream, column])
+    if not _is_flat_streams(node, streams_shape):
+        return None
+    hc, hidden = streams_shape[-2:]
+    return leaf_labels(node, lead + [stream])[:-1] + [((stream, hc), (column, hidden))]
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,7 +254,7 @@ def _sum_collapse(total: torch.fx.Node) -> tuple:
         raise NoMatch("a sum of sigmoid-weighted values broadcast over the streams", reported=False)
     if dtype(prod) != torch.float32:
         raise NoMatch(f"hyper-connection collapse: pre * x is computed in {dtype(prod)}, HF's products are fp32")
-    return _pre_source(factor), x, total
+    return _pre_source(factor), x, total, shape(x)
 
 
 def _bmm_collapse(bmm: torch.fx.Node) -> tuple:
@@ -249,26 +265,31 @@ def _bmm_collapse(bmm: torch.fx.Node) -> tuple:
         raise NoMatch("no sigmoid weights", reported=False)
     x, x_ops = _nearest(bmm.args[1], lambda n: len(shape(n)) == len(shape(pre)) + 1
                         and same_shape(shape(n)[:-1], shape(pre)))
-    rank = len(shape(x))
+    streams_shape = shape(x)
+    if len(shape(x)) == len(shape(pre)) and same_shape(shape(x)[:-1], shape(pre)[:-1]) \
+            and isinstance(shape(x)[-1], int) and isinstance(shape(pre)[-1], int) \
+            and shape(x)[-1] % shape(pre)[-1] == 0:
+        streams_shape = tuple(shape(pre)) + (shape(x)[-1] // shape(pre)[-1],)  # held flattened [*, n*D]
+    rank = len(streams_shape)
     if rank < 3 or len(shape(pre)) != rank - 1 or dtype(bmm) != torch.float32:
         if dtype(bmm) == torch.float32 and _affine(_sigmoid_arg(_add_const(pre)[0])) is not None:
             raise NoMatch(f"hyper-connection collapse: sigmoid(w * scale + base) + eps weights contract streams "
-                          f"never held as [*, n, D] (read from {list(shape(x))}); the op takes them so")
+                          f"held neither as [*, n, D] nor as [*, n*D] (read from {list(shape(x))})")
         raise NoMatch("a bmm of sigmoid weights that is not an fp32 collapse of streams", reported=False)
     lead = _lead_names(rank - 2)
-    x_labels = leaf_labels(x, lead + ["j", "d"])
+    x_labels = _stream_labels(x, streams_shape, "j", "d")
     a, b = _follow(leaf_labels(pre, lead + ["j"]), pre_ops), _follow(x_labels, x_ops)
     labels = _bmm_labels(a, b)
     if labels is None or names([contracted(a, b)]) != [("j",)]:
         raise NoMatch("a bmm of sigmoid weights that does not contract the streams", reported=False)
-    expected, node, result_labels = _names_without(x_labels, rank - 2), bmm, labels
+    expected, node, result_labels = names(x_labels)[:rank - 2] + [("d",)], bmm, labels
     while names(labels) != expected or len(shape(node)) != rank - 1:
         user = only_user(node, *LAYOUT_OPS)
         labels = apply_op(labels, user) if user is not None else None
         if labels is None:
-            return pre, x, _flat_collapse(bmm, result_labels, expected)
+            return pre, x, _flat_collapse(bmm, result_labels, expected), streams_shape
         node = user
-    return pre, x, node
+    return pre, x, node, streams_shape
 
 
 def _flat_collapse(bmm, labels, expected):
@@ -283,10 +304,13 @@ def _flat_collapse(bmm, labels, expected):
 
 
 def _match_collapse(anchor: torch.fx.Node) -> dict:
-    pre, x, total = (_bmm_collapse if is_op(anchor, aten.bmm.default) else _sum_collapse)(anchor)
-    hc, hidden = shape(x)[-2], shape(x)[-1]
+    pre, x, total, streams_shape = (_bmm_collapse if is_op(anchor, aten.bmm.default) else _sum_collapse)(anchor)
+    hc, hidden = streams_shape[-2], streams_shape[-1]
     if not isinstance(hc, int) or not isinstance(hidden, int):
         raise NoMatch(f"hyper-connection collapse: stream count {hc} / hidden {hidden} not static")
+    if not same_shape(shape(x), streams_shape) and not all(isinstance(size, int) for size in streams_shape):
+        raise NoMatch(f"hyper-connection collapse: streams held only flattened as {list(shape(x))}, a view to "
+                      "[*, n, D] the pass builds for static shapes only")
     sig_arg, hc_eps = _add_const(pre)
     found = _affine(_sigmoid_arg(sig_arg))
     if found is None:
@@ -295,8 +319,9 @@ def _match_collapse(anchor: torch.fx.Node) -> dict:
     piece = piece_of(w)
     head = piece is None
     mixes = w if head else _mixes_of_pieces(piece, hc)
-    norm = _match_projection(mixes, x, hc, hidden, head)
-    m = dict(x=x, hc=hc, hidden=hidden, hc_eps=hc_eps, head=head, norm_eps=norm["eps"], fn=norm["fn"], total=total)
+    norm = _match_projection(mixes, x, streams_shape, head)
+    m = dict(x=x, streams_shape=streams_shape, hc=hc, hidden=hidden, hc_eps=hc_eps, head=head, norm_eps=norm["eps"],
+             fn=norm["fn"], total=total)
     if head:
         m.update(scale=_param(scale_node, (1,), "scale"), base=_param(base_node, (hc,), "base"))
     else:
@@ -372,11 +397,12 @@ def _row_mean_input(mean):
     return None
 
 
-def _match_projection(mixes, x, hc, hidden, head) -> dict:
+def _match_projection(mixes, x, streams_shape, head) -> dict:
     """mixes = fn-projection of the unweighted RMSNorm of the flattened streams: `mm(view(rmsnorm(flat)), fn^T)`
     (F.linear), any bmm / einsum spelling of that contraction, or the norm's rsqrt applied after the projection
     (`F.linear(flat, fn) * rsqrt`, the official code; the kernel scales after its dot as well). Returns fn and the
-    norm's eps."""
+    norm's eps. x holds the streams of `streams_shape` [*, n, D], possibly flattened."""
+    hc, hidden = streams_shape[-2:]
     rows = hc if head else (2 + hc) * hc
     chain = walk_back(mixes, lambda n: is_op(n, *LAYOUT_OPS))
     rsqrt_after = None
@@ -394,11 +420,11 @@ def _match_projection(mixes, x, hc, hidden, head) -> dict:
     lhs_chain = walk_back(operands[0], lambda n: is_op(n, *LAYOUT_OPS))
     a, lhs_ops = lhs_chain[0], lhs_chain[1:]
     fn_leaf, fn_ops = layout_chain(operands[1])
-    tokens = len(shape(x)) - 2
+    tokens = len(streams_shape) - 2
     fn_labels = [(("r", rows),), (("n", hc), ("c", hidden))] if len(shape(fn_leaf)) == 2 else None
     labels = _bmm_labels(_follow(_flat_labels(a, tokens, hc, hidden), lhs_ops), _follow(fn_labels, fn_ops))
     labels = _follow(labels, out_ops)
-    if labels is None or names(labels) != names(_flat_labels(x, tokens, hc, hidden))[:-2] + [("r",)]:
+    if labels is None or names(labels) != names(_flat_labels(x, tokens, hc, hidden))[:tokens] + [("r",)]:
         raise NoMatch("hyper-connection: projection is not the flattened streams times fn^T")
     fn = _param(fn_leaf, (rows, hc * hidden), "fn")
     if rsqrt_after is None:
@@ -423,7 +449,7 @@ def _match_projection(mixes, x, hc, hidden, head) -> dict:
     if dtype(flat) != torch.float32 or dtype(a) != torch.float32 or not same_shape(shape(flat)[-1:], (hc * hidden,)):
         raise NoMatch(f"hyper-connection: norm over {list(shape(flat))} in {dtype(flat)}, expected the flattened "
                       f"{hc} x {hidden} streams in fp32")
-    if not same_shape(shape(flat)[:-1], shape(x)[:-2]):
+    if not same_shape(shape(flat)[:-1], streams_shape[:-2]):
         raise NoMatch("hyper-connection: norm rows are not the streams' tokens")
     return dict(fn=fn, eps=found[1])
 
@@ -575,11 +601,11 @@ def _collapsed_output(total, x):
 
 
 def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx: PassContext) -> None:
-    x = m["x"]
     replaced = [m["output"]] if m["head"] else [m["output"], m["post"], m["comb"]]
     first = m["before"]
     for node in m["hoisted"]:
         first.prepend(node)
+    x = _as_streams(graph, first, m["x"], m["streams_shape"])
     if m["head"]:
         call = insert_call(graph, first, HC_HEAD, (x, m["fn"], m["base"], m["scale"], m["norm_eps"], m["hc_eps"]))
         m["output"].replace_all_uses_with(_as_read(graph, call, m))
@@ -598,6 +624,14 @@ def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx:
         node.replace_all_uses_with(item)
     ctx.site(total, "dsfuse.hc_collapse", [x, m["fn"]],
              f"n={m['hc']} D={m['hidden']} sinkhorn_iters={m['iters']}{_upcast_note(m)}", call=call)
+
+
+def _as_streams(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, streams_shape) -> torch.fx.Node:
+    """`node` as the ops take the streams, [*, n, D]: a view inserted before `before` where it holds them flattened
+    (the graph had folded its view into the reader's)."""
+    if same_shape(shape(node), streams_shape):
+        return node
+    return insert_call(graph, before, aten.view.default, (node, list(streams_shape)))
 
 
 def _as_read(graph: torch.fx.Graph, collapsed: torch.fx.Node, m: dict) -> torch.fx.Node:
@@ -644,12 +678,12 @@ def _expanded_post(node):
     return None
 
 
-def _mix_labels(core, comb, comb_ops, residual, residual_ops, comb_dims):
-    """Labels of the mix `core` computes from comb (its [n, n] dims labelled `comb_dims`) and residual (j, d), or
-    None: a bmm contracting j, or a product of the two broadcast and summed over j."""
-    lead = _lead_names(len(shape(residual)) - 2)
+def _mix_labels(core, comb, comb_ops, residual, residual_ops, comb_dims, streams_shape):
+    """Labels of the mix `core` computes from comb (its [n, n] dims labelled `comb_dims`) and residual (j, d; held
+    as [*, n, D] or flattened), or None: a bmm contracting j, or a product of the two broadcast and summed over j."""
+    lead = _lead_names(len(streams_shape) - 2)
     a = _follow(leaf_labels(comb, lead + comb_dims), comb_ops)
-    b = _follow(leaf_labels(residual, lead + ["j", "d"]), residual_ops)
+    b = _follow(_stream_labels(residual, streams_shape, "j", "d"), residual_ops)
     if a is None or b is None:
         return None
     if canonical_bmm(core) is not None:
@@ -680,16 +714,17 @@ def _comb_mix(mixed, call, streams_shape):
     for comb_operand, residual_operand in pairs:
         comb, comb_ops = layout_chain(comb_operand)
         residual, residual_ops = _nearest(residual_operand, lambda n: same_shape(shape(n), streams_shape))
-        if _hc_output(comb, 2) is call and not same_shape(shape(residual), streams_shape):
-            raise NoMatch(f"hyper-connection exit: comb^T mixes streams never held as {list(streams_shape)} (read "
-                          f"from {list(shape(residual))}); the op takes them so")
-        if _hc_output(comb, 2) is None or len(shape(comb)) != len(shape(residual)):
+        if _hc_output(comb, 2) is call and _stream_labels(residual, streams_shape, "j", "d") is None:
+            raise NoMatch(f"hyper-connection exit: comb^T mixes streams held neither as {list(streams_shape)} nor "
+                          f"flattened (read from {list(shape(residual))})")
+        if _hc_output(comb, 2) is None or len(shape(comb)) != len(streams_shape):
             continue
         if _hc_output(comb, 2) is not call:
             raise NoMatch("hyper-connection exit: post and comb come from different hyper-connections")
-        expected = names(leaf_labels(residual, _lead_names(len(shape(residual)) - 2) + ["k", "d"]))
+        expected = [(name,) if not same_size(size, 1) else ()
+                    for name, size in zip(_lead_names(len(streams_shape) - 2) + ["k", "d"], streams_shape)]
         for comb_dims, transposed in ((["j", "k"], True), (["k", "j"], False)):
-            labels = _mix_labels(core, comb, comb_ops, residual, residual_ops, comb_dims)
+            labels = _mix_labels(core, comb, comb_ops, residual, residual_ops, comb_dims, streams_shape)
             labels = _follow(labels, out_ops)
             if labels is not None and names(labels) == expected:
                 if not transposed:
@@ -712,17 +747,22 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
     comb_cast, residual = _comb_mix(mixed, call, shape(add))
     hc, hidden = shape(call.args[0])[-2:]
     rdtype = dtype(residual)
-    if not same_shape(shape(residual), shape(add)) or not same_shape(shape(out), shape(add)[:-2] + (hidden,)):
+    if _stream_labels(residual, shape(add), "j", "d") is None \
+            or not same_shape(shape(out), shape(add)[:-2] + (hidden,)):
         raise NoMatch(f"hyper-connection exit: residual {list(shape(residual))} / out {list(shape(out))} do not "
                       f"match the new streams {list(shape(add))}")
     if dtype(out) != rdtype or dtype(post_cast) != rdtype or dtype(comb_cast) != rdtype or dtype(add) != rdtype:
         raise NoMatch(f"hyper-connection exit: mixes out {dtype(out)}, post {dtype(post_cast)}, comb "
                       f"{dtype(comb_cast)} into {dtype(add)} streams, HF casts all to the streams' {rdtype}")
+    if not same_shape(shape(residual), shape(add)) and not all(isinstance(size, int) for size in shape(add)):
+        raise NoMatch(f"hyper-connection exit: residual held only flattened as {list(shape(residual))}, a view to "
+                      "[*, n, D] the pass builds for static shapes only")
     return dict(call=call, out=out, residual=residual, hc=hc, hidden=hidden)
 
 
 def _rewrite_expand_mix(graph: torch.fx.Graph, add: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     items = {u.args[1]: u for u in m["call"].users if is_op(u, operator.getitem)}
-    node = insert_call(graph, add, HC_EXPAND_MIX, (m["out"], m["residual"], items[1], items[2]))
+    residual = _as_streams(graph, add, m["residual"], shape(add))
+    node = insert_call(graph, add, HC_EXPAND_MIX, (m["out"], residual, items[1], items[2]))
     add.replace_all_uses_with(node)
     ctx.site(add, "dsfuse.hc_expand_mix", [m["out"], m["residual"]], f"n={m['hc']} D={m['hidden']}", call=node)
