@@ -1,7 +1,8 @@
 """DeepSeek V4's manifold-constrained hyper-connections (HF `DeepseekV4HyperConnection`, `DeepseekV4HyperHead`
 and the expand + mix of `DeepseekV4DecoderLayer.forward`) as three custom ops:
 
-`torch.ops.dsfuse.hc_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters) -> (collapsed, post, comb)`,
+`torch.ops.dsfuse.hc_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, exp_sum_softmax=False,
+reciprocal_sinkhorn=False) -> (collapsed, post, comb)`,
 one launch per hyper-connection, x = [*, n, D] streams (T tokens in all):
 
     flat    = x.flatten(-2).float();  flat = flat * rsqrt(mean(flat^2) + norm_eps)        (unweighted RMSNorm)
@@ -11,6 +12,9 @@ one launch per hyper-connection, x = [*, n, D] streams (T tokens in all):
     comb    = softmax(mixes[2n:].view(n, n) * scale[2] + base[2n:].view(n, n), -1) + hc_eps
     comb    = comb / (comb.sum(-2) + hc_eps);  (iters - 1) x: rows / (sum(-1) + hc_eps), columns / (sum(-2) + hc_eps)
     collapsed = (pre[..., None] * x).sum(-2).to(x.dtype)
+
+with `exp_sum_softmax` (default off) the softmax is exp(z) / sum(exp(z)), no max subtracted, and with
+`reciprocal_sinkhorn` each step is c * (1 / (sum + hc_eps)), rounded twice: as those spellings compute it.
 
 `torch.ops.dsfuse.hc_head(x, fn, base, scale, norm_eps, hc_eps) -> collapsed`: the same with fn of n rows, only
 `pre` (scale [1]): `DeepseekV4HyperHead`.
@@ -76,8 +80,10 @@ def _unweighted_rms_norm(x, eps):
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    """`DeepseekV4HyperConnection.forward` on streams x [*, n, D]: (collapsed, post, comb)."""
+def hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, exp_sum_softmax=False,
+                          reciprocal_sinkhorn=False):
+    """`DeepseekV4HyperConnection.forward` on streams x [*, n, D]: (collapsed, post, comb). `exp_sum_softmax`: the
+    softmax as exp(z) / sum(exp(z)), no max subtracted; `reciprocal_sinkhorn`: each step c * (1 / (sum + eps))."""
     hc = x.shape[-2]
     flat = _unweighted_rms_norm(x.flatten(-2).float(), norm_eps)
     mixes = torch.nn.functional.linear(flat, fn.float())
@@ -88,11 +94,19 @@ def hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
     comb_b = comb_b.view(hc, hc)
     pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
     post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-    comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    z = comb_w * comb_scale + comb_b
+    if exp_sum_softmax:
+        comb = torch.exp(z) / torch.exp(z).sum(dim=-1, keepdim=True) + hc_eps
+    else:
+        comb = torch.softmax(z, dim=-1) + hc_eps
+
+    def step(c, dim):
+        total = c.sum(dim=dim, keepdim=True) + hc_eps
+        return c * (1 / total) if reciprocal_sinkhorn else c / total
+
+    comb = step(comb, -2)
     for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+        comb = step(step(comb, -1), -2)
     collapsed = (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
     return collapsed, post, comb
 
@@ -200,10 +214,20 @@ def _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j: tl.constexpr):
 
 
 @triton.jit
+def _sinkhorn_step(comb, total, RECIPROCAL: tl.constexpr):
+    """comb / total (one IEEE division), or with RECIPROCAL comb * (1 / total): two roundings, as that spelling."""
+    total = tl.broadcast_to(total, comb.shape)
+    if RECIPROCAL:
+        return comb * tl.div_rn(tl.full(comb.shape, 1.0, tl.float32), total)
+    return tl.div_rn(comb, total)
+
+
+@triton.jit
 def _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N: tl.constexpr,
-                   NN: tl.constexpr):
+                   NN: tl.constexpr, EXP_SUM_SOFTMAX: tl.constexpr, RECIPROCAL_SINKHORN: tl.constexpr):
     """post = 2 * sigmoid(post_w * scale[1] + base[n:2n]) and comb: softmax over each row of the n x n logits,
-    + eps, then Sinkhorn as HF iterates it (IEEE divisions), stored for every token of a row block."""
+    + eps, then Sinkhorn as HF iterates it (IEEE divisions), stored for every token of a row block.
+    EXP_SUM_SOFTMAX, RECIPROCAL_SINKHORN: the op's `exp_sum_softmax` / `reciprocal_sinkhorn` roundings."""
     k = tl.arange(0, NN)
     k_ok = k < N
     post_l = tl.load(l_rows[:, None] + N + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -217,13 +241,16 @@ def _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr
     comb_b = tl.load(base_ptr + 2 * N + i3 * N + j3, mask=ij_ok, other=0.0).to(tl.float32)
     z = comb_l * tl.load(scale_ptr + 2).to(tl.float32) + comb_b
     z = tl.where(ij_ok, z, float("-inf"))
-    e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
+    if EXP_SUM_SOFTMAX:
+        e = tl.exp(z)
+    else:
+        e = tl.exp(z - tl.max(z, axis=2)[:, :, None])
     comb = tl.div_rn(e, tl.broadcast_to(tl.sum(e, axis=2)[:, :, None], e.shape))
     comb = tl.where(ij_ok, comb + hc_eps, 0.0)
-    comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+    comb = _sinkhorn_step(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps, RECIPROCAL_SINKHORN)
     for _ in range(iters - 1):
-        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=2)[:, :, None] + hc_eps, comb.shape))
-        comb = tl.div_rn(comb, tl.broadcast_to(tl.sum(comb, axis=1)[:, None, :] + hc_eps, comb.shape))
+        comb = _sinkhorn_step(comb, tl.sum(comb, axis=2)[:, :, None] + hc_eps, RECIPROCAL_SINKHORN)
+        comb = _sinkhorn_step(comb, tl.sum(comb, axis=1)[:, None, :] + hc_eps, RECIPROCAL_SINKHORN)
     tl.store(comb_ptr + rows[:, None, None] * (N * N) + i3 * N + j3, comb, mask=row_ok[:, None, None] & ij_ok)
 
 
@@ -234,7 +261,7 @@ def _hc_collapse_kernel(
     T, D, width, norm_eps, hc_eps, iters,
     N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, EXIT: tl.constexpr,
     STORE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-    MANUAL_BF16_RNE: tl.constexpr,
+    MANUAL_BF16_RNE: tl.constexpr, EXP_SUM_SOFTMAX: tl.constexpr, RECIPROCAL_SINKHORN: tl.constexpr,
 ):
     """With EXIT, the streams x are first computed by the previous block's exit (`_exit_chunk`) in pass 1 and
     reduced from registers: the exit and this collapse in one pass over the residual. STORE writes them to x
@@ -276,7 +303,8 @@ def _hc_collapse_kernel(
                 acc = tl.dot(xj, w, acc, input_precision=PRECISION)
     l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr, rows, row_ok, cols, NP)
     if not HEAD:
-        _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
+        _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN,
+                       EXP_SUM_SOFTMAX, RECIPROCAL_SINKHORN)
 
     # Pass 2: collapsed = sum_j pre_j * x_j (fp32 products summed in stream order), D walked backwards.
     pre_scale = tl.load(scale_ptr).to(tl.float32)
@@ -324,7 +352,7 @@ def _hc_project_kernel(
     T, K, K_PER_SPLIT, width, norm_eps, hc_eps, iters,
     N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr, PIECES: tl.constexpr,
     FP32_DOT: tl.constexpr, PRECISION: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, EXP_SUM_SOFTMAX: tl.constexpr, RECIPROCAL_SINKHORN: tl.constexpr,
 ):
     """The projection and mixing of a row block, one pass over its K_PER_SPLIT columns of the contiguous
     flattened rows (K = n D) in [BLOCK_T, BLOCK_K] tiles that feed the dot straight from their loads
@@ -360,7 +388,8 @@ def _hc_project_kernel(
         _store_partials(acc_ptr, sumsq_ptr, acc, sumsq, tl.program_id(1), T, rows, row_ok, cols, NP)
     else:
         _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr,
-                           comb_ptr, hc_eps, iters, rows, row_ok, cols, N, NN, NP, HEAD)
+                           comb_ptr, hc_eps, iters, rows, row_ok, cols, N, NN, NP, HEAD, EXP_SUM_SOFTMAX,
+                           RECIPROCAL_SINKHORN)
 
 
 @triton.jit
@@ -386,11 +415,12 @@ def _sum_partials(acc_ptr, sumsq_ptr, T, SPLITS, rows, row_ok, cols, BLOCK_T: tl
 @triton.jit
 def _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
                        hc_eps, iters, rows, row_ok, cols, N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr,
-                       HEAD: tl.constexpr):
+                       HEAD: tl.constexpr, EXP_SUM_SOFTMAX: tl.constexpr, RECIPROCAL_SINKHORN: tl.constexpr):
     """pre [T, n] (and post, comb unless HEAD) of a row block from its projection and sum of squares."""
     l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr, rows, row_ok, cols, NP)
     if not HEAD:
-        _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
+        _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN,
+                       EXP_SUM_SOFTMAX, RECIPROCAL_SINKHORN)
     pre_scale = tl.load(scale_ptr).to(tl.float32)
     for j in tl.static_range(N):
         tl.store(pre_ptr + rows * N + j, _pre_weight(l_rows, row_ok, base_ptr, pre_scale, hc_eps, j), mask=row_ok)
@@ -399,7 +429,8 @@ def _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_
 @triton.jit
 def _hc_mix_kernel(acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_ptr, pre_ptr, post_ptr, comb_ptr,
                    T, SPLITS, width, norm_eps, hc_eps, iters, N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr,
-                   HEAD: tl.constexpr, BLOCK_T: tl.constexpr):
+                   HEAD: tl.constexpr, BLOCK_T: tl.constexpr, EXP_SUM_SOFTMAX: tl.constexpr,
+                   RECIPROCAL_SINKHORN: tl.constexpr):
     """The split two-pass projection's mixing: a row block's partials summed, then pre (post, comb) as the
     one-split projection writes them."""
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -407,7 +438,7 @@ def _hc_mix_kernel(acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_ptr, pre_ptr,
     cols = tl.arange(0, NP)
     acc, sumsq = _sum_partials(acc_ptr, sumsq_ptr, T, SPLITS, rows, row_ok, cols, BLOCK_T, NP)
     _mix_and_store_pre(acc, sumsq, width, norm_eps, logits_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr,
-                       hc_eps, iters, rows, row_ok, cols, N, NN, NP, HEAD)
+                       hc_eps, iters, rows, row_ok, cols, N, NN, NP, HEAD, EXP_SUM_SOFTMAX, RECIPROCAL_SINKHORN)
 
 
 @triton.jit
@@ -433,7 +464,8 @@ def _hc_weighted_sum_kernel(x_ptr, pre_ptr, collapsed_ptr, T, D, N: tl.constexpr
 def _hc_mix_sum_kernel(x_ptr, acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_ptr, collapsed_ptr, post_ptr, comb_ptr,
                        T, D, SPLITS, width, norm_eps, hc_eps, iters,
                        N: tl.constexpr, NN: tl.constexpr, NP: tl.constexpr, HEAD: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr):
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
+                       EXP_SUM_SOFTMAX: tl.constexpr, RECIPROCAL_SINKHORN: tl.constexpr):
     """The split-K path's second kernel, after `_hc_project_kernel`'s PARTIAL fp32 projection of each
     `k_per_split` slice (few tokens leave the two other paths a handful of programs walking all of K serially;
     there every split runs at once): program (row block, D block) sums the rows' partials in split order,
@@ -447,7 +479,8 @@ def _hc_mix_sum_kernel(x_ptr, acc_ptr, sumsq_ptr, base_ptr, scale_ptr, logits_pt
     l_rows = _normalized_logits(acc, sumsq, width, norm_eps, logits_ptr + d_block * T * NP, rows, row_ok, cols, NP)
     if not HEAD:
         if d_block == 0:
-            _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN)
+            _post_and_comb(l_rows, rows, row_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, hc_eps, iters, N, NN,
+                       EXP_SUM_SOFTMAX, RECIPROCAL_SINKHORN)
     pre_scale = tl.load(scale_ptr).to(tl.float32)
     dd = d_block * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = row_ok[:, None] & (dd < D)[None, :]
@@ -554,10 +587,13 @@ def _resolve_launch(op, hidden, tokens, launch, exit_inputs, head, dtype):
     return config
 
 
-def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, exit_inputs=None, **launch):
+def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, exit_inputs=None,
+                     exp_sum_softmax=False, reciprocal_sinkhorn=False, **launch):
     """(collapsed, post, comb, streams): with `exit_inputs` = (out, post_in, comb_in), x is the exit's residual and
     the streams collapsed are the exit's, written to `streams` (not for the head: streams is None, as without
-    `exit_inputs`)."""
+    `exit_inputs`). `exp_sum_softmax`, `reciprocal_sinkhorn`: `hc_collapse`'s roundings."""
+    exp_sum_softmax, reciprocal_sinkhorn = bool(exp_sum_softmax), bool(reciprocal_sinkhorn)
+    forms = dict(exp_sum_softmax=exp_sum_softmax, reciprocal_sinkhorn=reciprocal_sinkhorn)
     op = ("hc_exit_" if exit_inputs else "hc_") + ("head" if head else "collapse")
     _validate_collapse(op, x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head)
     hc, hidden = x.shape[-2], x.shape[-1]
@@ -568,12 +604,13 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
         pre, post, comb = hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=head,
                                             block_t=config["block_t"], block_k=config["block_k"],
                                             num_warps=config["num_warps"], num_stages=config["num_stages"],
-                                            splits=config["splits"])
+                                            splits=config["splits"], **forms)
         collapsed = hc_weighted_sum_triton(x, pre, block_t=config["sum_block_t"], block_d=config["sum_block_d"],
                                            num_warps=config["sum_num_warps"])
         return collapsed, post, comb, None
     if config["path"] == "split_k":
-        return (*_split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, config), None)
+        return (*_split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, config, **forms),
+                None)
     source = x.contiguous().view(-1, hc, hidden)
     T = source.shape[0]
     n_pad = max(16, next_power_of_2(hc if head else mixes_count(hc)))
@@ -596,13 +633,15 @@ def _collapse_launch(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head,
             T, hidden, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), EXIT=exit_inputs is not None,
             STORE=store, BLOCK_T=config["block_t"], BLOCK_D=config["block_d"], PRECISION=PROJECTION_PRECISION,
-            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
-            num_warps=config["num_warps"], num_stages=config["num_stages"], **COMPILE_OPTIONS)
+            MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, EXP_SUM_SOFTMAX=exp_sum_softmax,
+            RECIPROCAL_SINKHORN=reciprocal_sinkhorn, num_warps=config["num_warps"], num_stages=config["num_stages"],
+            **COMPILE_OPTIONS)
     return (collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc)),
             streams.view(lead + (hc, hidden)) if store else None)
 
 
-def _split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, config):
+def _split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head, config, exp_sum_softmax=False,
+                      reciprocal_sinkhorn=False):
     """(collapsed, post, comb) on the split-K path: partial projections of `k_per_split`-wide column slices, then
     one program per (row block, D block) that sums them in split order, mixes and collapses."""
     hc, hidden = x.shape[-2], x.shape[-1]
@@ -626,7 +665,8 @@ def _split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
             source, fn.contiguous(), acc, acc, acc, acc, acc, acc, acc, sumsq, T, K, config["k_per_split"], 0.0, 0.0,
             0.0, 0, N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=1, FP32_DOT=True,
             PRECISION="ieee", PARTIAL=True, BLOCK_T=config["block_t"], BLOCK_K=config["block_k"],
-            num_warps=config["num_warps"], num_stages=config["num_stages"], **COMPILE_OPTIONS)
+            EXP_SUM_SOFTMAX=False, RECIPROCAL_SINKHORN=False, num_warps=config["num_warps"],
+            num_stages=config["num_stages"], **COMPILE_OPTIONS)
         d_blocks = cdiv(hidden, config["sum_block_d"])
         logits = torch.empty((d_blocks, T, n_pad), dtype=torch.float32, device=x.device)
         _hc_mix_sum_kernel[(cdiv(T, config["sum_block_t"]), d_blocks)](
@@ -634,6 +674,7 @@ def _split_k_collapse(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
             T, hidden, splits, float(hc * hidden), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), BLOCK_T=config["sum_block_t"],
             BLOCK_D=config["sum_block_d"], MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16,
+            EXP_SUM_SOFTMAX=exp_sum_softmax, RECIPROCAL_SINKHORN=reciprocal_sinkhorn,
             num_warps=config["sum_num_warps"], **COMPILE_OPTIONS)
     return collapsed.view(lead + (hidden,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc))
 
@@ -652,7 +693,7 @@ def split_projection_weights(fn: torch.Tensor) -> torch.Tensor:
 
 
 def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head=False, block_t=None, block_k=None,
-                      num_warps=None, num_stages=None, splits=None):
+                      num_warps=None, num_stages=None, splits=None, exp_sum_softmax=False, reciprocal_sinkhorn=False):
     """The two-pass path's first kernel: (pre [*, n], post [*, n], comb [*, n, n]), all fp32 (the head's post
     and comb are None). bf16 streams dot their raw tiles with `split_projection_weights(fn)` (split per call);
     fp16 and fp32 streams dot their fp32 tiles with fn (`PROJECTION_PRECISION`). `splits` > 1 divides each row's
@@ -684,13 +725,15 @@ def hc_project_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, head
             T, K, k_per_split, float(K), float(norm_eps), float(hc_eps), int(sinkhorn_iters),
             N=hc, NN=next_power_of_2(hc), NP=n_pad, HEAD=bool(head), PIECES=3 if split else 1,
             FP32_DOT=not split or interpreting(), PRECISION="ieee" if split else PROJECTION_PRECISION,
-            PARTIAL=partial, BLOCK_T=block_t, BLOCK_K=block_k, num_warps=num_warps or defaults["num_warps"],
+            PARTIAL=partial, BLOCK_T=block_t, BLOCK_K=block_k, EXP_SUM_SOFTMAX=bool(exp_sum_softmax),
+            RECIPROCAL_SINKHORN=bool(reciprocal_sinkhorn), num_warps=num_warps or defaults["num_warps"],
             num_stages=num_stages or defaults["num_stages"], **COMPILE_OPTIONS)
         if partial:
             _hc_mix_kernel[(cdiv(T, 16),)](
                 acc, sumsq, base.contiguous(), scale.contiguous(), logits, pre, post, comb, T, n_splits, float(K),
                 float(norm_eps), float(hc_eps), int(sinkhorn_iters), N=hc, NN=next_power_of_2(hc), NP=n_pad,
-                HEAD=bool(head), BLOCK_T=16, num_warps=4, **COMPILE_OPTIONS)
+                HEAD=bool(head), BLOCK_T=16, EXP_SUM_SOFTMAX=bool(exp_sum_softmax),
+                RECIPROCAL_SINKHORN=bool(reciprocal_sinkhorn), num_warps=4, **COMPILE_OPTIONS)
     if head:
         return pre.view(lead + (hc,)), None, None
     return pre.view(lead + (hc,)), post.view(lead + (hc,)), comb.view(lead + (hc, hc))
@@ -772,16 +815,20 @@ def bytes_moved(T: int, hc: int, hidden: int, dtype: torch.dtype) -> dict[str, i
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsfuse::hc_collapse", mutates_args=())
 def hc_collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_eps: float,
-                hc_eps: float, sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                hc_eps: float, sinkhorn_iters: int, exp_sum_softmax: bool = False,
+                reciprocal_sinkhorn: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(collapsed [*, D] in x's dtype, post [*, n] fp32, comb [*, n, n] fp32) of streams x [*, n, D]:
-    `DeepseekV4HyperConnection.forward`. Reference math on CPU."""
+    `DeepseekV4HyperConnection.forward`; the two flags round as those spellings of the softmax and the Sinkhorn
+    steps do (`hc_collapse_reference`). Reference math on CPU."""
     _validate_collapse("hc_collapse", x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
-    collapsed, post, comb = hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+    collapsed, post, comb = hc_collapse_reference(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters,
+                                                  exp_sum_softmax, reciprocal_sinkhorn)
     return collapsed.contiguous(), post.contiguous(), comb.contiguous()
 
 
 @hc_collapse.register_fake
-def _hc_collapse_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
+def _hc_collapse_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, exp_sum_softmax=False,
+                      reciprocal_sinkhorn=False):
     _validate_collapse("hc_collapse", x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, False)
     lead, hc = tuple(x.shape[:-2]), x.shape[-2]
     return (x.new_empty(lead + (x.shape[-1],)), x.new_empty(lead + (hc,), dtype=torch.float32),
@@ -789,8 +836,10 @@ def _hc_collapse_fake(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
 
 
 @direct_kernel(hc_collapse)
-def _hc_collapse_cuda(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters):
-    return hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters)
+def _hc_collapse_cuda(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, exp_sum_softmax=False,
+                      reciprocal_sinkhorn=False):
+    return hc_collapse_triton(x, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, exp_sum_softmax=exp_sum_softmax,
+                              reciprocal_sinkhorn=reciprocal_sinkhorn)
 
 
 @torch.library.custom_op("dsfuse::hc_head", mutates_args=())

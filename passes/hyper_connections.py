@@ -16,16 +16,18 @@ For a hyper-connection the other two pieces of the same mixes are then proven:
 
     post   = 2 * sigmoid(mixes[..., n:2n] * scale[1] + base[n:2n])
     comb   = softmax(view(mixes[..., 2n:], n, n) * scale[2] + view(base[2n:], n, n), -1) + hc_eps (or the affine
-             map viewed afterwards), then Sinkhorn: a column step c / (sum(c, -2, keepdim) + hc_eps), then
-             (iters - 1) row + column steps,
+             map viewed afterwards; the softmax also exp(z) / sum(exp(z))), then Sinkhorn: a column step
+             c / (sum(c, -2, keepdim) + hc_eps) (or c * (1 / (sum + hc_eps))), then (iters - 1) row + column steps,
 
 where scale[i] is `scale.unbind(0)[i]` or `scale[i]`, the chain of steps is walked to its end (the Sinkhorn loop is
 unrolled in the graph: any iteration count), and it must alternate column, row, ..., column with the same eps, as
 HF's loop does. The collapse, `post` and `comb` are replaced by the outputs of one `hc_collapse` call (the casts and
 views of an fp32 copy of the streams made after post or comb moved before it; a collapse its reader views with the
 token dims merged viewed so). Streams the graph holds only flattened `[*, n*D]` (their [*, n, D] view folded into
-the bmm's) are followed from the flat tensor, one dim carrying both atoms, and the ops read a view of it. Sinkhorn
-steps written as products with `1 / (sum + eps)` are reported: the op divides.
+the bmm's) are followed from the flat tensor, one dim carrying both atoms, and the ops read a view of it. A softmax
+written `exp(z) / sum(exp(z))` (no max subtracted) and Sinkhorn steps written `c * (1 / (sum + eps))` round otherwise
+than HF's: the collapse takes the op's `exp_sum_softmax` / `reciprocal_sinkhorn`, which round as they do; steps
+mixing the two forms are reported.
 
 Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + comb.to(dtype)^T @ residual`, the mix a bmm
 (`matmul`, `einsum`, `.mT`) or a broadcast sum of fp32 products (`hc_post`), its dims followed through layout ops,
@@ -486,8 +488,9 @@ def _match_mixing(mixes, pre_scale, pre_base, hc, hc_eps) -> dict:
     if ranges["post"] not in pieces or ranges["comb"] not in pieces:
         raise NoMatch("hyper-connection: post / comb logits unused (not a hyper-connection's three outputs)")
     post = _match_post(pieces[ranges["post"]], scale, base, ranges["post"])
-    comb, iters = _match_comb(pieces[ranges["comb"]], scale, base, hc, hc_eps)
-    return dict(scale=scale, base=base, post=post, comb=comb, iters=iters)
+    comb, iters, exp_sum, reciprocal = _match_comb(pieces[ranges["comb"]], scale, base, hc, hc_eps)
+    return dict(scale=scale, base=base, post=post, comb=comb, iters=iters, exp_sum_softmax=exp_sum,
+                reciprocal_sinkhorn=reciprocal)
 
 
 def _affine_user(w, scale, base, index, columns):
@@ -524,64 +527,71 @@ def _match_comb(w_comb, scale, base, hc, hc_eps):
         z = only_user(add, *VIEW_OPS) if add is not None else None
     if z is None or not same_shape(shape(z)[-2:], (hc, hc)):
         raise NoMatch(f"hyper-connection: comb is not w * scale[2] + base[2n:] viewed as {hc} x {hc}")
-    soft = _match_softmax(z)
+    soft, exp_sum = _match_softmax(z)
     c = soft.users and only_user(soft, aten.add.Tensor)
     if not c or _add_const(c) is None or _add_const(c)[1] != hc_eps:
         raise NoMatch("hyper-connection: comb is not softmax(...) + hc_eps (the pre's eps)")
     rank = len(shape(c))
-    steps = []
+    steps, forms = [], set()
     while True:
         step = _sinkhorn_step(c, rank)
         if step is None:
             break
-        axis, eps, c = step
+        axis, eps, c, reciprocal = step
         if eps != hc_eps:
             raise NoMatch(f"hyper-connection: Sinkhorn eps {eps} differs from hc_eps {hc_eps}")
         steps.append(axis)
-    if _reciprocal_step(c):
-        raise NoMatch("hyper-connection: a Sinkhorn step multiplies by 1 / (sum + eps), rounding twice; HF's step "
-                      "and the op divide")
+        forms.add(reciprocal)
+    if len(forms) > 1:
+        raise NoMatch("hyper-connection: Sinkhorn steps mix divisions and products with 1 / (sum + eps); the op "
+                      "rounds every step one way")
     expected = [rank - 2 if i % 2 == 0 else rank - 1 for i in range(len(steps))]
     if not steps or steps != expected or len(steps) % 2 == 0:
         names_ = ["col" if a == rank - 2 else "row" for a in steps]
         raise NoMatch(f"hyper-connection: Sinkhorn steps {names_ or 'none'} are not HF's col, (row, col)*")
-    return c, (len(steps) + 1) // 2
+    return c, (len(steps) + 1) // 2, exp_sum, forms == {True}
 
 
 def _match_softmax(z):
-    """softmax(z, -1) as `_softmax`, decomposed, or in Inductor's online form (CUDA): its output."""
+    """softmax(z, -1) as `_softmax`, decomposed, or in Inductor's online form (CUDA), or exp(z) / sum(exp(z), -1)
+    with no max subtracted (the op's `exp_sum_softmax` rounding): (its output, whether the last)."""
     rank = len(shape(z))
     soft = only_user(z, aten._softmax.default)
     if soft is not None and _dim(soft.args[1], rank) == rank - 1:
-        return soft
+        return soft, False
     parts = softmax_parts(z)
-    if parts is None:
+    if parts is not None:
+        return parts["probs"], False
+    # exp(z) may be computed twice, for the numerator and for the sum: the same values
+    exps = [u for u in z.users if is_op(u, aten.exp.default)]
+    readers = [u for e in exps for u in e.users]
+    totals = [u for u in readers if is_op(u, aten.sum.dim_IntList) and _reduce_dims(u) == ([rank - 1], True)]
+    quotients = [u for u in readers if is_op(u, aten.div.Tensor) and len(totals) == 1 and u.args[1] is totals[0]]
+    if len(z.users) != len(exps) or len(exps) > 2 or len(totals) != 1 or len(quotients) != 1 \
+            or len(readers) != 2 or quotients[0].args[0] not in exps:
         raise NoMatch("hyper-connection: comb is not a softmax over the last dim")
-    return parts["probs"]
+    return quotients[0], True
 
 
 def _sinkhorn_step(c, rank):
-    """c / (sum(c, axis, keepdim) + eps) among c's users: (axis, eps, the quotient), or None."""
+    """c / (sum(c, axis, keepdim) + eps) among c's users, or c * (1 / (sum + eps)) (the op's `reciprocal_sinkhorn`
+    rounding): (axis, eps, the result, whether the product), or None."""
     for total in c.users:
         if not is_op(total, aten.sum.dim_IntList):
             continue
         dims, keepdim = _reduce_dims(total)
         add = only_user(total, aten.add.Tensor)
         found = _add_const(add) if add is not None else None
-        div = only_user(add, aten.div.Tensor) if found else None
-        if keepdim and len(dims) == 1 and div is not None and div.args == (c, add):
-            return dims[0], found[1], div
+        if not (keepdim and len(dims) == 1 and found):
+            continue
+        div = only_user(add, aten.div.Tensor)
+        if div is not None and div.args == (c, add):
+            return dims[0], found[1], div, False
+        inverse = only_user(add, aten.reciprocal.default)
+        product = only_user(inverse, aten.mul.Tensor) if inverse is not None else None
+        if product is not None and set(product.args) == {c, inverse}:
+            return dims[0], found[1], product, True
     return None
-
-
-def _reciprocal_step(c) -> bool:
-    """Whether c is next normalised as `c * (1 / (sum(c, dim, keepdim) + eps))`."""
-    for total in c.users:
-        add = only_user(total, aten.add.Tensor) if is_op(total, aten.sum.dim_IntList) else None
-        inverse = only_user(add, aten.reciprocal.default) if add is not None and _add_const(add) else None
-        if inverse is not None and any(is_op(u, aten.mul.Tensor) and c in u.args for u in inverse.users):
-            return True
-    return False
 
 
 def _collapsed_output(total, x):
@@ -611,8 +621,8 @@ def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx:
         m["output"].replace_all_uses_with(_as_read(graph, call, m))
         ctx.site(total, "dsfuse.hc_head", [x, m["fn"]], f"n={m['hc']} D={m['hidden']}{_upcast_note(m)}", call=call)
         return
-    call = insert_call(graph, first, HC_COLLAPSE,
-                       (x, m["fn"], m["base"], m["scale"], m["norm_eps"], m["hc_eps"], m["iters"]))
+    call = insert_call(graph, first, HC_COLLAPSE, (x, m["fn"], m["base"], m["scale"], m["norm_eps"], m["hc_eps"],
+                                                  m["iters"], m["exp_sum_softmax"], m["reciprocal_sinkhorn"]))
     outputs = []
     with graph.inserting_after(call):
         for i in range(3):
@@ -622,8 +632,10 @@ def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx:
     outputs[0] = _as_read(graph, outputs[0], m)
     for node, item in zip(replaced, outputs):
         node.replace_all_uses_with(item)
+    forms = [name for name in ("exp_sum_softmax", "reciprocal_sinkhorn") if m[name]]
     ctx.site(total, "dsfuse.hc_collapse", [x, m["fn"]],
-             f"n={m['hc']} D={m['hidden']} sinkhorn_iters={m['iters']}{_upcast_note(m)}", call=call)
+             f"n={m['hc']} D={m['hidden']} sinkhorn_iters={m['iters']}{''.join(' ' + f for f in forms)}"
+             f"{_upcast_note(m)}", call=call)
 
 
 def _as_streams(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, streams_shape) -> torch.fx.Node:

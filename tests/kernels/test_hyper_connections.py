@@ -111,6 +111,55 @@ def test_collapse_kernel_matches_reference(path, hc, iters, T, hidden, dtype):
     torch.testing.assert_close(got[2].sum(-2), torch.ones(T, hc), rtol=1e-4, atol=1e-4)
 
 
+def _spelled_comb(x, fn, base, scale, iters):
+    """comb as the fuzzer's spellings write it: exp(z) / sum(exp(z)) with no max, Sinkhorn steps c * (1 / (s + eps))."""
+    hc = x.shape[-2]
+    flat = x.flatten(-2).float()
+    mixes = torch.nn.functional.linear(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + NORM_EPS), fn)
+    z = mixes[..., 2 * hc:].view(*x.shape[:-2], hc, hc) * scale[2] + base[2 * hc:].view(hc, hc)
+    comb = torch.exp(z) / torch.exp(z).sum(-1, keepdim=True) + HC_EPS
+    for dim in [-2] + [-1, -2] * (iters - 1):
+        comb = comb * (1 / (comb.sum(dim, keepdim=True) + HC_EPS))
+    return comb
+
+
+def test_reference_roundings_follow_their_spellings_bit_for_bit():
+    """`exp_sum_softmax` and `reciprocal_sinkhorn` compute comb as those spellings do, which rounds otherwise than
+    HF's softmax and division."""
+    x = _streams(9, 4, 24, torch.float32)
+    fn, base, scale = _params(4, 24)
+    flagged = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 3, exp_sum_softmax=True,
+                                    reciprocal_sinkhorn=True)
+    assert torch.equal(flagged[2], _spelled_comb(x, fn, base, scale, 3))
+    assert not torch.equal(hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 3)[2], flagged[2])
+
+
+@pytest.mark.parametrize("path", sorted(SMALL_LAUNCH))
+@pytest.mark.parametrize("exp_sum_softmax, reciprocal_sinkhorn", [(True, False), (False, True), (True, True)])
+def test_collapse_kernel_roundings_match_reference(path, exp_sum_softmax, reciprocal_sinkhorn):
+    x = _streams(7, 4, 32, torch.float32)
+    fn, base, scale = _params(4, 32)
+    flags = dict(exp_sum_softmax=exp_sum_softmax, reciprocal_sinkhorn=reciprocal_sinkhorn)
+    want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 3, **flags)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 3, **flags, **SMALL_LAUNCH[path])
+    _close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", sorted(SMALL_LAUNCH))
+def test_exp_sum_softmax_overflows_as_its_spelling_does(path):
+    """No max subtracted: logits past exp's range give inf / inf = NaN in the spelling, so in the op (the default
+    form stays finite): the flag reaches every path's kernel."""
+    x = _streams(3, 4, 16, torch.float32)
+    fn, base, scale = _params(4, 16)
+    scale = torch.tensor([1.0, 1.0, 1e4])
+    want = hc_collapse_reference(x, fn, base, scale, NORM_EPS, HC_EPS, 2, exp_sum_softmax=True)[2]
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 2, exp_sum_softmax=True, **SMALL_LAUNCH[path])[2]
+    default = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, 2, **SMALL_LAUNCH[path])[2]
+    assert want.isnan().any() and torch.equal(got.isnan(), want.isnan()) and default.isfinite().all()
+
+
 @pytest.mark.parametrize("path", sorted(SMALL_LAUNCH))
 @pytest.mark.parametrize("hc, T, hidden, dtype", [
     (4, 5, 64, torch.float32), (2, 9, 24, torch.bfloat16), (4, 65, 37, torch.float16), (2, 1, 21, torch.float32)])
@@ -384,28 +433,33 @@ def ptx(kernel, consts, bf16_ptrs):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 pattern = r"\b(?:wgmma\.mma_async|mma|div|bar|fma|cp\.async)\.[a-z0-9.]*"
-def collapse_ptx(head, exit, store, block_d, ptrs):
+def collapse_ptx(head, exit, store, block_d, ptrs, forms=False):
     consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, EXIT=exit, STORE=store, BLOCK_T=16, BLOCK_D=block_d,
-                  PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False)
+                  PRECISION=hck.PROJECTION_PRECISION, MANUAL_BF16_RNE=False, EXP_SUM_SOFTMAX=forms,
+                  RECIPROCAL_SINKHORN=forms)
     return ptx(hck._hc_collapse_kernel, consts, ptrs)
 
 collapse = collapse_ptx(False, False, False, 128, ("x_ptr", "collapsed_ptr"))
 fused = collapse_ptx(False, True, True, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
 fused_head = collapse_ptx(True, True, False, 64, ("x_ptr", "collapsed_ptr", "out_ptr", "res_ptr"))
+collapse_forms = collapse_ptx(False, False, False, 128, ("x_ptr", "collapsed_ptr"), forms=True)
 mix = ptx(hck._hc_expand_mix_kernel, dict(N=4, NN=4, BLOCK_T=8, BLOCK_D=256, MANUAL_BF16_RNE=False),
           ("out_ptr", "res_ptr", "new_ptr"))
 def project_ptx(head, partial=False):
     launch = hck.default_collapse_launch(4096, "two_pass")
     consts = dict(N=4, NN=4, NP=16 if head else 32, HEAD=head, PIECES=3, FP32_DOT=False, PRECISION="ieee",
-                  PARTIAL=partial, BLOCK_T=launch["block_t"], BLOCK_K=launch["block_k"])
+                  PARTIAL=partial, BLOCK_T=launch["block_t"], BLOCK_K=launch["block_k"], EXP_SUM_SOFTMAX=False,
+                  RECIPROCAL_SINKHORN=False)
     return ptx(hck._hc_project_kernel, consts, ("x_ptr", "w_ptr"))
 weighted = ptx(hck._hc_weighted_sum_kernel, dict(N=4, BLOCK_T=8, BLOCK_D=128, MANUAL_BF16_RNE=False),
                ("x_ptr", "collapsed_ptr"))
 split = ptx(hck._hc_split_weights_kernel, dict(BLOCK=1024, MANUAL_BF16_RNE=False), ("pieces_ptr",))
 mix_sum = ptx(hck._hc_mix_sum_kernel, dict(N=4, NN=4, NP=32, HEAD=False, BLOCK_T=8, BLOCK_D=128,
-                                           MANUAL_BF16_RNE=False), ("x_ptr", "collapsed_ptr"))
+                                           MANUAL_BF16_RNE=False, EXP_SUM_SOFTMAX=False, RECIPROCAL_SINKHORN=False),
+              ("x_ptr", "collapsed_ptr"))
 print(json.dumps({name: sorted(set(re.findall(pattern, code))) for name, code in
-                  (("collapse", collapse), ("fused", fused), ("fused_head", fused_head), ("mix", mix),
+                  (("collapse", collapse), ("collapse_forms", collapse_forms), ("fused", fused),
+                   ("fused_head", fused_head), ("mix", mix),
                    ("project", project_ptx(False)), ("project_head", project_ptx(True)),
                    ("project_partial", project_ptx(False, partial=True)), ("weighted", weighted),
                    ("split", split), ("mix_sum", mix_sum))}))
@@ -431,7 +485,7 @@ def test_sm90_ptx_uses_tensor_cores_true_divisions_and_no_fma():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
-    for collapse in (found["collapse"], found["fused"], found["fused_head"]):
+    for collapse in (found["collapse"], found["collapse_forms"], found["fused"], found["fused_head"]):
         assert any(op.startswith("mma.") and ".tf32" in op for op in collapse), collapse
         assert "div.rn.f32" in collapse and "bar.sync" in collapse and "div.full.f32" not in collapse, collapse
     for project in (found["project"], found["project_head"], found["project_partial"]):

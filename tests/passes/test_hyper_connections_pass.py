@@ -152,20 +152,22 @@ def _hc_params():
             torch.randn(3, generator=g) * 0.1 + 0.5, torch.randn(D, D, generator=g) * 0.2)
 
 
-def _spelled_block(x, fn, base, scale, block, flat_streams=False, collapse="einsum", reciprocal_steps=False):
+def _spelled_block(x, fn, base, scale, block, flat_streams=False, collapse="einsum", reciprocal_steps=(),
+                   exp_sum_softmax=False):
     """HF's hyper-connection and exit written out: the collapse (`einsum`, `bmm` or a broadcast sum) over an fp32
-    copy of the streams made after post and comb; optionally the streams given flattened [B, S, n*D] or the
-    Sinkhorn steps as products with a reciprocal."""
+    copy of the streams made after post and comb; optionally the streams given flattened [B, S, n*D], the Sinkhorn
+    steps numbered in `reciprocal_steps` as products with a reciprocal, or the softmax as exp(z) / sum(exp(z))."""
     streams = x.view(*x.shape[:-1], N, D) if flat_streams else x
     flat = streams.flatten(-2).float()
     mixes = F.linear(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS), fn)
     pre_w, post_w, comb_w = mixes.split([N, N, N * N], dim=-1)
     pre_b, post_b, comb_b = base.split([N, N, N * N])
     post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
-    comb = torch.softmax(comb_w.view(*comb_w.shape[:-1], N, N) * scale[2] + comb_b.view(N, N), dim=-1) + EPS
-    for dim in (-2, -1, -2):
+    z = comb_w.view(*comb_w.shape[:-1], N, N) * scale[2] + comb_b.view(N, N)
+    comb = (torch.exp(z) / torch.exp(z).sum(-1, keepdim=True) if exp_sum_softmax else torch.softmax(z, dim=-1)) + EPS
+    for i, dim in enumerate((-2, -1, -2)):
         total = comb.sum(dim=dim, keepdim=True) + EPS
-        comb = comb * (1 / total) if reciprocal_steps else comb / total
+        comb = comb * (1 / total) if i in reciprocal_steps else comb / total
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + EPS
     if collapse == "sum":
         collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2)
@@ -209,9 +211,32 @@ def test_streams_held_only_flattened_are_viewed_back(collapse, dtype):
     assert sorted(_ops(rep)[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("spelling, forms", [
+    (dict(reciprocal_steps=(0, 1, 2)), " reciprocal_sinkhorn"),
+    (dict(exp_sum_softmax=True), " exp_sum_softmax"),
+    (dict(exp_sum_softmax=True, reciprocal_steps=(0, 1, 2)), " exp_sum_softmax reciprocal_sinkhorn"),
+])
+def test_comb_spellings_that_round_otherwise_take_the_ops_roundings(spelling, forms, dtype):
+    """A softmax with no max subtracted and Sinkhorn steps as products with the reciprocal round otherwise than
+    HF's; the collapse is rewritten with the op's matching flags (named in the site's detail)."""
+    x = torch.randn(2, 3, N, D).to(dtype)
+    block = functools.partial(_spelled_block, **spelling)
+    compiled = torch.compile(block, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    with torch.no_grad():
+        got, want = compiled(x, *_hc_params()), block(x, *_hc_params())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    rep = dsfuse.report()
+    ops, details = _ops(rep)
+    assert sorted(ops) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
+    collapse_detail = details[ops.index("dsfuse.hc_collapse")]
+    assert collapse_detail.startswith(f"n={N} D={D} sinkhorn_iters=2{forms}"), collapse_detail
+
+
 @pytest.mark.parametrize("spelling, reason", [
-    (dict(reciprocal_steps=True), "hyper-connection: a Sinkhorn step multiplies by 1 / (sum + eps), rounding twice; "
-                                  "HF's step and the op divide"),
+    (dict(reciprocal_steps=(2,)), "hyper-connection: Sinkhorn steps mix divisions and products with 1 / (sum + eps); "
+                                  "the op rounds every step one way"),
 ])
 def test_spellings_the_op_does_not_take_are_near_misses(spelling, reason):
     x = torch.randn(2, 3, N * D) if spelling.get("flat_streams") else torch.randn(2, 3, N, D)
