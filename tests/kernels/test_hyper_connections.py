@@ -416,6 +416,22 @@ def test_gpu_split_k_matches_reference(T, dtype):
     _gpu_collapse_and_head_match_references(T, 4, 4096, 20, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("path, T", [("one_pass", 257), ("two_pass", 257), ("split_k", 8)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_collapse_roundings_match_reference(path, T, dtype):
+    """`exp_sum_softmax` and `reciprocal_sinkhorn` on every path's CUDA kernels against the CPU reference."""
+    hc, hidden, iters = 4, 512, 20
+    x = _streams(T, hc, hidden, dtype).cuda()
+    fn, base, scale = (t.cuda() for t in _params(hc, hidden))
+    flags = dict(exp_sum_softmax=True, reciprocal_sinkhorn=True)
+    got = hc_collapse_triton(x, fn, base, scale, NORM_EPS, HC_EPS, iters, path=path, **flags)
+    want = hc_collapse_reference(x.cpu(), fn.cpu(), base.cpu(), scale.cpu(), NORM_EPS, HC_EPS, iters, **flags)
+    _close(got[0].cpu(), want[0])
+    torch.testing.assert_close(got[1].cpu(), want[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[2].cpu(), want[2], rtol=1e-4, atol=1e-5)
+
+
 _PTX_PROBE = r"""
 import json, re
 import triton
