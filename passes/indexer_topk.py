@@ -39,7 +39,7 @@ import torch
 
 from dsfuse.kernels.indexer_topk import indexer_topk_reference  # also registers torch.ops.dsfuse.indexer_topk
 
-from .canonicalize import canonical_scale
+from .canonicalize import canonical_bmm, canonical_mm, canonical_scale
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
                    views_of_rank)
@@ -261,7 +261,9 @@ def _match(anchor: torch.fx.Node) -> dict:
             raise NoMatch(f"the score scale {UNSPECIALISED_FLOAT}")
         raise NoMatch("scores are scaled by a tensor, not a constant")
     qk, qk_ops = layout_chain(relu_in)
-    if not is_op(qk, *PRODUCTS):
+    # the product as written, or as Inductor's pad_mm computes it (zero-padded operands, the result sliced back)
+    operands = canonical_bmm(qk) or canonical_mm(qk)
+    if operands is None:
         raise NoMatch("relu input is not a q.k product")
     extra = 1 if batched else 0
     weights, w_ops = leaf_of_rank(head["weights"], 2 + extra)
@@ -271,8 +273,8 @@ def _match(anchor: torch.fx.Node) -> dict:
     # [B, H, S, D] until a transpose); failing that, a permutation of q's or k's leaf (q held heads-first
     # throughout, k held as [D, T])
     for permuted in (False, True):
-        pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _candidates(qk.args[q_pos], 3 + extra, permuted)
-                 for k in _candidates(qk.args[1 - q_pos], 2 + extra, permuted))
+        pairs = ((q_pos, q, k) for q_pos in (0, 1) for q in _candidates(operands[q_pos], 3 + extra, permuted)
+                 for k in _candidates(operands[1 - q_pos], 2 + extra, permuted))
         for q_pos, q_view, k_view in pairs:
             if len(shape(weights)) == 2 + extra and _computes_indexer(
                     head, batched, q_pos, q_view, k_view, qk_ops, relu_ops, weights, w_ops, k_scale):

@@ -4,6 +4,8 @@ round trips, pad_mm's zero-padded products, a batch-1 bmm as `mm`: see inductor_
 every site, with no near-miss, and the logits are bit for bit those of the compile without these forms. (Every pass
 runs: the CPU backend cannot lower an online softmax, so every softmax must be rewritten.)"""
 
+import functools
+
 import torch
 from inductor_forms import (CONVERT, FLOAT32_WHERES, REWRITES, as_torch_2_11_on_cuda, batch_one_bmm_as_mm,
                             inductor_folds_narrowing_round_trips, keep_constant_wheres_in_float32, pad_matmuls)
@@ -62,6 +64,20 @@ def test_v4_families_rewrite_on_torch_2_11_cuda_graph_forms():
     assert torch.equal(got, want)
 
 
+@SHARED_BF16
+def test_the_indexer_rewrites_when_cuda_pads_its_scores_product():
+    """pad_mm pads a product whose dims are not multiples of 8 once each is large enough: on the H200 grid the
+    indexer's q . k at 3 x 127 tokens (127 queries, 31 compressed keys), which then reached the relu as a slice of a
+    padded bmm and was reported ("relu input is not a q.k product"). Every small product padded here, the scores'
+    included: the indexer reads the product the slice holds."""
+    model, ids, _, want, plain_rep = csa_then_hca_bf16()
+    got, rep = _with(functools.partial(pad_matmuls, min_dim=4), model, ids)
+    assert REWRITES, "no product was padded"
+    assert rep.counts == plain_rep.counts and rep.counts["indexer_topk"] == 1, (dict(plain_rep.counts), str(rep))
+    assert not rep.near_misses, str(rep)
+    assert torch.equal(got, want)
+
+
 def test_hyper_connection_exits_rewrite_when_cuda_computes_the_one_token_bmm_as_mm():
     """A decode step's exit mixes one token's streams: on CUDA its bmm arrives as a batch-1 mm."""
     model = build_hf_model("v4-tiny", dtype=torch.bfloat16, hc_sinkhorn_iters=2, num_hidden_layers=1,
@@ -94,8 +110,6 @@ def test_csa_attention_with_one_compressed_entry_rewrites_with_its_block_bias_in
 
 def test_v32_eager_attention_rewrites_when_cuda_pads_its_products():
     """The same for HF V3.2's eager attention (decomposed softmax between two bmms), a left-padded batch of 2."""
-    import functools
-
     model = build_hf_model("tiny", attn_implementation="eager")
     ids = torch.randint(1, 256, (2, 37), generator=torch.Generator().manual_seed(5))
     mask = torch.ones_like(ids)
