@@ -181,18 +181,25 @@ def _spelled_block(x, fn, base, scale, block, flat_streams=False, collapse="eins
     return new.flatten(-2) if flat_streams else new
 
 
+def _block_rewritten_with_parity(block, x) -> tuple[list, list]:
+    """(ops, details) of the sites of `block` compiled on streams `x`: one collapse and one mix, no near-miss, eager's
+    result within the dtype's budget."""
+    compiled = torch.compile(block, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    with torch.no_grad():
+        got, want = compiled(x, *_hc_params()), block(x, *_hc_params())
+    tol = 1e-5 if x.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    rep = dsfuse.report()
+    ops, details = _ops(rep)
+    assert sorted(ops) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
+    return ops, details
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_collapse_of_a_late_fp32_copy_is_rewritten(dtype):
     """The collapse reads `streams.float()` made after post and comb (the cast is moved before the fused call); in
     fp32 the graph reads the collapse with its tokens merged (the fused value is viewed so)."""
-    x = torch.randn(2, 3, N, D).to(dtype)
-    compiled = torch.compile(_spelled_block, backend="dsfuse", options={"enable": ["hyper_connections"]})
-    with torch.no_grad():
-        got, want = compiled(x, *_hc_params()), _spelled_block(x, *_hc_params())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    rep = dsfuse.report()
-    assert sorted(_ops(rep)[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
+    _block_rewritten_with_parity(_spelled_block, torch.randn(2, 3, N, D).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -200,15 +207,8 @@ def test_collapse_of_a_late_fp32_copy_is_rewritten(dtype):
 def test_streams_held_only_flattened_are_viewed_back(collapse, dtype):
     """Streams given flattened [B, S, n*D]: the graph folds their [*, n, D] view into the collapse's and the mix's
     bmm views, so only the flat tensor is left; its dims are followed from it and the ops read a view of it."""
-    x = torch.randn(2, 3, N * D).to(dtype)
     block = functools.partial(_spelled_block, flat_streams=True, collapse=collapse)
-    compiled = torch.compile(block, backend="dsfuse", options={"enable": ["hyper_connections"]})
-    with torch.no_grad():
-        got, want = compiled(x, *_hc_params()), block(x, *_hc_params())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    rep = dsfuse.report()
-    assert sorted(_ops(rep)[0]) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
+    _block_rewritten_with_parity(block, torch.randn(2, 3, N * D).to(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -220,16 +220,8 @@ def test_streams_held_only_flattened_are_viewed_back(collapse, dtype):
 def test_comb_spellings_that_round_otherwise_take_the_ops_roundings(spelling, forms, dtype):
     """A softmax with no max subtracted and Sinkhorn steps as products with the reciprocal round otherwise than
     HF's; the collapse is rewritten with the op's matching flags (named in the site's detail)."""
-    x = torch.randn(2, 3, N, D).to(dtype)
     block = functools.partial(_spelled_block, **spelling)
-    compiled = torch.compile(block, backend="dsfuse", options={"enable": ["hyper_connections"]})
-    with torch.no_grad():
-        got, want = compiled(x, *_hc_params()), block(x, *_hc_params())
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    rep = dsfuse.report()
-    ops, details = _ops(rep)
-    assert sorted(ops) == ["dsfuse.hc_collapse", "dsfuse.hc_expand_mix"] and not rep.near_misses, str(rep)
+    ops, details = _block_rewritten_with_parity(block, torch.randn(2, 3, N, D).to(dtype))
     collapse_detail = details[ops.index("dsfuse.hc_collapse")]
     assert collapse_detail.startswith(f"n={N} D={D} sinkhorn_iters=2{forms}"), collapse_detail
 
