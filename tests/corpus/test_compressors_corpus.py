@@ -23,7 +23,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     apply_rotary_pos_emb,
 )
 
-from harness import LEFT_ALONE, Formulation, NEAR_MISS, REWRITTEN, compile_entry
+from harness import LEFT_ALONE, Formulation, NEAR_MISS, REWRITTEN, compile_entry, inductor_drops_narrowing_casts
 
 from dsfuse.models.presets import hf_config
 
@@ -324,6 +324,8 @@ def _present(outs):
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_corpus_entry_ends_as_declared(name):
     entry = CORPUS[name]
+    if name == "gate_rounded_after_bias" and inductor_drops_narrowing_casts():
+        entry = Entry(entry.fn, entry.source, entry.inputs, REWRITTEN, (ONE,))  # the gate arrives unrounded
     got, want, rep = compile_entry(entry, "compressors")
     kinds = sorted(s.detail.split(", ")[-1] for s in rep.sites if s.pass_name == "compressors")
     reasons = [m.reason for m in rep.near_misses if m.pass_name == "compressors"]
