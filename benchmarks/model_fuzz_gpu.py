@@ -225,12 +225,20 @@ def _cell(case: dict) -> tuple:
     return case["preset"], case["batch"], case.get("reuse"), case["seq"], case.get("generate")
 
 
+def _replaced_outcome(case: dict) -> str:
+    if "error" in case:
+        return case["error"][:120]
+    misses = "; ".join(f"{m['pass']}: {m['reason'][:100]}" for m in case.get("near_misses", [])) or "none"
+    return f"{_sites_text(case.get('sites') or {})}; near-misses: {misses}"
+
+
 def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynamic")) -> list[dict]:
     """The cases of several runs' `model_fuzz.json` files (a process's list of cases, or an earlier merge with its
     environment) as one `model_fuzz.json` / `model_fuzz.md`: a line per source environment (date, commit, device,
     versions), the table in preset, batch, compile-mode and length order, and the grid's cells no source ran (each
     preset seen x `batches` x `modes` x its `boundary_lengths`). A cell's error is listed apart when another case of
-    the cell ran without one (a rerun, e.g. alone after running out of memory beside other processes)."""
+    the cell ran without one (a rerun, e.g. alone after running out of memory beside other processes), and so is a
+    cell's case that a later source ran again (a rerun after a fix: the later case is the table's)."""
     from dsfuse.bench.measure import environment
     from dsfuse.models.presets import hf_config
 
@@ -242,10 +250,12 @@ def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynami
         envs += [env for env in source if env not in envs]
         for case in data["cases"] if isinstance(data, dict) else data:
             cases.append({**case, "commit": case.get("commit", source[0]["commit"])})
-    cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
     good = {_cell(c) for c in cases if "error" not in c}
-    replaced = [c for c in cases if "error" in c and _cell(c) in good]
-    cases = [c for c in cases if c not in replaced]
+    latest = {_cell(c): i for i, c in enumerate(cases) if "error" not in c}
+    replaced = [c for i, c in enumerate(cases) if _cell(c) in good and ("error" in c or latest[_cell(c)] != i)]
+    cases = [c for c in cases if not any(c is r for r in replaced)]
+    cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
+    replaced.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
     heads = sorted({f"{e['date'][:10]}, commit {e['commit']}, {e['device']}, torch {e['torch']}, triton {e['triton']}, "
                     f"transformers {e.get('transformers', '-')}" for e in envs})
     ran = {(c["preset"], c["batch"], c.get("reuse"), c["seq"]) for c in cases if "generate" not in c}
@@ -259,15 +269,16 @@ def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynami
                     missing.append(f"| {preset} | {mode} | {batch} | {' '.join(map(str, absent))} |")
     text = "\n".join(heads) + "\n\n" + markdown(cases)
     if replaced:
-        text += ("\nErrors of cells that ran again without one (the rerun is in the table):\n\n"
-                 "| preset | compile | B | S | commit | error |\n| --- | --- | ---: | ---: | --- | --- |\n"
+        text += ("\nCases of cells that ran again, by a later source or after an error (the rerun is in the table):\n\n"
+                 "| preset | compile | B | S | commit | error, or the sites and near-misses it had |\n"
+                 "| --- | --- | ---: | ---: | --- | --- |\n"
                  + "\n".join(f"| {c['preset']} | {c.get('reuse', 'fresh')} | {c['batch']} | {c['seq']} | {c['commit']} "
-                             f"| {c['error'][:120]} |" for c in replaced) + "\n")
+                             f"| {_replaced_outcome(c)} |" for c in replaced) + "\n")
     if missing:
         text += ("\nCells of the grid no source ran:\n\n| preset | compile | B | S |\n| --- | --- | ---: | --- |\n"
                  + "\n".join(missing) + "\n")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "model_fuzz.json").write_text(json.dumps({"env": envs, "cases": cases, "replaced_errors": replaced},
+    (out / "model_fuzz.json").write_text(json.dumps({"env": envs, "cases": cases, "replaced": replaced},
                                                     indent=1))
     (out / "model_fuzz.md").write_text(text)
     return cases

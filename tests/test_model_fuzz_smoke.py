@@ -129,25 +129,28 @@ def _cell(preset, batch, reuse, seq, **fields):
             "inductor_err": 0.01, "nan": False, "vs_fp32": None, "seconds": 1.0, **fields}
 
 
-def test_merge_orders_cells_sets_apart_replaced_errors_and_lists_the_cells_not_run(tmp_path):
+def test_merge_orders_cells_sets_apart_replaced_cases_and_lists_the_cells_not_run(tmp_path):
     """Two sources, each with its environment: the cells in length order whatever the source order, an error whose
-    cell ran again without one listed apart (not in the table), and the boundary lengths of the grid no source ran."""
+    cell ran again without one and a cell the later source ran again listed apart (not in the table), and the
+    boundary lengths of the grid no source ran."""
     env = {"date": "2026-12-05T09:00:00+00:00", "torch": "2.11.0", "triton": "3.6.0", "device": "GPU"}
     first = {"env": [{**env, "commit": "aaaaaaa"}],
              "cases": [_cell("tiny", 1, "auto", 129), _cell("tiny", 1, "auto", 4097, error="OutOfMemoryError: x")]}
     second = {"env": [{**env, "commit": "bbbbbbb"}],
-              "cases": [_cell("tiny", 1, "auto", 4097), _cell("tiny", 1, "auto", 7)]}
+              "cases": [_cell("tiny", 1, "auto", 4097), _cell("tiny", 1, "auto", 7),
+                        _cell("tiny", 1, "auto", 129, sites={"norm_rope_quant": 9})]}
     paths = []
     for name, data in (("first.json", first), ("second.json", second)):
         paths.append(tmp_path / name)
         paths[-1].write_text(json.dumps(data))
     cases = _module().merge([str(p) for p in paths], tmp_path / "merged")
-    assert [(c["seq"], c["commit"], "error" in c) for c in cases] == [(7, "bbbbbbb", False), (129, "aaaaaaa", False),
+    assert [(c["seq"], c["commit"], "error" in c) for c in cases] == [(7, "bbbbbbb", False), (129, "bbbbbbb", False),
                                                                     (4097, "bbbbbbb", False)]
     text = (tmp_path / "merged" / "model_fuzz.md").read_text()
     assert "commit aaaaaaa, GPU" in text and "commit bbbbbbb, GPU" in text
     assert "| tiny | auto | 1 | 4097 | aaaaaaa | OutOfMemoryError: x |" in text
+    assert "| tiny | auto | 1 | 129 | aaaaaaa | norm_rope_quant 10; near-misses: none |" in text
     assert "| tiny | auto | 1 | 1 2 3 8 9 13 127 128 1000 2049 |" in text  # the tiny preset's other boundary lengths
     assert "| tiny | dynamic | 3 | 1 2 3 7 8 9 13 127 128 129 1000 2049 4097 |" in text
     saved = json.loads((tmp_path / "merged" / "model_fuzz.json").read_text())
-    assert [c["seq"] for c in saved["replaced_errors"]] == [4097] and len(saved["env"]) == 2
+    assert [c["seq"] for c in saved["replaced"]] == [129, 4097] and len(saved["env"]) == 2
