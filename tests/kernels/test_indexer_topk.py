@@ -351,7 +351,7 @@ TIE_MASKS = {
 def test_triton_picks_lowest_index_among_ties(mask_kind, config):
     """Tie-heavy exact-integer scores: the picked set is exactly the lowest-index rule's, also in rows with fewer
     than k unmasked keys (the -inf filler keys: the lowest masked ones, holes inside the range included)."""
-    B, S, T, H, D, topk = 2, 32, 32, 4, 16, 16  # query s sees s + 1 keys: rows 0-14 fill with masked keys
+    B, S, T, H, D, topk = 2, 24, 24, 4, 16, 12  # query s sees s + 1 keys: rows 0-10 fill with masked keys
     q, k, w = integer_scores_inputs(B, S, T, H, D)
     mask = TIE_MASKS[mask_kind](B, S, T).to(DEVICE)
     out = indexer_topk_triton(q, k, w, None, mask, 1.0, topk, config=config).cpu()
