@@ -38,7 +38,9 @@ with the reason. Two more site kinds, each into one launch:
   recognised by its own structure), `cat` back, then `quantize_fp8_blockwise` (per-block amax, 1e-4 floor,
   /448, optional ue8m0, clamp, e4m3); the key's LayerNorm joins as for `rope_cat`. Both the fp8 values and
   the scales are replaced. The same complex RoPE beside an RMSNorm (the own kv side) is `rmsnorm_rope` with
-  `freqs`; a complex RoPE'd split part not concatenated back (the own main query's q_pe) is `dsfuse::complex_rope`.
+  `freqs`; a complex RoPE'd split part not concatenated back (the own main query's q_pe), or concatenated back
+  (a split's part or a row's trailing slice) with no fp8 quantisation after it (the official indexer's Hadamard
+  `rotate_activation` sits between), is `dsfuse::complex_rope`: the RoPE in one launch, the cat left to Inductor.
 - `dsfuse::rope_cat` for DeepSeek V4 (HF `deepseek_v4.apply_rotary_pos_emb`): the anchor is the `cat` of a
   row's leading slice and the RoPE of its trailing slice (`cat([x[..., :-R], rope(x[..., -R:])], -1)`), the RoPE
   in fp32 on pairs in place, its tables repeated per pair (`cos.repeat_interleave(2, -1)`):
@@ -127,8 +129,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 
 def _match_split(split: torch.fx.Node) -> dict:
     """Part 0 an RMSNorm: the kv side (`rmsnorm_rope`). A part through the official complex-multiply RoPE,
-    concatenated back and fp8-quantised: the official indexer (`rope_quant_fp8`); not concatenated back: the
-    official main query's q_pe (`complex_rope`). Otherwise one part RoPE'd and concatenated back with the other
+    concatenated back and fp8-quantised: the official indexer (`rope_quant_fp8`); not concatenated back, or not
+    quantised after: the RoPE alone (`complex_rope`). Otherwise one part RoPE'd and concatenated back with the other
     in the split's order: the main query or the indexer (`rope_cat`)."""
     parts = _getitems(split)
     if 0 in parts and _starts_rmsnorm(parts[0]):
@@ -673,6 +675,7 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
 # --- the official indexer: complex-multiply RoPE + cat + fp8 per-block quantisation -------------------------
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
+NOT_QUANTISED = "complex RoPE + cat not followed by the fp8 per-block quantisation"
 
 
 def _upcast(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -753,7 +756,7 @@ def _match_complex_rope(part: torch.fx.Node, x_dtype: torch.dtype) -> dict | Non
 def _match_rope_quant(split: torch.fx.Node) -> dict:
     """`quantize_fp8_blockwise(cat(complex_rope(rot), kept))` on a two-way last-dim split (DsfuseIndexer's q and
     k), the split input optionally a LayerNorm's output (k_norm); or, when the RoPE'd part is not concatenated
-    back, the complex RoPE alone (`kind` "complex_rope": DsfuseAttention's q_pe)."""
+    back (DsfuseAttention's q_pe) or the cat is not quantised, the complex RoPE alone (`kind` "complex_rope")."""
     x, sizes = split.args[0], split.args[1]
     dim = node_arg(split, 2, "dim", 0)
     parts = _getitems(split)
@@ -765,15 +768,19 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
     kept = parts[1 - rope_index]
     order = [rope["rope_out"], kept] if rope_index == 0 else [kept, rope["rope_out"]]
     cat = only_user(rope["rope_out"], aten.cat.default)
+    rope_start = 0 if rope_index == 0 else sizes[0]
     if cat is None:
-        if not _last_dim_contiguous(rope["rot"]):
-            raise NoMatch(f"complex RoPE: {rope['rot']}'s last dim is not contiguous")
-        return {"kind": "complex_rope", "rope_start": 0 if rope_index == 0 else sizes[0], **rope}
+        return _complex_rope_alone(rope, rope_start)
     if list(cat.args[0]) != order or not is_last_dim_cat(cat):
         raise NoMatch("complex RoPE of a split part not concatenated back with the other part in order")
     if not _last_dim_contiguous(x):
         raise NoMatch(f"complex RoPE + quantisation: {x}'s last dim is not contiguous")
-    quant = _match_fp8_quant(cat, dtype(x))
+    try:
+        quant = _match_fp8_quant(cat, dtype(x))
+    except NoMatch as miss:
+        if miss.reason != NOT_QUANTISED:
+            raise
+        return _complex_rope_alone(rope, rope_start, cat_left=True)
     norm = _match_layer_norm(x)
     source = x if norm is None else norm["input"]  # the node the fused call reads (stays in the graph)
     for target in (x, quant["blocks"], quant["scale"]):
@@ -782,6 +789,14 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
                 raise NoMatch(f"fp8 quantisation: size {size} of {target} is not one of the input's sizes")
     return {"kind": "rope_quant", "x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0],
             "c_rope": sizes[rope_index], "layer_norm": norm, "source": source, **rope, **quant}
+
+
+def _complex_rope_alone(rope: dict, rope_start, cat_left: bool = False) -> dict:
+    """The complex RoPE of a part as `complex_rope` on its own: not concatenated back (the main query's q_pe), or
+    concatenated back but not fp8-quantised after (`cat_left`: the cat, and whatever reads it, stay Inductor's)."""
+    if not _last_dim_contiguous(rope["rot"]):
+        raise NoMatch(f"complex RoPE: {rope['rot']}'s last dim is not contiguous")
+    return {"kind": "complex_rope", "rope_start": rope_start, "cat_left": cat_left, **rope}
 
 
 def _constant_arg(node: torch.fx.Node, expected: float) -> bool:
@@ -804,8 +819,7 @@ def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     width = shape(cat)[-1]
     if (blocks is None or not users_of(blocks, aten.abs.default) or len(shape(blocks)) < 2
             or not same_size(shape(blocks)[-2] * shape(blocks)[-1], width)):
-        raise NoMatch("complex RoPE + cat not followed by the fp8 per-block quantisation (no fused kernel for "
-                      "the unquantised output)")
+        raise NoMatch(NOT_QUANTISED)
     block_size = shape(blocks)[-1]
     if not isinstance(block_size, int) or block_size & (block_size - 1):
         raise NoMatch(f"fp8 quantisation: block size {block_size} is not a power of two")
@@ -899,9 +913,9 @@ def _rewrite_complex_rope(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, 
     graph.eliminate_dead_code()
     form = "interleaved" if m["interleaved"] else "half-split"
     where = "first" if m["rope_start"] == 0 else "last"
+    cat = "concatenated back by Inductor" if m["cat_left"] else "not concatenated"
     ctx.site(split, "dsfuse.complex_rope", [m["rot"], m["freqs"]],
-             detail=f"complex-multiply {form} RoPE {shape(m['rot'])[-1]} of the {where} part (not concatenated)",
-             call=fused)
+             detail=f"complex-multiply {form} RoPE {shape(m['rot'])[-1]} of the {where} part ({cat})", call=fused)
 
 
 def _match_projection_norm(square: torch.fx.Node) -> dict:
@@ -1116,7 +1130,11 @@ def _leading_and_trailing(nope: torch.fx.Node) -> tuple | None:
 
 def _match_tail_rope_cat(cat, row, rot, rotated, pair_miss: NoMatch) -> dict:
     """The trailing part RoPE'd in one of HF's forms in the input dtype (`rope_cat`, as for a split's parts), or
-    else a reported miss when the part goes through products with other tensors, as a RoPE does."""
+    else a reported miss when the part goes through products with other tensors, as a RoPE does. The official
+    complex product is `complex_rope` on its own (no kernel takes it with the cat unquantised)."""
+    if _complex_rope_entry(rot) is not None:
+        rope = _match_complex_rope(rot, dtype(row))
+        return _complex_rope_alone(rope, shape(row)[-1] - shape(rot)[-1], cat_left=True)
     try:
         rope = _match_rope(rot, dtype(row))
     except NoMatch as miss:
@@ -1126,8 +1144,7 @@ def _match_tail_rope_cat(cat, row, rot, rotated, pair_miss: NoMatch) -> dict:
                   else f"{pair_miss.reason}, and not HF's half-split or interleaved form")
         raise NoMatch(f"RoPE of a row's trailing part, concatenated back, in no form a call takes: {reason}") from None
     if "freqs" in rope:
-        raise NoMatch("complex RoPE of a row's trailing part, concatenated back: fused only before its fp8 "
-                      "quantisation (no fused kernel for the unquantised output)")
+        return _complex_rope_alone(rope, shape(row)[-1] - shape(rot)[-1], cat_left=True)
     if rope["rope_out"] is not rotated or rope["rot"] is not rot or len(shape(row)) > 4:
         raise NoMatch("RoPE of a row's trailing part, concatenated back: the RoPE reads the part through views, "
                       "or the row's rank is above 4")
@@ -1173,6 +1190,9 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
 
     if m.get("kind") == "rope_cat":
         _rewrite_rope_cat(graph, cat, m, ctx)
+        return
+    if m.get("kind") == "complex_rope":
+        _rewrite_complex_rope(graph, cat, m, ctx)
         return
 
     norm, row = m["norm"], m["row"]

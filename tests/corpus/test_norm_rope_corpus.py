@@ -307,8 +307,6 @@ GPTJ_IN_PLACE = ("interleaved RoPE stacked back in place (GPT-J layout, each op 
                  "computes that form")
 NOT_DIVIDED = "RMSNorm: sqrt(mean + eps) does not divide x itself (another rounding than any kernel's)"
 WEIGHT_PROMOTES = "RMSNorm: weight dtype torch.float32 differs from the product's torch.bfloat16"
-NOT_QUANTISED = ("complex RoPE + cat not followed by the fp8 per-block quantisation (no fused kernel for the "
-                 "unquantised output)")
 
 CORPUS = {
     "hf_v32_kv_side": Entry(hf_v32_kv_side, "transformers DeepseekV32Attention (kv side)", _kv_split(), REWRITTEN, 1,
@@ -340,8 +338,8 @@ CORPUS = {
     "official_query_pe": Entry(official_query_pe, "DeepSeek V3.2 inference MLA (q_pe)", _complex_query(), REWRITTEN,
                                1, op="dsfuse.complex_rope"),
     "hadamard_before_quant": Entry(hadamard_between_rope_and_quant, "DeepSeek V3.2 inference Indexer "
-                                   "(rotate_activation)", _complex_query(rotation=True), NEAR_MISS,
-                                   reason=NOT_QUANTISED),
+                                   "(rotate_activation)", _complex_query(rotation=True), REWRITTEN, 1,
+                                   op="dsfuse.complex_rope", detail="concatenated back by Inductor"),
     "divide_by_sqrt": Entry(divide_by_sqrt, "written for the corpus (x / sqrt)", _kv_split(), REWRITTEN, 1,
                             op="dsfuse.rmsnorm_rope", detail="x / sqrt"),
     "reciprocal_sqrt": Entry(multiply_by_reciprocal_sqrt, "written for the corpus (x * reciprocal(sqrt))",

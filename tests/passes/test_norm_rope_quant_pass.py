@@ -517,13 +517,36 @@ def test_official_query_rope_without_cat_is_one_call(dtype, interleaved):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "half_split"])
+def test_official_rope_cat_without_quantisation_ropes_in_one_call(interleaved):
+    """The official RoPE + cat with no fp8 quantisation after it (a Hadamard, or any op, in between): the complex
+    RoPE is one `complex_rope` and the cat stays Inductor's; a split's part and a row's trailing slice alike. The
+    result equals eager bit for bit (the CPU op is the source's math)."""
+    q_proj, _, _, _, freqs = _indexer_args(torch.bfloat16)
+
+    def split_part(q_proj, freqs):
+        return _official_split_rope_cat(q_proj.view(B, S, IH, ID), freqs, interleaved) * 2
+
+    def trailing_slice(q_proj, freqs):
+        row = q_proj.view(B, S, IH, ID)
+        pairs = row[..., ID - IR:].float().unflatten(-1, (-1, 2))
+        roped = torch.view_as_real(torch.view_as_complex(pairs) * freqs[None, :, None, :]).flatten(-2)
+        return torch.cat([row[..., :ID - IR], roped.to(row.dtype)], -1) * 2
+
+    form = "interleaved" if interleaved else "half-split"
+    cases = [(split_part, "first")] + ([(trailing_slice, "last")] if interleaved else [])
+    for fn, where in cases:
+        gm, ctx = _post_grad_graph(fn, (q_proj, freqs), require_var_mean=False)
+        assert [s.detail for s in ctx.sites] == [f"complex-multiply {form} RoPE {IR} of the {where} part "
+                                                 "(concatenated back by Inductor)"], fn.__name__
+        assert not ctx.near_misses and _launches(gm) == [["complex_rope"]], (ctx.near_misses, _launches(gm))
+        assert torch.equal(gm(q_proj, freqs), fn(q_proj, freqs)), fn.__name__
+
+
 def test_official_near_misses_are_reported_with_their_reason():
     from dsfuse.models.official import quantize_fp8_blockwise, rms_norm_official
 
     q_proj, _, weight, _, freqs = _indexer_args(torch.bfloat16)
-
-    def unquantised(q_proj, freqs, weight):  # RoPE + cat, then no fp8 quantisation
-        return _official_split_rope_cat(q_proj.view(B, S, IH, ID), freqs, False) * 2
 
     def other_range(q_proj, freqs, weight):  # e5m2-like range: not the official constants
         blocks = _official_split_rope_cat(q_proj.view(B, S, IH, ID), freqs, False).float().unflatten(-1, (1, ID))
@@ -543,12 +566,10 @@ def test_official_near_misses_are_reported_with_their_reason():
         return quantize_fp8_blockwise(torch.cat([roped, kept], -1), ID)
 
     reasons = {}
-    for fn in (unquantised, other_range, kv_rotated_per_batch, rotations_first):
+    for fn in (other_range, kv_rotated_per_batch, rotations_first):
         _, ctx = _post_grad_graph(fn, (q_proj, freqs, weight), require_var_mean=False)
         assert not ctx.sites, ctx.sites
         reasons[fn.__name__] = [m.reason for m in ctx.near_misses]
-    assert reasons["unquantised"] == [("complex RoPE + cat not followed by the fp8 per-block quantisation (no "
-                                       "fused kernel for the unquantised output)")], reasons
     assert reasons["other_range"] == ["fp8 quantisation: the scale is not max(amax, 1e-4) / 448"], reasons
     assert reasons["kv_rotated_per_batch"] == [(f"complex RoPE beside an RMSNorm: freqs [{B}, 1, 1] broadcast over "
                                                 f"rows [{B}, {S}, 1] other than over leading dims")], reasons
