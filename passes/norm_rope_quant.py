@@ -675,7 +675,6 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
 # --- the official indexer: complex-multiply RoPE + cat + fp8 per-block quantisation -------------------------
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
-NOT_QUANTISED = "complex RoPE + cat not followed by the fp8 per-block quantisation"
 
 
 def _upcast(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -775,11 +774,8 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
         raise NoMatch("complex RoPE of a split part not concatenated back with the other part in order")
     if not _last_dim_contiguous(x):
         raise NoMatch(f"complex RoPE + quantisation: {x}'s last dim is not contiguous")
-    try:
-        quant = _match_fp8_quant(cat, dtype(x))
-    except NoMatch as miss:
-        if miss.reason != NOT_QUANTISED:
-            raise
+    quant = _match_fp8_quant(cat, dtype(x))
+    if quant is None:
         return _complex_rope_alone(rope, rope_start, cat_left=True)
     norm = _match_layer_norm(x)
     source = x if norm is None else norm["input"]  # the node the fused call reads (stays in the graph)
@@ -803,14 +799,15 @@ def _constant_arg(node: torch.fx.Node, expected: float) -> bool:
     return scalar_arg(node.args[1]) == expected
 
 
-def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
+def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict | None:
     """`quantize_fp8_blockwise` (models/official.py) of `cat`'s rows in its decomposed post-grad form:
 
         blocks = cat.float().view(..., D / B, B);  amax = blocks.abs().amax(-1).clamp_min(1e-4)
         scale  = amax / 448                       (ue8m0: exp2(ceil(log2(scale))))
         q      = (blocks / scale.unsqueeze(-1)).clamp_min(-448).clamp_max(448).to(float8_e4m3fn)
 
-    with views (the key's squeeze) allowed between `cat` and the blocks (fp32 inputs have no upcast)."""
+    with views (the key's squeeze) allowed between `cat` and the blocks (fp32 inputs have no upcast). None when no
+    per-block quantisation of the rows follows `cat`; a reported miss when one does in another form."""
     blocks = cat
     while not (dtype(blocks) == torch.float32 and users_of(blocks, aten.abs.default)):
         blocks = only_user(blocks, *LAYER_NORM_VIEWS, CONVERT)
@@ -819,7 +816,7 @@ def _match_fp8_quant(cat: torch.fx.Node, x_dtype: torch.dtype) -> dict:
     width = shape(cat)[-1]
     if (blocks is None or not users_of(blocks, aten.abs.default) or len(shape(blocks)) < 2
             or not same_size(shape(blocks)[-2] * shape(blocks)[-1], width)):
-        raise NoMatch(NOT_QUANTISED)
+        return None
     block_size = shape(blocks)[-1]
     if not isinstance(block_size, int) or block_size & (block_size - 1):
         raise NoMatch(f"fp8 quantisation: block size {block_size} is not a power of two")
