@@ -225,6 +225,10 @@ def _cell(case: dict) -> tuple:
     return case["preset"], case["batch"], case.get("reuse"), case["seq"], case.get("generate")
 
 
+def _table_order(case: dict) -> tuple:
+    return case["preset"], case["batch"], case.get("reuse", "fresh"), "generate" in case, case["seq"]
+
+
 def _replaced_outcome(case: dict) -> str:
     if "error" in case:
         return case["error"][:120]
@@ -250,12 +254,12 @@ def merge(paths: list[str], out: Path, batches=(1, 2, 3), modes=("auto", "dynami
         envs += [env for env in source if env not in envs]
         for case in data["cases"] if isinstance(data, dict) else data:
             cases.append({**case, "commit": case.get("commit", source[0]["commit"])})
-    good = {_cell(c) for c in cases if "error" not in c}
+    # the last case of a cell that ran without an error is the table's; every other case of that cell is replaced
     latest = {_cell(c): i for i, c in enumerate(cases) if "error" not in c}
-    replaced = [c for i, c in enumerate(cases) if _cell(c) in good and ("error" in c or latest[_cell(c)] != i)]
-    cases = [c for c in cases if not any(c is r for r in replaced)]
-    cases.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
-    replaced.sort(key=lambda c: (c["preset"], c["batch"], c.get("reuse", "fresh"), "generate" in c, c["seq"]))
+    last = set(latest.values())
+    kept = [i in last or _cell(c) not in latest for i, c in enumerate(cases)]
+    replaced = sorted((c for c, keep in zip(cases, kept) if not keep), key=_table_order)
+    cases = sorted((c for c, keep in zip(cases, kept) if keep), key=_table_order)
     heads = sorted({f"{e['date'][:10]}, commit {e['commit']}, {e['device']}, torch {e['torch']}, triton {e['triton']}, "
                     f"transformers {e.get('transformers', '-')}" for e in envs})
     ran = {(c["preset"], c["batch"], c.get("reuse"), c["seq"]) for c in cases if "generate" not in c}
