@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from dsfuse.bench.measure import environment, error_text, free_device_memory, graph_count
+from dsfuse.bench.measure import environment, error_text, free_device_memory, graph_count, loaded_with_weight_bytes
 from dsfuse.bench.source import add_source_arguments, load_model, source_label
 
 GENERATE_CONFIGS = ("eager", "inductor", "dsfuse")
@@ -118,10 +118,10 @@ def bench_generate(args) -> dict:
     import dsfuse
     started = time.perf_counter()
     cuda = args.device.startswith("cuda")
-    model = load_model(args)
+    model, weights = loaded_with_weight_bytes(lambda: load_model(args), cuda)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
-    weights = torch.cuda.memory_allocated() if cuda else 0
+    resident = torch.cuda.memory_allocated() if cuda else 0
     results = {"env": environment(), "kind": "generate", "preset": source_label(args), "dtype": args.dtype,
                "prompts": args.prompt, "batches": args.batch, "padded": args.padded, "new_tokens": args.new_tokens,
                "prefill_chunk": args.chunk, "weights_gib": round(weights / 2**30, 2), "runs": []}
@@ -155,7 +155,7 @@ def bench_generate(args) -> dict:
                     row["recompiles_timed"] = graph_count() - graphs
                     row["cudagraph_skips"] = _cudagraph_skips() - skips
                     if cuda:
-                        row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - weights) / 2**30, 2)
+                        row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - resident) / 2**30, 2)
                     row["ttft_ms"] = statistics.median(ttft)
                     row["generate_ms"] = statistics.median(full)
                     row["ms_per_token"], unresolved = decode_step_ms(ttft, full, args.new_tokens)

@@ -4,6 +4,7 @@ environment line it records (date, commit, device, versions)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import platform
 import statistics
@@ -139,6 +140,20 @@ def free_device_memory(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def loaded_with_weight_bytes(load: Callable[[], torch.nn.Module], cuda: bool) -> tuple[torch.nn.Module, int]:
+    """`load()`'s model and the device memory it took. Dynamo's caches keep the models of earlier compiles in this
+    process alive (a notebook benchmarks one preset after another): they are dropped first, so the model's own bytes
+    are not counted with a previous one's."""
+    if not cuda:
+        return load(), 0
+    torch._dynamo.reset()
+    gc.collect()
+    free_device_memory(cuda)
+    before = torch.cuda.memory_allocated()
+    model = load()
+    return model, torch.cuda.memory_allocated() - before
 
 
 def graph_count() -> int:

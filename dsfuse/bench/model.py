@@ -29,7 +29,8 @@ import torch
 
 import dsfuse
 from dsfuse.bench.measure import (CONFIGS, CUDA_GRAPH_CONFIGS, compile_with, environment, error_text,
-                                  free_device_memory, graph_count, profile_stages, resolve_configs, time_ms)
+                                  free_device_memory, graph_count, loaded_with_weight_bytes, profile_stages,
+                                  resolve_configs, time_ms)
 from dsfuse.bench.report import ablation_summary, decode_notes, progress
 from dsfuse.bench.source import load_model, source_label
 from dsfuse.models.presets import is_v4_preset
@@ -38,14 +39,18 @@ from dsfuse.models.presets import is_v4_preset
 def bench_model(args) -> dict:
     """`model`: prefill (`--mode prefill`), decode with a KV cache (`--mode decode`) or both, one model build."""
     started = time.perf_counter()
-    model = load_model(args)
+    cuda = args.device.startswith("cuda")
     cast = getattr(args, "cast", None)
-    if cast is not None:
-        model = model.to(getattr(torch, cast))
+
+    def load():
+        model = load_model(args)
+        return model if cast is None else model.to(getattr(torch, cast))
+
+    model, weights = loaded_with_weight_bytes(load, cuda)
     results = {"env": environment(), "preset": source_label(args), "dtype": args.dtype, "cast": cast,
                "batch": args.batch, "mode": args.mode, "runs": []}
-    if args.device.startswith("cuda"):
-        results["weights_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
+    if cuda:
+        results["weights_gib"] = round(weights / 2**30, 2)
     print(f"# {results['env']} preset={results['preset']} dtype={args.dtype} cast={cast} mode={args.mode} "
           f"weights={results.get('weights_gib', '-')} GiB", flush=True)
     if args.mode in ("prefill", "both"):
