@@ -50,8 +50,8 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
+from dsfuse.kernels.triton_math import exp_as_torch
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -210,15 +210,6 @@ def _key_ranges_kernel(qpos_ptr, kvpos_ptr, idx_ptr, ranges_ptr,
 
 
 @triton.jit
-def _exp(x, ACCURATE_EXP: tl.constexpr):
-    """expf as PyTorch's softmax computes it (libdevice on the GPU; the interpreter's exp is numpy's)."""
-    if ACCURATE_EXP:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
 def _window_keys(kv_row_ptr, kvpos_row_ptr, mask_row_ptr, stride_kv_n, q_pos, lo, hi, start, window, offs_d,
                  D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr, CHECK_POSITIONS: tl.constexpr,
                  HAS_MASK: tl.constexpr):
@@ -286,7 +277,7 @@ def _logits(q, keys, ok, scale, DOT_PRECISION: tl.constexpr):
 def _max_and_sum(x, m, l, ACCURATE_EXP: tl.constexpr):
     """Online row max and sum of exp(x - max); m starts at the sink, so it is never -inf."""
     m_new = tl.maximum(m, tl.max(x, 1))
-    l = l * _exp(m - m_new, ACCURATE_EXP) + tl.sum(_exp(x - m_new[:, None], ACCURATE_EXP), 1)
+    l = l * exp_as_torch(m - m_new, ACCURATE_EXP) + tl.sum(exp_as_torch(x - m_new[:, None], ACCURATE_EXP), 1)
     return m_new, l
 
 
@@ -295,9 +286,9 @@ def _probabilities(x, m, l, dtype: tl.constexpr, ACCURATE_EXP: tl.constexpr):
     """round(exp(x - m) / l) to the input dtype: the probabilities HF hands to its p @ v matmul (without
     ACCURATE_EXP the division is a multiply by 1 / l, which can round differently)."""
     if ACCURATE_EXP:
-        return tl.div_rn(_exp(x - m[:, None], ACCURATE_EXP), l[:, None]).to(dtype)
+        return tl.div_rn(exp_as_torch(x - m[:, None], ACCURATE_EXP), l[:, None]).to(dtype)
     else:
-        return (_exp(x - m[:, None], ACCURATE_EXP) * (1.0 / l)[:, None]).to(dtype)
+        return (exp_as_torch(x - m[:, None], ACCURATE_EXP) * (1.0 / l)[:, None]).to(dtype)
 
 
 @triton.jit

@@ -35,9 +35,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS, _over_rms, _rms_scale, _round_to
+from dsfuse.kernels.triton_math import exp_as_torch, log_as_torch
 from dsfuse.kernels.triton_support import direct_kernel, interpreting, next_power_of_2
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -133,22 +133,6 @@ def _validate(kv, gate, position_bias, norm_weight, cos, sin, eps, overlap, div_
 # Triton kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _exp(x, ACCURATE_EXP: tl.constexpr):
-    if ACCURATE_EXP:
-        return libdevice.exp(x)
-    else:
-        return tl.exp(x)
-
-
-@triton.jit
-def _log(x, ACCURATE_EXP: tl.constexpr):
-    if ACCURATE_EXP:
-        return libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
 def _slot_chunk(kv_ptr, gate_ptr, bias_ptr, b, w, l0, d, d_ok, s_kb, s_kw, s_km, s_kc, s_gb, s_gw, s_gm, s_gc,
                 s_pm, s_pc, M, D, GATE_DT: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_L: tl.constexpr,
                 GATE_RNE: tl.constexpr):
@@ -208,16 +192,16 @@ def _kv_compress_kernel(
     for l0 in range(0, L, BLOCK_L):
         g, kv = _slot_chunk(kv_ptr, gate_ptr, bias_ptr, b, w, l0, d, d_ok, s_kb, s_kw, s_km, s_kc, s_gb, s_gw, s_gm,
                             s_gc, s_pm, s_pc, M, D, GATE_DT, OVERLAP, BLOCK_L, GATE_RNE)
-        total += tl.sum(_exp(g - peak[None, :], ACCURATE_EXP), axis=0)
-    log_total = _log(total, ACCURATE_EXP)
+        total += tl.sum(exp_as_torch(g - peak[None, :], ACCURATE_EXP), axis=0)
+    log_total = log_as_torch(total, ACCURATE_EXP)
     pooled = tl.zeros([BLOCK_D], tl.float32)
     for l0 in range(0, L, BLOCK_L):
         g, kv = _slot_chunk(kv_ptr, gate_ptr, bias_ptr, b, w, l0, d, d_ok, s_kb, s_kw, s_km, s_kc, s_gb, s_gw, s_gm,
                             s_gc, s_pm, s_pc, M, D, GATE_DT, OVERLAP, BLOCK_L, GATE_RNE)
         if EXP_LOG_SOFTMAX:
-            p = _exp((g - peak[None, :]) - log_total[None, :], ACCURATE_EXP)
+            p = exp_as_torch((g - peak[None, :]) - log_total[None, :], ACCURATE_EXP)
         else:
-            p = tl.div_rn(_exp(g - peak[None, :], ACCURATE_EXP), total[None, :])
+            p = tl.div_rn(exp_as_torch(g - peak[None, :], ACCURATE_EXP), total[None, :])
         p = _round_to(p, KV_DT, KV_RNE)
         pooled += tl.sum(_round_to(kv * p, KV_DT, KV_RNE), axis=0)
     pooled = tl.where(d_ok, _round_to(pooled, KV_DT, KV_RNE), 0.0)
