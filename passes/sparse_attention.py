@@ -16,9 +16,11 @@ polarity once canonicalised, `scatter.src`) and rows read by an index tensor (`i
   read in absorbed form (`dsfuse::absorbed_mla_attention`).
 * Official-style absorbed MLA (and dsfuse's own model): latent rows `kv[arange(B)[:,None,None], idx.clamp(min=0)]`
   (or the same rows by `gather`) used both as keys and as values, rope rows gathered by the same indices, `-1`
-  picks masked to -inf, an fp32 softmax (optionally with a sink column) and P @ kv_rows, q tokens- or heads-first:
-  `dsfuse::sparse_mla_attention`; the official decode form (`full(-inf).scatter(-1, topk, 0)` added to scores over
-  the whole caches) too, when the picks are a top-k's.
+  picks masked to -inf, an fp32 softmax and P @ kv_rows, q tokens- or heads-first: `dsfuse::sparse_mla_attention`.
+  The softmax is bound by what it reads, not by its ops (a max-shifted or logsumexp form, Inductor's scaled form, a
+  per-head sink as a column or as a term of the denominator): the verifier proves which function it is. The
+  official decode form (`full(-inf).scatter(-1, topk, 0)` added to scores over the whole caches) too, when the
+  picks are a top-k's.
 * HF `DeepseekV4Attention` (sink attention over the sliding window plus compressed entries): matched in
   `sparse_attention_v4.py` and rewritten into `dsfuse::compressed_attention`.
 
@@ -47,7 +49,7 @@ from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels, names, views_along
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, PREPARE_SOFTMAX_ONLINE,
                           VIEW_OPS, WHERE_OPS, aten, attention_softmax, broadcasts_to, dtype, fill_value, insert_call, is_last_dim,
-                          is_last_dim_cat, is_neg_inf, is_op, masking_bias, node_arg, only_user, reaches_back,
+                          is_last_dim_cat, is_neg_inf, is_op, is_upcast, masking_bias, node_arg, only_user, reaches_back,
                           same_shape, same_size, scalar_constant, scale_factor, scaled_input, shape, size_arg, strip,
                           val, walk_back, walk_forward)
 from .verify import Family, Verdict, verify
@@ -982,37 +984,14 @@ def _match_mla(index: torch.fx.Node) -> dict:
     sliced = [probs_end[0]] if is_op(probs_end[0], aten.slice.Tensor) else []
     if sliced:
         probs_end = _chain_back(sliced[0].args[0], narrowing=True) + probs_end
-    div = probs_end[0]
-    sink = None
-    x = None
-    if is_op(div, aten.div.Tensor) and is_op(div.args[0], aten.exp.default):
-        sub = div.args[0].args[0]
-        x = sub.args[0] if is_op(sub, aten.sub.Tensor) else None
-    soft = attention_softmax(x) if x is not None else None
-    if soft is None or soft["probs"] is not div:
-        raise NoMatch("the output product's weights are not a softmax")
-    scores = soft["input"]
-    H = shape(scores)[2]
-    if is_op(scores, aten.cat.default):
-        parts, cat_dim = scores.args[0], node_arg(scores, 1, "dim", 0)
-        if len(parts) != 2 or cat_dim % 4 != 3 or len(sliced) != 1 or sliced[0].args[1] % 4 != 3 \
-                or sliced[0].args[2] not in (0, None) or sliced[0].args[3] not in (-1, K):
-            raise NoMatch("softmax over concatenated scores that is not a trailing sink column")
-        scores, sink_col = parts
-        sink_leaf = strip(sink_col, LAYOUT_OPS)
-        if not same_shape(shape(sink_leaf), (H,)) or dtype(sink_leaf) != torch.float32:
-            raise NoMatch(f"sink column {shape(sink_col)} is not an fp32 per-head [H] value broadcast")
-        sink = sink_leaf
-    elif sliced:
-        raise NoMatch("the softmax output is sliced")
-    if dtype(scores) != torch.float32:
-        raise NoMatch(f"softmax over {dtype(scores)} scores, not fp32")
-
-    # Masking with -inf and upcasting to fp32 commute exactly: a bf16 softmax (upcast inside) over masked bf16
-    # scores is the fp32 softmax of the same masked values.
-    masked = scores.args[0] if _is_float_cast(scores) and _is_widening(scores) else scores
-    if not (is_op(masked, aten.where.self) and is_neg_inf(scalar_constant(masked.args[1]))):
-        raise NoMatch("the scores are not masked with -inf where the index is -1")
+    probs = probs_end[0]
+    masked, sink, softmax_scale = _normalised_scores(probs)
+    H = shape(masked)[2]
+    if sink is not None and not same_shape(shape(sink), (H,)):
+        raise NoMatch(f"the weights read {shape(sink)} values beside the scores, not a per-head [H] sink")
+    if sliced and (sink is None or sliced[0].args[1] % 4 != 3 or sliced[0].args[2] not in (0, None)
+                   or sliced[0].args[3] not in (-1, K)):
+        raise NoMatch("the softmax output is sliced other than to drop a trailing sink column")
     cond_chain = _chain_back(masked.args[0])
     cond = cond_chain[0]
     if not (is_op(cond, aten.lt.Scalar) and cond.args[0] is idx and cond.args[1] == 0):
@@ -1061,7 +1040,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     pe_l = _through(_through(pe_l, pe_bmm[1]), score_chain[1:])
     if nope_l is None or pe_l is None or names(nope_l) != want or names(pe_l) != want:
         raise NoMatch("the score products are not q[b,s,h,:] . rows[b,s,k,:] over [B, S, H, K]")
-    p_ops = probs_end[probs_end.index(div) + 1:] if div in probs_end else []
+    p_ops = probs_end[1:]
     p_l = _through([((n, size),) if not same_size(size, 1) else () for n, size in zip("bshk", (B, S, H, K))],
                    [op for op in p_ops if not is_op(op, aten.slice.Tensor)])
     v_l = _through(leaf_labels(index, "bskc"), kv_ops_v)
@@ -1073,9 +1052,59 @@ def _match_mla(index: torch.fx.Node) -> dict:
     pe_scale = _scale_of(qpe_ops) * _scale_of(pe_ops) * _scale_of(pe_bmm[1])
     if not math.isclose(nope_scale, pe_scale, rel_tol=1e-6):
         raise NoMatch("the latent and rope scores are scaled differently")
-    scale = nope_scale * _scale_of(score_chain[1:])
+    scale = nope_scale * _scale_of(score_chain[1:]) * softmax_scale
     return dict(q_nope=q_nope, q_pe=q_pe, kv=kv, pe=pe, idx=idx, sink=sink, scale=scale, out=out,
                 heads_first=heads_first)
+
+
+# What a softmax over the keys is written with in any of its spellings (max-shifted or not, through a logsumexp
+# whose max is guarded against -inf, a sink as a column or as a term of the denominator, CUDA's online form): the
+# ops between the masked scores and the output product's weights. Which function they compute is not read from
+# them: the verifier runs the slice against the op's reference on probes.
+NORMALISER_OPS = LAYOUT_OPS | {aten.amax.default, aten.maximum.default, aten.sub.Tensor, aten.add.Tensor,
+                               aten.mul.Tensor, aten.div.Tensor, aten.reciprocal.default, aten.exp.default,
+                               aten.log.default, aten.logsumexp.default, aten.sum.dim_IntList, aten.abs.default,
+                               aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.logical_not.default,
+                               aten.any.dims, aten.where.self, aten.cat.default, aten.full.default, CONVERT,
+                               PREPARE_SOFTMAX_ONLINE, operator.getitem}
+NORMALISER_MAX_NODES = 64
+
+
+def _normalised_scores(probs: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, float]:
+    """(the scores masked with -inf, the per-head sink or None, a scale inside the softmax) that the weights `probs`
+    are computed from through normaliser ops alone; the sink is the one other tensor they read (seen through layout
+    ops and casts). Inductor writes `softmax(x * c)` as `exp((x - max x) * c)` (guarded against infinite rows): a
+    single constant every product in the normaliser takes is that c (1 when there is none)."""
+    region, frontier, pending = set(), [], [probs]
+    while pending:
+        node = pending.pop()
+        if node in region or node in frontier:
+            continue
+        if _masks_with_neg_inf(node) or not is_op(node, *NORMALISER_OPS):
+            frontier.append(node)
+            continue
+        region.add(node)
+        if len(region) > NORMALISER_MAX_NODES:
+            raise NoMatch("the output product's weights are not a softmax of the masked scores")
+        pending.extend(node.all_input_nodes)
+    masked = [node for node in frontier if _masks_with_neg_inf(node)]
+    others = [node for node in frontier if node not in masked]
+    if len(masked) != 1:
+        raise NoMatch("the scores are not masked with -inf where the index is -1" if not masked else
+                      "the output product's weights read more than one masked score tensor")
+    if len(others) > 1 or others and dtype(others[0]) != torch.float32:
+        raise NoMatch("the output product's weights read more than the masked scores and an fp32 per-head sink")
+    # Masking with -inf and upcasting to fp32 commute exactly: a bf16 softmax (upcast inside) over masked bf16
+    # scores is the fp32 softmax of the same masked values.
+    entries = [user for user in masked[0].users if user in region]
+    if dtype(masked[0]) != torch.float32 and not all(is_upcast(user) for user in entries):
+        raise NoMatch(f"softmax over {dtype(masked[0])} scores, not fp32")
+    factors = {node.args[1] for node in region if is_op(node, aten.mul.Tensor) and isinstance(node.args[1], float)}
+    return masked[0], others[0] if others else None, factors.pop() if len(factors) == 1 else 1.0
+
+
+def _masks_with_neg_inf(node) -> bool:
+    return is_op(node, aten.where.self) and is_neg_inf(scalar_constant(node.args[1]))
 
 
 def _heads_first_leaf(node: torch.fx.Node, want: tuple) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
