@@ -8,8 +8,9 @@ polarity once canonicalised, `scatter.src`) and rows read by an index tensor (`i
   `full(True, [B,S,T]).scatter(-1, idx, False)` combined with the attention mask (`mask & ~sel` for bool masks,
   `where(sel, finfo.min, mask)` for additive ones) or used alone (a `where` on the scores, a -inf bias added to them
   or given to SDPA), consumed by the decomposed attention `softmax(scale * q @ k^T + bias) @ v` (eager, or
-  Inductor's CPU SDPA math with its "safe softmax") or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}
-  _attention`, `..._flash_attention_for_cpu`); K/V per head or shared by the heads (read through an expand). The
+  Inductor's CPU SDPA math with its "safe softmax", or a softmax spelled otherwise, a log-sum-exp form say, bound as
+  the gather forms' is) or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}_attention`,
+  `..._flash_attention_for_cpu`); K/V per head or shared by the heads (read through an expand). The
   chain from the scatter to the attention output becomes `dsfuse::sparse_attention_masked`, which gets the
   original attention mask and applies the selection itself; a bool mask built only from query/key positions
   (`key <= query + T - S`, no padding) is replaced by `causal=True`; decode-sized steps over HF's latent cache are
@@ -623,9 +624,7 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     scores = add.args[2] if is_op(add, *WHERE_OPS) else add.args[0] if add.args[1] is bias else add.args[1]
     if not isinstance(scores, torch.fx.Node) or len(shape(add)) != 4:
         raise NoMatch("the attention mask is added to something other than [B, H, S, T] scores")
-    soft = attention_softmax(add)
-    if soft is None:
-        raise NoMatch("the masked scores do not feed a softmax over the keys")
+    soft = attention_softmax(add) or _normalised_weights(add)
     if comb["kind"] == "bool" and not soft["safe"] and comb.get("bias") != "finite":
         raise NoMatch("plain softmax over a -inf bias gives NaN for fully masked rows; the fused op returns 0")
     probs_end, after = _single_user_chain(soft["probs"], LAYOUT_OPS | {CONVERT})
@@ -675,8 +674,32 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     o_l = _through(pv_l, out_ops)
     if o_l is None or names(o_l) != _expected("bhsv", (B, H, S, Dv)):
         raise NoMatch("the attention output is not [B, H, S, Dv]")
-    scale = _scale_of(q_ops) * _scale_of(k_ops) * _scale_of(score_chain[1:])
+    scale = _scale_of(q_ops) * _scale_of(k_ops) * _scale_of(score_chain[1:]) * soft.get("scale", 1.0)
     return dict(q=q, k=k, v=v, scale=scale, out=out, form="decomposed " + ("SDPA" if soft["safe"] else "softmax"))
+
+
+def _normalised_weights(scores: torch.fx.Node) -> dict:
+    """The softmax over the keys of the masked `scores` in a spelling other than Inductor's decomposition (through a
+    logsumexp, say): the one normaliser node whose layout chain reaches a product, bound back to `scores` alone.
+    Which function it is, the verifier proves."""
+    region, pending = set(), [scores]
+    while pending:
+        for user in pending.pop().users:
+            if user not in region and is_op(user, *NORMALISER_OPS):
+                region.add(user)
+                pending.append(user)
+        if len(region) > NORMALISER_MAX_NODES:
+            break
+    ends = [node for node in region if not is_op(node, *LAYOUT_OPS, CONVERT)
+            and padded_product(_single_user_chain(node, LAYOUT_OPS | {CONVERT})[0]) is not None]
+    if len(ends) != 1:
+        raise NoMatch("the masked scores do not feed a softmax over the keys")
+    read, sink, factor = _normaliser_inputs(ends[0], lambda node: node is scores)
+    if sink is not None:
+        raise NoMatch("a per-head sink in the softmax: sparse_attention_masked takes none")
+    if read != [scores]:
+        raise NoMatch("the masked scores do not feed a softmax over the keys")
+    return dict(input=scores, probs=ends[0], safe=False, scale=factor)
 
 
 def _fused_attention(op: torch.fx.Node, bias: torch.fx.Node) -> dict:
@@ -1065,42 +1088,50 @@ NORMALISER_OPS = LAYOUT_OPS | {aten.amax.default, aten.maximum.default, aten.sub
                                aten.mul.Tensor, aten.div.Tensor, aten.reciprocal.default, aten.exp.default,
                                aten.log.default, aten.logsumexp.default, aten.sum.dim_IntList, aten.abs.default,
                                aten.eq.Scalar, aten.eq.Tensor, aten.ne.Scalar, aten.logical_not.default,
-                               aten.any.dims, aten.where.self, aten.cat.default, aten.full.default, CONVERT,
-                               PREPARE_SOFTMAX_ONLINE, operator.getitem}
+                               aten.any.dims, aten.where.self, aten.cat.default, aten.slice.Tensor, aten.full.default,
+                               CONVERT, PREPARE_SOFTMAX_ONLINE, operator.getitem}
 NORMALISER_MAX_NODES = 64
 
 
-def _normalised_scores(probs: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, float]:
-    """(the scores masked with -inf, the per-head sink or None, a scale inside the softmax) that the weights `probs`
-    are computed from through normaliser ops alone; the sink is the one other tensor they read (seen through layout
-    ops and casts). Inductor writes `softmax(x * c)` as `exp((x - max x) * c)` (guarded against infinite rows): a
-    single constant every product in the normaliser takes is that c (1 when there is none)."""
+def _normaliser_inputs(probs: torch.fx.Node, is_scores) -> tuple[list, torch.fx.Node | None, float]:
+    """What the weights `probs` are computed from through normaliser ops alone: (the frontier nodes `is_scores`
+    accepts, the per-head sink or None, a scale inside the softmax). The sink is the one other tensor they read
+    (seen through layout ops and casts), in fp32. Inductor writes `softmax(x * c)` as `exp((x - max x) * c)`
+    (guarded against infinite rows): a single constant every product in the normaliser takes is that c (1 when
+    there is none)."""
     region, frontier, pending = set(), [], [probs]
     while pending:
         node = pending.pop()
         if node in region or node in frontier:
             continue
-        if _masks_with_neg_inf(node) or not is_op(node, *NORMALISER_OPS):
+        if is_scores(node) or not is_op(node, *NORMALISER_OPS):
             frontier.append(node)
             continue
         region.add(node)
         if len(region) > NORMALISER_MAX_NODES:
             raise NoMatch("the output product's weights are not a softmax of the masked scores")
         pending.extend(node.all_input_nodes)
-    masked = [node for node in frontier if _masks_with_neg_inf(node)]
-    others = [node for node in frontier if node not in masked]
-    if len(masked) != 1:
-        raise NoMatch("the scores are not masked with -inf where the index is -1" if not masked else
-                      "the output product's weights read more than one masked score tensor")
+    scores = [node for node in frontier if is_scores(node)]
+    others = [node for node in frontier if node not in scores]
     if len(others) > 1 or others and dtype(others[0]) != torch.float32:
         raise NoMatch("the output product's weights read more than the masked scores and an fp32 per-head sink")
     # Masking with -inf and upcasting to fp32 commute exactly: a bf16 softmax (upcast inside) over masked bf16
     # scores is the fp32 softmax of the same masked values.
-    entries = [user for user in masked[0].users if user in region]
-    if dtype(masked[0]) != torch.float32 and not all(is_upcast(user) for user in entries):
-        raise NoMatch(f"softmax over {dtype(masked[0])} scores, not fp32")
+    for node in scores:
+        if dtype(node) != torch.float32 and not all(is_upcast(user) for user in node.users if user in region):
+            raise NoMatch(f"softmax over {dtype(node)} scores, not fp32")
     factors = {node.args[1] for node in region if is_op(node, aten.mul.Tensor) and isinstance(node.args[1], float)}
-    return masked[0], others[0] if others else None, factors.pop() if len(factors) == 1 else 1.0
+    return scores, others[0] if others else None, factors.pop() if len(factors) == 1 else 1.0
+
+
+def _normalised_scores(probs: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node | None, float]:
+    """(the scores masked with -inf, the per-head sink or None, a scale inside the softmax) of the gather forms'
+    weights `probs` (`_normaliser_inputs`)."""
+    masked, sink, factor = _normaliser_inputs(probs, _masks_with_neg_inf)
+    if len(masked) != 1:
+        raise NoMatch("the scores are not masked with -inf where the index is -1" if not masked else
+                      "the output product's weights read more than one masked score tensor")
+    return masked[0], sink, factor
 
 
 def _masks_with_neg_inf(node) -> bool:

@@ -488,6 +488,26 @@ def selection_bias_only(q, k, v, idx):
     return torch.matmul(weights, v)
 
 
+
+def selection_bias_logsumexp(q, k, v, idx):
+    """The -inf selection bias alone, the weights as `exp(x - logsumexp(x))`: the masked op's softmax in a log-domain
+    spelling."""
+    bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2]).masked_fill(_not_selected(idx, k.shape[2]),
+                                                                             float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * SCALE + bias
+    return torch.matmul(torch.exp(scores - torch.logsumexp(scores, dim=-1, keepdim=True)), v)
+
+
+def selection_bias_sink(q, k, v, idx, sink):
+    """The -inf selection bias alone with a per-head sink in the denominator: the masked op takes no sink."""
+    bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2]).masked_fill(_not_selected(idx, k.shape[2]),
+                                                                             float("-inf"))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * SCALE + bias
+    sink = sink.view(1, -1, 1, 1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    weights = torch.exp(scores - top)
+    return torch.matmul(weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top)), v)
+
 def dense_attention(q, k, v):
     return F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE, dim=-1) @ v
 
@@ -565,6 +585,7 @@ class AttentionEntry(Entry):
 
 NUMERIC = "numeric check against the reference failed: "
 EMPTY_ROW_ZERO = NUMERIC + "a query without keys probe: 64 of 512 outputs differ beyond rtol=atol=1e-05 (largest inf)"
+MASKED_SINK = "a per-head sink in the softmax: sparse_attention_masked takes none"
 PLUS_ONE = NUMERIC + "random probe: 478 of 512 outputs differ beyond rtol=atol=1e-05 (largest 0.375)"
 OVER_HEADS = NUMERIC + "random probe: 510 of 512 outputs differ beyond rtol=atol=1e-05 (largest inf)"
 NOT_MINUS_ONE = "the score mask is not `idx < 0` of the gather's indices"
@@ -651,6 +672,11 @@ CORPUS = {
                                          REWRITTEN, 1, MASKED),
     "selection_bias_only_mqa": AttentionEntry(selection_bias_only, "written for the corpus (index_put bias, MQA)",
                                               lambda: _hf()[:4], REWRITTEN, 1, MASKED),
+    "selection_bias_logsumexp": AttentionEntry(selection_bias_logsumexp, "written for the corpus (logsumexp weights)",
+                                               lambda: _hf()[:4], REWRITTEN, 1, MASKED),
+    "selection_bias_sink": AttentionEntry(selection_bias_sink, "written for the corpus (a sink over the selection)",
+                                          lambda: (*_hf()[:4], torch.randn(H, generator=_gen(5))), NEAR_MISS,
+                                          reason=MASKED_SINK),
     "dense_attention": AttentionEntry(dense_attention, "plain attention (no selection)", _dense, LEFT_ALONE),
     "gathered_rows_summed": AttentionEntry(gathered_rows_summed, "written for the corpus", _embedding_bag, LEFT_ALONE),
 }
