@@ -1095,10 +1095,10 @@ def _with_ieee_sqrt(fn, *args):
         return fn(*args)
 
 
-def _divided_norm(x, weight, eps, rounding, sqrt=torch.sqrt):
+def _divided_norm(x, weight, eps, rounding):
     """The sources' RMSNorm with a division, in rounding `rounding` (a name of `RMS_NORMS`), op by op."""
     xf = x.float()
-    root = sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    root = torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if rounding == "unweighted_scale_cast":
         return x / root.to(x.dtype)
     h = xf / root
@@ -1121,7 +1121,7 @@ def test_div_sqrt_kernel_is_the_division_bit_for_bit(dtype, weight_in_fp32, T):
     rounding = "weight_fp32" if weight_in_fp32 else "weight_after_cast"
     want = _divided_norm(x[:, :37], weight, 1e-6, rounding)
     for fn, want_normed in ((rmsnorm_rope_reference, want),
-                            (rmsnorm_rope_triton, _divided_norm(x[:, :37], weight, 1e-6, rounding, _ieee_sqrt))):
+                            (rmsnorm_rope_triton, _with_ieee_sqrt(_divided_norm, x[:, :37], weight, 1e-6, rounding))):
         normed, roped = fn(x, weight, 1e-6, cos, sin, False, weight_in_fp32, None, True)
         _assert_equal(normed, want_normed)
         _assert_equal(roped, rmsnorm_rope_reference(x, weight, 1e-6, cos, sin, False, weight_in_fp32)[1])
