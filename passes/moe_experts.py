@@ -36,8 +36,9 @@ what it computes, not by its spelling: each nibble branch, the value table and t
 on all 256 byte values and compared with the format (LUT gather, `exp2`, `ldexp` and `pow` all pass).
 
 transformers' expert-parallel path (`_is_expert_parallel`) gives local ids with the sentinel `E` for other
-ranks' slots and masks those rows to 0 (grouped) or clamps the ids and zeroes their weights (batched); the fused
-ops skip every id outside `[0, E)`, so it maps to `local_expert_offset=0` on the local ids.
+ranks' slots and masks those rows to 0 (grouped: after each GEMM in bf16, after the router weighting in FP8) or
+clamps the ids and zeroes their weights (batched); the fused ops skip every id outside `[0, E)`, so it maps to
+`local_expert_offset=0` on the local ids.
 
 Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows) are reported, not fused: the ops
 read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights. Two GEMMs over the halves
@@ -1018,16 +1019,21 @@ def _combine(weighted: torch.fx.Node, route: dict, x, top_k: int) -> tuple[torch
 
 
 def _weighted_combine(out2, weighted, per_token: bool, route: dict, x, T, top_k, num_experts) -> tuple:
-    """(router weights, their cast or None, the block's output, the combine's name) for slot outputs `out2` times
-    the router weights in `weighted`, then combined per token."""
+    """(router weights, their cast or None, the block's output, the combine's name, whether other ranks' slots are
+    masked to zero after the weighting) for slot outputs `out2` times the router weights in `weighted`, then
+    combined per token."""
     if not is_op(weighted, aten.mul.Tensor) or out2 not in weighted.args:
         raise NoMatch("the expert outputs are not multiplied by the router weights")
     sw = weighted.args[1] if weighted.args[0] is out2 else weighted.args[0]
     if not isinstance(sw, torch.fx.Node):
         raise NoMatch("the expert outputs are scaled by a constant, not by router weights")
     weights, cast = _token_slot_weights(sw, T, top_k) if per_token else _slot_weights(sw, route, num_experts)
-    out, combine = _per_token_sum(weighted) if per_token else _combine(weighted, route, x, top_k)
-    return weights, cast, out, combine
+    if per_token:
+        return weights, cast, *_per_token_sum(weighted), False
+    # transformers' FP8 expert-parallel form zeroes other ranks' slots after the weighting, not after each GEMM
+    masked = route["order"] is not None and \
+        _sentinel_masked(only_user(weighted), route["sorted"], num_experts, unsqueezed=True) is weighted
+    return weights, cast, *_combine(only_user(weighted) if masked else weighted, route, x, top_k), masked
 
 
 def _contracted_combine(viewed: torch.fx.Node, T, H) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
@@ -1213,7 +1219,9 @@ def _match(anchor: torch.fx.Node) -> Block:
     else:
         if per_token:  # the slot outputs viewed [T, k, H], then weighted by [T, k, 1] and summed over k
             out2, weighted = viewed, only_user(viewed)
-        weights, cast, out, combine = _weighted_combine(out2, weighted, per_token, route, x, T, top_k, E)
+        weights, cast, out, combine, weighted_masked = _weighted_combine(out2, weighted, per_token, route, x, T,
+                                                                         top_k, E)
+        masked = masked or weighted_masked
         product = weighted
     if not same_shape(shape(weights), (T, top_k)) or dtype(weights) not in FLOAT_DTYPES:
         raise NoMatch(f"router weights {shape(weights)} {dtype(weights)} are not a float [T, k] tensor")

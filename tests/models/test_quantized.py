@@ -115,3 +115,22 @@ def test_the_report_says_when_fp8_weights_are_served_by_something_else():
     graph.output(graph.call_function(torch.ops.aten.clone.default, (weight,)))
     assert "served by another implementation" in quantised_layers_note(torch.fx.GraphModule({}, graph))
     assert quantised_layers_note(torch.fx.GraphModule({}, torch.fx.Graph())) == ""
+
+
+def test_expert_parallel_fp8_experts_fuse_and_skip_other_ranks_slots(checkpoint):
+    """transformers' FP8 expert-parallel form zeroes other ranks' slots (id E) after the router weighting, where its
+    bf16 form masks each GEMM's rows: the block is still one `moe_experts_fp8`, and the sentinel slots add nothing."""
+    experts = load_quantized_model(checkpoint, dtype=torch.float32).model.layers[1].mlp.experts
+    experts._is_expert_parallel = True
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, experts.hidden_dim, generator=g)
+    ids = torch.stack([torch.randperm(experts.num_experts, generator=g)[:2] for _ in range(9)])
+    ids[::2, 1] = experts.num_experts
+    weights = torch.rand(9, 2, generator=g)
+    torch._dynamo.reset()
+    dsfuse.reset_report()
+    with torch.no_grad():
+        compiled = torch.compile(experts, backend="dsfuse")(x, ids, weights)
+        torch.testing.assert_close(compiled, experts(x, ids, weights), rtol=1e-5, atol=1e-5)
+    sites = [site for site in dsfuse.report().sites if site.op == "dsfuse.moe_experts_fp8"]
+    assert len(sites) == 1 and "expert-parallel sentinel slots skipped" in sites[0].detail, str(dsfuse.report())
