@@ -46,9 +46,12 @@ read one `[E, 2I, H]` stack, and building it per call would copy every expert's 
 `[E, K, N]` are reported for the same reason as separate ones: the ops read K-contiguous rows.
 
 A dense MoE (every expert on every token over whole weight stacks, by `einsum` or a loop over the experts, the
-router weights spread over all experts by a scatter or a one-hot) is reported once per gate stack: the fused ops
-skip the unrouted experts it computes. So is a loop over the experts whose rows a `nonzero()` picks (compiled whole
-only when Dynamo captures data-dependent shapes). A bmm that does not gather expert weights, and the second GEMM of a
+router weights spread over all experts by a scatter or a one-hot) is the op with k = E: token t's slot e is expert e,
+weighted by the dense `[T, E]` weights, so a zero weight on a non-finite output gives NaN as in the source. It is
+bound by what it reads (the gate GEMM's rows, the two whole stacks, the one `[T, E]` tensor that weights the expert
+outputs, and the first `[T, H]` tensor in x's dtype that every down GEMM reaches) and proven on probes, each stack
+tried in the op's layout and stored `[E, K, N]` where the sizes cannot tell. A loop over the experts whose rows a
+`nonzero()` picks is reported (compiled whole only when Dynamo captures data-dependent shapes). A bmm that does not gather expert weights, and the second GEMM of a
 block, are skipped silently; a first expert GEMM that cannot be rewritten is reported with the reason. transformers'
 eager experts loop never reaches a graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users
 see why nothing fused.
@@ -71,9 +74,9 @@ from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import WILDCARD, follow, leaf_labels, leaf_of_rank, normalise
 from .graph_utils import (CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, ORDER_KEEPING_OPS, SPLIT_OPS,
                           TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fill_value, in_graph_order, insert_call, is_op,
-                          node_arg, only_user, reaches_back, same_shape, same_size, shape, slice_args,
+                          node_arg, only_user, reaches_back, same_shape, same_size, shape, size_arg, slice_args,
                           slice_position, strip, tensor_val, walk_back)
-from .verify import Family, Verdict, verify
+from .verify import MAX_NODES, Family, Verdict, pure_slice, verify
 
 NAME = "moe_experts"
 IMPLEMENTED = True
@@ -91,12 +94,6 @@ EAGER_LOOP_REASON = (
     "experts_implementation='grouped_mm' or 'batched_mm')")
 
 
-DENSE_REASON = (
-    "every expert is computed for every token over its whole weight stack, the router weights zeroing the unrouted "
-    "ones (a dense MoE); the fused ops compute only the routed experts, which differs where an unrouted expert's "
-    "output is not finite (0 * inf is NaN), so the block is left to Inductor")
-
-
 PICKED_ROWS_REASON = (
     "a loop over the experts, each run on the rows a nonzero() of the routing picks (E GEMMs of data-dependent sizes): "
     "the same math as the fused ops, but the unrolled loop is not bound to them (only sorted, per-slot gathered and "
@@ -106,7 +103,7 @@ PICKED_ROWS_REASON = (
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, _gemm_targets(), _match, _rewrite)
     _report_eager_loops(graph, ctx)
-    _report_dense_experts(graph, ctx)
+    _fuse_dense_experts(graph, ctx)
 
 
 def _grouped_targets() -> tuple:
@@ -405,6 +402,9 @@ class ExpertGemm:
         return (shape(self.weight)[0], *weight_dims(tensor_val(self.weight)))
 
 
+SEPARATE_STACKS_REASON = (
+    "gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read one [E, 2I, H] gate_up "
+    "stack (concatenating the stacks would copy every expert's weights per call)")
 K_MAJOR_REASON = ("the expert weights are stored [E, K, N] (is_transposed); the fused ops read [E, N, K] stacks with K "
                   "contiguous (as F.linear does), so binding this one would copy every expert's weights per call")
 
@@ -1171,9 +1171,7 @@ def _match(anchor: torch.fx.Node) -> Block:
             raise NoMatch("the up GEMM of separate gate/up stacks", reported=False)
         one_stack = _halves_of_one_stack(siblings)
         if one_stack is None:
-            raise NoMatch("gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read "
-                          "one [E, 2I, H] gate_up stack (concatenating the stacks would copy every expert's weights "
-                          "per call)")
+            raise NoMatch(SEPARATE_STACKS_REASON)
     E, two_i, H = g1.dims() if one_stack is None else shape(one_stack[0])
     if not isinstance(two_i, int) or two_i % 2:
         raise NoMatch(f"the first expert GEMM's output width {two_i} is not 2*I")
@@ -1434,28 +1432,34 @@ STACK_READS = LAYOUT_OPS | {aten.select.int, aten.slice.Tensor, CONVERT}
 DENSE_WEIGHTING = (aten.scatter.src, aten.scatter.value, aten.index_put.default, aten.eq.Tensor)
 
 
-def _report_dense_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    """Report each SwiGLU expert block that multiplies whole weight stacks (`einsum` over all experts, or a loop
-    over the experts) and weights its outputs by routing weights spread over every expert, once per gate stack:
+def _fuse_dense_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
+    """Fuse, or report, each SwiGLU expert block that multiplies whole weight stacks (`einsum` over all experts, or a
+    loop over the experts) and weights its outputs by routing weights spread over every expert, once per gate stack:
     the expert GEMM anchors no rewrite there, and a dense MoE must not pass silently."""
     if not any(_dense_gemm(node) for node in graph.nodes if is_op(node, *DENSE_GEMMS)):
         return  # most graphs: no GEMM reads a whole 3-D stack, so no product needs tracing back
-    reported = set()
+    done = set()
     for node in list(graph.nodes):
         if not is_op(node, aten.mul.Tensor) or not all(isinstance(a, torch.fx.Node) for a in node.args):
             continue
         for side in node.args:
             roots = _roots(side)
             found = _dense_gemm(next(iter(roots))) if len(roots) == 1 else None
-            if found is None or found[1] in reported:
+            if found is None or found[1] in done:
                 continue
             if not _silu_side(side, next(iter(roots))):
                 continue
-            reason = PICKED_ROWS_REASON if _rows_picked_by_nonzero(found[0], found[1]) else (
-                DENSE_REASON if _densely_weighted(node) else None)
-            if reason is not None:
-                reported.add(found[1])
-                ctx.near_miss(found[0], reason)
+            if _rows_picked_by_nonzero(found[0], found[1]):
+                done.add(found[1])
+                ctx.near_miss(found[0], PICKED_ROWS_REASON)
+            elif _densely_weighted(node):
+                done.add(found[1])
+                try:
+                    block = _dense_block(node, *found)
+                except NoMatch as miss:
+                    ctx.near_miss(found[0], miss.reason)
+                else:
+                    _rewrite_dense(graph, found[0], block, ctx)
 
 
 def _rows_picked_by_nonzero(gemm: torch.fx.Node, stack: torch.fx.Node) -> bool:
@@ -1467,15 +1471,23 @@ def _rows_picked_by_nonzero(gemm: torch.fx.Node, stack: torch.fx.Node) -> bool:
                for a in rows)
 
 
+def _whole_stack(operand) -> torch.fx.Node | None:
+    """The 3-D graph input a GEMM operand reads whole (through layout ops, a per-expert `select` included), else
+    None."""
+    stack = strip(operand, STACK_READS)
+    if isinstance(stack, torch.fx.Node) and stack.op in ("placeholder", "get_attr") and len(shape(stack)) == 3:
+        return stack
+    return None
+
+
 def _dense_gemm(gate: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    """(the GEMM, its weight stack) for a gate computed by an `mm` / `bmm` of a whole 3-D graph input (read through
-    layout ops, a per-expert `select` included), else None."""
+    """(the GEMM, its weight stack) for a gate computed by an `mm` / `bmm` of a whole 3-D graph input, else None."""
     gemm = strip(gate, (*STACK_READS, operator.getitem, *SPLIT_OPS))
     if not is_op(gemm, *DENSE_GEMMS):
         return None
     for operand in gemm.args[:2]:
-        stack = strip(operand, STACK_READS)
-        if isinstance(stack, torch.fx.Node) and stack.op in ("placeholder", "get_attr") and len(shape(stack)) == 3:
+        stack = _whole_stack(operand)
+        if stack is not None:
             return gemm, stack
     return None
 
@@ -1502,6 +1514,198 @@ def _densely_weighted(product: torch.fx.Node, depth: int = 12) -> bool:
                     return True
             frontier.append((user, d + 1))
     return False
+
+
+@dataclass
+class DenseBlock:
+    """Every expert on every token: the op's routed form with k = E (token t's slot e is expert e) and the dense
+    router weights `[T, E]` as the slots' weights."""
+
+    x: torch.fx.Node
+    weights: torch.fx.Node
+    stacks: dict  # op role -> stack: "gate_up" / "down", or "gate_up_kn" / "down_kn" for a stack stored [E, K, N]
+    out: torch.fx.Node
+
+
+# What lies between the dense [T, E] router weights and the products that read them (a column per expert, a view).
+DENSE_WEIGHT_READS = LAYOUT_OPS | {aten.select.int, aten.slice.Tensor}
+
+
+def _next_dense_gemm(node: torch.fx.Node, depth: int = 6) -> torch.fx.Node | None:
+    """The first `mm` / `bmm` that reads `node` through layout ops and casts."""
+    frontier = [(node, 0)]
+    while frontier:
+        n, d = frontier.pop(0)
+        for user in n.users:
+            if is_op(user, *DENSE_GEMMS):
+                return user
+            if d < depth and user.op == "call_function" and user.target in STACK_READS:
+                frontier.append((user, d + 1))
+    return None
+
+
+def _dense_block(product: torch.fx.Node, gemm: torch.fx.Node, gate_stack: torch.fx.Node) -> DenseBlock:
+    """Bind a dense MoE to the op's roles: the rows the gate GEMM reads, the two stacks, the [T, E] weights that the
+    expert outputs are multiplied by, and the first [T, H] tensor in x's dtype that every down GEMM reaches; then
+    prove the binding on probes (each stack tried in the op's layout and stored [E, K, N] where sizes allow both)."""
+    rows = [strip(a, STACK_READS) for a in gemm.args[:2] if _whole_stack(a) is not gate_stack]
+    if len(rows) != 1 or len(shape(rows[0])) != 2:
+        raise NoMatch("the dense expert GEMM's rows are not a [T, H] tensor")
+    x = rows[0]
+    down_gemm = _next_dense_gemm(product)
+    down = next((s for s in map(_whole_stack, down_gemm.args[:2]) if s is not None), None) if down_gemm else None
+    if down is None or down is gate_stack:
+        raise NoMatch("the dense SwiGLU activation does not feed a GEMM of a second whole weight stack")
+    gate_stacks, down_gemms = set(), []
+    for node in product.graph.nodes:
+        if not is_op(node, *DENSE_GEMMS):
+            continue
+        a, b = node.args[:2]
+        for stack_side, rows_side in ((a, b), (b, a)):
+            stack = _whole_stack(stack_side)
+            if stack is down:
+                down_gemms.append(node)
+            elif stack is not None and strip(rows_side, STACK_READS) is x:
+                gate_stacks.add(stack)
+    if len(gate_stacks) != 1:
+        raise NoMatch(SEPARATE_STACKS_REASON)
+    if not dtype(x) == dtype(gate_stack) == dtype(down):
+        raise NoMatch(f"expert weights {dtype(gate_stack)}/{dtype(down)} differ from the activations' {dtype(x)}")
+    out = _reached_by_all(down_gemms, shape(x), dtype(x))
+    if out is None:
+        raise NoMatch("the dense experts' outputs are not summed into one [T, H] tensor in the activations' dtype")
+    num_experts = shape(gate_stack)[0]
+    weights = _dense_weights(out, {x, gate_stack, down}, num_experts)
+    failures = []
+    for stacks in _stack_bindings(gate_stack, down, num_experts, shape(x)[1]):
+        block = DenseBlock(x=x, weights=weights, stacks=stacks, out=out)
+        verdict = _verify_dense(block)
+        if verdict.ok is None:
+            raise NoMatch(f"the dense experts are not checked on probes ({verdict.reason}), so not rewritten")
+        if verdict.ok:
+            if any(role.endswith("_kn") for role in stacks):
+                raise NoMatch(K_MAJOR_REASON)
+            return block
+        failures.append(verdict.reason)
+    if not failures:
+        raise NoMatch(f"the dense expert stacks {shape(gate_stack)} / {shape(down)} are not [E, 2I, H] / [E, H, I] "
+                      f"for H = {shape(x)[1]}")
+    raise NoMatch(f"numeric check against the reference failed: {failures[0]}")
+
+
+def _reached_by_all(gemms: list[torch.fx.Node], want_shape: tuple, want_dtype: torch.dtype) -> torch.fx.Node | None:
+    """The first node (graph order) of `want_shape` and `want_dtype` that every one of `gemms` reaches."""
+    bits = {gemm: 1 << i for i, gemm in enumerate(gemms)}
+    every = (1 << len(gemms)) - 1
+    reached = {}
+    for node in gemms[0].graph.nodes:
+        mask = bits.get(node, 0)
+        for source in node.all_input_nodes:
+            mask |= reached.get(source, 0)
+        if not mask:
+            continue
+        reached[node] = mask
+        if mask == every and node.op == "call_function" and tensor_val(node) is not None \
+                and same_shape(shape(node), want_shape) and dtype(node) == want_dtype:
+            return node
+    return None
+
+
+def _dense_weights(out: torch.fx.Node, sources: set, num_experts) -> torch.fx.Node:
+    """The one [T, E] float tensor through which the routing reaches the slice from `sources` to `out` (read whole,
+    by columns or viewed)."""
+    found = pure_slice([out], sources, max_nodes=_dense_max_nodes(num_experts))
+    if found is None:
+        raise NoMatch(f"the dense block has more than {_dense_max_nodes(num_experts)} nodes")
+    nodes, frontier = found
+    computed, routed = set(sources), {n for n in frontier if n not in sources and n.op != "get_attr"}
+    readers = set()
+    for node in nodes:
+        inputs = node.all_input_nodes
+        if any(a in computed for a in inputs):
+            computed.add(node)
+            readers.update(a for a in inputs if a in routed)
+        elif any(a in routed for a in inputs):
+            routed.add(node)
+    read = {strip(node, DENSE_WEIGHT_READS) for node in readers}
+    if len(read) != 1:
+        raise NoMatch("the dense expert outputs are not weighted by one [T, E] tensor of router weights")
+    (weights,) = read
+    if not same_shape(shape(weights), (shape(out)[0], num_experts)) or dtype(weights) not in FLOAT_DTYPES:
+        raise NoMatch(f"the dense router weights {shape(weights)} {dtype(weights)} are not a float [T, E] tensor")
+    return weights
+
+
+def _dense_max_nodes(num_experts) -> int:
+    """A loop over the experts unrolls into a few dozen nodes per expert."""
+    return max(MAX_NODES, 40 * num_experts)
+
+
+def _stack_bindings(gate: torch.fx.Node, down: torch.fx.Node, num_experts, hidden) -> list[dict]:
+    """The op roles the two stacks may take by their sizes: each in the op's [E, N, K] layout or stored [E, K, N]
+    (both where the sizes cannot tell), the op's layout first."""
+    bindings = []
+    _, rows, cols = shape(gate)
+    for gate_role, width, contracted in (("gate_up", rows, cols), ("gate_up_kn", cols, rows)):
+        if not (same_size(contracted, hidden) and isinstance(width, int) and width % 2 == 0):
+            continue
+        inter = width // 2
+        for down_role, want in (("down", (num_experts, hidden, inter)), ("down_kn", (num_experts, inter, hidden))):
+            if same_shape(shape(down), want):
+                bindings.append({gate_role: gate, down_role: down})
+    return bindings
+
+
+def _verify_dense(block: DenseBlock) -> Verdict:
+    roles = {"x": block.x, "weights": block.weights, **block.stacks}
+    family = Family(probes=_dense_probes, reference=_dense_reference, compare=_within_budget)
+    return verify([block.out], roles, family, ("dense", *sorted(block.stacks)),
+                  max_nodes=_dense_max_nodes(shape(block.weights)[1]))
+
+
+def _dense_probes(shapes: dict, dtypes: dict) -> list:
+    """Random dense weights with zeros (every token's weight of the last expert among them), the last expert's
+    stacks NaN under those zeros (a dense block reads it: NaN everywhere, where skipping zero-weight experts would
+    not be), and a token whose every weight is zero."""
+    gen = torch.Generator().manual_seed(0)
+    T, E = shapes["weights"]
+    weights = (torch.rand(T, E, generator=gen) * 8).round() / 8 * (torch.rand(T, E, generator=gen) < 0.6)
+    weights[:, -1] = 0
+    stacks = {name: _stack_probe(name, shapes[name], dtypes[name], gen) for name in shapes
+              if name not in ("x", "weights")}
+    base = {"x": _grid(shapes["x"], dtypes["x"], gen, 0.25), "weights": weights.to(dtypes["weights"]), **stacks}
+    zero_token = dict(base, weights=base["weights"].clone())
+    zero_token["weights"][0] = 0
+    probes = [("dense weights", base), ("a token without weights", zero_token)]
+    if E > 1:
+        probes.append(("an expert with NaN weights", dict(base, **{n: _poisoned(s) for n, s in stacks.items()})))
+    return probes
+
+
+def _dense_reference(probe: dict) -> torch.Tensor:
+    weights = probe["weights"]
+    gate_up = probe["gate_up"] if "gate_up" in probe else probe["gate_up_kn"].transpose(1, 2)
+    down = probe["down"] if "down" in probe else probe["down_kn"].transpose(1, 2)
+    ids = torch.arange(weights.shape[1]).expand(weights.shape)
+    return moe_experts_bf16_reference(probe["x"], ids, weights, gate_up, down)
+
+
+def _rewrite_dense(graph: torch.fx.Graph, anchor: torch.fx.Node, block: DenseBlock, ctx: PassContext) -> None:
+    """`moe_experts_bf16` with ids `[T, E]` = arange(E) on every row: each token runs every expert, weighted by its
+    dense weights (a zero weight times a non-finite output stays NaN, as in the dense source)."""
+    out, weights = block.out, block.weights
+    num_experts = shape(weights)[1]
+    experts = insert_call(graph, out, torch.ops.prims.iota.default, (num_experts,),
+                          {"start": 0, "step": 1, "dtype": torch.int64, "device": tensor_val(weights).device,
+                           "requires_grad": False})
+    tokens = size_arg(graph, out, weights, 0)
+    every = insert_call(graph, out, aten.expand.default, (experts, [tokens, num_experts]))
+    ids = insert_call(graph, out, aten.clone.default, (every,), {"memory_format": torch.contiguous_format})
+    args = (block.x, ids, weights, block.stacks["gate_up"], block.stacks["down"], 0)
+    fused = insert_call(graph, out, torch.ops.dsfuse.moe_experts_bf16.default, args)
+    out.replace_all_uses_with(fused)
+    ctx.site(anchor, "dsfuse.moe_experts_bf16", [a for a in args if isinstance(a, torch.fx.Node)],
+             detail=f"dense GEMMs (every expert on every token, k = E), E={num_experts}")
 
 
 # ---------------------------------------------------------------------------

@@ -304,13 +304,23 @@ def vllm_dense_masks(x, ids, weights, gate_up, down):
 
 def dense_all_experts(x, ids, weights, gate_up, down):
     """Every expert on every token (`einsum` over the whole stacks), combined with a dense [T, E] weight matrix that
-    holds the router weights at the routed experts and zeros elsewhere. The fused ops would skip the zero-weight
-    experts that this form computes (an inf there gives NaN here): another computation, left to Inductor and
-    reported."""
+    holds the router weights at the routed experts and zeros elsewhere: the op with k = E, each token's slot e on
+    expert e weighted by its dense weight (a zero weight still takes a non-finite output to NaN, as here)."""
     dense_w = torch.zeros(T, E).scatter(1, ids, weights)
     gate, up = torch.einsum("th,eih->eti", x, gate_up).chunk(2, dim=-1)
     out = torch.einsum("eti,ehi->eth", F.silu(gate) * up, down)
     return torch.einsum("eth,te->th", out.float(), dense_w).to(x.dtype)
+
+
+def dense_expert_loop(x, ids, weights, gate_up, down):
+    """A python loop over every expert, each on every token, its output weighted by that expert's column of a
+    one-hot-summed [T, E] weight matrix and accumulated in fp32: the dense MoE once more, unrolled."""
+    dense_w = (F.one_hot(ids, E).float() * weights.unsqueeze(-1)).sum(dim=1)
+    total = torch.zeros(T, H)
+    for e in range(E):
+        gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
+        total = total + ((F.silu(gate) * up) @ down[e].t()).float() * dense_w[:, e:e + 1]
+    return total.to(x.dtype)
 
 
 def einsum_gathered_index_add(x, ids, weights, gate_up, down):
@@ -433,9 +443,6 @@ WEIGHTED_BEFORE_DOWN = ("the SwiGLU activation is multiplied by another tensor b
                         "ops apply the router weights to each expert's output, after it (another rounding)")
 NOT_WEIGHTED = "the expert outputs are not multiplied by the router weights"
 NOT_PER_SLOT = "the expert outputs are not scaled by one router weight per slot"
-DENSE = ("every expert is computed for every token over its whole weight stack, the router weights zeroing the "
-         "unrouted ones (a dense MoE); the fused ops compute only the routed experts, which differs where an unrouted "
-         "expert's output is not finite (0 * inf is NaN), so the block is left to Inductor")
 
 CORPUS = {
     "hf_grouped_mm": MoeEntry(hf_grouped_mm, "transformers grouped_mm_experts_forward", _plain, REWRITTEN, 1,
@@ -471,7 +478,9 @@ CORPUS = {
     "official_v3_loop": MoeEntry(official_v3_loop, "DeepSeek V3 inference MoE.forward", _plain, LEFT_ALONE),
     "vllm_dense_masks": MoeEntry(vllm_dense_masks, "vLLM torch_moe (tests reference)", _plain, LEFT_ALONE),
     "dense_all_experts": MoeEntry(dense_all_experts, "written for the corpus (all experts, dense weights)", _plain,
-                               NEAR_MISS, reason=DENSE),
+                               REWRITTEN, 1, detail="dense GEMMs (every expert on every token, k = E), E=8"),
+    "dense_expert_loop": MoeEntry(dense_expert_loop, "written for the corpus (a loop over every expert)", _plain,
+                               REWRITTEN, 1, detail="dense GEMMs (every expert on every token, k = E), E=8"),
     "einsum_gathered_index_add": MoeEntry(einsum_gathered_index_add, "written for the corpus (einsum, fp32 index_add)",
                                        _plain, REWRITTEN, 1, detail="batched GEMMs, index_add"),
     "sorted_then_unsorted_weights": MoeEntry(sorted_then_unsorted_weights, "written for the corpus (weights after "

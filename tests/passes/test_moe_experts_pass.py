@@ -333,27 +333,70 @@ def test_group_offsets_from_outside_the_graph_are_reported():
         "before them, as at a torch.bincount, hides what they count)"], str(rep)
 
 
-@pytest.mark.parametrize("spread", [
-    lambda ids, weights: torch.zeros(ids.shape[0], EXPERTS).scatter(1, ids, weights),
-    lambda ids, weights: (F.one_hot(ids, EXPERTS).float() * weights[..., None]).sum(1),
-], ids=["scatter", "one-hot sum"])
-def test_dense_experts_loop_is_reported_once(spread):
+def _dense_loop(spread):
     """A loop over the experts that runs each on every token and weights its output by a dense [T, E] matrix of the
-    router weights (scattered, or a one-hot sum) computes the unrouted experts too: one near-miss for the block (not
-    one per expert), and eager's numbers."""
-    gate_up, down = _dense_weights(torch.float32)
+    router weights (`spread(ids, weights)`), summed in fp32."""
 
     def dense_loop(x, ids, weights, gate_up, down):
         dense_weights = spread(ids, weights)
-        total = torch.zeros_like(x)
+        total = torch.zeros(x.shape, dtype=torch.float32)
         for e in range(EXPERTS):
             gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
-            total = total + (F.silu(gate) * up) @ down[e].t() * dense_weights[:, e:e + 1]
-        return total
+            total = total + ((F.silu(gate) * up) @ down[e].t()).float() * dense_weights[:, e:e + 1]
+        return total.to(x.dtype)
+
+    return dense_loop
+
+
+SPREADS = [lambda ids, weights: torch.zeros(ids.shape[0], EXPERTS).scatter(1, ids, weights),
+           lambda ids, weights: (F.one_hot(ids, EXPERTS).float() * weights[..., None]).sum(1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spread", SPREADS, ids=["scatter", "one-hot sum"])
+def test_dense_experts_loop_is_fused_once(spread, dtype):
+    """A dense MoE (every expert on every token, the router weights scattered or one-hot summed over [T, E]) is the
+    op with k = E: one site for the whole unrolled loop, eager's numbers."""
+    fn = _dense_loop(spread)
+    x, (ids, weights) = _tokens(10, dtype), _routing(10)
+    args = (x, ids, weights, *_dense_weights(dtype))
+    with torch.no_grad():
+        _close(_compile(fn)(*args), fn(*args))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 1 and rep.near_misses == [], str(rep)
+    (site,) = _sites("dsfuse.moe_experts_bf16")
+    assert site.detail == f"dense GEMMs (every expert on every token, k = E), E={EXPERTS}", site.detail
+
+
+def test_dense_experts_keep_the_nan_of_an_unrouted_expert():
+    """The fused dense block runs every expert as the source does: an expert no token is routed to, holding NaN
+    weights, still makes every output NaN (0 * NaN), as in eager."""
+    fn = _dense_loop(SPREADS[0])
+    gate_up, down = _dense_weights(torch.float32)
+    gate_up[-1] = float("nan")
+    x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
+    ids = ids.clamp(max=EXPERTS - 2)
+    with torch.no_grad():
+        got = _compile(fn)(x, ids, weights, gate_up, down)
+    assert dsfuse.report().counts["moe_experts"] == 1
+    assert got.isnan().all() and fn(x, ids, weights, gate_up, down).isnan().all()
+
+
+def test_dense_experts_stored_k_major_are_reported():
+    """A dense block over `[E, K, N]` stacks computes what the op computes on their transposes, which the op would
+    have to copy: reported with that reason."""
+    gate_up, down = _dense_weights(torch.float32)
+
+    def dense_k_major(x, ids, weights, gate_up_t, down_t):
+        dense_weights = SPREADS[0](ids, weights)
+        gate, up = torch.einsum("th,ehi->eti", x, gate_up_t).chunk(2, dim=-1)
+        out = torch.einsum("eti,eih->eth", F.silu(gate) * up, down_t)
+        return torch.einsum("eth,te->th", out, dense_weights)
 
     x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
-    rep = _left_alone(dense_loop, x, ids, weights, gate_up, down)
-    assert [m.reason for m in rep.near_misses] == [moe_experts.DENSE_REASON], str(rep)
+    rep = _left_alone(dense_k_major, x, ids, weights, gate_up.transpose(1, 2).contiguous(),
+                      down.transpose(1, 2).contiguous())
+    assert [m.reason for m in rep.near_misses] == [moe_experts.K_MAJOR_REASON], str(rep)
 
 
 def test_loop_over_rows_picked_by_nonzero_is_reported():
