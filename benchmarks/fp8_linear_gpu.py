@@ -23,7 +23,8 @@ shapes and its and V4-Flash's expert shapes.
    warps, stages, programs per SM, FP4 K step) at M = 1, 16, 64; `DECODE_ONLY=1` runs this section alone.
 
 Writes $OUT/fp8_linear.json and prints markdown tables last. ~2 minutes. `ROWS="4096"` limits the linears' row
-counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes."""
+counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes; `FP4_SWEEP=1`
+sweeps the FP4 grouped GEMM's tiles on V4-Flash's expert up at T=8192; `EXPERTS_ONLY=1` runs section 3 alone."""
 
 import json
 import os
@@ -34,7 +35,7 @@ from triton.testing import do_bench, do_bench_cudagraph
 
 from dsfuse.kernels import fp8_linear as ops
 from dsfuse.kernels.quant_formats import E8M0_DTYPE, scales_to_float32
-from dsfuse.models.quantized import quantize_fp8_weight
+from dsfuse.models.quantized import quantize_fp4_weight, quantize_fp8_weight
 
 OUT = os.environ.get("OUT", ".")
 REP_MS = int(os.environ.get("REP_MS", 60))
@@ -107,13 +108,29 @@ def _triton_only(x, w, s, decode=None):
     return out
 
 
-def _weight(N, K, fp4, seed, lead=()):
-    """A V3.2-style FP8 weight (UE8M0 block scales) or V4-Flash-style FP4 bytes with E8M0 scales per 32."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    if fp4:
+def _fp4_weight(shape, g, wide_scales=False):
+    """V4-Flash-style FP4 bytes with E8M0 scales per 32: a Gaussian weight quantised as the release is (each 32 values'
+    scale the power of two that maps their amax to <= 6: a channel group's scales a binade or two apart, the FP4
+    GEMM's e4m3 path), or with `wide_scales` random bytes and scales 118-125 drawn independently (mostly more than
+    E2M1_AS_E4M3_MAX_SHIFT apart: its exact bf16 path)."""
+    *lead, N, K = shape
+    if wide_scales:
         return (torch.randint(0, 256, (*lead, N, K // 2), device="cuda", dtype=torch.uint8, generator=g).view(
             torch.int8), torch.randint(118, 126, (*lead, N, K // 32), device="cuda", dtype=torch.uint8,
                                        generator=g).view(E8M0_DTYPE))
+    packed = torch.empty((*lead, N, K // 2), device="cuda", dtype=torch.int8)
+    scales = torch.empty((*lead, N, K // 32), device="cuda", dtype=E8M0_DTYPE)
+    for matrix in range(packed[..., 0, 0].numel()):  # one fp32 matrix at a time (a stack would not fit)
+        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(matrix), tuple(lead))) if lead else ()
+        packed[at], scales[at] = quantize_fp4_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    return packed, scales
+
+
+def _weight(N, K, fp4, seed, lead=()):
+    """A V3.2-style FP8 weight (UE8M0 block scales) or V4-Flash-style FP4 weight (`_fp4_weight`)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if fp4:
+        return _fp4_weight((*lead, N, K), g)
     return quantize_fp8_weight(torch.randn(*lead, N, K, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
 
 
@@ -189,13 +206,10 @@ SWEEP_FP4 = [(16, 128, 8, 6), (16, 64, 4, 6), (32, 128, 8, 6), (64, 128, 8, 6), 
 def sweep_case(name, N, K, M, fp4=False):
     """The Triton GEMM alone (activations quantised beforehand) under each SWEEP tile config: ms per config."""
     g = torch.Generator(device="cuda").manual_seed(M + N)
-    if fp4:
-        w = torch.randint(0, 256, (N, K // 2), device="cuda", dtype=torch.uint8, generator=g).view(torch.int8)
-        s = torch.randint(118, 126, (N, K // 32), device="cuda", dtype=torch.uint8, generator=g).view(E8M0_DTYPE)
-    else:
-        w, s = quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
+    w, s = _fp4_weight((N, K), g) if fp4 else quantize_fp8_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02,
+                                                                  scale_fmt="ue8m0")
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, generator=g)
-    q, qs = ops.quantize_for_weight(x, w, s, 128)
+    q, qs = ops.quantize_for_weight(x, w, s, 128, decode=False)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     want = ops.fp8_linear_reference(x, w, s, 128, 128)
     row = {"shape": name, "M": M, "fp4": fp4, "default": ops._gemm_config(M, w)}
@@ -214,19 +228,20 @@ def sweep_case(name, N, K, M, fp4=False):
     return row
 
 
-def experts_case(name, E, H, inter, T, top_k, fp4):
+# FP4 grouped GEMM tiles (BLOCK_M, BLOCK_N, warps, stages) swept on V4-Flash's expert up at T=8192 (`FP4_SWEEP=1`)
+FP4_EXPERT_SWEEP = [(64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (64, 64, 4, 4),
+                    (128, 64, 4, 3), (64, 128, 8, 4), (32, 128, 8, 4)]
+
+
+def experts_case(name, E, H, inter, T, top_k, fp4, wide_scales=False):
     g = torch.Generator(device="cuda").manual_seed(T)
     rows = T * top_k
     ids = torch.randint(0, E, (rows,), device="cuda", generator=g).sort().values
     offsets = torch.bincount(ids, minlength=E).cumsum(0).to(torch.int32)
     x = torch.randn(rows, H, device="cuda", dtype=torch.bfloat16, generator=g)
     if fp4:
-        up = (torch.randint(0, 256, (E, 2 * inter, H // 2), device="cuda", dtype=torch.uint8, generator=g).view(
-            torch.int8), torch.randint(118, 126, (E, 2 * inter, H // 32), device="cuda", dtype=torch.uint8,
-                                       generator=g).view(E8M0_DTYPE))
-        down = (torch.randint(0, 256, (E, H, inter // 2), device="cuda", dtype=torch.uint8, generator=g).view(
-            torch.int8), torch.randint(118, 126, (E, H, inter // 32), device="cuda", dtype=torch.uint8,
-                                       generator=g).view(E8M0_DTYPE))
+        up = _fp4_weight((E, 2 * inter, H), g, wide_scales)
+        down = _fp4_weight((E, H, inter), g, wide_scales)
     else:
         up = quantize_fp8_weight(torch.randn(E, 2 * inter, H, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
         down = quantize_fp8_weight(torch.randn(E, H, inter, device="cuda", generator=g) * 0.02, scale_fmt="ue8m0")
@@ -246,7 +261,7 @@ def experts_case(name, E, H, inter, T, top_k, fp4):
     def old_tiles():
         """Both GEMMs through the row-tiled GEMM's tiles, as before the decode path."""
         for a, (w, s), out in ((x, up, h_out), (mid, down, y_out)):
-            q, qs = ops.quantize_for_weight(a, w, s, 128)
+            q, qs = ops.quantize_for_weight(a, w, s, 128, decode=False)
             ops._gemm(q, qs, w, s, out, 128, 128, offsets=offsets, decode=False)
         return y_out
 
@@ -262,6 +277,15 @@ def experts_case(name, E, H, inter, T, top_k, fp4):
     for provider, fn in providers:
         ms = bench(fn)
         row[provider] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
+    if fp4 and rows > ops.DECODE_MAX_ROWS and os.environ.get("FP4_SWEEP"):
+        q, qs = ops.quantize_for_weight(x, *up, 128, decode=False)
+        want_up = ops.fp8_grouped_linear_reference(x, *up, offsets, 128, 128)
+        sweep = {"default": ops._gemm_config(rows, up[0], E)}
+        for config in FP4_EXPERT_SWEEP:
+            fn = lambda: ops._gemm(q, qs, *up, h_out, 128, 128, offsets=offsets, config=config, decode=False)  # noqa: E731
+            fn()
+            sweep[str(config)] = {"ms": round(bench(fn), 3), "err": round(rel(h_out[:rows], want_up), 5)}
+        row["expert up sweep"] = sweep
     return row
 
 
@@ -271,7 +295,8 @@ def main():
                    copy_gbs=round(copy_gbs), cublas_block_scaled=ops.cublas_block_scaled_gemm(0))
     print(f"ceilings: bf16 {mm_tflops:.0f} TFLOP/s, copy {copy_gbs:.0f} GB/s; cuBLAS block-scaled usable: "
           f"{RESULTS['cublas_block_scaled']}", flush=True)
-    for name, (N, K) in LINEARS.items() if not os.environ.get("DECODE_ONLY") else ():
+    experts_only = bool(os.environ.get("EXPERTS_ONLY"))
+    for name, (N, K) in LINEARS.items() if not (os.environ.get("DECODE_ONLY") or experts_only) else ():
         for M in ROWS:
             RESULTS["linears"].append(linear_case(name, N, K, M, copy_gbs))
             print(json.dumps(RESULTS["linears"][-1]), flush=True)
@@ -286,7 +311,7 @@ def main():
                 RESULTS["sweep"].append(sweep_case(name, N, K, M, fp4))
                 print(json.dumps(RESULTS["sweep"][-1]), flush=True)
     RESULTS["decode"] = []
-    for name, (N, K, fp4) in DECODE_SHAPES.items():
+    for name, (N, K, fp4) in DECODE_SHAPES.items() if not experts_only else ():
         for M in DECODE_ROWS:
             RESULTS["decode"].append(decode_case(name, N, K, fp4, M, copy_gbs))
             print(json.dumps(RESULTS["decode"][-1]), flush=True)
@@ -300,7 +325,9 @@ def main():
                 print(json.dumps(RESULTS["decode_sweep"][-1]), flush=True)
         (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
     for args in () if os.environ.get("DECODE_ONLY") else (("V3.2 fp8", 64, 7168, 2048, 4096, 8, False), ("V3.2 fp8", 64, 7168, 2048, 1, 8, False),
-                 ("V4-Flash fp4", 256, 4096, 2048, 8192, 6, True), ("V4-Flash fp4", 256, 4096, 2048, 1, 6, True)):
+                 ("V4-Flash fp4", 256, 4096, 2048, 8192, 6, True),
+                 ("V4-Flash fp4, wide scales", 256, 4096, 2048, 8192, 6, True, True),
+                 ("V4-Flash fp4", 256, 4096, 2048, 1, 6, True)):
         try:
             RESULTS["experts"].append(experts_case(*args))
         except Exception as error:  # noqa: BLE001

@@ -5,14 +5,18 @@ kernels and cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph r
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsfuse.kernels import fp8_linear as ops
 from dsfuse.kernels.fp8_linear import (dequantize_weight, fp8_grouped_linear, fp8_grouped_linear_reference,
                                        fp8_grouped_linear_triton, fp8_linear, fp8_linear_reference, fp8_linear_triton,
                                        fp8_weight_dequantize, quantize_activations_triton, quantize_for_weight)
-from dsfuse.kernels.quant_formats import E8M0_DTYPE, quantize_activations
+from dsfuse.kernels.quant_formats import (E2M1_AS_E4M3_MAX_SHIFT, E2M1_VALUES, E8M0_DTYPE, e2m1_as_e4m3,
+                                          e2m1_as_e4m3_tables, fp4_pair_as_e4m3, quantize_activations)
 from dsfuse.models.quantized import quantize_fp8_weight
 
+MAX_SHIFT = tl.constexpr(E2M1_AS_E4M3_MAX_SHIFT)
 CPU_DTYPE = torch.float16  # the interpreter's bf16 arithmetic is not the GPU's; fp16 inputs, fp8 dots
 
 
@@ -21,10 +25,13 @@ def _fp8_weight(N, K, seed, scale_fmt="float", lead=()):
     return quantize_fp8_weight(torch.randn(*lead, N, K, generator=g) * 0.05, scale_fmt=scale_fmt)
 
 
-def _fp4_weight(N, K, seed, lead=()):
+def _fp4_weight(N, K, seed, lead=(), lowest_scale=118):
+    """Random FP4 bytes; E8M0 scales from `lowest_scale` to 125: from 118 a channel group's scales are mostly more
+    than E2M1_AS_E4M3_MAX_SHIFT binades apart (the row-tiled GEMM's exact bf16 path), from 121 never (its e4m3
+    path)."""
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (*lead, N, K // 2), generator=g, dtype=torch.uint8).view(torch.int8)
-    scales = torch.randint(118, 126, (*lead, N, K // 32), generator=g, dtype=torch.uint8).view(E8M0_DTYPE)
+    scales = torch.randint(lowest_scale, 126, (*lead, N, K // 32), generator=g, dtype=torch.uint8).view(E8M0_DTYPE)
     return packed, scales
 
 
@@ -33,7 +40,10 @@ def _x(M, K, seed, dtype=CPU_DTYPE):
 
 
 def _weights(kind, N, K, seed, lead=()):
-    return _fp4_weight(N, K, seed, lead) if kind == "fp4" else _fp8_weight(N, K, seed, kind, lead)
+    """kind: "float" / "ue8m0" (FP8 block scales), "fp4", or "fp4-narrow" (scales within E2M1_AS_E4M3_MAX_SHIFT)."""
+    if kind.startswith("fp4"):
+        return _fp4_weight(N, K, seed, lead, lowest_scale=121 if kind == "fp4-narrow" else 118)
+    return _fp8_weight(N, K, seed, kind, lead)
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
@@ -69,18 +79,33 @@ def test_triton_activation_quantisation_gives_the_references_bytes(pow2):
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4", "fp4-narrow"])
 @pytest.mark.parametrize("M,N,K", [(1, 48, 256), (17, 40, 320), (5, 33, 64), (80, 33, 320)])
 def test_triton_linear_gives_the_references_bits(kind, M, N, K):
-    """Both paths: the decode path up to DECODE_MAX_ROWS rows, the row-tiled GEMM past it (80)."""
-    if kind == "fp4" and K % 32:
+    """Both paths: the decode path up to DECODE_MAX_ROWS rows, the row-tiled GEMM past it (80; FP4: its e4m3 and
+    its bf16 path)."""
+    if kind.startswith("fp4") and K % 32:
         pytest.skip("FP4 rows are whole 32-value blocks")
     w, s = _weights(kind, N, K, M + N)
     x = _x(M, K, K)
     assert torch.equal(fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128))
 
 
-@pytest.mark.parametrize("kind", ["float", "fp4"])
+def test_row_tiled_fp4_gives_nan_outputs_for_nan_scales_on_both_paths():
+    """E8M0 255 is NaN: an output column whose weights have one NaN scale is NaN, as in the reference, whether its
+    tile goes to the e4m3 path (a whole group at 255: no spread) or to the bf16 path (one scale at 255)."""
+    w, s = _weights("fp4-narrow", 40, 256, 31)
+    s = s.view(torch.uint8).clone()
+    s[3, 4:8] = 255
+    s[37, 1] = 255
+    x = _x(80, 256, 32)
+    got = fp8_linear_triton(x, w, s.view(E8M0_DTYPE), 128, 128)
+    want = fp8_linear_reference(x, w, s.view(E8M0_DTYPE), 128, 128)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[:, [3, 37]].isnan().all() and not got[:, :3].isnan().any()
+
+
+@pytest.mark.parametrize("kind", ["float", "fp4", "fp4-narrow"])
 @pytest.mark.parametrize("S,offsets", [(30, [0, 17, 17, 20, 26]), (90, [0, 40, 40, 70, 80])])
 def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, S, offsets):
     """Experts with no rows, one with a tile's worth plus one, and rows past the last offset (other ranks' slots);
@@ -283,13 +308,52 @@ def test_weight_quantisation_round_trips_within_the_e4m3_step():
 
 # --------------------------------------------------------------------------------------------
 # GPU (H200)
+@triton.jit
+def _e2m1_as_e4m3_kernel(out_ptr):
+    """Every E2M1 code (16) at every shift 0..E2M1_AS_E4M3_MAX_SHIFT (rows) as its e4m3 byte."""
+    shifts = tl.arange(0, 8)[:, None]
+    codes = tl.arange(0, 16)[None, :]
+    tl.store(out_ptr + shifts * 16 + codes, e2m1_as_e4m3(codes, shifts).to(tl.uint8), mask=shifts <= MAX_SHIFT)
+
+
+def test_e2m1_as_e4m3_is_each_value_scaled_down_exactly():
+    """E2M1 value * 2^-shift, -0 included, is the e4m3 byte torch's conversion gives (all exact, all normal)."""
+    out = torch.zeros(8, 16, dtype=torch.uint8)
+    _e2m1_as_e4m3_kernel[(1,)](out)
+    shifts = torch.arange(E2M1_AS_E4M3_MAX_SHIFT + 1, dtype=torch.float32)[:, None]
+    want = (torch.tensor(E2M1_VALUES)[None, :] * torch.exp2(-shifts)).to(torch.float8_e4m3fn)
+    assert torch.equal(want.float() * torch.exp2(shifts), torch.tensor(E2M1_VALUES).expand(len(shifts), 16))
+    assert torch.equal(out[:E2M1_AS_E4M3_MAX_SHIFT + 1], want.view(torch.uint8))
+
+
+@triton.jit
+def _scales_fit_kernel(s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, SCALE_COLS: tl.constexpr):
+    ns = tl.arange(0, BLOCK_N)
+    tl.store(out_ptr, ops._fp4_scales_fit_e4m3(s_ptr, ns, ns < N, K, K // 32, 128, SCALE_COLS).to(tl.int32))
+
+
+@pytest.mark.parametrize("columns,raise_by,fits", [((3,), 5, True), ((3,), 6, False), ((4,), 6, False),
+                                                   ((8,), 9, True), ((4, 5, 6, 7), 20, True)])
+def test_fp4_e4m3_path_is_taken_only_where_each_groups_scales_are_close(columns, raise_by, fits):
+    """K / 32 = 9 scale columns, in groups of 4 (the last holds one), read 8 at a time: raising one row's scales at
+    `columns` keeps the tile on the e4m3 path while every group's scales stay within E2M1_AS_E4M3_MAX_SHIFT binades
+    (a whole group raised, or the last group's one column, moves nothing); rows past N are not read."""
+    N, K = 5, 288
+    scales = torch.full((8, K // 32), 120, dtype=torch.uint8)
+    scales[2, list(columns)] += raise_by
+    scales[6, 0] = 200
+    out = torch.zeros(1, dtype=torch.int32)
+    _scales_fit_kernel[(1,)](scales, out, N, K, BLOCK_N=8, SCALE_COLS=8)
+    assert bool(out.item()) is fits
+
+
 # --------------------------------------------------------------------------------------------
 def _rel(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4", "fp4-narrow"])
 @pytest.mark.parametrize("M", [1, 7, 64, 129, 1024])
 def test_cuda_linear_matches_the_reference(kind, M):
     """Triton (M < 128, FP4) or cuBLAS's block-scaled GEMM (FP8 from 128 rows): the reference's sums up to the
@@ -303,8 +367,32 @@ def test_cuda_linear_matches_the_reference(kind, M):
     assert _rel(got, want) < 1e-2
 
 
+@triton.jit
+def _fp4_pair_as_e4m3_kernel(out_ptr):
+    """Every byte (256 columns) at every shift 0..E2M1_AS_E4M3_MAX_SHIFT (rows) through the PTX conversion and the
+    portable one: [2, shifts, 256, 2] bytes."""
+    shifts = tl.arange(0, 8)[:, None]
+    byte = tl.arange(0, 256)[None, :]
+    even, odd = fp4_pair_as_e4m3(byte, *e2m1_as_e4m3_tables(shifts))
+    at = out_ptr + (shifts * 256 + byte) * 2
+    inside = shifts <= MAX_SHIFT
+    tl.store(at, even.to(tl.uint8), mask=inside)
+    tl.store(at + 1, odd.to(tl.uint8), mask=inside)
+    portable = out_ptr + 8 * 256 * 2
+    tl.store(portable + (shifts * 256 + byte) * 2, e2m1_as_e4m3(byte & 15, shifts).to(tl.uint8), mask=inside)
+    tl.store(portable + (shifts * 256 + byte) * 2 + 1, e2m1_as_e4m3(byte >> 4, shifts).to(tl.uint8), mask=inside)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["float", "fp4"])
+def test_cuda_fp4_pair_as_e4m3_is_the_portable_conversion():
+    """The PTX lookup gives `e2m1_as_e4m3`'s bytes for all 256 bytes (both nibbles) at every shift."""
+    out = torch.zeros(2, 8, 256, 2, dtype=torch.uint8, device="cuda")
+    _fp4_pair_as_e4m3_kernel[(1,)](out)
+    assert torch.equal(out[0], out[1]) and out[1, :E2M1_AS_E4M3_MAX_SHIFT + 1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float", "fp4", "fp4-narrow"])
 def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(kind):
     E, N, K, S = 8, 512, 1024, 300
     w, s = (t.cuda() for t in _weights(kind, N, K, 13, lead=(E,)))
