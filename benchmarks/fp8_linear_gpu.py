@@ -23,8 +23,8 @@ shapes and its and V4-Flash's expert shapes.
    warps, stages, programs per SM, FP4 K step) at M = 1, 16, 64; `DECODE_ONLY=1` runs this section alone.
 
 Writes $OUT/fp8_linear.json and prints markdown tables last. ~2 minutes. `ROWS="4096"` limits the linears' row
-counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes; `FP4_SWEEP=1`
-sweeps the FP4 grouped GEMM's tiles on V4-Flash's expert up at T=8192; `EXPERTS_ONLY=1` runs section 3 alone."""
+counts; `SWEEP=1` adds the tile sweep, `SWEEP_SHAPES="v4 expert up"` limits it to the named shapes; `EXPERTS_SWEEP=1`
+sweeps the grouped GEMM's tiles on the experts' up projection (V3.2 FP8 at T=4096, V4-Flash FP4 at T=8192); `EXPERTS_ONLY=1` runs section 3 alone."""
 
 import json
 import os
@@ -228,9 +228,12 @@ def sweep_case(name, N, K, M, fp4=False):
     return row
 
 
-# FP4 grouped GEMM tiles (BLOCK_M, BLOCK_N, warps, stages) swept on V4-Flash's expert up at T=8192 (`FP4_SWEEP=1`)
-FP4_EXPERT_SWEEP = [(64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (64, 64, 4, 4),
-                    (128, 64, 4, 3), (64, 128, 8, 4), (32, 128, 8, 4)]
+# Grouped GEMM tiles (BLOCK_M, BLOCK_N, warps, stages) swept on the expert up projection (`EXPERTS_SWEEP=1`):
+# FP4 (V4-Flash, T=8192; weights first, BLOCK_N is the MMA's M) and FP8 (V3.2, T=4096; rows first)
+EXPERT_SWEEP = {True: [(64, 128, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (64, 64, 4, 4),
+                       (128, 64, 4, 3), (64, 128, 8, 4), (32, 128, 8, 4)],
+                False: [(64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (64, 256, 8, 3), (128, 256, 8, 3),
+                        (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3)]}
 
 
 def experts_case(name, E, H, inter, T, top_k, fp4, wide_scales=False):
@@ -277,11 +280,11 @@ def experts_case(name, E, H, inter, T, top_k, fp4, wide_scales=False):
     for provider, fn in providers:
         ms = bench(fn)
         row[provider] = {"ms": round(ms, 3), "tflops": round(flops / ms / 1e9, 1)}
-    if fp4 and rows > ops.DECODE_MAX_ROWS and os.environ.get("FP4_SWEEP"):
+    if rows > ops.DECODE_MAX_ROWS and os.environ.get("EXPERTS_SWEEP"):
         q, qs = ops.quantize_for_weight(x, *up, 128, decode=False)
         want_up = ops.fp8_grouped_linear_reference(x, *up, offsets, 128, 128)
         sweep = {"default": ops._gemm_config(rows, up[0], E)}
-        for config in FP4_EXPERT_SWEEP:
+        for config in EXPERT_SWEEP[fp4]:
             fn = lambda: ops._gemm(q, qs, *up, h_out, 128, 128, offsets=offsets, config=config, decode=False)  # noqa: E731
             fn()
             sweep[str(config)] = {"ms": round(bench(fn), 3), "err": round(rel(h_out[:rows], want_up), 5)}
