@@ -9,6 +9,8 @@ hands transformers dsfuse's versions of the three, built on `torch.ops.dsfuse.fp
 is loaded already, else when transformers loads it (for a quantised checkpoint), so `import dsfuse` does not
 import transformers. With dsfuse's, transformers' own DeepGEMM preference for plain linears is switched off
 (`TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR=1`, unless the user set it), so every quantised linear reaches dsfuse's ops.
+A model loaded with a tensor-parallel plan is checked after loading: a shard that cuts a weight's scale blocks is
+refused (`check_sharded_blocks`), since transformers would hand that rank scales that are not its rows'.
 """
 
 from __future__ import annotations
@@ -77,6 +79,70 @@ def matmul_batched(input, weight, weight_scale_inv, block_size=None, expert_ids=
     return torch.empty_like(grouped).index_copy_(0, order, grouped)
 
 
+def _scale_block_per_dim(module: torch.nn.Module, weight: torch.Tensor) -> dict[int, int]:
+    """How many of `weight`'s elements along each of its last two dims share one scale: the block size for FP8,
+    one row and 32 values (16 packed bytes) for FP4."""
+    from dsfuse.kernels.quant_formats import FP4_BLOCK
+
+    if weight.dtype in (torch.int8, torch.uint8):
+        return {weight.dim() - 2: 1, weight.dim() - 1: FP4_BLOCK // 2}
+    block_size = getattr(module, "block_size", None)
+    if block_size is None:  # one scale for the whole weight, replicated
+        return {}
+    return {weight.dim() - 2: int(block_size[0]), weight.dim() - 1: int(block_size[1])}
+
+
+def sharded_block_misfits(model: torch.nn.Module) -> list[str]:
+    """Each quantised weight that a tensor-parallel plan splits off its scale blocks, in words.
+
+    transformers shards a block-scaled weight and its scales by the same even split, so a rank's scales are the
+    scales of its rows only when every rank's share starts on a block boundary; otherwise some rank's weight would
+    be scaled by another block's scales (or by none: transformers then hands it an empty scale tensor)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    misfits = []
+    for name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            if not isinstance(param, DTensor) or param.dtype not in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+                continue
+            blocks = _scale_block_per_dim(module, param)
+            ranks = param.device_mesh.size()
+            for placement in param.placements:
+                if not isinstance(placement, Shard):
+                    continue
+                dim = placement.dim % param.dim()
+                block = blocks.get(dim, 1)
+                segment = param.shape[dim] // getattr(placement, "split_factor", 1)
+                per_rank = -(-segment // ranks)
+                if ranks > 1 and block > 1 and (segment % block or per_rank % block):
+                    unit = " bytes (two FP4 values a byte)" if param.dtype != torch.float8_e4m3fn else ""
+                    misfits.append(f"{name}.{param_name} {tuple(param.shape)} ({param.dtype}): dim {dim} is split "
+                                   f"{per_rank} per rank over {ranks} ranks, not whole blocks of {block}{unit}")
+    return misfits
+
+
+def check_sharded_blocks(model: torch.nn.Module) -> None:
+    """Refuse a model whose tensor-parallel shards cut through FP8 / FP4 scale blocks (`sharded_block_misfits`)."""
+    misfits = sharded_block_misfits(model)
+    if misfits:
+        raise ValueError("tensor parallelism cuts these quantised weights inside their scale blocks; transformers "
+                         "splits the scales evenly as well, so a rank would scale rows by another block's scales. "
+                         "Use fewer ranks (each rank's share a whole number of blocks) or no tp_plan:\n  "
+                         + "\n  ".join(misfits))
+
+
+def _checked_after_loading(after_loading):
+    """transformers' FP8 quantizer's post-load step, then `check_sharded_blocks` on the loaded model."""
+
+    def after_loading_then_check(self, model, **kwargs):
+        model = after_loading(self, model, **kwargs)
+        check_sharded_blocks(model)
+        return model
+
+    after_loading_then_check.checks_sharded_blocks = True
+    return after_loading_then_check
+
+
 def kernels_choice(environ=None) -> str:
     environ = os.environ if environ is None else environ
     choice = environ.get(ENV_KERNELS, "dsfuse").strip().lower() or "dsfuse"
@@ -124,6 +190,7 @@ def install() -> bool:
         return False
     try:
         from transformers.integrations import finegrained_fp8
+        from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
     except ImportError:
         return False
     import dsfuse.kernels.fp8_linear  # noqa: F401  (registers the ops)
@@ -131,6 +198,9 @@ def install() -> bool:
     if not installed():
         finegrained_fp8._FINEGRAINED_FP8 = finegrained_fp8.FineGrainedFP8(
             matmul=matmul_2d, batched_matmul=matmul_batched, grouped_matmul=matmul_grouped)
+    after_loading = FineGrainedFP8HfQuantizer._process_model_after_weight_loading
+    if not getattr(after_loading, "checks_sharded_blocks", False):
+        FineGrainedFP8HfQuantizer._process_model_after_weight_loading = _checked_after_loading(after_loading)
     os.environ.setdefault(DEEPGEMM_LINEAR_ENV, "1")
     return True
 
@@ -145,5 +215,5 @@ def installed() -> bool:
     return current is not None and current.matmul is matmul_2d
 
 
-__all__ = ["ENV_KERNELS", "KERNEL_CHOICES", "install", "install_when_loaded", "installed", "kernels_choice",
-           "matmul_2d", "matmul_batched", "matmul_grouped"]
+__all__ = ["ENV_KERNELS", "KERNEL_CHOICES", "check_sharded_blocks", "install", "install_when_loaded", "installed",
+           "kernels_choice", "matmul_2d", "matmul_batched", "matmul_grouped", "sharded_block_misfits"]
