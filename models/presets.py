@@ -82,6 +82,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 # experts' gate and up halves keep their own scale rows), for checkpoints in the released FP8 layout.
 PRESETS["fp8-tiny"] = dict(PRESETS["tiny"], hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
                            q_lora_rank=128, kv_lora_rank=128)
+# `fp8-tiny` whose tensor-parallel shards are whole 128 x 128 blocks on up to 4 ranks (transformers splits a weight
+# and its block scales by the same even split): q_b, kv_b and o_proj 128 wide per rank at 2 heads a rank, the
+# dense and expert MLPs 512 wide.
+PRESETS["fp8-tp-tiny"] = dict(PRESETS["fp8-tiny"], num_attention_heads=8, num_key_value_heads=8, qk_nope_head_dim=64,
+                              qk_rope_head_dim=64, v_head_dim=64, index_head_dim=128, intermediate_size=512,
+                              moe_intermediate_size=512)
 
 # DeepSeek V4 (`transformers.DeepseekV4ForCausalLM`). Every attention kind appears in `v4-tiny`: a sliding-window
 # layer, a compressed sparse (CSA, m=4, indexer top-k 4) and a heavily compressed (HCA, m'=8) one, with the hash

@@ -48,6 +48,47 @@ def test_sharded_model_parity(checkpoint, tmp_path):
         assert plan["counts"]["norm_rope_quant"] == 10, data  # the kv split too, behind Inductor's identity lowering
 
 
+@pytest.fixture(scope="module")
+def quantized_checkpoints(tmp_path_factory):
+    """(`fp8-tp-tiny`, whose shards are whole 128 x 128 blocks on 2 and 4 ranks; `fp8-tiny`, whose are not)."""
+    from dsfuse.models.quantized import write_fp8_checkpoint
+
+    return tuple(write_fp8_checkpoint(tmp_path_factory.mktemp(preset), preset) for preset in ("fp8-tp-tiny", "fp8-tiny"))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_fp8_model_parity(quantized_checkpoints, tmp_path, world):
+    """A released-layout FP8 checkpoint on 2 and 4 ranks, under the tensor-parallel plan and the tensor- and
+    expert-parallel one: eager and compiled logits are the unsharded FP8 model's, every family fires as often as in
+    the unsharded compile, dsfuse's FP8 ops serve the quantised layers, and a checkpoint whose shards cut its scale
+    blocks is refused at load, naming the weights.
+
+    Bound: the activations are fp32 and every shard is whole 128-channel blocks, so each rank quantises the same
+    activation groups as the unsharded model and sharding changes only the order of fp32 sums (row-parallel partial
+    sums all-reduced, experts summed across ranks): fp32 rounding, ~1e-7 measured. A sum that rounds differently can
+    move an activation across an e4m3 rounding boundary (a step of 1/16 to 1/8); 40 routings on 2 ranks showed none."""
+    aligned, misfit = quantized_checkpoints
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(WORKER),
+           "--checkpoint", str(aligned), "--result", str(result), "--quantized", "--seq", "12",
+           "--misfit-checkpoint", str(misfit)]
+    done = launch(cmd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    data = json.loads(result.read_text())
+    assert data["world"] == world and set(data["plans"]) == {"tp", "tp-ep"}, data
+    unsharded = data["unsharded_counts"]
+    assert all(unsharded[family] > 0 for family in ("norm_rope_quant", "indexer_topk", "sparse_attention",
+                                                      "moe_experts")), unsharded
+    for name, plan in data["plans"].items():
+        assert len(plan["errors"]) == world and max(plan["errors"] + plan["eager_errors"]) < 1e-5, (name, plan)
+        assert plan["counts"] == unsharded and plan["near_misses"] == [], (name, plan)
+        assert "(dsfuse's FP8 kernels)" in plan["summary"], plan["summary"]
+        moe = [detail for op, detail in plan["sites"] if op == "dsfuse.moe_experts_fp8"]
+        assert len(moe) == 1 and ("expert-parallel sentinel slots skipped" in moe[0]) == (name == "tp-ep"), moe
+    assert "cuts these quantised weights inside their scale blocks" in data["refusal"], data["refusal"]
+    assert "model.layers.0.self_attn.q_b_proj.weight (96, 128)" in data["refusal"], data["refusal"]
+
+
 def test_distributed_prefill_benchmark_runs_on_cpu(checkpoint, tmp_path):
     out = tmp_path / "ep.json"
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "distributed_prefill.py"
