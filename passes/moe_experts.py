@@ -1618,14 +1618,16 @@ def _dense_weights(out: torch.fx.Node, sources: set, num_experts) -> torch.fx.No
     if found is None:
         raise NoMatch(f"the dense block has more than {_dense_max_nodes(num_experts)} nodes")
     nodes, frontier = found
-    computed, routed = set(sources), {n for n in frontier if n not in sources and n.op != "get_attr"}
+    # Tensors only: a size read off the routing (a symbolic T under dynamic=True) is not the weights.
+    computed = set(sources)
+    routed = {n for n in frontier if n not in sources and n.op != "get_attr" and tensor_val(n) is not None}
     readers = set()
     for node in nodes:
         inputs = node.all_input_nodes
         if any(a in computed for a in inputs):
             computed.add(node)
             readers.update(a for a in inputs if a in routed)
-        elif any(a in routed for a in inputs):
+        elif tensor_val(node) is not None and any(a in routed for a in inputs):
             routed.add(node)
     read = {strip(node, DENSE_WEIGHT_READS) for node in readers}
     if len(read) != 1:

@@ -368,6 +368,22 @@ def test_dense_experts_loop_is_fused_once(spread, dtype):
     assert site.detail == f"dense GEMMs (every expert on every token, k = E), E={EXPERTS}", site.detail
 
 
+def test_dense_experts_with_dynamic_tokens():
+    """Under `dynamic=True` the token count is a symbol: the dense weights are still found (a size read off the
+    routing is not them) and one graph serves two token counts with eager's numbers."""
+    gate_up, down = _dense_weights(torch.bfloat16)
+    experts = torch.nn.Module()
+    experts.gate_up, experts.down = torch.nn.Parameter(gate_up), torch.nn.Parameter(down)
+    fn = _dense_loop(SPREADS[1])
+    compiled = _compile(lambda x, ids, weights: fn(x, ids, weights, experts.gate_up, experts.down), dynamic=True)
+    for tokens in (5, 9):
+        x, (ids, weights) = _tokens(tokens, torch.bfloat16), _routing(tokens)
+        with torch.no_grad():
+            _close(compiled(x, ids, weights), fn(x, ids, weights, gate_up, down))
+    rep = dsfuse.report()
+    assert len(rep.graphs) == 1 and rep.counts["moe_experts"] == 1 and rep.near_misses == [], str(rep)
+
+
 def test_dense_experts_keep_the_nan_of_an_unrouted_expert():
     """The fused dense block runs every expert as the source does: an expert no token is routed to, holding NaN
     weights, still makes every output NaN (0 * NaN), as in eager."""
