@@ -115,29 +115,38 @@ def _check_inputs(x, expert_ids, expert_weights, w13_packed, w13_scale, w2_packe
                            ("w2_scale", w2_scale)))
 
 
-def _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset):
-    """Plain-weight op: `gate_up [E, 2I, H]`, `down [E, H, I]`, both in x's dtype."""
+def _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, up=None):
+    """Plain-weight op: `gate_up [E, 2I, H]` (or the gate `[E, I, H]` with `up [E, I, H]` apart), `down [E, H, I]`,
+    all in x's dtype, any strides."""
     op = "moe_experts_bf16"
     _check_routing(op, x, expert_ids, expert_weights, local_expert_offset)
     H = x.shape[1]
-    for name, t in (("gate_up", gate_up), ("down", down)):
+    stacks = (("gate_up", gate_up), ("down", down)) + ((("up", up),) if up is not None else ())
+    for name, t in stacks:
         if t.dim() != 3:
             raise ValueError(f"{op}: {name} must be 3-D, got {tuple(t.shape)}")
         if t.dtype != x.dtype:
             raise TypeError(f"{op}: {name} dtype {t.dtype} must match x dtype {x.dtype}")
-    E, two_i = gate_up.shape[:2]
+    E, rows = gate_up.shape[:2]
     if E < 1:
         raise ValueError(f"{op}: need at least one local expert")
-    if two_i % 2 or two_i == 0:
-        raise ValueError(f"{op}: gate_up dim 1 must be 2*I with I >= 1, got {two_i}")
-    inter = two_i // 2
-    if tuple(gate_up.shape) != (E, 2 * inter, H):
-        raise ValueError(f"{op}: gate_up must be {(E, 2 * inter, H)} for x {tuple(x.shape)}, got "
-                         f"{tuple(gate_up.shape)}")
+    if up is None:
+        if rows % 2 or rows == 0:
+            raise ValueError(f"{op}: gate_up dim 1 must be 2*I with I >= 1, got {rows}")
+        inter = rows // 2
+        if tuple(gate_up.shape) != (E, 2 * inter, H):
+            raise ValueError(f"{op}: gate_up must be {(E, 2 * inter, H)} for x {tuple(x.shape)}, got "
+                             f"{tuple(gate_up.shape)}")
+    else:
+        inter = rows
+        if rows == 0 or tuple(gate_up.shape) != (E, inter, H):
+            raise ValueError(f"{op}: with up given, gate_up must be the gate stack [E, I>=1, H={H}], got "
+                             f"{tuple(gate_up.shape)}")
+        if up.shape != gate_up.shape:
+            raise ValueError(f"{op}: up must be {tuple(gate_up.shape)} like the gate stack, got {tuple(up.shape)}")
     if tuple(down.shape) != (E, H, inter):
         raise ValueError(f"{op}: down must be {(E, H, inter)} for x {tuple(x.shape)}, got {tuple(down.shape)}")
-    _check_devices(op, x, (("expert_ids", expert_ids), ("expert_weights", expert_weights), ("gate_up", gate_up),
-                           ("down", down)))
+    _check_devices(op, x, (("expert_ids", expert_ids), ("expert_weights", expert_weights)) + stacks)
 
 
 def check_swiglu_limit(op, swiglu_limit):
@@ -208,16 +217,19 @@ def moe_experts_bf16_reference(
     down: torch.Tensor,
     local_expert_offset: int = 0,
     swiglu_limit: float | None = None,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """transformers' `grouped_mm_experts_forward` math (SiLU gate), one local expert at a time.
 
-    Per slot, in x's dtype: `gate, up = (x @ gate_up^T).chunk(2)`, `silu(gate) * up` (with `swiglu_limit` L, DeepSeek
+    Per slot, in x's dtype: `gate, up = (x @ gate_up^T).chunk(2)` (with `up` given, DeepSeek's separate w1 / w3:
+    `gate = x @ gate_up^T`, `up = x @ up^T`), `silu(gate) * up` (with `swiglu_limit` L, DeepSeek
     V4's `silu(gate.clamp(max=L)) * up.clamp(-L, L)`), `@ down^T`; then
     `out * router_weight` with torch type promotion (fp32 router weights give an fp32, unrounded product), summed
     over the k slots with `view(T, k, H).sum(1)` and cast to x's dtype, as HF does. Slots of non-local experts add
-    nothing and are never read. Negative ids raise.
+    nothing and are never read. Negative ids raise. The stacks may have any strides (a `[E, K, N]` stack passed as
+    its `.transpose(1, 2)` view reads the same weights).
     """
-    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, up)
     check_swiglu_limit("moe_experts_bf16", swiglu_limit)
     check_ids_non_negative("moe_experts_bf16", expert_ids)
     T, top_k = expert_ids.shape
@@ -230,8 +242,12 @@ def moe_experts_bf16_reference(
         slots = (local_ids == expert).nonzero().squeeze(1)
         if slots.numel() == 0:
             continue
-        proj = x[slots // top_k] @ gate_up[expert].t()
-        activated = swiglu(*proj.chunk(2, dim=-1), swiglu_limit)
+        rows = x[slots // top_k]
+        if up is None:
+            halves = (rows @ gate_up[expert].t()).chunk(2, dim=-1)
+        else:
+            halves = rows @ gate_up[expert].t(), rows @ up[expert].t()
+        activated = swiglu(*halves, swiglu_limit)
         weighted[slots] = (activated @ down[expert].t()) * flat_weights[slots].unsqueeze(-1)
     return weighted.view(T, top_k, -1).sum(dim=1).to(x.dtype)
 
@@ -349,7 +365,17 @@ def scale_tile(s_ptr, rows, row_mask, k0, K, stride_sn, BLOCK_K: tl.constexpr, F
 @triton.jit
 def weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
                  BLOCK_K: tl.constexpr, FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    """`[len(rows), BLOCK_K]` weights of one expert in the dot dtype (K columns from `k0`).
+    """`[len(rows), BLOCK_K]` weights of one expert in the dot dtype (K columns from `k0`), K contiguous: rows `rows`
+    of `w_ptr`, `stride_wn` apart (see `weight_rows_tile`)."""
+    return weight_rows_tile(w_ptr + rows * stride_wn, scale, row_mask, k0, K, 1, BLOCK_K, FP4, DECODE_ASM, DOT_DTYPE)
+
+
+@triton.jit
+def weight_rows_tile(row_ptrs, scale, row_mask, k0, K, stride_wk,
+                     BLOCK_K: tl.constexpr, FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """`[len(row_ptrs), BLOCK_K]` weights of one expert in the dot dtype (K columns from `k0`; `row_ptrs` point at
+    each weight row's first element, `stride_wk` steps along K: 1 for the `F.linear` layout, N for a stack stored
+    `[E, K, N]`, the rows then being adjacent).
 
     FP4: one load of the packed bytes `[BN, BK/2]`; the step's scales `[BN, BK/32]` (`scale_tile`) are turned into
     factors once per 32 elements and broadcast, both nibbles are decoded and interleaved back into K order. bf16 on
@@ -360,23 +386,23 @@ def weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
     if FP4:
         offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
         byte_mask = row_mask[:, None] & (offs_byte[None, :] < K // 2)
-        packed = tl.load(w_ptr + rows[:, None] * stride_wn + offs_byte[None, :], mask=byte_mask, other=0)
+        packed = tl.load(row_ptrs[:, None] + offs_byte[None, :] * stride_wk, mask=byte_mask, other=0)
         packed = packed.to(tl.int32)
         if DECODE_ASM:
             f1, f2 = e8m0_to_bf16_factor_pairs(scale)
-            even, odd = fp4_decode_bf16_pair(packed, per_byte(f1, rows.shape[0], BLOCK_K),
-                                             per_byte(f2, rows.shape[0], BLOCK_K))
+            even, odd = fp4_decode_bf16_pair(packed, per_byte(f1, row_ptrs.shape[0], BLOCK_K),
+                                             per_byte(f2, row_ptrs.shape[0], BLOCK_K))
             even = even.to(tl.bfloat16, bitcast=True)
             odd = odd.to(tl.bfloat16, bitcast=True)
         else:
-            scale = per_byte(e8m0_to_float(scale), rows.shape[0], BLOCK_K)
+            scale = per_byte(e8m0_to_float(scale), row_ptrs.shape[0], BLOCK_K)
             even = (e2m1_to_float(packed & 15) * scale).to(DOT_DTYPE)
             odd = (e2m1_to_float(packed >> 4) * scale).to(DOT_DTYPE)
         return tl.interleave(even, odd)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = row_mask[:, None] & (offs_k[None, :] < K)
-        return tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+        return tl.load(row_ptrs[:, None] + offs_k[None, :] * stride_wk, mask=mask, other=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -385,20 +411,21 @@ def weight_tile(w_ptr, scale, rows, row_mask, k0, K, stride_wn,
 
 
 @triton.jit
-def _weight_rows_times_tokens(a_rows, a_row_mask, w_expert, s_expert, w_rows, w_mask, k_lo, K, stride_wn, stride_sn,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _weight_rows_times_tokens(a_rows, a_row_mask, w_row_ptrs, s_expert, w_rows, w_mask, k_lo, K, stride_wk,
+                              stride_sn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               FP4: tl.constexpr, DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                               DOT_DTYPE: tl.constexpr):
-    """The K loop both GEMMs share: `acc[w_rows, tokens] = W[w_rows, k_lo:K] @ A[tokens, k_lo:K]^T` in fp32 (`k_lo`
-    is 0, or a split-K slice's start: a multiple of BLOCK_K), one expert's weights decoded per K step in registers,
-    the next step's scales prefetched (see `scale_tile`)."""
+    """The K loop both GEMMs share: `acc[rows, tokens] = W[rows, k_lo:K] @ A[tokens, k_lo:K]^T` in fp32 (`k_lo` is 0,
+    or a split-K slice's start: a multiple of BLOCK_K), the weight rows given by pointers (`w_row_ptrs`, K strided by
+    `stride_wk`) and FP4 scales by row numbers (`w_rows` of `s_expert`), one expert's weights decoded per K step in
+    registers, the next step's scales prefetched (see `scale_tile`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     scale = scale_tile(s_expert, w_rows, w_mask, k_lo, K, stride_sn, BLOCK_K, FP4)
     for k0 in range(k_lo, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a_tile = tl.load(a_rows + offs_k[None, :], mask=a_row_mask[:, None] & (offs_k[None, :] < K), other=0.0)
         next_scale = scale_tile(s_expert, w_rows, w_mask, k0 + BLOCK_K, K, stride_sn, BLOCK_K, FP4)
-        w_tile = weight_tile(w_expert, scale, w_rows, w_mask, k0, K, stride_wn, BLOCK_K, FP4, DECODE_ASM, DOT_DTYPE)
+        w_tile = weight_rows_tile(w_row_ptrs, scale, w_mask, k0, K, stride_wk, BLOCK_K, FP4, DECODE_ASM, DOT_DTYPE)
         scale = next_scale
         acc = tl.dot(w_tile, tl.trans(a_tile), acc, input_precision=DOT_PRECISION)
     return acc
@@ -436,14 +463,16 @@ def _tile_slots(sorted_slot_ptr, offs_m, m_mask, SLOT_TILES: tl.constexpr):
 def _gate_up_swiglu_kernel(
     x_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr,
     w_ptr, s_ptr, act_ptr,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-    H, INTER, TOP_K, LOCAL_LO, NUM_EXPERTS,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_am,
+    H, INTER, UP_OFFSET, TOP_K, LOCAL_LO, NUM_EXPERTS,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
     DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, SLOT_TILES: tl.constexpr,
 ):
     """One M tile of one expert x `BLOCK_N/2` columns of I: a `[BLOCK_N, BLOCK_K]` weight tile holds the gate rows
-    (first half) and the matching up rows (second half); `acc[rows, tokens]`, SwiGLU in the epilogue (clamped when
-    `SWIGLU_LIMIT` is not None)."""
+    (first half) and the matching up rows (second half), `UP_OFFSET` elements after them (`I * stride_wn` in one
+    gate_up stack; from the gate stack to a separate up stack of the same strides, their distance); `acc[rows,
+    tokens]`, SwiGLU in the epilogue (clamped when `SWIGLU_LIMIT` is not None). FP4 scales are rows of one
+    `[E, 2I, H/32]` stack."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     num_n_blocks = tl.cdiv(INTER, HALF_N)
     tile = tl.program_id(0) // num_n_blocks
@@ -461,9 +490,9 @@ def _gate_up_swiglu_kernel(
     col = n_block * HALF_N + offs_r % HALF_N
     w_rows = col + (offs_r // HALF_N) * INTER
     w_mask = col < INTER
-    w_expert = w_ptr + expert * stride_we
+    w_row_ptrs = w_ptr + expert * stride_we + col * stride_wn + (offs_r // HALF_N) * UP_OFFSET
     s_expert = s_ptr + expert * stride_se
-    acc = _weight_rows_times_tokens(x_rows, m_mask, w_expert, s_expert, w_rows, w_mask, 0, H, stride_wn, stride_sn,
+    acc = _weight_rows_times_tokens(x_rows, m_mask, w_row_ptrs, s_expert, w_rows, w_mask, 0, H, stride_wk, stride_sn,
                                     BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
     # Round as the source does: each GEMM output, silu and the product are all in x's dtype.
     gate, up = tl.split(tl.permute(tl.reshape(acc.to(dot_dtype), (2, HALF_N, BLOCK_M)), (2, 1, 0)))
@@ -484,7 +513,7 @@ def _gate_up_swiglu_kernel(
 def _down_kernel(
     act_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, ids_ptr,
     w_ptr, s_ptr, slot_out_ptr,
-    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_os, stride_om,
+    stride_am, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_os, stride_om,
     H, INTER, LOCAL_LO, NUM_EXPERTS, K_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP4: tl.constexpr,
     DECODE_ASM: tl.constexpr, DOT_PRECISION: tl.constexpr, SLOT_TILES: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -517,9 +546,9 @@ def _down_kernel(
     a_rows = act_ptr + offs_m[:, None].to(tl.int64) * stride_am
     offs_n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    w_expert = w_ptr + expert * stride_we
+    w_row_ptrs = w_ptr + expert * stride_we + offs_n * stride_wn
     s_expert = s_ptr + expert * stride_se
-    acc = _weight_rows_times_tokens(a_rows, m_mask, w_expert, s_expert, offs_n, n_mask, k_lo, k_hi, stride_wn,
+    acc = _weight_rows_times_tokens(a_rows, m_mask, w_row_ptrs, s_expert, offs_n, n_mask, k_lo, k_hi, stride_wk,
                                     stride_sn, BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
     slot = _tile_slots(sorted_slot_ptr, offs_m, m_mask, SLOT_TILES).to(tl.int64)
     out_rows = slot_out_ptr + slot[:, None] * stride_om + offs_n[None, :]
@@ -792,8 +821,9 @@ def _moe_config(T, top_k, num_experts, fp4, config):
 
 
 def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_scale, local_expert_offset, inter,
-                        fp4, router_dtype, product_dtype, swiglu_limit, config):
-    """Shared launcher of both ops; `w13_scale`/`w2_scale` are ignored (any tensor) when `fp4` is False."""
+                        fp4, router_dtype, product_dtype, swiglu_limit, config, up=None):
+    """Shared launcher of both ops; `w13_scale`/`w2_scale` are ignored (any tensor) when `fp4` is False, and `up`
+    (plain weights only) is the up stack when `w13` holds the gate alone."""
     T = x.shape[0]
     cfg = _moe_config(T, expert_ids.shape[1], w13.shape[0], fp4, config)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -802,22 +832,31 @@ def _moe_experts_triton(x, expert_ids, expert_weights, w13, w13_scale, w2, w2_sc
     expert_ids = expert_ids.contiguous()
     router = expert_weights.contiguous().reshape(-1)
     _, slot_out = _expert_gemms(x, expert_ids, w13, w13_scale, w2, w2_scale, local_expert_offset, inter, fp4,
-                                swiglu_limit, cfg)
+                                swiglu_limit, cfg, up=up)
     _combine(slot_out, None, expert_ids, router, out, local_expert_offset, w13.shape[0], router_dtype, product_dtype,
              unroll=bool(cfg["combine_unroll"]))
     return out
 
 
 def _expert_gemms(x, expert_ids, w13, w13_scale, w2, w2_scale, local_expert_offset, inter, fp4, swiglu_limit, cfg,
-                  buffers=None):
+                  buffers=None, up=None):
     """Routing (unless `slot_tiles`) and both GEMMs for T >= 1 and contiguous ids: `(act [T*k, I], slot_out [splits,
     T*k, H])`, rows of act in the tiles' row order, of slot_out by slot; `buffers` = that pair, preallocated (tests
-    fill them with a sentinel to see which rows the kernels write)."""
+    fill them with a sentinel to see which rows the kernels write). Plain weights are read in place through their
+    strides (a stack stored `[E, K, N]` comes as its transposed view), the up rows from `up` if given, else from the
+    second half of `w13`; FP4 bytes and scales are read K-contiguous."""
     T, H = x.shape
     top_k = expert_ids.shape[1]
     num_experts = w13.shape[0]
     x = _contiguous_last(x)
-    w13, w13_scale, w2, w2_scale = (_contiguous_last(t) for t in (w13, w13_scale, w2, w2_scale))
+    if fp4:
+        w13, w13_scale, w2, w2_scale = (_contiguous_last(t) for t in (w13, w13_scale, w2, w2_scale))
+    if up is None:
+        up_offset = inter * w13.stride(1)
+    else:
+        if up.stride() != w13.stride():  # the tile reads gate and up rows with one set of strides
+            w13, up = w13.contiguous(), up.contiguous()
+        up_offset = (up.data_ptr() - w13.data_ptr()) // w13.element_size()
     block_m = cfg["block_m"]
     num_slots = T * top_k
     slot_tiles = bool(cfg["slot_tiles"])
@@ -842,15 +881,15 @@ def _expert_gemms(x, expert_ids, w13, w13_scale, w2, w2_scale, local_expert_offs
         slot_out = torch.empty(splits, num_slots, H, dtype=torch.float32 if splits > 1 else x.dtype, device=x.device)
     _gate_up_swiglu_kernel[(num_tiles * cdiv(inter, cfg["block_n1"] // 2),)](
         x, sorted_slot, row_start, row_end, tile_expert, expert_ids, w13, w13_scale, act,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        act.stride(0), H, inter, top_k, local_expert_offset, num_experts,
+        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), w13_scale.stride(0), w13_scale.stride(1),
+        act.stride(0), H, inter, up_offset, top_k, local_expert_offset, num_experts,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n1"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
         DOT_PRECISION=precision, SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit),
         SLOT_TILES=slot_tiles, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     _down_kernel[(num_tiles * cdiv(H, cfg["block_n2"]) * splits,)](
         act, sorted_slot, row_start, row_end, tile_expert, expert_ids, w2, w2_scale, slot_out,
-        act.stride(0), w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), w2_scale.stride(0), w2_scale.stride(1),
         slot_out.stride(0), slot_out.stride(1), H, inter, local_expert_offset, num_experts, k_split,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n2"], BLOCK_K=cfg["block_k"], FP4=fp4, DECODE_ASM=decode_asm,
         DOT_PRECISION=precision, SLOT_TILES=slot_tiles, SPLIT_K=splits,
@@ -876,15 +915,16 @@ def _combine(slot_out, row_of_slot, expert_ids, router, out, local_expert_offset
 
 
 @triton.jit
-def _swiglu_kernel(h_ptr, act_ptr, rows, INTER, stride_h, stride_a, SWIGLU_LIMIT: tl.constexpr,
+def _swiglu_kernel(gate_ptr, up_ptr, act_ptr, rows, INTER, stride_g, stride_u, stride_a, SWIGLU_LIMIT: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
-    """act = silu(gate) * up of `h = [gate | up]` rows, rounded as `_gate_up_swiglu_kernel`'s epilogue rounds."""
+    """act = silu(gate) * up of the gate and up rows (the halves of one `[gate | up]` output, or two GEMMs'), rounded
+    as `_gate_up_swiglu_kernel`'s epilogue rounds."""
     offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (offs_r < rows)[:, None] & (offs_i < INTER)[None, :]
     dtype = act_ptr.dtype.element_ty
-    gate = tl.load(h_ptr + offs_r[:, None] * stride_h + offs_i[None, :], mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + offs_r[:, None] * stride_h + INTER + offs_i[None, :], mask=ok, other=0.0)
+    gate = tl.load(gate_ptr + offs_r[:, None] * stride_g + offs_i[None, :], mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + offs_r[:, None] * stride_u + offs_i[None, :], mask=ok, other=0.0)
     if SWIGLU_LIMIT is not None:
         gate = tl.minimum(gate, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dtype).to(tl.float32)
         up = tl.maximum(up.to(tl.float32), -SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL)
@@ -904,19 +944,21 @@ def _expert_sorted_slots(expert_ids: torch.Tensor, num_experts: int, local_exper
 
 
 def _moe_experts_grouped_mm(x, expert_ids, router, gate_up, down, local_expert_offset, router_dtype, product_dtype,
-                            swiglu_limit):
+                            swiglu_limit, up=None):
     """Plain weights at prefill sizes: the two GEMMs in `torch._grouped_mm` (CUTLASS on sm90), the gathered rows in
-    expert order, SwiGLU and the combine in Triton. Rows of other ranks' slots sit past the last offset, which
-    `grouped_mm` leaves unwritten and the combine never reads."""
+    expert order, SwiGLU and the combine in Triton; separate gate and up stacks take one grouped GEMM each. Rows of
+    other ranks' slots sit past the last offset, which `grouped_mm` leaves unwritten and the combine never reads."""
     T, H = x.shape
-    num_experts, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    num_experts = gate_up.shape[0]
+    inter = down.shape[2]
     sorted_slot, offs = _expert_sorted_slots(expert_ids, num_experts, local_expert_offset)
     rows = x.index_select(0, sorted_slot // expert_ids.shape[1])
-    h = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)
+    gate = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)
+    up_rows = gate[:, inter:] if up is None else torch._grouped_mm(rows, up.transpose(-2, -1), offs=offs)
     act = torch.empty(rows.shape[0], inter, dtype=x.dtype, device=x.device)
     block_r, block_i = 16, min(256, next_power_of_2(inter))
     _swiglu_kernel[(cdiv(rows.shape[0], block_r), cdiv(inter, block_i))](
-        h, act, rows.shape[0], inter, h.stride(0), act.stride(0),
+        gate, up_rows, act, rows.shape[0], inter, gate.stride(0), up_rows.stride(0), act.stride(0),
         SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit), BLOCK_R=block_r, BLOCK_I=block_i)
     slot_out = torch._grouped_mm(act, down.transpose(-2, -1), offs=offs)
     row_of_slot = torch.empty_like(sorted_slot)
@@ -927,12 +969,30 @@ def _moe_experts_grouped_mm(x, expert_ids, router, gate_up, down, local_expert_o
     return out
 
 
-def _grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, num_slots: int) -> bool:
+def _grouped_mm_reads(weight: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` takes `weight [E, N, K]` transposed in place: one of N and K contiguous, the other's
+    stride 16-byte aligned and spanning the contiguous dim, the start 16-byte aligned (its stride checks)."""
+    stride_n, stride_k = weight.stride(1), weight.stride(2)
+    n, k = weight.shape[1:]
+    if stride_k == 1:
+        spans, step = stride_n >= max(1, k), stride_n
+    elif stride_n == 1:
+        spans, step = stride_k >= max(1, n), stride_k
+    else:
+        return False
+    return spans and step % 8 == 0 and weight.data_ptr() % 16 == 0
+
+
+def _grouped_mm_applies(x: torch.Tensor, gate_up: torch.Tensor, num_slots: int, down: torch.Tensor,
+                        up: torch.Tensor | None = None) -> bool:
     """CUTLASS grouped GEMMs (sm90+, bf16, 16-byte aligned rows) beat the Triton GEMMs once experts get prefill-sized
-    row counts (the Triton tiles' `block_m` reaches 128); at decode sizes the Triton swap-AB tiles win."""
+    row counts (the Triton tiles' `block_m` reaches 128); at decode sizes the Triton swap-AB tiles win. Stacks in a
+    layout `grouped_mm` cannot read go to the Triton GEMMs, which read any strides (never a copy)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
         return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0) or x.shape[1] % 8 or gate_up.shape[1] % 16:
+    if torch.cuda.get_device_capability(x.device) < (9, 0) or x.shape[1] % 8 or down.shape[2] % 8:
+        return False
+    if not all(_grouped_mm_reads(w) for w in (gate_up, down, up) if w is not None):
         return False
     return moe_default_config(num_slots, gate_up.shape[0], fp4=False)["block_m"] >= 128
 
@@ -970,24 +1030,25 @@ def moe_experts_bf16_triton(
     down: torch.Tensor,
     local_expert_offset: int = 0,
     swiglu_limit: float | None = None,
+    up: torch.Tensor | None = None,
     *,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """The same pipeline on plain weights (x's dtype), with HF's router-weight promotion in the combine; at prefill
-    sizes on sm90+ the GEMMs run in `torch._grouped_mm` instead (`config={"gemm": "triton" | "grouped_mm"}` forces
-    either)."""
-    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+    """The same pipeline on plain weights (x's dtype, any strides, the up stack apart or not), with HF's
+    router-weight promotion in the combine; at prefill sizes on sm90+ the GEMMs run in `torch._grouped_mm` instead
+    where it reads the stacks' layout (`config={"gemm": "triton" | "grouped_mm"}` forces either)."""
+    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, up)
     check_swiglu_limit("moe_experts_bf16", swiglu_limit)
     product_dtype = torch.promote_types(x.dtype, expert_weights.dtype)
-    gemm = (config or {}).get("gemm") or ("grouped_mm" if _grouped_mm_applies(x, gate_up, expert_ids.numel())
-                                          else "triton")
+    gemm = (config or {}).get("gemm") or ("grouped_mm" if _grouped_mm_applies(x, gate_up, expert_ids.numel(), down,
+                                                                              up) else "triton")
     if gemm == "grouped_mm" and x.shape[0]:
         return _moe_experts_grouped_mm(_contiguous_last(x), expert_ids.contiguous(),
                                        expert_weights.contiguous().reshape(-1), gate_up, down, local_expert_offset,
-                                       expert_weights.dtype, product_dtype, swiglu_limit)
+                                       expert_weights.dtype, product_dtype, swiglu_limit, up)
     config = {k: v for k, v in (config or {}).items() if k != "gemm"}
     return _moe_experts_triton(x, expert_ids, expert_weights, gate_up, gate_up, down, down, local_expert_offset,
-                               gate_up.shape[1] // 2, False, expert_weights.dtype, product_dtype, swiglu_limit, config)
+                               down.shape[2], False, expert_weights.dtype, product_dtype, swiglu_limit, config, up)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1036,18 +1097,26 @@ def moe_experts_bf16(
     down: torch.Tensor,
     local_expert_offset: int = 0,
     swiglu_limit: float | None = None,
+    up: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """HF `grouped_mm`-style routed experts on plain weights; the default (CPU) implementation is the reference."""
-    return moe_experts_bf16_reference(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit)
+    """HF `grouped_mm`-style routed experts on plain weights; the default (CPU) implementation is the reference.
+
+    `gate_up [E, 2I, H]`, or with `up` the gate `[E, I, H]` and the up stack apart (DeepSeek's w1 / w3); every stack
+    is read through its strides, so one stored `[E, K, N]` is passed as its `.transpose(1, 2)` view, never copied."""
+    return moe_experts_bf16_reference(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit,
+                                      up)
 
 
 @moe_experts_bf16.register_fake
-def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None):
-    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset)
+def _moe_experts_bf16_fake(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None,
+                           up=None):
+    _check_inputs_bf16(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, up)
     check_swiglu_limit("moe_experts_bf16", swiglu_limit)
     return x.new_empty(x.shape)
 
 
 @direct_kernel(moe_experts_bf16)
-def _moe_experts_bf16_cuda(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None):
-    return moe_experts_bf16_triton(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit)
+def _moe_experts_bf16_cuda(x, expert_ids, expert_weights, gate_up, down, local_expert_offset=0, swiglu_limit=None,
+                           up=None):
+    return moe_experts_bf16_triton(x, expert_ids, expert_weights, gate_up, down, local_expert_offset, swiglu_limit,
+                                   up)

@@ -403,6 +403,77 @@ def test_bf16_grouped_mm_path_never_reads_non_local_slots():
     assert torch.isfinite(out).all() and _rel_err(out, ref.to(out.device)) < 1e-2
 
 
+def _stored_kn(stack):
+    """The same weights stored `[E, K, N]`, as the op gets them: the transposed view of that stack."""
+    return stack.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _weight_layouts(gate_up, down):
+    """`(gate_up, down, up)` of the same weights in each layout the op reads without a copy."""
+    inter = down.shape[2]
+    gate, up = gate_up[:, :inter].contiguous(), gate_up[:, inter:].contiguous()
+    return {"one stack": (gate_up, down, None), "w1 / w3": (gate, down, up),
+            "[E, K, N]": (_stored_kn(gate_up), _stored_kn(down), None),
+            "w1 / w3 [E, K, N]": (_stored_kn(gate), _stored_kn(down), _stored_kn(up))}
+
+
+@pytest.mark.parametrize("layout", ["w1 / w3", "[E, K, N]", "w1 / w3 [E, K, N]"])
+@pytest.mark.parametrize("T,k,config", [(1, 3, {}), (6, 2, {"block_m": 16, "split_k": 2}),
+                                        (7, 3, {"slot_tiles": False, "block_k": 64})])
+def test_bf16_strided_and_separate_stacks_give_one_stack_bit_for_bit(layout, T, k, config):
+    """The Triton GEMMs read gate and up rows from two stacks and each stack through its strides: the same weights
+    in any layout give the K-contiguous one-stack output bit for bit (the same tiles, the same sums), and the
+    reference within the half tolerance. Odd sizes (H 72, I 20, E 5): every tile is a masked tail."""
+    x, ids, weights, gate_up, down = _bf16_inputs(T, k, num_experts=5, seed=T, hidden=72, inter=20)
+    want = moe.moe_experts_bf16_triton(x, ids, weights, gate_up, down, swiglu_limit=0.5, config=config)
+    gate, down_view, up = _weight_layouts(gate_up, down)[layout]
+    got = moe.moe_experts_bf16_triton(x, ids, weights, gate, down_view, swiglu_limit=0.5, up=up, config=config)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    ref = moe.moe_experts_bf16_reference(*[a.cpu() for a in (x, ids, weights, gate, down_view)], swiglu_limit=0.5,
+                                         up=None if up is None else up.cpu())
+    assert _rel_err(got, ref.to(got.device)) < 1e-2
+
+
+@pytest.mark.parametrize("layout", ["w1 / w3", "[E, K, N]", "w1 / w3 [E, K, N]"])
+def test_bf16_reference_and_grouped_mm_path_read_every_layout(layout):
+    """The reference in fp32 on each layout is the one-stack reference up to summation order, and the grouped_mm path
+    (forced; one grouped GEMM per stack when w1 and w3 are apart) too."""
+    args = _bf16_inputs(37, 6, dtype=torch.float32, seed=3)
+    x, ids, weights, gate_up, down = args
+    gate, down_view, up = _weight_layouts(gate_up, down)[layout]
+    want = moe.moe_experts_bf16_reference(*[a.cpu() for a in args])
+    got = moe.moe_experts_bf16_reference(*[a.cpu() for a in (x, ids, weights, gate, down_view)],
+                                         up=None if up is None else up.cpu())
+    assert _rel_err(got, want) < 1e-6
+    out = moe.moe_experts_bf16_triton(x, ids, weights, gate, down_view, up=up, config={"gemm": "grouped_mm"})
+    assert _rel_err(out, want.to(out.device)) < 1e-6
+
+
+def test_grouped_mm_reads_only_layouts_it_takes():
+    """`grouped_mm` is used only where it reads a stack in place: either layout with aligned strides; a stack with
+    neither dim contiguous or a misaligned stride goes to the Triton GEMMs, never through a copy."""
+    stack = torch.zeros(4, 32, 64)
+    assert moe._grouped_mm_reads(stack) and moe._grouped_mm_reads(_stored_kn(stack))
+    assert not moe._grouped_mm_reads(stack[:, :, ::2])
+    assert not moe._grouped_mm_reads(torch.zeros(4, 32, 63)[:, :, :60])
+
+
+def test_bf16_separate_and_strided_stacks_opcheck_and_bad_input():
+    x, ids, weights, gate_up, down = [a.cpu() for a in _bf16_inputs(5, 4, dtype=torch.float32)]
+    gate, down_kn, up = _weight_layouts(gate_up, down)["w1 / w3 [E, K, N]"]
+    op = torch.ops.dsfuse.moe_experts_bf16
+    assert torch.equal(op(x, ids, weights, gate, down_kn, 0, None, up),
+                       moe.moe_experts_bf16_reference(x, ids, weights, gate, down_kn, up=up))
+    torch.library.opcheck(op.default, (x, ids, weights, gate, down_kn, 0, None, up))
+    torch.library.opcheck(op.default, (x, ids, weights, _stored_kn(gate_up), down_kn, 0, 0.5))
+    with pytest.raises(ValueError, match="up must be"):
+        op(x, ids, weights, gate, down, 0, None, up[:, :-1])
+    with pytest.raises(ValueError, match="with up given, gate_up must be the gate stack"):
+        op(x, ids, weights, gate[:, :, :-1], down, 0, None, up)
+    with pytest.raises(TypeError, match="up dtype"):
+        op(x, ids, weights, gate, down, 0, None, up.double())
+
+
 @pytest.mark.gpu
 def test_gpu_bf16_weight_op_tails_and_opcheck():
     """bf16 plain weights on the GPU through the custom op, K and N tails, decode and prefill tile sizes."""
@@ -414,8 +485,16 @@ def test_gpu_bf16_weight_op_tails_and_opcheck():
         gate_up = (torch.randn(16, 2 * 160, 1056, generator=g) * 0.05).to(torch.bfloat16).cuda()
         down = (torch.randn(16, 1056, 160, generator=g) * 0.05).to(torch.bfloat16).cuda()
         args = (x, ids, weights, gate_up, down)
-        assert moe._grouped_mm_applies(x, gate_up, ids.numel()) == (T == 300)  # decode tiles / CUTLASS prefill
+        assert moe._grouped_mm_applies(x, gate_up, ids.numel(), down) == (T == 300)  # decode tiles / CUTLASS prefill
         assert _rel_err(torch.ops.dsfuse.moe_experts_bf16(*args, 0), moe.moe_experts_bf16_reference(*args)) < 1e-2
+        for layout, (gate, down_view, up) in _weight_layouts(gate_up, down).items():
+            assert moe._grouped_mm_applies(x, gate, ids.numel(), down_view, up) == (T == 300), layout
+            out = torch.ops.dsfuse.moe_experts_bf16(x, ids, weights, gate, down_view, 0, None, up)
+            ref = moe.moe_experts_bf16_reference(x, ids, weights, gate, down_view, up=up)
+            assert _rel_err(out, ref) < 1e-2, layout
+            triton_out = moe.moe_experts_bf16_triton(x, ids, weights, gate, down_view, up=up, config={"gemm": "triton"})
+            one_stack = moe.moe_experts_bf16_triton(*args, config={"gemm": "triton"})
+            assert torch.equal(triton_out.view(torch.int16), one_stack.view(torch.int16)), layout
     torch.library.opcheck(torch.ops.dsfuse.moe_experts_bf16.default, (*args, 0))
 
 
@@ -656,10 +735,12 @@ INT32_POINTERS = {"sorted_slot_ptr", "tile_row_start_ptr", "tile_row_end_ptr", "
 
 def compile_sm90(fn, constexprs, ints, options, pointers):
     pointer = lambda name: pointers.get(name, "*i32" if name in INT32_POINTERS else "*bf16")  # noqa: E731
-    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer)
+    # A separate up stack's distance from the gate stack does not fit 32 bits: the launcher passes it as i64.
+    scalars = {"UP_OFFSET": "i64"} if ints.get("UP_OFFSET", 0) >= 2**31 else None
+    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer, scalars)
 
 
-def gemms(T, overrides):
+def gemms(T, overrides, stored_kn=False):  # stored_kn: w1, w3 and down stored [E, K, N], read as transposed views
     cfg = {**m.moe_default_config(T * K, E, fp4=False, tokens=T), **overrides}
     n = T * K
     splits, k_split = m.down_splits(I, cfg["split_k"], cfg["block_k"])
@@ -667,11 +748,17 @@ def gemms(T, overrides):
     common = dict(BLOCK_M=cfg["block_m"], BLOCK_K=cfg["block_k"], FP4=False, DECODE_ASM=False,
                   DOT_PRECISION="tf32", SLOT_TILES=bool(cfg["slot_tiles"]))
     ids = {"ids_ptr": "*i64", "s_ptr": "*bf16"}
+    if stored_kn:
+        gate_strides = dict(stride_we=I * H, stride_wn=1, stride_wk=I, UP_OFFSET=2**33 + 16)
+        down_strides = dict(stride_we=H * I, stride_wn=1, stride_wk=H)
+    else:
+        gate_strides = dict(stride_we=2 * I * H, stride_wn=H, stride_wk=1, UP_OFFSET=I * H)
+        down_strides = dict(stride_we=H * I, stride_wn=I, stride_wk=1)
     gate_up = (m._gate_up_swiglu_kernel, dict(common, BLOCK_N=cfg["block_n1"], SWIGLU_LIMIT=10.0),
-               dict(stride_xt=H, stride_we=2 * I * H, stride_wn=H, stride_se=2 * I * H, stride_sn=H, stride_am=I,
+               dict(stride_xt=H, **gate_strides, stride_se=2 * I * H, stride_sn=H, stride_am=I,
                     H=H, INTER=I, TOP_K=K, LOCAL_LO=0, NUM_EXPERTS=E), options, ids)
     down = (m._down_kernel, dict(common, BLOCK_N=cfg["block_n2"], SPLIT_K=splits),
-            dict(stride_am=I, stride_we=H * I, stride_wn=I, stride_se=H * I, stride_sn=I, stride_os=n * H,
+            dict(stride_am=I, **down_strides, stride_se=H * I, stride_sn=I, stride_os=n * H,
                  stride_om=H, H=H, INTER=I, LOCAL_LO=0, NUM_EXPERTS=E, K_SPLIT=k_split), options,
             dict(ids, slot_out_ptr="*fp32" if splits > 1 else "*bf16"))
     combine = (m._combine_kernel, dict(TOP_K=K, BLOCK_H=1024, ROUTER_DTYPE=tl.float32, PRODUCT_DTYPE=tl.float32,
@@ -690,10 +777,12 @@ def fp4_gemms(T, overrides, E=32, H=7168, I=2048, K=8):  # the FP4 op's GEMMs (P
                   SLOT_TILES=bool(cfg["slot_tiles"]))
     pointers = {"ids_ptr": "*i64", "w_ptr": "*u8", "s_ptr": "*u8"}
     gate_up = (m._gate_up_swiglu_kernel, dict(common, BLOCK_N=cfg["block_n1"], SWIGLU_LIMIT=None),
-               dict(stride_xt=H, stride_we=I * H, stride_wn=H // 2, stride_se=2 * I * H // 32, stride_sn=H // 32,
-                    stride_am=I, H=H, INTER=I, TOP_K=K, LOCAL_LO=0, NUM_EXPERTS=E), options, pointers)
+               dict(stride_xt=H, stride_we=I * H, stride_wn=H // 2, stride_wk=1, stride_se=2 * I * H // 32,
+                    stride_sn=H // 32, stride_am=I, H=H, INTER=I, UP_OFFSET=I * H // 2, TOP_K=K, LOCAL_LO=0,
+                    NUM_EXPERTS=E), options, pointers)
     down = (m._down_kernel, dict(common, BLOCK_N=cfg["block_n2"], SPLIT_K=splits),
-            dict(stride_am=I, stride_we=H * I // 2, stride_wn=I // 2, stride_se=H * I // 32, stride_sn=I // 32,
+            dict(stride_am=I, stride_we=H * I // 2, stride_wn=I // 2, stride_wk=1, stride_se=H * I // 32,
+                 stride_sn=I // 32,
                  stride_os=T * K * H, stride_om=H, H=H, INTER=I, LOCAL_LO=0, NUM_EXPERTS=E, K_SPLIT=k_split),
             options, dict(pointers, slot_out_ptr="*fp32" if splits > 1 else "*bf16"))
     return {"gate_up": gate_up, "down": down}
@@ -704,6 +793,9 @@ for T in (1, 8):
     for name, overrides in m.DECODE_CANDIDATES.items():
         for kernel, case in gemms(T, overrides).items():
             cases[f"T{T} {name} {kernel}"] = case
+for T in (1, 8, 4096):
+    for kernel, case in gemms(T, {}, stored_kn=True).items():
+        cases[f"[E, K, N] T{T} {kernel}"] = case
 for T, name, overrides in ((1, "default", {}), (64, "default", {}), (64, "split2", {"split_k": 2}),
                            (4096, "default", {})):
     for kernel, case in fp4_gemms(T, overrides).items():
@@ -734,8 +826,8 @@ for name, (fn, constexprs, ints, options, pointers) in cases.items():
 
 def test_decode_candidates_compile_for_sm90_offline():
     """Both GEMMs and the combine of every decode candidate at T = 1 and 8 (V4-Flash shapes), the routing kernel, and
-    the FP4 op's GEMMs (V3.2 shape: T=1 slot tiles, T=64 with and without split K, T=4096 prefill tiles) compile for
-    sm_90 with the installed Triton and fit an H100/H200 SM's 227 KB of shared memory (a config past it compiles but
+    the FP4 op's GEMMs (V3.2 shape: T=1 slot tiles, T=64 with and without split K, T=4096 prefill tiles) and the bf16
+    GEMMs over stacks stored [E, K, N] with w1 and w3 apart (T = 1, 8, 4096) compile for sm_90 with the installed Triton and fit an H100/H200 SM's 227 KB of shared memory (a config past it compiles but
     fails to launch). BN < 64 runs mma.sync (one warpgroup's wgmma needs 64 rows), the rest wgmma."""
     lines = sm90_offline.run_probe(SM90_COMPILE_SCRIPT, timeout=600, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
     failed = {line["case"]: line["error"] for line in lines if not line["ok"]}
@@ -749,3 +841,5 @@ def test_decode_candidates_compile_for_sm90_offline():
     assert cases["routing T8"]["ok"] and "T8 split2 combine" in cases
     fp4 = [f"fp4 T{T} default {k}" for T in (1, 64, 4096) for k in ("gate_up", "down")] + ["fp4 T64 split2 down"]
     assert all(cases[name]["mma"] == "wgmma" for name in fp4)
+    stored_kn = [f"[E, K, N] T{T} {k}" for T in (1, 8, 4096) for k in ("gate_up", "down")]
+    assert all(cases[name]["mma"] == "wgmma" for name in stored_kn)
