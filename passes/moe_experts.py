@@ -40,10 +40,11 @@ ranks' slots and masks those rows to 0 (grouped: after each GEMM in bf16, after 
 clamps the ids and zeroes their weights (batched); the fused ops skip every id outside `[0, E)`, so it maps to
 `local_expert_offset=0` on the local ids.
 
-Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows) are reported, not fused: the ops
-read one `[E, 2I, H]` stack, and building it per call would copy every expert's weights. Two GEMMs over the halves
-`W[:, :I]`, `W[:, I:]` of one stack bind that stack (views: nothing is copied) and are fused. Stacks stored
-`[E, K, N]` are reported for the same reason as separate ones: the ops read K-contiguous rows.
+Separate gate and up stacks (DeepSeek's w1/w3: two expert GEMMs of the same rows, in either order) bind
+`moe_experts_bf16`'s gate (`gate_up`) and `up` arguments; two GEMMs over the halves `W[:, :I]`, `W[:, I:]` of one
+stack bind that stack. Stacks stored `[E, K, N]` (`rows @ W[ids]`, `grouped_mm(rows, W)`, HF's `is_transposed`) are
+passed as their `.transpose(1, 2)` views, which the op reads through their strides: nothing is copied. FP4-decoded and
+block-scaled weights apart or stored `[E, K, N]` are reported: their ops read one K-contiguous gate_up stack.
 
 A dense MoE (every expert on every token over whole weight stacks, by `einsum` or a loop over the experts, the
 router weights spread over all experts by a scatter or a one-hot) is the op with k = E: token t's slot e is expert e,
@@ -394,19 +395,73 @@ class ExpertGemm:
     problem: str = ""
     scale: torch.fx.Node | None = None  # block-scaled weights (fp8_grouped_linear): their scales
     blocks: tuple[int, int] | None = None  # and their (block_n, block_k)
+    stored_kn: bool = False  # `weight` is stored [E, K, N] (is_transposed): the op reads its transposed view
 
     def dims(self) -> tuple:
         """(E, N, K) of the weight, K counted in values (FP4 bytes hold two)."""
         if self.scale is None:
-            return tuple(shape(self.weight))
+            E, rows, cols = shape(self.weight)
+            return (E, cols, rows) if self.stored_kn else (E, rows, cols)
         return (shape(self.weight)[0], *weight_dims(tensor_val(self.weight)))
 
 
 SEPARATE_STACKS_REASON = (
-    "gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read one [E, 2I, H] gate_up "
-    "stack (concatenating the stacks would copy every expert's weights per call)")
-K_MAJOR_REASON = ("the expert weights are stored [E, K, N] (is_transposed); the fused ops read [E, N, K] stacks with K "
-                  "contiguous (as F.linear does), so binding this one would copy every expert's weights per call")
+    "gate and up are separate expert GEMMs over two weight stacks (w1, w3) of FP4 or block-scaled weights; "
+    "moe_experts_fp4 / moe_experts_fp8 read one [E, 2I, H] gate_up stack (concatenating the stacks would copy every "
+    "expert's weights per call)")
+K_MAJOR_REASON = ("the expert weights are FP4 or block-scaled and stored [E, K, N] (is_transposed); moe_experts_fp4 / "
+                  "moe_experts_fp8 read [E, N, K] stacks with K contiguous, so binding this one would copy every "
+                  "expert's weights per call")
+MIXED_LAYOUTS_REASON = ("the separate gate and up stacks (w1, w3) are stored in different layouts or shapes; the "
+                        "fused op reads both halves of a tile with one set of strides")
+KN_SUFFIX = "_kn"  # an op role's stack stored [E, K, N]: the op gets its `.transpose(1, 2)` view
+
+
+def _role(name: str, stored_kn: bool) -> str:
+    return name + KN_SUFFIX if stored_kn else name
+
+
+def _op_stacks(stacks: dict) -> tuple:
+    """`(gate_up, down, up or None)` as the bf16 op reads them, from role -> tensor (stored `[E, K, N]` ones
+    transposed: views)."""
+    def read(name):
+        if name in stacks:
+            return stacks[name]
+        stored = stacks.get(name + KN_SUFFIX)
+        return None if stored is None else stored.transpose(1, 2)
+    return read("gate_up"), read("down"), read("up")
+
+
+def _stack_args(graph: torch.fx.Graph, before: torch.fx.Node, stacks: dict) -> tuple:
+    """`_op_stacks` in the graph: a `permute(0, 2, 1)` view inserted for each stack stored `[E, K, N]` (Inductor
+    passes it as a view of the stack: the op reads it through its strides)."""
+    def read(name):
+        if name in stacks:
+            return stacks[name]
+        stored = stacks.get(name + KN_SUFFIX)
+        return None if stored is None else insert_call(graph, before, aten.permute.default, (stored, [0, 2, 1]))
+    return read("gate_up"), read("down"), read("up")
+
+
+def _layout_detail(stacks: dict) -> str:
+    """What the report says of stacks bound apart or stored [E, K, N] (nothing for one gate_up stack)."""
+    detail = ", gate and up stacks apart" if "up" in stacks or "up" + KN_SUFFIX in stacks else ""
+    if any(role.endswith(KN_SUFFIX) for role in stacks):
+        detail += ", stacks stored [E, K, N] read transposed"
+    return detail
+
+
+def _given(swiglu_limit: float | None) -> tuple:
+    """The trailing `swiglu_limit` argument of an op call, left out when None (the op's default)."""
+    return () if swiglu_limit is None else (swiglu_limit,)
+
+
+def _bf16_args(x, ids, weights, stacks: tuple, swiglu_limit: float | None) -> tuple:
+    """`moe_experts_bf16`'s arguments, the trailing defaults left out (the graphs of one gate_up stack are unchanged)."""
+    gate_up, down, up = stacks
+    if up is not None:
+        return (x, ids, weights, gate_up, down, 0, swiglu_limit, up)
+    return (x, ids, weights, gate_up, down, 0, *_given(swiglu_limit))
 
 
 def _transposed(node) -> torch.fx.Node | None:
@@ -461,10 +516,12 @@ def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
             gemm.problem = "the grouped GEMM has a bias or an output dtype of its own"
         elif gemm.route is None or len(shape(gemm.rows)) != 2:
             gemm.problem = "the grouped GEMM is not over 2-D rows with group offsets"
-        else:
+        elif _transposed(args["mat2"]) is not None:
             gemm.weight = _transposed(args["mat2"])
-            if gemm.weight is None:
-                gemm.problem = K_MAJOR_REASON
+        elif len(shape(args["mat2"])) == 3:
+            gemm.weight, gemm.stored_kn = args["mat2"], True
+        else:
+            gemm.problem = "the grouped GEMM's weights are not a 3-D expert stack"
         return gemm
     a, b = node.args[:2]
     gather = _weight_gather(a)
@@ -475,12 +532,15 @@ def _expert_gemm(node: torch.fx.Node) -> ExpertGemm | None:
     if gather is not None and is_op(a, aten.unsqueeze.default) and a.args[1] % 3 == 1:
         return ExpertGemm(kind="batched", rows=a.args[0], weight=gather[0], route=gather[1],
                           out=_squeezed(node, 1))
-    k_major = (_weight_gather(b) is not None and is_op(a, aten.unsqueeze.default)) or (
-        _transposed(a) is not None and _weight_gather(_transposed(a)) is not None
-        and is_op(b, aten.unsqueeze.default) and b.args[1] % 3 == 2)
-    if k_major:  # `rows @ W[ids]`, or an einsum's `W[ids].transpose(1, 2) @ rows`
-        return ExpertGemm(kind="batched", rows=(a if is_op(a, aten.unsqueeze.default) else b).args[0],
-                          problem=K_MAJOR_REASON)
+    # A stack stored [E, K, N]: `rows @ W[ids]`, or an einsum's `W[ids].transpose(1, 2) @ rows`.
+    gather = _weight_gather(b)
+    if gather is not None and is_op(a, aten.unsqueeze.default) and a.args[1] % 3 == 1:
+        return ExpertGemm(kind="batched", rows=a.args[0], weight=gather[0], route=gather[1], out=_squeezed(node, 1),
+                          stored_kn=True)
+    gather = _weight_gather(_transposed(a)) if _transposed(a) is not None else None
+    if gather is not None and is_op(b, aten.unsqueeze.default) and b.args[1] % 3 == 2:
+        return ExpertGemm(kind="batched", rows=b.args[0], weight=gather[0], route=gather[1], out=_squeezed(node, 2),
+                          stored_kn=True)
     return None
 
 
@@ -525,6 +585,7 @@ class Block:
     fp4: tuple[Fp4Weights, Fp4Weights] | None = None
     notes: list[str] = field(default_factory=list)
     quantized: tuple[ExpertGemm, ExpertGemm] | None = None  # block-scaled weights: (gate_up GEMM, down GEMM)
+    stacks: dict = field(default_factory=dict)  # plain weights: op role -> stack (see `_op_stacks`)
 
 
 def _flattened(node) -> torch.fx.Node | None:
@@ -915,7 +976,8 @@ def _halves_of_one_stack(gemms: list[torch.fx.Node]) -> tuple[torch.fx.Node, dic
     for node in gemms:
         gemm = _expert_gemm(node)
         weight = gemm.weight
-        if gemm.problem or gemm.out is None or gemm.scale is not None or not is_op(weight, aten.slice.Tensor):
+        if gemm.problem or gemm.out is None or gemm.scale is not None or gemm.stored_kn \
+                or not is_op(weight, aten.slice.Tensor):
             return None
         base = weight.args[0]
         dim, start, end, step = slice_args(weight)
@@ -1165,17 +1227,20 @@ def _match(anchor: torch.fx.Node) -> Block:
     if g1.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
     siblings = _rows_gemms(g1)
-    one_stack = None
+    one_stack = other = None
     if len(siblings) > 1:
         if siblings[0] is not anchor:
             raise NoMatch("the up GEMM of separate gate/up stacks", reported=False)
         one_stack = _halves_of_one_stack(siblings)
         if one_stack is None:
-            raise NoMatch(SEPARATE_STACKS_REASON)
-    E, two_i, H = g1.dims() if one_stack is None else shape(one_stack[0])
-    if not isinstance(two_i, int) or two_i % 2:
-        raise NoMatch(f"the first expert GEMM's output width {two_i} is not 2*I")
-    inter = two_i // 2
+            other = _separate_stack(g1, siblings)
+    if other is not None:
+        E, inter, H = g1.dims()
+    else:
+        E, two_i, H = g1.dims() if one_stack is None else shape(one_stack[0])
+        if not isinstance(two_i, int) or two_i % 2:
+            raise NoMatch(f"the first expert GEMM's output width {two_i} is not 2*I")
+        inter = two_i // 2
 
     route = _routing(g1, E)
     ids = route["ids"]
@@ -1194,9 +1259,17 @@ def _match(anchor: torch.fx.Node) -> Block:
         if len(sentinel_users) != 1 or len(out1.users) != 1:
             raise NoMatch("expert-parallel: the first GEMM's sentinel rows are not masked to zero")
         out1 = sentinel_users[0]
-    if one_stack is not None and masked:
+    if (one_stack is not None or other is not None) and masked:
         raise NoMatch("expert-parallel: the gate and up GEMMs' sentinel rows are masked apart")
-    act, _, swiglu_limit = _swiglu(out1, inter, one_stack[1] if one_stack is not None else None)
+    gate_gemm, up_gemm = g1, other
+    if other is None:
+        act, _, swiglu_limit = _swiglu(out1, inter, one_stack[1] if one_stack is not None else None)
+    else:
+        try:
+            act, _, swiglu_limit = _swiglu(out1, inter, {0: g1.out, 1: other.out})
+        except NoMatch:
+            act, _, swiglu_limit = _swiglu(out1, inter, {0: other.out, 1: g1.out})
+            gate_gemm, up_gemm = other, g1
     g2 = _second_gemm(act, g1)
     if g2.out is None:
         raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
@@ -1226,16 +1299,24 @@ def _match(anchor: torch.fx.Node) -> Block:
     if dtype(out) != dtype(x) or not same_shape(shape(out), (T, H)):
         raise NoMatch(f"the block's output is {dtype(out)}, not the activations' {dtype(x)}")
 
-    gate_up = g1.weight if one_stack is None else one_stack[0]
+    gate_up = gate_gemm.weight if one_stack is None else one_stack[0]
     block = Block(x=x, ids=ids, weights=weights, weights_cast=cast, gate_up=gate_up, down=g2.weight, out=out,
                   kind=g1.kind, combine=combine, top_k=top_k, swiglu_limit=swiglu_limit,
                   expert_parallel=masked or route["sentinel"] is not None)
+    block.stacks = {_role("gate_up", gate_gemm.stored_kn): gate_up, _role("down", g2.stored_kn): g2.weight}
+    if up_gemm is not None:
+        block.stacks[_role("up", up_gemm.stored_kn)] = up_gemm.weight
+    kn_or_apart = up_gemm is not None or gate_gemm.stored_kn or g2.stored_kn
+    if kn_or_apart and (g1.scale is not None or g2.scale is not None):
+        raise NoMatch(SEPARATE_STACKS_REASON if up_gemm is not None else K_MAJOR_REASON)
     if g1.scale is not None or g2.scale is not None:
         if g1.scale is None or g2.scale is None or g1.blocks != g2.blocks or dtype(g1.weight) != dtype(g2.weight):
             raise NoMatch("the two expert GEMMs are not both block-scaled in one format and block size")
         block.quantized = (g1, g2)
         return _verified(block)
     decoded = (_fp4_decode(g1.weight), _fp4_decode(g2.weight))
+    if kn_or_apart and any(isinstance(d, Fp4Weights) for d in decoded):
+        raise NoMatch(SEPARATE_STACKS_REASON if up_gemm is not None else K_MAJOR_REASON)
     if all(isinstance(d, Fp4Weights) for d in decoded):
         if any(d.dtype != dtype(x) for d in decoded):
             raise NoMatch("the FP4 weights are decoded to a dtype other than the activations'")
@@ -1247,10 +1328,26 @@ def _match(anchor: torch.fx.Node) -> Block:
     if any(isinstance(d, Fp4Weights) for d in decoded):
         raise NoMatch("only one of the two expert weight stacks is an FP4 decode")
     block.notes = [d for d in decoded if isinstance(d, str)]
-    if dtype(g1.weight) != dtype(x) or dtype(g2.weight) != dtype(x):
-        raise NoMatch(f"expert weights {dtype(g1.weight)}/{dtype(g2.weight)} differ from the activations' "
-                      f"{dtype(x)}")
+    if any(dtype(stack) != dtype(x) for stack in block.stacks.values()):
+        raise NoMatch(f"expert weights {'/'.join(str(dtype(s)) for s in block.stacks.values())} differ from the "
+                      f"activations' {dtype(x)}")
     return _verified(block)
+
+
+def _separate_stack(g1: ExpertGemm, gemms: list[torch.fx.Node]) -> ExpertGemm:
+    """The other of two expert GEMMs over the same rows and routing, each over a stack of its own (DeepSeek's w1 and
+    w3, in either order): the op reads them as gate and `up` where they share shape, dtype and layout."""
+    if len(gemms) != 2:
+        raise NoMatch(f"{len(gemms)} expert GEMMs read the same rows; a SwiGLU block has a gate and an up GEMM")
+    other = _expert_gemm(gemms[1])
+    if other.problem:
+        raise NoMatch(other.problem)
+    if other.out is None:
+        raise NoMatch("the batched expert GEMM's output is not squeezed back to [S, N]")
+    if other.stored_kn != g1.stored_kn or not same_shape(shape(other.weight), shape(g1.weight)) \
+            or dtype(other.weight) != dtype(g1.weight):
+        raise NoMatch(MIXED_LAYOUTS_REASON)
+    return other
 
 
 # ---------------------------------------------------------------------------
@@ -1280,14 +1377,14 @@ def _verify(block: Block) -> Verdict:
         g1, g2 = block.quantized
         stacks = {"gate_up": g1.weight, "gate_up_scale": g1.scale, "down": g2.weight, "down_scale": g2.scale}
     else:
-        stacks = {"gate_up": block.gate_up, "down": block.down}
+        stacks = block.stacks
     roles = {"x": block.x, "ids": block.ids, "weights": block.weights, **stacks}
     if len(set(roles.values())) != len(roles):
         return Verdict(False, "two roles of the op are bound to one tensor")
     family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, block.expert_parallel),
                     reference=lambda probe: _reference(probe, block), compare=_within_budget)
     extra = (block.fp4 is not None, block.quantized is not None and block.quantized[0].blocks, block.swiglu_limit,
-             block.weights_cast, block.expert_parallel)
+             block.weights_cast, block.expert_parallel, *sorted(stacks))
     return verify([block.out], roles, family, extra)
 
 
@@ -1363,8 +1460,8 @@ def _reference(probe: dict, block: Block) -> torch.Tensor:
         return moe_experts_fp8_reference(probe["x"], probe["ids"], weights, probe["gate_up"], probe["gate_up_scale"],
                                          probe["down"], probe["down_scale"], *block.quantized[0].blocks, 0,
                                          block.swiglu_limit)
-    return moe_experts_bf16_reference(probe["x"], probe["ids"], weights, probe["gate_up"], probe["down"], 0,
-                                      block.swiglu_limit)
+    gate_up, down, up = _op_stacks(probe)
+    return moe_experts_bf16_reference(probe["x"], probe["ids"], weights, gate_up, down, 0, block.swiglu_limit, up)
 
 
 def _within_budget(got: list, want: torch.Tensor, probe: dict) -> str | None:
@@ -1390,21 +1487,20 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
     weights = m.weights
     if m.fp4 is not None:
         w13, w2 = m.fp4
-        args = (m.x, m.ids, weights, w13.packed, w13.scale, w2.packed, w2.scale, 0)
+        args = (m.x, m.ids, weights, w13.packed, w13.scale, w2.packed, w2.scale, 0, *_given(m.swiglu_limit))
         op, target = "dsfuse.moe_experts_fp4", torch.ops.dsfuse.moe_experts_fp4.default
     elif m.quantized is not None:
         if m.weights_cast is not None and m.weights_cast != dtype(weights):
             weights = insert_call(graph, out, CONVERT, (weights, m.weights_cast))
         g1, g2 = m.quantized
-        args = (m.x, m.ids, weights, g1.weight, g1.scale, g2.weight, g2.scale, *g1.blocks, 0)
+        args = (m.x, m.ids, weights, g1.weight, g1.scale, g2.weight, g2.scale, *g1.blocks, 0,
+                *_given(m.swiglu_limit))
         op, target = "dsfuse.moe_experts_fp8", torch.ops.dsfuse.moe_experts_fp8.default
     else:
         if m.weights_cast is not None and m.weights_cast != dtype(weights):
             weights = insert_call(graph, out, CONVERT, (weights, m.weights_cast))
-        args = (m.x, m.ids, weights, m.gate_up, m.down, 0)
+        args = _bf16_args(m.x, m.ids, weights, _stack_args(graph, out, m.stacks), m.swiglu_limit)
         op, target = "dsfuse.moe_experts_bf16", torch.ops.dsfuse.moe_experts_bf16.default
-    if m.swiglu_limit is not None:
-        args = (*args, m.swiglu_limit)
     fused = insert_call(graph, out, target, args)
     out.replace_all_uses_with(fused)
     E = shape(m.gate_up)[0] if m.fp4 is None else shape(m.fp4[0].packed)[0]
@@ -1412,6 +1508,8 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
     if m.quantized is not None:
         detail += f", {'FP4' if dtype(m.gate_up) in (torch.int8, torch.uint8) else 'FP8'} weights in " \
                   f"{m.quantized[0].blocks[0]} x {m.quantized[0].blocks[1]} blocks"
+    if m.fp4 is None and m.quantized is None:
+        detail += _layout_detail(m.stacks)
     if m.swiglu_limit is not None:
         detail += f", SwiGLU clamped at {m.swiglu_limit:g}"
     if m.expert_parallel:
@@ -1523,7 +1621,7 @@ class DenseBlock:
 
     x: torch.fx.Node
     weights: torch.fx.Node
-    stacks: dict  # op role -> stack: "gate_up" / "down", or "gate_up_kn" / "down_kn" for a stack stored [E, K, N]
+    stacks: dict  # op role -> stack: "gate_up" / "down" (/ "up"), "_kn" added for a stack stored [E, K, N]
     out: torch.fx.Node
 
 
@@ -1567,29 +1665,33 @@ def _dense_block(product: torch.fx.Node, gemm: torch.fx.Node, gate_stack: torch.
                 down_gemms.append(node)
             elif stack is not None and strip(rows_side, STACK_READS) is x:
                 gate_stacks.add(stack)
-    if len(gate_stacks) != 1:
-        raise NoMatch(SEPARATE_STACKS_REASON)
-    if not dtype(x) == dtype(gate_stack) == dtype(down):
-        raise NoMatch(f"expert weights {dtype(gate_stack)}/{dtype(down)} differ from the activations' {dtype(x)}")
+    gate_stacks.discard(gate_stack)
+    if len(gate_stacks) > 1:
+        raise NoMatch(f"{len(gate_stacks) + 1} weight stacks multiply the dense experts' rows; a SwiGLU block has a "
+                      f"gate and an up stack")
+    up = gate_stacks.pop() if gate_stacks else None
+    stacks_read = [s for s in (gate_stack, up, down) if s is not None]
+    if any(dtype(stack) != dtype(x) for stack in stacks_read):
+        raise NoMatch(f"expert weights {'/'.join(str(dtype(s)) for s in stacks_read)} differ from the activations' "
+                      f"{dtype(x)}")
     out = _reached_by_all(down_gemms, shape(x), dtype(x))
     if out is None:
         raise NoMatch("the dense experts' outputs are not summed into one [T, H] tensor in the activations' dtype")
     num_experts = shape(gate_stack)[0]
-    weights = _dense_weights(out, {x, gate_stack, down}, num_experts)
+    weights = _dense_weights(out, set(stacks_read) | {x}, num_experts)
     failures = []
-    for stacks in _stack_bindings(gate_stack, down, num_experts, shape(x)[1]):
+    for stacks in _stack_bindings(gate_stack, down, num_experts, shape(x)[1], up):
         block = DenseBlock(x=x, weights=weights, stacks=stacks, out=out)
         verdict = _verify_dense(block)
         if verdict.ok is None:
             raise NoMatch(f"the dense experts are not checked on probes ({verdict.reason}), so not rewritten")
         if verdict.ok:
-            if any(role.endswith("_kn") for role in stacks):
-                raise NoMatch(K_MAJOR_REASON)
             return block
         failures.append(verdict.reason)
     if not failures:
-        raise NoMatch(f"the dense expert stacks {shape(gate_stack)} / {shape(down)} are not [E, 2I, H] / [E, H, I] "
-                      f"for H = {shape(x)[1]}")
+        raise NoMatch(f"the dense expert stacks {' / '.join(str(shape(s)) for s in stacks_read)} are not "
+                      f"[E, 2I, H] / [E, H, I] (or gate and up [E, I, H] apart, or stored [E, K, N]) for "
+                      f"H = {shape(x)[1]}")
     raise NoMatch(f"numeric check against the reference failed: {failures[0]}")
 
 
@@ -1643,18 +1745,24 @@ def _dense_max_nodes(num_experts) -> int:
     return max(MAX_NODES, 40 * num_experts)
 
 
-def _stack_bindings(gate: torch.fx.Node, down: torch.fx.Node, num_experts, hidden) -> list[dict]:
-    """The op roles the two stacks may take by their sizes: each in the op's [E, N, K] layout or stored [E, K, N]
-    (both where the sizes cannot tell), the op's layout first."""
+def _stack_bindings(gate: torch.fx.Node, down: torch.fx.Node, num_experts, hidden,
+                    up: torch.fx.Node | None = None) -> list[dict]:
+    """The op roles the stacks may take by their sizes: each in the op's [E, N, K] layout or stored [E, K, N] (both
+    where the sizes cannot tell), the op's layout first; with `up`, the gate and up stacks apart, in one layout."""
     bindings = []
     _, rows, cols = shape(gate)
-    for gate_role, width, contracted in (("gate_up", rows, cols), ("gate_up_kn", cols, rows)):
-        if not (same_size(contracted, hidden) and isinstance(width, int) and width % 2 == 0):
+    if up is not None and not same_shape(shape(up), shape(gate)):
+        return bindings
+    for stored_kn, width, contracted in ((False, rows, cols), (True, cols, rows)):
+        if not (same_size(contracted, hidden) and isinstance(width, int) and (up is not None or width % 2 == 0)):
             continue
-        inter = width // 2
-        for down_role, want in (("down", (num_experts, hidden, inter)), ("down_kn", (num_experts, inter, hidden))):
+        inter = width if up is not None else width // 2
+        for down_kn, want in ((False, (num_experts, hidden, inter)), (True, (num_experts, inter, hidden))):
             if same_shape(shape(down), want):
-                bindings.append({gate_role: gate, down_role: down})
+                binding = {_role("gate_up", stored_kn): gate, _role("down", down_kn): down}
+                if up is not None:
+                    binding[_role("up", stored_kn)] = up
+                bindings.append(binding)
     return bindings
 
 
@@ -1686,10 +1794,9 @@ def _dense_probes(shapes: dict, dtypes: dict) -> list:
 
 def _dense_reference(probe: dict) -> torch.Tensor:
     weights = probe["weights"]
-    gate_up = probe["gate_up"] if "gate_up" in probe else probe["gate_up_kn"].transpose(1, 2)
-    down = probe["down"] if "down" in probe else probe["down_kn"].transpose(1, 2)
+    gate_up, down, up = _op_stacks(probe)
     ids = torch.arange(weights.shape[1]).expand(weights.shape)
-    return moe_experts_bf16_reference(probe["x"], ids, weights, gate_up, down)
+    return moe_experts_bf16_reference(probe["x"], ids, weights, gate_up, down, up=up)
 
 
 def _rewrite_dense(graph: torch.fx.Graph, anchor: torch.fx.Node, block: DenseBlock, ctx: PassContext) -> None:
@@ -1703,11 +1810,11 @@ def _rewrite_dense(graph: torch.fx.Graph, anchor: torch.fx.Node, block: DenseBlo
     tokens = size_arg(graph, out, weights, 0)
     every = insert_call(graph, out, aten.expand.default, (experts, [tokens, num_experts]))
     ids = insert_call(graph, out, aten.clone.default, (every,), {"memory_format": torch.contiguous_format})
-    args = (block.x, ids, weights, block.stacks["gate_up"], block.stacks["down"], 0)
+    args = _bf16_args(block.x, ids, weights, _stack_args(graph, out, block.stacks), None)
     fused = insert_call(graph, out, torch.ops.dsfuse.moe_experts_bf16.default, args)
     out.replace_all_uses_with(fused)
     ctx.site(anchor, "dsfuse.moe_experts_bf16", [a for a in args if isinstance(a, torch.fx.Node)],
-             detail=f"dense GEMMs (every expert on every token, k = E), E={num_experts}")
+             detail=f"dense GEMMs (every expert on every token, k = E), E={num_experts}{_layout_detail(block.stacks)}")
 
 
 # ---------------------------------------------------------------------------

@@ -216,16 +216,62 @@ def scatter_reduce_combine(x, ids, weights, gate_up, down):
 
 
 def separate_gate_up(x, ids, weights, w1, w3, w2):
-    """DeepSeek V3 / V4 official experts keep w1 (gate) and w3 (up) apart: two grouped GEMMs of the same rows. The
-    fused ops read one [E, 2I, H] stack; building it in the graph would copy every expert's weights on every call,
-    more traffic than the fusion saves, so it is reported (models that keep gate_up fused, as transformers does,
-    rewrite)."""
+    """DeepSeek V3 / V4 official experts keep w1 (gate) and w3 (up) apart: two grouped GEMMs of the same rows. The op
+    reads the two stacks as its gate and `up` arguments (building one [E, 2I, H] stack in the graph would copy every
+    expert's weights on every call)."""
     sorted_ids, perm = torch.sort(ids.reshape(-1))
     offsets = _histc_offsets(sorted_ids)
     rows = x[perm // K]
     act = F.silu(_grouped_linear(rows, w1, offsets)) * _grouped_linear(rows, w3, offsets)
     out = _grouped_linear(act, w2, offsets) * weights.reshape(-1)[perm].unsqueeze(-1)
     return out[_inverse(perm)].view(T, K, H).sum(dim=1).to(x.dtype)
+
+
+def hf_grouped_mm_transposed(x, ids, weights, gate_up_kn, down_kn):
+    """transformers `grouped_mm_experts_forward` on `is_transposed` experts: stacks stored [E, K, N] (`[E, H, 2I]`,
+    `[E, I, H]`) go to `grouped_mm` as they are; the op reads their transposed views."""
+    sorted_ids, perm = torch.sort(ids.reshape(-1), stable=True)
+    offsets = _histc_offsets(sorted_ids)
+    gate, up = torch._grouped_mm(x[perm // K], gate_up_kn, offs=offsets).chunk(2, dim=-1)
+    out = torch._grouped_mm(F.silu(gate) * up, down_kn, offs=offsets) * weights.reshape(-1)[perm].unsqueeze(-1)
+    return out[_inverse(perm)].view(T, K, H).sum(dim=1).to(x.dtype)
+
+
+def separate_stored_kn_per_slot(x, ids, weights, w1_kn, w3_kn, w2_kn):
+    """w1 and w3 apart and every stack stored [E, K, N], each slot's rows times its gathered weights (`rows @ W[ids]`,
+    the up GEMM written first)."""
+    flat_ids = ids.reshape(-1)
+
+    def linear(rows, stack_kn):
+        return torch.bmm(rows.unsqueeze(1), stack_kn[flat_ids]).squeeze(1)
+
+    rows = x.repeat_interleave(K, dim=0)
+    up = linear(rows, w3_kn)
+    out = linear(F.silu(linear(rows, w1_kn)) * up, w2_kn)
+    return (out.view(T, K, H) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+
+
+def fp4_separate_gate_up(x, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale):
+    """FP4 experts with w1 and w3 apart (the official V4 Expert on FP4 bytes): `moe_experts_fp4` reads one packed
+    gate_up stack, so this stays a reported near-miss."""
+    table = torch.tensor(E2M1_VALUES)
+
+    def decode(packed, scale):
+        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+        blocks = table[codes.long()].unflatten(-1, (-1, 32))
+        powers = torch.exp2(scale.float() - 127)
+        powers = torch.where(scale == 255, torch.full_like(powers, float("nan")), powers)
+        return (blocks * powers.unsqueeze(-1)).flatten(-2).to(x.dtype)
+
+    sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
+    token = order // K
+    offsets = _histc_offsets(sorted_ids)
+    rows = x[token]
+    act = F.silu(_grouped_linear(rows, decode(w1_packed, w1_scale), offsets)) * _grouped_linear(
+        rows, decode(w3_packed, w3_scale), offsets)
+    out = _grouped_linear(act, decode(w2_packed, w2_scale), offsets)
+    out = out * weights.reshape(-1)[order].to(out.dtype).unsqueeze(-1)
+    return torch.zeros_like(x).index_add_(0, token, out)
 
 
 def halves_of_one_stack(x, ids, weights, gate_up, down):
@@ -405,6 +451,22 @@ def _separate():
     return (_tokens(), *_routing(), gate_up[:, :I].contiguous(), gate_up[:, I:].contiguous(), down)
 
 
+def _stored_kn():
+    gate_up, down = _stacks()
+    return (_tokens(), *_routing(), gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous())
+
+
+def _separate_stored_kn():
+    gate_up, down = _stacks()
+    return (_tokens(), *_routing(), *(w.transpose(1, 2).contiguous() for w in (gate_up[:, :I], gate_up[:, I:], down)))
+
+
+def _fp4_separate():
+    gate_up, down = _stacks()
+    return (_tokens(), *_routing(), *quantize_fp4(gate_up[:, :I].float()), *quantize_fp4(gate_up[:, I:].float()),
+            *quantize_fp4(down.float()))
+
+
 def _channel_scale():
     gen = torch.Generator().manual_seed(5)
     return (*_plain(), (torch.rand(E, H, generator=gen) + 0.5).to(torch.bfloat16))
@@ -435,8 +497,9 @@ class MoeEntry(Entry):
 
 COUNTS_OUTSIDE = ("the per-expert counts are an input of the compiled graph, not computed in it from the expert ids "
                   "(a torch.bincount of the ids breaks the graph: its output size depends on their values)")
-SEPARATE_STACKS = ("gate and up are separate expert GEMMs over two weight stacks (w1, w3); the fused ops read one "
-                   "[E, 2I, H] gate_up stack (concatenating the stacks would copy every expert's weights per call)")
+SEPARATE_FP4_STACKS = ("gate and up are separate expert GEMMs over two weight stacks (w1, w3) of FP4 or block-scaled "
+                       "weights; moe_experts_fp4 / moe_experts_fp8 read one [E, 2I, H] gate_up stack (concatenating "
+                       "the stacks would copy every expert's weights per call)")
 NOT_SILU = ("the gate activation is not SiLU (the fused ops compute silu(gate) * up, or DeepSeek V4's "
             "silu(gate.clamp(max=L)) * up.clamp(-L, L))")
 WEIGHTED_BEFORE_DOWN = ("the SwiGLU activation is multiplied by another tensor before the down projection; the fused "
@@ -489,7 +552,17 @@ CORPUS = {
     "bincount_graph_break": MoeEntry(bincount_offsets, "DeepSeek V3 inference MoE (bincount counts)", _plain, NEAR_MISS,
                                   reason=COUNTS_OUTSIDE),
     "separate_gate_up": MoeEntry(separate_gate_up, "DeepSeek V3 / V4 inference Expert (w1, w3, w2)", _separate,
-                              NEAR_MISS, reason=SEPARATE_STACKS),
+                              REWRITTEN, 1, detail="grouped GEMMs, inverse permutation + sum, E=8, k=2, gate and up "
+                              "stacks apart"),
+    "hf_grouped_mm_transposed": MoeEntry(hf_grouped_mm_transposed, "transformers grouped_mm_experts_forward "
+                                         "(is_transposed)", _stored_kn, REWRITTEN, 1,
+                                         detail="stacks stored [E, K, N] read transposed"),
+    "separate_stored_kn_per_slot": MoeEntry(separate_stored_kn_per_slot, "written for the corpus (w1, w3 apart, "
+                                            "stored [E, K, N], rows @ W[ids])", _separate_stored_kn, REWRITTEN, 1,
+                                            detail="gate and up stacks apart, stacks stored [E, K, N] read "
+                                            "transposed"),
+    "fp4_separate_gate_up": MoeEntry(fp4_separate_gate_up, "DeepSeek V4 inference Expert (w1, w3, w2) on FP4 bytes",
+                                     _fp4_separate, NEAR_MISS, reason=SEPARATE_FP4_STACKS),
     "gelu_gate": MoeEntry(gelu_gate, "written for the corpus (GeGLU)", _plain, NEAR_MISS, reason=NOT_SILU),
     "weights_before_down": MoeEntry(weights_before_down, "written for the corpus", _plain, NEAR_MISS,
                                  reason=WEIGHTED_BEFORE_DOWN),

@@ -398,9 +398,19 @@ def test_dense_experts_keep_the_nan_of_an_unrouted_expert():
     assert got.isnan().all() and fn(x, ids, weights, gate_up, down).isnan().all()
 
 
-def test_dense_experts_stored_k_major_are_reported():
-    """A dense block over `[E, K, N]` stacks computes what the op computes on their transposes, which the op would
-    have to copy: reported with that reason."""
+def _fused_once(fn, *args):
+    """The one moe_experts_bf16 site of `fn` compiled on `args`, after checking eager's numbers and no near-miss."""
+    with torch.no_grad():
+        _close(_compile(fn)(*args), fn(*args))
+    rep = dsfuse.report()
+    assert rep.counts["moe_experts"] == 1 and rep.near_misses == [], str(rep)
+    (site,) = _sites("dsfuse.moe_experts_bf16")
+    return site
+
+
+def test_dense_experts_stored_k_major_are_fused_on_views():
+    """A dense block over `[E, K, N]` stacks is the op on their transposed views, which it reads through their
+    strides (nothing copied)."""
     gate_up, down = _dense_weights(torch.float32)
 
     def dense_k_major(x, ids, weights, gate_up_t, down_t):
@@ -410,9 +420,28 @@ def test_dense_experts_stored_k_major_are_reported():
         return torch.einsum("eth,te->th", out, dense_weights)
 
     x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
-    rep = _left_alone(dense_k_major, x, ids, weights, gate_up.transpose(1, 2).contiguous(),
-                      down.transpose(1, 2).contiguous())
-    assert [m.reason for m in rep.near_misses] == [moe_experts.K_MAJOR_REASON], str(rep)
+    site = _fused_once(dense_k_major, x, ids, weights, gate_up.transpose(1, 2).contiguous(),
+                       down.transpose(1, 2).contiguous())
+    assert site.detail.endswith("E=8, stacks stored [E, K, N] read transposed"), site.detail
+
+
+@pytest.mark.parametrize("stored_kn", [False, True], ids=["[E, I, H]", "[E, H, I]"])
+def test_dense_experts_with_w1_w3_apart_are_fused(stored_kn):
+    """DeepSeek's w1 (gate) and w3 (up) as two stacks, the up GEMM written first: the op's gate and `up` arguments,
+    in either layout."""
+    gate_up, down = _dense_weights(torch.float32)
+    w1, w3 = gate_up[:, :32].contiguous(), gate_up[:, 32:].contiguous()
+    pattern = "th,ehi->eti" if stored_kn else "th,eih->eti"
+
+    def dense_apart(x, ids, weights, w1, w3, down):
+        up = torch.einsum(pattern, x, w3)
+        out = torch.einsum("eti,ehi->eth", F.silu(torch.einsum(pattern, x, w1)) * up, down)
+        return torch.einsum("eth,te->th", out, SPREADS[1](ids, weights))
+
+    x, (ids, weights) = _tokens(10, torch.float32), _routing(10)
+    stacks = (w1.transpose(1, 2).contiguous(), w3.transpose(1, 2).contiguous()) if stored_kn else (w1, w3)
+    site = _fused_once(dense_apart, x, ids, weights, *stacks, down)
+    assert "gate and up stacks apart" in site.detail and ("[E, K, N]" in site.detail) == stored_kn, site.detail
 
 
 def test_loop_over_rows_picked_by_nonzero_is_reported():
@@ -435,8 +464,8 @@ def test_loop_over_rows_picked_by_nonzero_is_reported():
     assert [m.reason for m in rep.near_misses] == [moe_experts.PICKED_ROWS_REASON], str(rep)
 
 
-def test_weights_stored_k_major_are_a_reported_near_miss():
-    """`is_transposed` experts keep `[E, K, N]` stacks; the fused ops read `[E, N, K]`."""
+def test_weights_stored_k_major_are_fused_on_views():
+    """`is_transposed` experts keep `[E, K, N]` stacks (`grouped_mm(rows, W)`): the op gets their transposed views."""
 
     def k_major(x, ids, weights, gate_up_t, down_t):
         return _dense_moe(F.silu)(x, ids, weights, gate_up_t.transpose(1, 2), down_t.transpose(1, 2))
@@ -444,10 +473,8 @@ def test_weights_stored_k_major_are_a_reported_near_miss():
     gate_up, down = _dense_weights(torch.bfloat16)
     x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
     args = (x, ids, weights, gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous())
-    rep = _left_alone(k_major, *args)
-    assert [m.reason for m in rep.near_misses] == [
-        "the expert weights are stored [E, K, N] (is_transposed); the fused ops read [E, N, K] stacks with K "
-        "contiguous (as F.linear does), so binding this one would copy every expert's weights per call"]
+    site = _fused_once(k_major, *args)
+    assert "stacks stored [E, K, N] read transposed" in site.detail, site.detail
 
 
 def test_unrelated_bmm_is_left_alone_silently():
