@@ -30,18 +30,27 @@ def routing(draw):
     return T, k, experts, offset, seed, ids, weights
 
 
+def guarded_stack(stack: torch.Tensor, stored_kn: bool) -> torch.Tensor:
+    """The stack inside a NaN band, stored `[E, K, N]` (the op gets the transposed view) when `stored_kn`."""
+    return guarded(stack.transpose(1, 2).contiguous()).transpose(1, 2) if stored_kn else guarded(stack)
+
+
 @fuzzes("dsfuse::moe_experts_bf16")
 @given(case=routing(), hidden=st.sampled_from([16, 48]), inter=st.sampled_from([16, 32]),
-       router_fp32=st.booleans(), specials=st.lists(st.sampled_from(SPECIALS), max_size=1))
-def test_moe_bf16_kernel_is_the_reference(case, hidden, inter, router_fp32, specials):
+       router_fp32=st.booleans(), specials=st.lists(st.sampled_from(SPECIALS), max_size=1),
+       up_apart=st.booleans(), stored_kn=st.booleans())
+def test_moe_bf16_kernel_is_the_reference(case, hidden, inter, router_fp32, specials, up_apart, stored_kn):
+    """Also with w1 / w3 apart (`up`) and the stacks stored `[E, K, N]`, read through their strides."""
     T, k, experts, offset, seed, ids, weights = case
     x = values((T, hidden), HALF, seed, specials=specials).to(DEVICE)
     gate_up = (values((experts, 2 * inter, hidden), torch.float32, seed + 1) * 0.1).to(DEVICE, HALF)
     down = (values((experts, hidden, inter), torch.float32, seed + 2) * 0.1).to(DEVICE, HALF)
     weights = weights.to(DEVICE, torch.float32 if router_fp32 else HALF)
+    stacks = (gate_up[:, :inter], down, gate_up[:, inter:]) if up_apart else (gate_up, down, None)
+    stacks = tuple(None if w is None else guarded_stack(w.contiguous(), stored_kn) for w in stacks)
     want = reference_output(moe.moe_experts_bf16, moe.moe_experts_bf16_reference, x, ids.to(DEVICE), weights,
-                            gate_up, down, offset)
-    got = moe.moe_experts_bf16_triton(guarded(x), ids.to(DEVICE), weights, guarded(gate_up), guarded(down), offset)
+                            *stacks[:2], offset, None, stacks[2])
+    got = moe.moe_experts_bf16_triton(guarded(x), ids.to(DEVICE), weights, *stacks[:2], offset, up=stacks[2])
     assert_rel_close(got, want, 1e-2, "triton")
     with pytest.raises(ValueError, match="negative|>= 0"):
         moe.moe_experts_bf16_reference(x, -ids.to(DEVICE) - 1, weights, gate_up, down, offset)
