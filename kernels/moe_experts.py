@@ -4,8 +4,9 @@ Two custom ops share one Triton pipeline, switched by a constexpr weight format:
 
 - `dsfuse::moe_experts_fp4`: the own model's `DsfuseFp4Experts` (FP4 weights decoded in registers, never a
   dequantised stack; router weight cast to x's dtype and the product rounded, as that module does);
-- `dsfuse::moe_experts_bf16`: transformers' `grouped_mm_experts_forward` (weights in x's dtype, `F.linear` layout;
-  router-weight product with torch type promotion, as HF computes it).
+- `dsfuse::moe_experts_bf16`: transformers' `grouped_mm_experts_forward` (weights in x's dtype, `F.linear` shapes
+  read through any strides, so a stack stored `[E, K, N]` is passed as its transposed view; the up stack optionally
+  apart, DeepSeek's w1 / w3; router-weight product with torch type promotion, as HF computes it).
 
 Each has a plain-PyTorch reference (its CPU implementation and numerics contract). The Triton path:
 
