@@ -374,6 +374,15 @@ def _fp4_group_as_e4m3(w_base, scales, ns, n_ok, k0, K, sw_n, BLOCK_K: tl.conste
 
 
 @triton.jit
+def _activation_group(a_rows, s_ptr, a_row, row_ok, g, K, ss_m, ss_g, BLOCK_K: tl.constexpr):
+    """Channel group g of the tile's quantised activation rows `[BM, BLOCK_K]` (zeros past K and for rows outside
+    the tile) and their scales [BM]."""
+    ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+    return a, tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
+
+
+@triton.jit
 def _fp4_e4m3_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr,
                           a_row_ptr, M, N, K, G, num_experts, groups_per_split, ss_m, ss_g, sw_e, sw_n, sws_e, sws_n,
                           so_m, so_n, sp_k,
@@ -399,18 +408,14 @@ def _fp4_e4m3_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr,
     scales = scale_tile(ws_base, ns, n_ok, g_first * BLOCK_K, K, sws_n, BLOCK_K, True)
     if _fp4_scales_fit_e4m3(ws_base, ns, n_ok, K, sws_n, BLOCK_K, SCALE_COLS):
         for g in range(g_first, g_last):
-            ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            a_scale = tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
+            a, a_scale = _activation_group(a_rows, s_ptr, a_row, row_ok, g, K, ss_m, ss_g, BLOCK_K)
             w, top = _fp4_group_as_e4m3(w_base, scales, ns, n_ok, g * BLOCK_K, K, sw_n, BLOCK_K, DECODE_ASM)
             scales = scale_tile(ws_base, ns, n_ok, (g + 1) * BLOCK_K, K, sws_n, BLOCK_K, True)
             acc += tl.dot(w, tl.trans(a)) * (e8m0_to_float(top)[:, None] * a_scale[None, :])
     else:
         operand = tl.bfloat16 if DECODE_ASM else tl.float32
         for g in range(g_first, g_last):
-            ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-            a_scale = tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
+            a, a_scale = _activation_group(a_rows, s_ptr, a_row, row_ok, g, K, ss_m, ss_g, BLOCK_K)
             a = (a.to(tl.float32) * a_scale[:, None]).to(operand)
             w = weight_tile(w_base, scales, ns, n_ok, g * BLOCK_K, K, sw_n, BLOCK_K, True, DECODE_ASM, operand)
             scales = scale_tile(ws_base, ns, n_ok, (g + 1) * BLOCK_K, K, sws_n, BLOCK_K, True)
