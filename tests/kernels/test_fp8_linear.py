@@ -4,6 +4,7 @@ grouped or not, split channel groups summed in order) and the row-tiled GEMM, op
 kernels and cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph replay."""
 
 import pytest
+import sm90_offline
 import torch
 import triton
 import triton.language as tl
@@ -460,3 +461,35 @@ def test_cuda_nan_and_inf_activations_give_nan_rows():
     x[1, 3], x[2, 200] = float("nan"), float("inf")
     got = fp8_linear(x, w, s, 128, 128)
     assert got[1].isnan().all() and got[2].isnan().all() and not got[[0, 3]].isnan().any()
+
+
+# Runs in a subprocess without TRITON_INTERPRET: the FP4 GEMM as the row-tiled path launches it for V4-Flash's expert
+# up (256 experts, 4096 -> 2 x 2048, T=8192 top-6) under each FP4 tile `_tile_config` can pick, compiled for sm_90.
+FP4_GEMM_SM90_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
+import re
+import dsfuse.kernels.fp8_linear as ops
+
+H, I, ROWS = 4096, 2048, 8192 * 6
+POINTERS = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16"}
+ints = dict(M=ROWS, N=2 * I, K=H, G=H // 128, num_experts=256, groups_per_split=H // 128, ss_m=1, ss_g=ROWS,
+            sw_e=2 * I * H // 2, sw_n=H // 2, sws_e=2 * I * H // 32, sws_n=H // 32, so_m=2 * I, so_n=1, sp_k=0)
+for rows_bucket in (32, 64, 128):
+    BM, BN, warps, stages = ops._tile_config(rows_bucket, True)
+    kernel = sm90_offline.compile_sm90(
+        ops._fp4_e4m3_gemm_kernel, dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, SCALE_COLS=128, SPLIT_PARTIALS=False,
+                                        GATHER_A=True, GROUPED=True, DECODE_ASM=True),
+        ints, dict(num_warps=warps, num_stages=stages), lambda name: POINTERS.get(name, "*i32"))
+    ptx = kernel.asm["ptx"]
+    print(json.dumps({"tile": [BM, BN, warps, stages], "shared": kernel.metadata.shared,
+                      "mma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx))),
+                      "prmt": ptx.count("prmt.b32")}), flush=True)
+"""
+
+
+def test_fp4_gemm_compiles_for_sm90_with_both_mma_paths():
+    """Each FP4 row tile compiles for sm_90 with the installed Triton within an SM's 227 KB of shared memory, with an
+    e4m3 wgmma (the converted groups, their bytes looked up by `prmt`) and a bf16 one (the exact path)."""
+    lines = sm90_offline.run_probe(FP4_GEMM_SM90_SCRIPT, timeout=300, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
+    assert len(lines) == 3, lines
+    for line in lines:
+        assert line["mma"] == ["bf16", "e4m3"] and line["prmt"] > 0 and line["shared"] <= 227 * 1024, line
