@@ -23,10 +23,9 @@ Ops:
 CUDA: activations are quantised by one Triton kernel, then multiplied by `_fp8_gemm_kernel` (grouped or not: a
 list of row tiles, each of one expert, computed on the device without a host sync), by `_fp8_decode_kernel` up to
 DECODE_MAX_ROWS rows (the weight streamed as the MMA's first operand, every row in one tile; row tiles of up to 16
-rows quantise their activations in it, the same arithmetic in one launch fewer), by `_fp4_e4m3_gemm_kernel` for
-FP4 weights (the weights turned into e4m3 per channel group where their scales allow, on the e4m3 MMA; exactly
-through bf16 otherwise), by `_fp4_gemm_kernel` for FP4 weights at decode sizes (bf16 activations and weights), or,
-for FP8 weights at `M >= SCALED_MM_MIN_ROWS`, by
+rows quantise their activations in it, the same arithmetic in one launch fewer), by `_fp4_gemm_kernel`
+for FP4 weights (row tiles sized by an expert's rows; decode-sized calls with wider tiles), or, for FP8 weights at
+`M >= SCALED_MM_MIN_ROWS`, by
 cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where the GEMM is compute-bound. Where the programs of
 the output tiles alone would leave SMs idle, the channel groups are split and a second kernel sums the fp32
 partials in split order.
@@ -40,24 +39,23 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.quant_formats import (E2M1_AS_E4M3_MAX_SHIFT, FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX,
-                                          FP8_MAX, dequantize_fp4, dequantize_fp8_blocks, dequantize_weight_triton,
-                                          e2m1_as_e4m3, e2m1_as_e4m3_tables, e4m3_bits, e8m0_to_float, fp4_pair_as_e4m3,
-                                          is_e8m0, power_of_two_ceil, quantize_activations, round_to_e4m3_grid,
-                                          scales_to_float32)
-from dsfuse.kernels.moe_experts import per_byte, scale_tile, weight_tile
+from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
+                                          dequantize_fp4, dequantize_fp8_blocks, dequantize_weight_triton, e4m3_bits,
+                                          e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
+                                          round_to_e4m3_grid, scales_to_float32)
+from dsfuse.kernels.moe_experts import scale_tile, weight_tile
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # From this many rows up, FP8 weights go to cuBLAS (`torch._scaled_mm` with 1x128 / 128x128 block scales), which
 # refuses a single row and is slower than a weight-streaming kernel while the GEMM is bound by the weight bytes.
 SCALED_MM_MIN_ROWS = 128
+# K step of the FP4 GEMM: the decoded tile in registers stays small enough for several CTAs per SM (as moe_experts');
+# 256-row tiles take steps of 128 (`_tile_config`)
+FP4_BLOCK_K = 64
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_INV_MAX = tl.constexpr(FP8_INV_MAX)
 _AMAX_FLOOR = tl.constexpr(FP8_AMAX_FLOOR)
-_MAX_SHIFT = tl.constexpr(E2M1_AS_E4M3_MAX_SHIFT)
-# Scale bytes per row the FP4 e4m3 GEMM reads at a time when it checks a tile's scales before its loop
-SCALE_CHECK_COLUMNS = 128
 
 
 def _is_fp4(weight: torch.Tensor) -> bool:
@@ -335,96 +333,6 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
 
 
 @triton.jit
-def _fp4_scales_fit_e4m3(ws_base, ns, n_ok, K, sws_n, BLOCK_K: tl.constexpr, SCALE_COLS: tl.constexpr):
-    """Whether, in every BLOCK_K channel group of these weight rows, each 32-value E8M0 scale is within
-    E2M1_AS_E4M3_MAX_SHIFT binades of the group's largest: then every weight of the group is an exact e4m3 number
-    times 2^(largest - 127). Read once per program before its loop (K / 32 bytes a row)."""
-    per_group: tl.constexpr = BLOCK_K // 32
-    worst = tl.zeros((ns.shape[0],), dtype=tl.int32)
-    for c0 in range(0, K // 32, SCALE_COLS):
-        cols = c0 + tl.arange(0, SCALE_COLS)
-        inside = n_ok[:, None] & (cols[None, :] < K // 32)
-        scales = tl.load(ws_base + ns[:, None] * sws_n + cols[None, :], mask=inside, other=0).to(tl.int32)
-        grouped = tl.reshape(scales, (ns.shape[0], SCALE_COLS // per_group, per_group))
-        inside = tl.reshape(inside, (ns.shape[0], SCALE_COLS // per_group, per_group))
-        spread = tl.max(tl.where(inside, grouped, 0), axis=2) - tl.min(tl.where(inside, grouped, 255), axis=2)
-        worst = tl.maximum(worst, tl.max(spread, axis=1))
-    return tl.max(worst) <= _MAX_SHIFT
-
-
-@triton.jit
-def _fp4_group_as_e4m3(w_base, scales, ns, n_ok, k0, K, sw_n, BLOCK_K: tl.constexpr, DECODE_ASM: tl.constexpr):
-    """One channel group's FP4 weights `[BN, BLOCK_K]` as e4m3 `E2M1 * 2^(scale - top)`, exact where
-    `_fp4_scales_fit_e4m3` holds, and `top` [BN], each row's largest scale byte of the group (`scales`: the group's
-    `[BN, BLOCK_K / 32]` E8M0 bytes, from `scale_tile`, which fills those past K with 127: they hold no weights
-    and do not count for `top`)."""
-    scales = scales.to(tl.int32)
-    blocks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    top = tl.max(tl.where(blocks[None, :] < K // 32, scales, 0), axis=1)
-    shift = per_byte(top[:, None] - scales, ns.shape[0], BLOCK_K)
-    offs_byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(w_base + ns[:, None] * sw_n + offs_byte[None, :],
-                     mask=n_ok[:, None] & (offs_byte[None, :] < K // 2), other=0).to(tl.int32)
-    if DECODE_ASM:
-        even, odd = fp4_pair_as_e4m3(packed, *e2m1_as_e4m3_tables(shift))
-    else:
-        even, odd = e2m1_as_e4m3(packed & 15, shift), e2m1_as_e4m3(packed >> 4, shift)
-    codes = tl.interleave(even.to(tl.uint8), odd.to(tl.uint8))
-    return codes.to(tl.float8e4nv, bitcast=True), top
-
-
-@triton.jit
-def _activation_group(a_rows, s_ptr, a_row, row_ok, g, K, ss_m, ss_g, BLOCK_K: tl.constexpr):
-    """Channel group g of the tile's quantised activation rows `[BM, BLOCK_K]` (zeros past K and for rows outside
-    the tile) and their scales [BM]."""
-    ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
-    a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-    return a, tl.load(s_ptr + a_row * ss_m + g * ss_g, mask=row_ok, other=0.0)
-
-
-@triton.jit
-def _fp4_e4m3_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr,
-                          a_row_ptr, M, N, K, G, num_experts, groups_per_split, ss_m, ss_g, sw_e, sw_n, sws_e, sws_n,
-                          so_m, so_n, sp_k,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SCALE_COLS: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
-                          GROUPED: tl.constexpr, DECODE_ASM: tl.constexpr):
-    """FP4 weights x e4m3 activations (`quantize_for_weight`: power-of-two scales per BLOCK_K channels) on the e4m3
-    MMA, the weights first (acc is [outputs, rows], stored transposed). Where a tile's scales allow
-    (`_fp4_scales_fit_e4m3`, checked once per program), each channel group's weights become e4m3 values
-    `E2M1 * 2^(scale - top)` (`_fp4_group_as_e4m3`), the group's e4m3 product is scaled by `2^(top - 127)` times
-    the activations' scale and added in fp32, as `_fp8_gemm_kernel` adds FP8 blocks: half the MMA time of a bf16
-    product and one byte a weight to convert. Otherwise the exact bf16 path: weights decoded to bf16 as
-    `_fp4_gemm_kernel` does, activations widened by their scales to bf16 (exact), one fp32 accumulation."""
-    split = tl.program_id(2)
-    expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED)
-    if expert >= num_experts:
-        return
-    g_first = split * groups_per_split
-    g_last = tl.minimum(g_first + groups_per_split, G)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    scales = scale_tile(ws_base, ns, n_ok, g_first * BLOCK_K, K, sws_n, BLOCK_K, True)
-    if _fp4_scales_fit_e4m3(ws_base, ns, n_ok, K, sws_n, BLOCK_K, SCALE_COLS):
-        for g in range(g_first, g_last):
-            a, a_scale = _activation_group(a_rows, s_ptr, a_row, row_ok, g, K, ss_m, ss_g, BLOCK_K)
-            w, top = _fp4_group_as_e4m3(w_base, scales, ns, n_ok, g * BLOCK_K, K, sw_n, BLOCK_K, DECODE_ASM)
-            scales = scale_tile(ws_base, ns, n_ok, (g + 1) * BLOCK_K, K, sws_n, BLOCK_K, True)
-            acc += tl.dot(w, tl.trans(a)) * (e8m0_to_float(top)[:, None] * a_scale[None, :])
-    else:
-        operand = tl.bfloat16 if DECODE_ASM else tl.float32
-        for g in range(g_first, g_last):
-            a, a_scale = _activation_group(a_rows, s_ptr, a_row, row_ok, g, K, ss_m, ss_g, BLOCK_K)
-            a = (a.to(tl.float32) * a_scale[:, None]).to(operand)
-            w = weight_tile(w_base, scales, ns, n_ok, g * BLOCK_K, K, sw_n, BLOCK_K, True, DECODE_ASM, operand)
-            scales = scale_tile(ws_base, ns, n_ok, (g + 1) * BLOCK_K, K, sws_n, BLOCK_K, True)
-            acc = tl.dot(w, tl.trans(a), acc)
-    _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
-                SPLIT_PARTIALS)
-
-
-@triton.jit
 def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
                        M, N, K, G, num_experts, groups_per_split,
                        ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k, sx_m, sx_k,
@@ -563,15 +471,12 @@ def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scal
     return q, s
 
 
-def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_k: int,
-                        decode: bool | None = None):
+def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_k: int):
     """Activations quantised as `weight`'s GEMM reads them: per row and block_k channels, column-major scales,
-    power-of-two scales for E8M0 or FP4 weights; for FP4 weights on the decode path (`decode`, by default at most
-    DECODE_MAX_ROWS rows, as `_gemm` decides) the dequantised values in bf16 (exact)."""
+    power-of-two scales for E8M0 or FP4 weights; for FP4 weights the dequantised values in bf16 (exact)."""
     fp4 = _is_fp4(weight)
-    decode = x2.shape[0] <= DECODE_MAX_ROWS if decode is None else decode
     return quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or fp4, scales_column_major=True,
-                                       dequantized=fp4 and decode)
+                                       dequantized=fp4)
 
 
 def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
@@ -593,23 +498,29 @@ def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
 
 
 def _gemm_config(rows: int, weight: torch.Tensor, experts: int = 1):
-    """(BLOCK_M, BLOCK_N, warps, stages) for a GEMM of `rows` rows through `weight` (FP4: by the rows of an expert,
-    `experts` of them sharing the rows)."""
+    """(BLOCK_M, BLOCK_N, warps, stages[, FP4 K step]) for a GEMM of `rows` rows through `weight`; FP4 by the rows
+    of one expert (`experts` of them sharing the rows), FP8 by all rows."""
     if _is_fp4(weight):
-        return _tile_config(min(1 << max(cdiv(rows, experts) - 1, 0).bit_length(), 128), True)
+        return _tile_config(min(1 << max(cdiv(rows, experts) - 1, 0).bit_length(), 256), True)
     return _tile_config(min(1 << max(rows - 1, 0).bit_length(), 128), False)
 
 
 @functools.lru_cache(maxsize=None)
 def _tile_config(rows_bucket: int, fp4: bool):
-    """(BLOCK_M, BLOCK_N, warps, stages) by row count: decode-sized calls stream the weight through many programs.
-    FP8: the fastest of `benchmarks/fp8_linear_gpu.py`'s sweep on V3.2's projections (H200, run 74). FP4 (the e4m3
-    GEMM, weights first: BLOCK_N is the MMA's M): row tiles as large as an expert's rows, at most 128 (the group's
-    product beside the accumulator)."""
+    """(BLOCK_M, BLOCK_N, warps, stages[, FP4 K step]) by row count: decode-sized calls stream the weight through many
+    programs. FP8: the fastest of `benchmarks/fp8_linear_gpu.py`'s sweep on V3.2's projections (H200, run 74). FP4
+    (BLOCK_N is the MMA's M there: weights first; K steps of FP4_BLOCK_K unless given): the tiles of `moe_experts`'
+    FP4 GEMM, which has the same operand order, and past 128 rows an expert one 256-row tile with K steps of 128,
+    which decodes each weight tile for twice the rows (V4-Flash's experts at T=8192, ~192 rows each: 7.51 ms for
+    both GEMMs against 10.43 with 128-row tiles; H200, run 123)."""
     if interpreting():
         return 16, 32, 4, 1
     if fp4:
-        return max(32, rows_bucket), 128, 8, 3
+        if rows_bucket <= 64:
+            return max(16, rows_bucket), 128, 8, 6
+        if rows_bucket <= 128:
+            return 128, 128, 8, 4
+        return 256, 128, 8, 3, 128
     if rows_bucket <= 16:
         return 16, 32, 4, 4
     if rows_bucket <= 64:
@@ -673,19 +584,17 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
         BN, warps, stages, programs_per_sm, fp4_step = config or _decode_config(fp4, BM)
     else:
         experts = 1 if offsets is None else offsets.shape[0]
-        (BM, BN, warps, stages), programs_per_sm, fp4_step = config or _gemm_config(rows, weight, experts), 2, block_k
+        BM, BN, warps, stages, *fp4_step = config or _gemm_config(rows, weight, experts)
+        programs_per_sm, fp4_step = 2, fp4_step[0] if fp4_step else FP4_BLOCK_K
     quantize_a = s is None and decode and not fp4 and BM <= DECODE_QUANTIZE_MAX_ROW_TILE
     if s is None and not quantize_a:
-        q, s = quantize_for_weight(q, weight, scale, block_k, decode)
-    if fp4 and (q.dtype == FP8_DTYPE) == decode:
-        raise ValueError(f"FP4 GEMM on the {'decode' if decode else 'row-tiled'} path: activations must be "
-                         f"{'bf16 (dequantised)' if decode else 'e4m3'}, got {q.dtype} (quantize_for_weight's decode)")
+        q, s = quantize_for_weight(q, weight, scale, block_k)
     if offsets is None:  # row tiles from the program id: nothing to build on the device
         tiles, tile_count, row_end, experts = (q, q, q), cdiv(rows, BM), None, 1
     else:
         *tiles_and_count, row_end = _expert_row_tiles(offsets, rows, BM)
         (tiles, tile_count), experts = tiles_and_count, offsets.shape[0]
-    step = fp4_step if fp4 and decode else block_k
+    step = fp4_step if fp4 else block_k
     steps, columns = cdiv(K, step), cdiv(N, BN)
     if split is None:
         split = cdiv(programs_per_sm * _sm_count(q.device), tile_count * columns)
@@ -706,13 +615,6 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
         w3 = w3.view(torch.uint8)
         if w3.stride(-1) != 1 or s3.stride(-1) != 1:
             w3, s3 = w3.contiguous(), s3.contiguous()
-    if fp4 and not decode:
-        _fp4_e4m3_gemm_kernel[grid](
-            q, s, w3, s3, target, *tiles, a_row_arg, rows, N, K, steps, experts, per_split, s.stride(0), s.stride(1),
-            w3.stride(0), w3.stride(1), s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), partials_stride,
-            BLOCK_K=block_k, SCALE_COLS=min(SCALE_CHECK_COLUMNS, triton.next_power_of_2(max(K // 32, block_k // 32))),
-            DECODE_ASM=not interpreting(), **common)
-    elif fp4:
         _fp4_gemm_kernel[grid](
             q, w3, s3, target, *tiles, a_row_arg, rows, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
             s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), partials_stride,

@@ -343,7 +343,7 @@ def fp4_decode_triton(packed: torch.Tensor, scales: torch.Tensor, bf16: bool = F
 
 
 @triton.jit
-def per_byte(block_values, BN: tl.constexpr, BLOCK_K: tl.constexpr):
+def _per_byte(block_values, BN: tl.constexpr, BLOCK_K: tl.constexpr):
     """`[BN, BK/32]` per-block values -> `[BN, BK/2]` per packed byte (byte j holds elements 2j, 2j+1: block j // 16)."""
     return tl.reshape(tl.broadcast_to(block_values[:, :, None], (BN, BLOCK_K // 32, 16)), (BN, BLOCK_K // 2))
 
@@ -391,12 +391,12 @@ def weight_rows_tile(row_ptrs, scale, row_mask, k0, K, stride_wk,
         packed = packed.to(tl.int32)
         if DECODE_ASM:
             f1, f2 = e8m0_to_bf16_factor_pairs(scale)
-            even, odd = fp4_decode_bf16_pair(packed, per_byte(f1, row_ptrs.shape[0], BLOCK_K),
-                                             per_byte(f2, row_ptrs.shape[0], BLOCK_K))
+            even, odd = fp4_decode_bf16_pair(packed, _per_byte(f1, row_ptrs.shape[0], BLOCK_K),
+                                             _per_byte(f2, row_ptrs.shape[0], BLOCK_K))
             even = even.to(tl.bfloat16, bitcast=True)
             odd = odd.to(tl.bfloat16, bitcast=True)
         else:
-            scale = per_byte(e8m0_to_float(scale), row_ptrs.shape[0], BLOCK_K)
+            scale = _per_byte(e8m0_to_float(scale), row_ptrs.shape[0], BLOCK_K)
             even = (e2m1_to_float(packed & 15) * scale).to(DOT_DTYPE)
             odd = (e2m1_to_float(packed >> 4) * scale).to(DOT_DTYPE)
         return tl.interleave(even, odd)

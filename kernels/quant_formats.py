@@ -159,62 +159,6 @@ def e2m1_to_float(nibble):
     return half_bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
 
 
-# An E2M1 value times 2^-shift is a normal e4m3 number (exactly) for shifts up to this: 0.5 * 2^-5 = 2^-6 is e4m3's
-# smallest normal. The FP4 GEMM multiplies on the e4m3 MMA where a channel group's 32-value scales are this close.
-E2M1_AS_E4M3_MAX_SHIFT = 5
-# e4m3 bytes of the E2M1 magnitudes 0, 0.5, 1, 1.5 (low word) and 2, 3, 4, 6 (high word), one byte each, the
-# lookup table of `fp4_pair_as_e4m3`; a shift of s binades subtracts 8 * s from each nonzero byte's exponent field.
-E4M3_OF_E2M1_LOW = tl.constexpr(0x3C383000)
-E4M3_OF_E2M1_HIGH = tl.constexpr(0x4C484440)
-
-
-@triton.jit
-def e2m1_as_e4m3(nibble, shift):
-    """E2M1 code (int32, 0..15) times 2^-shift as its e4m3 byte (int32), exactly, for 0 <= shift <=
-    E2M1_AS_E4M3_MAX_SHIFT: the magnitude's exponent and mantissa bits moved into e4m3's fields (bias 7 against
-    E2M1's 1), the sign to bit 7. The portable form of `fp4_pair_as_e4m3`."""
-    magnitude = nibble & 7
-    fields = tl.where(magnitude == 1, 0x30, magnitude * 4 + 0x30) - shift * 8
-    return tl.where(magnitude == 0, 0, fields) | ((nibble & 8) << 4)
-
-
-@triton.jit
-def e2m1_as_e4m3_tables(shift):
-    """The two lookup words of `fp4_pair_as_e4m3` for a shift (int32 tensor, 0..E2M1_AS_E4M3_MAX_SHIFT): the
-    E2M1 magnitudes' e4m3 bytes with 8 * shift taken from each nonzero byte (no borrow: each is at least 0x30)."""
-    return E4M3_OF_E2M1_LOW - shift * 0x08080800, E4M3_OF_E2M1_HIGH - shift * 0x08080808
-
-
-@triton.jit
-def fp4_pair_as_e4m3(byte, low_table, high_table):
-    """Both E2M1 codes of a packed byte (int32, 0..255), low nibble first, times 2^-shift as e4m3 bytes (in the
-    low 8 bits of two int16), where the tables are `e2m1_as_e4m3_tables(shift)`: `e2m1_as_e4m3` in a few integer
-    ops a byte (CUDA only, inline PTX). One `prmt` looks both magnitudes up: its selector holds the low code's
-    magnitude in nibble 0 and the high code's in nibble 2, nibbles 1 and 3 select the table's zero byte; the signs
-    (bits 3 and 7) go to bits 7 and 23."""
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, u, sel, r;
-        shl.b32 t, $2, 4;
-        and.b32 sel, $2, 7;
-        and.b32 u, t, 0x700;
-        or.b32 sel, sel, u;
-        prmt.b32 r, $3, $4, sel;
-        and.b32 u, t, 0x80;
-        or.b32 r, r, u;
-        shl.b32 u, $2, 16;
-        and.b32 u, u, 0x800000;
-        or.b32 r, r, u;
-        mov.b32 {$0, $1}, r;
-        }""",
-        constraints="=h,=h,r,r,r",
-        args=[byte, low_table, high_table],
-        dtype=(tl.int16, tl.int16),
-        is_pure=True,
-        pack=1,
-    )
-
-
 @triton.jit
 def e8m0_to_float(scale_byte):
     """E8M0 byte -> fp32 `2^(byte - 127)` built from bits: byte 0 is the subnormal 2^-127, byte 255 is NaN."""
@@ -294,8 +238,7 @@ def power_of_two_ceil(scale):
     return tl.where((bits & 0x007FFFFF) == 0, scale, up)
 
 
-__all__ = ["E2M1_AS_E4M3_MAX_SHIFT", "E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK",
-           "FP8_DTYPE", "FP8_MAX", "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "dequantize_weight_triton",
-           "e2m1_as_e4m3", "e2m1_as_e4m3_tables", "e2m1_values", "e4m3_bits", "e4m3_to_float", "e8m0_to_float",
-           "fp4_pair_as_e4m3", "is_e8m0", "power_of_two_ceil", "power_of_two_ceil_exact", "quantize_activations",
-           "round_to_e4m3_grid", "scales_to_float32"]
+__all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "dequantize_weight_triton", "e2m1_values",
+           "e4m3_bits", "e4m3_to_float", "e8m0_to_float", "is_e8m0", "power_of_two_ceil", "power_of_two_ceil_exact",
+           "quantize_activations", "round_to_e4m3_grid", "scales_to_float32"]

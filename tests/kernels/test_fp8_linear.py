@@ -6,18 +6,14 @@ kernels and cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph r
 import pytest
 import sm90_offline
 import torch
-import triton
-import triton.language as tl
 
 from dsfuse.kernels import fp8_linear as ops
 from dsfuse.kernels.fp8_linear import (dequantize_weight, fp8_grouped_linear, fp8_grouped_linear_reference,
                                        fp8_grouped_linear_triton, fp8_linear, fp8_linear_reference, fp8_linear_triton,
                                        fp8_weight_dequantize, quantize_activations_triton, quantize_for_weight)
-from dsfuse.kernels.quant_formats import (E2M1_AS_E4M3_MAX_SHIFT, E2M1_VALUES, E8M0_DTYPE, e2m1_as_e4m3,
-                                          e2m1_as_e4m3_tables, fp4_pair_as_e4m3, quantize_activations)
+from dsfuse.kernels.quant_formats import E8M0_DTYPE, quantize_activations
 from dsfuse.models.quantized import quantize_fp8_weight
 
-MAX_SHIFT = tl.constexpr(E2M1_AS_E4M3_MAX_SHIFT)
 CPU_DTYPE = torch.float16  # the interpreter's bf16 arithmetic is not the GPU's; fp16 inputs, fp8 dots
 
 
@@ -26,13 +22,10 @@ def _fp8_weight(N, K, seed, scale_fmt="float", lead=()):
     return quantize_fp8_weight(torch.randn(*lead, N, K, generator=g) * 0.05, scale_fmt=scale_fmt)
 
 
-def _fp4_weight(N, K, seed, lead=(), lowest_scale=118):
-    """Random FP4 bytes; E8M0 scales from `lowest_scale` to 125: from 118 a channel group's scales are mostly more
-    than E2M1_AS_E4M3_MAX_SHIFT binades apart (the row-tiled GEMM's exact bf16 path), from 121 never (its e4m3
-    path)."""
+def _fp4_weight(N, K, seed, lead=()):
     g = torch.Generator().manual_seed(seed)
     packed = torch.randint(0, 256, (*lead, N, K // 2), generator=g, dtype=torch.uint8).view(torch.int8)
-    scales = torch.randint(lowest_scale, 126, (*lead, N, K // 32), generator=g, dtype=torch.uint8).view(E8M0_DTYPE)
+    scales = torch.randint(118, 126, (*lead, N, K // 32), generator=g, dtype=torch.uint8).view(E8M0_DTYPE)
     return packed, scales
 
 
@@ -41,10 +34,7 @@ def _x(M, K, seed, dtype=CPU_DTYPE):
 
 
 def _weights(kind, N, K, seed, lead=()):
-    """kind: "float" / "ue8m0" (FP8 block scales), "fp4", or "fp4-narrow" (scales within E2M1_AS_E4M3_MAX_SHIFT)."""
-    if kind.startswith("fp4"):
-        return _fp4_weight(N, K, seed, lead, lowest_scale=121 if kind == "fp4-narrow" else 118)
-    return _fp8_weight(N, K, seed, kind, lead)
+    return _fp4_weight(N, K, seed, lead) if kind == "fp4" else _fp8_weight(N, K, seed, kind, lead)
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
@@ -80,33 +70,18 @@ def test_triton_activation_quantisation_gives_the_references_bytes(pow2):
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4", "fp4-narrow"])
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
 @pytest.mark.parametrize("M,N,K", [(1, 48, 256), (17, 40, 320), (5, 33, 64), (80, 33, 320)])
 def test_triton_linear_gives_the_references_bits(kind, M, N, K):
-    """Both paths: the decode path up to DECODE_MAX_ROWS rows, the row-tiled GEMM past it (80; FP4: its e4m3 and
-    its bf16 path)."""
-    if kind.startswith("fp4") and K % 32:
+    """Both paths: the decode path up to DECODE_MAX_ROWS rows, the row-tiled GEMM past it (80)."""
+    if kind == "fp4" and K % 32:
         pytest.skip("FP4 rows are whole 32-value blocks")
     w, s = _weights(kind, N, K, M + N)
     x = _x(M, K, K)
     assert torch.equal(fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128))
 
 
-def test_row_tiled_fp4_gives_nan_outputs_for_nan_scales_on_both_paths():
-    """E8M0 255 is NaN: an output column whose weights have one NaN scale is NaN, as in the reference, whether its
-    tile goes to the e4m3 path (a whole group at 255: no spread) or to the bf16 path (one scale at 255)."""
-    w, s = _weights("fp4-narrow", 40, 256, 31)
-    s = s.view(torch.uint8).clone()
-    s[3, 4:8] = 255
-    s[37, 1] = 255
-    x = _x(80, 256, 32)
-    got = fp8_linear_triton(x, w, s.view(E8M0_DTYPE), 128, 128)
-    want = fp8_linear_reference(x, w, s.view(E8M0_DTYPE), 128, 128)
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    assert got[:, [3, 37]].isnan().all() and not got[:, :3].isnan().any()
-
-
-@pytest.mark.parametrize("kind", ["float", "fp4", "fp4-narrow"])
+@pytest.mark.parametrize("kind", ["float", "fp4"])
 @pytest.mark.parametrize("S,offsets", [(30, [0, 17, 17, 20, 26]), (90, [0, 40, 40, 70, 80])])
 def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, S, offsets):
     """Experts with no rows, one with a tile's worth plus one, and rows past the last offset (other ranks' slots);
@@ -120,6 +95,23 @@ def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_
     for e, (start, end) in enumerate(zip([0, *offsets[:-1]], offsets)):
         if end > start:
             assert torch.equal(want[start:end], fp8_linear_reference(x[start:end], w[e], s[e], 128, 128))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("step", [64, 128])
+def test_row_tiled_fp4_gives_the_references_bits_at_either_k_step(grouped, step):
+    """The FP4 GEMM's row tiles with K steps of 64 (its tiles up to 128 rows) or 128 (256-row tiles), K = 320 so the
+    last step is partial: the reference's bits, grouped (experts with no rows, a tile and one row) or not."""
+    E, N, K, S = 4, 40, 320, 90
+    w, s = _weights("fp4", N, K, 40 + step, lead=(E,) if grouped else ())
+    x = _x(S, K, 41)
+    out = torch.zeros((S, N), dtype=x.dtype)
+    offsets = torch.tensor([0, 33, 33, 80], dtype=torch.int32) if grouped else None
+    ops._gemm(*quantize_for_weight(x, w, s, 128), w, s, out, 128, 128, offsets=offsets, config=(16, 32, 4, 1, step),
+              decode=False)
+    want = (fp8_grouped_linear_reference(x, w, s, offsets, 128, 128) if grouped
+            else fp8_linear_reference(x, w, s, 128, 128))
+    assert torch.equal(out[:80] if grouped else out, want[:80] if grouped else want)
 
 
 class _LaunchRecorder:
@@ -309,52 +301,13 @@ def test_weight_quantisation_round_trips_within_the_e4m3_step():
 
 # --------------------------------------------------------------------------------------------
 # GPU (H200)
-@triton.jit
-def _e2m1_as_e4m3_kernel(out_ptr):
-    """Every E2M1 code (16) at every shift 0..E2M1_AS_E4M3_MAX_SHIFT (rows) as its e4m3 byte."""
-    shifts = tl.arange(0, 8)[:, None]
-    codes = tl.arange(0, 16)[None, :]
-    tl.store(out_ptr + shifts * 16 + codes, e2m1_as_e4m3(codes, shifts).to(tl.uint8), mask=shifts <= MAX_SHIFT)
-
-
-def test_e2m1_as_e4m3_is_each_value_scaled_down_exactly():
-    """E2M1 value * 2^-shift, -0 included, is the e4m3 byte torch's conversion gives (all exact, all normal)."""
-    out = torch.zeros(8, 16, dtype=torch.uint8)
-    _e2m1_as_e4m3_kernel[(1,)](out)
-    shifts = torch.arange(E2M1_AS_E4M3_MAX_SHIFT + 1, dtype=torch.float32)[:, None]
-    want = (torch.tensor(E2M1_VALUES)[None, :] * torch.exp2(-shifts)).to(torch.float8_e4m3fn)
-    assert torch.equal(want.float() * torch.exp2(shifts), torch.tensor(E2M1_VALUES).expand(len(shifts), 16))
-    assert torch.equal(out[:E2M1_AS_E4M3_MAX_SHIFT + 1], want.view(torch.uint8))
-
-
-@triton.jit
-def _scales_fit_kernel(s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, SCALE_COLS: tl.constexpr):
-    ns = tl.arange(0, BLOCK_N)
-    tl.store(out_ptr, ops._fp4_scales_fit_e4m3(s_ptr, ns, ns < N, K, K // 32, 128, SCALE_COLS).to(tl.int32))
-
-
-@pytest.mark.parametrize("columns,raise_by,fits", [((3,), 5, True), ((3,), 6, False), ((4,), 6, False),
-                                                   ((8,), 9, True), ((4, 5, 6, 7), 20, True)])
-def test_fp4_e4m3_path_is_taken_only_where_each_groups_scales_are_close(columns, raise_by, fits):
-    """K / 32 = 9 scale columns, in groups of 4 (the last holds one), read 8 at a time: raising one row's scales at
-    `columns` keeps the tile on the e4m3 path while every group's scales stay within E2M1_AS_E4M3_MAX_SHIFT binades
-    (a whole group raised, or the last group's one column, moves nothing); rows past N are not read."""
-    N, K = 5, 288
-    scales = torch.full((8, K // 32), 120, dtype=torch.uint8)
-    scales[2, list(columns)] += raise_by
-    scales[6, 0] = 200
-    out = torch.zeros(1, dtype=torch.int32)
-    _scales_fit_kernel[(1,)](scales, out, N, K, BLOCK_N=8, SCALE_COLS=8)
-    assert bool(out.item()) is fits
-
-
 # --------------------------------------------------------------------------------------------
 def _rel(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4", "fp4-narrow"])
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
 @pytest.mark.parametrize("M", [1, 7, 64, 129, 1024])
 def test_cuda_linear_matches_the_reference(kind, M):
     """Triton (M < 128, FP4) or cuBLAS's block-scaled GEMM (FP8 from 128 rows): the reference's sums up to the
@@ -368,32 +321,8 @@ def test_cuda_linear_matches_the_reference(kind, M):
     assert _rel(got, want) < 1e-2
 
 
-@triton.jit
-def _fp4_pair_as_e4m3_kernel(out_ptr):
-    """Every byte (256 columns) at every shift 0..E2M1_AS_E4M3_MAX_SHIFT (rows) through the PTX conversion and the
-    portable one: [2, shifts, 256, 2] bytes."""
-    shifts = tl.arange(0, 8)[:, None]
-    byte = tl.arange(0, 256)[None, :]
-    even, odd = fp4_pair_as_e4m3(byte, *e2m1_as_e4m3_tables(shifts))
-    at = out_ptr + (shifts * 256 + byte) * 2
-    inside = shifts <= MAX_SHIFT
-    tl.store(at, even.to(tl.uint8), mask=inside)
-    tl.store(at + 1, odd.to(tl.uint8), mask=inside)
-    portable = out_ptr + 8 * 256 * 2
-    tl.store(portable + (shifts * 256 + byte) * 2, e2m1_as_e4m3(byte & 15, shifts).to(tl.uint8), mask=inside)
-    tl.store(portable + (shifts * 256 + byte) * 2 + 1, e2m1_as_e4m3(byte >> 4, shifts).to(tl.uint8), mask=inside)
-
-
 @pytest.mark.gpu
-def test_cuda_fp4_pair_as_e4m3_is_the_portable_conversion():
-    """The PTX lookup gives `e2m1_as_e4m3`'s bytes for all 256 bytes (both nibbles) at every shift."""
-    out = torch.zeros(2, 8, 256, 2, dtype=torch.uint8, device="cuda")
-    _fp4_pair_as_e4m3_kernel[(1,)](out)
-    assert torch.equal(out[0], out[1]) and out[1, :E2M1_AS_E4M3_MAX_SHIFT + 1].any()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["float", "fp4", "fp4-narrow"])
+@pytest.mark.parametrize("kind", ["float", "fp4"])
 def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(kind):
     E, N, K, S = 8, 512, 1024, 300
     w, s = (t.cuda() for t in _weights(kind, N, K, 13, lead=(E,)))
@@ -463,33 +392,31 @@ def test_cuda_nan_and_inf_activations_give_nan_rows():
     assert got[1].isnan().all() and got[2].isnan().all() and not got[[0, 3]].isnan().any()
 
 
-# Runs in a subprocess without TRITON_INTERPRET: the FP4 GEMM as the row-tiled path launches it for V4-Flash's expert
-# up (256 experts, 4096 -> 2 x 2048, T=8192 top-6) under each FP4 tile `_tile_config` can pick, compiled for sm_90.
+# Runs in a subprocess without TRITON_INTERPRET: the FP4 GEMM's row tiles as `_tile_config` picks them by an expert's
+# rows (V4-Flash's expert up: 256 experts, 4096 -> 2 x 2048, T=8192 top-6), compiled for sm_90 down to the cubin.
 FP4_GEMM_SM90_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
-import re
 import dsfuse.kernels.fp8_linear as ops
 
 H, I, ROWS = 4096, 2048, 8192 * 6
-POINTERS = {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16"}
-ints = dict(M=ROWS, N=2 * I, K=H, G=H // 128, num_experts=256, groups_per_split=H // 128, ss_m=1, ss_g=ROWS,
-            sw_e=2 * I * H // 2, sw_n=H // 2, sws_e=2 * I * H // 32, sws_n=H // 32, so_m=2 * I, so_n=1, sp_k=0)
-for rows_bucket in (32, 64, 128):
-    BM, BN, warps, stages = ops._tile_config(rows_bucket, True)
+POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16"}
+ints = dict(M=ROWS, N=2 * I, K=H, num_experts=256, k_per_split=H, sw_e=2 * I * H // 2, sw_n=H // 2,
+            sws_e=2 * I * H // 32, sws_n=H // 32, so_m=2 * I, so_n=1, sp_k=0)
+for rows_per_expert in (64, 128, 192):
+    BM, BN, warps, stages, *step = ops._gemm_config(rows_per_expert * 256, ops.torch.empty(1, dtype=ops.torch.int8), 256)
     kernel = sm90_offline.compile_sm90(
-        ops._fp4_e4m3_gemm_kernel, dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=128, SCALE_COLS=128, SPLIT_PARTIALS=False,
-                                        GATHER_A=True, GROUPED=True, DECODE_ASM=True),
+        ops._fp4_gemm_kernel, dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=step[0] if step else ops.FP4_BLOCK_K,
+                                   SPLIT_PARTIALS=False, GATHER_A=True, DECODE_ASM=True, GROUPED=True),
         ints, dict(num_warps=warps, num_stages=stages), lambda name: POINTERS.get(name, "*i32"))
-    ptx = kernel.asm["ptx"]
-    print(json.dumps({"tile": [BM, BN, warps, stages], "shared": kernel.metadata.shared,
-                      "mma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.f32\.(\w+)\.", ptx))),
-                      "prmt": ptx.count("prmt.b32")}), flush=True)
+    print(json.dumps({"rows": rows_per_expert, "tile": [BM, BN, warps, stages, *step],
+                      "shared": kernel.metadata.shared, "wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}), flush=True)
 """
 
 
-def test_fp4_gemm_compiles_for_sm90_with_both_mma_paths():
-    """Each FP4 row tile compiles for sm_90 with the installed Triton within an SM's 227 KB of shared memory, with an
-    e4m3 wgmma (the converted groups, their bytes looked up by `prmt`) and a bf16 one (the exact path)."""
+def test_fp4_row_tiles_compile_for_sm90():
+    """Each FP4 row tile the table picks by an expert's rows compiles for sm_90 with the installed Triton (ptxas:
+    registers) within an SM's 227 KB of shared memory, on wgmma; past 128 rows an expert, one 256-row tile with K
+    steps of 128."""
     lines = sm90_offline.run_probe(FP4_GEMM_SM90_SCRIPT, timeout=300, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
-    assert len(lines) == 3, lines
-    for line in lines:
-        assert line["mma"] == ["bf16", "e4m3"] and line["prmt"] > 0 and line["shared"] <= 227 * 1024, line
+    tiles = {line["rows"]: line["tile"] for line in lines}
+    assert tiles[192] == [256, 128, 8, 3, 128] and tiles[128][0] == 128 and tiles[64][0] == 64, tiles
+    assert all(line["wgmma"] and line["shared"] <= 227 * 1024 for line in lines), lines
