@@ -173,6 +173,21 @@ def test_own_fp4_experts_decoded_in_chunks(monkeypatch):
     assert sites[0].inputs[3].endswith("uint8[8x64x32]") and sites[0].inputs[5].endswith("uint8[8x64x16]")
 
 
+def test_own_fp4_experts_too_large_to_probe_keep_their_structural_match(monkeypatch):
+    """Stacks over the verifier's probe budget (a real checkpoint's; here the budget is lowered) decoded one expert at
+    a time: the slice has more nodes than the verifier walks, and the block is fused on its structural match (the FP4
+    decode evaluated on every byte) instead of refused for the chunking, as the own model at V3.2's sizes was on the
+    H200 (run 121)."""
+    experts = build_own_model("own-tiny", dtype=torch.bfloat16, n_routed_experts=40).model.layers[1].mlp.experts
+    monkeypatch.setattr(official, "DEQUANT_CHUNK_ELEMENTS", 2 * experts.gate_up_proj[0].numel())
+    monkeypatch.setattr(moe_experts, "MAX_ELEMENTS", experts.gate_up_proj.numel())
+    x, (ids, weights) = _tokens(10, torch.bfloat16), _routing(10)
+    with torch.no_grad():
+        _close(_compile(experts)(x, ids, weights), experts(x, ids, weights))
+    assert len(_sites("dsfuse.moe_experts_fp4")) == 1, str(dsfuse.report())
+    assert not dsfuse.report().near_misses, str(dsfuse.report())
+
+
 def _lut_values(codes):
     return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
 
