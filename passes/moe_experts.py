@@ -1509,9 +1509,10 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
     out.replace_all_uses_with(fused)
     E = shape(m.gate_up)[0] if m.fp4 is None else shape(m.fp4[0].packed)[0]
     detail = f"{m.kind} GEMMs, {m.combine}, E={E}, k={m.top_k}"
-    if m.quantized is not None:
-        detail += f", {'FP4' if dtype(m.gate_up) in (torch.int8, torch.uint8) else 'FP8'} weights in " \
-                  f"{m.quantized[0].blocks[0]} x {m.quantized[0].blocks[1]} blocks"
+    if m.quantized is not None and dtype(m.gate_up) in (torch.int8, torch.uint8):
+        detail += ", FP4 weights, a scale per row and 32 values"
+    elif m.quantized is not None:
+        detail += f", FP8 weights in {m.quantized[0].blocks[0]} x {m.quantized[0].blocks[1]} blocks"
     if m.fp4 is None and m.quantized is None:
         detail += _layout_detail(m.stacks)
     if m.swiglu_limit is not None:

@@ -68,6 +68,7 @@ def test_it_loads_runs_and_compiles_without_the_kernels_package(checkpoint):
     # every family as on the dequantised model, the FP8 experts as one dsfuse.moe_experts_fp8
     assert quantised.counts == plain.counts and plain.counts["moe_experts"] == 1, str(quantised)
     assert "dsfuse.moe_experts_fp8" in quantised.details()
+    assert "FP8 weights in 128 x 128 blocks" in quantised.details(), quantised.details()
     assert quantised.near_misses == [], str(quantised)
     # W8A8 against the dequantised weights: activations rounded to e4m3 per token and 128 channels; through two
     # layers of a random tiny model (no trained structure to absorb it) the logits move by a tenth to a fifth on

@@ -166,6 +166,7 @@ def test_every_family_fires_as_on_the_dequantised_model(quantised_run, dequantis
     assert plain.counts["moe_experts"] == 3 and all(plain.counts.values())  # one MoE block per layer
     assert quantised.counts == plain.counts, str(quantised)
     assert "dsfuse.moe_experts_fp8" in quantised.details()
+    assert "FP4 weights, a scale per row and 32 values" in quantised.details(), quantised.details()
     # each layer's grouped output projection (wo_a, fixed groups) is a block-diagonal linear, not an experts block
     assert quantised.near_misses == [], str(quantised)
 
