@@ -16,7 +16,8 @@ polarity once canonicalised, `scatter.src`) and rows read by an index tensor (`i
   (`key <= query + T - S`, no padding) is replaced by `causal=True`; decode-sized steps over HF's latent cache are
   read in absorbed form (`dsfuse::absorbed_mla_attention`).
 * Official-style absorbed MLA (and dsfuse's own model): latent rows `kv[arange(B)[:,None,None], idx.clamp(min=0)]`
-  (or the same rows by `gather`) used both as keys and as values, rope rows gathered by the same indices, `-1`
+  (or the same rows by `gather`, or by `index_select` from the flattened cache at `b * T + idx.clamp(min=0)`, the
+  offsets proven on probes) used both as keys and as values, rope rows gathered by the same indices, `-1`
   picks masked to -inf, an fp32 softmax and P @ kv_rows, q tokens- or heads-first: `dsfuse::sparse_mla_attention`.
   The softmax is bound by what it reads, not by its ops (a max-shifted or logsumexp form, Inductor's scaled form, a
   per-head sink as a column or as a term of the denominator): the verifier proves which function it is. The
@@ -793,7 +794,7 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
         query = _pick(_chain_back(bmm.args[0]), (B, S, H, width))
         if query is None:
             raise NoMatch("a score product's query is not [B, S, H, D]")
-        labels = _product(query[0], "bshc", query[1], cache, "btc", cache_ops, "c", width)
+        labels = _product(query[0], "bshc", query[1], leaf_labels(cache, "btc"), cache_ops, "c", width)
         labels = _through(_through(labels, chain[1:]), score_chain[1:])
         if labels is None or names(labels) != _expected("bsht", (B, S, H, T)):
             raise NoMatch("the score products are not q[b,s,h,:] . cache[b,t,:] over [B, S, H, T]")
@@ -890,12 +891,14 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
 
 def _gather_rows(node: torch.fx.Node) -> tuple | None:
     """(source [B,T,C], idx [B,S,K], the clamp) for `src[arange(B)[:,None,None], idx.clamp(min=0)]`, or the same
-    rows read by `gather` / `take_along_dim`, else None."""
+    rows read by `gather` / `take_along_dim` or by `index_select` from the flattened source, else None."""
     if is_op(node, aten.gather.default):
         return _gathered_along_keys(node)
     if not is_op(node, aten.index.Tensor):
         return None
     src, indices = node.args[:2]
+    if len(indices) == 1 and len(shape(src)) == 2:
+        return _flattened_row_gather(node)
     if len(indices) != 2 or any(i is None for i in indices) or len(shape(src)) != 3:
         return None
     batch, safe = indices
@@ -942,6 +945,44 @@ def _gathered_along_keys(node: torch.fx.Node) -> tuple | None:
     return src, idx, safe
 
 
+def _flattened_row_gather(node: torch.fx.Node) -> tuple | None:
+    """(source [B,T,C], idx [B,S,K], the clamp) for `src.reshape(B*T, C).index_select(0, flat)` (post-grad: `[flat]`)
+    with `flat` the clamped picks flattened, plus offsets (`b * T` for batch b) or none (B == 1), else None: one row
+    per pick in the picks' order, [B*S*K, C]. Which rows the offsets pick is the verifier's to prove on probes; a
+    pick that is not clamped reads another batch's row (or none) where the op finds no key, a real difference."""
+    flat_src, (flat,) = node.args[:2]
+    views = views_along(walk_back(flat_src, lambda n: is_op(n, *LAYOUT_OPS)), lambda n: len(shape(n)) == 3)
+    if not views or not is_op(flat, *VIEW_OPS) or len(shape(flat)) != 1:
+        return None
+    src = views[0][0]
+    B, T, C = shape(src)
+    picked = flat.args[0]
+    if not same_shape(shape(flat_src), (B * T, C)) or len(shape(picked)) != 3 or dtype(picked) not in INDEX_DTYPES:
+        return None
+    terms = picked.args if is_op(picked, aten.add.Tensor) else (picked,)
+    clamps = [t for t in terms if is_op(t, aten.clamp_min.default) and t.args[1] == 0]
+    if not clamps:
+        raise NoMatch("the picks index the flattened cache without being clamped to 0: a -1 pick reads another "
+                      "batch's row (or none), where the op finds no key", reported=False)
+    safe = clamps[0]
+    idx = safe.args[0]
+    if len(shape(idx)) != 3 or not same_shape(shape(idx), shape(picked)):
+        return None
+    if picked is safe and not same_size(B, 1):
+        raise NoMatch(f"the picks index the flattened cache of {B} sequences without a per-batch offset: every "
+                      "query reads the first sequence's rows", reported=False)
+    return src, idx, safe
+
+
+def _rows_labels(rows: torch.fx.Node, idx: torch.fx.Node, letters: str) -> Labels | None:
+    """Labels of the rows gathered by the picks `idx` [B, S, K]: [B, S, K, W] read per batch, or [B*S*K, W] read from
+    a flattened source (one row per pick, in the picks' order)."""
+    if len(shape(rows)) == 4:
+        return leaf_labels(rows, letters)
+    picks = tuple((name, size) for name, size in zip(letters, shape(idx)) if not same_size(size, 1))
+    return [picks, ((letters[3], shape(rows)[1]),)]
+
+
 def _one_sequence_gather(node: torch.fx.Node) -> bool:
     """Whether `node` is `src[idx.clamp(min=0)]` for [T, C] rows and [S, K] integer picks, read by two products
     (keys and values: the latent rows, not the rope rows gathered beside them)."""
@@ -955,10 +996,10 @@ def _one_sequence_gather(node: torch.fx.Node) -> bool:
         and sum(pos >= 0 for _, pos, _ in _bmms_using(node)) == 2
 
 
-def _product(a, a_names, a_ops, b, b_names, b_ops, over: str, size) -> Labels | None:
-    """Labels of `bmm(a', b')` where a', b' are `a`, `b` after their layout ops, or None unless the
-    product contracts exactly the dim `over`."""
-    a_l, b_l = _through(leaf_labels(a, a_names), a_ops), _through(leaf_labels(b, b_names), b_ops)
+def _product(a, a_names, a_ops, b_labels: Labels | None, b_ops, over: str, size) -> Labels | None:
+    """Labels of `bmm(a', b')` where a' is `a` after its layout ops and b' the operand labelled `b_labels` after
+    its, or None unless the product contracts exactly the dim `over`."""
+    a_l, b_l = _through(leaf_labels(a, a_names), a_ops), _through(b_labels, b_ops)
     out = bmm_labels(a_l, b_l) if a_l and b_l else None
     if out is None or names([contracted(a_l, b_l)]) != _expected(over, (size,)):
         return None
@@ -1056,9 +1097,11 @@ def _match_mla(index: torch.fx.Node) -> dict:
     (q_nope, q_ops), (q_pe, qpe_ops) = q_pick, qpe_pick
 
     want = _expected("bshk", (B, S, H, K))
-    nope_l = _product(q_nope, "bhsc" if heads_first else "bshc", q_ops, index, "bskc", kv_ops_k, "c", C)
+    nope_l = _product(q_nope, "bhsc" if heads_first else "bshc", q_ops, _rows_labels(index, idx, "bskc"), kv_ops_k,
+                      "c", C)
     pe_ops = pe_chain[1:]
-    pe_l = _product(q_pe, "bhsr" if heads_first else "bshr", qpe_ops, pe_index, "bskr", pe_ops, "r", R)
+    pe_l = _product(q_pe, "bhsr" if heads_first else "bshr", qpe_ops, _rows_labels(pe_index, idx, "bskr"), pe_ops,
+                    "r", R)
     nope_l = _through(_through(nope_l, nope_bmm[1]), score_chain[1:])
     pe_l = _through(_through(pe_l, pe_bmm[1]), score_chain[1:])
     if nope_l is None or pe_l is None or names(nope_l) != want or names(pe_l) != want:
@@ -1066,7 +1109,7 @@ def _match_mla(index: torch.fx.Node) -> dict:
     p_ops = probs_end[1:]
     p_l = _through([((n, size),) if not same_size(size, 1) else () for n, size in zip("bshk", (B, S, H, K))],
                    [op for op in p_ops if not is_op(op, aten.slice.Tensor)])
-    v_l = _through(leaf_labels(index, "bskc"), kv_ops_v)
+    v_l = _through(_rows_labels(index, idx, "bskc"), kv_ops_v)
     o_l = bmm_labels(p_l, v_l) if p_l and v_l else None
     if o_l is None or names([contracted(p_l, v_l)]) != _expected("k", (K,)):
         raise NoMatch("the output product is not P[b,s,h,:] . rows[b,s,:,c]")

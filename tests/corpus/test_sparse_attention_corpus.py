@@ -61,6 +61,17 @@ def _mla_one_sequence():
     return q_abs[0], q_pe[0], kv[0], pe[0], idx[0]
 
 
+def _mla_one_batch():
+    return tuple(t[:1] for t in _mla())
+
+
+def _mla_minus_one_past_first_sequence():
+    """Picks with -1 in the second sequence only (`index_select` raises on a -1 of the first, offset by 0)."""
+    *operands, idx = _mla()
+    idx[0] = idx[0].clamp(min=0)
+    return (*operands, idx)
+
+
 def _mla_index_scores():
     """Index scores over the whole cache (a decode step sees every cached key), for a top-k inside the graph."""
     q_abs, q_pe, kv, pe, _ = _mla()
@@ -376,16 +387,47 @@ def take_along_dim_rows(q_abs, q_pe, kv, pe, idx):
     return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).type_as(q_abs), kv_rows)
 
 
-def index_select_rows(q_abs, q_pe, kv, pe, idx):
-    """The picked rows read with `index_select` from the flattened caches at `b * T + idx`: not the row gather the
-    matcher reads, reported."""
+def _flat_rows_attention(q_abs, q_pe, kv, pe, idx, flat):
+    """Absorbed MLA over the rows `index_select` reads from the flattened caches at `flat`, viewed back per pick."""
     b, t = kv.shape[:2]
-    flat = (idx.clamp(min=0) + torch.arange(b)[:, None, None] * t).reshape(-1)
     kv_rows = kv.reshape(b * t, -1).index_select(0, flat).view(*idx.shape, -1)
     pe_rows = pe.reshape(b * t, -1).index_select(0, flat).view(*idx.shape, -1)
     scores = (torch.einsum("bshc,bskc->bshk", q_abs, kv_rows) + torch.einsum("bshr,bskr->bshk", q_pe, pe_rows)) * SCALE
     scores = scores.float().masked_fill((idx < 0).unsqueeze(2), float("-inf"))
     return torch.einsum("bshk,bskc->bshc", scores.softmax(dim=-1).type_as(q_abs), kv_rows)
+
+
+def index_select_rows(q_abs, q_pe, kv, pe, idx):
+    """The picked rows read with `index_select` from the flattened caches at `b * T + idx.clamp(min=0)`: the
+    per-batch row gather, written as a paged-cache reader flattens it."""
+    b, t = kv.shape[:2]
+    flat = (idx.clamp(min=0) + torch.arange(b)[:, None, None] * t).reshape(-1)
+    return _flat_rows_attention(q_abs, q_pe, kv, pe, idx, flat)
+
+
+def index_select_one_sequence_cache(q_abs, q_pe, kv, pe, idx):
+    """A batch of one: the clamped picks flattened index the [1*T, C] cache as they are, no offset."""
+    return _flat_rows_attention(q_abs, q_pe, kv, pe, idx, idx.clamp(min=0).flatten())
+
+
+def index_select_without_offset(q_abs, q_pe, kv, pe, idx):
+    """Two sequences indexed without `b * T`: every query reads the first sequence's rows, not its own."""
+    return _flat_rows_attention(q_abs, q_pe, kv, pe, idx, idx.clamp(min=0).flatten())
+
+
+def index_select_wrong_stride(q_abs, q_pe, kv, pe, idx):
+    """Sequences offset by `b * (T - 1)`: the second one's picks read the wrong rows, which the verifier's probes
+    find."""
+    b, t = kv.shape[:2]
+    flat = (idx.clamp(min=0) + torch.arange(b)[:, None, None] * (t - 1)).reshape(-1)
+    return _flat_rows_attention(q_abs, q_pe, kv, pe, idx, flat)
+
+
+def index_select_unclamped(q_abs, q_pe, kv, pe, idx):
+    """`b * T + idx` with the -1 picks left in: a -1 of the second sequence reads the first one's last row (masked
+    in the scores, but a NaN there would reach the output), one of the first sequence no row at all."""
+    b, t = kv.shape[:2]
+    return _flat_rows_attention(q_abs, q_pe, kv, pe, idx, (idx + torch.arange(b)[:, None, None] * t).flatten())
 
 
 def gathered_rows_summed(kv, idx):
@@ -598,8 +640,12 @@ INDEX_BIAS = ("the -inf index mask is combined with another mask before the scor
               "in rows without keys, which the fused ops do not reproduce)")
 NOT_TOPK = ("the index mask's picks are not a top-k's indices: the scatter merges repeated picks, the gather op would "
             "count them twice")
-INDEX_SELECT = ("an index-driven selection (aten.index.Tensor) feeds an attention the matcher does not read: not a "
-                "per-batch row gather")
+FLAT_ROWS = "an index-driven selection (aten.index.Tensor) feeds an attention the matcher does not read: "
+NO_OFFSET = FLAT_ROWS + ("the picks index the flattened cache of 2 sequences without a per-batch offset: every query "
+                         "reads the first sequence's rows")
+WRONG_STRIDE = NUMERIC + "random probe: 244 of 512 outputs differ beyond rtol=atol=1e-05 (largest 1.42)"
+UNCLAMPED = FLAT_ROWS + ("the picks index the flattened cache without being clamped to 0: a -1 pick reads another "
+                         "batch's row (or none), where the op finds no key")
 PROBS_USED = "the attention probabilities are also used elsewhere"
 FP32_INPUT_MASK = "the masked scores are computed in torch.float32, not in the input dtype torch.bfloat16"
 
@@ -667,7 +713,16 @@ CORPUS = {
     "take_along_dim_rows": AttentionEntry(take_along_dim_rows, "written for the corpus (take_along_dim rows)", _mla,
                                           REWRITTEN, 1, GATHER),
     "index_select_rows": AttentionEntry(index_select_rows, "written for the corpus (index_select rows)", _mla,
-                                        NEAR_MISS, reason=INDEX_SELECT),
+                                        REWRITTEN, 1, GATHER),
+    "index_select_one_sequence_cache": AttentionEntry(index_select_one_sequence_cache, "written for the corpus "
+                                                      "(index_select rows, B = 1)", _mla_one_batch, REWRITTEN, 1,
+                                                      GATHER),
+    "index_select_without_offset": AttentionEntry(index_select_without_offset, "written for the corpus", _mla,
+                                                  NEAR_MISS, reason=NO_OFFSET),
+    "index_select_wrong_stride": AttentionEntry(index_select_wrong_stride, "written for the corpus", _mla, NEAR_MISS,
+                                                reason=WRONG_STRIDE),
+    "index_select_unclamped": AttentionEntry(index_select_unclamped, "written for the corpus",
+                                             _mla_minus_one_past_first_sequence, NEAR_MISS, reason=UNCLAMPED),
     "keep_polarity_sdpa": AttentionEntry(keep_polarity_sdpa, "written for the corpus (keep-polarity scatter)", _hf,
                                          REWRITTEN, 1, MASKED),
     "selection_bias_only_mqa": AttentionEntry(selection_bias_only, "written for the corpus (index_put bias, MQA)",
