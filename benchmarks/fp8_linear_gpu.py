@@ -114,9 +114,9 @@ def _fp4_weight(shape, g):
     *lead, N, K = shape
     packed = torch.empty((*lead, N, K // 2), device="cuda", dtype=torch.int8)
     scales = torch.empty((*lead, N, K // 32), device="cuda", dtype=E8M0_DTYPE)
-    for matrix in range(packed[..., 0, 0].numel()):  # one fp32 matrix at a time (a stack would not fit)
-        at = tuple(int(i) for i in torch.unravel_index(torch.tensor(matrix), tuple(lead))) if lead else ()
-        packed[at], scales[at] = quantize_fp4_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
+    for matrix_bytes, matrix_scales in zip(packed.view(-1, N, K // 2), scales.view(-1, N, K // 32)):
+        # one fp32 matrix at a time: a stack of them would not fit
+        matrix_bytes[:], matrix_scales[:] = quantize_fp4_weight(torch.randn(N, K, device="cuda", generator=g) * 0.02)
     return packed, scales
 
 

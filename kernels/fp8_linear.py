@@ -578,22 +578,21 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     channel-group splits."""
     N, K = weight_dims(weight)
     rows, fp4 = out.shape[0], _is_fp4(weight)
+    experts = 1 if offsets is None else offsets.shape[0]
     decode = rows <= DECODE_MAX_ROWS if decode is None else decode
     if decode:
         BM = _decode_block_m(rows, offsets is not None)
         BN, warps, stages, programs_per_sm, fp4_step = config or _decode_config(fp4, BM)
     else:
-        experts = 1 if offsets is None else offsets.shape[0]
         BM, BN, warps, stages, *fp4_step = config or _gemm_config(rows, weight, experts)
         programs_per_sm, fp4_step = 2, fp4_step[0] if fp4_step else FP4_BLOCK_K
     quantize_a = s is None and decode and not fp4 and BM <= DECODE_QUANTIZE_MAX_ROW_TILE
     if s is None and not quantize_a:
         q, s = quantize_for_weight(q, weight, scale, block_k)
     if offsets is None:  # row tiles from the program id: nothing to build on the device
-        tiles, tile_count, row_end, experts = (q, q, q), cdiv(rows, BM), None, 1
+        tiles, tile_count, row_end = (q, q, q), cdiv(rows, BM), None
     else:
-        *tiles_and_count, row_end = _expert_row_tiles(offsets, rows, BM)
-        (tiles, tile_count), experts = tiles_and_count, offsets.shape[0]
+        tiles, tile_count, row_end = _expert_row_tiles(offsets, rows, BM)
     step = fp4_step if fp4 else block_k
     steps, columns = cdiv(K, step), cdiv(N, BN)
     if split is None:
