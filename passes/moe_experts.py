@@ -421,26 +421,21 @@ def _role(name: str, stored_kn: bool) -> str:
     return name + KN_SUFFIX if stored_kn else name
 
 
-def _op_stacks(stacks: dict) -> tuple:
-    """`(gate_up, down, up or None)` as the bf16 op reads them, from role -> tensor (stored `[E, K, N]` ones
-    transposed: views)."""
+def _op_stacks(stacks: dict, transposed=lambda stored: stored.transpose(1, 2)) -> tuple:
+    """`(gate_up, down, up or None)` as the bf16 op reads them, from role -> tensor; `transposed` makes the view the op
+    reads of a stack stored `[E, K, N]` (a tensor's transpose, or `_stack_args`' permute in the graph)."""
     def read(name):
         if name in stacks:
             return stacks[name]
         stored = stacks.get(name + KN_SUFFIX)
-        return None if stored is None else stored.transpose(1, 2)
+        return None if stored is None else transposed(stored)
     return read("gate_up"), read("down"), read("up")
 
 
 def _stack_args(graph: torch.fx.Graph, before: torch.fx.Node, stacks: dict) -> tuple:
     """`_op_stacks` in the graph: a `permute(0, 2, 1)` view inserted for each stack stored `[E, K, N]` (Inductor
     passes it as a view of the stack: the op reads it through its strides)."""
-    def read(name):
-        if name in stacks:
-            return stacks[name]
-        stored = stacks.get(name + KN_SUFFIX)
-        return None if stored is None else insert_call(graph, before, aten.permute.default, (stored, [0, 2, 1]))
-    return read("gate_up"), read("down"), read("up")
+    return _op_stacks(stacks, lambda stored: insert_call(graph, before, aten.permute.default, (stored, [0, 2, 1])))
 
 
 def _layout_detail(stacks: dict) -> str:
