@@ -251,17 +251,21 @@ def separate_stored_kn_per_slot(x, ids, weights, w1_kn, w3_kn, w2_kn):
     return (out.view(T, K, H) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
 
 
+def _lut_fp4_decode(packed, scale, dtype):
+    """E2M1 nibbles (low first) through a value table times E8M0 per-32 scales `2^(s - 127)` (255: NaN), in `dtype`:
+    the in-graph FP4 decode of the two FP4 entries."""
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+    blocks = torch.tensor(E2M1_VALUES)[codes.long()].unflatten(-1, (-1, 32))
+    powers = torch.exp2(scale.float() - 127)
+    powers = torch.where(scale == 255, torch.full_like(powers, float("nan")), powers)
+    return (blocks * powers.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
 def fp4_separate_gate_up(x, ids, weights, w1_packed, w1_scale, w3_packed, w3_scale, w2_packed, w2_scale):
     """FP4 experts with w1 and w3 apart (the official V4 Expert on FP4 bytes): `moe_experts_fp4` reads one packed
     gate_up stack, so this stays a reported near-miss."""
-    table = torch.tensor(E2M1_VALUES)
-
     def decode(packed, scale):
-        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
-        blocks = table[codes.long()].unflatten(-1, (-1, 32))
-        powers = torch.exp2(scale.float() - 127)
-        powers = torch.where(scale == 255, torch.full_like(powers, float("nan")), powers)
-        return (blocks * powers.unsqueeze(-1)).flatten(-2).to(x.dtype)
+        return _lut_fp4_decode(packed, scale, x.dtype)
 
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     token = order // K
@@ -288,15 +292,11 @@ def halves_of_one_stack(x, ids, weights, gate_up, down):
 
 def fp4_experts(x, ids, weights, w13_packed, w13_scale, w2_packed, w2_scale):
     """DeepSeek V4 FP4 experts decoded in the graph: E2M1 nibbles (low first) through a value table times E8M0
-    per-32 scales `2^(s - 127)`, rounded to bf16, then the sort-based grouped experts with an index_add combine."""
+    per-32 scales `2^(s - 127)` (`_lut_fp4_decode`), rounded to bf16, then the sort-based grouped experts with an
+    index_add combine."""
 
     def decode(packed, scale):
-        table = torch.tensor(E2M1_VALUES)
-        codes = torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
-        blocks = table[codes.long()].unflatten(-1, (-1, 32))
-        powers = torch.exp2(scale.float() - 127)
-        powers = torch.where(scale == 255, torch.full_like(powers, float("nan")), powers)
-        return (blocks * powers.unsqueeze(-1)).flatten(-2).to(x.dtype)
+        return _lut_fp4_decode(packed, scale, x.dtype)
 
     sorted_ids, order = torch.sort(ids.reshape(-1), stable=True)
     token = order // K
