@@ -184,8 +184,9 @@ def install_when_loaded() -> None:
 
 
 def install() -> bool:
-    """Hand transformers dsfuse's FP8 entry points (once; a no-op without transformers, or with
-    `DSFUSE_FP8_KERNELS=hub`). Returns whether dsfuse's entry points are the ones transformers will call."""
+    """Hand transformers dsfuse's FP8 entry points and check each loaded model's tensor-parallel shards
+    (`check_sharded_blocks`), once; a no-op without transformers, or with `DSFUSE_FP8_KERNELS=hub`. Returns whether
+    dsfuse's entry points are the ones transformers will call."""
     if kernels_choice() == "hub":
         return False
     try:
