@@ -11,7 +11,8 @@ numerics contract) and a Triton CUDA path:
   the top-k indices are scattered into a mask, combined with the causal/padding mask,
   and dense SDPA runs over all ``T`` keys with per-head K/V.  The kernel turns the
   indices into a per-query bitmap, skips key tiles that no query of a block selected,
-  and decides selection per element in-kernel.
+  and decides selection per element in-kernel; a per-head sink (as V4 and gpt-oss write one) joins
+  each row's softmax when given.
 * ``dsfuse::absorbed_mla_attention`` -- the same HF attention read from its latent cache
   in absorbed form (``kv_b_proj`` folded into the query and the output), for decode, where
   HF would expand all ``T`` cached latents at every step; it runs the first op's kernel.
@@ -411,7 +412,7 @@ def _sparse_mla_attention_cuda(q_nope, q_pe, kv, pe, idx, scale, sink=None):
 _MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
 
 
-def _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all=False):
+def _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all=False, sink=None):
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             "sparse_attention_masked: q, k, v must be [B,H,S,D], [B,H,T,D], [B,H,T,Dv], got "
@@ -449,6 +450,11 @@ def _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all=Fals
     if empty_rows_see_all and attn_mask is not None and (attn_mask.dtype != torch.bool or per_head):
         raise ValueError("sparse_attention_masked: empty_rows_see_all needs a bool attn_mask shared by the heads "
                          f"([B, 1, S, T]), got {attn_mask.dtype} {tuple(attn_mask.shape)}")
+    if sink is not None:
+        if sink.dtype != torch.float32 or tuple(sink.shape) != (H,):
+            raise ValueError(f"sparse_attention_masked: sink must be fp32 [H={H}], got {sink.dtype} "
+                             f"{tuple(sink.shape)}")
+        tensors.append(sink)
     for t in tensors:
         if t.device != q.device:
             raise ValueError(f"sparse_attention_masked: all inputs must be on {q.device}, found {t.device}")
@@ -463,25 +469,35 @@ def sparse_attention_masked_reference(
     scale: float,
     causal: bool = False,
     empty_rows_see_all: bool = False,
+    sink: Optional[torch.Tensor] = None,
+    hard_selection: bool = False,
 ) -> torch.Tensor:
     """Exactly the HF graph: scatter the indices into a "not selected" mask, combine it with
     the attention mask (bool: AND; additive: fill with finfo(dtype).min), then SDPA.
     ``causal`` adds the bottom-right aligned causal mask (key t allowed iff t <= s + T - S).
     ``empty_rows_see_all``: a query row left without any allowed key attends over all T keys unmasked, what
     a finite bias (cuDNN SDPA's form of a bool mask) gives there; without it such a row is 0 (bool masks).
+    ``sink`` (fp32 [H]): one more score per head in every row's softmax, with a zero value row (a sink column,
+    or a term of the denominator), so a row without keys is 0.
+    ``hard_selection``: an additive mask gets -inf at unselected keys instead of finfo.min, the selection as a
+    -inf bias summed with the mask; the two differ in a row whose selected keys are all at finfo.min, a softmax
+    over those keys here and over all T keys with HF's fill. Bool masks and no mask select hard either way.
     Off the CPU the math backend computes it: CUDA's memory-efficient SDPA scales the scores by log2(e) first, so
     a row whose every key is at finfo(bf16 / fp32).min overflows to -inf there and comes out 0, where the math
     (the op's definition, and the kernel's) is a softmax over equal scores: the mean of V."""
-    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all, sink)
     _check_index_range(idx, k.shape[2], False, "sparse_attention_masked")
+    args = (q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all, sink, hard_selection)
     if q.device.type == "cpu":
-        return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
+        return sparse_attention_masked_math(*args)
     with sdpa_kernel(SDPBackend.MATH):
-        return sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
+        return sparse_attention_masked_math(*args)
 
 
-def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
-    """The reference math without checks (what benchmarks hand to torch.compile)."""
+def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False, sink=None,
+                                 hard_selection=False):
+    """The reference math without checks (what benchmarks hand to torch.compile). SDPA takes no sink: with one, the
+    softmax is written out, in fp32 as the sink forms of the source are."""
     B, S, T = q.shape[0], q.shape[2], k.shape[2]
     index_mask = torch.ones((B, S, T), dtype=torch.bool, device=q.device).scatter(-1, idx.long(), False)
     index_mask = index_mask.unsqueeze(1)  # [B,1,S,T], True = not selected
@@ -493,10 +509,19 @@ def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False, e
     elif attn_mask.dtype == torch.bool:
         combined = attn_mask & ~index_mask
     else:
-        combined = attn_mask.masked_fill(index_mask, torch.finfo(q.dtype).min)
+        combined = attn_mask.masked_fill(index_mask, float("-inf") if hard_selection else torch.finfo(q.dtype).min)
     if empty_rows_see_all:
         combined = combined | ~combined.any(dim=-1, keepdim=True)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=combined, scale=scale)
+    if sink is None:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=combined, scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~combined, float("-inf")) if combined.dtype == torch.bool else scores + combined
+    sink = sink.view(1, -1, 1, 1)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    weights = torch.exp(scores - top)
+    probs = weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 @triton.jit
@@ -554,13 +579,14 @@ def _active_tiles_kernel(bits_ptr, list_ptr, count_ptr, S, W, NUM_QB, NUM_TILES,
 
 @triton.jit
 def _masked_attention_tile(acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, mask_base, tile, offs_m, m_ok,
-                           stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, fill_min,
+                           stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, unselected,
                            D: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
                            DV_P: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                            DOT_PRECISION: tl.constexpr, ALL_KEYS: tl.constexpr):
     """One key tile of the online softmax.  Normally the selected keys only, in log2 units.  ALL_KEYS (additive
-    masks): SDPA's row over every key, the unselected ones at fill_min, in natural units, so that a row at
-    finfo(bf16 / fp32).min everywhere is a softmax over equal scores instead of exp2(-inf)."""
+    masks): SDPA's row over every key, the unselected ones at `unselected` (finfo.min, or -inf for a hard
+    selection), in natural units, so that a row at finfo(bf16 / fp32).min everywhere is a softmax over equal scores
+    instead of exp2(-inf)."""
     LOG2E: tl.constexpr = 1.4426950408889634
     offs_local = tl.arange(0, BLOCK_N)
     offs_n = tile * BLOCK_N + offs_local
@@ -591,7 +617,7 @@ def _masked_attention_tile(acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, m
         mvals = tl.load(mask_base + offs_m[:, None] * stride_m_s + offs_n[None, :] * stride_m_t,
                         mask=m_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         if ALL_KEYS:
-            x = tl.where(n_ok[None, :], qk * scale + tl.where(allowed, mvals, fill_min), float("-inf"))
+            x = tl.where(n_ok[None, :], qk * scale + tl.where(allowed, mvals, unselected), float("-inf"))
         else:
             x = tl.where(allowed, (qk * scale + mvals) * LOG2E, float("-inf"))
     else:
@@ -614,6 +640,23 @@ def _masked_attention_tile(acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, m
 
 
 @triton.jit
+def _masked_attention_sink(acc, m_i, l_i, sink_ptr, h, NATURAL: tl.constexpr):
+    """The head's sink as one more score of the row's softmax, with a zero value row: the running max and sum take
+    it in, the accumulator is rescaled to the new max. m_i is in natural units with NATURAL, else in log2 units."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    sink = tl.load(sink_ptr + h).to(tl.float32)
+    if NATURAL:
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.exp2((m_i - m_new) * LOG2E)
+        l_i = l_i * alpha + tl.exp2((sink - m_new) * LOG2E)
+    else:
+        m_new = tl.maximum(m_i, sink * LOG2E)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.exp2(sink * LOG2E - m_new)
+    return acc * alpha[:, None], l_i
+
+
+@triton.jit
 def _masked_attention_store(o_ptrs, acc, l_i, q_nan, rows, v_ok):
     """acc / l_i.  A row where no key got weight (l_i == 0; a NaN score keeps l_i NaN) is SDPA's 0 for an
     all-False row, or NaN when its query holds a NaN: SDPA still multiplies it with the masked keys."""
@@ -625,16 +668,16 @@ def _masked_attention_store(o_ptrs, acc, l_i, q_nan, rows, v_ok):
 
 @triton.jit
 def _sparse_masked_attention_kernel(
-    q_ptr, k_ptr, v_ptr, bits_ptr, list_ptr, count_ptr, mask_ptr, dense_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bits_ptr, list_ptr, count_ptr, mask_ptr, dense_ptr, sink_ptr, out_ptr,
     stride_q_b, stride_q_h, stride_q_s,
     stride_k_b, stride_k_h, stride_k_t,
     stride_v_b, stride_v_h, stride_v_t,
     stride_m_b, stride_m_h, stride_m_s, stride_m_t,
     stride_o_b, stride_o_h, stride_o_s,
-    H, S, T, W, NUM_QB, NUM_TILES, scale, fill_min,
+    H, S, T, W, NUM_QB, NUM_TILES, scale, fill_min, unselected,
     D: tl.constexpr, DV: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, DV_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_KEYS_PASS: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ALL_KEYS_PASS: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Flash attention over the active key tiles of one (query block, batch, head).  The head
     dim is split into a power-of-two part DA and a tail DB (192 = 128 + 64) so no MMA work is
@@ -642,7 +685,8 @@ def _sparse_masked_attention_kernel(
     mask, if any, is read per tile.  Bits past T are never set, so tile tails need no test.
     Additive masks: a row whose best score is at the fill (every key at finfo.min, say) is SDPA's softmax over
     all T keys, unselected ones included.  This pass flags such rows in dense_ptr; a second launch with
-    ALL_KEYS_PASS redoes them over every tile (one kernel with both loops ran 33 % slower on the H200)."""
+    ALL_KEYS_PASS redoes them over every tile (one kernel with both loops ran 33 % slower on the H200).
+    HAS_SINK: the head's sink joins each row's softmax before the division."""
     qb = NUM_QB - 1 - tl.program_id(0)  # longest (latest) query blocks first under causal masks
     bh = tl.program_id(1)
     b = bh // H
@@ -684,8 +728,10 @@ def _sparse_masked_attention_kernel(
             for tile in range(0, NUM_TILES):
                 acc, m_i, l_i = _masked_attention_tile(
                     acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, mask_base, tile, offs_m, m_ok,
-                    stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, fill_min,
+                    stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, unselected,
                     D, DV, DA, DB, DV_P, BLOCK_N, MASK_KIND, DOT_PRECISION, True)
+            if HAS_SINK:
+                acc, l_i = _masked_attention_sink(acc, m_i, l_i, sink_ptr, h, True)
             _masked_attention_store(o_ptrs, acc, l_i, q_nan, dense, v_ok)
     else:
         tile_list = list_ptr + (b64 * NUM_QB + qb) * NUM_TILES
@@ -693,12 +739,14 @@ def _sparse_masked_attention_kernel(
         for i in range(0, n_active):
             acc, m_i, l_i = _masked_attention_tile(
                 acc, m_i, l_i, q_a, q_b, k_base, v_base, bits_rows, mask_base, tl.load(tile_list + i), offs_m,
-                m_ok, stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, fill_min,
+                m_ok, stride_k_t, stride_v_t, stride_m_s, stride_m_t, T, scale, unselected,
                 D, DV, DA, DB, DV_P, BLOCK_N, MASK_KIND, DOT_PRECISION, False)
         if MASK_KIND == 2:
             # Unselected keys score q.k * scale + fill_min: they weigh nothing unless the row's best score is near
             # the fill too (half of it: a gap of 32752 for fp16, far past exp's underflow).
             tl.store(dense_rows, (m_i <= fill_min * 0.5 * 1.4426950408889634).to(tl.int8), mask=m_ok)
+        if HAS_SINK:
+            acc, l_i = _masked_attention_sink(acc, m_i, l_i, sink_ptr, h, False)
         _masked_attention_store(o_ptrs, acc, l_i, q_nan, m_ok, v_ok)
 
 
@@ -725,6 +773,8 @@ def sparse_attention_masked_triton(
     scale: float,
     causal: bool = False,
     empty_rows_see_all: bool = False,
+    sink: Optional[torch.Tensor] = None,
+    hard_selection: bool = False,
     *,
     block_m: Optional[int] = None,
     block_n: Optional[int] = None,
@@ -733,7 +783,7 @@ def sparse_attention_masked_triton(
 ) -> torch.Tensor:
     """Build the selection bitmap and active-tile lists, then run the attention kernel.
     Scratch is O(B*S*T/8) bytes for the bitmap plus O(B*S/BLOCK_M*T/BLOCK_N) for the lists."""
-    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all, sink)
     B, H, S, D = q.shape
     T, Dv, K = k.shape[2], v.shape[3], idx.shape[2]
     q, k, v, idx = (_last_dim_contiguous(t) for t in (q, k, v, idx))
@@ -779,16 +829,17 @@ def sparse_attention_masked_triton(
     dense = torch.empty((B, H, S), dtype=torch.int8, device=q.device) if mask_kind == _MASK_ADD else bits
     for all_keys_pass in (False, True) if mask_kind == _MASK_ADD else (False,):
         _sparse_masked_attention_kernel[(num_qb, B * H)](
-            q, k, v, bits, tile_list, tile_count, mask_arg, dense, out,
+            q, k, v, bits, tile_list, tile_count, mask_arg, dense, q if sink is None else sink, out,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             *mstrides,
             out.stride(0), out.stride(1), out.stride(2),
             H, S, T, words, num_qb, num_tiles, float(scale), torch.finfo(q.dtype).min,
+            float("-inf") if hard_selection else torch.finfo(q.dtype).min,
             D=D, DV=Dv, DA=da, DB=db, DV_P=max(16, next_power_of_2(Dv)),
             BLOCK_M=bm, BLOCK_N=bn, MASK_KIND=mask_kind,
-            DOT_PRECISION=_dot_precision(q.dtype), ALL_KEYS_PASS=all_keys_pass,
+            DOT_PRECISION=_dot_precision(q.dtype), ALL_KEYS_PASS=all_keys_pass, HAS_SINK=sink is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return out
@@ -814,20 +865,26 @@ def sparse_attention_masked(
     scale: float,
     causal: bool = False,
     empty_rows_see_all: bool = False,
+    sink: Optional[torch.Tensor] = None,
+    hard_selection: bool = False,
 ) -> torch.Tensor:
     """HF scatter-mask sparse attention; the default (CPU) implementation is the reference."""
-    return sparse_attention_masked_reference(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
+    return sparse_attention_masked_reference(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all, sink,
+                                             hard_selection)
 
 
 @sparse_attention_masked.register_fake
-def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
-    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all)
+def _sparse_attention_masked_fake(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False, sink=None,
+                                  hard_selection=False):
+    _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all, sink)
     return q.new_empty((*q.shape[:3], v.shape[-1]))
 
 
 @direct_kernel(sparse_attention_masked)
-def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False):
-    return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all)
+def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False, empty_rows_see_all=False, sink=None,
+                                  hard_selection=False):
+    return sparse_attention_masked_triton(q, k, v, idx, attn_mask, scale, causal, empty_rows_see_all, sink,
+                                          hard_selection)
 
 
 # ---------------------------------------------------------------------------

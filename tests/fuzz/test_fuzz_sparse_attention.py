@@ -59,8 +59,8 @@ def test_sparse_mla_kernel_is_the_reference(data, with_sink, out_of_range):
 
 @fuzzes("dsfuse::sparse_attention_masked")
 @given(data=st.data(), mask_kind=st.sampled_from(["none", "bool", "additive", "causal"]),
-       out_of_range=st.booleans())
-def test_sparse_attention_masked_kernel_is_the_reference(data, mask_kind, out_of_range):
+       out_of_range=st.booleans(), with_sink=st.booleans())
+def test_sparse_attention_masked_kernel_is_the_reference(data, mask_kind, out_of_range, with_sink):
     B, H, S, K = (data.draw(sizes(1, n)) for n in (2, 3, 9, 9))
     T = data.draw(sizes(S if mask_kind == "causal" else 1, 33))
     D, Dv = data.draw(st.sampled_from([8, 16, 24])), data.draw(st.sampled_from([4, 8, 12]))
@@ -82,15 +82,18 @@ def test_sparse_attention_masked_kernel_is_the_reference(data, mask_kind, out_of
         mask = mask.to(DEVICE, dtype=torch.bool if mask_kind == "bool" else dtype)
         if data.draw(st.booleans()):
             mask = mask.expand(B, H, S, T)  # an expanded (stride 0) head dim
+    sink = (torch.randn(H, generator=g) * 3).to(DEVICE) if with_sink else None
+    hard = mask_kind == "additive" and data.draw(st.booleans())  # the selection as a -inf bias beside the mask
+    options = (causal, False, sink, hard)
     want = reference_output(sa.sparse_attention_masked, sa.sparse_attention_masked_reference, q, k, v,
-                            idx.to(DEVICE), mask, 0.25, causal)
+                            idx.to(DEVICE), mask, 0.25, *options)
     if out_of_range:
         extra = torch.tensor(_bad_values(T))[torch.randint(0, 4, (B, S, 2), generator=g)]
         bad = torch.cat([idx, extra], -1)
         with pytest.raises(IndexError, match="outside"):
-            sa.sparse_attention_masked_reference(q, k, v, bad.to(DEVICE), mask, 0.25, causal)
+            sa.sparse_attention_masked_reference(q, k, v, bad.to(DEVICE), mask, 0.25, *options)
         idx = bad  # the kernel selects the in-range keys only: the reference over idx is the answer
-    got = sa.sparse_attention_masked_triton(q, guarded(k), guarded(v), idx.to(DEVICE), mask, 0.25, causal)
+    got = sa.sparse_attention_masked_triton(q, guarded(k), guarded(v), idx.to(DEVICE), mask, 0.25, *options)
     assert_rel_close(got, want, TOL[dtype], "triton")
 
 

@@ -444,6 +444,107 @@ def test_masked_bad_inputs_raise():
         op(q, k, v, idx[..., :0], None, 1.0, False)
 
 
+def _sink_column_attention(q, k, v, idx, combined, scale, sink):
+    """What V4-style source writes: a sink column beside the masked fp32 scores, softmax, the column dropped.
+    `combined` is the bool keep mask (selection folded in) or the additive mask to add."""
+    B, H, S, T = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~combined, float("-inf")) if combined.dtype == torch.bool else scores + combined
+    column = sink.view(1, H, 1, 1).expand(B, H, S, 1)
+    probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :T]
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+@pytest.mark.parametrize("shape", MASKED_SHAPES)
+@pytest.mark.parametrize("mask_kind", ["none", "causal_flag", "bool", "bool_per_head", "additive"])
+def test_masked_kernel_with_sink_matches_reference(shape, mask_kind):
+    """A per-head sink over every mask kind, a padded query row without keys among them (0 with a sink; an additive
+    row at the fill weighs its keys against the sink, which takes it all)."""
+    B, H, S, T, D, Dv, K = shape
+    q, k, v, idx = _masked_inputs(B, H, S, T, D, Dv, K, torch.float32)
+    sink = torch.randn(H, generator=torch.Generator().manual_seed(1)).to(q.device) * 2
+    keep = _causal_bool(B, S, T)
+    padded = S > 1  # a single query keeps its keys
+    keep[-1, :, 0] &= not padded
+    causal, mask = mask_kind == "causal_flag", None
+    if mask_kind == "bool":
+        mask = keep
+    elif mask_kind == "bool_per_head":
+        mask = keep.repeat(1, H, 1, 1)
+        mask[:, -1, :, 0] = False
+    elif mask_kind == "additive":
+        mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~keep, torch.finfo(torch.float32).min)
+    out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.21, causal, False, sink, block_m=16, block_n=32)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.21, causal, False, sink)
+    assert _rel_err(out, ref) <= 1e-5
+    if mask is not None and padded:
+        assert torch.equal(out[-1, :, 0], torch.zeros_like(out[-1, :, 0]))
+    plain = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.21, causal)
+    assert _rel_err(ref, plain) > 1e-2  # the sink takes weight from every row
+
+
+def test_masked_sink_reference_is_a_sink_column():
+    """The reference's sink against the sink column spelled out, over a bool and an additive mask and over the
+    selection alone, with a large sink (most of the weight) and a very negative one (almost none)."""
+    B, H, S, T = 2, 3, 7, 19
+    q, k, v, idx = _masked_inputs(B, H, S, T, 16, 8, 4, torch.float32, device="cpu")
+    selected = torch.zeros(B, 1, S, T, dtype=torch.bool).scatter(-1, idx.unsqueeze(1), True)
+    keep = _causal_bool(B, S, T, device="cpu")
+    keep[1, :, :2] = False
+    additive = torch.zeros(B, 1, S, T).masked_fill(~keep, torch.finfo(torch.float32).min)
+    sink = torch.tensor([4.0, -30.0, 0.5])
+    for mask, combined in ((None, selected), (keep, keep & selected),
+                           (additive, additive.masked_fill(~selected, torch.finfo(torch.float32).min))):
+        want = _sink_column_attention(q, k, v, idx, combined, 0.3, sink)
+        got = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3, False, False, sink)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_masked_hard_selection(dtype):
+    """`hard_selection`: the selection as a -inf bias summed with an additive mask. A row whose selected keys are all
+    at finfo.min (or -inf) is a softmax over those keys alone (the mean of their V in fp32), 0 where they are all
+    -inf; HF's fill (the default) spreads such a row over every key. Rows with an allowed pick are the same."""
+    B, H, S, T = 2, 2, 12, 45
+    q, k, v, idx = _masked_inputs(B, H, S, T, 24, 8, 5, dtype)
+    fill = torch.finfo(dtype).min
+    mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~_causal_bool(B, S, T), fill)
+    mask[0, :, 1] = fill
+    mask[1, :, 5] = float("-inf")
+    mask[1, :, 6] = fill / 4
+    mask = mask.to(dtype)
+    selected = torch.zeros(B, 1, S, T, dtype=torch.bool, device=q.device).scatter(-1, idx.unsqueeze(1), True)
+    summed = mask + torch.zeros_like(mask).masked_fill(~selected, float("-inf"))
+    want = F.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=summed.cpu(), scale=0.3)
+    for sink in (None, torch.randn(H, generator=torch.Generator().manual_seed(2)).to(q.device)):
+        out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3, False, False, sink, True, block_m=4,
+                                                block_n=32)
+        ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3, False, False, sink, True)
+        assert _rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3, False, False, None, True)
+    assert _rel_err(ref.cpu(), want) <= (1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(ref[1, :, 5], torch.zeros_like(ref[1, :, 5]))
+    soft = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3)
+    assert _rel_err(soft[0, :, 1], ref[0, :, 1]) > 1e-2 and _rel_err(soft[0, :, 2:], ref[0, :, 2:]) <= 1e-5
+
+
+def test_masked_op_with_sink_and_hard_selection_opcheck():
+    q, k, v, idx = _masked_inputs(1, 2, 5, 12, 16, 8, 3, torch.float32, device="cpu")
+    bool_mask = _causal_bool(1, 5, 12, device="cpu")
+    add_mask = torch.zeros(1, 1, 5, 12).masked_fill(~bool_mask, torch.finfo(torch.float32).min)
+    sink = torch.tensor([0.5, -1.0])
+    op = torch.ops.dsfuse.sparse_attention_masked
+    torch.testing.assert_close(op(q, k, v, idx, add_mask, 0.25, False, False, sink, True),
+                               sa.sparse_attention_masked_reference(q, k, v, idx, add_mask, 0.25, False, False, sink,
+                                                                    True))
+    for mask, causal, hard in ((bool_mask, False, False), (add_mask, False, True), (None, True, False)):
+        torch.library.opcheck(op.default, (q, k, v, idx, mask, 0.25, causal, False, sink, hard))
+    with pytest.raises(ValueError, match="sink must be fp32"):
+        op(q, k, v, idx, None, 1.0, False, False, sink[:1])
+    with pytest.raises(ValueError, match="sink must be fp32"):
+        op(q, k, v, idx, None, 1.0, False, False, sink.double())
+
+
 # --------------------------------------------------------------------------- absorbed (HF latent cache)
 
 NOPE, ROPE, VDIM, LATENT = 16, 8, 12, 32
