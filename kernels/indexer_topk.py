@@ -4,7 +4,7 @@ Math (HF `DeepseekV32Indexer.forward`, plus the official fp8 form's per-key scal
 
     scores[b,s,h,t] = relu((q[b,s,h] . k[b,t]) * softmax_scale)          (fp32)
     index[b,s,t]    = sum_h weights[b,s,h] * scores[b,s,h,t]  (* k_scale[b,t])
-    index           = masked_fill(~mask, -inf)  or  index + mask
+    index           = masked_fill(~mask, fill)  or  index + mask          (fill: -inf unless given)
     out             = index.topk(min(topk, T)).indices.int()
 
 CUDA path, never materialising [B,S,H,T] nor [B,S,T]:
@@ -23,6 +23,10 @@ CUDA path, never materialising [B,S,H,T] nor [B,S,T]:
      tied at the k-th score the lowest key indices win, as in CUDA's `torch.topk` (`indexer_topk_reference`).
   5. `_repair_kernel`: rows whose certificate failed are rescored in full into a per-program scratch
      row and selected exactly there. The sample only decides speed, never the answer.
+
+A finite `fill` (a bool mask's masked keys scoring finfo.min, -1e9, 0, ...) is the source's own score for them:
+such a key can outrank an unmasked key that scores below it, so step 1's ranges (which skip masked keys as if
+they scored -inf) are off and every key is scored.
 """
 
 import math
@@ -54,8 +58,9 @@ MASK_ADDITIVE = 2
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU implementation)
 # --------------------------------------------------------------------------------------------
-def indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk):
-    """Plain PyTorch indexer top-k, the exact math of the HF module (fp32 upcast, relu after scale).
+def indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk, fill=None):
+    """Plain PyTorch indexer top-k, the exact math of the HF module (fp32 upcast, relu after scale); a bool
+    mask's masked keys score `fill` (None: -inf).
 
     Ties: keys whose scores equal the k-th largest are common (relu zeros in rows with fewer than k positive
     scores, -inf in rows with fewer than k unmasked keys). CUDA's `torch.topk` radix-selects the k-th value,
@@ -70,7 +75,7 @@ def indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk):
         index = index * k_scale.unsqueeze(1)
     if mask is not None:
         if mask.dtype == torch.bool:
-            index = index.masked_fill(~mask, float("-inf"))
+            index = index.masked_fill(~mask, float("-inf") if fill is None else fill)
         else:
             index = index + mask
     width = min(topk, index.shape[-1])
@@ -92,7 +97,7 @@ def topk_lowest_index_ties(index, width):
 # --------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------
-def _validate(q, k, weights, k_scale, mask, topk):
+def _validate(q, k, weights, k_scale, mask, topk, fill=None):
     if q.dim() != 4:
         raise ValueError(f"indexer_topk: q must be [B, S, H, D], got shape {tuple(q.shape)}")
     if k.dim() != 3:
@@ -130,6 +135,8 @@ def _validate(q, k, weights, k_scale, mask, topk):
         devices.add(mask.device)
     if len(devices) != 1:
         raise ValueError(f"indexer_topk: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if fill is not None and (mask is None or mask.dtype != torch.bool):
+        raise ValueError("indexer_topk: fill is the masked keys' score under a bool mask; there is none")
     if not isinstance(topk, int) or topk < 1:
         raise ValueError(f"indexer_topk: topk must be a positive int, got {topk!r}")
 
@@ -208,7 +215,7 @@ def _load_mask_tile(mask_ptr, mask_base, t, t_ok, rows64, row_ok, sms, smt, MASK
 @triton.jit
 def _score_tile(
     k_ptr, ks_ptr, mask_ptr, k_base, ks_base, mask_base,
-    t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, h_real, softmax_scale,
+    t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, h_real, softmax_scale, fill,
     skt, skd, skst, sms, smt,
     BLOCK_T: tl.constexpr, BLOCK_Q: tl.constexpr, HP: tl.constexpr, PAD_H: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr, FOLD_SCALE: tl.constexpr,
@@ -224,7 +231,8 @@ def _score_tile(
     row_load read their mask; with RANGE_MASK, a `plain` row's mask is known from its unmasked range
     [first, last] (all keys inside it unmasked and neutral), so causal or padding masks cost no loads:
     the load stays in the code, predicated off, because it anchors the layout (see above).  PAD_H (H not a
-    power of two) zeroes the padding heads' columns after the relu: their zero query times an Inf in k is NaN."""
+    power of two) zeroes the padding heads' columns after the relu: their zero query times an Inf in k is NaN.
+    A bool mask's masked keys score `fill` (-inf unless the caller's fill is finite; RANGE_MASK only with -inf)."""
     if EVEN_D:
         kt = tl.load(k_ptr + k_base + t[:, None] * skt + d[None, :] * skd, mask=t_ok[:, None], other=0.0)
     else:
@@ -251,12 +259,12 @@ def _score_tile(
     if RANGE_MASK:
         inside = (t[:, None] >= first[None, :]) & (t[:, None] <= last[None, :])
         if MASK_KIND == 1:
-            sc = tl.where(tl.where(plain[None, :], inside, m != 0), sc, float("-inf"))
+            sc = tl.where(tl.where(plain[None, :], inside, m != 0), sc, fill)
         if MASK_KIND == 2:  # -inf added, not assigned: NaN + -inf stays NaN as in the reference
             sc = tl.where(plain[None, :], tl.where(inside, sc, sc + float("-inf")), sc + m)
     else:
         if MASK_KIND == 1:
-            sc = tl.where(m != 0, sc, float("-inf"))
+            sc = tl.where(m != 0, sc, fill)
         if MASK_KIND == 2:
             sc = sc + m
     return sc
@@ -312,7 +320,7 @@ def _store_pair_asm(score_ptrs, idx_ptrs, score, idx, keep):
 def _score_filter_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, range_ptr, thr_ptr,
     cand_score_ptr, cand_idx_ptr, count_ptr, dense_ptr,
-    S, T, H, D, softmax_scale,
+    S, T, H, D, softmax_scale, fill,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
     CAP, tune_bucket, out_ptr, fail_ptr, K_OUT,
     HP: tl.constexpr, PAD_H: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -374,7 +382,7 @@ def _score_filter_kernel(
             t_ok = t < T
         sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
                          t, t_ok, rows64, row_load, plain, first, last, d, d_ok, qT, w, h_real, softmax_scale,
-                         skt, skd, skst, sms, smt,
+                         fill, skt, skd, skst, sms, smt,
                          BLOCK_T, BLOCK_Q, HP, PAD_H, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
                          FP8_AS_FP16, HEAD_CHAIN, USE_RANGES)
         in_bounds = t_ok[:, None] & row_ok[None, :]
@@ -610,7 +618,7 @@ def _select_kernel(cand_score_ptr, cand_idx_ptr, count_ptr, thr_ptr, range_ptr, 
 @triton.jit
 def _repair_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, fail_ptr, scratch_ptr, out_ptr,
-    S, T, H, D, softmax_scale, n_rows, K_OUT,
+    S, T, H, D, softmax_scale, fill, n_rows, K_OUT,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
     HP: tl.constexpr, PAD_H: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -641,7 +649,7 @@ def _repair_kernel(
                 t_ok = t < T
                 sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
                                  t, t_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, h_real, softmax_scale,
-                                 skt, skd, skst, sms, smt,
+                                 fill, skt, skd, skst, sms, smt,
                                  BLOCK_T, BLOCK_Q, HP, PAD_H, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
                                  FP8_AS_FP16, HEAD_CHAIN, False)
                 sc = tl.sum(tl.where(row_ok[None, :], sc, 0.0), axis=1)
@@ -679,7 +687,7 @@ def _repair_kernel(
 @triton.jit
 def _rescore_picks_kernel(
     q_ptr, k_ptr, w_ptr, ks_ptr, mask_ptr, out_ptr, picked_ptr,
-    S, T, H, D, softmax_scale, K_OUT,
+    S, T, H, D, softmax_scale, fill, K_OUT,
     sqb, sqs, sqh, sqd, skb, skt, skd, swb, sws, swh, sksb, skst, smb, sms, smt,
     HP: tl.constexpr, PAD_H: tl.constexpr, DP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
     HAS_KSCALE: tl.constexpr, MASK_KIND: tl.constexpr, EXACT_FP32: tl.constexpr, EVEN_D: tl.constexpr,
@@ -703,7 +711,7 @@ def _rescore_picks_kernel(
         t = tl.load(out_ptr + row64 * K_OUT + j, mask=j_ok, other=0)
         sc = _score_tile(k_ptr, ks_ptr, mask_ptr, b * skb, b * sksb, b * smb,
                          t, j_ok, rows64, row_ok, row_ok, qi, qi, d, d_ok, qT, w, h_real, softmax_scale,
-                         skt, skd, skst, sms, smt,
+                         fill, skt, skd, skst, sms, smt,
                          BLOCK_T, BLOCK_Q, HP, PAD_H, HAS_KSCALE, MASK_KIND, EXACT_FP32, EVEN_D, FOLD_SCALE,
                          FP8_AS_FP16, HEAD_CHAIN, False)
         sc = tl.sum(tl.where(row_ok[None, :], sc, 0.0), axis=1)
@@ -824,7 +832,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
                         threshold: Optional[torch.Tensor] = None,
                         candidate_capacity: Optional[int] = None,
                         config: Optional[dict] = None, stats: Optional[dict] = None,
-                        fp8_tensor_cores: bool = False, ordered: bool = False):
+                        fp8_tensor_cores: bool = False, ordered: bool = False, fill: Optional[float] = None):
     """Triton launcher (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
 
     `threshold` ([B, S] fp32) replaces the sampled per-row filter threshold and
@@ -839,13 +847,14 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     picks come in no particular order (it varies from run to run when the key range is split);
     `ordered=True` returns them in `torch.topk`'s order (score descending, ties in key order): the picks are
     rescored (K keys per row, gathered) and sorted on the device, no host sync.
+    `fill` (bool masks only; None: -inf): the masked keys' score, the source's `masked_fill` value.
     `config` overrides `default_config` keys. Tile keys (TILE_KEYS) switch the filter kernel's
     autotuning off; "append" ("asm" | "store" | "none": benchmark only, wrong output),
     "head_sum" ("chain" | "tree") and "fuse_select" (select inside the filter kernel, when its key
     range is not split) pick filter-kernel variants and keep autotuning on; "every_key" (default on) makes
     every visible key a candidate when the candidate buffer holds T keys, instead of sampling a threshold.
     """
-    _validate(q, k, weights, k_scale, mask, topk)
+    _validate(q, k, weights, k_scale, mask, topk, fill)
     B, S, H, D = q.shape
     T = k.shape[1]
     width = min(topk, T)
@@ -871,8 +880,9 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     sksb, skst = (k_scale.stride(0), k_scale.stride(1)) if k_scale is not None else (0, 0)
     strides = (*q.stride(), *k.stride(), *weights.stride(), sksb, skst, smb, sms, smt)
 
+    mask_fill = float("-inf") if fill is None else float(fill)
     ranges = None
-    if mask_kind != MASK_NONE:
+    if mask_kind == MASK_ADDITIVE or (mask_kind == MASK_BOOL and mask_fill == float("-inf")):
         ranges = torch.zeros((n_rows, 3), dtype=torch.int32, device=dev)  # see _row_range_kernel
         chunks = max(cdiv(T, 8192), min(cdiv(T, 2048), cdiv(4 * _num_sms(dev), n_rows)))
         keys_per_program = cdiv(T, chunks)
@@ -905,7 +915,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         sample_splits = max(1, min(splits, cdiv(n_sample, block_t)))
         _score_filter_kernel[(qblocks, B, sample_splits)](
             q, k, weights, ks_arg, mask_arg, ranges_arg, out, out, out, out, sample,
-            S, n_sample, H, D, softmax_scale, *sample_strides, 0, 0, out, out, 0,
+            S, n_sample, H, D, softmax_scale, mask_fill, *sample_strides, 0, 0, out, out, 0,
             SPLITS=sample_splits, USE_RANGES=False, DENSE=True, T_ALIGN=_pow2_dividing(n_sample),
             FUSE_SELECT=False, CAP_P=16,
             **{**common, "APPEND": 0})  # APPEND is unused in dense mode: one compiled sample pass for all
@@ -923,7 +933,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     fail = torch.empty((n_rows,), dtype=torch.int32, device=dev)
     fuse_select = bool(cfg["fuse_select"]) and splits == 1
     filter_args = (q, k, weights, ks_arg, mask_arg, ranges_arg, thr, cand_score, cand_idx, count, out,
-                   S, T, H, D, softmax_scale, *strides, cap)
+                   S, T, H, D, softmax_scale, mask_fill, *strides, cap)
     select_args = (out, fail, width)
     # the autotuned launch takes every flag of `common` but the tiles and launch shape its configs choose
     filter_flags = {key: value for key, value in common.items() if key not in AUTOTUNED_META}
@@ -953,7 +963,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     scratch = torch.empty((repair_programs, T), dtype=torch.float32, device=dev)
     _repair_kernel[(repair_programs,)](
         q, k, weights, ks_arg, mask_arg, fail, scratch, out,
-        S, T, H, D, softmax_scale, n_rows, width, *strides,
+        S, T, H, D, softmax_scale, mask_fill, n_rows, width, *strides,
         HP=HP, PAD_H=HP != H, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64), CHUNK=1024,
         HAS_KSCALE=k_scale is not None, MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP,
         FOLD_SCALE=fold_scale, FP8_AS_FP16=fp8_as_fp16, HEAD_CHAIN=head_chain, num_warps=4)
@@ -961,7 +971,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
         out = out.sort(dim=-1).values  # key order first, so that the stable sort below leaves ties in key order
         picked = torch.empty((n_rows, width), dtype=torch.float32, device=dev)
         _rescore_picks_kernel[(n_rows,)](
-            q, k, weights, ks_arg, mask_arg, out, picked, S, T, H, D, softmax_scale, width, *strides,
+            q, k, weights, ks_arg, mask_arg, out, picked, S, T, H, D, softmax_scale, mask_fill, width, *strides,
             HP=HP, PAD_H=HP != H, DP=DP, BLOCK_Q=max(1, 16 // HP), BLOCK_T=min(block_t, 64),
             HAS_KSCALE=k_scale is not None,
             MASK_KIND=mask_kind, EXACT_FP32=exact_fp32, EVEN_D=D == DP, FOLD_SCALE=fold_scale,
@@ -976,25 +986,28 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("dsfuse::indexer_topk", mutates_args=())
 def indexer_topk(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor, k_scale: Optional[torch.Tensor],
-                 mask: Optional[torch.Tensor], softmax_scale: float, topk: int, ordered: bool = False) -> torch.Tensor:
+                 mask: Optional[torch.Tensor], softmax_scale: float, topk: int, ordered: bool = False,
+                 fill: Optional[float] = None) -> torch.Tensor:
     """Indices [B, S, min(topk, T)] int32 of the top-k indexer scores (reference math on CPU).
 
     `ordered=False`: each row's picks in no particular order (a set); `ordered=True`: in `torch.topk`'s
-    order, score descending (for callers who see the slots). The reference always gives topk's order."""
-    _validate(q, k, weights, k_scale, mask, topk)
-    return indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk)
+    order, score descending (for callers who see the slots). The reference always gives topk's order.
+    `fill`: the score a bool mask gives masked keys (None: -inf), for sources that `masked_fill` with finfo.min,
+    -1e9 or another constant: it decides which keys win wherever an unmasked key scores below it."""
+    _validate(q, k, weights, k_scale, mask, topk, fill)
+    return indexer_topk_reference(q, k, weights, k_scale, mask, softmax_scale, topk, fill)
 
 
 @indexer_topk.register_fake
-def _indexer_topk_fake(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False):
-    _validate(q, k, weights, k_scale, mask, topk)
+def _indexer_topk_fake(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False, fill=None):
+    _validate(q, k, weights, k_scale, mask, topk, fill)
     B, S = q.shape[0], q.shape[1]
     return q.new_empty((B, S, torch.sym_min(topk, k.shape[1])), dtype=torch.int32)
 
 
 @direct_kernel(indexer_topk)
-def _indexer_topk_cuda(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False):
-    return indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=ordered)
+def _indexer_topk_cuda(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=False, fill=None):
+    return indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk, ordered=ordered, fill=fill)
 
 
 def flops(B, S, T, H, D, causal_offset=None):

@@ -18,14 +18,14 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 HALF = torch.bfloat16 if ON_GPU else torch.float16
 
 
-def masked_index_scores(q, k, weights, k_scale, mask, softmax_scale):
+def masked_index_scores(q, k, weights, k_scale, mask, softmax_scale, fill=float("-inf")):
     """The [B, S, T] fp32 scores the top-k is taken over (the reference's own intermediate)."""
     scores = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * softmax_scale)
     index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
     if k_scale is not None:
         index = index * k_scale.unsqueeze(1)
     if mask is not None:
-        index = index.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else index + mask
+        index = index.masked_fill(~mask, fill) if mask.dtype == torch.bool else index + mask
     return index
 
 
@@ -104,6 +104,7 @@ def test_opcheck_custom_op():
     torch.library.opcheck(indexer_topk, (q, k, w, ks, mask, 0.25, 8))
     torch.library.opcheck(indexer_topk, (q, k, w, None, None, 0.25, 40))
     torch.library.opcheck(indexer_topk, (q, k, w, ks, mask, 0.25, 8, True))
+    torch.library.opcheck(indexer_topk, (q, k, w, ks, mask, 0.25, 8, False, -1e9))
 
 
 def test_fake_output_width_is_symbolic_min():
@@ -130,6 +131,8 @@ def test_fake_output_width_is_symbolic_min():
         (lambda a: a.update(mask=torch.ones(3, 5, 7, dtype=torch.bool)), ValueError),
         (lambda a: a.update(mask=torch.ones(5, 20, dtype=torch.int32)), TypeError),
         (lambda a: a.update(topk=0), ValueError),
+        (lambda a: a.update(fill=-1e9), ValueError),  # a fill without a bool mask
+        (lambda a: a.update(mask=torch.zeros(1, 5, 20), fill=-1e9), ValueError),
     ],
 )
 def test_bad_input_raises(mutate, error):
@@ -364,6 +367,39 @@ def test_triton_picks_lowest_index_among_ties(mask_kind, config):
     assert torch.equal(ordered, want)  # score descending, ties in key order
 
 
+FILLS = {"finfo.min": torch.finfo(torch.float32).min, "-2": -2.0, "zero": 0.0}
+
+
+@pytest.mark.parametrize("config", [None, {"splits": 3}, {"fuse_select": True}, {"every_key": False}],
+                         ids=["default", "split_keys", "fused_select", "sampled_threshold"])
+@pytest.mark.parametrize("fill", list(FILLS))
+def test_triton_finite_fill_scores_masked_keys_as_the_source_does(fill, config):
+    """A bool mask whose masked keys score a finite `fill` (`masked_fill(~mask, fill)`): exactly the lowest-index
+    rule over those scores, at odd sizes, with a fully masked row, rows of fewer than k unmasked keys (masked keys
+    tied at the fill), padding that masks whole key tiles before a row's first unmasked key (which -inf lets the
+    kernel skip), and, for fills of -2 and 0, unmasked keys scoring below the fill (which -inf would rank first)."""
+    B, S, T, H, D, topk = 2, 13, 75, 3, 12, 9
+    q, k, w = integer_scores_inputs(B, S, T, H, D, seed=2)
+    mask = causal_with_holes(B, S, T).clone()
+    mask[0, :, :3] = False
+    mask[1, :, :45] = False
+    mask[1, 4] = False
+    mask = mask.to(DEVICE)
+    value = FILLS[fill]
+    index = masked_index_scores(q, k, w, None, mask, 1.0, value).cpu()
+    want = topk_lowest_index_ties(index, topk)
+    as_neg_inf = topk_lowest_index_ties(masked_index_scores(q, k, w, None, mask, 1.0).cpu(), topk)
+    differs = (want.sort(-1).values != as_neg_inf.sort(-1).values).any(-1)
+    assert bool(differs.any()) == (fill != "finfo.min"), "the fill decides no row: the test cannot fail"
+    out = indexer_topk_triton(q, k, w, None, mask, 1.0, topk, config=config, fill=value).cpu()
+    assert torch.equal(out.sort(-1).values, want.sort(-1).values)
+    ordered = indexer_topk_triton(q, k, w, None, mask, 1.0, topk, config=config, ordered=True, fill=value).cpu()
+    assert torch.equal(ordered, want)
+    cpu = indexer_topk(q.cpu(), k.cpu(), w.cpu(), None, mask.cpu(), 1.0, topk, fill=value)
+    got = torch.gather(index, -1, cpu.long()).sort(-1).values
+    assert torch.equal(got, torch.gather(index, -1, want.long()).sort(-1).values)
+
+
 def test_triton_ties_in_rows_longer_than_the_candidate_buffer():
     """A zero query row (every key scores 0) and relu-zero rows over more keys than the candidate buffer holds:
     the sampled threshold is 0, the candidates overflow, and the repair picks in key order."""
@@ -457,7 +493,8 @@ INT_POINTERS = {"range_ptr", "cand_idx_ptr", "count_ptr", "out_ptr", "fail_ptr"}
 def compile_sm90(fn, constexprs, ints, options, element="*bf16"):
     pointer = lambda name: "*i32" if name in INT_POINTERS else {"q_ptr": element, "k_ptr": element,  # noqa: E731
                                                                 "mask_ptr": "*u8"}.get(name, "*fp32")
-    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer, scalars={"softmax_scale": "fp32"})
+    return sm90_offline.compile_sm90(fn, constexprs, ints, options, pointer,
+                                     scalars={"softmax_scale": "fp32", "fill": "fp32"})
 
 
 def filter_case(B, S, T, topk, dense=False, **overrides):
