@@ -7,8 +7,9 @@ vLLM's and SGLang's references write it): `aten.topk`, and a descending `sort` /
 
     topk(mask(k_scale[b,t]? * sum_h weights[b,s,h] * relu(scale * q[b,s,h,:] . k[b,t,:])))
 
-`mask` is `where(c, -inf, x)` (the canonical polarity; a negated condition keeps), `x + additive` (or two
-additive masks added in turn, which the op takes summed) or absent; the scale is a constant (chains of
+`mask` is `where(c, fill, x)` (the canonical polarity; a negated condition keeps) with fill -inf or another
+constant (finfo.min, -1e9, 0: the op's `fill`, the masked keys' score), `x + additive` (or two additive masks
+added in turn, which the op takes summed) or absent; the scale is a constant (chains of
 constant scalings are collected by the canonicaliser) before relu or after it (equal for a positive
 constant); the product may put q or k first;
 the head sum may be a bmm (HF's matmul, einsum) or a mul + sum; `q`/`k` may be fp32 upcasts of
@@ -16,8 +17,8 @@ bf16/fp16/fp8 tensors, which the kernel reads in their narrow form (when only on
 both are widened to fp32, which is exact). Which dims are contracted is checked by following them
 through every reshape/permute/expand (`dims.py`), so any spelling of the same math matches and nothing
 else does; q held heads-first (or k held as [D, T]) throughout is read through a permute of its leaf.
-Top-k values may only be compared with -inf (how official-style code marks picks of masked keys as -1);
-that comparison is rebuilt from the mask.
+Top-k values may only be compared with -inf (how official-style code marks picks of masked keys as -1), under a
+-inf fill; that comparison is rebuilt from the mask.
 
 The fused op returns each row's picks as a set; when anything may see their slot order (they leave
 the graph, or are read slot by slot) and the top-k was sorted, the op is asked for `torch.topk`'s order.
@@ -33,6 +34,7 @@ indexer and is skipped silently; one that is but cannot be rewritten is reported
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 
 import torch
@@ -43,9 +45,9 @@ from .canonicalize import canonical_bmm, canonical_mm, canonical_scale
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
                    views_of_rank)
-from .graph_utils import (CONVERT, LAYOUT_OPS, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, insert_call, is_neg_inf,
-                          is_op, node_arg, only_user, piece_of, reaches_back, same_shape, same_size, scalar_arg, shape,
-                          size_arg, unspecialised_float)
+from .graph_utils import (CONVERT, LAYOUT_OPS, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, fill_value, insert_call,
+                          is_neg_inf, is_op, node_arg, only_user, piece_of, reaches_back, same_shape, same_size,
+                          scalar_arg, shape, size_arg, unspecialised_float)
 from .verify import Family, Verdict, verify
 
 NAME = "indexer_topk"
@@ -121,12 +123,11 @@ def _neg_inf(node) -> bool:
 def _split_mask(x: torch.fx.Node) -> tuple:
     """(scores, mask) where mask is ("keep", bool), ("drop", bool), ("add", float), ("add", (float, float)) or None.
 
-    `where(c, -inf, x)` drops where c holds (HF `masked_fill`; canonicalize brings `where(c, x, -inf)` to
-    this polarity); a negated condition keeps where its operand holds."""
+    `where(c, fill, x)` drops where c holds (HF `masked_fill`; canonicalize brings `where(c, x, fill)` to
+    this polarity), the fill a constant (`_fill`); a negated condition keeps where its operand holds."""
     if is_op(x, aten.where.self):
         cond, fill, scores = x.args
-        if not _neg_inf(fill):
-            raise NoMatch("masked with a fill value other than -inf")
+        _fill(fill)
         if is_op(cond, *NOT_OPS):
             return scores, ("keep", cond.args[0])
         return scores, ("drop", cond)
@@ -138,6 +139,21 @@ def _split_mask(x: torch.fx.Node) -> tuple:
             if inner_mask is not None and inner_mask[0] == "add" and isinstance(inner_mask[1], torch.fx.Node):
                 return inner, ("add", (inner_mask[1], mask))  # two additive masks (causal + padding), summed
     return x, None
+
+
+def _fill(node) -> float | None:
+    """A bool mask's fill as the op's `fill` argument: None for -inf, else the constant as the source's `where`
+    reads it (a `full` rounded to its dtype). Any constant is exact: the op gives masked keys that very score."""
+    if _neg_inf(node):
+        return None
+    value = fill_value(node)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise NoMatch("masked with a fill value that is not a constant")
+    if isinstance(node, torch.fx.Node):
+        value = torch.tensor(value, dtype=dtype(node)).item()
+    if math.isnan(value):
+        raise NoMatch("masked with a NaN fill")
+    return float(value)
 
 
 SIGNATURE_DEPTH = 8
@@ -239,9 +255,10 @@ def _match(anchor: torch.fx.Node) -> dict:
 
     # From here on the candidate looks like an indexer: every miss is reported.
     scores, mask = _split_mask(x)
+    fill = _fill(x.args[1]) if mask is not None and mask[0] in ("keep", "drop") else None
     head = _head_sum(scores)
     if head is None:
-        raise NoMatch("the head-weighted relu scores reach the selection through ops other than one -inf or "
+        raise NoMatch("the head-weighted relu scores reach the selection through ops other than one constant-fill or "
                       "additive mask")
     if anchor.target is aten.kthvalue.default:
         raise NoMatch("keys selected by a kthvalue threshold (the fused op returns a top-k index set)")
@@ -297,13 +314,16 @@ def _match(anchor: torch.fx.Node) -> dict:
         for user in values.users:
             if not (is_op(user, aten.eq.Scalar) and user.args[1] == float("-inf")):
                 raise NoMatch("the top-k values are used downstream (the fused op returns indices only)")
+            if fill is not None:
+                raise NoMatch(f"the top-k values are compared with -inf under a fill of {fill:g} (only a -inf fill "
+                              "marks the masked picks)")
             masked_checks.append(user)
     if k_scale is not None:
         k_scale = k_scale[0]
         if dtype(k_scale) not in (torch.float32, torch.bfloat16, torch.float16):
             raise NoMatch(f"per-key scale is {dtype(k_scale)}, not a float the kernel can widen to fp32")
     found = dict(q=q, q_order=q_order, k=k_node, k_order=k_order, weights=weights, k_scale=k_scale, mask=mask,
-                 scale=softmax_scale, topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
+                 fill=fill, scale=softmax_scale, topk=_topk_count(k), masked_checks=masked_checks, batched=batched,
                  indices=sel["indices"])
     found["ordered"] = bool(sel["ordered"]) and _order_observed(sel["indices"] + sel["values"])
     verdict = _verify(x, found)
@@ -410,7 +430,7 @@ def _verify(x: torch.fx.Node, m: dict) -> Verdict:
     orders = {"q": m["q_order"], "k": m["k_order"]}
     family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, kind, orders),
                     reference=lambda probe: _reference(probe, m, kind), compare=_same_picks)
-    extra = (kind, m["scale"], m["topk"], m["batched"], m["q_order"], m["k_order"])
+    extra = (kind, m["fill"], m["scale"], m["topk"], m["batched"], m["q_order"], m["k_order"])
     return verify([m["indices"][0], x], roles, family, extra, above=m["topk"])
 
 
@@ -472,7 +492,7 @@ def _reference(probe: dict, m: dict, kind) -> torch.Tensor:
         q, k, weights = q[None], k[None], weights[None]
         k_scale = k_scale[None] if k_scale is not None else None
     picks = indexer_topk_reference(q, k, weights, k_scale.float() if k_scale is not None else None, mask, m["scale"],
-                                   m["topk"])
+                                   m["topk"], m["fill"])
     return picks if m["batched"] else picks[0]
 
 
@@ -523,8 +543,9 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: dict, ctx: PassCon
              insert_call(graph, anchor, aten.permute.default, (m[name], list(m[f"{name}_order"])))) for name in "qk")
     q, k = (_widened(graph, anchor, node, qk_dtype, batched) for node in (q, k))
     weights, k_scale = (_widened(graph, anchor, m[name], torch.float32, batched) for name in ("weights", "k_scale"))
+    args = (q, k, weights, k_scale, mask_node, m["scale"], count, m["ordered"])
     fused = insert_call(graph, anchor, torch.ops.dsfuse.indexer_topk.default,
-                        (q, k, weights, k_scale, mask_node, m["scale"], count, m["ordered"]))
+                        args if m["fill"] is None else (*args, m["fill"]))
     if not batched:
         fused = insert_call(graph, anchor, aten.squeeze.dim, (fused, 0))
     if m["masked_checks"]:
@@ -537,6 +558,8 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: dict, ctx: PassCon
             widened = insert_call(graph, anchor, CONVERT, (fused, torch.int64))
             user.replace_all_uses_with(widened)
     kind = "no mask" if mask is None else {"keep": "bool mask", "drop": "bool mask", "add": "additive mask"}[mask[0]]
+    if m["fill"] is not None:
+        kind += f" filled with {m['fill']:g}"
     detail = (f"{kind}, k={count}, scale={m['scale']:.6g}{', fp8 k_scale' if m['k_scale'] is not None else ''}"
               f"{', one sequence' if not batched else ''}{', in topk order' if m['ordered'] else ''}")
     ctx.site(anchor, "dsfuse.indexer_topk", [m["q"], m["k"], m["weights"], m["k_scale"], mask_node], detail=detail)

@@ -199,6 +199,29 @@ def keys_stored_transposed(q, k_t, w, keep):
     return index.masked_fill(~keep, float("-inf")).topk(K, dim=-1).indices
 
 
+def finfo_min_fill(q, k, w, keep):
+    """Masked keys filled with fp32's lowest finite value, not -inf (as attention masks are often built)."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+    return index.masked_fill(~keep, torch.finfo(torch.float32).min).topk(K, dim=-1).indices
+
+
+def zero_fill(q, k, w, keep):
+    """Masked keys filled with 0 under head weights of both signs: a masked key outranks every unmasked key whose
+    weighted score is negative, so the picks are not -inf's."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2)
+    return torch.where(keep, index, 0.0).topk(K, dim=-1, sorted=False).indices
+
+
+def finite_fill_minus_one(q, k, w, keep):
+    """Picks whose value is -inf marked -1 under a -1e9 fill: true only of unmasked keys scoring -inf."""
+    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * SCALE)
+    index = torch.matmul(w.unsqueeze(-2), scores).squeeze(-2).masked_fill(~keep, -1e9)
+    values, picks = index.topk(K, dim=-1)
+    return torch.where(values == float("-inf"), -1, picks)
+
+
 def ascending_argsort_tail(q, k, w, keep):
     """The last k of an ascending argsort: the same keys, read as a suffix (not a prefix)."""
     return torch.argsort(_masked_index(q, k, w, keep), dim=-1)[..., -K:]
@@ -295,6 +318,13 @@ def _v4(batch=B, seq=S):
     return q, compressed, w, torch.arange(seq).expand(batch, seq)
 
 
+def _signed_weights():
+    """Head weights of both signs, a causal mask (rows 0-2 see fewer than K keys: masked keys are picked too)."""
+    q, k, w, _ = _inputs()
+    t, s = torch.arange(T)[None, :], torch.arange(S)[:, None]
+    return q, k, w - 1.0, (t <= s).expand(B, S, T)
+
+
 def _fp32():
     q, k, w, keep = _inputs()
     return q.float(), k.float(), w, keep
@@ -328,6 +358,7 @@ TENSOR_SCALE = "scores are scaled by a tensor, not a constant"
 SMALLEST = "top-k of the smallest scores"
 NOT_A_PREFIX = "the sorted scores are read other than as a prefix [..., :k] along the key dim"
 KTHVALUE = "keys selected by a kthvalue threshold (the fused op returns a top-k index set)"
+FINITE_FILL_MARKS = "the top-k values are compared with -inf under a fill of -1e+09 (only a -inf fill marks the masked picks)"
 
 CORPUS = {
     "hf_v32_bool_mask": IndexerEntry(hf_v32, "transformers DeepseekV32Indexer", _v32(), REWRITTEN, 1, in_topk_order=True),
@@ -362,10 +393,16 @@ CORPUS = {
                                   order_seen=False),
     "keys_stored_transposed": IndexerEntry(keys_stored_transposed, "written for the corpus (k^T held)", _keys_last,
                                            REWRITTEN, 1),
+    "finfo_min_fill": IndexerEntry(finfo_min_fill, "written for the corpus (finfo.min fill)", _v32(), REWRITTEN, 1,
+                                   detail="filled with -3.40282e+38"),
+    "zero_fill_signed_weights": IndexerEntry(zero_fill, "written for the corpus (0 fill, weights of both signs)",
+                                             _signed_weights, REWRITTEN, 1, detail="filled with 0", order_seen=False),
     "ascending_argsort_tail": IndexerEntry(ascending_argsort_tail, "written for the corpus", _v32(), NEAR_MISS,
                                            reason=NOT_A_PREFIX),
     "kthvalue_threshold": IndexerEntry(kthvalue_threshold, "written for the corpus", _v32(), NEAR_MISS,
                                        reason=KTHVALUE),
+    "finite_fill_minus_one": IndexerEntry(finite_fill_minus_one, "written for the corpus", _v32(), NEAR_MISS,
+                                          reason=FINITE_FILL_MARKS),
     "bf16_product": IndexerEntry(bf16_scores, "written for the corpus", _v32(), NEAR_MISS, reason=NOT_FP32),
     "values_returned": IndexerEntry(values_returned, "written for the corpus", _v32(), NEAR_MISS, reason=VALUES_USED),
     "per_query_tensor_scale": IndexerEntry(per_query_scale, "written for the corpus", _v32(), NEAR_MISS, reason=TENSOR_SCALE),

@@ -81,7 +81,7 @@ def spelling(choice: dict):
             return index + mask
         if kind == "two additive":  # a second [.., 1, T] mask (the last query row sees every key: all zeros)
             return index + mask + mask[..., -1:, :]
-        if kind == "fill -1e9":  # masked keys rank last only while K keys are valid: not the op's -inf
+        if kind == "fill -1e9":  # masked keys score -1e9, not -inf: the op takes the fill
             return index.masked_fill(~mask, -1e9)
         return index
 
