@@ -6,10 +6,11 @@ polarity once canonicalised, `scatter.src`) and rows read by an index tensor (`i
 
 * HF `DeepseekV32Attention` / `GlmMoeDsaAttention` (eager / SDPA interfaces): the selection mask
   `full(True, [B,S,T]).scatter(-1, idx, False)` combined with the attention mask (`mask & ~sel` for bool masks,
-  `where(sel, finfo.min, mask)` for additive ones) or used alone (a `where` on the scores, a -inf bias added to them
-  or given to SDPA), consumed by the decomposed attention `softmax(scale * q @ k^T + bias) @ v` (eager, or
-  Inductor's CPU SDPA math with its "safe softmax", or a softmax spelled otherwise, a log-sum-exp form say, bound as
-  the gather forms' is) or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}_attention`,
+  `where(sel, finfo.min, mask)` for additive ones, or a -inf selection bias summed with an additive mask, the op's
+  hard selection) or used alone (a `where` on the scores, a -inf bias added to them or given to SDPA), consumed by
+  the decomposed attention `softmax(scale * q @ k^T + bias) @ v` (eager, or Inductor's CPU SDPA math with its "safe
+  softmax", or a softmax spelled otherwise, a log-sum-exp form say or one with a per-head sink, bound as the gather
+  forms' is) or by a fused SDPA op (`_scaled_dot_product_{efficient,cudnn}_attention`,
   `..._flash_attention_for_cpu`); K/V per head or shared by the heads (read through an expand). The
   chain from the scatter to the attention output becomes `dsfuse::sparse_attention_masked`, which gets the
   original attention mask and applies the selection itself; a bool mask built only from query/key positions
@@ -373,10 +374,21 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         node, user = _single_user_chain(comb["combined"], _bias_passthrough)
         if user is None or not (is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA):
             raise NoMatch("the selection bias is not added to the scores alone")
-        if is_op(user, aten.add.Tensor) and not _are_scores(user.args[0] if user.args[1] is node else user.args[1]):
-            raise NoMatch("the selection's -inf bias is summed with another additive mask; the op takes one mask "
-                          "with unpicked keys at finfo.min, which differs in a row whose picks are all masked")
-        return user, node
+        other = user.args[0] if user.args[1] is node else user.args[1]
+        if not is_op(user, aten.add.Tensor) or _are_scores(other):
+            return user, node
+        if not (is_neg_inf(comb["fill"]) and dtype(other) in FLOAT_DTYPES):
+            raise NoMatch(f"the selection's bias ({comb['fill']}) is summed with another additive mask; the op "
+                          "fills unpicked keys with finfo.min or drops them (a -inf bias)")
+        # A -inf selection bias summed with another additive mask: that mask, with the selection hard (unpicked
+        # keys at -inf, not at HF's finfo.min fill). Added to the masked scores (`scores + mask + bias`), the bias
+        # meets the scores here; summed first (`scores + (mask + bias)`), the sum reaches them as one mask.
+        scored = [a for a in other.args[:2] if _are_scores(a)] if is_op(other, aten.add.Tensor) else []
+        if len(scored) == 1:
+            mask = other.args[1] if other.args[0] is scored[0] else other.args[0]
+            comb.update(kind="additive", combined=node, attn_mask=mask, hard=True, scores=scored[0])
+            return user, node
+        comb.update(kind="additive", combined=user, attn_mask=other, hard=True)
     node, user = _single_user_chain(comb["combined"], LAYOUT_OPS | {CONVERT})
     if user is None:
         raise NoMatch("the combined attention mask is also used elsewhere")
@@ -476,7 +488,7 @@ def _match_masked(scatter: torch.fx.Node) -> dict:
     if dtype(q) not in FLOAT_DTYPES or dtype(att["k"]) != dtype(q) or dtype(att["v"]) != dtype(q):
         raise NoMatch(f"q/k/v dtypes {dtype(q)}/{dtype(att['k'])}/{dtype(att['v'])} not supported by the fused op")
     if comb["kind"] == "additive":
-        if comb["fill"] != torch.finfo(dtype(q)).min:
+        if not comb.get("hard") and comb["fill"] != torch.finfo(dtype(q)).min:
             raise NoMatch(f"unselected keys are filled with {comb['fill']}, not finfo({dtype(q)}).min")
         if not dtype(comb["attn_mask"]).is_floating_point:
             raise NoMatch(f"additive attention mask has dtype {dtype(comb['attn_mask'])}")
@@ -544,6 +556,8 @@ def _latent_cache_source(m: dict) -> dict:
     nope, rope_keys = _key_parts(k, D)
     if m["comb"]["kind"] == "additive":
         raise NoMatch("additive attention mask")
+    if m.get("sink") is not None:
+        raise NoMatch("a per-head sink (the absorbed op takes none)")
     if m["comb"]["attn_mask"] is not None and not m["causal"] and not same_size(shape(m["comb"]["attn_mask"])[1], 1):
         raise NoMatch("per-head attention mask")
     if not (is_op(nope, operator.getitem) and nope.args[1] == 0 and is_op(v, operator.getitem) and v.args[1] == 1
@@ -622,12 +636,18 @@ def _selection_in_place(scatter: torch.fx.Node, bias: torch.fx.Node, B, S, T) ->
 def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -> dict:
     """softmax(scale * q @ k^T + bias) @ v (or the selection `where` on the scores), written with bmm and a
     decomposed softmax."""
-    scores = add.args[2] if is_op(add, *WHERE_OPS) else add.args[0] if add.args[1] is bias else add.args[1]
+    scores = comb.get("scores") or (add.args[2] if is_op(add, *WHERE_OPS) else
+                                    add.args[0] if add.args[1] is bias else add.args[1])
     if not isinstance(scores, torch.fx.Node) or len(shape(add)) != 4:
         raise NoMatch("the attention mask is added to something other than [B, H, S, T] scores")
     soft = attention_softmax(add) or _normalised_weights(add)
-    if comb["kind"] == "bool" and not soft["safe"] and comb.get("bias") != "finite":
+    # A sink keeps every row's denominator above 0: no NaN to reproduce.
+    plain = not soft["safe"] and soft.get("sink") is None
+    if comb["kind"] == "bool" and plain and comb.get("bias") != "finite":
         raise NoMatch("plain softmax over a -inf bias gives NaN for fully masked rows; the fused op returns 0")
+    if comb.get("hard") and plain:
+        raise NoMatch("plain softmax over a -inf selection bias summed with an additive mask gives NaN in a row "
+                      "whose picks the mask sets to -inf; the fused op returns 0")
     probs_end, after = _single_user_chain(soft["probs"], LAYOUT_OPS | {CONVERT})
     if after is None:
         raise NoMatch("the attention probabilities are also used elsewhere")
@@ -676,13 +696,14 @@ def _decomposed_attention(add: torch.fx.Node, bias: torch.fx.Node, comb: dict) -
     if o_l is None or names(o_l) != _expected("bhsv", (B, H, S, Dv)):
         raise NoMatch("the attention output is not [B, H, S, Dv]")
     scale = _scale_of(q_ops) * _scale_of(k_ops) * _scale_of(score_chain[1:]) * soft.get("scale", 1.0)
-    return dict(q=q, k=k, v=v, scale=scale, out=out, form="decomposed " + ("SDPA" if soft["safe"] else "softmax"))
+    return dict(q=q, k=k, v=v, scale=scale, out=out, sink=soft.get("sink"),
+                form="decomposed " + ("SDPA" if soft["safe"] else "softmax"))
 
 
 def _normalised_weights(scores: torch.fx.Node) -> dict:
     """The softmax over the keys of the masked `scores` in a spelling other than Inductor's decomposition (through a
-    logsumexp, say): the one normaliser node whose layout chain reaches a product, bound back to `scores` alone.
-    Which function it is, the verifier proves."""
+    logsumexp, say, or with a per-head sink): the one normaliser node whose layout chain reaches a product, bound back
+    to `scores` and at most a sink. Which function it is, the verifier proves."""
     region, pending = set(), [scores]
     while pending:
         for user in pending.pop().users:
@@ -696,11 +717,12 @@ def _normalised_weights(scores: torch.fx.Node) -> dict:
     if len(ends) != 1:
         raise NoMatch("the masked scores do not feed a softmax over the keys")
     read, sink, factor = _normaliser_inputs(ends[0], lambda node: node is scores)
-    if sink is not None:
-        raise NoMatch("a per-head sink in the softmax: sparse_attention_masked takes none")
     if read != [scores]:
         raise NoMatch("the masked scores do not feed a softmax over the keys")
-    return dict(input=scores, probs=ends[0], safe=False, scale=factor)
+    heads = shape(scores)[1]
+    if sink is not None and not same_shape(shape(sink), (heads,)):
+        raise NoMatch(f"the weights read {shape(sink)} values beside the scores, not a per-head [H] sink")
+    return dict(input=scores, probs=ends[0], safe=False, scale=factor, sink=sink)
 
 
 def _fused_attention(op: torch.fx.Node, bias: torch.fx.Node) -> dict:
@@ -854,7 +876,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
     else:
         k, v = (_over_heads(graph, out, m[name], m["q"]) for name in ("k", "v"))
         fused = insert_call(graph, out, torch.ops.dsfuse.sparse_attention_masked.default,
-                            (m["q"], k, v, m["idx"], attn_mask, m["scale"], m["causal"], see_all))
+                            (m["q"], k, v, m["idx"], attn_mask, m["scale"], m["causal"], see_all, m.get("sink"),
+                             bool(comb.get("hard"))))
     if dtype(out) != dtype(fused):
         fused = insert_call(graph, out, CONVERT, (fused, dtype(out)))
     out.replace_all_uses_with(fused)
@@ -865,10 +888,12 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
             graph.erase_node(getter)
         graph.erase_node(sdpa)
     mask_kind = "causal (from positions)" if m["causal"] else "selection only" if comb["kind"] == "none" \
-        else f"{comb['kind']} mask"
+        else "additive mask plus a -inf selection bias" if comb.get("hard") else f"{comb['kind']} mask"
     detail = f"{m['form']}, {mask_kind}, K={shape(m['idx'])[2]}, scale={m['scale']:.6g}"
     if see_all:
         detail += ", rows without keys attend to all keys (finite bias)"
+    if m.get("sink") is not None:
+        detail += ", sink"
     if absorbed is not None:
         if args[-1]:
             detail += ", top-k indices (no repeats)"
@@ -881,7 +906,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         return
     if "absorb_refused" in m:
         detail += f"; not absorbed: {m['absorb_refused']}"
-    ctx.site(scatter, "dsfuse.sparse_attention_masked", [m["q"], m["k"], m["v"], m["idx"], attn_mask], detail=detail)
+    ctx.site(scatter, "dsfuse.sparse_attention_masked", [m["q"], m["k"], m["v"], m["idx"], attn_mask, m.get("sink")],
+             detail=detail)
 
 
 # ---------------------------------------------------------------------------
@@ -1244,14 +1270,17 @@ def _verify(m: dict) -> Verdict:
         roles = {name: m[name] for name in ("q", "k", "v", "idx")}
         if comb["attn_mask"] is not None:
             roles["attn_mask"] = comb["attn_mask"]
-        kind, see_all = comb["kind"], m["empty_rows_see_all"]
+        if m.get("sink") is not None:
+            roles["sink"] = m["sink"]
+        kind, see_all, hard = comb["kind"], m["empty_rows_see_all"], bool(comb.get("hard"))
         family = Family(probes=lambda shapes, dtypes: _masked_probes(shapes, dtypes, kind),
                         reference=lambda probe: sparse_attention_masked_math(
                             probe["q"], *(probe[name].expand(*probe["q"].shape[:2], -1, -1) for name in "kv"),
-                            probe["idx"], probe.get("attn_mask"), m["scale"], empty_rows_see_all=see_all),
+                            probe["idx"], probe.get("attn_mask"), m["scale"], empty_rows_see_all=see_all,
+                            sink=probe.get("sink"), hard_selection=hard),
                         compare=lambda got, want, probe: _close(got, want, probe, _rows_without_keys(probe)
                                                                 if see_all else None))
-        extra = ("masked", kind, m["scale"], see_all)
+        extra = ("masked", kind, m["scale"], see_all, hard)
     count = shape(m["idx"])[-1]
     return verify([m["out"]], roles, family, extra, above=count if isinstance(count, int) else 0)
 
@@ -1269,10 +1298,12 @@ def _tied(x: torch.Tensor) -> torch.Tensor:
 
 def _masked_probes(shapes: dict, dtypes: dict, kind: str) -> list:
     """Random picks (repeats happen), picks repeated on purpose, tied keys, and, with an attention mask, the first
-    query row fully masked; an additive mask holds HF's finfo.min, then -inf. Picks are in range: the scatter
-    spelling raises on any other, as the op's reference does."""
+    query row fully masked; an additive mask holds HF's finfo.min, then -inf; a sink, when the softmax reads one, on
+    the grid too. Picks are in range: the scatter spelling raises on any other, as the op's reference does."""
     gen = torch.Generator().manual_seed(0)
     base = {name: _grid(shapes[name], dtypes[name], gen) for name in ("q", "k", "v")}
+    if "sink" in shapes:
+        base["sink"] = _grid(shapes["sink"], dtypes["sink"], gen)
     B, S, K = shapes["idx"]
     T = shapes["k"][-2]
     base["idx"] = torch.randint(0, T, (B, S, K), generator=gen).to(dtypes["idx"])

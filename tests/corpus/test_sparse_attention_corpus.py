@@ -541,7 +541,7 @@ def selection_bias_logsumexp(q, k, v, idx):
 
 
 def selection_bias_sink(q, k, v, idx, sink):
-    """The -inf selection bias alone with a per-head sink in the denominator: the masked op takes no sink."""
+    """The -inf selection bias alone with a per-head sink in the denominator (gpt-oss style)."""
     bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2]).masked_fill(_not_selected(idx, k.shape[2]),
                                                                              float("-inf"))
     scores = torch.matmul(q, k.transpose(-1, -2)) * SCALE + bias
@@ -549,6 +549,24 @@ def selection_bias_sink(q, k, v, idx, sink):
     top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
     weights = torch.exp(scores - top)
     return torch.matmul(weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top)), v)
+
+
+def hf_v32_eager_sink_column(q, k, v, idx, additive, sink):
+    """HF's eager V3.2 attention (finfo.min fill) with a V4-style sink column: the column beside the masked scores,
+    fp32 softmax, the column dropped. The padding queries' rows, at finfo.min throughout, go to the sink."""
+    mask = additive.masked_fill(_not_selected(idx, k.shape[2]), torch.finfo(q.dtype).min)
+    scores = torch.matmul(q, k.transpose(2, 3)) * SCALE + mask
+    column = sink.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    probs = F.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
+
+
+def selection_bias_plus_mask_sdpa(q, k, v, idx, additive):
+    """The -inf selection bias summed with HF's additive mask and handed to SDPA as one mask: a row whose picks are
+    all masked attends over its picks alone (HF's finfo.min fill would spread it over every key)."""
+    bias = torch.zeros_like(additive).masked_fill(_not_selected(idx, k.shape[2]), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive + bias, scale=SCALE)
+
 
 def dense_attention(q, k, v):
     return F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE, dim=-1) @ v
@@ -627,7 +645,6 @@ class AttentionEntry(Entry):
 
 NUMERIC = "numeric check against the reference failed: "
 EMPTY_ROW_ZERO = NUMERIC + "a query without keys probe: 64 of 512 outputs differ beyond rtol=atol=1e-05 (largest inf)"
-MASKED_SINK = "a per-head sink in the softmax: sparse_attention_masked takes none"
 PLUS_ONE = NUMERIC + "random probe: 478 of 512 outputs differ beyond rtol=atol=1e-05 (largest 0.375)"
 OVER_HEADS = NUMERIC + "random probe: 510 of 512 outputs differ beyond rtol=atol=1e-05 (largest inf)"
 NOT_MINUS_ONE = "the score mask is not `idx < 0` of the gather's indices"
@@ -730,8 +747,16 @@ CORPUS = {
     "selection_bias_logsumexp": AttentionEntry(selection_bias_logsumexp, "written for the corpus (logsumexp weights)",
                                                lambda: _hf()[:4], REWRITTEN, 1, MASKED),
     "selection_bias_sink": AttentionEntry(selection_bias_sink, "written for the corpus (a sink over the selection)",
-                                          lambda: (*_hf()[:4], torch.randn(H, generator=_gen(5))), NEAR_MISS,
-                                          reason=MASKED_SINK),
+                                          lambda: (*_hf()[:4], torch.randn(H, generator=_gen(5))), REWRITTEN, 1,
+                                          MASKED, detail="sink"),
+    "hf_v32_eager_sink_column": AttentionEntry(hf_v32_eager_sink_column, "transformers DeepseekV32Attention (eager) "
+                                               "with a V4-style sink column", lambda: (*_hf("additive"),
+                                               torch.randn(H, generator=_gen(6))), REWRITTEN, 1, MASKED,
+                                               detail="additive mask, K=4, scale=0.204124, sink"),
+    "selection_bias_plus_mask_sdpa": AttentionEntry(selection_bias_plus_mask_sdpa, "written for the corpus (two "
+                                                    "additive masks summed for SDPA)", lambda: _hf("additive"),
+                                                    REWRITTEN, 1, MASKED,
+                                                    detail="additive mask plus a -inf selection bias"),
     "dense_attention": AttentionEntry(dense_attention, "plain attention (no selection)", _dense, LEFT_ALONE),
     "gathered_rows_summed": AttentionEntry(gathered_rows_summed, "written for the corpus", _embedding_bag, LEFT_ALONE),
 }

@@ -712,15 +712,56 @@ def test_heads_first_queries_over_gathered_rows_are_read_through_a_permute():
     torch.testing.assert_close(out, own_mla(q, q_pe, *rest), rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-def test_selection_bias_summed_with_an_additive_mask_is_reported():
+def _selection_bias(idx, seq, dtype):
+    """The selection alone as an additive bias, [B, 1, S, T]: 0 at the picks, -inf elsewhere."""
+    bias = torch.zeros(idx.shape[0], 1, idx.shape[1], seq, dtype=dtype)
+    bias[select_mask(idx, seq)] = float("-inf")
+    return bias
+
+
+def mask_then_bias_sink(q, k, v, idx, mask, sink):
+    """`scores + mask + bias`, a per-head sink in the denominator."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * SCALE + mask + _selection_bias(idx, k.shape[2], q.dtype)
+    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink.view(1, -1, 1, 1))
+    weights = torch.exp(scores - top)
+    return torch.matmul(weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink.view(1, -1, 1, 1) - top)), v)
+
+
+def summed_masks_sdpa(q, k, v, idx, mask, sink):
+    """`mask + bias` handed to SDPA as one mask."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask + _selection_bias(idx, k.shape[2], q.dtype),
+                                          scale=SCALE)
+
+
+@pytest.mark.parametrize("fn", [mask_then_bias_sink, summed_masks_sdpa])
+def test_selection_bias_summed_with_an_additive_mask_is_fused(fn):
+    """A -inf selection bias summed with an HF additive mask: the op with that mask and a hard selection. Without a
+    sink, a row whose picks are all masked (batch 1's padding queries, early queries that picked only future keys)
+    attends over its picks alone, where HF's finfo.min fill would spread it over every key: binding the mask alone
+    is wrong there (with a sink, both leave such a row to the sink)."""
+    args = (*_data(dv=8, mask_kind="additive"), torch.randn(H, generator=torch.Generator().manual_seed(3)))
+    with torch.no_grad():
+        out = _compile(fn)(*args)
+        want = fn(*args)
+    sites = _sites()
+    assert len(sites) == 1 and _misses() == [], str(dsfuse.report())
+    assert sites[0].op == "dsfuse.sparse_attention_masked" and "additive mask plus a -inf selection bias" in \
+        sites[0].detail and ("sink" in sites[0].detail) == (fn is mask_then_bias_sink), sites[0].detail
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    if fn is summed_masks_sdpa:
+        assert not torch.allclose(sparse_attention_masked_reference(*args[:5], SCALE), want, atol=1e-3)
+
+
+def test_plain_softmax_over_summed_masks_is_reported():
+    """Without a sink or SDPA's safe softmax, a row whose picks the mask sets to -inf is NaN in the source (0 in the
+    op): reported, and the compiled graph stays the source's."""
     def two_additive(q, k, v, idx, mask):
-        bias = torch.zeros(idx.shape[0], 1, idx.shape[1], k.shape[2])
-        bias[select_mask(idx, k.shape[2])] = float("-inf")
-        return torch.matmul(F.softmax(torch.matmul(q, k.transpose(-1, -2)) * SCALE + mask + bias, dim=-1), v)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * SCALE + mask + _selection_bias(idx, k.shape[2], q.dtype)
+        return torch.matmul(F.softmax(scores, dim=-1), v)
 
     args = _data(dv=8, mask_kind="additive")
     with torch.no_grad():
         out = _compile(two_additive)(*args)
     assert _sites() == [] and len(_misses()) == 1 and _misses()[0].startswith(
-        "the selection's -inf bias is summed with another additive mask"), str(dsfuse.report())
+        "plain softmax over a -inf selection bias summed with an additive mask gives NaN"), str(dsfuse.report())
     torch.testing.assert_close(out, two_additive(*args), rtol=1e-5, atol=1e-5, equal_nan=True)
