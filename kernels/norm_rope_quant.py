@@ -58,6 +58,11 @@ its `repeat_interleave(2)`), every product and sum in fp32 and one rounding at t
 which is HF's `(rope.float() * cos + rotate_half(rope).float() * sin).to(dtype)` bit for bit (negation is
 exact and fp32 addition commutes).
 
+With `pairs_in_place` (and `interleaved`), the RoPE is GPT-J's in the input dtype: the pairs (2j, 2j+1) rotated
+by one table column per pair as `fp32_pairs` reads them, every product and sum rounded to x's dtype as HF's
+interleaved form, and written back in place (`stack([a*c - b*s, b*c + a*s], -1).flatten(-2)` of the `unbind`
+pairs) instead of HF's even-lanes-then-odd-lanes layout. `rmsnorm_rope` takes both pair forms too.
+
 Rounding: each bf16/fp16 op is computed in fp32 and rounded to x.dtype, which is what torch does for
 each elementwise op; products of two bf16/fp16 values are exact in fp32, so this is bit-exact. The
 mean's summation order may differ from torch's (allowed by the numerics rules).
@@ -117,7 +122,8 @@ CUDA_COMPLEX_MUL = ("fma_first", "fma_first")
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU implementation)
 # --------------------------------------------------------------------------------------------
-def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False):
+def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
+                           fp32_pairs=False, pairs_in_place=False):
     """The source's math, op by op, in torch (so the rounding is the source's)."""
     c_norm = norm_weight.shape[0]
     xf = x[:, :c_norm].float()
@@ -133,12 +139,18 @@ def rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in
         return normed, roped.flatten(0, 1)
     if cos is None:
         return normed, rot.new_empty((x.shape[0], 0))
-    return normed, rope_reference(rot, cos, sin, interleaved)
+    if fp32_pairs:
+        return normed, pair_rope_fp32_reference(rot, cos, sin)
+    return normed, rope_reference(rot, cos, sin, interleaved, pairs_in_place)
 
 
-def rope_reference(rot, cos, sin, interleaved):
-    """HF's RoPE of `rot` (last dim) with `[..., C_rope]` cos/sin broadcast to it, op by op."""
+def rope_reference(rot, cos, sin, interleaved, pairs_in_place=False):
+    """HF's RoPE of `rot` (last dim) with `[..., C_rope]` cos/sin broadcast to it, op by op; `pairs_in_place`:
+    GPT-J's, the interleaved pairs rotated by `[..., C_rope/2]` tables and written back in place."""
     half = rot.shape[-1] // 2
+    if pairs_in_place:
+        r1, r2 = rot.unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack([r1 * cos - r2 * sin, r2 * cos + r1 * sin], dim=-1).flatten(-2)
     if interleaved:
         c, s = cos[..., :half], sin[..., :half]
         r1, r2 = rot[..., 0::2], rot[..., 1::2]
@@ -188,7 +200,8 @@ def pair_rope_fp32_reference(rot, cos, sin):
 
 
 def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0,
-                       rms_norm=0, rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
+                       rms_norm=0, rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False,
+                       pairs_in_place=False):
     """`cat` of x's column parts in their order, the part [rope_start, rope_start + C_rope) RoPE'd; with
     `ln_weight` / `ln_bias`, x's rows are LayerNorm'd first, with `rms_norm` RMSNorm'd first."""
     if ln_weight is not None:
@@ -198,6 +211,9 @@ def rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_
     if fp32_pairs:
         end = rope_start + 2 * cos.shape[-1]
         roped = pair_rope_fp32_reference(x[..., rope_start:end], cos, sin)
+    elif pairs_in_place:
+        end = rope_start + 2 * cos.shape[-1]
+        roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved, pairs_in_place)
     else:
         end = rope_start + cos.shape[-1]
         roped = rope_reference(x[..., rope_start:end], cos, sin, interleaved)
@@ -236,7 +252,7 @@ def rope_quant_fp8_reference(x, freqs, rope_start, interleaved, block_size, ue8m
     return quantize_activations(rows, block_size, pow2=ue8m0, reciprocal=False)
 
 
-def _validate(x, norm_weight, eps, cos, sin, freqs=None):
+def _validate(x, norm_weight, eps, cos, sin, freqs=None, fp32_pairs=False, pairs_in_place=False, interleaved=True):
     if x.dim() != 2:
         raise ValueError(f"rmsnorm_rope: x must be [T, C_norm + C_rope], got shape {tuple(x.shape)}")
     if x.dtype not in INPUT_DTYPES:
@@ -267,11 +283,13 @@ def _validate(x, norm_weight, eps, cos, sin, freqs=None):
         if c_rope:
             raise ValueError(f"rmsnorm_rope: {c_rope} columns after the norm but no cos/sin")
     else:
+        _validate_pair_flags("rmsnorm_rope", interleaved, fp32_pairs, pairs_in_place)
+        width = c_rope // 2 if fp32_pairs or pairs_in_place else c_rope
         for name, t in (("cos", cos), ("sin", sin)):
-            if t.shape != (x.shape[0], c_rope):
-                raise ValueError(f"rmsnorm_rope: {name} must be [T, C_rope] = {(x.shape[0], c_rope)}, "
-                                 f"got {tuple(t.shape)}")
-            if t.dtype != x.dtype:
+            if t.shape != (x.shape[0], width):
+                raise ValueError(f"rmsnorm_rope: {name} must be [T, {'C_rope/2' if width != c_rope else 'C_rope'}] "
+                                 f"= {(x.shape[0], width)}, got {tuple(t.shape)}")
+            if t.dtype != x.dtype and not (fp32_pairs and t.dtype == torch.float32):
                 raise TypeError(f"rmsnorm_rope: {name} dtype {t.dtype} != x dtype {x.dtype}")
             if t.device != x.device:
                 raise ValueError(f"rmsnorm_rope: {name} on {t.device}, x on {x.device}")
@@ -281,6 +299,12 @@ def _validate(x, norm_weight, eps, cos, sin, freqs=None):
             raise ValueError(f"rmsnorm_rope: rope width {c_rope} must be even")
     if norm_weight.device != x.device:
         raise ValueError(f"rmsnorm_rope: norm_weight on {norm_weight.device}, x on {x.device}")
+
+
+def _validate_pair_flags(op, interleaved, fp32_pairs, pairs_in_place):
+    if pairs_in_place and (fp32_pairs or not interleaved):
+        raise ValueError(f"{op}: pairs_in_place is the interleaved RoPE rounded per op (fp32_pairs writes its pairs in "
+                         "place already)")
 
 
 def _check_weight_dtype(x, norm_weight, weight_in_fp32):
@@ -300,10 +324,12 @@ def _validate_rows(op, x):
 
 
 def _validate_rope_cat(x, cos, sin, rope_start, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                       rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
+                       rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, pairs_in_place=False,
+                       interleaved=True):
     _validate_rows("rope_cat", x)
+    _validate_pair_flags("rope_cat", interleaved, fp32_pairs, pairs_in_place)
     table = cos.shape[-1]
-    c_rope = 2 * table if fp32_pairs else table
+    c_rope = 2 * table if fp32_pairs or pairs_in_place else table
     if c_rope < 2 or c_rope % 2:
         raise ValueError(f"rope_cat: rope width {c_rope} must be even and positive")
     if not 0 <= rope_start <= x.shape[-1] - c_rope:
@@ -456,10 +482,11 @@ def _rmsnorm_rope_block(
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, WEIGHT_FP32: tl.constexpr, HAS_ROPE: tl.constexpr, COMPLEX: tl.constexpr,
     REAL_MUL: tl.constexpr, IMAG_MUL: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr, DIV_SQRT: tl.constexpr,
+    FP32_PAIRS: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     """Program `pid`'s ROWS rows: the norm over C_NORM columns (by `_rms_scale`, `_over_rms`), then the rope over
-    2*HALF columns (HF's, from cos/sin rows; or with COMPLEX the official complex product, row t rotated by freqs
-    row t % F_ROWS)."""
+    2*HALF columns (HF's, from cos/sin rows, or a pair form as `_rope_rows`; or with COMPLEX the official complex
+    product, row t rotated by freqs row t % F_ROWS)."""
     dtype = normed_ptr.dtype.element_ty
     rows = pid * ROWS + tl.arange(0, ROWS)
     row_ok = rows < T
@@ -495,7 +522,7 @@ def _rmsnorm_rope_block(
     elif HAS_ROPE:
         _rope_rows(x_ptr + rows64[:, None] * sx + C_NORM, cos_ptr + rows64[:, None] * scos,
                    sin_ptr + rows64[:, None] * ssin, roped_ptr + rows64[:, None] * srope, row_ok, HALF,
-                   0.0, 0.0, w_ptr, w_ptr, BLOCK_H, INTERLEAVED, 0, MANUAL_BF16_RNE)
+                   0.0, 0.0, w_ptr, w_ptr, BLOCK_H, INTERLEAVED, 0, MANUAL_BF16_RNE, FP32_PAIRS, False, IN_PLACE)
 
 
 @triton.jit
@@ -549,12 +576,15 @@ def _norm_apply(xf, mean, rstd, w_ptrs, b_ptrs, col_ok, dtype, NORM: tl.constexp
 @triton.jit
 def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_rstd, ln_w, ln_b,
                BLOCK_H: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
-               MANUAL_BF16_RNE: tl.constexpr, FP32_PAIRS: tl.constexpr = False, DIV_SQRT: tl.constexpr = False):
+               MANUAL_BF16_RNE: tl.constexpr, FP32_PAIRS: tl.constexpr = False, DIV_SQRT: tl.constexpr = False,
+               IN_PLACE: tl.constexpr = False):
     """RoPE of 2*HALF columns for a [ROWS, 1] block of row pointers (x and the output at the first rotated
     column, cos / sin at their row start), in HF's op order and output layout. With NORM (`_norm_apply`), x is
     first normalised with the rows' `ln_mean` / `ln_rstd` ([ROWS]) and the weight / bias at `ln_w` / `ln_b`
     (pointers at the first rotated column), DIV_SQRT its division form. FP32_PAIRS: V4's form (pairs rotated in
-    place in fp32, one table column per pair, one rounding)."""
+    place in fp32, one table column per pair, one rounding). IN_PLACE (with INTERLEAVED): HF's op order and
+    rounding, the pairs written back in place (GPT-J's layout; one table column per pair, read as the interleaved
+    form reads its tables' first half)."""
     dtype = out_rows.dtype.element_ty
     j = tl.arange(0, BLOCK_H)
     hok = row_ok[:, None] & (j < HALF)[None, :]
@@ -602,8 +632,11 @@ def _rope_rows(x_rows, cos_rows, sin_rows, out_rows, row_ok, HALF, ln_mean, ln_r
         as_ = _round_to(a * s_hi, dtype, MANUAL_BF16_RNE)
         lo = _round_to(ac - bs, dtype, MANUAL_BF16_RNE).to(dtype)
         hi = _round_to(bc + as_, dtype, MANUAL_BF16_RNE).to(dtype)
-        tl.store(out_rows + j[None, :], lo, mask=hok)
-        tl.store(out_rows + HALF + j[None, :], hi, mask=hok)
+        if IN_PLACE:
+            tl.store(out_rows[:, :, None] + pair_cols, tl.join(lo, hi), mask=pair_mask)
+        else:
+            tl.store(out_rows + j[None, :], lo, mask=hok)
+            tl.store(out_rows + HALF + j[None, :], hi, mask=hok)
 
 
 @triton.jit
@@ -621,7 +654,7 @@ def _rope_cat_block(
     sx0, sx1, sx2, sc0, sc1, sc2, ss0, ss1, ss2,
     ROWS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
     INTERLEAVED: tl.constexpr, NORM: tl.constexpr, FP32_PAIRS: tl.constexpr, MANUAL_BF16_RNE: tl.constexpr,
-    DIV_SQRT: tl.constexpr,
+    DIV_SQRT: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     """Program `pid`'s ROWS rows (of the A0*A1*A2 rows of a strided 4-D x): the columns outside
     [R0, R0 + 2*HALF) copied (normalised with NORM: 1 LayerNorm, 2.. an RMSNorm, by a division with DIV_SQRT, see
@@ -655,7 +688,7 @@ def _rope_cat_block(
     _rope_rows(x_rows[:, None] + R0, cos_ptr + (i0 * sc0 + i1 * sc1 + i2 * sc2)[:, None],
                sin_ptr + (i0 * ss0 + i1 * ss1 + i2 * ss2)[:, None], out_rows[:, None] + R0, row_ok, HALF,
                mean, rstd, lnw_ptr + R0, lnb_ptr + R0, BLOCK_H, INTERLEAVED, NORM, MANUAL_BF16_RNE, FP32_PAIRS,
-               DIV_SQRT)
+               DIV_SQRT, IN_PLACE)
 
 
 @triton.jit
@@ -757,11 +790,12 @@ def default_num_warps(width, rows):
 
 
 def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
-                        rows_per_program=None, num_warps=None, complex_mul=None) -> "BlockLaunch":
+                        fp32_pairs=False, pairs_in_place=False, rows_per_program=None, num_warps=None,
+                        complex_mul=None) -> "BlockLaunch":
     """`rmsnorm_rope`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), its outputs
     allocated. `rows_per_program` / `num_warps` override the launch shape (the GPU benchmark sweeps them);
     `complex_mul` as for `rope_quant_fp8_launch`."""
-    _validate(x, norm_weight, eps, cos, sin, freqs)
+    _validate(x, norm_weight, eps, cos, sin, freqs, fp32_pairs, pairs_in_place, interleaved)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
     c_norm = norm_weight.shape[0]
@@ -784,14 +818,15 @@ def rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp
         ROWS=rows, BLOCK_N=next_power_of_2(c_norm), BLOCK_H=next_power_of_2(max(half, 1)),
         INTERLEAVED=bool(interleaved), WEIGHT_FP32=bool(weight_in_fp32), HAS_ROPE=has_rope,
         COMPLEX=freqs is not None, REAL_MUL=LANE_ROUNDINGS.index(real_mul), IMAG_MUL=LANE_ROUNDINGS.index(imag_mul),
-        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, DIV_SQRT=bool(div_sqrt))
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, DIV_SQRT=bool(div_sqrt),
+        FP32_PAIRS=bool(fp32_pairs), IN_PLACE=bool(pairs_in_place))
 
 
 def rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
-                        **launch):
+                        fp32_pairs=False, pairs_in_place=False, **launch):
     """One launch of `rmsnorm_rope`, no host sync (keyword arguments as `rmsnorm_rope_launch`)."""
     return launch_blocks([rmsnorm_rope_launch(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs,
-                                              div_sqrt, **launch)])[0]
+                                              div_sqrt, fp32_pairs, pairs_in_place, **launch)])[0]
 
 
 def rope_cat_default_rows(n_rows, width):
@@ -801,16 +836,16 @@ def rope_cat_default_rows(n_rows, width):
 
 
 def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, rows_per_program=None,
-                    num_warps=None) -> "BlockLaunch":
+                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, pairs_in_place=False,
+                    rows_per_program=None, num_warps=None) -> "BlockLaunch":
     """`rope_cat`'s share of a launch (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1)."""
     _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs,
-                       rms_div_sqrt)
+                       rms_div_sqrt, pairs_in_place, interleaved)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_rows = x.shape[0] * x.shape[1] * x.shape[2]
     width = x.shape[3]
     rows = rows_per_program or rope_cat_default_rows(n_rows, width)
-    half = cos.shape[-1] if fp32_pairs else cos.shape[-1] // 2
+    half = cos.shape[-1] if fp32_pairs or pairs_in_place else cos.shape[-1] // 2
     norm = 1 if ln_weight is not None else 1 + rms_norm if rms_norm else 0
     weight = ln_weight if ln_weight is not None else rms_weight if rms_weight is not None else x
     return BlockLaunch.bind(
@@ -820,16 +855,17 @@ def rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bia
         *x.stride()[:3], *cos.stride()[:3], *sin.stride()[:3],
         ROWS=rows, BLOCK_D=next_power_of_2(width), BLOCK_H=next_power_of_2(half),
         INTERLEAVED=bool(interleaved), NORM=norm, FP32_PAIRS=bool(fp32_pairs),
-        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, DIV_SQRT=bool(rms_div_sqrt))
+        MANUAL_BF16_RNE=interpreting() and x.dtype == torch.bfloat16, DIV_SQRT=bool(rms_div_sqrt),
+        IN_PLACE=bool(pairs_in_place))
 
 
 def rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, rows_per_program=None,
-                    num_warps=None):
+                    rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, pairs_in_place=False,
+                    rows_per_program=None, num_warps=None):
     """One launch of `rope_cat`."""
     return launch_blocks([rope_cat_launch(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm,
-                                          rms_weight, rms_eps, fp32_pairs, rms_div_sqrt, rows_per_program,
-                                          num_warps)])[0][0]
+                                          rms_weight, rms_eps, fp32_pairs, rms_div_sqrt, pairs_in_place,
+                                          rows_per_program, num_warps)])[0][0]
 
 
 def _broadcast_strides(t, dims):
@@ -1002,20 +1038,24 @@ def launch_blocks(launches: list[BlockLaunch]) -> list[tuple]:
 @torch.library.custom_op("dsfuse::rmsnorm_rope", mutates_args=())
 def rmsnorm_rope(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: Optional[torch.Tensor],
                  sin: Optional[torch.Tensor], interleaved: bool, weight_in_fp32: bool,
-                 freqs: Optional[torch.Tensor] = None, div_sqrt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 freqs: Optional[torch.Tensor] = None, div_sqrt: bool = False, fp32_pairs: bool = False,
+                 pairs_in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed [T, C_norm], roped [T, C_rope]) in x's dtype (reference math on CPU). `freqs` (complex64
     [F, C_rope/2], F dividing T; row t rotated by freqs row t % F) instead of cos/sin: the official
-    complex-multiply RoPE, in the source's layout. `div_sqrt`: the norm divides by sqrt(mean + eps)."""
-    _validate(x, norm_weight, eps, cos, sin, freqs)
+    complex-multiply RoPE, in the source's layout. `div_sqrt`: the norm divides by sqrt(mean + eps).
+    `fp32_pairs` / `pairs_in_place` (cos/sin [T, C_rope/2]): V4's fp32 pair RoPE, or GPT-J's interleaved RoPE in
+    x's dtype, each written in place (as `rope_cat`'s)."""
+    _validate(x, norm_weight, eps, cos, sin, freqs, fp32_pairs, pairs_in_place, interleaved)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     normed, roped = rmsnorm_rope_reference(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs,
-                                           div_sqrt)
+                                           div_sqrt, fp32_pairs, pairs_in_place)
     return normed.contiguous(), roped.contiguous()
 
 
 @rmsnorm_rope.register_fake
-def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False):
-    _validate(x, norm_weight, eps, cos, sin, freqs)
+def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
+                       fp32_pairs=False, pairs_in_place=False):
+    _validate(x, norm_weight, eps, cos, sin, freqs, fp32_pairs, pairs_in_place, interleaved)
     _check_weight_dtype(x, norm_weight, weight_in_fp32)
     T, width = x.shape
     c_norm = norm_weight.shape[0]
@@ -1023,41 +1063,45 @@ def _rmsnorm_rope_fake(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp3
 
 
 @direct_kernel(rmsnorm_rope)
-def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False):
-    return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs, div_sqrt)
+def _rmsnorm_rope_cuda(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs=None, div_sqrt=False,
+                       fp32_pairs=False, pairs_in_place=False):
+    return rmsnorm_rope_triton(x, norm_weight, eps, cos, sin, interleaved, weight_in_fp32, freqs, div_sqrt, fp32_pairs,
+                               pairs_in_place)
 
 
 @torch.library.custom_op("dsfuse::rope_cat", mutates_args=())
 def rope_cat(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_start: int, interleaved: bool,
              ln_weight: Optional[torch.Tensor] = None, ln_bias: Optional[torch.Tensor] = None,
              ln_eps: float = 0.0, rms_norm: int = 0, rms_weight: Optional[torch.Tensor] = None,
-             rms_eps: float = 0.0, fp32_pairs: bool = False, rms_div_sqrt: bool = False) -> torch.Tensor:
+             rms_eps: float = 0.0, fp32_pairs: bool = False, rms_div_sqrt: bool = False,
+             pairs_in_place: bool = False) -> torch.Tensor:
     """x ([A0, A1, A2, D], any strides but a contiguous last dim) with columns [rope_start, rope_start +
     C_rope) RoPE'd and the rest copied, contiguous: HF's `cat` of a split's parts after the RoPE of one.
     cos/sin: [A0, A1, A2, C_rope] (broadcast dims may have stride 0; with `fp32_pairs`, V4's RoPE, one column
     per pair: [A0, A1, A2, C_rope/2]). With `ln_weight` / `ln_bias` ([D]), each row is first LayerNorm'd (eps
     `ln_eps`): HF's indexer key path; with `rms_norm` (an index of `RMS_NORMS`), RMSNorm'd (weight
-    `rms_weight`, eps `rms_eps`, by a division with `rms_div_sqrt`): HF V4's query and K=V head. Reference math on
-    CPU."""
+    `rms_weight`, eps `rms_eps`, by a division with `rms_div_sqrt`): HF V4's query and K=V head. With
+    `pairs_in_place` (and `interleaved`; tables of one column per pair as `fp32_pairs`): GPT-J's RoPE in x's
+    dtype, pairs written back in place. Reference math on CPU."""
     _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs,
-                       rms_div_sqrt)
+                       rms_div_sqrt, pairs_in_place, interleaved)
     return rope_cat_reference(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
-                              rms_eps, fp32_pairs, rms_div_sqrt).contiguous()
+                              rms_eps, fp32_pairs, rms_div_sqrt, pairs_in_place).contiguous()
 
 
 @rope_cat.register_fake
 def _rope_cat_fake(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                   rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
+                   rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, pairs_in_place=False):
     _validate_rope_cat(x, cos, sin, rope_start, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight, rms_eps, fp32_pairs,
-                       rms_div_sqrt)
+                       rms_div_sqrt, pairs_in_place, interleaved)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @direct_kernel(rope_cat)
 def _rope_cat_cuda(x, cos, sin, rope_start, interleaved, ln_weight=None, ln_bias=None, ln_eps=0.0, rms_norm=0,
-                   rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False):
+                   rms_weight=None, rms_eps=0.0, fp32_pairs=False, rms_div_sqrt=False, pairs_in_place=False):
     return rope_cat_triton(x, cos, sin, rope_start, interleaved, ln_weight, ln_bias, ln_eps, rms_norm, rms_weight,
-                           rms_eps, fp32_pairs, rms_div_sqrt)
+                           rms_eps, fp32_pairs, rms_div_sqrt, pairs_in_place)
 
 
 @torch.library.custom_op("dsfuse::rope_quant_fp8", mutates_args=())

@@ -14,6 +14,7 @@ from dsfuse.kernels.norm_rope_quant import (
     RMS_NORMS,
     complex_rope_reference,
     layer_norm_reference,
+    rms_norm_reference,
     rmsnorm_rope,
     rmsnorm_rope_reference,
     rmsnorm_rope_triton,
@@ -232,15 +233,15 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         pytest.skip("this triton build has no NVIDIA backend")
     from dsfuse.kernels.norm_rope_quant import COMPILE_OPTIONS
 
-    def norm(interleaved, div_sqrt=False):
+    def norm(interleaved, div_sqrt=False, fp32_pairs=False, in_place=False):
         return {"ROWS": 8, "BLOCK_N": 512, "BLOCK_H": 32, "INTERLEAVED": interleaved, "WEIGHT_FP32": False,
                 "HAS_ROPE": True, "COMPLEX": False, "REAL_MUL": 0, "IMAG_MUL": 0, "MANUAL_BF16_RNE": False,
-                "DIV_SQRT": div_sqrt}
+                "DIV_SQRT": div_sqrt, "FP32_PAIRS": fp32_pairs, "IN_PLACE": in_place}
 
-    def cat(interleaved, layer_norm=False, v4=False, div_sqrt=False):
+    def cat(interleaved, layer_norm=False, v4=False, div_sqrt=False, in_place=False):
         norm_kind = 1 + RMS_NORMS.index("unweighted_scale_cast") if v4 else int(layer_norm)
         return {"ROWS": 16, "BLOCK_D": 256, "BLOCK_H": 32, "INTERLEAVED": interleaved, "NORM": norm_kind,
-                "FP32_PAIRS": v4, "MANUAL_BF16_RNE": False, "DIV_SQRT": div_sqrt}
+                "FP32_PAIRS": v4, "MANUAL_BF16_RNE": False, "DIV_SQRT": div_sqrt, "IN_PLACE": in_place}
 
     q_a_norm = {**norm(True), "ROWS": 2, "BLOCK_N": 2048, "HAS_ROPE": False}
 
@@ -253,6 +254,9 @@ def test_sm90_ptx_rounds_every_op_like_eager():
         ["cat_v4_rms_norm_pairs", [["_rope_cat_block", cat(True, v4=True)]], COMPILE_OPTIONS],
         ["norm_div_sqrt", [["_rmsnorm_rope_block", norm(True, div_sqrt=True)]], COMPILE_OPTIONS],
         ["cat_v4_rms_div_sqrt", [["_rope_cat_block", cat(True, v4=True, div_sqrt=True)]], COMPILE_OPTIONS],
+        ["norm_fp32_pairs", [["_rmsnorm_rope_block", norm(True, fp32_pairs=True)]], COMPILE_OPTIONS],
+        ["norm_pairs_in_place", [["_rmsnorm_rope_block", norm(True, in_place=True)]], COMPILE_OPTIONS],
+        ["cat_pairs_in_place", [["_rope_cat_block", cat(True, in_place=True)]], COMPILE_OPTIONS],
         ["layer_group", [["_rmsnorm_rope_block", norm(True)], ["_rmsnorm_rope_block", q_a_norm],
                          ["_rope_cat_block", cat(False, layer_norm=True)]], COMPILE_OPTIONS],
         ["fusion_on", [["_rmsnorm_rope_block", norm(True)]], {"enable_fp_fusion": True}],
@@ -263,7 +267,7 @@ def test_sm90_ptx_rounds_every_op_like_eager():
             continue
         assert not [op for op in ops if op.startswith("fma")], (label, ops)
         arithmetic = [op for op in ops if op.split(".")[0] in ("mul", "add", "sub")]
-        assert label in division or any("bf16" in op for op in arithmetic), (label, ops)
+        assert label in (*division, "norm_fp32_pairs") or any("bf16" in op for op in arithmetic), (label, ops)
         assert all(".rn." in op for op in arithmetic), (label, ops)
     assert "fma.rn.bf16" in found["fusion_on"], found["fusion_on"]
     for label in division:  # IEEE square root and quotient, no reciprocal square root
@@ -1052,6 +1056,80 @@ def test_rope_cat_rms_norm_opcheck_and_bad_input():
         rope_cat(q, cos4, sin4, 25, True, fp32_pairs=True)  # pair columns past the end
     with pytest.raises(ValueError, match="rope_cat"):
         rope_cat(q, torch.cat([cos4, cos4], -1), sin4, 24, True, fp32_pairs=True)  # a full-width table
+
+
+def _gpt_j(rot, cos, sin):
+    """GPT-J's RoPE as sources write it: pairs by `unbind`, each op in rot's dtype, stacked back in place."""
+    even, odd = rot.unflatten(-1, (-1, 2)).unbind(-1)
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rms_norm", [0, 1, 4], ids=lambda i: RMS_NORMS[i])
+def test_rope_cat_pairs_in_place_is_gpt_j_in_the_input_dtype(dtype, rms_norm):
+    """`pairs_in_place`: the trailing columns of a strided [B, H, S, 30] query (odd sizes) rotated as GPT-J's
+    `unbind` pairs in x's dtype, stacked back in place, after each RMSNorm rounding: reference and kernel
+    (interpreter) equal the source's expression bit for bit, and in bf16 / fp16 that is neither V4's fp32 pairs
+    nor HF's interleaved layout."""
+    q, _, weight, cos, sin = _v4_states(dtype, heads=3, seq=7, batch=1, dim=30, c_rope=10)
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 5) for t in (cos, sin))
+    rms = (rms_norm, weight if rms_norm == 1 else None, 1e-6 if rms_norm else 0.0)
+    normed = rms_norm_reference(q, rms_norm, weight, 1e-6) if rms_norm else q
+    want = torch.cat([normed[..., :20], _gpt_j(normed[..., 20:], cos4, sin4)], -1)
+    args = (q, cos4, sin4, 20, True, None, None, 0.0, *rms, False, False, True)
+    _assert_equal(rope_cat_reference(*args), want)
+    _assert_equal(rope_cat_triton(*args), want)
+    if dtype != torch.float32:
+        assert not torch.equal(want, rope_cat_reference(q, cos4, sin4, 20, True, None, None, 0.0, *rms, True))
+    else:  # fp32: every op already rounds to fp32, so GPT-J's form is V4's
+        _assert_equal(want, rope_cat_reference(q, cos4, sin4, 20, True, None, None, 0.0, *rms, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("form", ["fp32_pairs", "pairs_in_place"])
+@pytest.mark.parametrize("T", [1, 7, 13])
+def test_rmsnorm_rope_pair_forms_are_the_sources(dtype, form, T):
+    """The kv side with a pair RoPE (cos / sin [T, C_rope/2]): V4's fp32 pairs (`(r.float() * cos2 +
+    rotate_half(r).float() * sin2).to(dtype)`) or GPT-J's `unbind` pairs in x's dtype, each in place; reference and
+    kernel (interpreter) at odd row counts, bit for bit."""
+    x, weight, _, _ = _inputs(T, 24, 10, dtype)
+    g = torch.Generator().manual_seed(1)
+    angles = torch.randn(T, 5, generator=g) * 3
+    cos, sin = (f(angles).to(dtype).to(DEVICE) for f in (torch.cos, torch.sin))
+    rot = x[:, 24:]
+    if form == "fp32_pairs":
+        turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), -1).flatten(-2)
+        cos2, sin2 = (t.repeat_interleave(2, -1) for t in (cos, sin))
+        source = (rot.float() * cos2 + turned.float() * sin2).to(dtype)
+    else:
+        source = _gpt_j(rot, cos, sin)
+    flags = {form: True}
+    want = rmsnorm_rope_reference(x, weight, 1e-6, cos, sin, True, False, **flags)
+    _assert_equal(want[1], source)
+    got = rmsnorm_rope_triton(x, weight, 1e-6, cos, sin, True, False, **flags)
+    _assert_equal(got[0], want[0])
+    _assert_equal(got[1], want[1])
+
+
+def test_pair_flags_opcheck_and_bad_input():
+    x, weight, _, _ = _inputs(5, 24, 8, torch.bfloat16)
+    cos, sin = torch.rand(5, 4).to(torch.bfloat16), torch.rand(5, 4).to(torch.bfloat16)
+    torch.library.opcheck(rmsnorm_rope, (x, weight, 1e-6, cos, sin, True, False), {"pairs_in_place": True})
+    torch.library.opcheck(rmsnorm_rope, (x, weight, 1e-6, cos.float(), sin.float(), True, False),
+                          {"fp32_pairs": True})
+    q, _, _, c, s_ = _v4_states(torch.bfloat16)
+    b, h, s, d = q.shape
+    cos4, sin4 = (t.unsqueeze(1).expand(b, h, s, 4).contiguous() for t in (c, s_))
+    torch.library.opcheck(rope_cat, (q, cos4, sin4, 24, True), {"pairs_in_place": True})
+    with pytest.raises(ValueError, match="pairs_in_place"):
+        rope_cat(q, cos4, sin4, 24, False, pairs_in_place=True)
+    with pytest.raises(ValueError, match="pairs_in_place"):
+        rmsnorm_rope(x, weight, 1e-6, cos, sin, True, False, fp32_pairs=True, pairs_in_place=True)
+    with pytest.raises(ValueError, match="C_rope/2"):
+        rmsnorm_rope(x, weight, 1e-6, torch.cat([cos, cos], -1), sin, True, False, pairs_in_place=True)
+    with pytest.raises(TypeError, match="dtype"):
+        rmsnorm_rope(x, weight, 1e-6, cos.float(), sin.float(), True, False, pairs_in_place=True)
 
 
 @pytest.mark.gpu
