@@ -107,6 +107,7 @@ from .graph_utils import (
     walk_forward,
 )
 from .norm_rope_quant_groups import group_launches
+from .verify import Family, pure_slice, verify
 
 NAME = "norm_rope_quant"
 # On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
@@ -182,9 +183,15 @@ def _match_sliced(first: torch.fx.Node) -> dict:
 
 
 def _match_parts(proj: torch.fx.Node, sizes: list, parts: dict[int, torch.fx.Node]) -> dict:
-    """Part 0 of `proj` through an RMSNorm, part 1 through a RoPE."""
+    """Part 0 of `proj` through an RMSNorm, part 1 through a RoPE (HF's forms and the complex product by their
+    structure, the pair forms written in place by what they compute)."""
     norm = _match_weighted_or_unit_norm(parts[0], dtype(proj))
-    rope = _match_rope(parts[1], dtype(proj))
+    try:
+        rope = _match_rope(parts[1], dtype(proj))
+    except NoMatch:
+        rope = _pair_rope_by_probes(_view_chain(parts[1])[-1], dtype(proj))
+        if rope is None:
+            raise
     return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
 
 
@@ -413,8 +420,8 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
         s = other_operand(odd_s, odd)
         cats = users_of(sub, aten.cat.default)
         if not cats and users_of(sub, aten.unsqueeze.default):
-            raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no "
-                          "kernel computes that form")
+            raise NoMatch("interleaved RoPE stacked back in place (GPT-J layout), not a call's pair form on probes "
+                          "(`_pair_rope_by_probes`)")
         for cat in cats:
             items = cat.args[0]
             if len(items) != 2 or items[0] is not sub or not is_last_dim_cat(cat):
@@ -456,25 +463,35 @@ def _rewrite(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx: PassCont
     before = in_graph_order([m["rope_out"], m["norm_out"]])[-1]
     width = shape(m["proj"])[-1]
     x = insert_call(graph, before, aten.reshape.default, (m["proj"], [-1, width]))
+    pair_kwargs = {}
     if "freqs" in m:  # the official complex RoPE: freqs' rows, which the flattened rows repeat
         freqs = insert_call(graph, before, aten.reshape.default, (m["freqs"], [-1, shape(m["freqs"])[-1]]))
         rope_args = (None, None, m["interleaved"], m["weight_in_fp32"], freqs)
+    elif "pairs" in m:  # one table column per pair, [T, C_rope/2]
+        rows = size_args(graph, before, m["rot"])[:m["lead"]]
+        rope_args = tuple(insert_call(graph, before, aten.reshape.default,
+                                      (_pair_rows(graph, before, m[name], m["rope_out"], rows),
+                                       [-1, m["c_rope"] // 2]))
+                          for name in ("cos", "sin")) + (True, m["weight_in_fp32"])
+        pair_kwargs = {m["pairs"]: True}
     else:
         rope_args = (_rows_of(graph, before, m["cos"], m["rot"]), _rows_of(graph, before, m["sin"], m["rot"]),
                      m["interleaved"], m["weight_in_fp32"])
     weight = _unit_weight_if_none(graph, before, m, x, m["c_norm"])
     fused = insert_call(graph, before, torch.ops.dsfuse.rmsnorm_rope.default, (x, weight, m["eps"], *rope_args),
-                        _div_sqrt_kwargs(m, "div_sqrt"))
+                        {**_div_sqrt_kwargs(m, "div_sqrt"), **pair_kwargs})
     normed = insert_call(graph, before, operator.getitem, (fused, 0))
     roped = insert_call(graph, before, operator.getitem, (fused, 1))
     proj_lead = [size_arg(graph, before, m["proj"], d) for d in range(len(shape(m["proj"])) - 1)]
     rot_shape = size_args(graph, before, m["rot"])
+    if "pairs" in m:  # the part's rows, then its width (the pairs' view flattened back)
+        rot_shape = rot_shape[:m["lead"]] + [m["c_rope"]]
     for out, flat, sizes in ((m["norm_out"], normed, proj_lead + [m["c_norm"]]), (m["rope_out"], roped, rot_shape)):
         restored = insert_call(graph, before, aten.reshape.default, (flat, sizes))
         out.replace_all_uses_with(restored)
     stable_topological_sort(graph)  # the earlier output's users may sit before the fused call
     graph.eliminate_dead_code()
-    form = "interleaved" if m["interleaved"] else "half-split"
+    form = PAIR_FORMS[m["pairs"]] if "pairs" in m else "interleaved" if m["interleaved"] else "half-split"
     if "freqs" in m:
         form = f"complex-multiply {form}"
     tables = [m["freqs"]] if "freqs" in m else [m["cos"][0], m["sin"][0]]
@@ -1090,7 +1107,12 @@ def _match_trailing_rope(cat: torch.fx.Node) -> dict:
     except NoMatch as miss:
         if miss.reported:  # V4's RoPE in a form its call cannot take
             raise
-        return _match_tail_rope_cat(cat, row, rot, rotated, miss)
+        try:
+            return _match_tail_rope_cat(cat, row, rot, rotated, miss)
+        except NoMatch as tail_miss:  # a RoPE-like product of the tail: a pair form written otherwise?
+            rope = _pair_rope_by_probes(rot, x_dtype, rotated) if tail_miss.reported else None
+            if rope is None:
+                raise
     c_rope = width - kept_width
     if c_rope < 2 or c_rope % 2:
         raise NoMatch(f"V4 RoPE: rotated width {c_rope} is not even")
@@ -1208,12 +1230,16 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
               for table_dim in (m["cos"], m["sin"])]
     width = shape(row)[-1]
     rms = (0, None, 0.0) if norm is None else (RMS_NORMS.index(norm["rounding"]), norm["weight"], norm["eps"])
+    form = m.get("pairs", "fp32_pairs")
+    kwargs = {} if form == "fp32_pairs" else {form: True}
+    if norm is not None:
+        kwargs.update(_div_sqrt_kwargs(norm, "rms_div_sqrt"))
     fused = insert_call(graph, cat, torch.ops.dsfuse.rope_cat.default,
-                        (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms, True),
-                        _div_sqrt_kwargs(norm, "rms_div_sqrt") if norm is not None else {})
+                        (x, tables[0], tables[1], width - m["c_rope"], True, None, None, 0.0, *rms,
+                         form == "fp32_pairs"), kwargs)
     cat.replace_all_uses_with(insert_call(graph, cat, aten.reshape.default, (fused, sizes)))
     graph.eliminate_dead_code()
-    detail = f"V4 fp32 pair RoPE {m['c_rope']} of the trailing columns of {width}, concatenated in place"
+    detail = f"{PAIR_FORMS[form]} RoPE {m['c_rope']} of the trailing columns of {width}, concatenated in place"
     inputs = [row, m["cos"][0], m["sin"][0]]
     if norm is not None:
         weight = "no weight" if norm["weight"] is None else "weight"
@@ -1221,3 +1247,108 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
         detail = f"RMSNorm {width} ({norm['rounding']}{division}, {weight}, eps={norm['eps']:g}) + {detail}"
         inputs = [norm["input"], m["cos"][0], m["sin"][0]] + ([norm["weight"]] if norm["weight"] is not None else [])
     ctx.site(cat, "dsfuse.rope_cat", inputs, detail=detail, call=fused)
+
+
+# --- pair RoPEs written back in place, proven on probes -------------------------------------------------------------
+# The calls' pair forms (one table column per pair, the pairs written back in place), as the report names them.
+PAIR_FORMS = {"fp32_pairs": "V4 fp32 pair", "pairs_in_place": "GPT-J pair (in the input dtype)"}
+OUTPUT_DEPTH = 10
+
+
+def _pair_rope_by_probes(rot: torch.fx.Node, x_dtype: torch.dtype, rotated: torch.fx.Node | None = None) -> dict | None:
+    """The RoPE of `rot`'s interleaved pairs written back in place, however it is spelled (`unbind` pairs stacked
+    back, V4's even / odd stack + flatten): `rotated` (or, None, the latest node derived from `rot` within a few ops
+    in its shape and dtype) equals a call's pair form on probes (`verify.py`) at two tables of one column per pair,
+    the latest nodes of the slice not derived from `rot` that broadcast to its rows. `rot` may be the part viewed
+    as its [..., C_rope/2, 2] pairs (the view `unflatten` leaves). V4's fp32 form first (in fp32 the two forms are
+    one). A match as `_match_rope`'s, with "pairs" naming the form and "lead" the count of `rot`'s row dims; None
+    when nothing proves."""
+    dims = shape(rot)
+    paired = len(dims) >= 2 and same_size(dims[-1], 2) and isinstance(dims[-2], int)
+    rows, width = (dims[:-2], 2 * dims[-2]) if paired else (dims[:-1], dims[-1] if dims else None)
+    if not isinstance(width, int) or width < 2 or width % 2 or dtype(rot) != x_dtype:
+        return None
+    for out in [rotated] if rotated is not None else _rope_outputs(rot, [*rows, width]):
+        tables = _pair_tables(rot, out, rows, width // 2)
+        if tables is None:
+            continue
+        for cos, sin in (tables, tables[::-1]):
+            for form in PAIR_FORMS:
+                allowed = (x_dtype, torch.float32) if form == "fp32_pairs" else (x_dtype,)
+                if dtype(cos) not in allowed or dtype(sin) not in allowed:
+                    continue
+                family = Family(probes=_pair_probes, compare=_same_bits,
+                                reference=lambda probe, form=form: _pair_reference(probe, form, paired))
+                if verify([out], {"rot": rot, "cos": cos, "sin": sin}, family, extra=(form, paired)).ok:
+                    return {"rope_out": out, "cos": (cos, None), "sin": (sin, None), "interleaved": True, "rot": rot,
+                            "pairs": form, "lead": len(rows)}
+    return None
+
+
+def _rope_outputs(rot: torch.fx.Node, out_shape: list) -> list[torch.fx.Node]:
+    """Nodes derived from `rot` within `OUTPUT_DEPTH` ops of its dtype and shape `out_shape`, the latest first."""
+    found, frontier, seen = [], [rot], {rot}
+    for _ in range(OUTPUT_DEPTH):
+        frontier = list(dict.fromkeys(u for n in frontier for u in n.users if u not in seen))
+        seen.update(frontier)
+        found += [n for n in frontier if dtype(n) == dtype(rot) and same_shape(shape(n), out_shape)]
+    return in_graph_order(found)[::-1]
+
+
+def _pair_tables(rot: torch.fx.Node, out: torch.fx.Node, rows: list, half: int) -> list[torch.fx.Node] | None:
+    """The two latest nodes of the slice from `out` back to `rot` that are not derived from `rot`, one float column
+    per pair, broadcasting to `rows` at their rank, last dim contiguous; None unless there are exactly two."""
+    found = pure_slice([out], {rot})
+    if found is None or rot not in found[1]:
+        return None
+    inside = set(found[0]) | set(found[1])
+    derived, frontier = {rot}, [rot]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if u in inside and u not in derived]
+        derived.update(frontier)
+    candidates = [n for n in inside - derived if dtype(n) in FLOAT_DTYPES and len(shape(n)) == len(rows) + 1
+                  and same_size(shape(n)[-1], half) and broadcasts_to(shape(n)[:-1], rows)
+                  and _last_dim_contiguous(n)]
+    above = set()
+    for n in candidates:
+        pending = list(n.all_input_nodes)
+        while pending:
+            node = pending.pop()
+            if node in inside and node not in above:
+                above.add(node)
+                pending.extend(node.all_input_nodes)
+    tables = [n for n in candidates if n not in above]
+    return tables if len(tables) == 2 else None
+
+
+def _pair_probes(shapes: dict, dtypes: dict) -> list:
+    """Unrelated table values (a spelling that reads one table for the other, or a table through anything but a
+    product, fails) and tables of angles, at a rotated part of values of every sign."""
+    gen = torch.Generator().manual_seed(0)
+    rot = (torch.randn(shapes["rot"], generator=gen) * 3).to(dtypes["rot"])
+    free = {name: torch.randn(shapes[name], generator=gen).to(dtypes[name]) for name in ("cos", "sin")}
+    angles = torch.rand(shapes["cos"], generator=gen) * 6
+    turns = {"cos": angles.cos().to(dtypes["cos"]), "sin": angles.sin().to(dtypes["sin"])}
+    return [("free tables", {"rot": rot, **free}), ("angles", {"rot": rot, **turns})]
+
+
+def _pair_reference(probe: dict, form: str, paired: bool) -> torch.Tensor:
+    """The call's pair form `form` of the probe's part (given as its [..., C_rope/2, 2] pairs when `paired`)."""
+    from dsfuse.kernels.norm_rope_quant import pair_rope_fp32_reference, rope_reference
+
+    rot, cos, sin = probe["rot"], probe["cos"], probe["sin"]
+    if paired:
+        rot = rot.flatten(-2)
+    if form == "fp32_pairs":
+        return pair_rope_fp32_reference(rot, cos, sin)
+    return rope_reference(rot, cos, sin, True, pairs_in_place=True)
+
+
+def _same_bits(got: list, want: torch.Tensor, probe: dict) -> str | None:
+    """None when the slice's output is the reference's bit for bit (the calls compute each rounding as written)."""
+    out = got[0]
+    if not isinstance(out, torch.Tensor) or out.dtype != want.dtype or out.shape != want.shape:
+        return f"not a {want.dtype} tensor of shape {list(want.shape)}"
+    if torch.equal(out, want):
+        return None
+    return f"differs by up to {(out.float() - want.float()).abs().max().item():.3g}"

@@ -192,13 +192,48 @@ def vllm_neox_kv_side(proj, weight, cos_half, sin_half):
 
 def gptj_pairs_in_bf16(proj, weight, cos_half, sin_half):
     """vLLM's GPT-J rotary (`x1 = x[..., ::2]`, `x2 = x[..., 1::2]`, stacked back in place) in x's dtype beside an
-    RMSNorm: pairs in place with every op rounded, a form none of the ops computes."""
+    RMSNorm: pairs in place with every op rounded (`rmsnorm_rope`'s `pairs_in_place`, proven on probes)."""
     kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
     xf = kv_pass.float()
     normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(proj.dtype)
     x1, x2 = k_rot[..., ::2], k_rot[..., 1::2]
     rotated = torch.stack((x1 * cos_half - x2 * sin_half, x2 * cos_half + x1 * sin_half), dim=-1).flatten(-2)
     return normed, rotated
+
+
+def gptj_pairs_wrong_sign(proj, weight, cos_half, sin_half):
+    """GPT-J's layout with the sine's sign flipped in the first lane: a rotation by -angle of one lane only, not a
+    RoPE; the probes refuse it."""
+    kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
+    xf = kv_pass.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(proj.dtype)
+    x1, x2 = k_rot[..., ::2], k_rot[..., 1::2]
+    rotated = torch.stack((x1 * cos_half + x2 * sin_half, x2 * cos_half + x1 * sin_half), dim=-1).flatten(-2)
+    return normed, rotated
+
+
+def v4_pair_rope_beside_kv_norm(proj, weight, cos_half, sin_half):
+    """V4's fp32 pair RoPE (`rotate_half` by even / odd `stack` + `flatten`, tables repeated per pair) on the rope
+    part of a V3.2-style kv split beside its RMSNorm, k_rot viewed [B, 1, S, R]."""
+    kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
+    xf = kv_pass.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(proj.dtype)
+    rot = k_rot.view(B, 1, S, C_ROPE)
+    turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), -1).flatten(-2)
+    cos2, sin2 = (t.unsqueeze(1).repeat_interleave(2, -1) for t in (cos_half, sin_half))
+    return normed, (rot.float() * cos2 + turned.float() * sin2).to(proj.dtype)
+
+
+def gptj_unbind_pairs_v4_row(x, w_proj, weight32, cos, sin):
+    """A K=V head as V4 builds it (fp32-weight RMSNorm of the projection, one head) with GPT-J's RoPE of its trailing
+    slice in x's dtype, the pairs taken by `unflatten` + `unbind` and stacked back in place, `cat` back."""
+    xf = (x @ w_proj).float()
+    kv = (weight32 * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))).to(x.dtype)
+    kv = kv.view(B, S, 1, D).transpose(1, 2)
+    even, odd = kv[..., -C_ROPE:].unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = torch.stack([even * c - odd * s, odd * c + even * s], -1).flatten(-2)
+    return torch.cat([kv[..., :-C_ROPE], rotated], dim=-1)
 
 
 def fp32_weight_after_cast(proj, weight32, cos, sin):
@@ -303,8 +338,7 @@ def _residual():
 
 
 # --------------------------------------------------------------------------------------- the corpus
-GPTJ_IN_PLACE = ("interleaved RoPE stacked back in place (GPT-J layout, each op in the input dtype): no kernel "
-                 "computes that form")
+NOT_A_PAIR_ROPE = "interleaved RoPE: even*cos - odd*sin, odd*cos + even*sin not found"
 NOT_DIVIDED = "RMSNorm: sqrt(mean + eps) does not divide x itself (another rounding than any kernel's)"
 WEIGHT_PROMOTES = "RMSNorm: weight dtype torch.float32 differs from the product's torch.bfloat16"
 
@@ -345,7 +379,16 @@ CORPUS = {
     "reciprocal_sqrt": Entry(multiply_by_reciprocal_sqrt, "written for the corpus (x * reciprocal(sqrt))",
                              _kv_split(), NEAR_MISS, reason=NOT_DIVIDED),
     "gptj_pairs_in_bf16": Entry(gptj_pairs_in_bf16, "vLLM _apply_rotary_emb_torch (GPT-J) beside an RMSNorm",
-                                _kv_split(tables="half"), NEAR_MISS, reason=GPTJ_IN_PLACE),
+                                _kv_split(tables="half"), REWRITTEN, 1, op="dsfuse.rmsnorm_rope",
+                                detail="GPT-J pair (in the input dtype) RoPE"),
+    "gptj_pairs_wrong_sign": Entry(gptj_pairs_wrong_sign, "written for the corpus (one lane rotated backwards)",
+                                   _kv_split(tables="half"), NEAR_MISS, reason=NOT_A_PAIR_ROPE),
+    "v4_pair_rope_beside_kv_norm": Entry(v4_pair_rope_beside_kv_norm, "written for the corpus (V4 RoPE, V3.2 kv "
+                                         "split)", _kv_split(tables="half"), REWRITTEN, 1, op="dsfuse.rmsnorm_rope",
+                                         detail="V4 fp32 pair RoPE"),
+    "gptj_unbind_pairs_v4_row": Entry(gptj_unbind_pairs_v4_row, "written for the corpus (GPT-J unbind pairs, V4 "
+                                      "K=V head)", _v4_kv_head, REWRITTEN, 1, op="dsfuse.rope_cat",
+                                      detail="RMSNorm 24 (weight_fp32, weight, eps=1e-06) + GPT-J pair"),
     "fp32_weight_after_cast": Entry(fp32_weight_after_cast, "written for the corpus (promoting weight)",
                                     _kv_split(torch.float32), NEAR_MISS, reason=WEIGHT_PROMOTES),
     "layer_norm_alone": Entry(layer_norm_alone, "torch F.layer_norm of a projection", _projection(layer_norm=True),
