@@ -115,8 +115,8 @@ def test_row_tiled_fp4_gives_the_references_bits_at_either_k_step(grouped, step)
 
 
 class _LaunchRecorder:
-    """Stands in for a Triton kernel: records each launch's grid, BLOCK_M and whether it quantises the activations
-    itself, then launches the kernel."""
+    """Stands in for a Triton kernel: records each launch's grid (column blocks, row tiles, splits), BLOCK_M and
+    whether it quantises the activations itself, then launches the kernel."""
 
     def __init__(self, kernel):
         self.kernel, self.launches = kernel, []
@@ -165,7 +165,7 @@ def test_decode_path_gives_the_references_bits(kind, M, N, K, monkeypatch):
     x = _x(M, K, K + M)
     assert torch.equal(fp8_linear_triton(x, w, s, 128, 128), fp8_linear_reference(x, w, s, 128, 128))
     (grid, block_m, quantises), = recorder.launches
-    assert M <= ops.DECODE_MAX_ROWS and grid[0] == 1 and block_m == max(16, 1 << (M - 1).bit_length())
+    assert M <= ops.DECODE_MAX_ROWS and grid[1] == 1 and block_m == max(16, 1 << (M - 1).bit_length())
     assert quantises == (kind != "fp4" and block_m <= ops.DECODE_QUANTIZE_MAX_ROW_TILE)
 
 
@@ -226,7 +226,7 @@ def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_r
         assert torch.equal(out[start:end], want)
     assert not out[10:].any()
     (grid, block_m, quantises), = recorder.launches
-    assert grid[0] <= S and block_m == ops.DECODE_EXPERT_BLOCK_M and quantises == (kind != "fp4" and not quantise_first)
+    assert grid[1] <= S and block_m == ops.DECODE_EXPERT_BLOCK_M and quantises == (kind != "fp4" and not quantise_first)
 
 
 # opcheck's schema test compares the inputs before and after with an op CPU lacks for float8 tensors; the fake
@@ -420,3 +420,4 @@ def test_fp4_row_tiles_compile_for_sm90():
     tiles = {line["rows"]: line["tile"] for line in lines}
     assert tiles[192] == [256, 128, 8, 3, 128] and tiles[128][0] == 128 and tiles[64][0] == 64, tiles
     assert all(line["wgmma"] and line["shared"] <= 227 * 1024 for line in lines), lines
+
