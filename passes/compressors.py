@@ -58,7 +58,7 @@ from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labe
 from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
                           insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
                           scalar_constant, shape, softmax_parts, users_of, walk_back)
-from .verify import Family, pure_slice, verify
+from .verify import Family, latest_independent, verify
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -397,20 +397,9 @@ def _rotation_by_probes(r, rotated, kv_dtype, rows):
     orders; None otherwise."""
     if dtype(rotated) != kv_dtype or not same_shape(shape(rotated), shape(r)) or not same_size(shape(r)[-1] % 2, 0):
         return None
-    found = pure_slice([rotated], {r})
-    if found is None or r not in found[1]:
-        return None
-    inside = set(found[0]) | set(found[1])
-    derived, frontier = {r}, [r]
-    while frontier:
-        frontier = [u for n in frontier for u in n.users if u in inside and u not in derived]
-        derived.update(frontier)
     table_shape = (*rows, shape(r)[-1] // 2)
-    candidates = [n for n in inside if n not in derived and dtype(n) in FLOAT_DTYPES
-                  and same_shape(shape(n), table_shape)]
-    above = {n: _ancestors_within(n, inside) for n in candidates}
-    tables = [n for n in candidates if not any(n in above[other] for other in candidates)]
-    if len(tables) != 2:
+    tables = latest_independent(rotated, r, lambda n: dtype(n) in FLOAT_DTYPES and same_shape(shape(n), table_shape))
+    if tables is None or len(tables) != 2:
         return None
     family = Family(probes=_rope_probes, reference=lambda probe: interleaved_rope(*_lifted_tables(probe)),
                     compare=_same_rope)
@@ -418,16 +407,6 @@ def _rotation_by_probes(r, rotated, kv_dtype, rows):
         if verify([rotated], {"rope": r, "cos": cos, "sin": sin}, family).ok:
             return rotated, cos, sin
     return None
-
-
-def _ancestors_within(node, inside: set) -> set:
-    found, pending = set(), list(node.all_input_nodes)
-    while pending:
-        ancestor = pending.pop()
-        if ancestor in inside and ancestor not in found:
-            found.add(ancestor)
-            pending.extend(ancestor.all_input_nodes)
-    return found
 
 
 def _rope_probes(shapes: dict, dtypes: dict) -> list:

@@ -107,7 +107,7 @@ from .graph_utils import (
     walk_forward,
 )
 from .norm_rope_quant_groups import group_launches
-from .verify import Family, pure_slice, verify
+from .verify import Family, latest_independent, verify
 
 NAME = "norm_rope_quant"
 # On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
@@ -1298,27 +1298,10 @@ def _rope_outputs(rot: torch.fx.Node, out_shape: list) -> list[torch.fx.Node]:
 def _pair_tables(rot: torch.fx.Node, out: torch.fx.Node, rows: list, half: int) -> list[torch.fx.Node] | None:
     """The two latest nodes of the slice from `out` back to `rot` that are not derived from `rot`, one float column
     per pair, broadcasting to `rows` at their rank, last dim contiguous; None unless there are exactly two."""
-    found = pure_slice([out], {rot})
-    if found is None or rot not in found[1]:
-        return None
-    inside = set(found[0]) | set(found[1])
-    derived, frontier = {rot}, [rot]
-    while frontier:
-        frontier = [u for n in frontier for u in n.users if u in inside and u not in derived]
-        derived.update(frontier)
-    candidates = [n for n in inside - derived if dtype(n) in FLOAT_DTYPES and len(shape(n)) == len(rows) + 1
-                  and same_size(shape(n)[-1], half) and broadcasts_to(shape(n)[:-1], rows)
-                  and _last_dim_contiguous(n)]
-    above = set()
-    for n in candidates:
-        pending = list(n.all_input_nodes)
-        while pending:
-            node = pending.pop()
-            if node in inside and node not in above:
-                above.add(node)
-                pending.extend(node.all_input_nodes)
-    tables = [n for n in candidates if n not in above]
-    return tables if len(tables) == 2 else None
+    tables = latest_independent(out, rot, lambda n: (
+        dtype(n) in FLOAT_DTYPES and len(shape(n)) == len(rows) + 1 and same_size(shape(n)[-1], half)
+        and broadcasts_to(shape(n)[:-1], rows) and _last_dim_contiguous(n)))
+    return tables if tables is not None and len(tables) == 2 else None
 
 
 def _pair_probes(shapes: dict, dtypes: dict) -> list:

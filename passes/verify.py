@@ -101,6 +101,30 @@ def pure_slice(outputs: list[torch.fx.Node], stop: set, max_nodes: int = MAX_NOD
     return in_graph_order(inside), in_graph_order(frontier)
 
 
+def latest_independent(output: torch.fx.Node, root: torch.fx.Node, keep) -> list[torch.fx.Node] | None:
+    """The nodes of the pure slice from `output` back to `root` that are not computed from `root` and pass `keep`,
+    less those another of them is computed from: the latest such values (the tables a formula of `root` reads, not
+    what they are made from), in graph order; None when the slice does not reach `root`."""
+    found = pure_slice([output], {root})
+    if found is None or root not in found[1]:
+        return None
+    inside = set(found[0]) | set(found[1])
+    derived, frontier = {root}, [root]
+    while frontier:
+        frontier = [u for n in frontier for u in n.users if u in inside and u not in derived]
+        derived.update(frontier)
+    candidates = [n for n in in_graph_order(inside - derived) if keep(n)]
+    above = set()
+    for node in candidates:
+        pending = list(node.all_input_nodes)
+        while pending:
+            ancestor = pending.pop()
+            if ancestor in inside and ancestor not in above:
+                above.add(ancestor)
+                pending.extend(ancestor.all_input_nodes)
+    return [n for n in candidates if n not in above]
+
+
 def _describe_value(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype}{list(value.shape)}"
