@@ -275,6 +275,17 @@ def test_masked_fully_masked_rows_match_sdpa():
 
 
 
+def _causal_mask_with_rows_at_the_fill(B, S, T, dtype, device):
+    """An additive causal mask at finfo.min, with query 1 of batch 0 wholly at the fill, query 5 of batch 1 at -inf
+    and query 6 of batch 1 at a quarter of the fill (far below 0, yet it wins over the fill)."""
+    fill = torch.finfo(dtype).min
+    mask = torch.zeros(B, 1, S, T, device=device).masked_fill(~_causal_bool(B, S, T), fill)
+    mask[0, :, 1] = fill
+    mask[1, :, 5] = float("-inf")
+    mask[1, :, 6] = fill / 4
+    return mask.to(dtype)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_masked_additive_rows_at_the_fill_see_every_key(dtype):
     """Additive rows whose selected keys sit at finfo.min (or -inf) are SDPA's softmax over all T keys with the
@@ -283,12 +294,7 @@ def test_masked_additive_rows_at_the_fill_see_every_key(dtype):
     over every key runs for some blocks, in blocks that mix such rows with ordinary ones."""
     B, H, S, T = 2, 2, 12, 45
     q, k, v, idx = _masked_inputs(B, H, S, T, 24, 8, 5, dtype)
-    fill = torch.finfo(dtype).min
-    mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~_causal_bool(B, S, T), fill)
-    mask[0, :, 1] = fill
-    mask[1, :, 5] = float("-inf")
-    mask[1, :, 6] = fill / 4  # far below 0, yet it wins over the fill
-    mask = mask.to(dtype)
+    mask = _causal_mask_with_rows_at_the_fill(B, S, T, dtype, q.device)
     out = sa.sparse_attention_masked_triton(q, k, v, idx, mask, 0.3, block_m=4, block_n=32)
     ref = sa.sparse_attention_masked_reference(q, k, v, idx, mask, 0.3)
     assert _rel_err(out, ref) <= (1e-5 if dtype == torch.float32 else 2e-3)
@@ -507,12 +513,7 @@ def test_masked_hard_selection(dtype):
     -inf; HF's fill (the default) spreads such a row over every key. Rows with an allowed pick are the same."""
     B, H, S, T = 2, 2, 12, 45
     q, k, v, idx = _masked_inputs(B, H, S, T, 24, 8, 5, dtype)
-    fill = torch.finfo(dtype).min
-    mask = torch.zeros(B, 1, S, T, device=q.device).masked_fill(~_causal_bool(B, S, T), fill)
-    mask[0, :, 1] = fill
-    mask[1, :, 5] = float("-inf")
-    mask[1, :, 6] = fill / 4
-    mask = mask.to(dtype)
+    mask = _causal_mask_with_rows_at_the_fill(B, S, T, dtype, q.device)
     selected = torch.zeros(B, 1, S, T, dtype=torch.bool, device=q.device).scatter(-1, idx.unsqueeze(1), True)
     summed = mask + torch.zeros_like(mask).masked_fill(~selected, float("-inf"))
     want = F.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), attn_mask=summed.cpu(), scale=0.3)
