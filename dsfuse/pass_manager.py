@@ -10,6 +10,7 @@ a flag or editing a kernel can never be answered with a graph compiled for anoth
 from __future__ import annotations
 
 import hashlib
+import time
 from pathlib import Path
 
 import torch
@@ -62,6 +63,7 @@ class DsfusePassManager(CustomGraphPass):
         self.runs += 1
         graph_index = _report.current_graph()
         debug = debug_enabled()
+        start = time.perf_counter()
         for family in self.families:
             fired = canonicalize(graph)  # again before each family: the one before may have left new spellings
             if debug and fired:
@@ -77,6 +79,7 @@ class DsfusePassManager(CustomGraphPass):
             unpadded_inputs_of_fused_ops(graph)
         graph.eliminate_dead_code()
         graph.lint()
+        _report.record_pass_seconds(graph_index, time.perf_counter() - start)
 
     def uuid(self) -> str:
         families = ",".join(f"{f.name}:{f.uuid()}" for f in self.families)

@@ -49,6 +49,9 @@ class GraphRecord:
     tokens: int | None = None
     # Dynamo's (frame, compile of that frame): graphs of one frame with a later compile number are its recompiles
     frame: tuple[int, int] | None = None
+    # seconds dsfuse's passes (canonicaliser, matching, verification, rewrites) took on this graph; None when Inductor
+    # served the graph from its cache and no pass ran
+    pass_seconds: float | None = None
 
 
 @dataclass
@@ -62,6 +65,11 @@ class Report:
     @property
     def counts(self) -> dict[str, int]:
         return _counts(self.sites)
+
+    @property
+    def pass_seconds(self) -> float:
+        """The compile time dsfuse's passes added: their seconds summed over the graphs they ran on."""
+        return sum(g.pass_seconds for g in self.graphs if g.pass_seconds is not None)
 
     def _table(self) -> list[str]:
         lines = [f"dsfuse report: {len(self.graphs)} graph(s) compiled"]
@@ -174,6 +182,12 @@ def record_site(site: Site) -> None:
 def record_near_miss(miss: NearMiss) -> None:
     _REPORT.near_misses.append(miss)
     log.info("[%s] graph %d: left %s alone: %s", miss.pass_name, miss.graph, miss.anchor, miss.reason)
+
+
+def record_pass_seconds(index: int, seconds: float) -> None:
+    if 0 <= index < len(_REPORT.graphs):  # the manager called outside the backend has no graph record
+        graph = _REPORT.graphs[index]
+        graph.pass_seconds = (graph.pass_seconds or 0.0) + seconds
 
 
 def annotate_graph(index: int, note: str) -> None:

@@ -96,3 +96,23 @@ dsfuse report: 2 graph(s) compiled
 not rewritten:
   [indexer_topk] top-k of the smallest scores (graph 1 at topk)
 every site: print(dsfuse.report().details())""")
+
+
+def test_pass_seconds_are_the_passes_time_on_the_graphs_they_ran_on():
+    """`report().pass_seconds`: the compile time dsfuse's passes added, per graph; a graph Inductor's FX graph cache
+    serves ran no pass and adds none."""
+    torch._dynamo.reset()
+    dsfuse.reset_report()
+    q, k, w, mask = _indexer_inputs()
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        torch.compile(indexer, backend="dsfuse")(q, k, w, mask)
+        torch._dynamo.reset()
+        torch.compile(indexer, backend="dsfuse")(q, k, w, mask)
+    rep = dsfuse.report()
+    assert len(rep.graphs) == 2 and rep.graphs[1].pass_seconds is None, rep.graphs
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        torch.compile(indexer, backend="dsfuse")(q, k, w, mask)
+    rep = dsfuse.report()
+    assert rep.graphs[2].pass_seconds > 0 and rep.counts["indexer_topk"] >= 1
+    assert rep.pass_seconds == sum(g.pass_seconds or 0 for g in rep.graphs) >= rep.graphs[2].pass_seconds

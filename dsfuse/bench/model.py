@@ -88,6 +88,8 @@ def _bench_prefill(model, args, results: dict) -> None:
                     if cuda:
                         torch.cuda.synchronize()
                     row["first_call_s"] = round(time.perf_counter() - start, 2)
+                    if backend == "dsfuse":
+                        row["dsfuse_pass_s"] = round(dsfuse.report().pass_seconds, 2)
                     if cuda:
                         row["peak_extra_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
                     logits = logits.float()  # a copy, after the peak: a CUDA-graph replay reuses its output memory

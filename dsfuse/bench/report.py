@@ -99,14 +99,15 @@ def _stage_table(rows: list[dict], key_header: list[str], keys) -> list[str]:
 
 def _prefill_tables(results: dict) -> list[str]:
     speedups = speedups_vs_inductor(results)
-    header = ["S", "config", "ms", "tok/s", "vs Inductor", "first call s", "peak extra GiB", "rel_l2 vs eager",
-              "notes"]
+    header = ["S", "config", "ms", "tok/s", "vs Inductor", "first call s", "of it dsfuse's passes s", "peak extra GiB",
+              "rel_l2 vs eager", "notes"]
     rows = []
     for r in results["runs"]:
         speedup = speedups.get(r["config"], {}).get(r["seq"])
         rows.append([r["seq"], r["config"], _fmt(r.get("ms"), ".3f"), _fmt(r.get("tok_per_s"), ",.0f"),
                      "-" if speedup is None else f"{speedup:.2f}x", r.get("first_call_s", "-"),
-                     r.get("peak_extra_gib", "-"), _fmt(r.get("rel_l2_vs_eager"), ".2e"), _model_notes(r)])
+                     r.get("dsfuse_pass_s", "-"), r.get("peak_extra_gib", "-"), _fmt(r.get("rel_l2_vs_eager"), ".2e"),
+                     _model_notes(r)])
     lines = _table(header, rows)
     profiled = [r for r in results["runs"] if "profile" in r]
     if profiled:
