@@ -1,6 +1,6 @@
 """Fuzz `indexer_topk`: the Triton path (interpreter on CPU) selects keys whose scores are the reference's top-k
-scores, distinct and in range, with bool / additive / broadcast masks, fully masked rows, tied keys, strided inputs
-and fp8 key scales; on grid-valued inputs (every score exact, so ties are the same ties in both) it selects exactly
+scores, distinct and in range, with bool / additive / broadcast masks (a bool mask's keys at -inf or at a finite
+`fill`), fully masked rows, tied keys, strided inputs and fp8 key scales; on grid-valued inputs (every score exact, so ties are the same ties in both) it selects exactly
 the lowest-index tie rule's keys (CUDA torch.topk's set)."""
 
 import torch
@@ -18,14 +18,15 @@ from dsfuse.kernels.indexer_topk import (
 HALF = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter's bf16 dot is wrong
 
 
-def _scores(q, k, weights, k_scale, mask, scale):
+def _scores(q, k, weights, k_scale, mask, scale, fill=None):
     index = torch.matmul(weights.unsqueeze(-2),
                          torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2).unsqueeze(1)) * scale))
     index = index.squeeze(-2)
     if k_scale is not None:
         index = index * k_scale.unsqueeze(1)
     if mask is not None:
-        index = index.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else index + mask
+        fill = float("-inf") if fill is None else fill
+        index = index.masked_fill(~mask, fill) if mask.dtype == torch.bool else index + mask
     return index
 
 
@@ -62,11 +63,14 @@ def test_indexer_topk_kernel_selects_the_reference_scores(data, mask_kind, with_
             keep = keep[:1, :, :]  # [1, S, T], broadcast over the batch
         mask = keep if mask_kind != "additive" else torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
         mask = mask.to(DEVICE)
+    # a bool mask's fill: -inf, or a finite score masked keys take (ties with real scores at 0 included)
+    fill = data.draw(st.sampled_from([None, -3.0e38, -1e9, 0.0])) if mask is not None and mask.dtype == torch.bool \
+        else None
     args = (q, k, weights, k_scale, mask, 0.125, topk)
     if DEVICE == "cpu":  # the CPU op is the reference (on CUDA it is the kernel, checked below)
-        assert torch.equal(indexer_topk(*args), indexer_topk_reference(*args))
-    got = indexer_topk_triton(*args).cpu()
-    index = _scores(*(t.cpu() if t is not None else None for t in args[:5]), 0.125).cpu()
+        assert torch.equal(indexer_topk(*args, fill=fill), indexer_topk_reference(*args, fill=fill))
+    got = indexer_topk_triton(*args, fill=fill).cpu()
+    index = _scores(*(t.cpu() if t is not None else None for t in args[:5]), 0.125, fill).cpu()
     width = min(topk, T)
     assert got.dtype == torch.int32 and tuple(got.shape) == (B, S, width)
     assert int(got.min()) >= 0 and int(got.max()) < T
