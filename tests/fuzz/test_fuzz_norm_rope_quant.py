@@ -54,14 +54,17 @@ def test_complex_rope_kernel_is_the_reference(args):
 @st.composite
 def rope_cat_args(draw, layer_norm=None, rms_norm=None):
     """x, cos, sin, rope_start, interleaved, then optionally a LayerNorm or an RMSNorm (`nrq.RMS_NORMS`, by
-    `x * rsqrt` or `x / sqrt`) and V4's fp32 pair RoPE (half-width tables, in x's dtype or fp32)."""
+    `x * rsqrt` or `x / sqrt`), V4's fp32 pair RoPE (half-width tables, in x's dtype or fp32) and GPT-J's pairs
+    written in place (half-width tables in x's dtype, interleaved)."""
     x = draw(row_views())
-    fp32_pairs = draw(st.booleans())
+    pairs = draw(st.sampled_from(["none", "fp32_pairs", "pairs_in_place"]))
+    fp32_pairs, pairs_in_place = pairs == "fp32_pairs", pairs == "pairs_in_place"
     c_rope = 2 * draw(st.integers(1, x.shape[-1] // 2))
     start = draw(st.integers(0, x.shape[-1] - c_rope))
     seed = draw(seeds())
     table_dtype = draw(st.sampled_from([x.dtype, torch.float32])) if fp32_pairs else x.dtype
-    angle = values((*x.shape[:-1], c_rope // 2 if fp32_pairs else c_rope), torch.float32, seed, grid=16).clamp(-1, 1)
+    angle = values((*x.shape[:-1], c_rope if pairs == "none" else c_rope // 2), torch.float32, seed,
+                   grid=16).clamp(-1, 1)
     cos, sin = angle.to(table_dtype).to(DEVICE), angle.flip(-1).to(table_dtype).to(DEVICE)
     norm = draw(st.sampled_from(["none", "layer", "rms"])) if layer_norm is None else "layer" if layer_norm else "none"
     if rms_norm is not None:
@@ -77,7 +80,8 @@ def rope_cat_args(draw, layer_norm=None, rms_norm=None):
             weight_dtype = torch.float32 if nrq.RMS_NORMS[kind] == "weight_fp32" else x.dtype
             weight = values((x.shape[-1],), weight_dtype, seed + 1, grid=8).to(DEVICE)
         rms, div_sqrt = (kind, weight, 1e-6), draw(st.booleans())
-    return (x, cos, sin, start, draw(st.booleans()), *ln, *rms, fp32_pairs, div_sqrt)
+    interleaved = True if pairs_in_place else draw(st.booleans())
+    return (x, cos, sin, start, interleaved, *ln, *rms, fp32_pairs, div_sqrt, pairs_in_place)
 
 
 @fuzzes("dsfuse::rope_cat")
@@ -108,10 +112,16 @@ def rmsnorm_rope_args(draw):
     if draw(st.booleans()):  # the official complex form
         freq_rows = draw(st.sampled_from([r for r in range(1, rows + 1) if rows % r == 0]))
         freqs = _rotations((freq_rows, c_rope // 2), seed + 2).to(DEVICE)
-    else:
-        angle = values((rows, c_rope), torch.float32, seed + 2, grid=16).clamp(-1, 1)
-        cos, sin = angle.to(dtype).to(DEVICE), angle.flip(-1).to(dtype).to(DEVICE)
-    return x, weight, 1e-6, cos, sin, draw(st.booleans()), weight_in_fp32, freqs, draw(st.booleans())
+    pairs = "none"
+    if freqs is None:  # the table forms: HF's full-width tables, or one column per pair (fp32, or GPT-J's in place)
+        pairs = draw(st.sampled_from(["none", "fp32_pairs", "pairs_in_place"]))
+        angle = values((rows, c_rope if pairs == "none" else c_rope // 2), torch.float32, seed + 2,
+                       grid=16).clamp(-1, 1)
+        table_dtype = torch.float32 if pairs == "fp32_pairs" else dtype
+        cos, sin = angle.to(table_dtype).to(DEVICE), angle.flip(-1).to(table_dtype).to(DEVICE)
+    interleaved = True if pairs == "pairs_in_place" else draw(st.booleans())
+    return (x, weight, 1e-6, cos, sin, interleaved, weight_in_fp32, freqs, draw(st.booleans()),
+            pairs == "fp32_pairs", pairs == "pairs_in_place")
 
 
 @fuzzes("dsfuse::rmsnorm_rope")
