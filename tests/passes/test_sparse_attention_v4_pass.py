@@ -24,6 +24,27 @@ def model():
     return build_hf_model("v4-tiny", hc_sinkhorn_iters=2)
 
 
+# The tests reading `whole_model` run on one pytest-xdist worker, which compiles the model once for them.
+WHOLE_MODEL = pytest.mark.xdist_group("sparse_attention_v4_whole_model")
+
+
+@pytest.fixture(scope="module")
+def whole_model(model):
+    """(eager logits, dsfuse logits, report, Inductor's output code) of the whole model at S=21: not a multiple of
+    m=4 nor of m'=8, longer than the window and than index_topk * m."""
+    from torch._inductor.utils import run_and_get_code
+
+    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    dsfuse.reset_report()
+    with torch.no_grad():
+        reference = model(ids, use_cache=False).logits
+        out, codes = run_and_get_code(torch.compile(model, backend="dsfuse", options=OPTIONS), ids, use_cache=False)
+    report = dsfuse.report()
+    torch._dynamo.reset()
+    return reference, out.logits, report, "\n".join(codes)
+
+
 class Attentions(torch.nn.Module):
     """The model's attention layers on one hidden state, with its own sliding-window mask and RoPE tables."""
 
@@ -60,15 +81,11 @@ def _left_padding(batch, seq, pad=3):
     return mask
 
 
-def test_every_layer_kind_is_rewritten_and_logits_match_eager(model):
-    """S=21: not a multiple of m=4 nor of m'=8, longer than the window and than index_topk * m."""
-    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(ids, use_cache=False).logits
-        logits = torch.compile(model, backend="dsfuse", options=OPTIONS)(ids, use_cache=False).logits
+@WHOLE_MODEL
+def test_every_layer_kind_is_rewritten_and_logits_match_eager(whole_model):
+    reference, logits, rep, _ = whole_model
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
-    rep = dsfuse.report()
-    sites = _sites()
+    sites = [s for s in rep.sites if s.pass_name == "sparse_attention"]
     assert rep.counts["sparse_attention"] == 3 and [s.op for s in sites] == ["dsfuse.compressed_attention"] * 3
     assert _kinds(sites) == LAYER_KINDS, [s.detail for s in sites]
     assert sites[0].detail.startswith("V4 sliding attention: window 8, sinks, inverse RoPE epilogue")
@@ -77,18 +94,14 @@ def test_every_layer_kind_is_rewritten_and_logits_match_eager(model):
     assert [m for m in rep.near_misses if m.pass_name == "sparse_attention"] == []
 
 
-def test_the_output_projection_reads_the_attention_output_without_a_copy(model):
+@WHOLE_MODEL
+def test_the_output_projection_reads_the_attention_output_without_a_copy(whole_model):
     """HF turns the attention output [B, S, H, D] into [B, H, S, D] for the inverse RoPE and back, then `reshape`
     copies it; with the RoPE inside the fused op that copy is of a tensor already in order, and the pass manager drops
     it: the grouped output projection's bmm reads the op's own buffer (every layer kind)."""
     import re
 
-    from torch._inductor.utils import run_and_get_code
-
-    ids = torch.randint(0, 256, (1, 21), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        _, codes = run_and_get_code(torch.compile(model, backend="dsfuse", options=OPTIONS), ids, use_cache=False)
-    code = "\n".join(codes)
+    code = whole_model[3]
     names = {m.group(1): m.group(1) for m in re.finditer(r"(buf\d+) = torch\.ops\.dsfuse\.compressed_attention", code)}
     for alias, source in re.findall(r"\b(buf\d+) = (buf\d+)\b(?!\[)", code):
         if source in names:
