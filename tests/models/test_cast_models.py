@@ -31,6 +31,8 @@ CASES = [
     ("glm-tiny", torch.float16, (2, 19), V32_TINY_SITES),
 ]
 SLACK = 1.1
+# One pytest-xdist worker runs the module, so each case is compiled once.
+pytestmark = pytest.mark.xdist_group("cast_models")
 
 
 def _relative(out, ref):

@@ -17,6 +17,8 @@ from dsfuse.models.quantized import V4_FLASH_LAYOUT, load_quantized_model, relea
 
 PRESET = "v4-fp8-tiny"
 IDS = torch.randint(0, 256, (2, 21), generator=torch.Generator().manual_seed(0))
+# The tests reading the compiled runs run on one pytest-xdist worker, which compiles each model once.
+COMPILED_RUNS = pytest.mark.xdist_group("quantized_v4_compiled_runs")
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +155,7 @@ def dequantised_run(checkpoint):
     return reference, dsfuse.report()
 
 
+@COMPILED_RUNS
 def test_it_runs_and_compiles_without_the_kernels_package(quantised_run):
     eager, compiled, report = quantised_run
     # fp32 activations: the compiled graph's own ops round as eager's, the FP8 / FP4 ops are the same reference math
@@ -160,6 +163,7 @@ def test_it_runs_and_compiles_without_the_kernels_package(quantised_run):
     assert "dsfuse.fp8_linear" in str(report) and "dsfuse.fp8_grouped_linear" in str(report)
 
 
+@COMPILED_RUNS
 def test_every_family_fires_as_on_the_dequantised_model(quantised_run, dequantised_run):
     _, _, quantised = quantised_run
     _, plain = dequantised_run
@@ -171,6 +175,7 @@ def test_every_family_fires_as_on_the_dequantised_model(quantised_run, dequantis
     assert quantised.near_misses == [], str(quantised)
 
 
+@COMPILED_RUNS
 def test_logits_move_by_the_activation_rounding_only(quantised_run, dequantised_run):
     """W8A8 against the dequantised weights (exactly the same weights, see above): activations are rounded to e4m3
     per token and 128 channels, up to 2^-4 relative each; through three layers and the hyper-connections of a random
