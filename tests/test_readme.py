@@ -15,6 +15,7 @@ def python_blocks() -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("readme_tiny_s32")  # with examples/quickstart.ipynb, which compiles the same graph
 def test_readme_python_blocks_run_on_cpu(capsys):
     blocks = python_blocks()
     assert len(blocks) >= 4
