@@ -102,8 +102,6 @@ def test_every_family_rewritten_in_the_prefill_and_decode_graphs(batch_one):
     assert all("bool mask" in s.detail for s in attention)
 
 
-# One worker, in this order: GLM-MoE-DSA's graphs, where they are tiny's, are then served by Inductor's caches.
-@pytest.mark.xdist_group("generate_left_padded")
 @pytest.mark.parametrize("attn, preset", [("sdpa", "tiny"), ("eager", "tiny"), ("sdpa", "glm-tiny")])
 def test_left_padded_batch_two_gives_eager_tokens(attn, preset):
     """Row 1 left-padded by 5: its padding queries see no key (SDPA's bool mask gives them 0, the eager interface's
