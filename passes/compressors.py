@@ -58,7 +58,7 @@ from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labe
 from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
                           insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
                           scalar_constant, shape, softmax_parts, users_of, walk_back)
-from .verify import Family, latest_independent, verify
+from .verify import Family, latest_independent, rope_table_probes, verify
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -401,23 +401,12 @@ def _rotation_by_probes(r, rotated, kv_dtype, rows):
     tables = latest_independent(rotated, r, lambda n: dtype(n) in FLOAT_DTYPES and same_shape(shape(n), table_shape))
     if tables is None or len(tables) != 2:
         return None
-    family = Family(probes=_rope_probes, reference=lambda probe: interleaved_rope(*_lifted_tables(probe)),
+    family = Family(probes=lambda shapes, dtypes: rope_table_probes(shapes, dtypes, "rope"), reference=lambda probe: interleaved_rope(*_lifted_tables(probe)),
                     compare=_same_rope)
     for cos, sin in (tables, tables[::-1]):
         if verify([rotated], {"rope": r, "cos": cos, "sin": sin}, family).ok:
             return rotated, cos, sin
     return None
-
-
-def _rope_probes(shapes: dict, dtypes: dict) -> list:
-    """Tables of unrelated values (a spelling that reads one table for the other, or a table through anything but a
-    product, fails) and tables of angles."""
-    gen = torch.Generator().manual_seed(0)
-    rope = torch.randn(shapes["rope"], generator=gen).to(dtypes["rope"])
-    free = {name: torch.randn(shapes[name], generator=gen).to(dtypes[name]) for name in ("cos", "sin")}
-    angles = torch.rand(shapes["cos"], generator=gen) * 6
-    turns = {"cos": angles.cos().to(dtypes["cos"]), "sin": angles.sin().to(dtypes["sin"])}
-    return [("free tables", {"rope": rope, **free}), ("angles", {"rope": rope, **turns})]
 
 
 def _lifted_tables(probe: dict) -> tuple:

@@ -107,7 +107,7 @@ from .graph_utils import (
     walk_forward,
 )
 from .norm_rope_quant_groups import group_launches
-from .verify import Family, latest_independent, verify
+from .verify import Family, latest_independent, rope_table_probes, verify
 
 NAME = "norm_rope_quant"
 # On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
@@ -1277,7 +1277,8 @@ def _pair_rope_by_probes(rot: torch.fx.Node, x_dtype: torch.dtype, rotated: torc
                 allowed = (x_dtype, torch.float32) if form == "fp32_pairs" else (x_dtype,)
                 if dtype(cos) not in allowed or dtype(sin) not in allowed:
                     continue
-                family = Family(probes=_pair_probes, compare=_same_bits,
+                family = Family(probes=lambda shapes, dtypes: rope_table_probes(shapes, dtypes, "rot", 3.0),
+                                compare=_same_bits,
                                 reference=lambda probe, form=form: _pair_reference(probe, form, paired))
                 if verify([out], {"rot": rot, "cos": cos, "sin": sin}, family, extra=(form, paired)).ok:
                     return {"rope_out": out, "cos": (cos, None), "sin": (sin, None), "interleaved": True, "rot": rot,
@@ -1302,17 +1303,6 @@ def _pair_tables(rot: torch.fx.Node, out: torch.fx.Node, rows: list, half: int) 
         dtype(n) in FLOAT_DTYPES and len(shape(n)) == len(rows) + 1 and same_size(shape(n)[-1], half)
         and broadcasts_to(shape(n)[:-1], rows) and _last_dim_contiguous(n)))
     return tables if tables is not None and len(tables) == 2 else None
-
-
-def _pair_probes(shapes: dict, dtypes: dict) -> list:
-    """Unrelated table values (a spelling that reads one table for the other, or a table through anything but a
-    product, fails) and tables of angles, at a rotated part of values of every sign."""
-    gen = torch.Generator().manual_seed(0)
-    rot = (torch.randn(shapes["rot"], generator=gen) * 3).to(dtypes["rot"])
-    free = {name: torch.randn(shapes[name], generator=gen).to(dtypes[name]) for name in ("cos", "sin")}
-    angles = torch.rand(shapes["cos"], generator=gen) * 6
-    turns = {"cos": angles.cos().to(dtypes["cos"]), "sin": angles.sin().to(dtypes["sin"])}
-    return [("free tables", {"rot": rot, **free}), ("angles", {"rot": rot, **turns})]
 
 
 def _pair_reference(probe: dict, form: str, paired: bool) -> torch.Tensor:

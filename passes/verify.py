@@ -125,6 +125,18 @@ def latest_independent(output: torch.fx.Node, root: torch.fx.Node, keep) -> list
     return [n for n in candidates if n not in above]
 
 
+def rope_table_probes(shapes: dict, dtypes: dict, part: str, scale: float = 1.0) -> list[tuple[str, Probe]]:
+    """Probes of a RoPE of the role `part` (values of every sign, times `scale`) at its `cos` / `sin` tables: tables
+    of unrelated values (a spelling that reads one table for the other, or a table through anything but a product,
+    fails), then tables of angles."""
+    gen = torch.Generator().manual_seed(0)
+    values = (torch.randn(shapes[part], generator=gen) * scale).to(dtypes[part])
+    free = {name: torch.randn(shapes[name], generator=gen).to(dtypes[name]) for name in ("cos", "sin")}
+    angles = torch.rand(shapes["cos"], generator=gen) * 6
+    turns = {"cos": angles.cos().to(dtypes["cos"]), "sin": angles.sin().to(dtypes["sin"])}
+    return [("free tables", {part: values, **free}), ("angles", {part: values, **turns})]
+
+
 def _describe_value(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype}{list(value.shape)}"
