@@ -132,12 +132,16 @@ def sparse_mla_attention_math(q_nope, q_pe, kv, pe, idx, scale, sink=None):
     if sink is None:
         probs = torch.softmax(scores, dim=-1)
     else:
-        row_max = scores.amax(dim=-1, keepdim=True)
-        row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
-        weights = torch.exp(scores - row_max)
-        denom = weights.sum(dim=-1, keepdim=True) + torch.exp(sink.view(1, 1, H, 1) - row_max)
-        probs = weights / denom
+        probs = _softmax_with_sink(scores, sink.view(1, 1, H, 1), scores.amax(dim=-1, keepdim=True))
     return torch.matmul(probs.to(q_nope.dtype), kv_sel)
+
+
+def _softmax_with_sink(scores: torch.Tensor, sink: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """The softmax over the last dim of fp32 `scores` with one more score per row, `sink` (broadcast to the rows;
+    its value row is zero), both shifted by `top` (the row max the kernel shifts by; 0 where it is -inf)."""
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    weights = torch.exp(scores - top)
+    return weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -517,10 +521,7 @@ def sparse_attention_masked_math(q, k, v, idx, attn_mask, scale, causal=False, e
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~combined, float("-inf")) if combined.dtype == torch.bool else scores + combined
     sink = sink.view(1, -1, 1, 1)
-    top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-    weights = torch.exp(scores - top)
-    probs = weights / (weights.sum(dim=-1, keepdim=True) + torch.exp(sink - top))
+    probs = _softmax_with_sink(scores, sink, torch.maximum(scores.amax(dim=-1, keepdim=True), sink))
     return torch.matmul(probs.to(q.dtype), v)
 
 
