@@ -52,6 +52,15 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------------------
 
 
+def _check_sink(op: str, sink: Optional[torch.Tensor], H: int, tensors: list) -> None:
+    """A sink, when given, is fp32 [H]; it joins `tensors` for the device check."""
+    if sink is None:
+        return
+    if sink.dtype != torch.float32 or tuple(sink.shape) != (H,):
+        raise ValueError(f"{op}: sink must be fp32 [H={H}], got {sink.dtype} {tuple(sink.shape)}")
+    tensors.append(sink)
+
+
 def _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink):
     if q_nope.dim() != 4 or q_pe.dim() != 4:
         raise ValueError(
@@ -84,10 +93,7 @@ def _check_sparse_mla_inputs(q_nope, q_pe, kv, pe, idx, scale, sink):
     if not math.isfinite(scale):
         raise ValueError(f"sparse_mla_attention: scale must be finite, got {scale}")
     tensors = [q_pe, kv, pe, idx]
-    if sink is not None:
-        if sink.dtype != torch.float32 or tuple(sink.shape) != (H,):
-            raise ValueError(f"sparse_mla_attention: sink must be fp32 [H={H}], got {sink.dtype} {tuple(sink.shape)}")
-        tensors.append(sink)
+    _check_sink("sparse_mla_attention", sink, H, tensors)
     for t in tensors:
         if t.device != q_nope.device:
             raise ValueError(f"sparse_mla_attention: all inputs must be on {q_nope.device}, found {t.device}")
@@ -454,11 +460,7 @@ def _check_masked_inputs(q, k, v, idx, attn_mask, scale, empty_rows_see_all=Fals
     if empty_rows_see_all and attn_mask is not None and (attn_mask.dtype != torch.bool or per_head):
         raise ValueError("sparse_attention_masked: empty_rows_see_all needs a bool attn_mask shared by the heads "
                          f"([B, 1, S, T]), got {attn_mask.dtype} {tuple(attn_mask.shape)}")
-    if sink is not None:
-        if sink.dtype != torch.float32 or tuple(sink.shape) != (H,):
-            raise ValueError(f"sparse_attention_masked: sink must be fp32 [H={H}], got {sink.dtype} "
-                             f"{tuple(sink.shape)}")
-        tensors.append(sink)
+    _check_sink("sparse_attention_masked", sink, H, tensors)
     for t in tensors:
         if t.device != q.device:
             raise ValueError(f"sparse_attention_masked: all inputs must be on {q.device}, found {t.device}")
