@@ -35,6 +35,7 @@ def test_model_bench_tiny_cpu(tmp_path, capsys):
     assert all(r["ms"] > 0 and "error" not in r for r in rows.values())
     assert rows["dsfuse-off"]["bitwise_equal_to_inductor"] is True
     assert "dsfuse_pass_s" in rows["dsfuse-off"] and "dsfuse_pass_s" not in rows["inductor"]
+    assert rows["dsfuse-off"]["near_misses"] == [] and "near_misses" not in rows["inductor"]
     assert rows["inductor"]["rel_l2_vs_eager"] < 1e-5
     assert "vs Inductor" in capsys.readouterr().out
     lines = markdown.read_text().splitlines()
@@ -125,6 +126,7 @@ def _hand_made_results() -> dict:
         runs.append({"seq": seq, "config": "dsfuse", "ms": dsfuse_ms, "tok_per_s": seq / dsfuse_ms * 1e3,
                      "rewritten": {"indexer_topk": 2}})
     runs.append({"seq": 256, "config": "eager", "ms": None, "error": "out of memory"})
+    runs[1]["near_misses"] = ["moe_experts: the experts' weights are not parameters"]
     runs[2]["profile"] = {"gpu_ms": 5.5, "dsfuse_ops_ms": {}, "dsfuse_ops_share": {},
                           "top_kernels_ms": [["triton_red_fused_topk_0", 3.0], ["sm90_gemm_bf16", 2.0]]}
     runs[3]["profile"] = {"gpu_ms": 2.8, "dsfuse_ops_ms": {"dsfuse::indexer_topk": 1.2},
@@ -142,6 +144,7 @@ def test_markdown_time_by_stage_from_profiles():
     assert "date 2026-01-01T00:00:00+00:00 · commit abc1234 · device NVIDIA H200 · torch 2.11.0 · triton 3.6.0" in text
     assert "| 256 | dsfuse | 3.000 | 85,333 | 2.00x |" in text
     assert "| 256 | eager | - | - | - |" in text and "out of memory" in text
+    assert "rewritten indexer_topk=2; near-misses: moe_experts: the experts' weights are not parameters |" in text
     stages = text.split("## Time by stage")[1]
     assert "| 256 | dsfuse | 2.800 | dsfuse::indexer_topk 42.9% | 1.400 ms sm90_gemm_bf16<br>1.200 ms indexer_topk_kernel |" in stages
     assert "| 256 | inductor | 5.500 | none |" in stages

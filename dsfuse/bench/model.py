@@ -102,6 +102,7 @@ def _bench_prefill(model, args, results: dict) -> None:
                         row["profile"] = profile_stages(lambda: fn(ids))
                 if backend == "dsfuse":
                     row["rewritten"] = dsfuse.report().counts
+                    row["near_misses"] = sorted({f"{m.pass_name}: {m.reason}" for m in dsfuse.report().near_misses})
                 outputs[name] = logits
                 del logits
             except torch.OutOfMemoryError:
@@ -486,6 +487,8 @@ def _print_table(results: dict) -> None:
             notes += f"bitwise==inductor: {r['bitwise_equal_to_inductor']}"
         if r.get("rewritten"):
             notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items() if v)
+        if r.get("near_misses"):
+            notes += " NEAR-MISSES " + " | ".join(r["near_misses"])
         print(f"{r['seq']:>6} {r['config']:<{width}} {ms if ms is None else round(ms, 2)!s:>9} "
               f"{round(r['tok_per_s']) if ms else '-'!s:>10} {ratio:>11} {r.get('peak_extra_gib', '-')!s:>9} "
               f"{r.get('rel_l2_vs_eager', float('nan')):>12.3e}  {notes}")

@@ -82,6 +82,8 @@ def _model_notes(row: dict) -> str:
         notes.append(f"bitwise==inductor: {row['bitwise_equal_to_inductor']}")
     if row.get("rewritten"):
         notes.append("rewritten " + ", ".join(f"{k}={v}" for k, v in row["rewritten"].items() if v))
+    if row.get("near_misses"):
+        notes.append("near-misses: " + " | ".join(row["near_misses"]))
     return "; ".join(notes)
 
 
