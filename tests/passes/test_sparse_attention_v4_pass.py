@@ -98,7 +98,8 @@ def test_every_layer_kind_is_rewritten_and_logits_match_eager(whole_model):
 def test_the_output_projection_reads_the_attention_output_without_a_copy(whole_model):
     """HF turns the attention output [B, S, H, D] into [B, H, S, D] for the inverse RoPE and back, then `reshape`
     copies it; with the RoPE inside the fused op that copy is of a tensor already in order, and the pass manager drops
-    it: the grouped output projection's bmm reads the op's own buffer (every layer kind)."""
+    it: the grouped output projection's bmm reads the op's own buffer, and no kernel rewrites that buffer first
+    (every layer kind). Without the drop, Inductor reuses the buffer for the copy, so the bmm alone proves nothing."""
     import re
 
     code = whole_model[3]
@@ -109,6 +110,11 @@ def test_the_output_projection_reads_the_attention_output_without_a_copy(whole_m
     bmm_inputs = re.findall(r"extern_kernels\.bmm\(reinterpret_tensor\((buf\d+)", code)
     read_by_bmm = {names[m] for m in bmm_inputs if m in names}
     assert len(set(names.values())) == 3 and read_by_bmm == set(names.values()), code[-4000:]
+    # without the drop, Inductor keeps the copy as a kernel rewriting the op's buffer in place before the bmm
+    kernel_arguments = re.findall(r"^\s*(?:cpp_fused_\w+|triton_\w+\.run)\((.*)\)", code, re.MULTILINE)
+    copied = {buffer for arguments in kernel_arguments for buffer in re.findall(r"\bbuf\d+\b", arguments)
+              if buffer in names}
+    assert not copied, sorted(copied)
 
 
 @pytest.mark.parametrize("seq", [6, 13])
