@@ -27,8 +27,8 @@ rows quantise their activations in it, the same arithmetic in one launch fewer),
 for FP4 weights (row tiles sized by an expert's rows; decode-sized calls with wider tiles), or, for FP8 weights at
 `M >= SCALED_MM_MIN_ROWS`, by
 cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where the GEMM is compute-bound. Where the programs of
-the output tiles alone would leave SMs idle, the channel groups are split and a second kernel sums the fp32
-partials in split order.
+the output tiles alone would leave SMs idle, the channel groups are split; the last split program of a tile to finish
+sums the fp32 partials in split order (no second launch).
 """
 
 from __future__ import annotations
@@ -253,9 +253,9 @@ def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_
 
 
 @triton.jit
-def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
+def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
                      M, N, K, G, num_experts, groups_per_split,
-                     ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k,
+                     ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, splits, sp_k,
                      block_n_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
@@ -291,22 +291,35 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile
         else:
             w_scale = tl.load(scale_at, mask=n_ok, other=0.0)
         acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
-    _store_tile(out_ptr, acc, rows[:, None], ns[None, :], row_ok[:, None] & n_ok[None, :], so_m, so_n, split, sp_k,
-                SPLIT_PARTIALS)
+    _store_tile(out_ptr, part_ptr, count_ptr, acc, rows[:, None], ns[None, :], row_ok[:, None] & n_ok[None, :], so_m,
+                so_n, split, splits, sp_k, SPLIT_PARTIALS)
 
 
 @triton.jit
-def _store_tile(out_ptr, acc, rows, ns, mask, so_m, so_n, split, sp_k, SPLIT_PARTIALS: tl.constexpr):
+def _store_tile(out_ptr, part_ptr, count_ptr, acc, rows, ns, mask, so_m, so_n, split, splits, sp_k,
+                SPLIT_PARTIALS: tl.constexpr):
+    """The tile's output, rounded. SPLIT_PARTIALS: each split stores its fp32 partial sums, then counts itself in at
+    the tile's counter; the last split to arrive adds the partials in split order (so the bits do not depend on
+    which one is last), rounds them once, writes the output and sets the counter back to zero for the next launch.
+    The barrier and the release make every thread's partials visible before the count; the sums are read past L1."""
     at = rows.to(tl.int64) * so_m + ns * so_n
     if SPLIT_PARTIALS:
-        tl.store(out_ptr + split.to(tl.int64) * sp_k + at, acc, mask=mask)
+        tl.store(part_ptr + split.to(tl.int64) * sp_k + at, acc, mask=mask)
+        tl.debug_barrier()
+        counter = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+            total = tl.load(part_ptr + at, mask=mask, other=0.0, cache_modifier=".cg")
+            for other in range(1, splits):
+                total += tl.load(part_ptr + other * sp_k + at, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + at, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0, sem="relaxed")
     else:
         tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
-                     M, N, K, num_experts, k_per_split, sw_e, sw_n, sws_e, sws_n, so_m, so_n, sp_k,
+def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr,
+                     a_row_ptr, M, N, K, num_experts, k_per_split, sw_e, sw_n, sws_e, sws_n, so_m, so_n, splits, sp_k,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr, DECODE_ASM: tl.constexpr,
                      GROUPED: tl.constexpr):
@@ -333,14 +346,14 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_pt
         w = weight_tile(w_base, w_scales, ns, n_ok, k0, K, sw_n, BLOCK_K, True, DECODE_ASM, operand)
         w_scales = scale_tile(ws_base, ns, n_ok, k0 + BLOCK_K, K, sws_n, BLOCK_K, True)
         acc = tl.dot(w, tl.trans(a), acc)
-    _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
-                SPLIT_PARTIALS)
+    _store_tile(out_ptr, part_ptr, count_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m,
+                so_n, split, splits, sp_k, SPLIT_PARTIALS)
 
 
 @triton.jit
-def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
-                       M, N, K, G, num_experts, groups_per_split,
-                       ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, sp_k, sx_m, sx_k,
+def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr, tile_row_ptr,
+                       tile_end_ptr, a_row_ptr, M, N, K, G, num_experts, groups_per_split,
+                       ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, splits, sp_k, sx_m, sx_k,
                        block_n_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
@@ -389,8 +402,8 @@ def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, tile_expert_ptr, ti
             part = tl.dot(w, tl.trans(a))
         acc += part * (a_scale[None, :] * w_scale[:, None])
         a_scale, w_scale = a_next, w_next
-    _store_tile(out_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m, so_n, split, sp_k,
-                SPLIT_PARTIALS)
+    _store_tile(out_ptr, part_ptr, count_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m,
+                so_n, split, splits, sp_k, SPLIT_PARTIALS)
 
 
 @triton.jit
@@ -433,23 +446,6 @@ def _quantized_group(x, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
     else:
         values = q.to(tl.float8e4nv)
     return values, scale
-
-
-@triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, row_end_ptr, rows, N, splits, sp_k, so_m, so_n,
-                       BLOCK: tl.constexpr, ROW_END: tl.constexpr):
-    """out = the sum over splits, in split order, of the fp32 partials [splits, rows, N], rounded once; with
-    ROW_END only the rows before *row_end_ptr (the grouped GEMM's computed rows) are written."""
-    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    row, col = at // N, at % N
-    ok = at < rows * N
-    if ROW_END:
-        ok = ok & (row < tl.load(row_end_ptr))
-    at_out = row * so_m + col * so_n  # where the GEMM wrote each split's partial, as out lays the sums out
-    total = tl.load(part_ptr + at_out, mask=ok, other=0.0)
-    for split in range(1, splits):
-        total += tl.load(part_ptr + split * sp_k + at_out, mask=ok, other=0.0)
-    tl.store(out_ptr + at_out, total.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,7 +495,7 @@ def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
     expert = torch.searchsorted(tile_ends, index, right=True)
     safe = expert.clamp(max=E - 1)
     first_row = starts[safe] + (index - (tile_ends[safe] - tiles[safe])) * block_m
-    return (expert.to(torch.int32), first_row.to(torch.int32), ends[safe].to(torch.int32)), count, ends[-1:]
+    return (expert.to(torch.int32), first_row.to(torch.int32), ends[safe].to(torch.int32)), count
 
 
 def _gemm_config(rows: int, weight: torch.Tensor, experts: int = 1):
@@ -573,6 +569,21 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# Zeroed int32 counters per device, for the split programs of a tile to meet on (`_store_tile`). The last program of
+# a tile sets its counter back to zero, so a buffer is zero between launches and across CUDA-graph replays. Splits
+# happen only while the tiles alone are fewer than a few programs per SM, so the first buffer serves every call but
+# a sweep's forced splits; a buffer is never freed (a captured graph keeps the one it was captured with). Two GEMMs
+# with split partials must not run at once on one device (on two streams): they would count at the same counters.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    buffers = _COUNTERS.setdefault(device, [])
+    if not buffers or buffers[-1].numel() < count:
+        buffers.append(torch.zeros(max(count, 8192), dtype=torch.int32, device=device))
+    return buffers[-1]
+
+
 def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None, config=None, decode=None,
           split=None):
     """out = `q`, `s` (from `quantize_for_weight`) through `weight`, or with `s` None, `q` the activations x
@@ -595,9 +606,9 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     if s is None and not quantize_a:
         q, s = quantize_for_weight(q, weight, scale, block_k)
     if offsets is None:  # row tiles from the program id: nothing to build on the device
-        tiles, tile_count, row_end = (q, q, q), cdiv(rows, BM), None
+        tiles, tile_count = (q, q, q), cdiv(rows, BM)
     else:
-        tiles, tile_count, row_end = _expert_row_tiles(offsets, rows, BM)
+        tiles, tile_count = _expert_row_tiles(offsets, rows, BM)
     step = fp4_step if fp4 else block_k
     steps, columns = cdiv(K, step), cdiv(N, BN)
     if split is None:
@@ -609,7 +620,8 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     e8m0 = is_e8m0(s3) or s3.dtype == torch.uint8
     s3 = s3.view(torch.uint8) if e8m0 else s3
-    target = torch.empty((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    partials = torch.empty((split, rows, N), dtype=torch.float32, device=q.device) if split > 1 else out
+    counters = _arrival_counters(q.device, tile_count * columns if split > 1 else 1)
     partials_stride = rows * N if split > 1 else 0
     common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None,
                   GROUPED=offsets is not None, num_warps=warps, num_stages=stages)
@@ -620,34 +632,23 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
         if w3.stride(-1) != 1 or s3.stride(-1) != 1:
             w3, s3 = w3.contiguous(), s3.contiguous()
         _fp4_gemm_kernel[grid](
-            q, w3, s3, target, *tiles, a_row_arg, rows, N, K, experts, per_split * step, w3.stride(0), w3.stride(1),
-            s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), partials_stride,
+            q, w3, s3, out, partials, counters, *tiles, a_row_arg, rows, N, K, experts, per_split * step, w3.stride(0),
+            w3.stride(1), s3.stride(0), s3.stride(1), out.stride(0), out.stride(1), split, partials_stride,
             BLOCK_K=step, DECODE_ASM=not interpreting(), **common)
     elif decode:
         _fp8_decode_kernel[grid](
-            q, q if quantize_a else s, w3, s3, target, *tiles, a_row_arg, rows, N, K, steps, experts, per_split,
+            q, q if quantize_a else s, w3, s3, out, partials, counters, *tiles, a_row_arg, rows, N, K, steps, experts,
+            per_split,
             *((0, 0) if quantize_a else s.stride()), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0),
-            s3.stride(1), s3.stride(2), out.stride(0), out.stride(1), partials_stride, q.stride(0), q.stride(1),
+            s3.stride(1), s3.stride(2), out.stride(0), out.stride(1), split, partials_stride, q.stride(0), q.stride(1),
             block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, E8M0_SCALES=e8m0, QUANTIZE_A=quantize_a, POW2=e8m0,
             MANUAL_FP8_RNE=interpreting(), **common)
     else:
         _fp8_gemm_kernel[grid](
-            q, s, w3, s3, target, *tiles, a_row_arg, rows, N, K, steps, experts, per_split,
+            q, s, w3, s3, out, partials, counters, *tiles, a_row_arg, rows, N, K, steps, experts, per_split,
             s.stride(0), s.stride(1), w3.stride(0), w3.stride(1), w3.stride(2), s3.stride(0), s3.stride(1),
-            s3.stride(2), out.stride(0), out.stride(1), partials_stride, block_n,
+            s3.stride(2), out.stride(0), out.stride(1), split, partials_stride, block_n,
             BLOCK_K=block_k, EVEN_K=K % block_k == 0, E8M0_SCALES=e8m0, **common)
-    if split > 1:
-        _sum_splits(target, out, row_end)
-
-
-def _sum_splits(partials, out, row_end):
-    """out = the split partials summed in order (one launch, no zero-filled buffer); with `row_end` [1] (a grouped
-    GEMM's computed rows) the rows from there on are left as they are."""
-    splits, rows, N = partials.shape
-    block = 1024
-    _sum_splits_kernel[(cdiv(rows * N, block),)](
-        partials, out, partials if row_end is None else row_end, rows, N, splits, rows * N, out.stride(0),
-        out.stride(1), BLOCK=block, ROW_END=row_end is not None)
 
 
 @functools.lru_cache(maxsize=None)

@@ -193,8 +193,8 @@ def test_decode_path_gives_nan_rows_for_nan_and_inf_activations(kind):
                                             (64, 3, [0, 256, 448])])
 def test_decode_split_partials_are_summed_in_split_order(kind, quantise_first, M, split, bounds, monkeypatch):
     """Channel groups split across programs (3 splits of 4 groups become 2 of 2): each split's fp32 partials, summed
-    in split order by the second kernel, rounded once: the bits of the reference run per split and added in that
-    order."""
+    in split order by the tile's last split program, rounded once: the bits of the reference run per split and added
+    in that order; the tiles' counters are back at zero for the next call."""
     N, K = 70, 448
     recorder = _record_decode_launches(monkeypatch, kind)
     w, s = _weights(kind, N, K, M)
@@ -203,6 +203,7 @@ def test_decode_split_partials_are_summed_in_split_order(kind, quantise_first, M
     ops._gemm(*_activations(x, w, s, quantise_first), w, s, out, 128, 128, split=split)
     assert recorder.launches[0][0][2] == len(bounds) - 1
     assert torch.equal(out, _split_sums(x, w, s, kind, bounds).to(x.dtype))
+    assert not any(counters.any() for counters in ops._COUNTERS[out.device])
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
@@ -212,7 +213,7 @@ def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_r
                                                                                      monkeypatch):
     """A decode step's experts: 16 experts, most empty, one row or a few each, rows past the last offset left as
     they are (zeros here), tiles of 16 rows per expert and at most one tile per row; with split channel groups too
-    (the second kernel writes only the computed rows)."""
+    (the last split program of a tile writes its computed rows; tiles past the last expert count nothing)."""
     E, N, K, S = 16, 70, 320, 12
     recorder = _record_decode_launches(monkeypatch, kind)
     w, s = _weights(kind, N, K, 20 + split, lead=(E,))
@@ -225,6 +226,7 @@ def test_decode_grouped_gives_the_references_bits_with_empty_experts_and_spare_r
         want = _split_sums(x[start:end], w[e], s[e], kind, bounds).to(x.dtype)
         assert torch.equal(out[start:end], want)
     assert not out[10:].any()
+    assert not any(counters.any() for counters in ops._COUNTERS[out.device])
     (grid, block_m, quantises), = recorder.launches
     assert grid[1] <= S and block_m == ops.DECODE_EXPERT_BLOCK_M and quantises == (kind != "fp4" and not quantise_first)
 
@@ -343,7 +345,7 @@ def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(k
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
 def test_cuda_decode_path_with_split_groups_replays_in_a_cuda_graph(kind):
     """The decode path under capture: one row through a weight whose columns alone are too few programs (channel
-    groups split, the partials summed by the second kernel) and a decode step's grouped call (8 rows, one each for
+    groups split, the partials summed by each tile's last split program) and a decode step's grouped call (8 rows, one each for
     8 of 64 experts, rows past the last offset zero)."""
     E = 64
     w, s = (t.cuda() for t in _weights(kind, 512, 4096, 18))
@@ -400,7 +402,7 @@ import dsfuse.kernels.fp8_linear as ops
 H, I, ROWS = 4096, 2048, 8192 * 6
 POINTERS = {"a_ptr": "*bf16", "w_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": "*bf16"}
 ints = dict(M=ROWS, N=2 * I, K=H, num_experts=256, k_per_split=H, sw_e=2 * I * H // 2, sw_n=H // 2,
-            sws_e=2 * I * H // 32, sws_n=H // 32, so_m=2 * I, so_n=1, sp_k=0)
+            sws_e=2 * I * H // 32, sws_n=H // 32, so_m=2 * I, so_n=1, splits=1, sp_k=0)
 for rows_per_expert in (64, 128, 192):
     BM, BN, warps, stages, *step = ops._gemm_config(rows_per_expert * 256, ops.torch.empty(1, dtype=ops.torch.int8), 256)
     kernel = sm90_offline.compile_sm90(
@@ -420,4 +422,41 @@ def test_fp4_row_tiles_compile_for_sm90():
     tiles = {line["rows"]: line["tile"] for line in lines}
     assert tiles[192] == [256, 128, 8, 3, 128] and tiles[128][0] == 128 and tiles[64][0] == 64, tiles
     assert all(line["wgmma"] and line["shared"] <= 227 * 1024 for line in lines), lines
+
+
+# The decode paths with split channel groups (a decode step's o_proj through FP8 weights, its FP4 experts), compiled for
+# sm_90: the last split program of a tile sums the partials, after an acquire-release count.
+SPLIT_SM90_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
+import dsfuse.kernels.fp8_linear as ops
+
+POINTERS = {"q_ptr": "*bf16", "a_ptr": "*bf16", "s_ptr": "*fp32", "ws_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32"}
+N, K, ROWS = 7168, 16384, 16
+BN, warps, stages, _, _ = ops._decode_config(False, 16)
+common = dict(M=ROWS, N=N, K=K, num_experts=1, so_m=N, so_n=1, splits=4, sp_k=ROWS * N, sw_e=N * K, sws_e=8192)
+kernels = {
+    "fp8": (ops._fp8_decode_kernel, dict(BLOCK_M=16, BLOCK_N=BN, BLOCK_K=128, EVEN_K=True, E8M0_SCALES=True,
+                                         SPLIT_PARTIALS=True, GATHER_A=False, GROUPED=False, QUANTIZE_A=True,
+                                         POW2=True, MANUAL_FP8_RNE=False),
+            dict(G=K // 128, groups_per_split=K // 512, ss_m=0, ss_g=0, sw_n=K, sw_k=1, sws_n=K // 128, sws_k=1,
+                 sx_m=K, sx_k=1, block_n_scale=128), warps, stages, "*fp8e4nv"),
+    "fp4": (ops._fp4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_PARTIALS=True, GATHER_A=True,
+                                       DECODE_ASM=True, GROUPED=True),
+            dict(k_per_split=K // 4, sw_n=K // 2, sws_n=K // 32), 4, 4, "*u8"),
+}
+for kind, (fn, constexprs, ints, warps, stages, weight) in kernels.items():
+    types = {**POINTERS, "w_ptr": weight}
+    kernel = sm90_offline.compile_sm90(fn, constexprs, {**common, **ints}, dict(num_warps=warps, num_stages=stages),
+                                       lambda name: types.get(name, "*i32"))
+    ptx = kernel.asm["ptx"]
+    print(json.dumps({"kind": kind, "acq_rel": "atom.global.gpu.acq_rel.add" in ptx,
+                      "l2_loads": "ld.global.cg" in ptx, "atoms": ptx.count("atom.")}), flush=True)
+"""
+
+
+def test_split_partials_are_summed_by_the_last_program_on_sm90():
+    """The decode kernels with split channel groups compile for sm_90 with the installed Triton: each split counts
+    itself in with an acquire-release atomic, and the last one reads the partials past L1 (no stale lines)."""
+    lines = sm90_offline.run_probe(SPLIT_SM90_SCRIPT, timeout=300, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
+    assert {line["kind"] for line in lines} == {"fp8", "fp4"}, lines
+    assert all(line["acq_rel"] and line["l2_loads"] and line["atoms"] >= 2 for line in lines), lines
 
