@@ -43,7 +43,7 @@ from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, 
                                           dequantize_fp4, dequantize_fp8_blocks, dequantize_weight_triton, e4m3_bits,
                                           e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
                                           round_to_e4m3_grid, scales_to_float32)
-from dsfuse.kernels.moe_experts import scale_tile, weight_tile
+from dsfuse.kernels.moe_experts import scale_tile, swiglu_rounded, weight_tile
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -199,18 +199,25 @@ def _quantize_rows(x, POW2: tl.constexpr):
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_g,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_g, up_offset,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr,
-                      DEQUANTIZED: tl.constexpr):
+                      DEQUANTIZED: tl.constexpr, SWIGLU: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
+                      ACCURATE: tl.constexpr):
     """Rows [BLOCK_R] x one channel group [BLOCK_K]: the group's scale and its e4m3 values (q is [rows_out, K]
     contiguous), rounded as `quantize_activations` rounds (an fp32 multiply by fp32(1 / 448), an IEEE reciprocal).
     With DEQUANTIZED, q holds value * scale instead (bf16: exact for power-of-two scales, the FP4 GEMM's operand).
+    With SWIGLU, the rows quantised are `swiglu(x, x + up_offset)` of the gate and up halves of an expert GEMM's
+    output, rounded to x's dtype as `moe_experts.swiglu` rounds them (ACCURATE, on the GPU: torch's CUDA silu's bits;
+    the activation is never written).
     Rows from M to rows_out (padding a GEMM asks for) are written as rows of zeros."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     g = tl.program_id(1)
     cols = g * BLOCK_K + tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k,
-                mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+    at_x = x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k
+    x = tl.load(at_x, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+    if SWIGLU:
+        up = tl.load(at_x + up_offset * sx_k, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+        x = swiglu_rounded(x, up, x_ptr.dtype.element_ty, SWIGLU_LIMIT, ACCURATE)
     inside = (rows[:, None] < rows_out) & (cols[None, :] < K)
     q, scale = _quantize_rows(x.to(tl.float32), POW2)
     at = q_ptr + rows[:, None].to(tl.int64) * K + cols[None, :]
@@ -452,12 +459,14 @@ def _quantized_group(x, POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
 # Launchers
 # --------------------------------------------------------------------------------------------
 def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scales_column_major: bool = False,
-                                rows_out: int | None = None, dequantized: bool = False):
+                                rows_out: int | None = None, dequantized: bool = False, swiglu: tuple | None = None):
     """`quant_formats.quantize_activations` on the device: (q [M, K] e4m3, s [M, G] fp32); with
     `scales_column_major` s is laid out as [G, M] (the GEMMs read the scales of a group across rows), and with
     `rows_out` both have that many rows, those past M zero (cuBLAS wants a multiple of 4). `dequantized` (with
-    `pow2`): q is value * scale in bf16, exactly (an e4m3 value times a power of two)."""
+    `pow2`): q is value * scale in bf16, exactly (an e4m3 value times a power of two). `swiglu` = (limit,): x2 is
+    [M, 2K], the gate and up halves, and what is quantised is `moe_experts.swiglu(gate, up, limit)`, in one pass."""
     M, K = x2.shape
+    K = K // 2 if swiglu else K
     rows_out = M if rows_out is None else rows_out
     G = cdiv(K, block_k)
     q = torch.empty((rows_out, K), dtype=torch.bfloat16 if dequantized else FP8_DTYPE, device=x2.device)
@@ -467,17 +476,28 @@ def quantize_activations_triton(x2: torch.Tensor, block_k: int, pow2: bool, scal
         block_r, manual = 16, interpreting()
         _act_quant_kernel[(cdiv(rows_out, block_r), G)](
             x2, q.view(torch.uint8) if manual and not dequantized else q, s, M, rows_out, K, x2.stride(0),
-            x2.stride(1), s.stride(0), s.stride(1), BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2,
-            MANUAL_FP8_RNE=manual, DEQUANTIZED=dequantized)
+            x2.stride(1), s.stride(0), s.stride(1), K, BLOCK_R=block_r, BLOCK_K=block_k, POW2=pow2,
+            MANUAL_FP8_RNE=manual, DEQUANTIZED=dequantized, SWIGLU=swiglu is not None,
+            SWIGLU_LIMIT=None if swiglu is None or swiglu[0] is None else float(swiglu[0]), ACCURATE=not manual)
     return q, s
 
 
-def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_k: int):
+def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block_k: int,
+                        swiglu: tuple | None = None):
     """Activations quantised as `weight`'s GEMM reads them: per row and block_k channels, column-major scales,
-    power-of-two scales for E8M0 or FP4 weights; for FP4 weights the dequantised values in bf16 (exact)."""
+    power-of-two scales for E8M0 or FP4 weights; for FP4 weights the dequantised values in bf16 (exact). `swiglu`:
+    as `quantize_activations_triton` takes it."""
     fp4 = _is_fp4(weight)
     return quantize_activations_triton(x2, block_k, pow2=is_e8m0(weight_scale) or fp4, scales_column_major=True,
-                                       dequantized=fp4)
+                                       dequantized=fp4, swiglu=swiglu)
+
+
+def quantizes_in_kernel(rows: int, weight: torch.Tensor, grouped: bool) -> bool:
+    """Whether a GEMM of `rows` rows through `weight`, given its activations unquantised, quantises them inside its
+    kernel (FP8 weights on the decode path, row tiles of at most DECODE_QUANTIZE_MAX_ROW_TILE rows) rather than in
+    a launch of its own before."""
+    return (rows <= DECODE_MAX_ROWS and not _is_fp4(weight)
+            and _decode_block_m(rows, grouped) <= DECODE_QUANTIZE_MAX_ROW_TILE)
 
 
 def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.quant_formats import FP4_BLOCK, dequantize_fp4, e2m1_to_float, e8m0_to_float
+from dsfuse.kernels.triton_math import exp_as_torch
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -497,14 +498,7 @@ def _gate_up_swiglu_kernel(
                                     BLOCK_M, BLOCK_N, BLOCK_K, FP4, DECODE_ASM, DOT_PRECISION, dot_dtype)
     # Round as the source does: each GEMM output, silu and the product are all in x's dtype.
     gate, up = tl.split(tl.permute(tl.reshape(acc.to(dot_dtype), (2, HALF_N, BLOCK_M)), (2, 1, 0)))
-    gate = gate.to(tl.float32)
-    if SWIGLU_LIMIT is not None:
-        # torch clamps in fp32 and rounds once; the bounds keep NaN as torch.clamp does.
-        gate = tl.minimum(gate, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dot_dtype).to(tl.float32)
-        up = tl.maximum(up.to(tl.float32), -SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL)
-        up = tl.minimum(up, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dot_dtype)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dot_dtype).to(tl.float32)
-    act = (silu * up.to(tl.float32)).to(dot_dtype)
+    act = swiglu_rounded(gate, up, dot_dtype, SWIGLU_LIMIT)
     out_col = n_block * HALF_N + tl.arange(0, HALF_N)
     tl.store(act_ptr + offs_m[:, None].to(tl.int64) * stride_am + out_col[None, :], act,
              mask=m_mask[:, None] & (out_col[None, :] < INTER))
@@ -924,14 +918,28 @@ def _swiglu_kernel(gate_ptr, up_ptr, act_ptr, rows, INTER, stride_g, stride_u, s
     offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (offs_r < rows)[:, None] & (offs_i < INTER)[None, :]
     dtype = act_ptr.dtype.element_ty
-    gate = tl.load(gate_ptr + offs_r[:, None] * stride_g + offs_i[None, :], mask=ok, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + offs_r[:, None] * stride_g + offs_i[None, :], mask=ok, other=0.0)
     up = tl.load(up_ptr + offs_r[:, None] * stride_u + offs_i[None, :], mask=ok, other=0.0)
+    tl.store(act_ptr + offs_r[:, None] * stride_a + offs_i[None, :], swiglu_rounded(gate, up, dtype, SWIGLU_LIMIT),
+             mask=ok)
+
+
+@triton.jit
+def swiglu_rounded(gate, up, dtype: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, ACCURATE: tl.constexpr = False):
+    """`swiglu` on tiles of the halves in `dtype`, rounded as the source rounds: each clamp, silu and the product in
+    `dtype` (torch clamps in fp32 and rounds once; the bounds keep NaN as torch.clamp does). ACCURATE: silu's exp
+    and division as torch's CUDA silu computes them (libdevice `expf`, an IEEE division), so the rounded activation
+    is torch's bit for bit; otherwise the approximate instructions, within an ulp of it before rounding."""
+    gate = gate.to(tl.float32)
     if SWIGLU_LIMIT is not None:
         gate = tl.minimum(gate, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dtype).to(tl.float32)
         up = tl.maximum(up.to(tl.float32), -SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL)
         up = tl.minimum(up, SWIGLU_LIMIT, propagate_nan=tl.PropagateNan.ALL).to(dtype)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(act_ptr + offs_r[:, None] * stride_a + offs_i[None, :], (silu * up.to(tl.float32)).to(dtype), mask=ok)
+    if ACCURATE:
+        silu = tl.div_rn(gate, 1.0 + exp_as_torch(-gate, True))
+    else:
+        silu = gate / (1.0 + tl.exp(-gate))
+    return (silu.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype)
 
 
 def _expert_sorted_slots(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int):

@@ -17,8 +17,9 @@ gathering the rows first or after changes nothing. Slots whose expert is not loc
 local_expert_offset=0, swiglu_limit=None) -> [T, H]`.
 
 On CUDA the routing is computed on the device (no host sync) and both GEMMs are `fp8_linear`'s grouped Triton GEMM;
-each token is quantised once and read by its slots inside the first GEMM, and the combine is one kernel that reads
-the second GEMM's rows where they lie (instead of a gathered copy of x, a weighted fp32 copy of y, its scatter back
+each token is quantised once and read by its slots inside the first GEMM, SwiGLU and the second GEMM's quantisation
+are one pass over the first GEMM's output (except at decode sizes, where that GEMM quantises in its kernel), and the
+combine is one kernel that reads the second GEMM's rows where they lie (instead of a gathered copy of x, a weighted fp32 copy of y, its scatter back
 to slot order and a sum, each a pass over memory).
 """
 
@@ -29,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.fp8_linear import OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized, weight_dims
+from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized, quantize_for_weight,
+                                       quantizes_in_kernel, weight_dims)
 from dsfuse.kernels.moe_experts import check_ids_non_negative, check_swiglu_limit, swiglu
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
@@ -160,9 +162,13 @@ def _experts_triton(x, expert_ids, expert_weights, gate_up, gate_up_scale, down,
     h = torch.empty((slots, two_i), dtype=x.dtype, device=x.device)
     grouped_gemm_quantized(x, None, (order // top_k).to(torch.int32), gate_up, gate_up_scale, offsets, block_n,
                            block_k, h)
-    act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
     y = torch.empty((slots, H), dtype=x.dtype, device=x.device)
-    grouped_gemm_quantized(act, None, None, down, down_scale, offsets, block_n, block_k, y)
+    if quantizes_in_kernel(slots, down, grouped=True):
+        grouped_gemm_quantized(swiglu(*h.chunk(2, dim=-1), swiglu_limit), None, None, down, down_scale, offsets,
+                               block_n, block_k, y)
+    else:  # SwiGLU and the quantisation in one pass over h: the activation is never written
+        q, s = quantize_for_weight(h, down, down_scale, block_k, swiglu=(swiglu_limit,))
+        grouped_gemm_quantized(q, s, None, down, down_scale, offsets, block_n, block_k, y)
     return _combine_triton(y, order, is_local, expert_weights, x.dtype)
 
 

@@ -70,6 +70,52 @@ def test_triton_activation_quantisation_gives_the_references_bytes(pow2):
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
 
 
+def swiglu_as_the_interpreter(gate, up, limit):
+    """`moe_experts.swiglu` with silu's exp from NumPy, as Triton's interpreter computes it (torch's CPU exp may differ
+    in the last fp32 bit, which a rounding to fp16 can show); fp16 and fp32 halves (the interpreter rounds those to
+    nearest, as torch does)."""
+    import numpy as np
+
+    dtype = gate.dtype
+    gate = gate.float()
+    if limit is not None:
+        gate = gate.clamp(max=limit).to(dtype).float()
+        up = up.float().clamp(-limit, limit).to(dtype)
+    silu = (gate / (1.0 + torch.from_numpy(np.exp(-gate.numpy())))).to(dtype).float()
+    return (silu * up.float()).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("limit", [None, 0.75])
+@pytest.mark.parametrize("pow2,dequantized", [(False, False), (True, False), (True, True)])
+def test_swiglu_quantisation_is_one_pass_with_the_two_passes_bits(dtype, limit, pow2, dequantized):
+    """`swiglu=(limit,)`: the gate and up halves of an expert GEMM's output [M, 2 x 300] (300 channels: a partial
+    last group) quantised as SwiGLU then the quantisation give them, NaN, inf and values past the limit included."""
+    h = (_x(19, 600, 9) * 3).to(dtype)
+    h[2, 7], h[3, 310], h[5, 40], h[8, 450] = float("nan"), float("inf"), -float("inf"), 50.0
+    fused = quantize_activations_triton(h, 128, pow2, scales_column_major=True, dequantized=dequantized,
+                                        swiglu=(limit,))
+    act = swiglu_as_the_interpreter(*h.chunk(2, dim=-1), limit)
+    two_pass = quantize_activations_triton(act, 128, pow2, scales_column_major=True, dequantized=dequantized)
+    assert fused[0].shape == (19, 300) and fused[1].stride() == two_pass[1].stride()
+    assert torch.equal(fused[0].view(torch.uint8), two_pass[0].view(torch.uint8))
+    torch.testing.assert_close(fused[1], two_pass[1], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("limit", [None, 0.75])
+def test_cuda_swiglu_quantisation_gives_torchs_silu_bits(limit):
+    """On the GPU the one-pass SwiGLU rounds as torch's CUDA silu (libdevice exp, IEEE division): the bits of
+    `swiglu` on bf16 halves then the quantisation, over a million values."""
+    from dsfuse.kernels.moe_experts import swiglu
+
+    h = (_x(1024, 2048, 10) * 3).to(torch.bfloat16).cuda()
+    fused = quantize_activations_triton(h, 128, True, scales_column_major=True, swiglu=(limit,))
+    two_pass = quantize_activations_triton(swiglu(*h.chunk(2, dim=-1), limit), 128, True, scales_column_major=True)
+    assert torch.equal(fused[0].view(torch.uint8), two_pass[0].view(torch.uint8))
+    assert torch.equal(fused[1], two_pass[1])
+
+
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
 @pytest.mark.parametrize("M,N,K", [(1, 48, 256), (17, 40, 320), (5, 33, 64), (80, 33, 320)])
 def test_triton_linear_gives_the_references_bits(kind, M, N, K):

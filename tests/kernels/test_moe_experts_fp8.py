@@ -25,11 +25,11 @@ def _stacks(kind, seed):
     return (*up, *down)
 
 
-def _routing(seed, dtype=torch.float16, offset=0, experts=E):
+def _routing(seed, dtype=torch.float16, offset=0, experts=E, tokens=T):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(dtype)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(T)]) + offset
-    weights = torch.rand(T, TOP_K, generator=g)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(tokens)]) + offset
+    weights = torch.rand(tokens, TOP_K, generator=g)
     return x, ids, weights
 
 
@@ -69,6 +69,28 @@ def test_triton_path_gives_the_references_bits(kind, x_dtype, weights_dtype):
     stacks = _stacks(kind, 4)
     assert torch.equal(moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128),
                        moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128))
+
+
+@pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
+@pytest.mark.parametrize("limit", [None, 0.5])
+def test_past_decode_sizes_swiglu_and_its_quantisation_are_one_pass(kind, limit, monkeypatch):
+    """40 tokens x top-2 = 80 slots (past the decode path's 64 rows): SwiGLU is applied while the second GEMM's
+    activations are quantised, with the reference's bits (V4's clamp too) where the reference's silu takes its exp
+    as the interpreter does (`swiglu_as_the_interpreter`: torch's CPU exp differs in the last bit at times)."""
+    from test_fp8_linear import swiglu_as_the_interpreter
+
+    from dsfuse.kernels import moe_experts_fp8 as module
+
+    passes = []
+    quantize = module.quantize_for_weight
+    monkeypatch.setattr(module, "quantize_for_weight",
+                        lambda *args, **kwargs: passes.append(kwargs) or quantize(*args, **kwargs))
+    x, ids, weights = _routing(5, dtype=torch.float16, tokens=40)
+    stacks = _stacks(kind, 6)
+    got = moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128, 0, limit)
+    assert passes == [{"swiglu": (limit,)}]
+    monkeypatch.setattr(module, "swiglu", swiglu_as_the_interpreter)
+    assert torch.equal(got, moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128, 0, limit))
 
 
 def test_expert_parallel_slots_of_other_ranks_add_nothing():
