@@ -260,8 +260,8 @@ def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_
 
 
 @triton.jit
-def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr,
-                     M, N, K, G, num_experts, groups_per_split,
+def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr, tile_row_ptr,
+                     tile_end_ptr, a_row_ptr, M, N, K, G, num_experts, groups_per_split,
                      ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, splits, sp_k,
                      block_n_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,

@@ -19,8 +19,8 @@ local_expert_offset=0, swiglu_limit=None) -> [T, H]`.
 On CUDA the routing is computed on the device (no host sync) and both GEMMs are `fp8_linear`'s grouped Triton GEMM;
 each token is quantised once and read by its slots inside the first GEMM, SwiGLU and the second GEMM's quantisation
 are one pass over the first GEMM's output (except at decode sizes, where that GEMM quantises in its kernel), and the
-combine is one kernel that reads the second GEMM's rows where they lie (instead of a gathered copy of x, a weighted fp32 copy of y, its scatter back
-to slot order and a sum, each a pass over memory).
+combine is one kernel that reads the second GEMM's rows where they lie (instead of a gathered copy of x, a weighted
+fp32 copy of y, its scatter back to slot order and a sum, each a pass over memory).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized, quantize_for_weight,
-                                       quantizes_in_kernel, weight_dims)
+from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized,
+                                       quantize_for_weight, quantizes_in_kernel, weight_dims)
 from dsfuse.kernels.moe_experts import check_ids_non_negative, check_swiglu_limit, swiglu
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 

@@ -391,8 +391,8 @@ def test_cuda_grouped_linear_matches_the_reference_and_replays_in_a_cuda_graph(k
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
 def test_cuda_decode_path_with_split_groups_replays_in_a_cuda_graph(kind):
     """The decode path under capture: one row through a weight whose columns alone are too few programs (channel
-    groups split, the partials summed by each tile's last split program) and a decode step's grouped call (8 rows, one each for
-    8 of 64 experts, rows past the last offset zero)."""
+    groups split, the partials summed by each tile's last split program) and a decode step's grouped call (8 rows,
+    one each for 8 of 64 experts, rows past the last offset zero)."""
     E = 64
     w, s = (t.cuda() for t in _weights(kind, 512, 4096, 18))
     wg, sg = (t.cuda() for t in _weights(kind, 256, 512, 19, lead=(E,)))
@@ -475,7 +475,8 @@ def test_fp4_row_tiles_compile_for_sm90():
 SPLIT_SM90_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
 import dsfuse.kernels.fp8_linear as ops
 
-POINTERS = {"q_ptr": "*bf16", "a_ptr": "*bf16", "s_ptr": "*fp32", "ws_ptr": "*u8", "out_ptr": "*bf16", "part_ptr": "*fp32"}
+POINTERS = {"q_ptr": "*bf16", "a_ptr": "*bf16", "s_ptr": "*fp32", "ws_ptr": "*u8", "out_ptr": "*bf16",
+            "part_ptr": "*fp32"}
 N, K, ROWS = 7168, 16384, 16
 BN, warps, stages, _, _ = ops._decode_config(False, 16)
 common = dict(M=ROWS, N=N, K=K, num_experts=1, so_m=N, so_n=1, splits=4, sp_k=ROWS * N, sw_e=N * K, sws_e=8192)
