@@ -214,9 +214,10 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
     g = tl.program_id(1)
     cols = g * BLOCK_K + tl.arange(0, BLOCK_K)
     at_x = x_ptr + rows[:, None].to(tl.int64) * sx_m + cols[None, :] * sx_k
-    x = tl.load(at_x, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+    read = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(at_x, mask=read, other=0.0)
     if SWIGLU:
-        up = tl.load(at_x + up_offset * sx_k, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
+        up = tl.load(at_x + up_offset * sx_k, mask=read, other=0.0)
         x = swiglu_rounded(x, up, x_ptr.dtype.element_ty, SWIGLU_LIMIT, ACCURATE)
     inside = (rows[:, None] < rows_out) & (cols[None, :] < K)
     q, scale = _quantize_rows(x.to(tl.float32), POW2)
@@ -494,10 +495,13 @@ def quantize_for_weight(x2: torch.Tensor, weight: torch.Tensor, weight_scale: to
 
 def quantizes_in_kernel(rows: int, weight: torch.Tensor, grouped: bool) -> bool:
     """Whether a GEMM of `rows` rows through `weight`, given its activations unquantised, quantises them inside its
-    kernel (FP8 weights on the decode path, row tiles of at most DECODE_QUANTIZE_MAX_ROW_TILE rows) rather than in
-    a launch of its own before."""
-    return (rows <= DECODE_MAX_ROWS and not _is_fp4(weight)
-            and _decode_block_m(rows, grouped) <= DECODE_QUANTIZE_MAX_ROW_TILE)
+    kernel rather than in a launch of its own before (`_gemm` on its default path)."""
+    return _decode_quantizes(rows <= DECODE_MAX_ROWS, _is_fp4(weight), _decode_block_m(rows, grouped))
+
+
+def _decode_quantizes(decode: bool, fp4: bool, block_m: int) -> bool:
+    """The rule: FP8 weights on the decode path, row tiles of at most DECODE_QUANTIZE_MAX_ROW_TILE rows."""
+    return decode and not fp4 and block_m <= DECODE_QUANTIZE_MAX_ROW_TILE
 
 
 def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
@@ -622,7 +626,7 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     else:
         BM, BN, warps, stages, *fp4_step = config or _gemm_config(rows, weight, experts)
         programs_per_sm, fp4_step = 2, fp4_step[0] if fp4_step else FP4_BLOCK_K
-    quantize_a = s is None and decode and not fp4 and BM <= DECODE_QUANTIZE_MAX_ROW_TILE
+    quantize_a = s is None and _decode_quantizes(decode, fp4, BM)
     if s is None and not quantize_a:
         q, s = quantize_for_weight(q, weight, scale, block_k)
     if offsets is None:  # row tiles from the program id: nothing to build on the device
