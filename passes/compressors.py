@@ -401,8 +401,8 @@ def _rotation_by_probes(r, rotated, kv_dtype, rows):
     tables = latest_independent(rotated, r, lambda n: dtype(n) in FLOAT_DTYPES and same_shape(shape(n), table_shape))
     if tables is None or len(tables) != 2:
         return None
-    family = Family(probes=lambda shapes, dtypes: rope_table_probes(shapes, dtypes, "rope"), reference=lambda probe: interleaved_rope(*_lifted_tables(probe)),
-                    compare=_same_rope)
+    family = Family(probes=lambda shapes, dtypes: rope_table_probes(shapes, dtypes, "rope"),
+                    reference=lambda probe: interleaved_rope(*_lifted_tables(probe)), compare=_same_rope)
     for cos, sin in (tables, tables[::-1]):
         if verify([rotated], {"rope": r, "cos": cos, "sin": sin}, family).ok:
             return rotated, cos, sin
