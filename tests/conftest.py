@@ -15,6 +15,9 @@ if not torch.cuda.is_available():
     from torch._inductor import config as inductor_config
 
     inductor_config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
+    from interpreter_patching import patch_the_language_once_per_launch
+
+    patch_the_language_once_per_launch()
 
 import pytest  # noqa: E402
 
