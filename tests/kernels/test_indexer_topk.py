@@ -368,11 +368,14 @@ def test_triton_picks_lowest_index_among_ties(mask_kind, config):
 
 
 FILLS = {"finfo.min": torch.finfo(torch.float32).min, "-2": -2.0, "zero": 0.0}
+FILL_CONFIGS = {"default": None, "split_keys": {"splits": 3}, "fused_select": {"fuse_select": True},
+                "sampled_threshold": {"every_key": False}}
 
 
-@pytest.mark.parametrize("config", [None, {"splits": 3}, {"fuse_select": True}, {"every_key": False}],
-                         ids=["default", "split_keys", "fused_select", "sampled_threshold"])
-@pytest.mark.parametrize("fill", list(FILLS))
+# Every path with a fill that ranks where -inf would (finfo.min) and with one that relu-zero keys tie with (zero);
+# a negative fill that unmasked keys score below (-2) on the default path.
+@pytest.mark.parametrize("fill, config", [(fill, config) for fill in ("finfo.min", "zero") for config in FILL_CONFIGS]
+                         + [("-2", "default")])
 def test_triton_finite_fill_scores_masked_keys_as_the_source_does(fill, config):
     """A bool mask whose masked keys score a finite `fill` (`masked_fill(~mask, fill)`): exactly the lowest-index
     rule over those scores, at odd sizes, with a fully masked row, rows of fewer than k unmasked keys (masked keys
@@ -385,7 +388,7 @@ def test_triton_finite_fill_scores_masked_keys_as_the_source_does(fill, config):
     mask[1, :, :45] = False
     mask[1, 4] = False
     mask = mask.to(DEVICE)
-    value = FILLS[fill]
+    value, config = FILLS[fill], FILL_CONFIGS[config]
     index = masked_index_scores(q, k, w, None, mask, 1.0, value).cpu()
     want = topk_lowest_index_ties(index, topk)
     as_neg_inf = topk_lowest_index_ties(masked_index_scores(q, k, w, None, mask, 1.0).cpu(), topk)
