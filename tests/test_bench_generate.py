@@ -2,12 +2,14 @@
 
 import json
 
+import pytest
 import torch
 
 from dsfuse.bench import main
 from dsfuse.bench.generate import matching_prefix, prompt_batch
 
 
+@pytest.mark.xdist_group("generate_tiny_p17")  # examples/generate.ipynb's CPU run compiles the same graphs
 def test_generate_bench_tiny_cpu(tmp_path):
     out, markdown = tmp_path / "generate.json", tmp_path / "generate.md"
     assert main(["generate", "--preset", "tiny", "--device", "cpu", "--prompt", "17", "--new-tokens", "2",

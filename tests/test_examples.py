@@ -17,8 +17,10 @@ NOTEBOOKS = sorted((ROOT / "examples").glob("*.ipynb"))
 # ablation.ipynb runs test_bench.py's ablation (tiny, S=16, indexer_topk): on that test's pytest-xdist worker, after
 # it, Inductor's FX graph cache serves the notebook's graphs. quickstart.ipynb compiles the README's example graph
 # (tiny, fp32, 1 x 32): the README test, on the same worker, is served the compile. v4.ipynb's CPU run is
-# test_bench.py's V4 prefill bench (v4-tiny, S=12, eager,dsfuse): the same graph, on the same worker.
+# test_bench.py's V4 prefill bench (v4-tiny, S=12, eager,dsfuse): the same graph, on the same worker. generate.ipynb's
+# tiny run on CPU is test_bench_generate.py's (prompt 17, 2 new tokens, chunks of 16): its three graphs, served.
 GROUPS = {"ablation.ipynb": pytest.mark.xdist_group("bench_tiny_s16"),
+          "generate.ipynb": pytest.mark.xdist_group("generate_tiny_p17"),
           "quickstart.ipynb": pytest.mark.xdist_group("readme_tiny_s32"),
           "v4.ipynb": pytest.mark.xdist_group("bench_v4_tiny_s12")}
 RUN_RECORD = ("date", "device", "commit", "torch", "triton", "transformers")
