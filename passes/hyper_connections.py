@@ -34,6 +34,17 @@ Then the block exits: `post.to(dtype)[..., None] * out[..., None, :] + comb.to(d
 whose post and comb are one `hc_collapse` call's outputs, become one `hc_expand_mix` call. A collapse or a mix
 whose products are rounded to bf16 is reported (the ops multiply in fp32, as HF's promotion and matmul do).
 
+Each matched collapse, head and exit is then run on probes against its op's reference before it is rewritten
+(`verify.py`), since the walk looks through casts to find its tensors and so passes over a rounding the op does not
+make (a bf16 copy of fp32 streams collapsed, post rounded before the exit). The collapse's slice runs from the
+streams (as the norm and the collapse both read them, before their views and casts), fn, base and scale to the
+outputs the call replaces, against `hc_collapse_reference` / `hc_head_reference` with the eps values, iterations and
+flags the walk read; the exit's from out, the residual, post and comb, against `hc_expand_mix_reference`. Probes:
+unit-sized logits, then large ones with a negative scale (saturated sigmoids, a peaked softmax); for an exit, the
+weights a collapse gives, then weights of every sign. Budget: 128 ulps of fp32, 2 of bf16 / fp16, at an output's
+largest magnitude (the spellings' summation orders; at most 12 fp32 ulps seen over the spelling fuzzer). A
+disagreement is a near-miss naming the probe, the output and by how much it differs.
+
 The exit and the next collapse stay two launches: one kernel computing both (`hc_exit_collapse` /
 `hc_exit_head`) measured slower on the H200 than the two it replaces (1.71 against 0.16 + 0.65 ms at T=8192,
 D=4096: its collapse walks each row block's whole streams in one program), so the pass does not emit it.
@@ -45,7 +56,7 @@ import operator
 
 import torch
 
-import dsfuse.kernels.hyper_connections  # noqa: F401  (registers torch.ops.dsfuse.hc_*)
+from dsfuse.kernels.hyper_connections import hc_collapse_reference, hc_expand_mix_reference, hc_head_reference
 
 from .canonicalize import MEAN, canonical_bmm, canonical_mm
 from .context import NoMatch, PassContext, rewrite_anchored
@@ -53,6 +64,7 @@ from .dims import apply_op, bmm_labels, broadcast, contracted, follow, layout_ch
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, element_of, fake_call, insert_call, is_op,
                           only_user, piece_of, same_shape, same_size, scalar_arg, shape, softmax_parts, strip,
                           users_of, walk_back)
+from .verify import MAX_NODES, Family, Verdict, verify
 
 NAME = "hyper_connections"
 IMPLEMENTED = True
@@ -79,10 +91,15 @@ def _is_upcast(node) -> bool:
         torch.bfloat16, torch.float16, torch.float32)
 
 
+def _is_view_or_cast(node) -> bool:
+    """A view, a cast or a no-op expand."""
+    return is_op(node, CONVERT, *VIEW_OPS) or (
+        is_op(node, aten.expand.default) and same_shape(shape(node.args[0]), shape(node)))
+
+
 def _strip_layout(node):
     """Through views, casts and no-op expands."""
-    return walk_back(node, lambda n: is_op(n, CONVERT, *VIEW_OPS) or (
-        is_op(n, aten.expand.default) and same_shape(shape(n.args[0]), shape(n))))[0]
+    return walk_back(node, _is_view_or_cast)[0]
 
 
 def _streams_of(operand, streams_shape):
@@ -331,6 +348,10 @@ def _match_collapse(anchor: torch.fx.Node) -> dict:
     m["output"], m["upcast"] = _collapsed_output(total, x)
     m["before"], m["hoisted"] = _call_position(anchor.graph, [x, m["fn"], m["base"], m["scale"]],
                                  [m["output"]] if head else [m["output"], m["post"], m["comb"]])
+    verdict = _verify_collapse(m)
+    if verdict.ok is False:
+        raise NoMatch(f"hyper-connection {'head' if head else 'collapse'}: numeric check against the reference "
+                      f"failed: {verdict.reason}")
     return m
 
 
@@ -757,6 +778,7 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
         raise NoMatch("no hyper-connection post", reported=False)
     call, post_cast, out = found
     comb_cast, residual = _comb_mix(mixed, call, shape(add))
+    m = dict(call=call, out=out, residual=residual, post=strip(post_cast, CASTS), comb=strip(comb_cast, CASTS))
     hc, hidden = shape(call.args[0])[-2:]
     rdtype = dtype(residual)
     if _stream_labels(residual, shape(add), "j", "d") is None \
@@ -769,7 +791,11 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
     if not same_shape(shape(residual), shape(add)) and not all(isinstance(size, int) for size in shape(add)):
         raise NoMatch(f"hyper-connection exit: residual held only flattened as {list(shape(residual))}, a view to "
                       "[*, n, D] the pass builds for static shapes only")
-    return dict(call=call, out=out, residual=residual, hc=hc, hidden=hidden)
+    m.update(hc=hc, hidden=hidden)
+    verdict = _verify_expand_mix(add, m)
+    if verdict.ok is False:
+        raise NoMatch(f"hyper-connection exit: numeric check against the reference failed: {verdict.reason}")
+    return m
 
 
 def _rewrite_expand_mix(graph: torch.fx.Graph, add: torch.fx.Node, m: dict, ctx: PassContext) -> None:
@@ -778,3 +804,122 @@ def _rewrite_expand_mix(graph: torch.fx.Graph, add: torch.fx.Node, m: dict, ctx:
     node = insert_call(graph, add, HC_EXPAND_MIX, (m["out"], residual, items[1], items[2]))
     add.replace_all_uses_with(node)
     ctx.site(add, "dsfuse.hc_expand_mix", [m["out"], m["residual"]], f"n={m['hc']} D={m['hidden']}", call=node)
+
+
+# --------------------------------------------------------------------------------------------
+# The numeric check: the matched slice run on probes against the ops' references (`verify.py`)
+# --------------------------------------------------------------------------------------------
+# An output may differ from its op's reference by this many ulps of its dtype at its largest magnitude: fp32
+# outputs (post, comb, an fp32 collapse or exit) by the summation order of a spelling's projection, collapse or mix
+# (an einsum, the rsqrt after the dot) carried through the sigmoid, softmax and Sinkhorn; a bf16 / fp16 output by
+# a rounding that order flips, or two (the exit's product or mix, then its add).
+ULPS = {torch.float32: 128, torch.bfloat16: 2, torch.float16: 2}
+# Scales of the probe with large logits (the sigmoids saturated, the softmax peaked; one scale negative).
+LARGE_SCALES = (12.0, -10.0, 8.0)
+
+
+def _verify_collapse(m: dict) -> Verdict:
+    """Run the slice from the streams (the tensor the norm and the collapse both read, before its views and casts),
+    fn, base and scale to the outputs the call replaces on probes against `hc_collapse_reference` /
+    `hc_head_reference` with the walk's eps values, iterations and flags."""
+    chain = walk_back(m["x"], _is_view_or_cast)
+    roles = {"x": chain[0], "fn": m["fn"], "base": m["base"], "scale": m["scale"]}
+    if len(set(roles.values())) != len(roles):
+        return Verdict(False, "two roles of the op are bound to one tensor")
+    casts = tuple(node.args[1] for node in chain[1:] if is_op(node, CONVERT))
+    head = m["head"]
+    outputs = [m["output"]] if head else [m["output"], m["post"], m["comb"]]
+    iters = 0 if head else m["iters"]
+    settings = ("head" if head else "collapse", m["hc"], m["hidden"], m["norm_eps"], m["hc_eps"], iters,
+                m.get("exp_sum_softmax"), m.get("reciprocal_sinkhorn"), m["upcast"], casts)
+    family = Family(probes=_collapse_probes, reference=lambda probe: _collapse_reference(probe, m, casts),
+                    compare=lambda got, want, probe: _within_ulps(got, want, ("collapsed", "post", "comb"),
+                                                                  m["upcast"]))
+    return verify(outputs, roles, family, settings, max_nodes=MAX_NODES + 8 * iters)
+
+
+def _collapse_probes(shapes: dict, dtypes: dict) -> list:
+    """Streams of every sign, fn scaled so the logits are about unit-sized, then two settings of scale and base:
+    moderate, and large with a negative scale (saturated sigmoids, a peaked softmax)."""
+    gen = torch.Generator().manual_seed(0)
+    rows, width = shapes["fn"]
+    x = torch.randn(shapes["x"], generator=gen) * 2
+    fn = torch.randn(rows, width, generator=gen) * 2 / width ** 0.5
+    base = torch.randn(shapes["base"], generator=gen)
+    scale = torch.rand(shapes["scale"], generator=gen) + 0.5
+    large = torch.tensor(LARGE_SCALES[:shapes["scale"][0]])
+    probes = [("random", dict(x=x, fn=fn, base=base, scale=scale)),
+              ("large logits", dict(x=x, fn=fn, base=base * 8, scale=large))]
+    return [(name, {role: t.to(dtypes[role]) for role, t in probe.items()}) for name, probe in probes]
+
+
+def _collapse_reference(probe: dict, m: dict, casts: tuple):
+    """The op's reference on the probe's streams as the call reads them: the casts between the bound tensor and the
+    collapse's streams applied, viewed as [T, n, D] (the slice's outputs are compared in their own shapes)."""
+    x = probe["x"]
+    for cast in casts:
+        x = x.to(cast)
+    x = x.reshape(-1, m["hc"], m["hidden"])
+    if m["head"]:
+        return hc_head_reference(x, probe["fn"], probe["base"], probe["scale"], m["norm_eps"], m["hc_eps"])
+    return hc_collapse_reference(x, probe["fn"], probe["base"], probe["scale"], m["norm_eps"], m["hc_eps"],
+                                 m["iters"], m["exp_sum_softmax"], m["reciprocal_sinkhorn"])
+
+
+def _verify_expand_mix(add: torch.fx.Node, m: dict) -> Verdict:
+    """Run the exit's slice from out, the residual and the collapse's post and comb to the new streams on probes
+    against `hc_expand_mix_reference`."""
+    roles = {"out": m["out"], "residual": m["residual"], "post": m["post"], "comb": m["comb"]}
+    if len(set(roles.values())) != len(roles):
+        return Verdict(False, "two roles of the op are bound to one tensor")
+    hc, hidden = m["hc"], m["hidden"]
+    family = Family(probes=_exit_probes, reference=lambda probe: _exit_reference(probe, hc, hidden),
+                    compare=lambda got, want, probe: _within_ulps(got, want, ("streams",)))
+    return verify([add], roles, family, ("exit", hc, hidden))
+
+
+def _exit_probes(shapes: dict, dtypes: dict) -> list:
+    """The block output and residual of every sign with the weights a collapse gives (post in (0, 2), comb in
+    (0, 1)), then post and comb of every sign."""
+    gen = torch.Generator().manual_seed(0)
+    out = torch.randn(shapes["out"], generator=gen) * 2
+    residual = torch.randn(shapes["residual"], generator=gen) * 2
+    post, comb = torch.rand(shapes["post"], generator=gen) * 2, torch.rand(shapes["comb"], generator=gen)
+    probes = [("collapse weights", dict(out=out, residual=residual, post=post, comb=comb)),
+              ("signed weights", dict(out=out, residual=residual, post=post - 1, comb=comb * 2 - 1))]
+    return [(name, {role: t.to(dtypes[role]) for role, t in probe.items()}) for name, probe in probes]
+
+
+def _exit_reference(probe: dict, hc: int, hidden: int) -> torch.Tensor:
+    """`hc_expand_mix_reference` on the probe, the residual viewed as [*, n, D] where it is held flattened and the
+    other operands viewed to its tokens."""
+    residual = probe["residual"]
+    if residual.shape[-1] == hc * hidden:
+        residual = residual.reshape(*residual.shape[:-1], hc, hidden)
+    lead = residual.shape[:-2]
+    return hc_expand_mix_reference(probe["out"].reshape(*lead, hidden), residual, probe["post"].reshape(*lead, hc),
+                                   probe["comb"].reshape(*lead, hc, hc))
+
+
+def _within_ulps(got: list, want, names: tuple, rounded_first: bool = False) -> str | None:
+    """None when each output has the reference's values (compared in the slice's shape) within `ULPS` of its dtype
+    at its largest magnitude, else what differs. `rounded_first`: the first output is the fp32 sum the fused op
+    rounds to the streams' dtype (Inductor had dropped HF's round trip), compared after that rounding."""
+    wants = list(want) if isinstance(want, (tuple, list)) else [want]
+    for i, (name, out, ref) in enumerate(zip(names, got, wants)):
+        if not isinstance(out, torch.Tensor) or out.numel() != ref.numel():
+            return f"{name} is not a tensor of the reference's {ref.numel()} values"
+        if i == 0 and rounded_first:
+            out = out.to(ref.dtype)
+        if out.dtype != ref.dtype:
+            return f"{name} in {out.dtype}, the op's in {ref.dtype}"
+        kind, out, ref = ref.dtype, out.float(), ref.reshape(out.shape).float()
+        if not torch.equal(out.isnan(), ref.isnan()):
+            return f"{name} has NaN where the reference has none, or the reverse"
+        error = (out - ref).nan_to_num(0.0).abs().max().item()
+        size = ref.nan_to_num(0.0).abs().max().item()
+        budget = ULPS[kind] * torch.finfo(kind).eps * size
+        if error > budget:
+            return (f"{name} differs by {error:.3g}, {error / max(size, 1e-30):.2g} of its largest value (budget "
+                    f"{ULPS[kind]} ulps of {kind}: {budget:.3g})")
+    return None

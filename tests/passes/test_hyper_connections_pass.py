@@ -7,10 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+from torch._inductor import config as inductor_config
 from v4_tiny_runs import FP32_SINKHORN_ITERS, SHARED_FP32, csa_then_hca_fp32_dynamic
 
 import dsfuse
 from dsfuse.models.presets import build_hf_model, hf_config
+from dsfuse.passes import verify
 
 
 def _ops(report, graph=None):
@@ -153,10 +155,13 @@ def _hc_params():
 
 
 def _spelled_block(x, fn, base, scale, block, flat_streams=False, collapse="einsum", reciprocal_steps=(),
-                   exp_sum_softmax=False):
+                   exp_sum_softmax=False, rounded_post=False):
     """HF's hyper-connection and exit written out: the collapse (`einsum`, `bmm` or a broadcast sum) over an fp32
     copy of the streams made after post and comb; optionally the streams given flattened [B, S, n*D], the Sinkhorn
-    steps numbered in `reciprocal_steps` as products with a reciprocal, or the softmax as exp(z) / sum(exp(z))."""
+    steps numbered in `reciprocal_steps` as products with a reciprocal, or the softmax as exp(z) / sum(exp(z)).
+    Two spellings whose math differs only in a rounding the structural walk looks through (it strips casts): the
+    collapse "sum of bf16 streams" (the weights times a bf16 copy of fp32 streams, promoted back to fp32) and
+    `rounded_post` (the exit's post rounded to bf16 and back in an fp32 block)."""
     streams = x.view(*x.shape[:-1], N, D) if flat_streams else x
     flat = streams.flatten(-2).float()
     mixes = F.linear(flat * torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + EPS), fn)
@@ -171,12 +176,15 @@ def _spelled_block(x, fn, base, scale, block, flat_streams=False, collapse="eins
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + EPS
     if collapse == "sum":
         collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2)
+    elif collapse == "sum of bf16 streams":
+        collapsed = (pre.unsqueeze(-1) * streams.to(torch.bfloat16)).sum(dim=-2)
     elif collapse == "einsum":
         collapsed = torch.einsum("...n,...nd->...d", pre, streams.float())
     else:
         collapsed = torch.bmm(pre.reshape(-1, 1, N), streams.float().reshape(-1, N, D)).view(*streams.shape[:-2], D)
     out = F.linear(collapsed.to(x.dtype), block.to(x.dtype))
     mixed = torch.matmul(comb.to(x.dtype).transpose(-1, -2), streams)
+    post = post.to(torch.bfloat16) if rounded_post else post
     new = post.to(x.dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
     return new.flatten(-2) if flat_streams else new
 
@@ -238,3 +246,70 @@ def test_spellings_the_op_does_not_take_are_near_misses(spelling, reason):
         torch.testing.assert_close(compiled(x, *_hc_params()), block(x, *_hc_params()), rtol=1e-5, atol=1e-5)
     rep = dsfuse.report()
     assert [m.reason for m in rep.near_misses] == [reason], str(rep)
+
+
+# --------------------------------------------------------------------------------------------
+# The numeric check: spellings the walk accepts whose math is not the op's, and the verdict cache
+# --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spelling, ops, reason", [
+    (dict(collapse="sum of bf16 streams"), [],
+     "hyper-connection collapse: numeric check against the reference failed: random probe: collapsed differs by "),
+    (dict(rounded_post=True), ["dsfuse.hc_collapse"],
+     "hyper-connection exit: numeric check against the reference failed: collapse weights probe: streams differs by "),
+])
+def test_roundings_the_walk_looks_through_are_caught_on_probes(spelling, ops, reason):
+    """fp32 streams collapsed through a bf16 copy, or the exit's post rounded to bf16: the walk strips the casts and
+    binds every role, the op would not round there; the probes see it (an error of about 2^-9 of the values, far
+    over the 128 fp32 ulps allowed). Not rewritten, reported with the verifier's reason. (Inductor keeps the bf16
+    intermediate in fp32 itself, not emulating the cast: the compiled result is eager's within bf16's budget.)"""
+    x = torch.randn(2, 3, N, D)
+    block = functools.partial(_spelled_block, **spelling)
+    compiled = torch.compile(block, backend="dsfuse", options={"enable": ["hyper_connections"]})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, *_hc_params()), block(x, *_hc_params()), rtol=2e-2, atol=2e-2)
+    rep = dsfuse.report()
+    assert _ops(rep)[0] == ops, str(rep)
+    assert len(rep.near_misses) == 1 and rep.near_misses[0].reason.startswith(reason), str(rep)
+    assert "ulps of torch.float32" in rep.near_misses[0].reason, str(rep)
+
+
+class HcLayers(torch.nn.Module):
+    """`layers` hyper-connection blocks of HF's modules (each its own weights), then the head."""
+
+    def __init__(self, layers=3, hidden=32):
+        super().__init__()
+        config = hf_config("v4-tiny", hidden_size=hidden, hc_sinkhorn_iters=4)
+        self.hcs = torch.nn.ModuleList(DeepseekV4HyperConnection(config) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(layers))
+        self.head = DeepseekV4HyperHead(config)
+        gen = torch.Generator().manual_seed(0)
+        for p in (*self.hcs.parameters(), *self.head.parameters()):
+            p.data = torch.randn(p.shape, generator=gen) * 0.1 + (0.5 if p.dim() <= 1 else 0.0)
+
+    def forward(self, streams):
+        dtype = streams.dtype
+        for hc, block in zip(self.hcs, self.blocks):
+            post, comb, collapsed = hc(streams)
+            out = block(collapsed)
+            streams = post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+                comb.to(dtype).transpose(-1, -2), streams)
+        return self.head(streams)
+
+
+def test_repeated_layers_are_verified_once(tmp_path, monkeypatch):
+    """Four layers: four collapses and four exits rewritten, the head too, and the probes run 4 times, not 9 (the
+    verdicts are cached by the slice's structure): every exit once, the head once, the collapses twice: the first
+    layer's streams are the graph's input, ahead of its weights in graph order, the others an exit's output, after
+    them, and the cache key names the slice's frontier in graph order. A fresh Inductor cache, so the passes run."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    verify.clear_cache()
+    runs = []
+    probe = verify._run
+    monkeypatch.setattr(verify, "_run", lambda *args: runs.append(args[0]) or probe(*args))
+    with inductor_config.patch(fx_graph_cache=False):
+        got, want = _run_block(HcLayers(layers=4), torch.randn(2, 5, 4, 32))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    rep = dsfuse.report()
+    assert sorted(_ops(rep)[0]) == ["dsfuse.hc_collapse"] * 4 + ["dsfuse.hc_expand_mix"] * 4 + ["dsfuse.hc_head"], \
+        str(rep)
+    assert not rep.near_misses and len(runs) == 4, (len(runs), str(rep))
