@@ -684,7 +684,9 @@ def _as_read(graph: torch.fx.Graph, collapsed: torch.fx.Node, m: dict) -> torch.
 
 
 def _upcast_note(m: dict) -> str:
-    return f", rounded to {dtype(m['x'])} as HF's .to(dtype) (Inductor had dropped the round trip)" if m["upcast"] else ""
+    if not m["upcast"]:
+        return ""
+    return f", rounded to {dtype(m['x'])} as HF's .to(dtype) (Inductor had dropped the round trip)"
 
 
 # --------------------------------------------------------------------------------------------
