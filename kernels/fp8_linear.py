@@ -40,9 +40,9 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
-                                          dequantize_fp4, dequantize_fp8_blocks, dequantize_weight_triton, e4m3_bits,
-                                          e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
-                                          round_to_e4m3_grid, scales_to_float32)
+                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits, e8m0_to_float, is_e8m0,
+                                          power_of_two_ceil, quantize_activations, round_to_e4m3_grid,
+                                          scales_to_float32)
 from dsfuse.kernels.moe_experts import scale_tile, swiglu_rounded, weight_tile
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
 
@@ -795,35 +795,6 @@ def _fp8_grouped_linear_cuda(x, weight, weight_scale, offsets, block_n, block_k)
     return fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k)
 
 
-@torch.library.custom_op("dsfuse::fp8_weight_dequantize", mutates_args=())
-def fp8_weight_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, block_n: int, block_k: int,
-                          dtype: torch.dtype) -> torch.Tensor:
-    """A block-scaled FP8 (or FP4) weight's values `[..., N, K]` in `dtype` (exact in fp32, rounded once): what a
-    rewrite that needs the weight itself (the absorbed MLA decode's kv_b_proj) reads in place of the FP8 linear.
-    This body is the reference (and the CPU implementation)."""
-    _check_dequantize(weight, weight_scale, block_n, block_k)
-    return dequantize_weight(weight, weight_scale, block_n, block_k).to(dtype)
-
-
-def _check_dequantize(weight, weight_scale, block_n, block_k):
-    _check_weight("fp8_weight_dequantize", weight, weight_scale, block_n, block_k,
-                  weight.shape[0] if weight.dim() == 3 else None)
-
-
-@direct_kernel(fp8_weight_dequantize)
-def _fp8_weight_dequantize_cuda(weight, weight_scale, block_n, block_k, dtype):
-    """One pass from the codes to `dtype`, bit-equal to the reference: its three fp32 copies of the weight took
-    ~0.28 of an FP8 decode step's 1.79 ms on the H200 (run 83), as the absorbed decode dequantises every step."""
-    _check_dequantize(weight, weight_scale, block_n, block_k)
-    return dequantize_weight_triton(weight, weight_scale, block_n, block_k, dtype)
-
-
-@fp8_weight_dequantize.register_fake
-def _fp8_weight_dequantize_fake(weight, weight_scale, block_n, block_k, dtype):
-    _check_dequantize(weight, weight_scale, block_n, block_k)
-    return weight.new_empty((*weight.shape[:-2], *weight_dims(weight)), dtype=dtype)
-
-
 def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
     """The bytes a weight-streaming call must read at least: the weight and its scales once."""
     return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
@@ -831,5 +802,5 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
 
 __all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
            "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
-           "fp8_linear_triton", "fp8_weight_dequantize", "grouped_gemm_quantized", "quantize_activations_triton",
+           "fp8_linear_triton", "grouped_gemm_quantized", "quantize_activations_triton",
            "quantize_for_weight", "weight_bytes", "weight_dims"]

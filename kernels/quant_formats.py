@@ -14,6 +14,8 @@ against.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -229,6 +231,45 @@ def dequantize_weight_triton(weight: torch.Tensor, scales: torch.Tensor, block_n
     return out.reshape(*weight.shape[:-2], N, K)
 
 
+# id(weight) -> (weakref to weight, weakref to scales, what identifies their contents, the dequantised weight)
+_DEQUANTIZED: dict[tuple, tuple] = {}
+
+
+def _contents(weight: torch.Tensor, scales: torch.Tensor) -> tuple:
+    """What changes when a tensor is written or its storage replaced (`param.data = ...`)."""
+    return weight.data_ptr(), weight._version, scales.data_ptr(), scales._version
+
+
+def dequantized_once(weight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize_weight_triton`'s result, kept while the weight and its scales live unchanged: a decode step that
+    reads a quantised weight whole (the absorbed MLA's kv_b_proj) dequantises it once, not on every step. Kept
+    copies live outside any CUDA-graph memory pool (made on a side stream, which a graph tree's warmup does not
+    route to its pool); one made while a graph is being captured is not kept (the graph replays its kernel)."""
+    key = (id(weight), id(scales), block_n, block_k, dtype)
+    kept = _DEQUANTIZED.get(key)
+    if kept is not None and kept[0]() is weight and kept[1]() is scales and kept[2] == _contents(weight, scales):
+        return kept[3]
+    if not weight.is_cuda:
+        value = dequantize_weight_triton(weight, scales, block_n, block_k, dtype)
+    elif torch.cuda.is_current_stream_capturing():
+        return dequantize_weight_triton(weight, scales, block_n, block_k, dtype)
+    else:
+        current = torch.cuda.current_stream(weight.device)
+        side = torch.cuda.Stream(weight.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            value = dequantize_weight_triton(weight, scales, block_n, block_k, dtype)
+        current.wait_stream(side)
+        value.record_stream(current)
+
+    def forget(_, key=key):
+        _DEQUANTIZED.pop(key, None)
+
+    _DEQUANTIZED[key] = (weakref.ref(weight, forget), weakref.ref(scales, forget), _contents(weight, scales), value)
+    return value
+
+
 @triton.jit
 def power_of_two_ceil(scale):
     """exp2(ceil(log2(scale))) for a positive normal fp32 `scale`, exactly: scale itself when it is a power
@@ -239,6 +280,6 @@ def power_of_two_ceil(scale):
 
 
 __all__ = ["E8M0_DTYPE", "E2M1_VALUES", "FP4_BLOCK", "FP8_AMAX_FLOOR", "FP8_BLOCK", "FP8_DTYPE", "FP8_MAX",
-           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "dequantize_weight_triton", "e2m1_values",
-           "e4m3_bits", "e4m3_to_float", "e8m0_to_float", "is_e8m0", "power_of_two_ceil", "power_of_two_ceil_exact",
-           "quantize_activations", "round_to_e4m3_grid", "scales_to_float32"]
+           "FP8_INV_MAX", "dequantize_fp4", "dequantize_fp8_blocks", "dequantize_weight_triton", "dequantized_once",
+           "e2m1_values", "e4m3_bits", "e4m3_to_float", "e8m0_to_float", "is_e8m0", "power_of_two_ceil",
+           "power_of_two_ceil_exact", "quantize_activations", "round_to_e4m3_grid", "scales_to_float32"]

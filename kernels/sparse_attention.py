@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dsfuse.kernels.quant_formats import FP8_DTYPE, dequantize_fp8_blocks, dequantized_once, is_e8m0
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -895,7 +896,8 @@ def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False, 
 # ---------------------------------------------------------------------------
 
 
-def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim):
+def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, kv_b_scale=None,
+                           kv_b_block_n=128, kv_b_block_k=128):
     op = "absorbed_mla_attention"
     if q.dim() != 4 or latent.dim() != 4 or rope.dim() != 4:
         raise ValueError(f"{op}: q must be [B,H,S,D] and latent/rope [B,1,T,C]/[B,1,T,R], got "
@@ -915,9 +917,12 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
         raise ValueError(f"{op}: idx must be [B={B}, S={S}, K>=1], got {tuple(idx.shape)}")
     if idx.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{op}: idx dtype must be int32 or int64, got {idx.dtype}")
-    if q.dtype not in _FLOAT_DTYPES or {latent.dtype, rope.dtype, kv_b_weight.dtype} != {q.dtype}:
-        raise TypeError(f"{op}: q, latent, rope and kv_b_weight must share one float dtype, got {q.dtype}, "
-                        f"{latent.dtype}, {rope.dtype}, {kv_b_weight.dtype}")
+    if kv_b_scale is not None:
+        _check_fp8_kv_b(op, kv_b_weight, kv_b_scale, kv_b_block_n, kv_b_block_k)
+    if q.dtype not in _FLOAT_DTYPES or {latent.dtype, rope.dtype} != {q.dtype} or (
+            kv_b_scale is None and kv_b_weight.dtype != q.dtype):
+        raise TypeError(f"{op}: q, latent, rope and kv_b_weight (unless FP8 with kv_b_scale) must share one float "
+                        f"dtype, got {q.dtype}, {latent.dtype}, {rope.dtype}, {kv_b_weight.dtype}")
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool or attn_mask.dim() != 4 or attn_mask.shape[1] != 1:
             raise ValueError(f"{op}: attn_mask must be a bool [B|1, 1, S|1, T] mask, got {attn_mask.dtype} "
@@ -928,9 +933,24 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
             raise ValueError(f"{op}: attn_mask {tuple(attn_mask.shape)} does not broadcast to {(B, 1, S, T)}") from None
     if not math.isfinite(scale):
         raise ValueError(f"{op}: scale must be finite, got {scale}")
-    for t in (latent, rope, kv_b_weight, idx) + ((attn_mask,) if attn_mask is not None else ()):
+    for t in (latent, rope, kv_b_weight, idx) + tuple(t for t in (attn_mask, kv_b_scale) if t is not None):
         if t.device != q.device:
             raise ValueError(f"{op}: all inputs must be on {q.device}, found {t.device}")
+
+
+def _check_fp8_kv_b(op, weight, scale, block_n, block_k):
+    """An e4m3 kv_b_proj weight [N, C] with its float32 or E8M0 block scales [ceil(N / bn), ceil(C / bk)]."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 2 or scale.dim() != 2:
+        raise TypeError(f"{op}: with kv_b_scale, kv_b_weight must be a 2-D {FP8_DTYPE} weight, got {weight.dtype} "
+                        f"{tuple(weight.shape)}")
+    if block_n < 1 or block_k < 1:
+        raise ValueError(f"{op}: kv_b_block_n and kv_b_block_k must be positive, got {block_n}, {block_k}")
+    want = (cdiv(weight.shape[0], block_n), cdiv(weight.shape[1], block_k))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{op}: kv_b_scale must be {list(want)} for kv_b_weight {tuple(weight.shape)} with blocks "
+                         f"[{block_n}, {block_k}], got {tuple(scale.shape)}")
+    if not (scale.dtype == torch.float32 or is_e8m0(scale)):
+        raise TypeError(f"{op}: kv_b_scale must be float32 or E8M0, got {scale.dtype}")
 
 
 def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int, causal: bool,
@@ -1015,7 +1035,8 @@ def _attend_triton(q_nope, q_pe, kv, pe, idx, scale, only=None):
 
 
 def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                     empty_rows_see_all=False, indices_distinct=False):
+                                     empty_rows_see_all=False, indices_distinct=False, kv_b_scale=None,
+                                     kv_b_block_n=128, kv_b_block_k=128):
     """What HF `DeepseekV32Attention` computes from its latent cache, in absorbed form.
 
     HF expands every cached latent through `kv_b_proj` (`k_nope | v` per head), appends the shared
@@ -1028,10 +1049,14 @@ def absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mas
     or with `empty_rows_see_all` attend over all T keys unmasked: what a finite mask bias (cuDNN SDPA's
     -65536) gives when it shifts every key of a row alike. `indices_distinct` is the caller's promise that no
     row of `idx` repeats an index (a top-k's indices): the repeats HF's scatter would merge are then not searched
-    for (no sort).
+    for (no sort). With `kv_b_scale`, `kv_b_weight` is a released checkpoint's e4m3 kv_b_proj with its
+    `kv_b_block_n` x `kv_b_block_k` block scales, read as its exact values rounded once to q's dtype.
     """
-    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, kv_b_scale, kv_b_block_n,
+                           kv_b_block_k)
     _check_index_range(idx, latent.shape[2], False, "absorbed_mla_attention")
+    if kv_b_scale is not None:
+        kv_b_weight = dequantize_fp8_blocks(kv_b_weight, kv_b_scale, kv_b_block_n, kv_b_block_k).to(q.dtype)
     return absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
                                        empty_rows_see_all, indices_distinct)
 
@@ -1044,10 +1069,15 @@ def absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, sc
 
 
 def absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                  empty_rows_see_all=False, indices_distinct=False):
+                                  empty_rows_see_all=False, indices_distinct=False, kv_b_scale=None,
+                                  kv_b_block_n=128, kv_b_block_k=128):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET): absorption and key selection in torch ops, the
-    attention in the MLA kernel.  No host sync."""
-    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
+    attention in the MLA kernel.  No host sync. An FP8 kv_b_proj is dequantised once while it is unchanged
+    (`dequantized_once`): every decode step reads the whole weight, ~25 us a layer on an H200 (run 140)."""
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, kv_b_scale, kv_b_block_n,
+                           kv_b_block_k)
+    if kv_b_scale is not None:
+        kv_b_weight = dequantized_once(kv_b_weight, kv_b_scale, kv_b_block_n, kv_b_block_k, q.dtype)
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
                                empty_rows_see_all, indices_distinct, _attend_triton)
 
@@ -1065,22 +1095,30 @@ def absorbed_mla_attention(
     causal: bool = False,
     empty_rows_see_all: bool = False,
     indices_distinct: bool = False,
+    kv_b_scale: Optional[torch.Tensor] = None,
+    kv_b_block_n: int = 128,
+    kv_b_block_k: int = 128,
 ) -> torch.Tensor:
     """HF latent-cache sparse attention in absorbed form; the default (CPU) implementation is the reference."""
     return absorbed_mla_attention_reference(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                                            empty_rows_see_all, indices_distinct)
+                                            empty_rows_see_all, indices_distinct, kv_b_scale, kv_b_block_n,
+                                            kv_b_block_k)
 
 
 @absorbed_mla_attention.register_fake
 def _absorbed_mla_attention_fake(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                 empty_rows_see_all=False, indices_distinct=False):
-    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim)
+                                 empty_rows_see_all=False, indices_distinct=False, kv_b_scale=None, kv_b_block_n=128,
+                                 kv_b_block_k=128):
+    _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, kv_b_scale, kv_b_block_n,
+                           kv_b_block_k)
     H = q.shape[1]
     return q.new_empty((*q.shape[:3], kv_b_weight.shape[0] // H - nope_dim))
 
 
 @direct_kernel(absorbed_mla_attention)
 def _absorbed_mla_attention_cuda(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
-                                 empty_rows_see_all=False, indices_distinct=False):
+                                 empty_rows_see_all=False, indices_distinct=False, kv_b_scale=None, kv_b_block_n=128,
+                                 kv_b_block_k=128):
     return absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                                         empty_rows_see_all, indices_distinct)
+                                         empty_rows_see_all, indices_distinct, kv_b_scale, kv_b_block_n,
+                                         kv_b_block_k)

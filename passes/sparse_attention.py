@@ -576,7 +576,7 @@ def _latent_cache_source(m: dict) -> dict:
     node = strip(node, VIEW_OPS)
     quantized = None
     if is_op(node, torch.ops.dsfuse.fp8_linear.default):
-        # A released FP8 checkpoint's kv_b_proj: the rewrite reads its weight dequantised (`fp8_weight_dequantize`).
+        # A released FP8 checkpoint's kv_b_proj: the op reads its weight dequantised (once while it is unchanged).
         if same_size(T, S):
             raise NoMatch("an FP8 kv_b_proj is absorbed only in steps over a longer cache (the absorbed form leaves "
                           "out W8A8's rounding of the latents; without a cache the masked form does no extra work)")
@@ -866,12 +866,11 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         latent = absorbed["latent"]
         if absorbed["unsqueeze"]:
             latent = insert_call(graph, out, aten.unsqueeze.default, (latent, 1))
-        weight = absorbed["weight"]
-        if weight is None:
-            weight = insert_call(graph, out, torch.ops.dsfuse.fp8_weight_dequantize.default,
-                                 (*absorbed["quantized"], dtype(m["q"])))
+        weight, fp8 = absorbed["weight"], ()
+        if weight is None:  # the FP8 weight, its scales and blocks: the op dequantises it once while unchanged
+            weight, *fp8 = absorbed["quantized"]
         args = (m["q"], latent, absorbed["rope"], weight, m["idx"], attn_mask, m["scale"],
-                absorbed["nope_dim"], m["causal"], see_all, _top_k_indices(m["idx"]))
+                absorbed["nope_dim"], m["causal"], see_all, _top_k_indices(m["idx"]), *fp8)
         fused = insert_call(graph, out, torch.ops.dsfuse.absorbed_mla_attention.default, args)
     else:
         k, v = (_over_heads(graph, out, m[name], m["q"]) for name in ("k", "v"))
@@ -898,7 +897,8 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
         if args[-1]:
             detail += ", top-k indices (no repeats)"
         if absorbed["weight"] is None:
-            detail += ", FP8 kv_b_proj dequantised on each call (no activation quantisation of the latents)"
+            detail += (", FP8 kv_b_proj dequantised once while unchanged (no activation quantisation of the "
+                       "latents)")
         ctx.site(scatter, "dsfuse.absorbed_mla_attention", [m["q"], absorbed["latent"], absorbed["rope"],
                  absorbed["quantized"][0] if absorbed["weight"] is None else absorbed["weight"], m["idx"],
                  attn_mask],

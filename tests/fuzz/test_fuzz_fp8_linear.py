@@ -1,4 +1,4 @@
-"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear`, `dsfuse::fp8_weight_dequantize` and
+"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear`, the weight dequantisation and
 `dsfuse::moe_experts_fp8`: the op against the reference bit for bit (CPU), and the Triton kernels against the
 reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding), over row counts at the edges
 (and on either side of the decode path's DECODE_MAX_ROWS), K
@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsfuse.kernels import fp8_linear as ops
-from dsfuse.kernels.quant_formats import E8M0_DTYPE
+from dsfuse.kernels.quant_formats import E8M0_DTYPE, dequantize_weight_triton
 from dsfuse.models.quantized import quantize_fp8_weight
 
 DTYPE = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # the interpreter computes bf16 unlike the GPU
@@ -64,15 +64,14 @@ def test_fp8_grouped_linear(args):
     _compare(ops.fp8_grouped_linear_triton(*args), want, "fp8_grouped_linear")
 
 
-@fuzzes("dsfuse::fp8_weight_dequantize")
 @given(kind=st.sampled_from(["float", "ue8m0", "fp4"]), lead=st.sampled_from([(), (1,), (3,)]), N=sizes(1, 300),
-       K=st.sampled_from([64, 128, 160, 320]), dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=seeds())
-def test_fp8_weight_dequantize(kind, lead, N, K, dtype, seed):
-    """The exact values rounded once, on the op's device, whatever the stack, block remainder or format."""
+       K=st.sampled_from([64, 128, 160, 320]), dtype=st.sampled_from([torch.float32, DTYPE]), seed=seeds())
+def test_weight_dequantization(kind, lead, N, K, dtype, seed):
+    """The exact values rounded once, on the kernels' device, whatever the stack, block remainder or format."""
     weight, scale = (t.to(DEVICE) for t in _weight(kind, lead, N, K, seed))
-    got = torch.ops.dsfuse.fp8_weight_dequantize(weight, scale, 128, 128, dtype)
+    got = dequantize_weight_triton(weight, scale, 128, 128, dtype)
     assert_same(got.cpu(), ops.dequantize_weight(weight.cpu(), scale.cpu(), 128, 128).to(dtype),
-                what="fp8_weight_dequantize")
+                what="dequantize_weight_triton")
 
 
 @st.composite

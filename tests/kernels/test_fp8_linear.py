@@ -3,15 +3,17 @@ the Triton kernels (interpreter on CPU) give the reference's bits on the decode 
 grouped or not, split channel groups summed in order) and the row-tiled GEMM, opcheck, bad input; on the GPU, the
 kernels and cuBLAS's block-scaled GEMM against the reference, and a CUDA-graph replay."""
 
+import gc
+
 import pytest
 import sm90_offline
 import torch
 
-from dsfuse.kernels import fp8_linear as ops
+from dsfuse.kernels import fp8_linear as ops, quant_formats
 from dsfuse.kernels.fp8_linear import (dequantize_weight, fp8_grouped_linear, fp8_grouped_linear_reference,
                                        fp8_grouped_linear_triton, fp8_linear, fp8_linear_reference, fp8_linear_triton,
-                                       fp8_weight_dequantize, quantize_activations_triton, quantize_for_weight)
-from dsfuse.kernels.quant_formats import E8M0_DTYPE, quantize_activations
+                                       quantize_activations_triton, quantize_for_weight)
+from dsfuse.kernels.quant_formats import E8M0_DTYPE, dequantized_once, quantize_activations
 from dsfuse.models.quantized import quantize_fp8_weight
 
 CPU_DTYPE = torch.float16  # the interpreter's bf16 arithmetic is not the GPU's; fp16 inputs, fp8 dots
@@ -305,18 +307,24 @@ def test_ops_dispatch_to_the_reference_and_pass_opcheck():
 
 
 @pytest.mark.parametrize("kind", ["float", "ue8m0", "fp4"])
-def test_weight_dequantize_op_gives_the_exact_values_rounded_once(kind):
-    from dsfuse.kernels.triton_support import check_outputs_match_fake
-
+def test_weight_dequantized_once_gives_the_exact_values_and_keeps_them_while_unchanged(kind):
+    """Rounded once from the exact values; the same tensor again until the weight is written, its storage replaced
+    or the weight freed (then the kept copy goes too). fp16: the interpreter rounds to bf16 unlike the GPU."""
     w, s = _weights(kind, 200, 256, 10)
-    args = (w, s, 128, 128, torch.bfloat16)
-    out = fp8_weight_dequantize(*args)
-    assert out.dtype == torch.bfloat16 and out.shape == (200, 256)
-    assert torch.equal(out, dequantize_weight(w, s, 128, 128).to(torch.bfloat16))
-    torch.library.opcheck(fp8_weight_dequantize, args, test_utils=OPCHECK_TESTS)
-    check_outputs_match_fake("dsfuse::fp8_weight_dequantize", args, {}, out)
-    with pytest.raises(ValueError, match="weight_scale must be"):
-        fp8_weight_dequantize(w, s[:1], 128, 128, torch.bfloat16)
+    out = dequantized_once(w, s, 128, 128, CPU_DTYPE)
+    assert out.dtype == CPU_DTYPE and out.shape == (200, 256)
+    assert torch.equal(out, dequantize_weight(w, s, 128, 128).to(CPU_DTYPE))
+    assert dequantized_once(w, s, 128, 128, CPU_DTYPE) is out
+    assert dequantized_once(w, s, 128, 128, torch.float32) is not out
+    w.view(torch.uint8)[0].zero_()
+    written = dequantized_once(w, s, 128, 128, CPU_DTYPE)
+    assert written is not out and not written[0].any()
+    w.data = w.clone()
+    assert dequantized_once(w, s, 128, 128, CPU_DTYPE) is not written
+    kept = len(quant_formats._DEQUANTIZED)
+    del w
+    gc.collect()
+    assert len(quant_formats._DEQUANTIZED) < kept
 
 
 def test_e2m1_values_are_the_table_with_signed_zero():
@@ -422,17 +430,21 @@ def test_cuda_decode_path_with_split_groups_replays_in_a_cuda_graph(kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["ue8m0", "fp4"])
-def test_cuda_weight_dequantize_replays_in_a_cuda_graph(kind):
-    """No copy from the host inside (FP4 decodes its codes from the bits): a CUDA graph captures it."""
+def test_cuda_weight_dequantized_once_in_and_out_of_a_cuda_graph(kind):
+    """No copy from the host inside (FP4 decodes its codes from the bits): a CUDA graph captures it. A copy kept
+    before the capture is read by the graph as it is; one made during a capture is not kept."""
     w, s = (t.cuda() for t in _weights(kind, 256, 512, 11))
-    want = fp8_weight_dequantize(w, s, 128, 128, torch.bfloat16)
+    want = dequantize_weight(w.cpu(), s.cpu(), 128, 128).to(torch.bfloat16)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = fp8_weight_dequantize(w, s, 128, 128, torch.bfloat16)
+        captured = dequantized_once(w, s, 128, 128, torch.bfloat16)
     graph.replay()
+    kept = dequantized_once(w, s, 128, 128, torch.bfloat16)
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        assert dequantized_once(w, s, 128, 128, torch.bfloat16) is kept
+    assert kept is not captured and dequantized_once(w, s, 128, 128, torch.bfloat16) is kept
     torch.cuda.synchronize()
-    assert torch.equal(got, want) and torch.equal(want.cpu(), dequantize_weight(
-        w.cpu(), s.cpu(), 128, 128).to(torch.bfloat16))
+    assert torch.equal(captured.cpu(), want) and torch.equal(kept.cpu(), want)
 
 
 @pytest.mark.gpu

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from dsfuse.kernels import sparse_attention as sa
+from dsfuse.kernels.quant_formats import dequantize_fp8_blocks
+from dsfuse.kernels.triton_support import check_outputs_match_fake
+from dsfuse.models.quantized import quantize_fp8_weight
 
 # The interpreter evaluates in numpy, which warns on the intended 0/0 (rows without keys) and
 # finfo.min * log2(e) (= -inf) of additive masks.
@@ -677,6 +680,43 @@ def test_absorbed_kernel_path_half_precision():
     assert _rel_err(ref, hf) <= 2e-3
 
 
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_absorbed_fp8_kv_b_is_its_exact_values_dequantised_once(scale_fmt):
+    """A released checkpoint's e4m3 kv_b_proj with its block scales (blocks that do not divide the weight): the op
+    equals itself on the weight's exact values rounded once to q's dtype, and its kernel path dequantises the
+    weight on the first call only."""
+    q, latent, rope, weight, idx = _absorbed_inputs(2, 4, 1, 40, 8, HALF)
+    fp8, scales = quantize_fp8_weight(weight.cpu().float(), block=24, scale_fmt=scale_fmt)
+    fp8, scales = fp8.to(q.device), scales.to(q.device)
+    exact = dequantize_fp8_blocks(fp8, scales, 24, 24).to(HALF)
+    args = (q, latent, rope)
+    fp8_args = (idx, None, 0.3, NOPE, False, False, False, scales, 24, 24)
+    want = sa.absorbed_mla_attention_reference(*(t.cpu() for t in (*args, exact, idx)), None, 0.3, NOPE)
+    assert torch.equal(sa.absorbed_mla_attention_reference(*(t.cpu() for t in args), fp8.cpu(), idx.cpu(), None, 0.3,
+                                                           NOPE, False, False, False, scales.cpu(), 24, 24), want)
+    calls = []
+    real = sa.dequantized_once
+    sa.dequantized_once = lambda *a: calls.append(a) or real(*a)
+    try:
+        got = [sa.absorbed_mla_attention_triton(*args, fp8, *fp8_args) for _ in range(2)]
+    finally:
+        sa.dequantized_once = real
+    kernel = sa.absorbed_mla_attention_triton(*args, exact, idx, None, 0.3, NOPE)
+    assert torch.equal(got[0], kernel) and torch.equal(got[1], kernel) and len(calls) == 2
+    assert real(fp8, scales, 24, 24, HALF) is real(fp8, scales, 24, 24, HALF)
+    op = torch.ops.dsfuse.absorbed_mla_attention.default
+    cpu = [t.cpu() for t in (*args, fp8)]
+    fp8_call = (*cpu, idx.cpu(), None, 0.3, NOPE, False, False, False, scales.cpu(), 24, 24)
+    # opcheck's schema test compares inputs with an op CPU lacks for float8; the fake-against-real check stands in.
+    torch.library.opcheck(op, fp8_call, test_utils=("test_faketensor", "test_autograd_registration",
+                                                    "test_aot_dispatch_dynamic"))
+    check_outputs_match_fake("dsfuse::absorbed_mla_attention", fp8_call, {}, op(*fp8_call))
+    with pytest.raises(ValueError, match="kv_b_scale must be"):
+        op(*cpu, idx.cpu(), None, 0.3, NOPE, False, False, False, scales.cpu()[:1], 24, 24)
+    with pytest.raises(TypeError, match="kv_b_weight must be a 2-D"):
+        op(*cpu[:3], exact.cpu(), idx.cpu(), None, 0.3, NOPE, False, False, False, scales.cpu(), 24, 24)
+
+
 def test_absorbed_op_opcheck_and_bad_inputs():
     q, latent, rope, weight, idx = _absorbed_inputs(1, 2, 1, 20, 4, torch.float32, device="cpu")
     mask = torch.ones(1, 1, 1, 20, dtype=torch.bool)
@@ -734,6 +774,31 @@ def test_masked_gpu_bf16_real_head_dims_and_cuda_graph(mask_kind):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured, out)
+
+
+@pytest.mark.gpu
+def test_absorbed_gpu_fp8_kv_b_under_cuda_graph_trees():
+    """The FP8 kv_b_proj dequantised once, in a graph compiled with CUDA-graph trees: the kept copy, made during the
+    trees' warmup, lives outside their memory pool (their pool check passes) and the replays read it."""
+    B, H, T, K, C = 2, 16, 600, 64, 512
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, H, 1, 192, generator=g).to("cuda", torch.bfloat16)
+    latent = torch.randn(B, 1, T, C, generator=g).to("cuda", torch.bfloat16)
+    rope = torch.randn(B, 1, T, 64, generator=g).to("cuda", torch.bfloat16)
+    fp8, scales = (t.cuda() for t in quantize_fp8_weight(torch.randn(H * 256, C, generator=g) / C**0.5,
+                                                           scale_fmt="ue8m0"))
+    idx = torch.stack([torch.randperm(T, generator=g)[:K] for _ in range(B)])[:, None].to("cuda", torch.int32)
+
+    def step(q):
+        return torch.ops.dsfuse.absorbed_mla_attention(q, latent, rope, fp8, idx, None, 192**-0.5, 128, False, False,
+                                                       True, scales, 128, 128)
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    exact = dequantize_fp8_blocks(fp8, scales, 128, 128).to(torch.bfloat16)
+    for seed in range(4):
+        q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(seed)).to(q))
+        want = sa.absorbed_mla_attention_triton(q, latent, rope, exact, idx, None, 192**-0.5, 128, False, False, True)
+        torch.testing.assert_close(compiled(q).clone(), want, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
