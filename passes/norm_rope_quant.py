@@ -57,6 +57,20 @@ with the reason. Two more site kinds, each into one launch:
   an RMSNorm of a projection output that the call cannot take (`x * rsqrt(..).to(dtype)`) is reported. Without a
   weight (`(x * r).to(dtype)`, here or on the kv side) the call reads a weight of fp32 ones: the same bits.
 
+Every norm and quantisation the walk matched is then run on probes (`verify.py`) before it is rewritten, against
+the reference of the call that replaces it: the walk reads their ops but not what a reduction's `dtype` argument does
+(a mean of fp32 squares taken in bf16, squares summed in fp16). An RMSNorm's slice runs from its input and weight to
+its output against `rmsnorm_rope_reference` (kv side, projection norms) or `rms_norm_reference` (V4's rows) in the
+rounding, eps and division the walk read; a LayerNorm's from its input, weight and bias against
+`layer_norm_reference`; the fp8 quantisation's from the `cat` to the fp8 values and the scales against
+`quantize_activations` (the quantisation of `rope_quant_fp8_reference`). Probes: rows of every sign about offsets,
+a zero row (the eps floor), rows at 1e4 (squares that overflow fp16) and at sqrt(eps), weights and biases of every
+sign; for the quantisation random blocks, zero blocks (the 1e-4 amax floor), blocks under it, blocks at +-448 with a
+power-of-two scale and a little above one (ue8m0 rounds up). Budget: 16 ulps of fp32, 2 of bf16 / fp16 at a row's
+largest magnitude for the norms; fp8 bytes and scales bit for bit. A disagreement is a near-miss naming the probe:
+the site's, except where the norm is left out of a call that still takes the RoPE (V4's rows, a LayerNorm before
+`rope_cat` / `rope_quant_fp8`).
+
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
 call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
 """
@@ -69,7 +83,9 @@ import torch
 from torch._inductor.pattern_matcher import stable_topological_sort
 
 import dsfuse.kernels.fp8_linear  # noqa: F401  (registers torch.ops.dsfuse.fp8_linear, a projection)
-import dsfuse.kernels.norm_rope_quant  # noqa: F401  (registers torch.ops.dsfuse.rmsnorm_rope and friends)
+from dsfuse.kernels.norm_rope_quant import (  # (also registers torch.ops.dsfuse.rmsnorm_rope and friends)
+    RMS_NORMS, layer_norm_reference, rms_norm_reference, rmsnorm_rope_reference)
+from dsfuse.kernels.quant_formats import quantize_activations
 
 from .canonicalize import MEAN, canonical_bmm, canonical_mm
 from .context import NoMatch, PassContext, rewrite_anchored
@@ -107,7 +123,7 @@ from .graph_utils import (
     walk_forward,
 )
 from .norm_rope_quant_groups import group_launches
-from .verify import Family, latest_independent, rope_table_probes, verify
+from .verify import Family, Verdict, latest_independent, rope_table_probes, verify
 
 NAME = "norm_rope_quant"
 # On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
@@ -192,6 +208,7 @@ def _match_parts(proj: torch.fx.Node, sizes: list, parts: dict[int, torch.fx.Nod
         rope = _pair_rope_by_probes(_view_chain(parts[1])[-1], dtype(proj))
         if rope is None:
             raise
+    _check_rms_norm(parts[0], norm, "rmsnorm_rope")
     return {"proj": proj, "c_norm": sizes[0], "c_rope": sizes[1], **norm, **rope}
 
 
@@ -576,8 +593,9 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
         for node in (x, rope["cos"][0], rope["sin"][0]):
             if not _last_dim_contiguous(node):
                 raise NoMatch(f"RoPE + cat: {node}'s last dim is not contiguous")
+        layer_norm, norm_missed = _verified_layer_norm(x, "rope_cat")
         return {"x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0], "c_rope": sizes[rope_index],
-                "layer_norm": _match_layer_norm(x), **rope}
+                "layer_norm": layer_norm, "norm_missed": norm_missed, **rope}
     raise NoMatch("no RoPE on either part", reported=False)
 
 
@@ -632,7 +650,7 @@ def _match_layer_norm(x: torch.fx.Node) -> dict | None:
         source = xf.args[0]
     if not _last_dim_contiguous(source):
         return None
-    return {"input": source, "weight": weight, "bias": bias, "eps": scalar_arg(eps), "views": views}
+    return {"input": source, "output": out, "weight": weight, "bias": bias, "eps": scalar_arg(eps), "views": views}
 
 
 def _private_operand(node: torch.fx.Node, target) -> torch.fx.Node | None:
@@ -664,6 +682,8 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
     cat = m["cat"]
     pad = 4 - len(shape(m["x"]))
     norm = m["layer_norm"]
+    if m.get("norm_missed"):
+        ctx.near_miss(split, f"the LayerNorm before this RoPE is left out of its call: {m['norm_missed']}")
     x = m["x"]
     if norm is not None:  # the LayerNorm's input viewed as its output was to give x
         x = _replay_views(graph, cat, norm["input"], norm["views"])
@@ -794,14 +814,18 @@ def _match_rope_quant(split: torch.fx.Node) -> dict:
     quant = _match_fp8_quant(cat, dtype(x))
     if quant is None:
         return _complex_rope_alone(rope, rope_start, cat_left=True)
-    norm = _match_layer_norm(x)
+    norm, norm_missed = _verified_layer_norm(x, "rope_quant_fp8")
     source = x if norm is None else norm["input"]  # the node the fused call reads (stays in the graph)
     for target in (x, quant["blocks"], quant["scale"]):
         for size in shape(target):
             if not isinstance(size, int) and not any(same_size(size, s) for s in shape(source)):
                 raise NoMatch(f"fp8 quantisation: size {size} of {target} is not one of the input's sizes")
+    verdict = _verify_fp8_quant(cat, quant)
+    if verdict.ok is False:
+        raise NoMatch(_numeric_miss("fp8 quantisation", "rope_quant_fp8", verdict))
     return {"kind": "rope_quant", "x": x, "cat": cat, "rope_start": 0 if rope_index == 0 else sizes[0],
-            "c_rope": sizes[rope_index], "layer_norm": norm, "source": source, **rope, **quant}
+            "c_rope": sizes[rope_index], "layer_norm": norm, "norm_missed": norm_missed, "source": source, **rope,
+            **quant}
 
 
 def _complex_rope_alone(rope: dict, rope_start, cat_left: bool = False) -> dict:
@@ -891,6 +915,8 @@ def _rewrite_rope_quant(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ct
     before = m["scale"]  # the fused call's inputs all precede the scale; the scale's and q's users follow it
     pad = 4 - len(shape(m["x"]))
     norm = m["layer_norm"]
+    if m["norm_missed"]:
+        ctx.near_miss(split, f"the LayerNorm before this RoPE is left out of its call: {m['norm_missed']}")
     x = m["x"]
     if norm is not None:
         x = insert_call(graph, before, aten.reshape.default, (norm["input"], _sizes_like(graph, before, x, m["source"])))
@@ -947,7 +973,9 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     projected = is_op(source, *PROJECTIONS) or canonical_mm(source) or canonical_bmm(source)  # or as pad_mm pads it
     if not projected or not shape(part):
         raise NoMatch("input is not a projection output", reported=False)
-    return {"part": part, **_match_weighted_or_unit_norm(part, dtype(part))}  # one the call cannot take is reported
+    norm = _match_weighted_or_unit_norm(part, dtype(part))  # one the call cannot take is reported
+    _check_rms_norm(part, norm, "rmsnorm_rope")
+    return {"part": part, **norm}
 
 
 def _moves_unit_dims_only(node: torch.fx.Node) -> bool:
@@ -1077,6 +1105,9 @@ def _norm_above(row: torch.fx.Node, x_dtype: torch.dtype) -> tuple[dict | None, 
         return None, [], miss.reason if UNSPECIALISED_FLOAT in miss.reason else None
     if norm["norm_out"] is not out:
         return None, [], None
+    verdict = _verify_rms_norm(part, norm, "rope_cat")
+    if verdict.ok is False:
+        return None, [], _numeric_miss("RMSNorm", "rope_cat", verdict)
     return {"input": part, **norm}, views, None
 
 
@@ -1205,8 +1236,6 @@ def _pair_rows(graph: torch.fx.Graph, before: torch.fx.Node, table_dim: tuple, r
 
 
 def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, ctx: PassContext) -> None:
-    from dsfuse.kernels.norm_rope_quant import RMS_NORMS
-
     if m.get("kind") == "rope_cat":
         _rewrite_rope_cat(graph, cat, m, ctx)
         return
@@ -1325,3 +1354,160 @@ def _same_bits(got: list, want: torch.Tensor, probe: dict) -> str | None:
     if torch.equal(out, want):
         return None
     return f"differs by up to {(out.float() - want.float()).abs().max().item():.3g}"
+
+
+# --- the norms and the fp8 quantisation, proven on probes -----------------------------------------------------------
+# The walk reads each norm and quantisation op by op but not what an op's other arguments do to its rounding (a
+# mean or sum of the squares taken in bf16 / fp16 through its `dtype`), so every matched RMSNorm, LayerNorm and fp8
+# quantisation is run on probes (`verify.py`) against the reference of the call that replaces it before the rewrite.
+# Budget, norms: this many ulps of the output's dtype at the largest magnitude of its row. A spelling may reach the
+# statistic otherwise than the reference (`sum / C` for `mean`, `var_mean` for the LayerNorm's two passes), which
+# moves it by a few fp32 ulps and an fp32 output by a few more through the rsqrt and the products; a bf16 / fp16
+# output flips one rounding, and one more in HF's product by the weight in that dtype. (Seen: at most 2 fp32 ulps
+# and no bf16 one over the pass tests, the corpus and 200 spelling-fuzzer draws.) The fp8 quantisation has none:
+# it sums nothing, and each of its ops (abs, amax, the divisions, log2 / ceil / exp2, the clamps, the e4m3 cast)
+# rounds alike in the source and the reference, which the kernel matches bit for bit (tests/kernels).
+NORM_ULPS = {torch.float32: 16, torch.bfloat16: 2, torch.float16: 2}
+LARGE_ROWS = 1e4  # a scale at which the squares overflow fp16 and stay finite in fp32, where the calls sum them
+
+
+def _numeric_miss(what: str, call: str, verdict: Verdict) -> str:
+    return f"{what}: numeric check against {call}'s reference failed: {verdict.reason}"
+
+
+def _check_rms_norm(part: torch.fx.Node, norm: dict, call: str) -> None:
+    """A reported miss when the RMSNorm matched on `part` disagrees with `call`'s reference on probes."""
+    verdict = _verify_rms_norm(part, norm, call)
+    if verdict.ok is False:
+        raise NoMatch(_numeric_miss("RMSNorm", call, verdict))
+
+
+def _verify_rms_norm(part: torch.fx.Node, norm: dict, call: str) -> Verdict:
+    """Run the slice from the norm's input (and weight) to its output on `_norm_probes` against `call`'s reference
+    with the rounding, eps and division the walk read."""
+    if norm["weight"] is part:
+        return Verdict(False, "the norm's weight is its input")
+    roles = {"x": part} if norm["weight"] is None else {"x": part, "weight": norm["weight"]}
+    family = Family(probes=lambda shapes, dtypes: _norm_probes(shapes, dtypes, norm["eps"]),
+                    reference=lambda probe: _rms_norm_reference(probe, norm, call), compare=_within_row_ulps)
+    settings = ("rms_norm", call, norm["rounding"], norm["eps"], norm["div_sqrt"], norm.get("weight_in_fp32"))
+    return verify([norm["norm_out"]], roles, family, settings)
+
+
+def _rms_norm_reference(probe: dict, norm: dict, call: str) -> torch.Tensor:
+    """The probe's rows normalised by `call`'s reference: `rmsnorm_rope`'s (no weight read as fp32 ones, as the
+    rewrite passes it), or `rope_cat`'s in the norm's rounding."""
+    x, weight = probe["x"], probe.get("weight")
+    if call == "rope_cat":
+        return rms_norm_reference(x, RMS_NORMS.index(norm["rounding"]), weight, norm["eps"], norm["div_sqrt"])
+    width = x.shape[-1]
+    weight = torch.ones(width) if weight is None else weight
+    normed, _ = rmsnorm_rope_reference(x.reshape(-1, width), weight, norm["eps"], None, None, True,
+                                       norm["weight_in_fp32"], div_sqrt=norm["div_sqrt"])
+    return normed
+
+
+def _verified_layer_norm(x: torch.fx.Node, call: str) -> tuple[dict | None, str | None]:
+    """The LayerNorm `x` is a view of (`_match_layer_norm`) once its slice agrees with `layer_norm_reference` on
+    probes; else (None, why): `call` then reads x, the LayerNorm is Inductor's and reported."""
+    norm = _match_layer_norm(x)
+    if norm is None:
+        return None, None
+    roles = {"x": norm["input"], "weight": norm["weight"], "bias": norm["bias"]}
+    if len(set(roles.values())) != len(roles):
+        verdict = Verdict(False, "two roles of the LayerNorm are bound to one tensor")
+    else:
+        family = Family(probes=lambda shapes, dtypes: _norm_probes(shapes, dtypes, norm["eps"]),
+                        reference=lambda probe: layer_norm_reference(probe["x"], probe["weight"], probe["bias"],
+                                                                     norm["eps"]),
+                        compare=_within_row_ulps)
+        verdict = verify([norm["output"]], roles, family, ("layer_norm", norm["eps"]))
+    if verdict.ok is False:
+        return None, _numeric_miss("LayerNorm", call, verdict)
+    return norm, None
+
+
+def _norm_probes(shapes: dict, dtypes: dict, eps: float) -> list[tuple[str, dict]]:
+    """Rows of every sign about offsets of every sign, the first row zero (the eps floor alone), with a weight (and
+    a bias) of every sign; the same rows at `LARGE_ROWS`; and scaled to sqrt(eps), where a spelling that adds eps
+    elsewhere than to the mean differs most."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shapes["x"], generator=gen) + torch.randn((*shapes["x"][:-1], 1), generator=gen)
+    x.view(-1, x.shape[-1])[:1] = 0.0
+    params = {role: torch.randn(shapes[role], generator=gen).to(dtypes[role]) for role in ("weight", "bias")
+              if role in shapes}
+    scales = (("signed rows, a zero row", 1.0), ("large rows", LARGE_ROWS),
+              ("rows at the eps scale", max(eps, 1e-12) ** 0.5))
+    return [(name, {"x": (x * scale).to(dtypes["x"]), **params}) for name, scale in scales]
+
+
+def _within_row_ulps(got: list, want: torch.Tensor, probe: dict) -> str | None:
+    """None when the norm's output has the reference's values within `NORM_ULPS` of its dtype at each row's
+    largest magnitude (NaN and infinities where the reference has them), else the first row over it."""
+    out = got[0]
+    if not isinstance(out, torch.Tensor) or out.numel() != want.numel():
+        return f"not a tensor of the reference's {want.numel()} values"
+    if out.dtype != want.dtype:
+        return f"in {out.dtype}, the call's in {want.dtype}"
+    width = want.shape[-1]
+    out, ref = out.float().reshape(-1, width), want.float().reshape(-1, width)
+    finite = out.isfinite() & ref.isfinite()
+    specials = [torch.where(finite, 0.0, t).nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0) for t in (out, ref)]
+    if not torch.equal(*specials):
+        return "NaN or infinity where the reference has a finite value, or the reverse"
+    error = torch.where(finite, out - ref, 0.0).abs().amax(-1)
+    size = torch.where(finite, ref, 0.0).abs().amax(-1)
+    budget = NORM_ULPS[want.dtype] * torch.finfo(want.dtype).eps * size
+    over = (error > budget).nonzero()
+    if not len(over):
+        return None
+    row = over[0, 0].item()
+    return (f"row {row} differs by {error[row]:.3g}, {error[row] / max(size[row], 1e-30):.2g} of its largest value "
+            f"(budget {NORM_ULPS[want.dtype]} ulps of {want.dtype}: {budget[row]:.3g})")
+
+
+def _verify_fp8_quant(cat: torch.fx.Node, quant: dict) -> Verdict:
+    """Run the slice from the quantised rows (`cat`) to the fp8 values and the scales on `_quant_probes` against
+    `rope_quant_fp8_reference`'s quantisation (`quantize_activations`, dividing by the scale as the source does)."""
+    block, ue8m0 = quant["block_size"], quant["ue8m0"]
+    family = Family(probes=lambda shapes, dtypes: _quant_probes(shapes, dtypes, block),
+                    reference=lambda probe: quantize_activations(probe["rows"], block, pow2=ue8m0, reciprocal=False),
+                    compare=_same_fp8)
+    return verify([quant["fp8"], quant["scale"]], {"rows": cat}, family, ("fp8", block, ue8m0))
+
+
+def _quant_probes(shapes: dict, dtypes: dict, block: int) -> list[tuple[str, dict]]:
+    """Rows in blocks of `block`, each block of its own power-of-two magnitude: random values; zero blocks (the
+    1e-4 amax floor); values under the floor; the largest magnitude at +-amax with amax / 448 a power of two (those
+    quantised to exactly +-448, the scale kept by ue8m0); then that largest value a little above it (ue8m0 rounds
+    the scale up a binade)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = shapes["rows"]
+    blocks = (*rows[:-1], rows[-1] // block, block)
+    binades = torch.exp2(torch.randint(-8, 8, (*blocks[:-1], 1), generator=gen).float())
+    unit = torch.rand(blocks, generator=gen) * 2 - 1
+    unit[..., -1], unit[..., 0] = -1.0, 1.0
+    at_max = unit * FP8_MAX * binades
+    above = at_max.clone()
+    above[..., 0] *= 1 + 2 ** -6
+    probes = (("random blocks", torch.randn(blocks, generator=gen) * binades), ("zero blocks", torch.zeros(blocks)),
+              ("blocks under the amax floor", unit * AMAX_FLOOR / 4), ("blocks at +-448", at_max),
+              ("scales a little above a power of two", above))
+    return [(name, {"rows": values.reshape(rows).to(dtypes["rows"])}) for name, values in probes]
+
+
+BITS = {torch.float8_e4m3fn: torch.uint8, torch.float32: torch.int32}
+
+
+def _same_fp8(got: list, want: tuple, probe: dict) -> str | None:
+    """None when the fp8 values and the scales are the reference's bit for bit, else which differ and where first."""
+    for name, out, ref in zip(("fp8 values", "scales"), got, want):
+        if not isinstance(out, torch.Tensor) or out.dtype != ref.dtype or out.numel() != ref.numel():
+            return f"{name}: not {ref.numel()} {ref.dtype} values"
+        out, ref = out.reshape(-1), ref.reshape(-1)
+        differ = (out.view(BITS[ref.dtype]) != ref.view(BITS[ref.dtype])).nonzero()
+        if len(differ):
+            first = differ[0, 0].item()
+            return (f"{name} differ at {len(differ)} of {ref.numel()} (the first: {out[first].float().item():g} "
+                    f"against {ref[first].float().item():g})")
+    return None
