@@ -976,3 +976,88 @@ def test_divisions_no_call_computes_are_reported():
         rep = dsfuse.report()
         assert rep.counts["norm_rope_quant"] == 0, (fn.__name__, str(rep))
         assert [m.reason for m in rep.near_misses] == [reason], (fn.__name__, str(rep))
+
+
+# --------------------------------------------------------------------------------------------
+# The numeric checks: spellings the walk accepts whose math is not the call's, and walks that misread a site
+# --------------------------------------------------------------------------------------------
+def _squares_in(dtype, xf, **reduce):
+    """mean(xf^2) with the squares summed in `dtype` (the reduction's `dtype` argument: the walk does not read it)."""
+    if reduce.get("by_sum"):
+        return xf.pow(2).sum(-1, keepdim=True, dtype=dtype) / xf.shape[-1]
+    return xf.pow(2).mean(-1, keepdim=True, dtype=dtype)
+
+
+def projection_norm_mean_in_bf16(proj, weight, cos, sin):
+    xf = (proj @ torch.eye(C_NORM + C_ROPE, C_NORM, dtype=proj.dtype)).float()  # an mm: a projection's output
+    return (xf * torch.rsqrt(_squares_in(torch.bfloat16, xf) + 1e-6) * weight.float()).to(proj.dtype) * 2
+
+
+def kv_side_squares_summed_in_fp16(proj, weight, cos, sin):
+    kv_pass, k_rot = torch.split(proj, [C_NORM, C_ROPE], dim=-1)
+    xf = kv_pass.float()
+    normed = weight * (xf * torch.rsqrt(_squares_in(torch.float16, xf, by_sum=True) + 1e-6)).to(proj.dtype)
+    _, k_rot = apply_rotary_pos_emb_interleave(k_rot.unsqueeze(1), k_rot.unsqueeze(1), cos, sin)
+    return normed, k_rot
+
+
+def v4_row_mean_in_bf16(proj, weight, cos, sin):
+    """V4's `cat([nope, rope(tail)])` of an RMSNorm'd row (the norm of an input, no projection's)."""
+    xf = proj.float()
+    row = (xf * torch.rsqrt(_squares_in(torch.bfloat16, xf) + 1e-6)).to(proj.dtype)
+    tail = row[..., C_NORM:]
+    c, s = cos[..., :C_ROPE // 2].repeat_interleave(2, -1), sin[..., :C_ROPE // 2].repeat_interleave(2, -1)
+    rotated = torch.stack((-tail[..., 1::2], tail[..., 0::2]), -1).flatten(-2)
+    return torch.cat([row[..., :C_NORM], (tail.float() * c + rotated.float() * s).to(proj.dtype)], -1)
+
+
+FAILED = "RMSNorm: numeric check against {}'s reference failed: {} probe: row "
+
+
+@pytest.mark.parametrize("spelling, dtype, sites, reason", [
+    (projection_norm_mean_in_bf16, torch.float32, [],
+     FAILED.format("rmsnorm_rope", "signed rows, a zero row")),
+    (kv_side_squares_summed_in_fp16, torch.bfloat16, [], FAILED.format("rmsnorm_rope", "large rows")),
+    (v4_row_mean_in_bf16, torch.float32, ["V4 fp32 pair RoPE 8 of the trailing columns of 40, concatenated in place"],
+     "the RMSNorm before this RoPE is left out of its call: " + FAILED.format("rope_cat", "signed rows, a zero row")),
+], ids=["projection_norm", "kv_side", "v4_row"])
+def test_norms_the_walk_reads_but_the_calls_do_not_compute_are_caught_on_probes(spelling, dtype, sites, reason):
+    """A mean of fp32 squares rounded to bf16 (about 2^-9 of it: thousands of fp32 ulps), or squares summed in fp16
+    (infinite on the large rows, the output 0): the walk reads every op of the norm but not its reduction's dtype.
+    The norm is not rewritten (V4's RoPE is, alone) and is reported with the verifier's reason."""
+    args = _data(dtype)
+    got = _compiled(spelling)(*args)
+    want = spelling(*args)
+    rep = dsfuse.report()
+    assert _site_details() == sites, str(rep)
+    assert len(rep.near_misses) == 1 and rep.near_misses[0].reason.startswith(reason), str(rep)
+    for g, w in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+        torch.testing.assert_close(g, w, rtol=1e-2, atol=1e-2)
+
+
+def _misread(monkeypatch, matcher: str, misreading: dict):
+    """The pass with `matcher`'s match changed by `misreading` (a walk that read the site wrongly)."""
+    from dsfuse.passes import norm_rope_quant
+
+    read = getattr(norm_rope_quant, matcher)
+    monkeypatch.setattr(norm_rope_quant, matcher, lambda *args: (lambda m: m and {**m, **misreading})(read(*args)))
+
+
+@pytest.mark.parametrize("matcher, misreading, reasons", [
+    ("_match_fp8_quant", {"ue8m0": False}, 2 * ["fp8 quantisation: numeric check against rope_quant_fp8's reference "
+                                                "failed: random blocks probe: fp8 values differ at "]),
+    ("_match_layer_norm", {"eps": 1e-2}, ["the LayerNorm before this RoPE is left out of its call: LayerNorm: "
+                                          "numeric check against rope_quant_fp8's reference failed: "]),
+], ids=["fp8_ue8m0_scales", "layer_norm_eps"])
+def test_a_misread_quantisation_or_layer_norm_is_caught_on_probes(monkeypatch, matcher, misreading, reasons):
+    """The official indexer's q and k (ue8m0 scales, the key's LayerNorm) with the walk misreading the scales as
+    fp32 or the LayerNorm's eps: the quantisation disagrees on the probes (both sites reported, neither rewritten);
+    the LayerNorm does (on rows at the eps scale) and is left out of the key's call, which is rewritten."""
+    _misread(monkeypatch, matcher, misreading)
+    args = _indexer_args(torch.bfloat16)
+    _, ctx = _post_grad_graph(lambda *a: official_indexer_qk(*a, scale_fmt="ue8m0"), args, require_var_mean=False)
+    assert len(ctx.sites) == 2 - len(reasons) + (matcher == "_match_layer_norm"), ctx.sites
+    assert len(ctx.near_misses) == len(reasons), ctx.near_misses
+    for miss, reason in zip(ctx.near_misses, reasons):
+        assert miss.reason.startswith(reason), miss.reason
+    assert all(s.detail.startswith("complex-multiply") for s in ctx.sites), ctx.sites
