@@ -37,6 +37,22 @@ the cache's overlap state (a step that continues from a cache: a later prefill c
 window), a gate without a [m, C] bias, a biased gate rounded to bf16 other than by the sum itself, a part cat'ed
 back that is not the op's RoPE at two tables the graph holds.
 
+Each match is then run on probes against the op's reference before it is rewritten (`verify.py`,
+`kv_compress_reference` with the walk's eps and flags): the slice from the two projections' windows X (the gate's
+before its bias), the [m, C] position bias, the norm weight and the two tables to the roped entries, so the pooling,
+the bias, the slot layout and its fills, the norm and the RoPE are proven by what they compute, not by their shape
+alone (the walk reads neither an add's `alpha` nor a reduction's `dtype=`: a bias added twice, a softmax's sum or a
+mean square rounded to bf16 passed it). Three probes of values, biases and norm weights of every sign at tables of
+angles: unit logits; large logits (a peaked softmax) with a -inf slot in every other channel and a negative bias;
+logits near -100 (a fill slot not -inf would take every weight) with an entry that pools only zeros (eps alone under
+the root) and one a thousandth of the others (eps of the order of the mean square). Symbolic lengths are probed at
+verify's two assignments, over 2m tokens so that every window after the first reads its predecessor's. An entry may
+differ from the reference by `ULPS` of its dtype (32 fp32, 4 bf16 / fp16 ulps) at its largest magnitude; more is a
+near-miss naming the probe and the entry. As in the other families, the structural match stands unprobed where the
+slice holds more than `verify.MAX_ELEMENTS` values at a static graph's sizes (a real V4-Flash prefill: the CSA kv
+windows alone are [1, 2048, 4, 1024] at S = 8192) or where the graph's guards rule out the probes' sizes (the op's
+arguments disagree in shape there: a prefill tail whose window count is guarded to be 1).
+
 A model cast as a whole (`.to(torch.bfloat16)`, `.half()`) has a bias in the model dtype, so `gate + bias` is rounded
 to that dtype before the fp32 softmax; the op, given that bias, rounds at the same point. Summing in fp32 instead (the
 bias widened) was measured no closer to the fp32 model (`v4-tiny` cast to bf16, S=64: 0.02878 relative distance of
@@ -49,16 +65,18 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from dsfuse.kernels.compressor import interleaved_rope  # (also registers torch.ops.dsfuse.kv_compress)
+from dsfuse.kernels.compressor import interleaved_rope, kv_compress_reference  # (registers dsfuse::kv_compress)
 
 from .canonicalize import row_mean
 from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labels, names
 from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
                           insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
-                          scalar_constant, shape, softmax_parts, users_of, walk_back)
-from .verify import Family, latest_independent, rope_table_probes, verify
+                          scalar_constant, shape, softmax_parts, users_of, val, walk_back)
+from .verify import (Family, Verdict, concrete, latest_independent, pure_slice, rope_table_probes, size_assignments,
+                     verify)
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -153,7 +171,11 @@ def _match(stats: torch.fx.Node) -> dict:
     norm = _rmsnorm(pooled, kv_dtype)
     rope = _rope(norm["out"], kv_dtype)
     layout = _slots(G, kv_slots)
-    return dict(pooled=pooled, exp_log_softmax=exp_log_softmax, **norm, **rope, **layout)
+    m = dict(pooled=pooled, exp_log_softmax=exp_log_softmax, **norm, **rope, **layout)
+    verdict = _verify_compressor(m)
+    if verdict.ok is False:
+        raise NoMatch(f"compressor: numeric check against the reference failed: {verdict.reason}")
+    return m
 
 
 def _exp_of_log_softmax(stats, G):
@@ -524,8 +546,8 @@ def _overlap_source(slots, fill: float, what: str):
     previous = None
     if is_op(inner, aten.slice_scatter.default) and later_windows(inner.args[0]) and _scatter_at(inner, 2, 0, m):
         previous = _copied(inner.args[1], later_windows, 2, 0, m)
-    if previous is None or not is_op(previous, aten.slice.Tensor) or not _is_slice(previous, previous.args[0], 3, 0, D) \
-            or not _is_slice(previous.args[0], X, 1, 0, W - 1):
+    if previous is None or not is_op(previous, aten.slice.Tensor) \
+            or not _is_slice(previous, previous.args[0], 3, 0, D) or not _is_slice(previous.args[0], X, 1, 0, W - 1):
         raise NoMatch(f"{miss} (slots [0, m) of window w are not X[w - 1, :, :, :D])")
     return X
 
@@ -587,6 +609,110 @@ def _copied(value, base_ok, dim: int, start, end):
     if dtype(source) != dtype(value) or not same_shape(shape(source), shape(value)):
         return None
     return source
+
+
+# --------------------------------------------------------------------------------------------
+# The numeric check: the matched compressor run on probes against the op's reference (`verify.py`)
+# --------------------------------------------------------------------------------------------
+# An entry may differ from `kv_compress_reference` by this many ulps of its dtype at the largest magnitude of its row
+# (the D channels of one window's entry): fp32 entries by a spelling's order of sums and its exp (a written-out
+# softmax, `sum / D`, an einsum's bmm, a complex RoPE) carried through the norm; bf16 / fp16 entries by the products
+# an einsum sums unrounded (the op rounds each to kv's dtype) and the roundings of the normed row and its RoPE that
+# this flips. The corpus and the spelling fuzzer stay within 2.4 fp32 and 1 bf16 ulps; the margin is for the longer
+# rows and windows of real models. The smallest wrong spelling seen (eps scaled, a mean or a softmax sum in bf16 in an
+# fp32 compressor) is off by thousands of fp32 ulps.
+ULPS = {torch.float32: 32, torch.bfloat16: 4, torch.float16: 4}
+ROLES = ("kv", "gate", "position_bias", "norm_weight", "cos", "sin")
+
+
+def _verify_compressor(m: dict) -> Verdict:
+    """Run the slice from the windows of the two projections, the position bias, the norm weight and the RoPE tables
+    to the roped entries on probes against `kv_compress_reference` with the walk's eps and flags. Not run (None) when
+    it is over `verify.MAX_ELEMENTS` values or the graph's guards rule out the sizes the probes take."""
+    roles = {role: m[role] for role in ROLES}
+    if len(set(roles.values())) != len(roles):
+        return Verdict(False, "two roles of the op are bound to one tensor")
+    flags = (m["eps"], m["overlap"], m["div_sqrt"], m["exp_log_softmax"])
+    family = Family(probes=lambda shapes, dtypes: _compressor_probes(shapes, dtypes, m["overlap"]),
+                    reference=lambda probe: kv_compress_reference(*(probe[role] for role in ROLES), *flags),
+                    compare=_within_ulps)
+    window = shape(m["kv"])[2]
+    # symbolic lengths at values over two windows' slots: every window after the first reads its predecessor's
+    above = 2 * window if isinstance(window, int) else 0
+    if not _probe_sizes_fit_the_op([m["final"]], roles, above, float(m["eps"]), m["overlap"]):
+        return Verdict(None, "the graph's guards rule out the sizes the probes take")
+    return verify([m["final"]], roles, family, ("compressor", *flags, m["lifted"]), above=above)
+
+
+def _probe_sizes_fit_the_op(outputs: list, roles: dict, above: int, eps: float, overlap: bool) -> bool:
+    """Whether the roles, at each symbol assignment `verify` probes the slice at, have shapes the op takes. The walk
+    proves their sizes equal under the graph's guards, which the probes' values need not meet: a prefill tail's
+    windows W = (s + r % 8) // 8 + 1, guarded to be 1, beside static [B, 1, R/2] tables, are 2 at s = 5, r = 11."""
+    found = pure_slice(outputs, set(roles.values()))
+    if found is None:
+        return True  # (verify says why)
+    static = {s for node in found[1] if isinstance(val(node), torch.Tensor) for s in shape(node) if isinstance(s, int)}
+    for assignment in size_assignments(found[1], static, above):
+        with unset_fake_temporarily():
+            args = [torch.empty([concrete(s, assignment) for s in shape(roles[role])], dtype=dtype(roles[role]),
+                                device="meta") for role in ROLES]
+            try:
+                torch.ops.dsfuse.kv_compress(*args, eps, overlap)
+            except (TypeError, ValueError):
+                return False
+    return True
+
+
+def _compressor_probes(shapes: dict, dtypes: dict, overlap: bool) -> list:
+    """Values, biases and norm weights of every sign at tables of angles, in three settings: unit-sized logits; large
+    logits (a peaked softmax, overflowing without its max shift) with a -inf slot in every other channel and a
+    negative bias; logits near -100 (underflowing without the max shift; a fill slot not -inf would take every
+    weight) with window 0 of batch 0 pooling only zeros (the norm's eps alone below the square root) and the last
+    window of the last batch a thousandth of the others (eps of the order of the mean square)."""
+    gen = torch.Generator().manual_seed(0)
+    B, W, window, C = shapes["kv"]
+    D = C // 2 if overlap else C
+    kv = torch.randn(shapes["kv"], generator=gen) * 2
+    gate = torch.randn(shapes["gate"], generator=gen)
+    bias = torch.randn(shapes["position_bias"], generator=gen)
+    weight = torch.randn(shapes["norm_weight"], generator=gen)
+    angles = torch.rand(shapes["cos"], generator=gen) * 6
+    tables = dict(cos=angles.cos(), sin=angles.sin())
+    peaked = gate * 30
+    if window > 1:
+        peaked[:, :, 0, ::2] = float("-inf")
+    edges = kv.clone()
+    # the last entry pools window W - 1 (in two series its second half, and window W - 2's first half); the first
+    # entry's other slots, in two series, are the fill
+    edges[-1, -1, :, D - C:] *= 1e-3
+    if overlap and W > 1:
+        edges[-1, -2, :, :D] *= 1e-3
+    edges[0, 0, :, D - C:] = 0.0
+    probes = [("unit logits", dict(kv=kv, gate=gate, position_bias=bias, norm_weight=weight, **tables)),
+              ("large logits and -inf slots", dict(kv=kv, gate=peaked, position_bias=-bias.abs() * 8,
+                                                   norm_weight=-weight.abs(), **tables)),
+              ("zero and small rows", dict(kv=edges, gate=gate * 4 - 100, position_bias=bias, norm_weight=weight,
+                                           **tables))]
+    return [(name, {role: t.to(dtypes[role]) for role, t in probe.items()}) for name, probe in probes]
+
+
+def _within_ulps(got: list, want: torch.Tensor, probe: dict) -> str | None:
+    """None when the slice's entries are the reference's (equal NaNs and infinities) within `ULPS` of their dtype at
+    the largest magnitude of each entry, else the worst entry and by how much."""
+    out = got[0]
+    if not isinstance(out, torch.Tensor) or out.dtype != want.dtype or out.numel() != want.numel():
+        return f"the entries are not {want.numel()} values in {want.dtype}"
+    out, ref = out.reshape(want.shape).float(), want.float()
+    same = (out == ref) | (out.isnan() & ref.isnan())
+    error = torch.where(same, 0.0, (out - ref).abs()).nan_to_num(float("inf")).amax(-1)
+    ulp = torch.finfo(want.dtype).eps * ref.nan_to_num(0.0, 0.0, 0.0).abs().amax(-1)
+    ulps = (error / ulp.clamp_min(torch.finfo(torch.float32).tiny)).reshape(-1)
+    worst = int(ulps.argmax())
+    if ulps[worst].item() <= ULPS[want.dtype]:
+        return None
+    entry = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
+    return (f"entry (batch, window) {entry} differs by {error.reshape(-1)[worst].item():.3g}, "
+            f"{ulps[worst].item():.3g} ulps of {want.dtype} at its largest magnitude (budget {ULPS[want.dtype]})")
 
 
 # --------------------------------------------------------------------------------------------

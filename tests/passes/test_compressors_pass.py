@@ -52,19 +52,29 @@ def _hca(kv, gate, bias, weight, cos, sin, m, form="hf"):
     B, S, D = kv.shape
     W = S // m
     chunk_kv = kv[:, :W * m].view(B, W, m, -1)
-    chunk_gate = gate[:, :W * m].view(B, W, m, -1) + (bias if form != "no_bias" else 0.0)
+    windows = gate[:, :W * m].view(B, W, m, -1)
+    if form == "bias_twice":
+        chunk_gate = windows.add(bias, alpha=2.0)
+    else:
+        chunk_gate = windows + (bias if form != "no_bias" else 0.0)
     if form == "exp_log_softmax":
         weights = torch.exp(torch.log_softmax(chunk_gate.float(), dim=2))
+    elif form == "bf16_softmax_sum":
+        e = torch.exp(chunk_gate.float() - chunk_gate.float().amax(dim=2, keepdim=True))
+        weights = e / e.sum(dim=2, keepdim=True, dtype=torch.bfloat16)
     else:
         weights = chunk_gate.softmax(dim=2, dtype=torch.float32)
     pooled = (chunk_kv * weights.to(chunk_kv.dtype)).sum(dim=2)
     if form == "no_norm":
         return pooled * 2
     x = pooled.to(torch.float32)
+    mean_square = x.pow(2).mean(-1, keepdim=True, dtype=torch.bfloat16 if form == "bf16_mean_square" else None)
     if form == "div_sqrt":
-        x = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = x / torch.sqrt(mean_square + 1e-6)
+    elif form == "eps_times_1000":
+        x = x * torch.rsqrt(torch.add(mean_square, 1e-6, alpha=1000.0))
     else:
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        x = x * torch.rsqrt(mean_square + 1e-6)
     normed = (weight * x).to(pooled.dtype)
     if form in SPELLED_ROPES:
         return torch.cat([normed[..., :-8], SPELLED_ROPES[form](normed[..., -8:], cos[:, :W], sin[:, :W])], dim=-1)
@@ -137,6 +147,29 @@ def test_respelled_parts_are_rewritten_with_parity(form, detail, dtype):
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     else:
         assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("form, dtype, probe", [
+    ("bias_twice", torch.float32, "unit logits"),
+    ("bf16_softmax_sum", torch.float32, "unit logits"),
+    ("bf16_mean_square", torch.float32, "unit logits"),
+    ("eps_times_1000", torch.bfloat16, "zero and small rows"),
+])
+def test_math_the_walk_passes_over_is_caught_on_probes(form, dtype, probe):
+    """Spellings the walk accepts (it reads neither an add's `alpha` nor a reduction's `dtype=`) whose math is not
+    the op's: the bias added twice, the softmax's sum or the norm's mean square rounded to bf16, eps 1000 times
+    larger (in a bf16 compressor within the entries' rounding but for a row whose mean square is of the order of
+    eps). Not rewritten, reported with the verifier's reason naming the probe. (Inductor keeps a bf16 intermediate
+    in fp32, so the compiled result is eager's within bf16's budget.)"""
+    args = [t.to(dtype) if i < 2 else t for i, t in enumerate(_small_inputs())]
+    out = torch.compile(lambda *a: _hca(*a, m=4, form=form), backend="dsfuse",
+                        options={"enable": ["compressors"]})(*args)
+    rep = dsfuse.report()
+    reasons = [miss.reason for miss in rep.near_misses if miss.pass_name == "compressors"]
+    assert rep.counts["compressors"] == 0 and len(reasons) == 1, str(rep)
+    assert reasons[0].startswith(f"compressor: numeric check against the reference failed: {probe} probe: "), reasons
+    assert f"ulps of {dtype} at its largest magnitude" in reasons[0], reasons
+    torch.testing.assert_close(out, _hca(*args, m=4, form=form), rtol=2e-2, atol=2e-2)
 
 
 def _csa_by_cat(kv, gate, bias, weight, cos, sin, m, previous=-1):
