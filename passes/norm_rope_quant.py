@@ -69,7 +69,8 @@ sign; for the quantisation random blocks, zero blocks (the 1e-4 amax floor), blo
 power-of-two scale and a little above one (ue8m0 rounds up). Budget: 16 ulps of fp32, 2 of bf16 / fp16 at a row's
 largest magnitude for the norms; fp8 bytes and scales bit for bit. A disagreement is a near-miss naming the probe:
 the site's, except where the norm is left out of a call that still takes the RoPE (V4's rows, a LayerNorm before
-`rope_cat` / `rope_quant_fp8`).
+`rope_cat` / `rope_quant_fp8`). Unprobed, the structural match standing: a slice over `verify.MAX_ELEMENTS` values at
+static sizes (a real-dimension prefill; its decode steps and graphs of a symbolic length are probed).
 
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
 call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
