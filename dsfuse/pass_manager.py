@@ -70,6 +70,8 @@ class DsfusePassManager(CustomGraphPass):
                 _report.log.info("graph %d: canonicalised before %s: %s", graph_index, family.name, fired)
             ctx = PassContext(name=family.name, graph_index=graph_index)
             family.run(graph, ctx)
+            # What a family replaced is dead now: left in, a later family would match it again (a phantom site).
+            graph.eliminate_dead_code()
             self.sites.extend(ctx.sites)
             self.near_misses.extend(ctx.near_misses)
         if self.families:

@@ -106,9 +106,11 @@ def _small_inputs(S=19, m=4, D=16, R=8):
 
 
 def test_hf_code_on_given_projections_is_rewritten():
+    """One site: the norm + RoPE the compressor's call replaced are dead, and no later family rewrites them again."""
     args = _small_inputs()
     out = torch.compile(lambda *a: _hca(*a, m=4), backend="dsfuse")(*args)
     assert _details(dsfuse.report()) == ["m=4 D=16 R=8, one series"], str(dsfuse.report())
+    assert [site.pass_name for site in dsfuse.report().sites] == ["compressors"], str(dsfuse.report())
     torch.testing.assert_close(out, _hca(*args, m=4), rtol=1e-5, atol=1e-5)
 
 
