@@ -58,6 +58,10 @@ to that dtype before the fp32 softmax; the op, given that bias, rounds at the sa
 bias widened) was measured no closer to the fp32 model (`v4-tiny` cast to bf16, S=64: 0.02878 relative distance of
 the logits either way, Inductor 0.02550 there: its gap is the products rounded to the model dtype, as in
 transformers' dtypes).
+
+Stages: anchors `ANCHORS`; binder `_match` (the pooling, the norm, the RoPE, the slot layout; a RoPE in another
+spelling proven on probes by `_rotation_by_probes`); verifier `_verify_compressor`, against `kv_compress_reference`
+(kernels/compressor.py); rewrite `_rewrite` into `dsfuse::kv_compress`.
 """
 
 from __future__ import annotations
@@ -83,12 +87,19 @@ IMPLEMENTED = True
 END = 9223372036854775807  # how a slice to the end appears in the graph
 
 
+# --------------------------------------------------------------------------------------------
+# Anchors
+# --------------------------------------------------------------------------------------------
+# The row max of the softmax over a window's slots, as written (`amax`) or as Inductor's online softmax computes it.
+ANCHORS = (aten.amax.default, PREPARE_SOFTMAX_ONLINE)
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.amax.default, PREPARE_SOFTMAX_ONLINE), _match, _rewrite)
+    rewrite_anchored(graph, ctx, ANCHORS, _match, _rewrite)
 
 
 # --------------------------------------------------------------------------------------------
-# Small structural predicates
+# Binding: small structural predicates
 # --------------------------------------------------------------------------------------------
 def _dim(node, dim) -> int:
     return dim % len(shape(node))
@@ -151,7 +162,7 @@ def _cast_user(node, to: torch.dtype):
 
 
 # --------------------------------------------------------------------------------------------
-# Matching
+# Binding: the walk from the softmax over the slots to the windows, the norm and the RoPE
 # --------------------------------------------------------------------------------------------
 def _match(stats: torch.fx.Node) -> dict:
     G = stats.args[0]
@@ -612,7 +623,7 @@ def _copied(value, base_ok, dim: int, start, end):
 
 
 # --------------------------------------------------------------------------------------------
-# The numeric check: the matched compressor run on probes against the op's reference (`verify.py`)
+# Verification: the matched compressor run on probes against the op's reference (`verify.py`)
 # --------------------------------------------------------------------------------------------
 # An entry may differ from `kv_compress_reference` by this many ulps of its dtype at the largest magnitude of its row
 # (the D channels of one window's entry): fp32 entries by a spelling's order of sums and its exp (a written-out

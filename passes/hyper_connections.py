@@ -48,6 +48,11 @@ disagreement is a near-miss naming the probe, the output and by how much it diff
 The exit and the next collapse stay two launches: one kernel computing both (`hc_exit_collapse` /
 `hc_exit_head`) measured slower on the H200 than the two it replaces (1.71 against 0.16 + 0.65 ms at T=8192,
 D=4096: its collapse walks each row block's whole streams in one program), so the pass does not emit it.
+
+Stages: anchors `COLLAPSE_ANCHORS`, then `EXIT_ANCHORS`; binders `_match_collapse` and `_match_expand_mix`; verifiers
+`_verify_collapse` and `_verify_expand_mix`, against `hc_collapse_reference`, `hc_head_reference` and
+`hc_expand_mix_reference` (kernels/hyper_connections.py); rewrites `_rewrite_collapse` into `dsfuse::hc_collapse` or
+`dsfuse::hc_head` and `_rewrite_expand_mix` into `dsfuse::hc_expand_mix`.
 """
 
 from __future__ import annotations
@@ -74,13 +79,22 @@ HC_HEAD = torch.ops.dsfuse.hc_head.default
 HC_EXPAND_MIX = torch.ops.dsfuse.hc_expand_mix.default
 
 
+# --------------------------------------------------------------------------------------------
+# Anchors
+# --------------------------------------------------------------------------------------------
+# The collapse's contraction over the streams (a broadcast product summed, or a bmm), and the block exit's add; the
+# exits after the collapses, since an exit's post and comb must be a collapse call's outputs.
+COLLAPSE_ANCHORS = (aten.sum.dim_IntList, aten.bmm.default)
+EXIT_ANCHORS = (aten.add.Tensor,)
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.sum.dim_IntList, aten.bmm.default), _match_collapse, _rewrite_collapse)
-    rewrite_anchored(graph, ctx, (aten.add.Tensor,), _match_expand_mix, _rewrite_expand_mix)
+    rewrite_anchored(graph, ctx, COLLAPSE_ANCHORS, _match_collapse, _rewrite_collapse)
+    rewrite_anchored(graph, ctx, EXIT_ANCHORS, _match_expand_mix, _rewrite_expand_mix)
 
 
 # --------------------------------------------------------------------------------------------
-# Small structural helpers
+# Binding: small structural helpers
 # --------------------------------------------------------------------------------------------
 CASTS = (CONVERT,)
 
@@ -237,7 +251,7 @@ def _stream_labels(node, streams_shape, stream: str, column: str):
 
 
 # --------------------------------------------------------------------------------------------
-# The collapse and what it proves
+# Binding: the collapse and what it proves
 # --------------------------------------------------------------------------------------------
 def _pre_source(factor):
     """unsqueeze(pre, -1) (pre through casts): pre, else None."""
@@ -631,6 +645,9 @@ def _collapsed_output(total, x):
     raise NoMatch(f"hyper-connection collapse: the fp32 sum is not cast back to the streams' {dtype(x)}")
 
 
+# --------------------------------------------------------------------------------------------
+# Rewrite: the collapse
+# --------------------------------------------------------------------------------------------
 def _rewrite_collapse(graph: torch.fx.Graph, total: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     replaced = [m["output"]] if m["head"] else [m["output"], m["post"], m["comb"]]
     first = m["before"]
@@ -690,7 +707,7 @@ def _upcast_note(m: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The block exit
+# Binding: the block exit
 # --------------------------------------------------------------------------------------------
 def _hc_output(node, index):
     """getitem(hc_collapse call, index) through casts: the call, or None."""
@@ -800,6 +817,9 @@ def _match_expand_mix(add: torch.fx.Node) -> dict:
     return m
 
 
+# --------------------------------------------------------------------------------------------
+# Rewrite: the block exit
+# --------------------------------------------------------------------------------------------
 def _rewrite_expand_mix(graph: torch.fx.Graph, add: torch.fx.Node, m: dict, ctx: PassContext) -> None:
     items = {u.args[1]: u for u in m["call"].users if is_op(u, operator.getitem)}
     residual = _as_streams(graph, add, m["residual"], shape(add))
@@ -809,7 +829,7 @@ def _rewrite_expand_mix(graph: torch.fx.Graph, add: torch.fx.Node, m: dict, ctx:
 
 
 # --------------------------------------------------------------------------------------------
-# The numeric check: the matched slice run on probes against the ops' references (`verify.py`)
+# Verification: the matched slice run on probes against the ops' references (`verify.py`)
 # --------------------------------------------------------------------------------------------
 # An output may differ from its op's reference by this many ulps of its dtype at its largest magnitude: fp32
 # outputs (post, comb, an fp32 collapse or exit) by the summation order of a spelling's projection, collapse or mix

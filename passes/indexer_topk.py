@@ -29,6 +29,10 @@ near-miss naming the failing probe. Slices too large to probe at a static graph'
 
 A selection whose input no head-weighted relu score reaches (through elementwise and layout ops) is not an
 indexer and is skipped silently; one that is but cannot be rewritten is reported with the reason.
+
+Stages: anchors `ANCHORS`; binder `_match` (the selection, the mask, the head sum, then the dims proof in
+`_computes_indexer`); verifier `_verify`, against `indexer_topk_reference` (kernels/indexer_topk.py); rewrite
+`_rewrite` into `dsfuse::indexer_topk`.
 """
 
 from __future__ import annotations
@@ -58,6 +62,10 @@ SCORE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3f
 PRODUCTS = (aten.bmm.default, aten.mm.default)
 
 
+# ---------------------------------------------------------------------------
+# Anchors
+# ---------------------------------------------------------------------------
+
 SORTS = (aten.sort.default, aten.sort.stable)
 # Selections by op class: a top-k, a sort whose indices are read as a prefix, and a k-th value (reported only).
 ANCHORS = (aten.topk.default, *SORTS, aten.kthvalue.default)
@@ -65,6 +73,11 @@ ANCHORS = (aten.topk.default, *SORTS, aten.kthvalue.default)
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, ANCHORS, _match, _rewrite)
+
+
+# ---------------------------------------------------------------------------
+# Binding: the walk from the selection back to q, k, the head weights and the mask
+# ---------------------------------------------------------------------------
 
 
 def _topk_params(node: torch.fx.Node) -> tuple:
@@ -419,6 +432,11 @@ def _topk_count(k) -> int:
     raise NoMatch(f"top-k count {k} is not a constant")
 
 
+# ---------------------------------------------------------------------------
+# Verification: the bound slice against `indexer_topk_reference`, on probes
+# ---------------------------------------------------------------------------
+
+
 def _verify(x: torch.fx.Node, m: dict) -> Verdict:
     """Run the matched slice (scores and picks) on probes against `indexer_topk_reference` with the bound q, k,
     weights, k_scale and mask; the picks must be distinct, in range, and score what the reference's score."""
@@ -514,6 +532,11 @@ def _same_picks(got: list, want: torch.Tensor, probe: dict) -> str | None:
     expected = scores.gather(-1, want).sort(dim=-1).values
     differ = (chosen != expected).any(dim=-1)
     return f"{int(differ.sum())} rows pick other scores than the reference" if differ.any() else None
+
+
+# ---------------------------------------------------------------------------
+# Rewrite
+# ---------------------------------------------------------------------------
 
 
 def _widened(graph: torch.fx.Graph, before: torch.fx.Node, node, to: torch.dtype, batched: bool):

@@ -56,6 +56,12 @@ tried in the op's layout and stored `[E, K, N]` where the sizes cannot tell. A l
 block, are skipped silently; a first expert GEMM that cannot be rewritten is reported with the reason. transformers'
 eager experts loop never reaches a graph whole (it breaks at `nonzero()`); its expert-mask graph is reported so users
 see why nothing fused.
+
+Stages: anchors `GROUPED_ANCHORS` (with transformers' fallback op where it is registered) and `GATHERED_ANCHORS`, then
+`EAGER_LOOP_ANCHORS` (reported only) and `DENSE_ANCHORS`; binders `_match` and, for dense blocks, `_dense_block`;
+verifiers `_verify` and `_verify_dense`, against `moe_experts_bf16_reference` and `moe_experts_reference` (FP4,
+kernels/moe_experts.py) and `moe_experts_fp8_reference` (kernels/moe_experts_fp8.py); rewrites `_rewrite` into
+`dsfuse::moe_experts_bf16`, `_fp4` or `_fp8` and `_rewrite_dense` into `dsfuse::moe_experts_bf16`.
 """
 
 from __future__ import annotations
@@ -101,6 +107,20 @@ PICKED_ROWS_REASON = (
     "dense forms are matched)")
 
 
+# ---------------------------------------------------------------------------
+# Anchors
+# ---------------------------------------------------------------------------
+
+# Expert GEMMs, by op class: a grouped GEMM over expert-sorted rows, and a bmm of per-slot gathered expert weights.
+GROUPED_ANCHORS = (aten._grouped_mm.default, torch.ops.dsfuse.fp8_grouped_linear.default)
+GATHERED_ANCHORS = (aten.bmm.default,)
+# The eager loop's expert mask, `one_hot(ids, E + 1)` as a compare (reported, never rewritten), and a dense block's
+# SwiGLU product, whose gate a GEMM of a whole weight stack computes (one site per gate stack, so not an anchor of
+# `rewrite_anchored`: several products may reach one stack).
+EAGER_LOOP_ANCHORS = (aten.eq.Tensor,)
+DENSE_ANCHORS = (aten.mul.Tensor,)
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, _gemm_targets(), _match, _rewrite)
     _report_eager_loops(graph, ctx)
@@ -108,20 +128,20 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
 
 
 def _grouped_targets() -> tuple:
-    targets = [aten._grouped_mm.default, torch.ops.dsfuse.fp8_grouped_linear.default]
+    """`GROUPED_ANCHORS` and transformers' CPU / fp32 stand-in, looked up per call: its op exists only once
+    transformers' MoE integration is imported, which may be after this module."""
     try:
-        targets.append(torch.ops.transformers.grouped_mm_fallback.default)
+        return GROUPED_ANCHORS + (torch.ops.transformers.grouped_mm_fallback.default,)
     except (AttributeError, RuntimeError):
-        pass  # transformers' MoE integration not imported: no fallback op can be in the graph
-    return tuple(targets)
+        return GROUPED_ANCHORS  # transformers' MoE integration not imported: no fallback op can be in the graph
 
 
 def _gemm_targets() -> tuple:
-    return _grouped_targets() + (aten.bmm.default,)
+    return _grouped_targets() + GATHERED_ANCHORS
 
 
 # ---------------------------------------------------------------------------
-# Evaluating a node as an elementwise function of one tensor
+# Binding: evaluating a node as an elementwise function of one tensor
 # ---------------------------------------------------------------------------
 
 
@@ -235,7 +255,7 @@ def _path_ops(start: torch.fx.Node, end: torch.fx.Node) -> set:
 
 
 # ---------------------------------------------------------------------------
-# FP4 decode
+# Binding: FP4 decode
 # ---------------------------------------------------------------------------
 
 BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -379,7 +399,7 @@ def _fp4_chunks(weight, cat) -> Fp4Weights | str | None:
 
 
 # ---------------------------------------------------------------------------
-# Expert GEMMs
+# Binding: expert GEMMs
 # ---------------------------------------------------------------------------
 
 
@@ -559,7 +579,7 @@ def _after_expert_gemm(rows: torch.fx.Node) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# The block
+# Binding: the block
 # ---------------------------------------------------------------------------
 
 
@@ -1346,7 +1366,7 @@ def _separate_stack(g1: ExpertGemm, gemms: list[torch.fx.Node]) -> ExpertGemm:
 
 
 # ---------------------------------------------------------------------------
-# The numeric check
+# Verification: the block against its op's reference, on probes
 # ---------------------------------------------------------------------------
 
 # Budget of a block's output against the op's reference, relative to the output's largest magnitude: fp32 GEMMs
@@ -1481,6 +1501,11 @@ def _within_budget(got: list, want: torch.Tensor, probe: dict) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------
+# Rewrite
+# ---------------------------------------------------------------------------
+
+
 def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassContext) -> None:
     out = m.out
     weights = m.weights
@@ -1520,7 +1545,7 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: Block, ctx: PassCo
 
 
 # ---------------------------------------------------------------------------
-# Dense experts: every expert on every token
+# Binding: dense experts, every expert on every token
 # ---------------------------------------------------------------------------
 
 DENSE_GEMMS = (aten.mm.default, aten.bmm.default)
@@ -1538,7 +1563,7 @@ def _fuse_dense_experts(graph: torch.fx.Graph, ctx: PassContext) -> None:
         return  # most graphs: no GEMM reads a whole 3-D stack, so no product needs tracing back
     done = set()
     for node in list(graph.nodes):
-        if not is_op(node, aten.mul.Tensor) or not all(isinstance(a, torch.fx.Node) for a in node.args):
+        if not is_op(node, *DENSE_ANCHORS) or not all(isinstance(a, torch.fx.Node) for a in node.args):
             continue
         for side in node.args:
             roots = _roots(side)
@@ -1766,6 +1791,11 @@ def _stack_bindings(gate: torch.fx.Node, down: torch.fx.Node, num_experts, hidde
     return bindings
 
 
+# ---------------------------------------------------------------------------
+# Verification: dense experts
+# ---------------------------------------------------------------------------
+
+
 def _verify_dense(block: DenseBlock) -> Verdict:
     roles = {"x": block.x, "weights": block.weights, **block.stacks}
     family = Family(probes=_dense_probes, reference=_dense_reference, compare=_within_budget)
@@ -1799,6 +1829,11 @@ def _dense_reference(probe: dict) -> torch.Tensor:
     return moe_experts_bf16_reference(probe["x"], ids, weights, gate_up, down, up=up)
 
 
+# ---------------------------------------------------------------------------
+# Rewrite: dense experts
+# ---------------------------------------------------------------------------
+
+
 def _rewrite_dense(graph: torch.fx.Graph, anchor: torch.fx.Node, block: DenseBlock, ctx: PassContext) -> None:
     """`moe_experts_bf16` with ids `[T, E]` = arange(E) on every row: each token runs every expert, weighted by its
     dense weights (a zero weight times a non-finite output stays NaN, as in the dense source)."""
@@ -1818,7 +1853,7 @@ def _rewrite_dense(graph: torch.fx.Graph, anchor: torch.fx.Node, block: DenseBlo
 
 
 # ---------------------------------------------------------------------------
-# transformers' eager experts loop
+# Binding: transformers' eager experts loop (reported, never rewritten)
 # ---------------------------------------------------------------------------
 
 
@@ -1826,7 +1861,7 @@ def _report_eager_loops(graph: torch.fx.Graph, ctx: PassContext) -> None:
     """Report the expert-mask graph of the eager loop: `one_hot(ids, E + 1)` summed to "experts hit" that
     leaves the graph for `nonzero()`."""
     for node in graph.nodes:
-        if not is_op(node, aten.eq.Tensor):
+        if not is_op(node, *EAGER_LOOP_ANCHORS):
             continue
         column, classes = node.args
         if not (is_op(column, aten.unsqueeze.default) and column.args[1] == -1 and is_op(classes,

@@ -74,6 +74,14 @@ static sizes (a real-dimension prefill; its decode steps and graphs of a symboli
 
 Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
 call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
+
+Stages: anchors `SPLIT_ANCHORS`, `SLICED_KV_ANCHORS`, `TRAILING_ROPE_ANCHORS` and `PROJECTION_NORM_ANCHORS`;
+binders `_match_split` (which tells a split's site kind), `_match_sliced`, `_match_trailing_rope` and
+`_match_projection_norm`, a pair RoPE in another spelling proven on probes by `_pair_rope_by_probes`; verifiers
+`_verify_rms_norm`, `_verified_layer_norm` and `_verify_fp8_quant`, against `rmsnorm_rope_reference`,
+`rms_norm_reference` and `layer_norm_reference` (kernels/norm_rope_quant.py) and `quantize_activations`
+(kernels/quant_formats.py); rewrites `_rewrite_split` (to the kind's `_rewrite*`), `_rewrite_trailing_rope` and
+`_rewrite_projection_norm`; last `group_launches`.
 """
 
 from __future__ import annotations
@@ -135,16 +143,26 @@ IMPLEMENTED = True
 PROJECTIONS = (aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.dsfuse.fp8_linear.default)
 
 
+# --- Anchors, one site kind each ------------------------------------------------------------------------------------
+# A two-way last-dim split (the kv side, RoPE + cat, the official indexer), the kv side's split written as two slices,
+# V4's `cat` of a row's leading slice and its RoPE'd trailing slice, and the square in an RMSNorm of a projection.
+SPLIT_ANCHORS = (aten.split_with_sizes.default,)
+SLICED_KV_ANCHORS = (aten.slice.Tensor,)
+TRAILING_ROPE_ANCHORS = (aten.cat.default,)
+PROJECTION_NORM_ANCHORS = (aten.pow.Tensor_Scalar,)
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     # splits first (kv: norm + rope; q and indexer: rope + cat), then norms left on a projection output (q_a)
-    rewrite_anchored(graph, ctx, (aten.split_with_sizes.default,), _match_split, _rewrite_split)
-    rewrite_anchored(graph, ctx, (aten.slice.Tensor,), _match_sliced, _rewrite_split)  # the kv side as two slices
+    rewrite_anchored(graph, ctx, SPLIT_ANCHORS, _match_split, _rewrite_split)
+    rewrite_anchored(graph, ctx, SLICED_KV_ANCHORS, _match_sliced, _rewrite_split)
     # V4: RoPE on the trailing slice of (a norm of) a row, `cat` back (q, the K=V head, the compressors' entries)
-    rewrite_anchored(graph, ctx, (aten.cat.default,), _match_trailing_rope, _rewrite_trailing_rope)
-    rewrite_anchored(graph, ctx, (aten.pow.Tensor_Scalar,), _match_projection_norm, _rewrite_projection_norm)
+    rewrite_anchored(graph, ctx, TRAILING_ROPE_ANCHORS, _match_trailing_rope, _rewrite_trailing_rope)
+    rewrite_anchored(graph, ctx, PROJECTION_NORM_ANCHORS, _match_projection_norm, _rewrite_projection_norm)
     group_launches(graph, ctx)  # then the independent calls of a layer into one launch each
 
 
+# --- Binding and rewrite: a split's parts; the kv side, an RMSNorm beside a RoPE (`rmsnorm_rope`) -------------------
 def _match_split(split: torch.fx.Node) -> dict:
     """Part 0 an RMSNorm: the kv side (`rmsnorm_rope`). A part through the official complex-multiply RoPE,
     concatenated back and fp8-quantised: the official indexer (`rope_quant_fp8`); not concatenated back, or not
@@ -568,6 +586,7 @@ def _with_unit_dims(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx
     return node
 
 
+# --- Binding and rewrite: RoPE + cat of a split's parts, with the LayerNorm before it (`rope_cat`) ------------------
 def _match_rope_cat(split: torch.fx.Node) -> dict:
     """`cat` of a two-way last-dim split's parts, in order, after one part went through a RoPE."""
     x, sizes = split.args[0], split.args[1]
@@ -710,7 +729,7 @@ def _rewrite_rope_cat(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, ctx:
     ctx.site(split, "dsfuse.rope_cat", inputs, detail=detail, call=fused)
 
 
-# --- the official indexer: complex-multiply RoPE + cat + fp8 per-block quantisation -------------------------
+# --- Binding and rewrite: the official indexer's complex RoPE + cat + fp8 per-block quantisation --------------------
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4
 
@@ -959,6 +978,7 @@ def _rewrite_complex_rope(graph: torch.fx.Graph, split: torch.fx.Node, m: dict, 
              detail=f"complex-multiply {form} RoPE {shape(m['rot'])[-1]} of the {where} part ({cat})", call=fused)
 
 
+# --- Binding and rewrite: an RMSNorm of a projection output (`rmsnorm_rope` without RoPE) ---------------------------
 def _match_projection_norm(square: torch.fx.Node) -> dict:
     """An RMSNorm of a projection's output on its own (HF `q_a_layernorm(q_a_proj(x))`); norms of
     residual sums (the decoder's input/post-attention norms) are not this family."""
@@ -1004,7 +1024,7 @@ def _rewrite_projection_norm(graph: torch.fx.Graph, square: torch.fx.Node, m: di
              call=fused)
 
 
-# --- DeepSeek V4: RoPE of a row's trailing slice, in fp32, `cat` back; the row optionally RMSNorm'd -------------
+# --- Binding and rewrite: V4's fp32 RoPE of a row's trailing slice, `cat` back; the row's RMSNorm -------------------
 ROW_VIEWS = (*LAYER_NORM_VIEWS, aten.permute.default)
 
 
@@ -1279,7 +1299,7 @@ def _rewrite_trailing_rope(graph: torch.fx.Graph, cat: torch.fx.Node, m: dict, c
     ctx.site(cat, "dsfuse.rope_cat", inputs, detail=detail, call=fused)
 
 
-# --- pair RoPEs written back in place, proven on probes -------------------------------------------------------------
+# --- Verification: pair RoPEs written back in place, proven on probes (for the binders) -----------------------------
 # The calls' pair forms (one table column per pair, the pairs written back in place), as the report names them.
 PAIR_FORMS = {"fp32_pairs": "V4 fp32 pair", "pairs_in_place": "GPT-J pair (in the input dtype)"}
 OUTPUT_DEPTH = 10
@@ -1357,7 +1377,7 @@ def _same_bits(got: list, want: torch.Tensor, probe: dict) -> str | None:
     return f"differs by up to {(out.float() - want.float()).abs().max().item():.3g}"
 
 
-# --- the norms and the fp8 quantisation, proven on probes -----------------------------------------------------------
+# --- Verification: the norms and the fp8 quantisation, proven on probes ---------------------------------------------
 # The walk reads each norm and quantisation op by op but not what an op's other arguments do to its rounding (a
 # mean or sum of the squares taken in bf16 / fp16 through its `dtype`), so every matched RMSNorm, LayerNorm and fp8
 # quantisation is run on probes (`verify.py`) against the reference of the call that replaces it before the rewrite.

@@ -33,6 +33,12 @@ tied keys, fully masked rows, finfo.min and -inf masks, -1 and lower picks and a
 forms; a disagreement is a near-miss naming the probe. A selection that reaches an attention (a mask reaching a
 softmax or SDPA, rows used as an operand of the score or output product) ends in a site or a near-miss with the
 reason; one that does not (an unrelated scatter or gather) is skipped silently.
+
+Stages: anchors `ANCHORS` (`MASK_ANCHORS` and `ROW_ANCHORS`), then V4's `sparse_attention_v4.ANCHORS`; binders
+`_match_masked` (the scatter forms) and `_match_mla` (the gather forms), dispatched by `_match`; verifier `_verify`,
+against `sparse_attention_masked_math` and `sparse_mla_attention_math` (kernels/sparse_attention.py); rewrites
+`_rewrite_masked` into `dsfuse::sparse_attention_masked` or `dsfuse::absorbed_mla_attention` and `_rewrite_mla` into
+`dsfuse::sparse_mla_attention`. V4's sites (`sparse_attention_v4.py`) rest on its walk's proofs: no verifier yet.
 """
 
 from __future__ import annotations
@@ -71,6 +77,10 @@ FUSED_SDPA = {
 }
 
 
+# ---------------------------------------------------------------------------
+# Anchors, and the binder and rewrite each anchor class goes to
+# ---------------------------------------------------------------------------
+
 # Index-driven selections, by op class: a mask built by scattering the picks (a scattered constant of either
 # polarity, bool or additive, or scattered values), and rows read by an index tensor (advanced indexing, `gather`,
 # which `take_along_dim` lowers to, `index_select`).
@@ -81,7 +91,7 @@ ANCHORS = MASK_ANCHORS + ROW_ANCHORS
 
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     rewrite_anchored(graph, ctx, ANCHORS, _match, _rewrite)
-    sparse_attention_v4.run(graph, ctx)
+    sparse_attention_v4.run(graph, ctx)  # V4's sink attention: its own anchors, binder and rewrite
 
 
 def _match(anchor: torch.fx.Node) -> dict:
@@ -113,7 +123,7 @@ def _rewrite(graph: torch.fx.Graph, anchor: torch.fx.Node, m: dict, ctx: PassCon
 
 
 # ---------------------------------------------------------------------------
-# The family's signature: a selection that reaches an attention
+# Binding: the family's signature, a selection that reaches an attention
 # ---------------------------------------------------------------------------
 
 SIGNATURE_DEPTH = 12
@@ -216,7 +226,7 @@ def _feeds_attention(anchor: torch.fx.Node) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Small structural helpers
+# Binding: small structural helpers
 # ---------------------------------------------------------------------------
 
 
@@ -319,7 +329,7 @@ def _index_source(index) -> torch.fx.Node:
 
 
 # ---------------------------------------------------------------------------
-# HF form: scatter mask + dense attention over all keys
+# Binding: HF form, a scatter mask + dense attention over all keys
 # ---------------------------------------------------------------------------
 
 
@@ -844,6 +854,11 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
                 scale=scales[0] * _scale_of(score_chain[1:]), out=out)
 
 
+# ---------------------------------------------------------------------------
+# Rewrite: HF form
+# ---------------------------------------------------------------------------
+
+
 def _over_heads(graph: torch.fx.Graph, before: torch.fx.Node, node: torch.fx.Node, q: torch.fx.Node) -> torch.fx.Node:
     """K or V as the op reads them, [B, H, T, *]: a tensor shared by the heads ([B, 1, T, *]) expanded (a view)."""
     heads = shape(q)[1]
@@ -911,7 +926,7 @@ def _rewrite_masked(graph: torch.fx.Graph, scatter: torch.fx.Node, m: dict, ctx:
 
 
 # ---------------------------------------------------------------------------
-# Own model: absorbed MLA over gathered latent rows
+# Binding: own model, absorbed MLA over gathered latent rows
 # ---------------------------------------------------------------------------
 
 
@@ -1227,6 +1242,11 @@ def _mla_output(pv: torch.fx.Node, o_l: Labels, bshc: tuple, operands: tuple, pr
     if dtype(pv) != dtype(q_nope) or (prob_cast and prob_cast[-1].args[1] != dtype(q_nope)):
         raise NoMatch(f"probabilities are multiplied with the values in {dtype(pv)}, not {dtype(q_nope)}")
     return out
+
+
+# ---------------------------------------------------------------------------
+# Rewrite: own model
+# ---------------------------------------------------------------------------
 
 
 def _rewrite_mla(graph: torch.fx.Graph, index: torch.fx.Node, m: dict, ctx: PassContext, form: str = "") -> None:

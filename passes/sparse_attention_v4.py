@@ -29,6 +29,10 @@ distances are measured in tests/models/test_cast_models.py).
 
 The rewrite reads the window rows and the compressed entries where they are (not their `cat`) and builds the
 positions from the nodes the mask was built from, with symbolic sizes and no host sync.
+
+Stages (run from `sparse_attention.run`): anchors `ANCHORS`; binder `_match`; no verifier yet: a site rests on the
+walk's labelled-dim proofs, not on probes against `compressed_attention_reference` (kernels/compressed_attention.py);
+rewrite `_rewrite` into `dsfuse::compressed_attention`.
 """
 
 from __future__ import annotations
@@ -52,12 +56,20 @@ IOTA = torch.ops.prims.iota.default
 SHAPE_OPS = (aten.unsqueeze.default, aten.expand.default, *VIEW_OPS)
 
 
+# ---------------------------------------------------------------------------
+# Anchors
+# ---------------------------------------------------------------------------
+
+# The `cat` that appends the per-head sink column to the scores.
+ANCHORS = (aten.cat.default,)
+
+
 def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
-    rewrite_anchored(graph, ctx, (aten.cat.default,), _match, _rewrite)
+    rewrite_anchored(graph, ctx, ANCHORS, _match, _rewrite)
 
 
 # ---------------------------------------------------------------------------
-# Small helpers
+# Binding: small helpers
 # ---------------------------------------------------------------------------
 
 
@@ -67,7 +79,7 @@ def _layout_chain(node) -> list[torch.fx.Node]:
 
 
 # ---------------------------------------------------------------------------
-# Positions: `arange`s and `[B, S]` position tables read at (batch, query / key) indices
+# Binding: positions, `arange`s and `[B, S]` position tables read at (batch, query / key) indices
 # ---------------------------------------------------------------------------
 
 
@@ -305,7 +317,7 @@ def _hca_threshold(bias: torch.fx.Node, B, S, T) -> tuple | None:
 
 
 # ---------------------------------------------------------------------------
-# Inverse RoPE epilogue
+# Binding: the inverse RoPE epilogue
 # ---------------------------------------------------------------------------
 
 
@@ -395,7 +407,7 @@ def _inverse_rope(out_bhsd: torch.fx.Node, D) -> dict | None:
 
 
 # ---------------------------------------------------------------------------
-# The matcher
+# Binding: the walk from the sink column's `cat`
 # ---------------------------------------------------------------------------
 
 
@@ -653,7 +665,7 @@ def _same_positions(positions: torch.fx.Node, term: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# The rewrite
+# Rewrite
 # ---------------------------------------------------------------------------
 
 
