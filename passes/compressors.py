@@ -657,8 +657,10 @@ def _verify_compressor(m: dict) -> Verdict:
 
 def _probe_sizes_fit_the_op(outputs: list, roles: dict, above: int, eps: float, overlap: bool) -> bool:
     """Whether the roles, at each symbol assignment `verify` probes the slice at, have shapes the op takes. The walk
-    proves their sizes equal under the graph's guards, which the probes' values need not meet: a prefill tail's
-    windows W = (s + r % 8) // 8 + 1, guarded to be 1, beside static [B, 1, R/2] tables, are 2 at s = 5, r = 11."""
+    proves their sizes equal under the graph's guards; `verify` probes at sizes those guards admit where its search
+    finds some (a prefill tail's windows W = (s + r % 8) // 8 + 1, guarded to be 1, beside static [B, 1, R/2]
+    tables: s = 5, r = 17), else at sizes chosen as if there were no guards (there W = 2: s = 5, r = 11), which this
+    leaves unprobed rather than refused."""
     found = pure_slice(outputs, set(roles.values()))
     if found is None:
         return True  # (verify says why)

@@ -8,8 +8,12 @@ candidates whose numbers disagree. Verdicts are cached by a structural hash of t
 the same layer repeated N times is run once.
 
 Sizes: a static size is the graph's own (the graph only ever runs at it); symbolic sizes get two assignments of
-small values, pairwise distinct and distinct from the static sizes, so a transposed or merged dim shows up.
-The slice runs outside any fake mode on real tensors: no guard of the graph's shape environment is touched.
+small values, pairwise distinct and distinct from the static sizes, so a transposed or merged dim shows up. The
+values are ones the graph's shape environment admits (each symbol's value range, the guards and runtime asserts
+among the slice's symbols), so a slice is probed at sizes the graph can run at, not at sizes its guards rule out
+(a window count guarded to be 1, a length guarded to be 1 mod 4); where no such values are found within a small
+search, the sizes are chosen as if the graph had no guards. The slice runs outside any fake mode on real tensors:
+no guard of the graph's shape environment is touched.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import sympy
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -28,6 +34,10 @@ from .graph_utils import in_graph_order, val
 MAX_NODES = 256
 MAX_ELEMENTS = 1 << 22  # summed over the slice's tensors and its probed inputs at one size assignment
 SYMBOL_SIZES = (5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43)
+# Where the shape environment rules SYMBOL_SIZES out: the integers from a symbol's lower bound up this far are tried,
+# with at most SEARCH_CHECKS evaluations of a guard in all (a probe's sizes stay small, the search cheap).
+SEARCH_SPAN = 64
+SEARCH_CHECKS = 20_000
 # Python-level size arithmetic Dynamo leaves in a graph (`s0 // 2`, `min(k, T)`).
 SIZE_FUNCTIONS = frozenset({operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod, operator.neg,
                             operator.truediv, operator.getitem, torch.sym_min, torch.sym_max, torch.sym_int,
@@ -163,27 +173,120 @@ def structural_key(nodes: list, frontier: list, roles: dict[str, torch.fx.Node],
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
-def _symbols(values) -> set:
-    found = set()
+def _symbolic_sizes(values) -> Iterator[torch.SymInt]:
     for value in values:
-        sizes = value.shape if isinstance(value, torch.Tensor) else [value]
-        for size in sizes:
+        for size in value.shape if isinstance(value, torch.Tensor) else [value]:
             if isinstance(size, torch.SymInt):
-                found |= size.node.expr.free_symbols
-    return found
+                yield size
+
+
+def _symbols(values) -> set:
+    return {symbol for size in _symbolic_sizes(values) for symbol in size.node.expr.free_symbols}
 
 
 def size_assignments(frontier: list, avoid: set, above: int = 0) -> list[dict]:
-    """Values for the symbols in the frontier's sizes: none for a static slice, else two assignments, taking
-    sizes over `above` first (a family's k, so a selection has keys to leave out)."""
+    """Values for the symbols in the frontier's sizes: none for a static slice, else two assignments (one where the
+    shape environment admits no second), taking sizes over `above` first (a family's k, so a selection has keys to
+    leave out). Values the graph's shape environment admits where a small search finds them, else SYMBOL_SIZES as
+    if the graph had no guards."""
     values = [val(node) for node in frontier]
     symbols = sorted(_symbols(values), key=str)
     if not symbols:
         return [{}]
+    shape_env = next((size.node.shape_env for size in _symbolic_sizes(values)), None)
+    admitted = _SizeSearch.of(shape_env).assignments(tuple(symbols), frozenset(avoid), above) if shape_env else []
+    if admitted:
+        return admitted
     free = sorted((s for s in SYMBOL_SIZES if s not in avoid), key=lambda s: s <= above)
     if len(free) < 2 * len(symbols):
         return []
     return [dict(zip(symbols, free[i::2])) for i in (0, 1)]
+
+
+class _SearchExhausted(Exception):
+    """A search for admitted sizes spent its SEARCH_CHECKS."""
+
+
+class _SizeSearch:
+    """Sizes one shape environment admits: candidate values checked against each symbol's value range and the
+    guards and runtime asserts (what every run of the graph satisfies) that read only the symbols being assigned;
+    one that reads another symbol (another input's size) is not checked. A graph's slices share their symbols, so
+    what is found is kept while the shape environment gains no fact."""
+
+    _BY_SHAPE_ENV: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def of(cls, shape_env) -> _SizeSearch:
+        search = cls._BY_SHAPE_ENV.get(shape_env)
+        if search is None or search.facts != _facts(shape_env):
+            search = cls._BY_SHAPE_ENV[shape_env] = cls(shape_env)
+        return search
+
+    def __init__(self, shape_env):
+        self.shape_env = shape_env
+        self.facts = _facts(shape_env)
+        self.sizes: dict = {}
+        self.found: dict = {}
+        self.checks = 0
+
+    def holds(self, fact, assignment: dict) -> bool:
+        """Whether `fact` holds at `assignment`; not where it cannot be evaluated there (a division by zero)."""
+        self.checks += 1
+        if self.checks > SEARCH_CHECKS:
+            raise _SearchExhausted
+        try:
+            return fact.xreplace(assignment) not in (sympy.false, False)
+        except (ArithmeticError, TypeError):
+            return False
+
+    def admitted_sizes(self, symbol) -> list[int]:
+        """SYMBOL_SIZES, then the integers from the symbol's lower bound, that its range and its own facts admit."""
+        if symbol not in self.sizes:
+            bounds = self.shape_env.var_to_range.get(symbol)
+            low = int(bounds.lower) if bounds is not None and isinstance(bounds.lower, sympy.Integer) else 0
+            high = int(bounds.upper) if bounds is not None and isinstance(bounds.upper, sympy.Integer) else math.inf
+            tried = list(SYMBOL_SIZES) + [s for s in range(max(low, 2), low + SEARCH_SPAN) if s not in SYMBOL_SIZES]
+            own = [fact for fact in self.facts if fact.free_symbols == {symbol}]
+            self.sizes[symbol] = [s for s in tried if low <= s <= high and all(self.holds(f, {symbol: s}) for f in own)]
+        return self.sizes[symbol]
+
+    def assignments(self, symbols: tuple, avoid: frozenset, above: int) -> list[dict]:
+        """Two admitted assignments of `symbols`, their values pairwise distinct and outside `avoid`, sizes over `above`
+        first; one where no second is found, none where no first is."""
+        key = (symbols, avoid, above)
+        if key not in self.found:
+            self.checks, first = 0, None
+            try:
+                sizes = {symbol: sorted((s for s in self.admitted_sizes(symbol) if s not in avoid),
+                                        key=lambda s: s <= above) for symbol in symbols}
+                joint = [fact for fact in self.facts
+                         if len(fact.free_symbols) > 1 and fact.free_symbols <= set(symbols)]
+                for first in self._assignments(symbols, sizes, joint, frozenset(), {}):
+                    for second in self._assignments(symbols, sizes, joint, frozenset(first.values()), {}):
+                        self.found[key] = [first, second]
+                        return self.found[key]
+            except _SearchExhausted:
+                pass
+            self.found[key] = [first] if first is not None else []
+        return self.found[key]
+
+    def _assignments(self, symbols: tuple, sizes: dict, joint: list, taken: frozenset, partial: dict) -> Iterator[dict]:
+        if len(partial) == len(symbols):
+            yield dict(partial)
+            return
+        symbol = symbols[len(partial)]
+        for size in sizes[symbol]:
+            trial = {**partial, symbol: size}
+            checked = [fact for fact in joint if symbol in fact.free_symbols and fact.free_symbols <= trial.keys()]
+            if size not in taken and all(self.holds(fact, trial) for fact in checked):
+                yield from self._assignments(symbols, sizes, joint, taken | {size}, trial)
+
+
+def _facts(shape_env) -> list:
+    """The shape environment's guards and runtime asserts, once each."""
+    facts = [guard.expr for guard in shape_env.guards]
+    facts += [check.expr for checks in shape_env.deferred_runtime_asserts.values() for check in checks]
+    return list(dict.fromkeys(facts))
 
 
 def concrete(size, assignment: dict) -> int:
@@ -251,15 +354,17 @@ def run_slice(nodes: list, outputs: list, env: dict) -> list:
 def verify(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], family: Family, extra: Any = (),
            above: int = 0, max_nodes: int = MAX_NODES, max_elements: int = MAX_ELEMENTS) -> Verdict:
     """Whether the slice ending at `outputs`, with its frontier bound to `roles`, computes the family's reference
-    on every probe at every size assignment (cached by the slice's structural hash)."""
+    on every probe at every size assignment (cached by the slice's structural hash and the sizes it is probed at,
+    which the graph's guards choose)."""
     found = pure_slice(outputs, set(roles.values()), max_nodes)
     if found is None:
         return Verdict(False, f"the slice from the anchor has more than {max_nodes} nodes")
     nodes, frontier = found
-    key = structural_key(nodes, frontier, roles, extra)
+    assignments = size_assignments(frontier, _static_sizes(val(n) for n in frontier), above)
+    key = structural_key(nodes, frontier, roles, (extra, assignments))
     if key in _CACHE:
         return _CACHE[key]
-    verdict = _run(nodes, frontier, outputs, roles, family, above, max_elements)
+    verdict = _run(nodes, frontier, outputs, roles, family, assignments, max_elements)
     if verdict.ok is not None:
         _CACHE[key] = verdict
     return verdict
@@ -276,7 +381,7 @@ def _constant(node: torch.fx.Node) -> torch.Tensor | None:
     return value.detach().cpu() if real else None
 
 
-def _run(nodes, frontier, outputs, roles, family: Family, above: int, max_elements: int) -> Verdict:
+def _run(nodes, frontier, outputs, roles, family: Family, assignments: list[dict], max_elements: int) -> Verdict:
     bound, constants = set(roles.values()), {}
     for node in frontier:
         if node in bound or isinstance(val(node), torch.SymInt):
@@ -284,7 +389,6 @@ def _run(nodes, frontier, outputs, roles, family: Family, above: int, max_elemen
         constants[node] = _constant(node)
         if constants[node] is None:
             return Verdict(False, f"the slice reads {node} ({_describe_value(val(node))}), bound to no role")
-    assignments = size_assignments(frontier, _static_sizes(val(n) for n in frontier), above)
     if not assignments:
         return Verdict(None, "too many symbolic sizes to probe")
     probed = [node for node in frontier if node in bound]  # the probes build these: a checkpoint's expert stacks

@@ -115,3 +115,38 @@ def test_cuda_only_attention_without_dropout_runs_as_its_cpu_math():
         roles = dict(zip("qkv", (n for n in nodes if n.op == "placeholder")))
         out = next(n for n in nodes if n.op == "output").args[0]
         assert verify.verify([out], roles, _sdpa_family(dropout_p)).ok is ok
+
+
+def _guarded(a, b):
+    """A length guarded to be at least 16 and 1 mod 4, and a width guarded to be over a quarter of it."""
+    torch._check(a.shape[0] >= 16)
+    torch._check(a.shape[0] % 4 == 1)
+    torch._check(4 * a.shape[1] > a.shape[0])
+    return (a + b,)
+
+
+def test_symbolic_sizes_are_ones_the_shape_environment_admits():
+    """The graph's guards (a range, a modulus, a relation of two symbols) choose the sizes: values SYMBOL_SIZES alone
+    would give (5 and 7 for the length) are ones this graph never runs at."""
+    placeholders, _ = _graph(_guarded, torch.randn(17, 6), torch.randn(17, 6), mode="symbolic")
+    length, width = (placeholders[0].meta["val"].shape[i].node.expr for i in (0, 1))
+    assignments = verify.size_assignments(placeholders, {1})
+    assert len(assignments) == 2, assignments
+    values = [size for assignment in assignments for size in assignment.values()]
+    assert len(set(values)) == len(values) and 1 not in values, assignments
+    for assignment in assignments:
+        assert assignment[length] >= 16 and assignment[length] % 4 == 1, assignments
+        assert 4 * assignment[width] > assignment[length], assignments
+    assert assignments[0] == {length: 17, width: 5}, "SYMBOL_SIZES first, then the smallest"
+
+
+def test_sizes_the_search_cannot_find_fall_back_to_the_unguarded_choice():
+    """No length within verify.SEARCH_SPAN of its lower bound is 127 mod 128: the sizes are SYMBOL_SIZES, as for a
+    graph without guards."""
+    def guarded(a):
+        torch._check(a.shape[0] % 128 == 127)
+        return (a * 2,)
+
+    placeholders, _ = _graph(guarded, torch.randn(127), mode="symbolic")
+    length = placeholders[0].meta["val"].shape[0].node.expr
+    assert verify.size_assignments(placeholders, set()) == [{length: 5}, {length: 7}]
