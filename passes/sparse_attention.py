@@ -38,7 +38,8 @@ Stages: anchors `ANCHORS` (`MASK_ANCHORS` and `ROW_ANCHORS`), then V4's `sparse_
 `_match_masked` (the scatter forms) and `_match_mla` (the gather forms), dispatched by `_match`; verifier `_verify`,
 against `sparse_attention_masked_math` and `sparse_mla_attention_math` (kernels/sparse_attention.py); rewrites
 `_rewrite_masked` into `dsfuse::sparse_attention_masked` or `dsfuse::absorbed_mla_attention` and `_rewrite_mla` into
-`dsfuse::sparse_mla_attention`. V4's sites (`sparse_attention_v4.py`) rest on its walk's proofs: no verifier yet.
+`dsfuse::sparse_mla_attention`. V4's sites (`sparse_attention_v4.py`): its own binder, verifier (against
+`compressed_attention_reference`) and rewrite.
 """
 
 from __future__ import annotations

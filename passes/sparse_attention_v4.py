@@ -30,9 +30,20 @@ distances are measured in tests/models/test_cast_models.py).
 The rewrite reads the window rows and the compressed entries where they are (not their `cat`) and builds the
 positions from the nodes the mask was built from, with symbolic sizes and no host sync.
 
-Stages (run from `sparse_attention.run`): anchors `ANCHORS`; binder `_match`; no verifier yet: a site rests on the
-walk's labelled-dim proofs, not on probes against `compressed_attention_reference` (kernels/compressed_attention.py);
-rewrite `_rewrite` into `dsfuse::compressed_attention`.
+Before the rewrite, every match is run on probes against the op's reference (`verify.py`): random q / rows /
+entries, sinks of both signs and large ones, distinct picks with -1 and a query without any, a padded start, the
+first queries seeing fewer window rows and no HCA entry, RoPE tables of angles, an input mask of HF's 0 / finfo.min;
+symbolic sizes at two small assignments the graph's guards admit, within `ULPS`. What the walk does not read (an
+add's `alpha` scaling the scores) is caught there: a disagreement is a near-miss naming the probe. Unprobed, the
+structural match standing: a slice over `verify.MAX_ELEMENTS` values at static sizes (a real-dimension prefill) or
+one whose probe sizes the graph's guards rule out. Not established by probes (the probes take them as given): that
+CSA's picks are distinct (the op's CUDA path asks it, as a top-k gives it; the reference, like HF's scatter, reads a
+repeat as one pick) and that an input mask holds only 0 / finfo.min (what `generate` builds; the op reads its 0
+entries as seen).
+
+Stages (run from `sparse_attention.run`): anchors `ANCHORS`; binder `_match`; verifier `_verify`, against
+`compressed_attention_reference` (kernels/compressed_attention.py), fed as the rewrite feeds the op; rewrite `_rewrite`
+into `dsfuse::compressed_attention`.
 """
 
 from __future__ import annotations
@@ -40,8 +51,9 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-import dsfuse.kernels.compressed_attention  # noqa: F401  (registers torch.ops.dsfuse.compressed_attention)
+from dsfuse.kernels.compressed_attention import compressed_attention_reference  # (and the op)
 
 from .canonicalize import canonical_bmm, padded_product
 from .context import NoMatch, PassContext, rewrite_anchored
@@ -50,6 +62,7 @@ from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_O
                           attention_softmax, dtype, fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
                           node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
                           slice_args, slice_position, strip, val, walk_back, walk_forward)
+from .verify import Family, Verdict, concrete, pure_slice, size_assignments, verify
 
 IOTA = torch.ops.prims.iota.default
 # What position tables and aranges are broadcast through on their way into the mask.
@@ -606,9 +619,13 @@ def _match(cat: torch.fx.Node) -> dict:
             elif not _same_positions(hca[0], win["q"]):
                 raise NoMatch("HCA's causal threshold reads other positions than the sliding-window mask")
     kind = "sliding" if block_bias is None else ("CSA" if indices is not None else "HCA")
-    return dict(q=q, kv_rows=kv_rows, compressed=compressed, indices=indices, sinks=sinks, scale=scale,
-                win=win, compress_rate=hca[1] if hca else 1, out=bshd, out_is_bhsd=out_is_bhsd, epilogue=epilogue,
-                kind=kind, B=B, S=S)
+    found = dict(q=q, kv_rows=kv_rows, compressed=compressed, indices=indices, sinks=sinks, scale=scale,
+                 win=win, compress_rate=hca[1] if hca else 1, out=bshd, out_is_bhsd=out_is_bhsd, epilogue=epilogue,
+                 kind=kind, B=B, S=S)
+    verdict = _verify(found)
+    if verdict.ok is False:
+        raise NoMatch(f"numeric check against the reference failed: {verdict.reason}")
+    return found
 
 
 def _chain_back_scaled(node) -> tuple:
@@ -665,18 +682,219 @@ def _same_positions(positions: torch.fx.Node, term: dict) -> bool:
 
 
 # ---------------------------------------------------------------------------
+# Verification: the bound slice against the op's reference, on probes
+# ---------------------------------------------------------------------------
+
+# The budget, in ulps of the output dtype at a probe's largest key magnitude (the output is a convex combination of
+# key rows): the probes' values lie on a 1/4 grid, so the scores are exact and the slice and the reference differ only
+# in the exponentials, the summation order and, in a model cast as a whole, the max shift the op keeps in fp32
+# (v4-tiny: at most 0.6 fp32 and 0.25 bf16 / fp16 ulps; a score doubled or a sink of the wrong sign: thousands).
+ULPS = {torch.float32: 16, torch.float16: 4, torch.bfloat16: 4}
+
+
+def _verify(m: dict) -> Verdict:
+    """Run the matched slice on probes against `compressed_attention_reference`, fed as the rewrite feeds the op.
+    The query and key positions the rewrite reads from the mask's own nodes (an `arange`, a table built from one)
+    are taken from the slice's run, so the proof is of the op on the values the rewrite gives it. Not run (None)
+    over `verify.MAX_ELEMENTS` values at static sizes (the structural match stands) or where the graph's guards rule
+    out the sizes the probes take."""
+    roles = _roles(m)
+    if len(set(roles.values())) != len(roles):
+        return Verdict(False, "two roles of the op are bound to one tensor")
+    positions = _position_sources(m)
+    outputs = [m["epilogue"]["cat"] if m["epilogue"] is not None else m["out"], *positions.values()]
+    count = shape(m["indices"])[-1] if m["indices"] is not None else 0
+    above = count if isinstance(count, int) else 0
+    if not _probe_sizes_fit_the_op(outputs, roles, above, m):
+        return Verdict(None, "the graph's guards rule out the sizes the probes take")
+    family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, m), reference=lambda probe: None,
+                    compare=lambda got, _, probe: _within_budget(got[0], _reference(m, dict(zip(positions, got[1:])),
+                                                                                    probe), probe))
+    win = m["win"]
+    extra = ("compressed_attention", m["kind"], m["scale"], m["compress_rate"], win["window"], sorted(win),
+             sorted(positions), m["out_is_bhsd"], m["epilogue"] is not None)
+    return verify(outputs, roles, family, extra, above=above)
+
+
+def _roles(m: dict) -> dict[str, torch.fx.Node]:
+    """The frontier the probes set: q, the window rows, the sinks, and where present the compressed entries, the
+    picks, the RoPE tables, the padding table, an input mask and, beside one, HCA's position table (any values: the op
+    reads them as the slice does)."""
+    win, epilogue = m["win"], m["epilogue"]
+    roles = {"q": m["q"], "kv": m["kv_rows"], "sinks": m["sinks"]}
+    for role in ("compressed", "indices"):
+        if m[role] is not None:
+            roles[role] = m[role]
+    if epilogue is not None:
+        roles.update(cos=epilogue["cos"], sin=epilogue["sin"])
+    if win["padding"] is not None:
+        roles["padding"] = _table_read(win["padding"], 3)[0]
+    if "input" in win or "rows" in win:
+        roles["mask"] = win.get("input", win.get("rows"))
+    if "rows" in win and win["q"] is not None:
+        roles["positions"] = win["q"]["table"]
+    return roles
+
+
+def _position_sources(m: dict) -> dict[str, torch.fx.Node]:
+    """The nodes the rewrite reads positions and padding from: query / key positions, the padding read."""
+    win, sources = m["win"], {}
+    if "rows" in win and win["q"] is not None:
+        sources["q"] = _position_rows(win["q"])
+    elif "input" not in win and "rows" not in win:
+        sources.update(q=_position_rows(win["q"]), kv=_position_rows(win["kv"]))
+    if win["padding"] is not None:
+        sources["padding"] = win["padding"]
+    return sources
+
+
+def _op_arguments(m: dict, sources: dict, probe: dict) -> tuple:
+    """The op's arguments on a probe, built as `_rewrite` builds them in the graph."""
+    win = m["win"]
+    q = probe["q"].permute(0, 2, 1, 3)
+    kv = probe["kv"].squeeze(1)
+    compressed = probe["compressed"].squeeze(1) if "compressed" in probe else None
+    (B, S), N, T = q.shape[:2], kv.shape[1], compressed.shape[1] if compressed is not None else 0
+    window, window_mask = win["window"], None
+    if "input" in win:
+        seen = probe["mask"].reshape(B, N) == 0
+        q_positions = torch.full((B, 1), N - 1 + T, dtype=torch.int64, device=q.device)
+        kv_positions = torch.where(seen, torch.arange(N, device=q.device) + T, -1)
+        window = N
+    elif "rows" in win:
+        q_positions = _expanded(sources["q"], B) if "q" in sources else \
+            torch.zeros(B, S, dtype=torch.int64, device=q.device)
+        kv_positions = torch.zeros(B, N, dtype=torch.int64, device=q.device)
+        window_mask = probe["mask"].squeeze(1) == 0
+    else:
+        q_positions, kv_positions = _expanded(sources["q"], B), _expanded(sources["kv"], B)
+    if "padding" in sources:
+        kv_positions = torch.where(sources["padding"].squeeze(2).squeeze(1), kv_positions, -1)
+    cos = sin = None
+    if "cos" in probe:
+        cos, sin = (probe[name].float().expand(B, -1, -1) for name in ("cos", "sin"))
+    return (q, kv, q_positions, kv_positions, compressed, probe.get("indices"), probe["sinks"].float(), m["scale"],
+            window, m["compress_rate"], cos, sin, window_mask)
+
+
+def _expanded(rows: torch.Tensor, B) -> torch.Tensor:
+    """[L] or [B', L] positions as [B, L], as `_positions_node` reads them."""
+    return (rows.unsqueeze(0) if rows.dim() == 1 else rows).expand(B, -1)
+
+
+def _reference(m: dict, sources: dict, probe: dict) -> torch.Tensor:
+    """The op's output on a probe, laid out as the slice's output ([B, H, S, D] where the rewrite permutes it)."""
+    with unset_fake_temporarily():
+        want = compressed_attention_reference(*_op_arguments(m, sources, probe))
+    return want.permute(0, 2, 1, 3) if m["epilogue"] is not None or m["out_is_bhsd"] else want
+
+
+def _probe_sizes_fit_the_op(outputs: list, roles: dict, above: int, m: dict) -> bool:
+    """Whether the roles, at each symbol assignment `verify` probes the slice at, have shapes the op's fake
+    implementation takes: the walk proves the sizes equal under the graph's guards, and probe sizes chosen as if there
+    were none (where `verify` finds none the guards admit) may break that, which this leaves unprobed, not refused."""
+    found = pure_slice(outputs, set(roles.values()))
+    if found is None:
+        return True  # (verify says why)
+    static = {s for node in found[1] if isinstance(val(node), torch.Tensor) for s in shape(node) if isinstance(s, int)}
+    for assignment in size_assignments(found[1], static, above):
+        with unset_fake_temporarily():
+            probe = {role: torch.zeros([concrete(s, assignment) for s in shape(node)], dtype=dtype(node),
+                                       device="meta") for role, node in roles.items()}
+            B, S, N = probe["q"].shape[0], probe["q"].shape[2], probe["kv"].shape[2]
+            sources = dict(q=torch.zeros(B, S, dtype=torch.int64, device="meta"),
+                           kv=torch.zeros(B, N, dtype=torch.int64, device="meta"),
+                           padding=torch.ones(B, 1, 1, N, dtype=torch.bool, device="meta"))
+            try:
+                torch.ops.dsfuse.compressed_attention(*_op_arguments(m, sources, probe))
+            except (TypeError, ValueError, RuntimeError):
+                return False
+    return True
+
+
+def _grid(dims: tuple, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Values on a 1/4 grid, most within +-1: exact in every float dtype, and so are their products and short sums."""
+    return (torch.randn(dims, generator=gen) * 2).round().clamp(-15, 15).div(4).to(dtype)
+
+
+def _probes(shapes: dict, dtypes: dict, m: dict) -> list:
+    """Random q / keys / entries on the grid with sinks of both signs; sinks large enough to take most of the mass
+    (positive) or none of it (negative); CSA: distinct picks with -1 (no entry; the op's CUDA path asks a row's picks
+    to be distinct, as a top-k's are), and a query whose picks are all -1; the first keys of a batch row padded;
+    RoPE tables of angles; an input mask of HF's 0 / finfo.min. The mask's positions start at 0, so the first queries
+    see fewer window rows than the window and, under HCA, no compressed entry."""
+    gen = torch.Generator().manual_seed(0)
+    base = {role: _grid(shapes[role], dtypes[role], gen) for role in ("q", "kv", "compressed") if role in shapes}
+    signs = torch.ones(shapes["sinks"]).index_fill(0, torch.arange(1, shapes["sinks"][0], 2), -1)
+    base["sinks"] = (_grid(shapes["sinks"], torch.float32, gen).abs() * signs).to(dtypes["sinks"])
+    if "cos" in shapes:
+        angles = torch.rand(shapes["cos"], generator=gen) * 6
+        base.update(cos=angles.cos().to(dtypes["cos"]), sin=angles.sin().to(dtypes["sin"]))
+    if "padding" in shapes:
+        base["padding"] = (torch.rand(shapes["padding"], generator=gen) < 0.9).to(dtypes["padding"])
+    if "mask" in shapes:
+        keep = torch.rand(shapes["mask"], generator=gen) < 0.7
+        keep[..., -1] = True
+        fill = torch.finfo(dtypes["mask"]).min
+        base["mask"] = torch.zeros(shapes["mask"]).masked_fill(~keep, fill).to(dtypes["mask"])
+    if "positions" in shapes:
+        B, L = shapes["positions"]
+        base["positions"] = torch.arange(L, dtype=dtypes["positions"]).expand(B, L).clone()
+    if "indices" in shapes:
+        B, S, K = shapes["indices"]
+        T = shapes["compressed"][2]
+        picks = torch.full((B * S, K), -1)
+        for row in picks:
+            chosen = torch.randperm(T, generator=gen)[:K]
+            row[:len(chosen)] = chosen
+        picks = picks.masked_fill(torch.rand(picks.shape, generator=gen) < 0.25, -1).view(B, S, K)
+        base["indices"] = picks.to(dtypes["indices"])
+    probes = [("random", base), ("large sinks", dict(base, sinks=(signs * 12).to(dtypes["sinks"])))]
+    if "padding" in base:
+        padded = base["padding"].clone()
+        padded[0, :2] = False
+        probes.append(("left padding", dict(base, padding=padded)))
+    if "positions" in base:
+        probes.append(("positions from 5", dict(base, positions=base["positions"] + 5)))
+    if "indices" in base:
+        empty = base["indices"].clone()
+        empty[:, -1] = -1
+        probes.append(("a query without entries", dict(base, indices=empty)))
+    return probes
+
+
+def _within_budget(out, want: torch.Tensor, probe: dict) -> str | None:
+    """None when the slice's output is the reference's within `ULPS` of its dtype at the probe's largest key
+    magnitude (equal NaNs), else how far off it is."""
+    if not isinstance(out, torch.Tensor) or out.dtype != want.dtype or tuple(out.shape) != tuple(want.shape):
+        return f"the output is not {want.dtype}{list(want.shape)}"
+    keys = max(float(probe[role].float().abs().max()) for role in ("kv", "compressed") if role in probe)
+    ulp = torch.finfo(want.dtype).eps * max(keys, torch.finfo(torch.float32).tiny)
+    error = torch.where((out == want) | (out.isnan() & want.isnan()), 0.0, (out.float() - want.float()).abs())
+    worst = float(error.nan_to_num(float("inf")).max()) / ulp
+    if worst <= ULPS[want.dtype]:
+        return None
+    return f"outputs differ by up to {worst:.3g} ulps of {want.dtype} at the largest key (budget {ULPS[want.dtype]})"
+
+# ---------------------------------------------------------------------------
 # Rewrite
 # ---------------------------------------------------------------------------
 
 
+def _position_rows(term: dict) -> torch.fx.Node:
+    """Where a mask's positions are read from: its [B', L] table, or the 1-d `arange` under its layout ops."""
+    if term["kind"] == "table":
+        return term["table"]
+    rows = term["base"]
+    while len(shape(rows)) > 1:
+        rows = rows.args[0]
+    return rows
+
+
 def _positions_node(graph, before, term: dict, B) -> torch.fx.Node:
     """[B, L] int64 positions built from the mask's own position source."""
-    if term["kind"] == "table":
-        rows = term["table"]
-    else:
-        rows = term["base"]
-        while len(shape(rows)) > 1:
-            rows = rows.args[0]
+    rows = _position_rows(term)
+    if term["kind"] != "table":
         rows = insert_call(graph, before, aten.unsqueeze.default, (rows, 0))
     return insert_call(graph, before, aten.expand.default, (rows, [B, -1]))
 

@@ -216,3 +216,32 @@ def test_unprovable_mask_is_a_reported_near_miss():
     assert rep.counts["sparse_attention"] == 0
     reasons = [m.reason for m in rep.near_misses if m.pass_name == "sparse_attention"]
     assert reasons == ["the attention mask has no sliding window (kv > q - window)"], str(rep)
+
+
+def test_a_spelling_the_walk_passes_but_that_computes_otherwise_is_a_near_miss():
+    """The mask added to the scores with `alpha=2` (the scores doubled): the walk reads the add's operands, not its
+    alpha, so only the verifier's probes against the op's reference tell this from V4's attention."""
+    stub = _Stub(4).eval()
+
+    def attention(q, kv):
+        seq = q.shape[2]
+        key, query = torch.arange(seq).view(1, 1, 1, seq), torch.arange(seq).view(1, 1, seq, 1)
+        mask = torch.where((key <= query) & (key > query - 3), 0.0, torch.finfo(torch.float32).min)
+        keys = kv.expand(-1, 4, -1, -1)
+        scores = torch.add(mask, torch.matmul(q, keys.transpose(2, 3)) * 0.25, alpha=2)
+        sinks = stub.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, seq, -1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        return torch.matmul(probs, keys).transpose(1, 2).contiguous()
+
+    gen = torch.Generator().manual_seed(0)
+    q, kv = torch.randn(1, 4, 10, 16, generator=gen), torch.randn(1, 1, 10, 16, generator=gen)
+    with torch.no_grad():
+        out = torch.compile(attention, backend="dsfuse", options=OPTIONS)(q, kv)
+        torch.testing.assert_close(out, attention(q, kv))
+    rep = dsfuse.report()
+    assert rep.counts["sparse_attention"] == 0, str(rep)
+    reasons = [m.reason for m in rep.near_misses if m.pass_name == "sparse_attention"]
+    assert len(reasons) == 1 and reasons[0].startswith("numeric check against the reference failed: random probe: "
+                                                       "outputs differ by up to"), str(rep)
