@@ -139,6 +139,50 @@ def is_op(node: Any, *targets: Any) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def _reduced_in_own_dtype(node: torch.fx.Node, asked: Any) -> bool:
+    """A reduction's `dtype=` that is what it gives anyway: none, its input's, or int64 over integers or bools."""
+    source = dtype(node.args[0])
+    return asked is None or asked == source or (
+        asked == torch.int64 and source is not None and not source.is_floating_point and not source.is_complex)
+
+
+# Keyword arguments that change what a call computes from what its operands alone say: (name, position, default,
+# whether a value is the default) per op. An add's or sub's `alpha` (x + alpha * y), a reduction's `dtype` (the input
+# cast first: a sum or mean rounded to bf16), a softmax's `half_to_float` (a half input's softmax in fp32). A
+# division's rounding mode is its own overload (`div.Tensor_mode`), which a walk asks for by name.
+KEYWORD_DEFAULTS: dict[Any, tuple[str, int, Any, Callable[[torch.fx.Node, Any], bool]]] = {
+    **dict.fromkeys((aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar),
+                    ("alpha", 2, 1, lambda node, alpha: alpha == 1)),
+    **dict.fromkeys((aten.sum.dim_IntList, aten.mean.dim), ("dtype", 3, None, _reduced_in_own_dtype)),
+    **dict.fromkeys((aten.sum.default, aten.mean.default), ("dtype", 1, None, _reduced_in_own_dtype)),
+    **dict.fromkeys((aten._softmax.default, aten._log_softmax.default),
+                    ("half_to_float", 2, False, lambda node, half_to_float: not half_to_float)),
+}
+
+
+def changed_keyword(node: torch.fx.Node) -> str | None:
+    """`name=value` of the call's `KEYWORD_DEFAULTS` argument where it is not at its default, else None."""
+    if node.target not in KEYWORD_DEFAULTS:
+        return None
+    name, position, default, at_default = KEYWORD_DEFAULTS[node.target]
+    value = node_arg(node, position, name, default)
+    return None if at_default(node, value) else f"{name}={value}"
+
+
+class KeywordMiss(NoMatch):
+    """A spelling the walk reads, but for a keyword argument that changes its math: a near-miss wherever the walk
+    stands (a caller that passes over other misses of a part lets this one through)."""
+
+
+def refuse_changed_keyword(node: torch.fx.Node, what: str) -> None:
+    """Raise a `KeywordMiss` when `node`, which a walk is about to read by its operands as `what`, has a
+    `changed_keyword`. Where no probe runs what the walk read (no verifier covers it), this is what keeps
+    `add(x, y, alpha=2)` from being taken for x + y; where one does, the walk may leave the call to it."""
+    changed = changed_keyword(node)
+    if changed is not None:
+        raise KeywordMiss(f"{what}: {node.target} with {changed}, which changes what its operands say it computes")
+
+
 def other_operand(node: torch.fx.Node, known: Any) -> Any:
     """The operand of a binary call that is not `known`, or None when neither is."""
     a, b = node.args[:2]

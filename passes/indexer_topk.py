@@ -50,8 +50,8 @@ from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import (bmm_labels, broadcast, contracted, follow, layout_chain, leaf_labels, leaf_of_rank, names, normalise,
                    views_of_rank)
 from .graph_utils import (CONVERT, LAYOUT_OPS, NOT_OPS, UNSPECIALISED_FLOAT, aten, dtype, fill_value, insert_call,
-                          is_neg_inf, is_op, node_arg, only_user, piece_of, reaches_back, same_shape, same_size,
-                          scalar_arg, shape, size_arg, unspecialised_float)
+                          is_neg_inf, is_op, node_arg, only_user, piece_of, reaches_back, refuse_changed_keyword,
+                          same_shape, same_size, scalar_arg, shape, size_arg, unspecialised_float)
 from .verify import Family, Verdict, verify
 
 NAME = "indexer_topk"
@@ -147,9 +147,11 @@ def _split_mask(x: torch.fx.Node) -> tuple:
     if is_op(x, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in x.args):
         for scores, mask in (x.args, x.args[::-1]):
             if _head_sum(scores, probe=True) is not None:
+                refuse_changed_keyword(x, "an additive mask added to the scores")
                 return scores, ("add", mask)
             inner, inner_mask = _split_mask(scores) if is_op(scores, aten.add.Tensor) else (scores, None)
             if inner_mask is not None and inner_mask[0] == "add" and isinstance(inner_mask[1], torch.fx.Node):
+                refuse_changed_keyword(x, "an additive mask added to the scores")
                 return inner, ("add", (inner_mask[1], mask))  # two additive masks (causal + padding), summed
     return x, None
 

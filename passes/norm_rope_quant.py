@@ -105,6 +105,7 @@ from .graph_utils import (
     SPLIT_OPS,
     UNSPECIALISED_FLOAT,
     VIEW_OPS,
+    KeywordMiss,
     aten,
     broadcasts_to,
     dtype,
@@ -118,6 +119,7 @@ from .graph_utils import (
     normalised_by,
     only_user,
     other_operand,
+    refuse_changed_keyword,
     same_shape,
     same_size,
     scalar_arg,
@@ -398,6 +400,8 @@ def _match_chunked_half_split(rot, chunks, half, x_dtype) -> dict:
             continue
         if not is_last_dim_cat(cat):
             continue
+        for node in (sub, add):
+            refuse_changed_keyword(node, "half-split RoPE of two chunks")
         for table in (c, s):
             _check_table(table, table, x1, half, x_dtype)
         return {"rope_out": cat, "cos": (c, None, True), "sin": (s, None, True), "interleaved": False, "rot": rot}
@@ -469,6 +473,8 @@ def _match_interleaved(rot, even, odd, half, x_dtype) -> dict:
             want_odd_c = [m for m, f in _product(odd) if f is c]
             want_even_s = [m for m, f in _product(even) if f is s]
             if any(m in terms for m in want_odd_c) and any(m in terms for m in want_even_s):
+                for node in (sub, add):
+                    refuse_changed_keyword(node, "interleaved RoPE")
                 cos = _cos_source(c, rot, half, width, x_dtype)
                 sin = _cos_source(s, rot, half, width, x_dtype)
                 return {"rope_out": cat, "cos": cos, "sin": sin, "interleaved": True, "rot": rot}
@@ -488,6 +494,7 @@ def _match_half_split(rot, lo, hi, half, x_dtype) -> dict:
         for add in users_of(m_sin, aten.add.Tensor):
             m_cos = other_operand(add, m_sin)
             if is_op(m_cos, aten.mul.Tensor) and other_operand(m_cos, rot) is not None:
+                refuse_changed_keyword(add, "half-split RoPE")
                 cos = other_operand(m_cos, rot)
                 for table in (cos, sin):
                     _check_table(table, table, rot, width, x_dtype)
@@ -602,6 +609,8 @@ def _match_rope_cat(split: torch.fx.Node) -> dict:
             continue
         try:
             rope = _match_rope(rot, dtype(x))
+        except KeywordMiss:
+            raise
         except NoMatch:
             continue
         if rope["rot"] is not rot:
@@ -1091,6 +1100,7 @@ def _match_pair_rope(rotated: torch.fx.Node, rot: torch.fx.Node, x_dtype: torch.
                 sin = factor
     if cos is None or sin is None:
         raise NoMatch("V4 RoPE: not x*cos + rotate_half(x)*sin", reported=False)
+    refuse_changed_keyword(total, "V4 RoPE")
     tables = []
     for factor in (cos, sin):
         table, dim = _pair_table(factor)

@@ -60,8 +60,8 @@ from .dims import Labels, apply_op, bmm_labels, contracted, follow, leaf_labels,
 from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_OPS, NOT_OPS, PREPARE_SOFTMAX_ONLINE,
                           VIEW_OPS, WHERE_OPS, aten, attention_softmax, broadcasts_to, dtype, fill_value, insert_call, is_last_dim,
                           is_last_dim_cat, is_neg_inf, is_op, is_upcast, masking_bias, node_arg, only_user, reaches_back,
-                          same_shape, same_size, scalar_constant, scale_factor, scaled_input, shape, size_arg, strip,
-                          val, walk_back, walk_forward)
+                          refuse_changed_keyword, same_shape, same_size, scalar_constant, scale_factor, scaled_input,
+                          shape, size_arg, strip, val, walk_back, walk_forward)
 from .verify import Family, Verdict, verify
 
 NAME = "sparse_attention"
@@ -386,6 +386,8 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         if user is None or not (is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA):
             raise NoMatch("the selection bias is not added to the scores alone")
         other = user.args[0] if user.args[1] is node else user.args[1]
+        if is_op(user, aten.add.Tensor):
+            refuse_changed_keyword(user, "the selection bias added to the scores")
         if not is_op(user, aten.add.Tensor) or _are_scores(other):
             return user, node
         if not (is_neg_inf(comb["fill"]) and dtype(other) in FLOAT_DTYPES):
@@ -395,6 +397,8 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         # keys at -inf, not at HF's finfo.min fill). Added to the masked scores (`scores + mask + bias`), the bias
         # meets the scores here; summed first (`scores + (mask + bias)`), the sum reaches them as one mask.
         scored = [a for a in other.args[:2] if _are_scores(a)] if is_op(other, aten.add.Tensor) else []
+        if scored:
+            refuse_changed_keyword(other, "the attention mask added to the scores")
         if len(scored) == 1:
             mask = other.args[1] if other.args[0] is scored[0] else other.args[0]
             comb.update(kind="additive", combined=node, attn_mask=mask, hard=True, scores=scored[0])
@@ -427,6 +431,8 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
             node, user = _single_user_chain(user, _bias_passthrough)
             if user is None:
                 raise NoMatch("the attention bias is also used elsewhere")
+    if is_op(user, aten.add.Tensor):
+        refuse_changed_keyword(user, "the combined attention mask added to the scores")
     if is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA:
         return user, node
     raise NoMatch(f"the combined attention mask is consumed by {user.target}, not by attention")
@@ -440,6 +446,7 @@ def _positions(node) -> tuple | None:
         if is_op(node, aten.unsqueeze.default):
             node = node.args[0]
         elif is_op(node, aten.add.Tensor) and isinstance(node.args[1], (int, torch.SymInt)):
+            refuse_changed_keyword(node, "a position offset")
             node, offset = node.args[0], offset + node.args[1]
         else:
             break
@@ -787,6 +794,7 @@ def _index_bias_attention(scatter: torch.fx.Node, idx: torch.fx.Node) -> dict:
     bias, add = _single_user_chain(scatter, LAYOUT_OPS)
     if add is None or not is_op(add, aten.add.Tensor):
         raise NoMatch("the -inf index mask (`full(-inf).scatter(-1, idx, 0)`) is not added to the scores")
+    refuse_changed_keyword(add, "the -inf index mask added to the scores")
     scores = add.args[0] if add.args[1] is bias else add.args[1]
     soft = attention_softmax(add)
     if soft is None:

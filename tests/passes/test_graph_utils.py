@@ -11,10 +11,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from dsfuse.passes.dims import follow, leaf_labels, leaf_of_rank, views_along, views_of_rank
-from dsfuse.passes.graph_utils import (CONVERT, END, broadcasts_to, element_of, fake_call, fill_value, in_graph_order,
-                                       insert_call, is_last_dim_cat, is_neg_inf, is_upcast, masking_bias, node_arg,
-                                       other_operand, piece_of, scale_factor, scaled_input, size_arg, size_args,
-                                       slice_args, slice_position, walk_back, walk_forward)
+from dsfuse.passes.graph_utils import (CONVERT, END, KeywordMiss, broadcasts_to, changed_keyword, element_of, fake_call,
+                                       fill_value, in_graph_order, insert_call, is_last_dim_cat, is_neg_inf, is_upcast,
+                                       masking_bias, node_arg, other_operand, piece_of, refuse_changed_keyword,
+                                       scale_factor, scaled_input, size_arg, size_args, slice_args, slice_position,
+                                       walk_back, walk_forward)
 
 aten = torch.ops.aten
 
@@ -131,6 +132,28 @@ def test_is_upcast():
     x = b.input(2, 3, dtype=torch.bfloat16)
     assert is_upcast(b.call(CONVERT, x, torch.float32)) and not is_upcast(b.call(CONVERT, x, torch.float16))
     assert not is_upcast(x)
+
+
+def test_changed_keyword_names_what_the_operands_do_not_say():
+    """An add's alpha, a reduction's dtype other than its input's (int64 over integers is the default), a softmax's
+    half_to_float: named as `name=value`; at their defaults, or on an op without one, None. A walk refuses them with a
+    reported `KeywordMiss`."""
+    b = Builder()
+    x, y, ints = b.input(2, 3), b.input(2, 3), b.input(2, 3, dtype=torch.int32)
+    changed = [b.call(aten.add.Tensor, x, y, alpha=2), b.call(aten.sub.Tensor, x, y, alpha=-1),
+               b.call(aten.sum.dim_IntList, x, [1], dtype=torch.bfloat16),
+               b.call(aten.mean.dim, x, [1], True, dtype=torch.float16),
+               b.call(aten._softmax.default, b.call(CONVERT, x, torch.float16), 1, True)]
+    assert [changed_keyword(n) for n in changed] == ["alpha=2", "alpha=-1", "dtype=torch.bfloat16",
+                                                     "dtype=torch.float16", "half_to_float=True"]
+    plain = [b.call(aten.add.Tensor, x, y), b.call(aten.add.Tensor, x, y, alpha=1), b.call(aten.mul.Tensor, x, y),
+             b.call(aten.sum.dim_IntList, x, [1], dtype=torch.float32),
+             b.call(aten.sum.default, ints, dtype=torch.int64), b.call(aten._softmax.default, x, 1, False)]
+    assert [changed_keyword(n) for n in plain] == [None] * len(plain)
+    refuse_changed_keyword(plain[0], "x + y")
+    with pytest.raises(KeywordMiss, match="x \\+ y: aten.add.Tensor with alpha=2") as refused:
+        refuse_changed_keyword(changed[0], "x + y")
+    assert refused.value.reported
 
 
 def test_node_arg_and_last_dim_cat():
