@@ -69,7 +69,6 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from dsfuse.kernels.compressor import interleaved_rope, kv_compress_reference  # (registers dsfuse::kv_compress)
 
@@ -78,9 +77,8 @@ from .context import NoMatch, PassContext, rewrite_anchored
 from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labels, names
 from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
                           insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
-                          scalar_constant, shape, softmax_parts, users_of, val, walk_back)
-from .verify import (Family, Verdict, concrete, latest_independent, pure_slice, rope_table_probes, size_assignments,
-                     verify)
+                          scalar_constant, shape, softmax_parts, users_of, walk_back)
+from .verify import Family, Verdict, latest_independent, probe_sizes_fit, rope_table_probes, verify
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -650,30 +648,12 @@ def _verify_compressor(m: dict) -> Verdict:
     window = shape(m["kv"])[2]
     # symbolic lengths at values over two windows' slots: every window after the first reads its predecessor's
     above = 2 * window if isinstance(window, int) else 0
-    if not _probe_sizes_fit_the_op([m["final"]], roles, above, float(m["eps"]), m["overlap"]):
+    # A prefill tail's windows W = (s + r % 8) // 8 + 1, guarded to be 1, beside static [B, 1, R/2] tables, probed
+    # as if unguarded (W = 2) would not fit the op: such a site stays on the walk's proof.
+    if not probe_sizes_fit([m["final"]], roles, above, lambda meta: torch.ops.dsfuse.kv_compress(
+            *(meta[role] for role in ROLES), float(m["eps"]), m["overlap"])):
         return Verdict(None, "the graph's guards rule out the sizes the probes take")
     return verify([m["final"]], roles, family, ("compressor", *flags, m["lifted"]), above=above)
-
-
-def _probe_sizes_fit_the_op(outputs: list, roles: dict, above: int, eps: float, overlap: bool) -> bool:
-    """Whether the roles, at each symbol assignment `verify` probes the slice at, have shapes the op takes. The walk
-    proves their sizes equal under the graph's guards; `verify` probes at sizes those guards admit where its search
-    finds some (a prefill tail's windows W = (s + r % 8) // 8 + 1, guarded to be 1, beside static [B, 1, R/2]
-    tables: s = 5, r = 17), else at sizes chosen as if there were no guards (there W = 2: s = 5, r = 11), which this
-    leaves unprobed rather than refused."""
-    found = pure_slice(outputs, set(roles.values()))
-    if found is None:
-        return True  # (verify says why)
-    static = {s for node in found[1] if isinstance(val(node), torch.Tensor) for s in shape(node) if isinstance(s, int)}
-    for assignment in size_assignments(found[1], static, above):
-        with unset_fake_temporarily():
-            args = [torch.empty([concrete(s, assignment) for s in shape(roles[role])], dtype=dtype(roles[role]),
-                                device="meta") for role in ROLES]
-            try:
-                torch.ops.dsfuse.kv_compress(*args, eps, overlap)
-            except (TypeError, ValueError):
-                return False
-    return True
 
 
 def _compressor_probes(shapes: dict, dtypes: dict, overlap: bool) -> list:

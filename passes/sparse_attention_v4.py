@@ -62,7 +62,7 @@ from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_O
                           attention_softmax, dtype, fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
                           node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
                           slice_args, slice_position, strip, val, walk_back, walk_forward)
-from .verify import Family, Verdict, concrete, pure_slice, size_assignments, verify
+from .verify import Family, Verdict, probe_sizes_fit, verify
 
 IOTA = torch.ops.prims.iota.default
 # What position tables and aranges are broadcast through on their way into the mask.
@@ -705,7 +705,7 @@ def _verify(m: dict) -> Verdict:
     outputs = [m["epilogue"]["cat"] if m["epilogue"] is not None else m["out"], *positions.values()]
     count = shape(m["indices"])[-1] if m["indices"] is not None else 0
     above = count if isinstance(count, int) else 0
-    if not _probe_sizes_fit_the_op(outputs, roles, above, m):
+    if not probe_sizes_fit(outputs, roles, above, lambda probe: _takes(m, probe)):
         return Verdict(None, "the graph's guards rule out the sizes the probes take")
     family = Family(probes=lambda shapes, dtypes: _probes(shapes, dtypes, m), reference=lambda probe: None,
                     compare=lambda got, _, probe: _within_budget(got[0], _reference(m, dict(zip(positions, got[1:])),
@@ -789,27 +789,14 @@ def _reference(m: dict, sources: dict, probe: dict) -> torch.Tensor:
     return want.permute(0, 2, 1, 3) if m["epilogue"] is not None or m["out_is_bhsd"] else want
 
 
-def _probe_sizes_fit_the_op(outputs: list, roles: dict, above: int, m: dict) -> bool:
-    """Whether the roles, at each symbol assignment `verify` probes the slice at, have shapes the op's fake
-    implementation takes: the walk proves the sizes equal under the graph's guards, and probe sizes chosen as if there
-    were none (where `verify` finds none the guards admit) may break that, which this leaves unprobed, not refused."""
-    found = pure_slice(outputs, set(roles.values()))
-    if found is None:
-        return True  # (verify says why)
-    static = {s for node in found[1] if isinstance(val(node), torch.Tensor) for s in shape(node) if isinstance(s, int)}
-    for assignment in size_assignments(found[1], static, above):
-        with unset_fake_temporarily():
-            probe = {role: torch.zeros([concrete(s, assignment) for s in shape(node)], dtype=dtype(node),
-                                       device="meta") for role, node in roles.items()}
-            B, S, N = probe["q"].shape[0], probe["q"].shape[2], probe["kv"].shape[2]
-            sources = dict(q=torch.zeros(B, S, dtype=torch.int64, device="meta"),
-                           kv=torch.zeros(B, N, dtype=torch.int64, device="meta"),
-                           padding=torch.ones(B, 1, 1, N, dtype=torch.bool, device="meta"))
-            try:
-                torch.ops.dsfuse.compressed_attention(*_op_arguments(m, sources, probe))
-            except (TypeError, ValueError, RuntimeError):
-                return False
-    return True
+def _takes(m: dict, probe: dict) -> None:
+    """The op's fake implementation on meta `probe` roles, fed as the rewrite feeds it (positions and padding of the
+    probe's sizes)."""
+    B, S, N = probe["q"].shape[0], probe["q"].shape[2], probe["kv"].shape[2]
+    sources = dict(q=torch.zeros(B, S, dtype=torch.int64, device="meta"),
+                   kv=torch.zeros(B, N, dtype=torch.int64, device="meta"),
+                   padding=torch.ones(B, 1, 1, N, dtype=torch.bool, device="meta"))
+    torch.ops.dsfuse.compressed_attention(*_op_arguments(m, sources, probe))
 
 
 def _grid(dims: tuple, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -370,6 +370,27 @@ def verify(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], family
     return verdict
 
 
+def probe_sizes_fit(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], above: int,
+                    takes: Callable[[dict[str, torch.Tensor]], Any]) -> bool:
+    """Whether, at each size assignment `verify` probes this slice at, the roles as meta tensors have shapes the op
+    takes (`takes` calls its fake implementation; TypeError, ValueError or RuntimeError: it does not). The walk
+    proves the roles' sizes consistent under the graph's guards; sizes chosen as if there were none (where no
+    admitted ones were found) may not be, and a family leaves such a site unprobed rather than refused."""
+    found = pure_slice(outputs, set(roles.values()))
+    if found is None:
+        return True  # (verify says why)
+    frontier = found[1]
+    for assignment in size_assignments(frontier, _static_sizes(val(n) for n in frontier), above):
+        with unset_fake_temporarily():
+            meta = {role: torch.empty([concrete(s, assignment) for s in val(node).shape], dtype=val(node).dtype,
+                                      device="meta") for role, node in roles.items()}
+            try:
+                takes(meta)
+            except (TypeError, ValueError, RuntimeError):
+                return False
+    return True
+
+
 def _constant(node: torch.fx.Node) -> torch.Tensor | None:
     """The real tensor a `get_attr` node reads (a constant the source built in forward), else None."""
     if node.op != "get_attr" or node.graph.owning_module is None:
