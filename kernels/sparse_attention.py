@@ -15,7 +15,8 @@ numerics contract) and a Triton CUDA path:
   each row's softmax when given.
 * ``dsfuse::absorbed_mla_attention`` -- the same HF attention read from its latent cache
   in absorbed form (``kv_b_proj`` folded into the query and the output), for decode, where
-  HF would expand all ``T`` cached latents at every step; it runs the first op's kernel.
+  HF would expand all ``T`` cached latents at every step; it runs the first op's kernel. A released
+  checkpoint's e4m3 ``kv_b_proj`` comes with its block scales and is dequantised once while unchanged.
 
 Index tensors are never trusted: the kernels treat any index outside ``[0, T)`` as
 "no key"; the reference paths raise for indices ``>= T`` or ``< -1``.
