@@ -231,7 +231,8 @@ def dequantize_weight_triton(weight: torch.Tensor, scales: torch.Tensor, block_n
     return out.reshape(*weight.shape[:-2], N, K)
 
 
-# id(weight) -> (weakref to weight, weakref to scales, what identifies their contents, the dequantised weight)
+# (id(weight), id(scales), blocks, dtype) -> (weakrefs to the weight and the scales, what identifies their contents,
+# the dequantised weight)
 _DEQUANTIZED: dict[tuple, tuple] = {}
 
 

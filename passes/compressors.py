@@ -78,7 +78,7 @@ from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labe
 from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
                           insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
                           scalar_constant, shape, softmax_parts, users_of, walk_back)
-from .verify import Family, Verdict, latest_independent, probe_sizes_fit, rope_table_probes, verify
+from .verify import Family, Verdict, latest_independent, rope_table_probes, verify
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -650,10 +650,9 @@ def _verify_compressor(m: dict) -> Verdict:
     above = 2 * window if isinstance(window, int) else 0
     # A prefill tail's windows W = (s + r % 8) // 8 + 1, guarded to be 1, beside static [B, 1, R/2] tables, probed
     # as if unguarded (W = 2) would not fit the op: such a site stays on the walk's proof.
-    if not probe_sizes_fit([m["final"]], roles, above, lambda meta: torch.ops.dsfuse.kv_compress(
-            *(meta[role] for role in ROLES), float(m["eps"]), m["overlap"])):
-        return Verdict(None, "the graph's guards rule out the sizes the probes take")
-    return verify([m["final"]], roles, family, ("compressor", *flags, m["lifted"]), above=above)
+    return verify([m["final"]], roles, family, ("compressor", *flags, m["lifted"]), above=above,
+                  takes=lambda meta: torch.ops.dsfuse.kv_compress(*(meta[role] for role in ROLES), float(m["eps"]),
+                                                                  m["overlap"]))
 
 
 def _compressor_probes(shapes: dict, dtypes: dict, overlap: bool) -> list:

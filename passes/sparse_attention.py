@@ -386,8 +386,7 @@ def _bias_consumer(comb: dict) -> tuple[torch.fx.Node, torch.fx.Node]:
         if user is None or not (is_op(user, aten.add.Tensor) or user.target in FUSED_SDPA):
             raise NoMatch("the selection bias is not added to the scores alone")
         other = user.args[0] if user.args[1] is node else user.args[1]
-        if is_op(user, aten.add.Tensor):
-            refuse_changed_keyword(user, "the selection bias added to the scores")
+        refuse_changed_keyword(user, "the selection bias added to the scores")  # (an SDPA call has no keyword)
         if not is_op(user, aten.add.Tensor) or _are_scores(other):
             return user, node
         if not (is_neg_inf(comb["fill"]) and dtype(other) in FLOAT_DTYPES):

@@ -352,15 +352,21 @@ def run_slice(nodes: list, outputs: list, env: dict) -> list:
 
 
 def verify(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], family: Family, extra: Any = (),
-           above: int = 0, max_nodes: int = MAX_NODES, max_elements: int = MAX_ELEMENTS) -> Verdict:
+           above: int = 0, max_nodes: int = MAX_NODES, max_elements: int = MAX_ELEMENTS,
+           takes: Callable[[dict[str, torch.Tensor]], Any] | None = None) -> Verdict:
     """Whether the slice ending at `outputs`, with its frontier bound to `roles`, computes the family's reference
     on every probe at every size assignment (cached by the slice's structural hash and the sizes it is probed at,
-    which the graph's guards choose)."""
+    which the graph's guards choose). `takes`: the op's fake implementation on the roles as meta tensors (raising
+    TypeError, ValueError or RuntimeError where their shapes do not fit it). The walk proves the roles' sizes
+    consistent under the graph's guards; sizes chosen as if there were none (where no admitted ones were found) may
+    not be, and such a slice is not run (None)."""
     found = pure_slice(outputs, set(roles.values()), max_nodes)
     if found is None:
         return Verdict(False, f"the slice from the anchor has more than {max_nodes} nodes")
     nodes, frontier = found
     assignments = size_assignments(frontier, _static_sizes(val(n) for n in frontier), above)
+    if takes is not None and not _sizes_fit(roles, assignments, takes):
+        return Verdict(None, "the graph's guards rule out the sizes the probes take")
     key = structural_key(nodes, frontier, roles, (extra, assignments))
     if key in _CACHE:
         return _CACHE[key]
@@ -370,17 +376,9 @@ def verify(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], family
     return verdict
 
 
-def probe_sizes_fit(outputs: list[torch.fx.Node], roles: dict[str, torch.fx.Node], above: int,
-                    takes: Callable[[dict[str, torch.Tensor]], Any]) -> bool:
-    """Whether, at each size assignment `verify` probes this slice at, the roles as meta tensors have shapes the op
-    takes (`takes` calls its fake implementation; TypeError, ValueError or RuntimeError: it does not). The walk
-    proves the roles' sizes consistent under the graph's guards; sizes chosen as if there were none (where no
-    admitted ones were found) may not be, and a family leaves such a site unprobed rather than refused."""
-    found = pure_slice(outputs, set(roles.values()))
-    if found is None:
-        return True  # (verify says why)
-    frontier = found[1]
-    for assignment in size_assignments(frontier, _static_sizes(val(n) for n in frontier), above):
+def _sizes_fit(roles: dict[str, torch.fx.Node], assignments: list[dict],
+               takes: Callable[[dict[str, torch.Tensor]], Any]) -> bool:
+    for assignment in assignments:
         with unset_fake_temporarily():
             meta = {role: torch.empty([concrete(s, assignment) for s in val(node).shape], dtype=val(node).dtype,
                                       device="meta") for role, node in roles.items()}
