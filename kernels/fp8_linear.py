@@ -234,25 +234,15 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 @triton.jit
 def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr, GROUPED: tl.constexpr,
-                  ROW_GROUP: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr, GROUPED: tl.constexpr):
     """This program's row tile and column block: (expert, output rows, which are valid, the activation row each
     reads, its pointer, output columns, which are valid, the expert's weight and scale bases). Column blocks are
     program_id(0), the fastest-varying launch index: the programs running at once share a row tile, whose
     activations then come from HBM once and from L2 for its other column blocks (with row tiles first, each column
     block re-read every activation from HBM: ~19 GB a forward for V4-Flash's experts at T=8192). GROUPED: row tile
     program_id(1) is the tile list's entry; otherwise it is program_id(1)'s BLOCK_M rows of M through expert 0 (no
-    tile list to build or read). ROW_GROUP > 1: the launch runs ROW_GROUP consecutive row tiles (mostly one
-    expert's) fastest under each column block, so an expert's weight tile is read by its row tiles together."""
+    tile list to build or read)."""
     tile = tl.program_id(1)
-    column = tl.program_id(0)
-    if ROW_GROUP > 1:
-        pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        per_group = ROW_GROUP * tl.num_programs(0)
-        first = (pid // per_group) * ROW_GROUP
-        size = tl.minimum(tl.num_programs(1) - first, ROW_GROUP)
-        tile = first + (pid % per_group) % size
-        column = (pid % per_group) // size
     if GROUPED:
         expert = tl.load(tile_expert_ptr + tile)
         rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
@@ -265,7 +255,7 @@ def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_
         a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
         a_row = rows.to(tl.int64)
-    ns = column * BLOCK_N + tl.arange(0, BLOCK_N)
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     return (expert, rows, row_ok, a_row, a_ptr + a_row[:, None] * K, ns, ns < N, w_ptr + expert.to(tl.int64) * sw_e,
             ws_ptr + expert.to(tl.int64) * sws_e)
 
@@ -277,7 +267,7 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, 
                      block_n_scale,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                      E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
-                     GROUPED: tl.constexpr, ROW_GROUP: tl.constexpr):
+                     GROUPED: tl.constexpr):
     """One row tile (of one expert) x BLOCK_N outputs x one split of the channel groups, e4m3 weights. A group of
     BLOCK_K channels: its e4m3 MMA, then the product of both scales, added into an fp32 accumulator. The loop runs
     over computed bounds so that Triton pipelines its loads. Writes the rounded output, or the split's fp32 partial
@@ -286,7 +276,7 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, 
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
         q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED, ROW_GROUP)
+        BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -340,7 +330,7 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_ex
                      a_row_ptr, M, N, K, num_experts, k_per_split, sw_e, sw_n, sws_e, sws_n, so_m, so_n, splits, sp_k,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr, DECODE_ASM: tl.constexpr,
-                     GROUPED: tl.constexpr, ROW_GROUP: tl.constexpr):
+                     GROUPED: tl.constexpr):
     """FP4 weights (row-major packed bytes, E8M0 scales per 32 along K) x activations already dequantised to bf16
     (`quantize_activations_triton(..., dequantized=True)`: e4m3 value times its power-of-two scale, exact), so one
     fp32 accumulation over K serves every channel group. The weight tile is decoded in registers by `moe_experts`'
@@ -350,7 +340,7 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_ex
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
         a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED, ROW_GROUP)
+        BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     operand = tl.bfloat16 if DECODE_ASM else tl.float32
@@ -375,7 +365,7 @@ def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr
                        block_n_scale,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                        E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
-                       GROUPED: tl.constexpr, ROW_GROUP: tl.constexpr, QUANTIZE_A: tl.constexpr, POW2: tl.constexpr,
+                       GROUPED: tl.constexpr, QUANTIZE_A: tl.constexpr, POW2: tl.constexpr,
                        MANUAL_FP8_RNE: tl.constexpr):
     """`_fp8_gemm_kernel`'s math for decode-sized row tiles, shaped to stream the weight: the weight tile
     [BLOCK_N, BLOCK_K] is the MMA's first operand (BLOCK_N >= 64 fills its M; the few rows are its N), loaded
@@ -387,7 +377,7 @@ def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
         q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED, ROW_GROUP)
+        BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -563,10 +553,6 @@ def _tile_config(rows_bucket: int, fp4: bool):
     return 64, 128, 4, 3
 
 
-# Row tiles of a grouped GEMM past decode sizes that run together under each column block (`_program_tile`).
-EXPERT_ROW_GROUP = 1
-
-
 # Up to this many rows a call takes the decode path (`_fp8_decode_kernel`, or `_fp4_gemm_kernel` with decode tiles):
 # one row tile holds every row (grouped: tiles of DECODE_EXPERT_BLOCK_M per expert), so each program reads its
 # weight columns once and the rows are the MMA's N. At 64 rows an FP8 weight byte feeds 128 flops, below what the
@@ -662,8 +648,7 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     counters = _arrival_counters(q.device, tile_count * columns if split > 1 else 1)
     partials_stride = rows * N if split > 1 else 0
     common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None,
-                  GROUPED=offsets is not None, ROW_GROUP=1 if decode or offsets is None else EXPERT_ROW_GROUP,
-                  num_warps=warps, num_stages=stages)
+                  GROUPED=offsets is not None, num_warps=warps, num_stages=stages)
     a_row_arg = tiles[0] if a_rows is None else a_rows
     grid = (columns, tile_count, split)
     if fp4:  # the tile decode reads bytes and scales along K

@@ -130,14 +130,10 @@ def test_triton_linear_gives_the_references_bits(kind, M, N, K):
 
 
 @pytest.mark.parametrize("kind", ["float", "fp4"])
-@pytest.mark.parametrize("S,offsets,row_group", [(30, [0, 17, 17, 20, 26], 1), (90, [0, 40, 40, 70, 80], 1),
-                                                 (90, [17, 34, 51, 68, 85], 3)])
-def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, S, offsets,
-                                                                                          row_group, monkeypatch):
+@pytest.mark.parametrize("S,offsets", [(30, [0, 17, 17, 20, 26]), (90, [0, 40, 40, 70, 80])])
+def test_triton_grouped_linear_gives_the_references_bits_with_empty_experts_and_spare_rows(kind, S, offsets):
     """Experts with no rows, one with a tile's worth plus one, and rows past the last offset (other ranks' slots);
-    30 rows take the decode path, 90 the row-tiled GEMM, in launch order or with groups of 3 row tiles under each
-    column block (each expert's rows end in a part tile, so the last, shorter group holds a real tile)."""
-    monkeypatch.setattr(ops, "EXPERT_ROW_GROUP", row_group)
+    30 rows take the decode path, 90 the row-tiled GEMM."""
     E, N, K = 5, 40, 256
     w, s = _weights(kind, N, K, 4, lead=(E,))
     x = _x(S, K, 5)
@@ -469,7 +465,7 @@ for rows_per_expert in (64, 128, 192):
     BM, BN, warps, stages, *step = ops._gemm_config(rows_per_expert * 256, ops.torch.empty(1, dtype=ops.torch.int8), 256)
     kernel = sm90_offline.compile_sm90(
         ops._fp4_gemm_kernel, dict(BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=step[0] if step else ops.FP4_BLOCK_K,
-                                   SPLIT_PARTIALS=False, GATHER_A=True, DECODE_ASM=True, GROUPED=True, ROW_GROUP=1),
+                                   SPLIT_PARTIALS=False, GATHER_A=True, DECODE_ASM=True, GROUPED=True),
         ints, dict(num_warps=warps, num_stages=stages), lambda name: POINTERS.get(name, "*i32"))
     print(json.dumps({"rows": rows_per_expert, "tile": [BM, BN, warps, stages, *step],
                       "shared": kernel.metadata.shared, "wgmma": "wgmma.mma_async" in kernel.asm["ptx"]}), flush=True)
@@ -498,12 +494,12 @@ BN, warps, stages, _, _ = ops._decode_config(False, 16)
 common = dict(M=ROWS, N=N, K=K, num_experts=1, so_m=N, so_n=1, splits=4, sp_k=ROWS * N, sw_e=N * K, sws_e=8192)
 kernels = {
     "fp8": (ops._fp8_decode_kernel, dict(BLOCK_M=16, BLOCK_N=BN, BLOCK_K=128, EVEN_K=True, E8M0_SCALES=True,
-                                         SPLIT_PARTIALS=True, GATHER_A=False, GROUPED=False, ROW_GROUP=1,
-                                         QUANTIZE_A=True, POW2=True, MANUAL_FP8_RNE=False),
+                                         SPLIT_PARTIALS=True, GATHER_A=False, GROUPED=False, QUANTIZE_A=True,
+                                         POW2=True, MANUAL_FP8_RNE=False),
             dict(G=K // 128, groups_per_split=K // 512, ss_m=0, ss_g=0, sw_n=K, sw_k=1, sws_n=K // 128, sws_k=1,
                  sx_m=K, sx_k=1, block_n_scale=128), warps, stages, "*fp8e4nv"),
     "fp4": (ops._fp4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_PARTIALS=True, GATHER_A=True,
-                                       DECODE_ASM=True, GROUPED=True, ROW_GROUP=1),
+                                       DECODE_ASM=True, GROUPED=True),
             dict(k_per_split=K // 4, sw_n=K // 2, sws_n=K // 32), 4, 4, "*u8"),
 }
 for kind, (fn, constexprs, ints, warps, stages, weight) in kernels.items():
