@@ -14,6 +14,7 @@ against.
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -241,12 +242,42 @@ def _contents(weight: torch.Tensor, scales: torch.Tensor) -> tuple:
     return weight.data_ptr(), weight._version, scales.data_ptr(), scales._version
 
 
+def _dequantized_outside_graph_pools(weight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int,
+                                     dtype: torch.dtype) -> torch.Tensor:
+    """Dequantise on a thread of its own, on a side stream the caller's stream then waits for: a CUDA-graph tree's
+    warmup routes every allocation of the calling thread, on any stream, to its memory pool, and a kept copy there
+    fails the tree's check that all live pool memory is its outputs."""
+    current = torch.cuda.current_stream(weight.device)
+    made: dict[str, object] = {}
+
+    def work() -> None:
+        try:
+            with torch.cuda.device(weight.device):
+                side = torch.cuda.Stream(weight.device)
+                side.wait_stream(current)
+                with torch.cuda.stream(side):
+                    made["value"] = dequantize_weight_triton(weight, scales, block_n, block_k, dtype)
+                    made["done"] = side.record_event()
+        except BaseException as error:  # re-raised on the caller's thread
+            made["error"] = error
+
+    worker = threading.Thread(target=work, name="dsfuse-dequantize")
+    worker.start()
+    worker.join()
+    if "error" in made:
+        raise made["error"]
+    current.wait_event(made["done"])
+    value = made["value"]
+    value.record_stream(current)
+    return value
+
+
 def dequantized_once(weight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int,
                      dtype: torch.dtype) -> torch.Tensor:
     """`dequantize_weight_triton`'s result, kept while the weight and its scales live unchanged: a decode step that
     reads a quantised weight whole (the absorbed MLA's kv_b_proj) dequantises it once, not on every step. Kept
-    copies live outside any CUDA-graph memory pool (made on a side stream, which a graph tree's warmup does not
-    route to its pool); one made while a graph is being captured is not kept (the graph replays its kernel)."""
+    copies live outside any CUDA-graph memory pool (`_dequantized_outside_graph_pools`); one made while a graph is
+    being captured is not kept (the graph replays its kernel)."""
     key = (id(weight), id(scales), block_n, block_k, dtype)
     kept = _DEQUANTIZED.get(key)
     if kept is not None and kept[0]() is weight and kept[1]() is scales and kept[2] == _contents(weight, scales):
@@ -256,13 +287,7 @@ def dequantized_once(weight: torch.Tensor, scales: torch.Tensor, block_n: int, b
     elif torch.cuda.is_current_stream_capturing():
         return dequantize_weight_triton(weight, scales, block_n, block_k, dtype)
     else:
-        current = torch.cuda.current_stream(weight.device)
-        side = torch.cuda.Stream(weight.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            value = dequantize_weight_triton(weight, scales, block_n, block_k, dtype)
-        current.wait_stream(side)
-        value.record_stream(current)
+        value = _dequantized_outside_graph_pools(weight, scales, block_n, block_k, dtype)
 
     def forget(_, key=key):
         _DEQUANTIZED.pop(key, None)
