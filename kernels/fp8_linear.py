@@ -19,6 +19,10 @@ Ops:
 - `dsfuse::fp8_grouped_linear(x [S, K], weight [E, ...], weight_scale [E, ...], offsets [E], block_n, block_k)
   -> [S, N]`: rows `offsets[e-1]:offsets[e]` through expert e (rows sorted by expert; `offsets` the running total of
   rows per expert, as transformers passes it); rows past `offsets[-1]` are zero.
+- `dsfuse::fp8_linears(x [..., K], weights, weight_scales, block_n, block_k) -> [[..., N_i]]`: exactly
+  `[fp8_linear(x, w, s, block_n, block_k) for w, s in zip(weights, weight_scales)]`, for projections that read the
+  same activations (a layer's q_a / kv_a / indexer wk, q_b / indexer wq_b, an MLP's gate / up): e4m3 weights of one
+  K, all with fp32 or all with E8M0 scales, so that one activation quantisation serves every GEMM.
 
 CUDA: activations are quantised by one Triton kernel, then multiplied by `_fp8_gemm_kernel` (grouped or not: a
 list of row tiles, each of one expert, computed on the device without a host sync), by `_fp8_decode_kernel` up to
@@ -29,6 +33,8 @@ for FP4 weights (row tiles sized by an expert's rows; decode-sized calls with wi
 cuBLAS's block-scaled FP8 GEMM (`torch._scaled_mm`), faster where the GEMM is compute-bound. Where the programs of
 the output tiles alone would leave SMs idle, the channel groups are split; the last split program of a tile to finish
 sums the fp32 partials in split order (no second launch).
+`fp8_linears` quantises x once for all its GEMMs (cuBLAS's and the Triton GEMM's alike read the one padded (q, s));
+at decode sizes, where each kernel quantises its few rows itself, it is one `fp8_linear` call per weight.
 """
 
 from __future__ import annotations
@@ -139,6 +145,37 @@ def _check_grouped(x, weight, scale, offsets, block_n, block_k):
     return E, N, K
 
 
+def _check_linears(x, weights, scales, block_n, block_k):
+    """The widths N of `fp8_linears`' weights, and their common K: e4m3 weights only (FP4 weights quantise their
+    activations otherwise), scales all fp32 or all E8M0 (one activation quantisation), one K."""
+    op = "fp8_linears"
+    if not isinstance(weights, (list, tuple)) or not isinstance(scales, (list, tuple)):
+        raise TypeError(f"{op}: weights and weight_scales must be lists of tensors")
+    if not weights:
+        raise ValueError(f"{op}: weights is empty (at least one weight)")
+    if len(scales) != len(weights):
+        raise ValueError(f"{op}: weight_scales has {len(scales)} tensors for {len(weights)} weights")
+    widths, Ks = [], []
+    for i, (weight, scale) in enumerate(zip(weights, scales)):
+        if _is_fp4(weight):
+            raise TypeError(f"{op}: weights[{i}] is FP4 ({weight.dtype}); the op takes float8_e4m3fn weights only "
+                            f"(FP4 weights read their activations dequantised, not as e4m3 and scales)")
+        N, K = _check_weight(f"{op}: weights[{i}] / weight_scales[{i}]", weight, scale, block_n, block_k)
+        widths.append(N)
+        Ks.append(K)
+    kinds = ["E8M0" if is_e8m0(scale) else "float32" for scale in scales]
+    if len(set(kinds)) > 1:
+        other = next(i for i, kind in enumerate(kinds) if kind != kinds[0])
+        raise TypeError(f"{op}: weight_scales mix {kinds[0]} (weight_scales[0]) and {kinds[other]} "
+                        f"(weight_scales[{other}]); one activation quantisation needs one scale kind")
+    other = next((i for i, K in enumerate(Ks) if K != Ks[0]), None)
+    if other is not None:
+        raise ValueError(f"{op}: weights[{other}] has K = {Ks[other]}, weights[0] K = {Ks[0]}; every weight must "
+                         f"read the same K channels")
+    _check_input(op, x, Ks[0], (*weights, *scales))
+    return widths, Ks[0]
+
+
 # --------------------------------------------------------------------------------------------
 # Reference (also the CPU implementation)
 # --------------------------------------------------------------------------------------------
@@ -179,6 +216,11 @@ def fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, bloc
             out[start:end] = _linear_math(x[start:end], weight[e], weight_scale[e], block_n, block_k).to(x.dtype)
         start = end
     return out
+
+
+def fp8_linears_reference(x, weights, weight_scales, block_n, block_k):
+    _check_linears(x, weights, weight_scales, block_n, block_k)
+    return [fp8_linear_reference(x, w, s, block_n, block_k) for w, s in zip(weights, weight_scales)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -697,11 +739,22 @@ def cublas_block_scaled_gemm(device_index: int) -> bool:
 
 
 def _scaled_mm_linear(x2, weight, scale):
-    M = x2.shape[0]
-    q, s = quantize_activations_triton(x2, 128, pow2=is_e8m0(scale), scales_column_major=True,
-                                       rows_out=cdiv(M, 4) * 4)
-    out = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scales_to_float32(scale).t(), out_dtype=x2.dtype)
-    return out[:M]
+    q, s = _quantize_for_scaled_mm(x2, scale)
+    return _scaled_mm_quantized(q, s, weight, scale, x2.shape[0], x2.dtype)
+
+
+def _quantize_for_scaled_mm(x2, scale):
+    """x2's activations as cuBLAS's block-scaled GEMM reads them (per row and 128 channels, power-of-two scales for
+    E8M0 weight scales): rows padded with zeros to a multiple of 4, scales column-major [rows, K / 128]. The first
+    rows are `quantize_for_weight`'s bits, so `_gemm` reads them as well."""
+    return quantize_activations_triton(x2, 128, pow2=is_e8m0(scale), scales_column_major=True,
+                                       rows_out=cdiv(x2.shape[0], 4) * 4)
+
+
+def _scaled_mm_quantized(q, s, weight, scale, rows, out_dtype):
+    """`_quantize_for_scaled_mm`'s (q, s) through `weight` by `torch._scaled_mm`: the first `rows` rows."""
+    out = torch._scaled_mm(q, weight.t(), scale_a=s, scale_b=scales_to_float32(scale).t(), out_dtype=out_dtype)
+    return out[:rows]
 
 
 def _goes_to_cublas(x2, weight, block_n, block_k) -> bool:
@@ -716,6 +769,10 @@ def _goes_to_cublas(x2, weight, block_n, block_k) -> bool:
 def fp8_linear_triton(x, weight, weight_scale, block_n, block_k):
     """The CUDA path (or CPU tensors under TRITON_INTERPRET)."""
     N, K = _check_linear(x, weight, weight_scale, block_n, block_k)
+    return _linear_triton(x, weight, weight_scale, block_n, block_k, N, K)
+
+
+def _linear_triton(x, weight, weight_scale, block_n, block_k, N, K):
     x2 = x.reshape(-1, K)
     if _goes_to_cublas(x2, weight, block_n, block_k):
         return _scaled_mm_linear(x2, weight, weight_scale).view(*x.shape[:-1], N)
@@ -731,6 +788,33 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     if out.numel():
         _gemm(x, None, weight, weight_scale, out, block_n, block_k, offsets=offsets)
     return out
+
+
+def fp8_linears_triton(x, weights, weight_scales, block_n, block_k):
+    """`fp8_linear_triton` through each weight, the activations quantised once: decode-sized calls, whose kernel
+    quantises its rows itself, run per weight as they are; larger ones quantise x once, in cuBLAS's padded layout
+    when any weight goes there (`_quantize_for_scaled_mm`, whose rows the Triton GEMMs read as well) else as
+    `quantize_for_weight` does, and feed every GEMM from that (q, s): the same bits as a call per weight."""
+    widths, K = _check_linears(x, weights, weight_scales, block_n, block_k)
+    x2 = x.reshape(-1, K)
+    rows = x2.shape[0]
+    if quantizes_in_kernel(rows, weights[0], grouped=False):
+        return [_linear_triton(x, w, s, block_n, block_k, N, K) for w, s, N in zip(weights, weight_scales, widths)]
+    cublas = [_goes_to_cublas(x2, w, block_n, block_k) for w in weights]
+    if any(cublas):
+        q, s = _quantize_for_scaled_mm(x2, weight_scales[0])
+    else:
+        q, s = quantize_for_weight(x2, weights[0], weight_scales[0], block_k)
+    outs = []
+    for weight, scale, N, to_cublas in zip(weights, weight_scales, widths, cublas):
+        if to_cublas:
+            out = _scaled_mm_quantized(q, s, weight, scale, rows, x.dtype)
+        else:
+            out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
+            if out.numel():
+                _gemm(q, s, weight, scale, out, block_n, block_k)
+        outs.append(out.view(*x.shape[:-1], N))
+    return outs
 
 
 def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, offsets, block_n, block_k, out):
@@ -780,6 +864,25 @@ def _fp8_grouped_linear_cuda(x, weight, weight_scale, offsets, block_n, block_k)
     return fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k)
 
 
+@torch.library.custom_op("dsfuse::fp8_linears", mutates_args=())
+def fp8_linears(x: torch.Tensor, weights: list[torch.Tensor], weight_scales: list[torch.Tensor], block_n: int,
+                block_k: int) -> list[torch.Tensor]:
+    """`[fp8_linear(x, w, s, block_n, block_k) for w, s in zip(weights, weight_scales)]`, x quantised once (see the
+    module docstring)."""
+    return fp8_linears_reference(x, weights, weight_scales, block_n, block_k)
+
+
+@fp8_linears.register_fake
+def _fp8_linears_fake(x, weights, weight_scales, block_n, block_k):
+    widths, _ = _check_linears(x, weights, weight_scales, block_n, block_k)
+    return [x.new_empty((*x.shape[:-1], N)) for N in widths]
+
+
+@direct_kernel(fp8_linears)
+def _fp8_linears_cuda(x, weights, weight_scales, block_n, block_k):
+    return fp8_linears_triton(x, weights, weight_scales, block_n, block_k)
+
+
 def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
     """The bytes a weight-streaming call must read at least: the weight and its scales once."""
     return weight.numel() * weight.element_size() + scale.numel() * scale.element_size()
@@ -787,5 +890,5 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
 
 __all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
            "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
-           "fp8_linear_triton", "grouped_gemm_quantized", "quantize_activations_triton",
-           "quantize_for_weight", "weight_bytes", "weight_dims"]
+           "fp8_linear_triton", "fp8_linears", "fp8_linears_reference", "fp8_linears_triton", "grouped_gemm_quantized",
+           "quantize_activations_triton", "quantize_for_weight", "weight_bytes", "weight_dims"]

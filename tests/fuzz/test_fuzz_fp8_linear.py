@@ -1,4 +1,4 @@
-"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear`, the weight dequantisation and
+"""Fuzz `dsfuse::fp8_linear`, `dsfuse::fp8_grouped_linear`, `dsfuse::fp8_linears`, the weight dequantisation and
 `dsfuse::moe_experts_fp8`: the op against the reference bit for bit (CPU), and the Triton kernels against the
 reference (bit for bit under the interpreter; on CUDA within the fp8 MMA's rounding), over row counts at the edges
 (and on either side of the decode path's DECODE_MAX_ROWS), K
@@ -62,6 +62,29 @@ def test_fp8_linear(args):
 def test_fp8_grouped_linear(args):
     want = reference_output(torch.ops.dsfuse.fp8_grouped_linear, ops.fp8_grouped_linear_reference, *args)
     _compare(ops.fp8_grouped_linear_triton(*args), want, "fp8_grouped_linear")
+
+
+@st.composite
+def linears_inputs(draw):
+    """One input through one to three FP8 weights of its K (one scale kind), rows on either side of the decode
+    kernel's own quantisation (DECODE_QUANTIZE_MAX_ROW_TILE) and of DECODE_MAX_ROWS."""
+    kind = draw(st.sampled_from(["float", "ue8m0"]))
+    K, seed = draw(st.sampled_from([16, 64, 130, 256, 300])), draw(seeds())
+    edges = [ops.DECODE_QUANTIZE_MAX_ROW_TILE, ops.DECODE_QUANTIZE_MAX_ROW_TILE + 1, ops.DECODE_MAX_ROWS + 1]
+    M = draw(st.one_of(sizes(1, 33), st.sampled_from(edges)))
+    widths = draw(st.lists(sizes(1, 33), min_size=1, max_size=3))
+    specials = draw(st.lists(st.sampled_from(["zero", "tie"]), max_size=1))
+    x = restride(values((M, K), DTYPE, seed, scale=3.0, specials=specials), draw(layouts(2))).to(DEVICE)
+    pairs = [[t.to(DEVICE) for t in _weight(kind, (), N, K, seed + 1 + i)] for i, N in enumerate(widths)]
+    return x, [w for w, _ in pairs], [s for _, s in pairs], 128, 128
+
+
+@fuzzes("dsfuse::fp8_linears")
+@given(args=linears_inputs())
+def test_fp8_linears(args):
+    want = reference_output(torch.ops.dsfuse.fp8_linears, ops.fp8_linears_reference, *args)
+    for i, (got, one) in enumerate(zip(ops.fp8_linears_triton(*args), want)):
+        _compare(got, one, f"fp8_linears[{i}]")
 
 
 @given(kind=st.sampled_from(["float", "ue8m0", "fp4"]), lead=st.sampled_from([(), (1,), (3,)]), N=sizes(1, 300),

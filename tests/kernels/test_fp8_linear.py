@@ -345,6 +345,108 @@ def test_bad_inputs_are_refused_with_the_argument_named(change, error, message):
         fp8_linear(x, w, s, 128, 128)
 
 
+# --- fp8_linears: several projections of one input, the activations quantised once ------------------------------
+def _projections(kind, widths, K, seed):
+    """FP8 weights of one input: `widths` output columns each (not multiples of the tiles), one scale kind."""
+    pairs = [_fp8_weight(N, K, seed + i, kind) for i, N in enumerate(widths)]
+    return [w for w, _ in pairs], [s for _, s in pairs]
+
+
+class _QuantisationCounter:
+    """Stands in for `quantize_activations_triton`: counts the launches, then quantises."""
+
+    def __init__(self, quantise):
+        self.quantise, self.calls = quantise, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.quantise(*args, **kwargs)
+
+
+def test_linears_are_fp8_linear_per_weight_and_pass_opcheck():
+    """The op (its CPU implementation: the reference) is the list of `fp8_linear` calls, bit for bit, at any
+    leading shape; opcheck, and the fake outputs against the real ones."""
+    from dsfuse.kernels.fp8_linear import fp8_linears, fp8_linears_reference
+    from dsfuse.kernels.triton_support import check_outputs_match_fake
+
+    weights, scales = _projections("ue8m0", (48, 33, 129), 320, 30)
+    x = _x(6, 320, 31).view(2, 3, 320)
+    got = fp8_linears(x, weights, scales, 128, 128)
+    assert len(got) == 3
+    for out, w, s in zip(got, weights, scales):
+        assert out.shape == (2, 3, w.shape[0]) and torch.equal(out, fp8_linear(x, w, s, 128, 128))
+    assert all(torch.equal(a, b) for a, b in zip(got, fp8_linears_reference(x, weights, scales, 128, 128)))
+    torch.library.opcheck(fp8_linears, (x, weights, scales, 128, 128), test_utils=OPCHECK_TESTS)
+    check_outputs_match_fake("dsfuse::fp8_linears", (x, weights, scales, 128, 128), {}, got)
+
+
+@pytest.mark.parametrize("kind,M,launches", [("ue8m0", 5, 0), ("float", 40, 1), ("ue8m0", ops.DECODE_MAX_ROWS + 6, 1)])
+def test_triton_linears_give_each_linears_bits_from_one_quantisation(kind, M, launches, monkeypatch):
+    """Through the interpreter, `fp8_linear_triton`'s bits per weight: at 5 rows each decode kernel quantises its own
+    rows (no launch), at 40 (the decode kernel on rows quantised first) and past DECODE_MAX_ROWS (the row-tiled
+    GEMM) one quantisation feeds every GEMM, where a call per weight quantises once per weight."""
+    from dsfuse.kernels.fp8_linear import fp8_linears_triton
+
+    weights, scales = _projections(kind, (48, 33, 70), 320, M)
+    x = _x(M, 320, M + 1)
+    counter = _QuantisationCounter(ops.quantize_activations_triton)
+    monkeypatch.setattr(ops, "quantize_activations_triton", counter)
+    got = fp8_linears_triton(x, weights, scales, 128, 128)
+    assert counter.calls == launches
+    for out, w, s in zip(got, weights, scales):
+        assert torch.equal(out, fp8_linear_triton(x, w, s, 128, 128))
+    assert counter.calls == launches + (3 if launches else 0)
+
+
+def test_triton_linears_feed_cublas_and_triton_gemms_from_one_padded_quantisation(monkeypatch):
+    """Past SCALED_MM_MIN_ROWS, weights that go to cuBLAS read the quantisation in its padded layout (rows to a
+    multiple of 4, column-major scales) and the others' Triton GEMM reads the same one: each output is
+    `fp8_linear_triton`'s. On the CPU, cuBLAS's GEMM is stood in for by the Triton GEMM on the padded (q, s)."""
+    from dsfuse.kernels.fp8_linear import fp8_linears_triton
+
+    seen = []
+
+    def scaled_mm_stand_in(q, s, weight, scale, rows, out_dtype):
+        seen.append((q.shape[0], s.stride()))
+        out = torch.empty((q.shape[0], weight.shape[0]), dtype=out_dtype)
+        ops._gemm(q, s, weight, scale, out, 128, 128)
+        return out[:rows]
+
+    monkeypatch.setattr(ops, "_goes_to_cublas", lambda x2, weight, block_n, block_k: weight.shape[0] % 16 == 0)
+    monkeypatch.setattr(ops, "_scaled_mm_quantized", scaled_mm_stand_in)
+    weights, scales = _projections("ue8m0", (48, 33, 64), 256, 50)
+    x = _x(ops.DECODE_MAX_ROWS + 7, 256, 51)
+    counter = _QuantisationCounter(ops.quantize_activations_triton)
+    monkeypatch.setattr(ops, "quantize_activations_triton", counter)
+    got = fp8_linears_triton(x, weights, scales, 128, 128)
+    assert counter.calls == 1 and seen == [(72, (1, 72))] * 2
+    for out, w, s in zip(got, weights, scales):
+        assert torch.equal(out, fp8_linear_triton(x, w, s, 128, 128))
+        assert torch.equal(out, fp8_linear_reference(x, w, s, 128, 128))
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (lambda ws, ss, x: ([], [], x), ValueError, "fp8_linears: weights is empty"),
+    (lambda ws, ss, x: ([ws[0], _fp4_weight(40, 256, 3)[0]], [ss[0], _fp4_weight(40, 256, 3)[1]], x), TypeError,
+     r"fp8_linears: weights\[1\] is FP4"),
+    (lambda ws, ss, x: (ws, [ss[0], _fp8_weight(40, 256, 4, "ue8m0")[1]], x), TypeError,
+     r"fp8_linears: weight_scales mix float32 \(weight_scales\[0\]\) and E8M0 \(weight_scales\[1\]\)"),
+    (lambda ws, ss, x: ([ws[0], ws[1][:, :128]], [ss[0], ss[1][:, :1]], x), ValueError,
+     r"fp8_linears: weights\[1\] has K = 128, weights\[0\] K = 256"),
+    (lambda ws, ss, x: (ws, ss[:1], x), ValueError, "fp8_linears: weight_scales has 1 tensors for 2 weights"),
+    (lambda ws, ss, x: (ws, [ss[0], ss[1][:, :1]], x), ValueError,
+     r"fp8_linears: weights\[1\] / weight_scales\[1\]: weight_scale must be \[1, 2\]"),
+    (lambda ws, ss, x: (ws, ss, x[:, :100]), ValueError, "fp8_linears: x .* must end in K = 256"),
+])
+def test_linears_refuse_bad_inputs_naming_the_argument(change, error, message):
+    from dsfuse.kernels.fp8_linear import fp8_linears
+
+    weights, scales = _projections("float", (48, 40), 256, 10)
+    weights, scales, x = change(weights, scales, _x(2, 256, 11))
+    with pytest.raises(error, match=message):
+        fp8_linears(x, weights, scales, 128, 128)
+
+
 def test_weight_quantisation_round_trips_within_the_e4m3_step():
     g = torch.Generator().manual_seed(12)
     weight = torch.randn(3, 200, 300, generator=g)
@@ -375,6 +477,22 @@ def test_cuda_linear_matches_the_reference(kind, M):
     want = fp8_linear_reference(x, w, s, 128, 128)
     assert got.shape == want.shape and not got.isnan().any()
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["float", "ue8m0"])
+@pytest.mark.parametrize("M", [1, 40, 129, 1024])
+def test_cuda_linears_give_each_linears_bits(kind, M):
+    """On the GPU, `fp8_linears` is `fp8_linear` per weight bit for bit on every path: the decode kernels, and past
+    SCALED_MM_MIN_ROWS one padded quantisation read by cuBLAS (widths multiples of 16) and by the Triton GEMM (576 +
+    8 columns, which cuBLAS's path does not take)."""
+    from dsfuse.kernels.fp8_linear import fp8_linears
+
+    weights, scales = _projections(kind, (1536, 584, 128), 2048, M)
+    weights, scales = [w.cuda() for w in weights], [s.cuda() for s in scales]
+    x = _x(M, 2048, M, torch.bfloat16).cuda()
+    for out, w, s in zip(fp8_linears(x, weights, scales, 128, 128), weights, scales):
+        assert torch.equal(out, fp8_linear(x, w, s, 128, 128))
 
 
 @pytest.mark.gpu
