@@ -24,6 +24,7 @@ from . import indexer_topk
 from . import moe_experts
 from . import norm_rope_quant
 from . import norm_rope_quant_groups
+from . import norm_rope_quant_shared
 from . import sparse_attention
 from .context import NoMatch, PassContext
 
@@ -73,7 +74,7 @@ FAMILIES: tuple[FamilyPass, ...] = (
     FamilyPass(sparse_attention),
     FamilyPass(moe_experts),
     FamilyPass(compressors),
-    FamilyPass(norm_rope_quant, helpers=(norm_rope_quant_groups,)),
+    FamilyPass(norm_rope_quant, helpers=(norm_rope_quant_groups, norm_rope_quant_shared)),
     FamilyPass(hyper_connections),
 )
 

@@ -56,6 +56,12 @@ with the reason. Two more site kinds, each into one launch:
   `addmm`, `bmm`, or `dsfuse::fp8_linear` in a quantised checkpoint): HF `q_a_layernorm(q_a_proj(x))`. Norms of the residual stream are not matched;
   an RMSNorm of a projection output that the call cannot take (`x * rsqrt(..).to(dtype)`) is reported. Without a
   weight (`(x * r).to(dtype)`, here or on the kv side) the call reads a weight of fp32 ones: the same bits.
+- `dsfuse::fp8_linears`: in a quantised checkpoint, the `dsfuse::fp8_linear` projections that read one tensor (or
+  order-keeping views of it) with e4m3 weights of one block size and one scale kind (V3.2 / GLM: q_a, kv_a and the
+  indexer's wk; q_b and the indexer's wq_b; an MLP's gate and up; V4: wq_a and wkv, wq_b and the indexer's wq_b,
+  the shared experts' w1 and w3), one call that quantises the activations once for all their GEMMs
+  (norm_rope_quant_shared.py). Two FP8 projections of one input whose block sizes or scale kinds differ are
+  reported: the input is quantised once for each.
 
 Every norm and quantisation the walk matched is then run on probes (`verify.py`) before it is rewritten, against
 the reference of the call that replaces it: the walk reads their ops but not what a reduction's `dtype` argument does
@@ -72,16 +78,19 @@ the site's, except where the norm is left out of a call that still takes the RoP
 `rope_cat` / `rope_quant_fp8`). Unprobed, the structural match standing: a slice over `verify.MAX_ELEMENTS` values at
 static sizes (a real-dimension prefill; its decode steps and graphs of a symbolic length are probed).
 
-Last, the calls of one layer that do not depend on each other are merged into one `dsfuse::norm_rope_group`
-call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
+Then the FP8 projections of one input are grouped (`dsfuse::fp8_linears`, after the projection norms, which read
+`fp8_linear` outputs). Last, the calls of one layer that do not depend on each other are merged into one
+`dsfuse::norm_rope_group` call, one kernel launch (norm_rope_quant_groups.py): two launches per HF V3.2 or V4 layer.
 
-Stages: anchors `SPLIT_ANCHORS`, `SLICED_KV_ANCHORS`, `TRAILING_ROPE_ANCHORS` and `PROJECTION_NORM_ANCHORS`;
+Stages: anchors `SPLIT_ANCHORS`, `SLICED_KV_ANCHORS`, `TRAILING_ROPE_ANCHORS` and `PROJECTION_NORM_ANCHORS`, then
+the FP8 projections' `norm_rope_quant_shared.ANCHORS` (`dsfuse::fp8_linear`: its own binder, verifier against
+`fp8_linears_reference` and rewrite);
 binders `_match_split` (which tells a split's site kind), `_match_sliced`, `_match_trailing_rope` and
 `_match_projection_norm`, a pair RoPE in another spelling proven on probes by `_pair_rope_by_probes`; verifiers
 `_verify_rms_norm`, `_verified_layer_norm` and `_verify_fp8_quant`, against `rmsnorm_rope_reference`,
 `rms_norm_reference` and `layer_norm_reference` (kernels/norm_rope_quant.py) and `quantize_activations`
 (kernels/quant_formats.py); rewrites `_rewrite_split` (to the kind's `_rewrite*`), `_rewrite_trailing_rope` and
-`_rewrite_projection_norm`; last `group_launches`.
+`_rewrite_projection_norm`; then `norm_rope_quant_shared.run`; last `group_launches`.
 """
 
 from __future__ import annotations
@@ -133,6 +142,7 @@ from .graph_utils import (
     walk_back,
     walk_forward,
 )
+from . import norm_rope_quant_shared
 from .norm_rope_quant_groups import group_launches
 from .verify import Family, Verdict, latest_independent, rope_table_probes, verify
 
@@ -161,6 +171,8 @@ def run(graph: torch.fx.Graph, ctx: PassContext) -> None:
     # V4: RoPE on the trailing slice of (a norm of) a row, `cat` back (q, the K=V head, the compressors' entries)
     rewrite_anchored(graph, ctx, TRAILING_ROPE_ANCHORS, _match_trailing_rope, _rewrite_trailing_rope)
     rewrite_anchored(graph, ctx, PROJECTION_NORM_ANCHORS, _match_projection_norm, _rewrite_projection_norm)
+    # FP8 projections of one input (quantised checkpoints): one activation quantisation for them all
+    norm_rope_quant_shared.run(graph, ctx)
     group_launches(graph, ctx)  # then the independent calls of a layer into one launch each
 
 

@@ -1,7 +1,8 @@
 """Released-format FP8 checkpoints (DeepSeek V3.2 and GLM-5 layouts, random weights) loaded through transformers'
 `from_pretrained` on a machine without a GPU and without the `kernels` package: the FP8 layers call dsfuse's ops,
-the model runs eagerly and compiles with dsfuse, every family fires as on the same model dequantised (the experts
-as a reported near-miss), and the compiled model computes what the eager one does."""
+the model runs eagerly and compiles with dsfuse, every family fires at least as on the same model dequantised (the
+experts as one `moe_experts_fp8`; `norm_rope_quant` also shares one activation quantisation between the FP8
+projections of one input), and the compiled model computes what the eager one does."""
 
 import importlib.util
 import json
@@ -13,6 +14,7 @@ from safetensors import safe_open
 import dsfuse
 from dsfuse import hf_fp8
 from dsfuse.models.quantized import load_quantized_model, write_fp8_checkpoint
+from dsfuse.passes import norm_rope_quant_shared
 
 
 @pytest.fixture(scope="module", params=["fp8-tiny", "glm-fp8-tiny"])
@@ -41,7 +43,7 @@ def test_the_checkpoint_is_in_the_released_layout(checkpoint):
     assert dtypes[f"{layer}mlp.gate.weight"] == "F32"
 
 
-def test_it_loads_runs_and_compiles_without_the_kernels_package(checkpoint):
+def test_it_loads_runs_and_compiles_without_the_kernels_package(checkpoint, monkeypatch):
     from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear
 
     assert importlib.util.find_spec("kernels") is None or hf_fp8.kernels_choice() == "dsfuse"
@@ -57,6 +59,21 @@ def test_it_loads_runs_and_compiles_without_the_kernels_package(checkpoint):
     # fp32 activations: the compiled graph's own ops round as eager's, the FP8 ops are the same reference math
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     assert "dsfuse.fp8_linear" in str(quantised)
+    # the FP8 projections of one input share one activation quantisation (`dsfuse.fp8_linears`), per layer: q_a, kv_a
+    # and the indexer's wk; q_b and the indexer's wq_b; the dense MLP's or the shared expert's gate and up
+    shared = [site for site in quantised.sites if site.op == "dsfuse.fp8_linears"]
+    assert len(shared) == 3 * model.config.num_hidden_layers, str(quantised)
+    assert sorted(site.detail.split(" FP8")[0] for site in shared) == sorted(
+        model.config.num_hidden_layers * [f"one activation quantisation for {n}" for n in (3, 2, 2)])
+    assert all("E8M0 scales" in site.detail for site in shared)
+    if model.config.model_type == "deepseek_v32":  # (GLM's projections are grouped alike: one compile less)
+        # on the CPU the same math as a call per projection: the logits of the compile without it, bit for bit
+        torch._dynamo.reset()
+        monkeypatch.setattr(norm_rope_quant_shared, "run", lambda graph, ctx: None)
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            unshared = torch.compile(model, backend="dsfuse")(ids, use_cache=False).logits
+        monkeypatch.undo()
+        assert torch.equal(compiled, unshared)
 
     torch._dynamo.reset()
     dsfuse.reset_report()
@@ -65,8 +82,11 @@ def test_it_loads_runs_and_compiles_without_the_kernels_package(checkpoint):
         reference = dequantised(ids, use_cache=False).logits
         torch.compile(dequantised, backend="dsfuse")(ids, use_cache=False)
     plain = dsfuse.report()
-    # every family as on the dequantised model, the FP8 experts as one dsfuse.moe_experts_fp8
-    assert quantised.counts == plain.counts and plain.counts["moe_experts"] == 1, str(quantised)
+    # every family at least as on the dequantised model, the FP8 experts as one dsfuse.moe_experts_fp8; norm_rope_quant
+    # also has the shared activation quantisations
+    assert all(quantised.counts[name] >= count for name, count in plain.counts.items()), str(quantised)
+    assert quantised.counts == {**plain.counts, "norm_rope_quant": plain.counts["norm_rope_quant"] + len(shared)}
+    assert plain.counts["moe_experts"] == 1, str(plain)
     assert "dsfuse.moe_experts_fp8" in quantised.details()
     assert "FP8 weights in 128 x 128 blocks" in quantised.details(), quantised.details()
     assert quantised.near_misses == [], str(quantised)

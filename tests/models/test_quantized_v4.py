@@ -1,7 +1,8 @@
 """A DeepSeek V4 checkpoint in V4-Flash's released layout (its own tensor names, FP8 linears with E8M0 block scales,
 FP4 routed experts), random weights, loaded through transformers' `from_pretrained` on a machine without a GPU and
 without the `kernels` package: the FP8 / FP4 layers call dsfuse's ops, the model runs eagerly and compiles with
-dsfuse, and every family fires as on the same model dequantised (the FP4 routed experts as `moe_experts_fp8`)."""
+dsfuse, and every family fires at least as on the same model dequantised (the FP4 routed experts as `moe_experts_fp8`;
+`norm_rope_quant` also shares one activation quantisation between the FP8 projections of one input)."""
 
 import importlib.util
 import json
@@ -168,11 +169,34 @@ def test_every_family_fires_as_on_the_dequantised_model(quantised_run, dequantis
     _, _, quantised = quantised_run
     _, plain = dequantised_run
     assert plain.counts["moe_experts"] == 3 and all(plain.counts.values())  # one MoE block per layer
-    assert quantised.counts == plain.counts, str(quantised)
+    # at least as often; norm_rope_quant also shares one activation quantisation between FP8 projections of one
+    # input (`dsfuse.fp8_linears`): per layer wq_a and wkv, the shared experts' w1 and w3, and in the CSA layer (the
+    # one with an indexer) wq_b and the indexer's wq_b. The routed FP4 experts are no FP8 linears.
+    shared = [site for site in quantised.sites if site.op == "dsfuse.fp8_linears"]
+    assert len(shared) == 2 * 3 + 1, str(quantised)
+    assert all("2 FP8 projections" in site.detail and "E8M0 scales" in site.detail for site in shared), str(quantised)
+    assert all(quantised.counts[name] >= count for name, count in plain.counts.items()), str(quantised)
+    assert quantised.counts == {**plain.counts, "norm_rope_quant": plain.counts["norm_rope_quant"] + len(shared)}
     assert "dsfuse.moe_experts_fp8" in quantised.details()
     assert "FP4 weights, a scale per row and 32 values" in quantised.details(), quantised.details()
     # each layer's grouped output projection (wo_a, fixed groups) is a block-diagonal linear, not an experts block
     assert quantised.near_misses == [], str(quantised)
+
+
+@COMPILED_RUNS
+def test_the_shared_activation_quantisation_changes_no_bit(quantised_run, checkpoint, monkeypatch):
+    """On the CPU `fp8_linears` is the same math as a call per projection: the compiled logits are those of the
+    compile without the rewrite, bit for bit."""
+    from dsfuse.passes import norm_rope_quant_shared
+
+    _, compiled, _ = quantised_run
+    torch._dynamo.reset()
+    monkeypatch.setattr(norm_rope_quant_shared, "run", lambda graph, ctx: None)
+    model = load_quantized_model(checkpoint, dtype=torch.float32)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+        unshared = torch.compile(model, backend="dsfuse")(IDS, use_cache=False).logits
+    assert not [site for site in dsfuse.report().sites if site.op == "dsfuse.fp8_linears"]
+    assert torch.equal(compiled, unshared)
 
 
 @COMPILED_RUNS
