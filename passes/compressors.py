@@ -78,7 +78,7 @@ from .dims import apply_op, bmm_labels, broadcast, contracted, follow, leaf_labe
 from .graph_utils import (CONVERT, FLOAT_DTYPES, LAYOUT_OPS, PREPARE_SOFTMAX_ONLINE, VIEW_OPS, aten, describe, dtype,
                           insert_call, is_op, is_upcast, normalised_by, only_user, same_shape, same_size, scalar_arg,
                           scalar_constant, shape, softmax_parts, users_of, walk_back)
-from .verify import Family, Verdict, latest_independent, rope_table_probes, verify
+from .verify import TINY, Family, Verdict, latest_independent, rope_table_probes, ulps_beyond, verify
 
 NAME = "compressors"
 IMPLEMENTED = True
@@ -694,17 +694,8 @@ def _within_ulps(got: list, want: torch.Tensor, probe: dict) -> str | None:
     out = got[0]
     if not isinstance(out, torch.Tensor) or out.dtype != want.dtype or out.numel() != want.numel():
         return f"the entries are not {want.numel()} values in {want.dtype}"
-    out, ref = out.reshape(want.shape).float(), want.float()
-    same = (out == ref) | (out.isnan() & ref.isnan())
-    error = torch.where(same, 0.0, (out - ref).abs()).nan_to_num(float("inf")).amax(-1)
-    ulp = torch.finfo(want.dtype).eps * ref.nan_to_num(0.0, 0.0, 0.0).abs().amax(-1)
-    ulps = (error / ulp.clamp_min(torch.finfo(torch.float32).tiny)).reshape(-1)
-    worst = int(ulps.argmax())
-    if ulps[worst].item() <= ULPS[want.dtype]:
-        return None
-    entry = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), error.shape))
-    return (f"entry (batch, window) {entry} differs by {error.reshape(-1)[worst].item():.3g}, "
-            f"{ulps[worst].item():.3g} ulps of {want.dtype} at its largest magnitude (budget {ULPS[want.dtype]})")
+    miss = ulps_beyond(out, want, ULPS[want.dtype], "row", floor=TINY)
+    return None if miss is None else f"entry (batch, window) {miss.where} {miss}"
 
 
 # --------------------------------------------------------------------------------------------

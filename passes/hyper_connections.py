@@ -69,7 +69,7 @@ from .dims import apply_op, bmm_labels, broadcast, contracted, follow, layout_ch
 from .graph_utils import (CONVERT, LAYOUT_OPS, VIEW_OPS, aten, dtype, element_of, fake_call, insert_call, is_op,
                           only_user, piece_of, same_shape, same_size, scalar_arg, shape, softmax_parts, strip,
                           users_of, walk_back)
-from .verify import MAX_NODES, Family, Verdict, verify
+from .verify import MAX_NODES, Family, Verdict, ulps_beyond, verify
 
 NAME = "hyper_connections"
 IMPLEMENTED = True
@@ -924,7 +924,7 @@ def _exit_reference(probe: dict, hc: int, hidden: int) -> torch.Tensor:
 
 
 def _within_ulps(got: list, want, names: tuple, rounded_first: bool = False) -> str | None:
-    """None when each output has the reference's values (compared in the slice's shape) within `ULPS` of its dtype
+    """None when each output has the reference's values (in the reference's shape) within `ULPS` of its dtype
     at its largest magnitude, else what differs. `rounded_first`: the first output is the fp32 sum the fused op
     rounds to the streams' dtype (Inductor had dropped HF's round trip), compared after that rounding."""
     wants = list(want) if isinstance(want, (tuple, list)) else [want]
@@ -935,13 +935,7 @@ def _within_ulps(got: list, want, names: tuple, rounded_first: bool = False) -> 
             out = out.to(ref.dtype)
         if out.dtype != ref.dtype:
             return f"{name} in {out.dtype}, the op's in {ref.dtype}"
-        kind, out, ref = ref.dtype, out.float(), ref.reshape(out.shape).float()
-        if not torch.equal(out.isnan(), ref.isnan()):
-            return f"{name} has NaN where the reference has none, or the reverse"
-        error = (out - ref).nan_to_num(0.0).abs().max().item()
-        size = ref.nan_to_num(0.0).abs().max().item()
-        budget = ULPS[kind] * torch.finfo(kind).eps * size
-        if error > budget:
-            return (f"{name} differs by {error:.3g}, {error / max(size, 1e-30):.2g} of its largest value (budget "
-                    f"{ULPS[kind]} ulps of {kind}: {budget:.3g})")
+        miss = ulps_beyond(out, ref, ULPS[ref.dtype], "tensor")
+        if miss is not None:
+            return f"{name} {miss}"
     return None

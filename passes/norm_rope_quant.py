@@ -144,7 +144,7 @@ from .graph_utils import (
 )
 from . import norm_rope_quant_shared
 from .norm_rope_quant_groups import group_launches
-from .verify import Family, Verdict, latest_independent, rope_table_probes, verify
+from .verify import Family, Verdict, latest_independent, rope_table_probes, ulps_beyond, verify
 
 NAME = "norm_rope_quant"
 # On since the kernels are compiled without FP contraction (the 1-ulp RoPE differences measured on the
@@ -1486,27 +1486,14 @@ def _norm_probes(shapes: dict, dtypes: dict, eps: float) -> list[tuple[str, dict
 
 def _within_row_ulps(got: list, want: torch.Tensor, probe: dict) -> str | None:
     """None when the norm's output has the reference's values within `NORM_ULPS` of its dtype at each row's
-    largest magnitude (NaN and infinities where the reference has them), else the first row over it."""
+    largest magnitude (NaN and infinities where the reference has them), else the worst row and by how much."""
     out = got[0]
     if not isinstance(out, torch.Tensor) or out.numel() != want.numel():
         return f"not a tensor of the reference's {want.numel()} values"
     if out.dtype != want.dtype:
         return f"in {out.dtype}, the call's in {want.dtype}"
-    width = want.shape[-1]
-    out, ref = out.float().reshape(-1, width), want.float().reshape(-1, width)
-    finite = out.isfinite() & ref.isfinite()
-    specials = [torch.where(finite, 0.0, t).nan_to_num(nan=1.0, posinf=2.0, neginf=-2.0) for t in (out, ref)]
-    if not torch.equal(*specials):
-        return "NaN or infinity where the reference has a finite value, or the reverse"
-    error = torch.where(finite, out - ref, 0.0).abs().amax(-1)
-    size = torch.where(finite, ref, 0.0).abs().amax(-1)
-    budget = NORM_ULPS[want.dtype] * torch.finfo(want.dtype).eps * size
-    over = (error > budget).nonzero()
-    if not len(over):
-        return None
-    row = over[0, 0].item()
-    return (f"row {row} differs by {error[row]:.3g}, {error[row] / max(size[row], 1e-30):.2g} of its largest value "
-            f"(budget {NORM_ULPS[want.dtype]} ulps of {want.dtype}: {budget[row]:.3g})")
+    miss = ulps_beyond(out, want.reshape(-1, want.shape[-1]), NORM_ULPS[want.dtype], "row")
+    return None if miss is None else f"row {miss.where[0]} {miss}"
 
 
 def _verify_fp8_quant(cat: torch.fx.Node, quant: dict) -> Verdict:

@@ -62,7 +62,7 @@ from .graph_utils import (AND_OPS, CONVERT, FLOAT_DTYPES, INDEX_DTYPES, LAYOUT_O
                           attention_softmax, dtype, fill_value, insert_call, is_last_dim, is_last_dim_cat, is_neg_inf, is_op, masking_bias,
                           node_arg, only_user, same_shape, same_size, scale_factor, scaled_input, shape, size_arg,
                           slice_args, slice_position, strip, val, walk_back, walk_forward)
-from .verify import Family, Verdict, verify
+from .verify import TINY, Family, Verdict, ulps_beyond, verify
 
 IOTA = torch.ops.prims.iota.default
 # What position tables and aranges are broadcast through on their way into the mask.
@@ -850,16 +850,17 @@ def _probes(shapes: dict, dtypes: dict, m: dict) -> list:
 
 def _within_budget(out, want: torch.Tensor, probe: dict) -> str | None:
     """None when the slice's output is the reference's within `ULPS` of its dtype at the probe's largest key
-    magnitude (equal NaNs), else how far off it is."""
+    magnitude (NaNs and infinities where it has them), else how far off it is."""
     if not isinstance(out, torch.Tensor) or out.dtype != want.dtype or tuple(out.shape) != tuple(want.shape):
         return f"the output is not {want.dtype}{list(want.shape)}"
     keys = max(float(probe[role].float().abs().max()) for role in ("kv", "compressed") if role in probe)
-    ulp = torch.finfo(want.dtype).eps * max(keys, torch.finfo(torch.float32).tiny)
-    error = torch.where((out == want) | (out.isnan() & want.isnan()), 0.0, (out.float() - want.float()).abs())
-    worst = float(error.nan_to_num(float("inf")).max()) / ulp
-    if worst <= ULPS[want.dtype]:
+    miss = ulps_beyond(out, want, ULPS[want.dtype], max(keys, TINY))
+    if miss is None:
         return None
-    return f"outputs differ by up to {worst:.3g} ulps of {want.dtype} at the largest key (budget {ULPS[want.dtype]})"
+    if miss.got is not None:
+        return f"output {miss.where} {miss}"
+    return (f"outputs differ by up to {miss.ulps:.3g} ulps of {want.dtype} at the largest key (budget "
+            f"{ULPS[want.dtype]})")
 
 # ---------------------------------------------------------------------------
 # Rewrite

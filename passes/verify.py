@@ -3,9 +3,9 @@ run the slice on concrete CPU tensors and compare it with a family's reference o
 
 A family binds some frontier nodes to its reference's named roles (q, k, a mask, ...) and supplies three
 functions: the probes (role -> tensor, at sizes this module picks), the reference on a probe, and a comparison
-that says what differs. What probes cannot establish stays the family's structural job; this only refuses
-candidates whose numbers disagree. Verdicts are cached by a structural hash of the slice and the binding, so
-the same layer repeated N times is run once.
+that says what differs (`ulps_beyond` where a family allows a budget in ulps of the output's dtype). What probes
+cannot establish stays the family's structural job; this only refuses candidates whose numbers disagree. Verdicts
+are cached by a structural hash of the slice and the binding, so the same layer repeated N times is run once.
 
 Sizes: a static size is the graph's own (the graph only ever runs at it); symbolic sizes get two assignments of
 small values, pairwise distinct and distinct from the static sizes, so a transposed or merged dim shows up. The
@@ -145,6 +145,64 @@ def rope_table_probes(shapes: dict, dtypes: dict, part: str, scale: float = 1.0)
     angles = torch.rand(shapes["cos"], generator=gen) * 6
     turns = {"cos": angles.cos().to(dtypes["cos"]), "sin": angles.sin().to(dtypes["sin"])}
     return [("free tables", {part: values, **free}), ("angles", {part: values, **turns})]
+
+
+# The smallest normal fp32 value: an ulp floor for a family whose outputs may be all zeros where a spelling leaves
+# subnormal dust.
+TINY = torch.finfo(torch.float32).tiny
+
+
+@dataclass(frozen=True)
+class UlpMiss:
+    """Where an output is furthest past its budget (`ulps_beyond`): `where`, the index of the row (over the leading
+    dims) where the magnitude is per row, else of the element; by how much (`error`, and in `ulps` of `dtype`); where
+    a NaN or an infinity is not the reference's, the two values (`got`, `want`) instead."""
+    where: tuple[int, ...]
+    error: float
+    ulps: float
+    budget: float
+    dtype: torch.dtype
+    got: float | None = None
+    want: float | None = None
+
+    def __str__(self) -> str:
+        if self.got is not None:
+            return f"holds {self.got:g} where the reference holds {self.want:g}"
+        return (f"differs by {self.error:.3g}, {self.ulps:.3g} ulps of {self.dtype} at its largest magnitude "
+                f"(budget {self.budget})")
+
+
+def ulps_beyond(out: torch.Tensor, ref: torch.Tensor, budget: float, magnitude: str | float = "row",
+                floor: float = 0.0) -> UlpMiss | None:
+    """None when `out` (as many values as `ref`, read in `ref`'s shape) holds NaN and the infinities exactly where
+    `ref` does and its other values within `budget` ulps of `ref`'s dtype at a magnitude: the largest finite one of
+    each row of `ref` (its last dim) for "row", of all of `ref` for "tensor", or the one given. Else where it is
+    furthest off: the first row (or element) holding a NaN or an infinity the reference does not, else the one the
+    most ulps off. An ulp is at least `floor`: at 0, a row (or tensor) whose magnitude is 0 must be exact."""
+    if ref.numel() == 0:
+        return None
+    got, want = out.reshape(ref.shape).float(), ref.float()
+    same = (got == want) | (got.isnan() & want.isnan())
+    special = ~same & ~(got.isfinite() & want.isfinite())
+    if special.any():
+        first = int(special.reshape(-1).nonzero()[0, 0])
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), ref.shape))
+        return UlpMiss(index[:-1] if magnitude == "row" else index, math.inf, math.inf, budget, ref.dtype,
+                       got.reshape(-1)[first].item(), want.reshape(-1)[first].item())
+    error = torch.where(same, 0.0, (got - want).abs()).double()
+    sizes = want.nan_to_num(0.0, 0.0, 0.0).abs().double()
+    if magnitude == "row":
+        error, size = error.amax(-1), sizes.amax(-1)
+    elif magnitude == "tensor":
+        size = sizes.amax()
+    else:
+        size = torch.tensor(float(magnitude), dtype=torch.float64)
+    ulps = torch.where(error == 0, 0.0, error / (torch.finfo(ref.dtype).eps * size).clamp_min(floor))
+    worst = int(ulps.reshape(-1).argmax())
+    if ulps.reshape(-1)[worst].item() <= budget:
+        return None
+    where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ulps.shape))
+    return UlpMiss(where, error.reshape(-1)[worst].item(), ulps.reshape(-1)[worst].item(), budget, ref.dtype)
 
 
 def _describe_value(value) -> str:

@@ -150,3 +150,39 @@ def test_sizes_the_search_cannot_find_fall_back_to_the_unguarded_choice():
     placeholders, _ = _graph(guarded, torch.randn(127), mode="symbolic")
     length = placeholders[0].meta["val"].shape[0].node.expr
     assert verify.size_assignments(placeholders, set()) == [{length: 5}, {length: 7}]
+
+
+# --------------------------------------------------------------------------------------------
+# ulps_beyond: the families' comparison of an output with its reference
+# --------------------------------------------------------------------------------------------
+def test_ulps_are_counted_at_each_rows_largest_magnitude_or_the_tensors():
+    """One fp32 row at magnitude 1, one at 1024: an error of 8 ulps of the small row is within 8 ulps there and far
+    under one ulp of the tensor's largest magnitude; at 9 ulps it is past a budget of 8 per row, not per tensor."""
+    eps = torch.finfo(torch.float32).eps
+    ref = torch.tensor([[1.0, -0.5], [1024.0, 3.0]])
+    assert verify.ulps_beyond(ref + torch.tensor([[8 * eps, 0.0], [0.0, 0.0]]), ref, 8, "row") is None
+    miss = verify.ulps_beyond(ref + torch.tensor([[9 * eps, 0.0], [0.0, 0.0]]), ref, 8, "row")
+    assert miss.where == (0,) and round(miss.ulps) == 9 and str(miss).endswith(
+        "9 ulps of torch.float32 at its largest magnitude (budget 8)"), miss
+    assert verify.ulps_beyond(ref + torch.tensor([[9 * eps, 0.0], [0.0, 0.0]]), ref, 8, "tensor") is None
+    assert verify.ulps_beyond(ref + 9 * eps, ref, 8, 1.0).where == (0, 0)
+
+
+def test_ulps_beyond_reads_nan_and_infinities_exactly_and_floors_the_ulp():
+    """NaN and the infinities only where the reference has them (an output of 1 or 2 there too: no placeholder
+    value passes); a reference infinity leaves the other values' magnitude finite; a zero row exact unless floored."""
+    nan, inf = float("nan"), float("inf")
+    ref = torch.tensor([[nan, inf, 1.0], [0.0, 0.0, 0.0]])
+    assert verify.ulps_beyond(ref.clone(), ref, 2, "row") is None
+    for value, where in ((1.0, (0, 0)), (2.0, (0, 1)), (-inf, (0, 1))):
+        out = ref.clone()
+        out[where] = value
+        miss = verify.ulps_beyond(out, ref, 2, "row")
+        assert miss.where == (0,) and str(miss) == f"holds {value:g} where the reference holds {ref[where]:g}", miss
+    wide = ref.clone()
+    wide[0, 2] = 1.5
+    assert verify.ulps_beyond(wide, ref, 2, "tensor").where == (0, 2)
+    dust = ref.clone()
+    dust[1, 0] = 1e-40
+    assert verify.ulps_beyond(dust, ref, 2, "row").where == (1,)
+    assert verify.ulps_beyond(dust, ref, 2, "row", floor=verify.TINY) is None
