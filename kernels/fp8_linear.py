@@ -46,9 +46,9 @@ import triton
 import triton.language as tl
 
 from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, FP8_INV_MAX, FP8_MAX,
-                                          dequantize_fp4, dequantize_fp8_blocks, e4m3_bits, e8m0_to_float, is_e8m0,
-                                          power_of_two_ceil, quantize_activations, round_to_e4m3_grid,
-                                          scales_to_float32)
+                                          check_fp8_weight, dequantize_fp4, dequantize_fp8_blocks, e4m3_bits,
+                                          e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
+                                          round_to_e4m3_grid, scales_to_float32)
 from dsfuse.kernels.moe_experts import scale_tile, swiglu_rounded, weight_tile
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
 
@@ -85,6 +85,8 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor, block_n: int, b
 # Input checks
 # --------------------------------------------------------------------------------------------
 def _check_weight(op, weight, scale, block_n, block_k, experts=None):
+    """(N, K) of an e4m3 weight (checked by `check_fp8_weight`, block_k a multiple of 16 for the GEMMs' K steps) or
+    an FP4 one with its E8M0 scales, `[N, K]` or, with `experts`, `[experts, N, K]`."""
     lead = () if experts is None else (experts,)
     rank = 2 + len(lead)
     if weight.dim() != rank or scale.dim() != rank:
@@ -93,24 +95,22 @@ def _check_weight(op, weight, scale, block_n, block_k, experts=None):
     N, K = weight_dims(weight)
     if K < 1:
         raise ValueError(f"{op}: the weight {tuple(weight.shape)} has no input channels (K = 0)")
-    if _is_fp4(weight):
-        if block_k % FP4_BLOCK or K % FP4_BLOCK:
-            raise ValueError(f"{op}: FP4 weights need K ({K}) and block_k ({block_k}) multiples of {FP4_BLOCK}")
-        want, kinds = (*lead, N, K // FP4_BLOCK), "E8M0"
-        ok = is_e8m0(scale) or scale.dtype == torch.uint8
-    else:
+    if not _is_fp4(weight):
         if weight.dtype != FP8_DTYPE:
             raise TypeError(f"{op}: weight must be float8_e4m3fn or FP4 bytes (int8 / uint8), got {weight.dtype}")
-        want, kinds = (*lead, cdiv(N, block_n), cdiv(K, block_k)), "float32 or E8M0"
-        ok = scale.dtype == torch.float32 or is_e8m0(scale)
+        check_fp8_weight(op, weight, scale, block_n, block_k, lead=lead, block_k_multiple=16)
+        return N, K
+    if block_k % FP4_BLOCK or K % FP4_BLOCK:
+        raise ValueError(f"{op}: FP4 weights need K ({K}) and block_k ({block_k}) multiples of {FP4_BLOCK}")
+    want = (*lead, N, K // FP4_BLOCK)
     if tuple(scale.shape) != want:
         raise ValueError(f"{op}: weight_scale must be {list(want)} for weight {tuple(weight.shape)} with blocks "
                          f"[{block_n}, {block_k}], got {tuple(scale.shape)}")
-    if not ok:
-        raise TypeError(f"{op}: weight_scale must be {kinds}, got {scale.dtype}")
+    if not (is_e8m0(scale) or scale.dtype == torch.uint8):
+        raise TypeError(f"{op}: weight_scale must be E8M0, got {scale.dtype}")
     if block_n < 1 or block_k < 1 or block_k % 16:
-        raise ValueError(f"{op}: block sizes must be positive with block_k a multiple of 16, got [{block_n}, "
-                         f"{block_k}]")
+        raise ValueError(f"{op}: block_n and block_k must be positive with block_k a multiple of 16, got "
+                         f"[{block_n}, {block_k}]")
     return N, K
 
 

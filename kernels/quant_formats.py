@@ -113,6 +113,33 @@ def _dequantize_fp4_chunk(packed: torch.Tensor, scales: torch.Tensor, dtype: tor
     return values.flatten(-2).to(dtype)
 
 
+FP8_WEIGHT_ARGUMENTS = ("weight", "weight_scale", "block_n", "block_k")
+
+
+def check_fp8_weight(op: str, weight: torch.Tensor, scale: torch.Tensor, block_n: int, block_k: int,
+                     names: tuple[str, str, str, str] = FP8_WEIGHT_ARGUMENTS, lead: tuple[int, ...] = (),
+                     block_k_multiple: int = 1) -> None:
+    """Raise unless `weight` is an e4m3 `[*lead, N, K]` weight with float32 or E8M0 block scales `[*lead,
+    ceil(N / block_n), ceil(K / block_k)]`, the blocks positive and `block_k` a multiple of `block_k_multiple` (what
+    a kernel's K steps need). The errors name `op` and its own arguments: `names` are those of the weight, its scales
+    and the two block sizes."""
+    w, s, bn, bk = names
+    rank = 2 + len(lead)
+    if weight.dtype != FP8_DTYPE or weight.dim() != rank:
+        raise TypeError(f"{op}: with {s}, {w} must be a {rank}-D {FP8_DTYPE} weight, got {weight.dtype} "
+                        f"{tuple(weight.shape)}")
+    if block_n < 1 or block_k < 1 or block_k % block_k_multiple:
+        multiple = f" with {bk} a multiple of {block_k_multiple}" if block_k_multiple > 1 else ""
+        raise ValueError(f"{op}: {bn} and {bk} must be positive{multiple}, got [{block_n}, {block_k}]")
+    N, K = weight.shape[-2:]
+    want = (*lead, -(-N // block_n), -(-K // block_k))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{op}: {s} must be {list(want)} for {w} {tuple(weight.shape)} with blocks [{block_n}, "
+                         f"{block_k}], got {tuple(scale.shape)}")
+    if not (scale.dtype == torch.float32 or is_e8m0(scale)):
+        raise TypeError(f"{op}: {s} must be float32 or E8M0, got {scale.dtype}")
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scales: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """`weight [..., N, K]` e4m3 with `scales [..., ceil(N / block_n), ceil(K / block_k)]` to fp32 (exact)."""
     N, K = weight.shape[-2:]

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dsfuse.kernels.quant_formats import FP8_DTYPE, dequantize_fp8_blocks, dequantized_once, is_e8m0
+from dsfuse.kernels.quant_formats import check_fp8_weight, dequantize_fp8_blocks, dequantized_once
 from dsfuse.kernels.triton_support import cdiv, direct_kernel, next_power_of_2
 
 LOG2E = 1.4426950408889634
@@ -897,6 +897,10 @@ def _sparse_attention_masked_cuda(q, k, v, idx, attn_mask, scale, causal=False, 
 # ---------------------------------------------------------------------------
 
 
+# The absorbed op's names for an FP8 kv_b_proj's weight, scales and blocks, in `check_fp8_weight`'s errors.
+KV_B_ARGUMENTS = ("kv_b_weight", "kv_b_scale", "kv_b_block_n", "kv_b_block_k")
+
+
 def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, kv_b_scale=None,
                            kv_b_block_n=128, kv_b_block_k=128):
     op = "absorbed_mla_attention"
@@ -919,7 +923,7 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
     if idx.dtype not in _INDEX_DTYPES:
         raise TypeError(f"{op}: idx dtype must be int32 or int64, got {idx.dtype}")
     if kv_b_scale is not None:
-        _check_fp8_kv_b(op, kv_b_weight, kv_b_scale, kv_b_block_n, kv_b_block_k)
+        check_fp8_weight(op, kv_b_weight, kv_b_scale, kv_b_block_n, kv_b_block_k, KV_B_ARGUMENTS)
     if q.dtype not in _FLOAT_DTYPES or {latent.dtype, rope.dtype} != {q.dtype} or (
             kv_b_scale is None and kv_b_weight.dtype != q.dtype):
         raise TypeError(f"{op}: q, latent, rope and kv_b_weight (unless FP8 with kv_b_scale) must share one float "
@@ -937,21 +941,6 @@ def _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, 
     for t in (latent, rope, kv_b_weight, idx) + tuple(t for t in (attn_mask, kv_b_scale) if t is not None):
         if t.device != q.device:
             raise ValueError(f"{op}: all inputs must be on {q.device}, found {t.device}")
-
-
-def _check_fp8_kv_b(op, weight, scale, block_n, block_k):
-    """An e4m3 kv_b_proj weight [N, C] with its float32 or E8M0 block scales [ceil(N / bn), ceil(C / bk)]."""
-    if weight.dtype != FP8_DTYPE or weight.dim() != 2 or scale.dim() != 2:
-        raise TypeError(f"{op}: with kv_b_scale, kv_b_weight must be a 2-D {FP8_DTYPE} weight, got {weight.dtype} "
-                        f"{tuple(weight.shape)}")
-    if block_n < 1 or block_k < 1:
-        raise ValueError(f"{op}: kv_b_block_n and kv_b_block_k must be positive, got {block_n}, {block_k}")
-    want = (cdiv(weight.shape[0], block_n), cdiv(weight.shape[1], block_k))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"{op}: kv_b_scale must be {list(want)} for kv_b_weight {tuple(weight.shape)} with blocks "
-                         f"[{block_n}, {block_k}], got {tuple(scale.shape)}")
-    if not (scale.dtype == torch.float32 or is_e8m0(scale)):
-        raise TypeError(f"{op}: kv_b_scale must be float32 or E8M0, got {scale.dtype}")
 
 
 def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor], T: int, causal: bool,

@@ -1,11 +1,13 @@
 """`dequantize_weight_triton` (the one-pass weight dequantisation of decode steps) equals the torch reference bit
-for bit: every e4m3 code, fp32 and E8M0 block scales, block remainders, stacked experts, FP4 bytes."""
+for bit: every e4m3 code, fp32 and E8M0 block scales, block remainders, stacked experts, FP4 bytes. The FP8 weight
+check the ops share names each op's own arguments."""
 
 import pytest
 import torch
 
-from dsfuse.kernels.quant_formats import (E2M1_VALUES, E8M0_DTYPE, dequantize_fp4, dequantize_fp8_blocks,
-                                          dequantize_weight_triton, e2m1_values, scales_to_float32)
+from dsfuse.kernels.quant_formats import (E2M1_VALUES, E8M0_DTYPE, check_fp8_weight, dequantize_fp4,
+                                          dequantize_fp8_blocks, dequantize_weight_triton, e2m1_values,
+                                          scales_to_float32)
 
 
 def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -89,3 +91,26 @@ def test_cuda_bfloat16_equals_reference_and_replays_in_a_cuda_graph(fp4):
     graph.replay()
     torch.cuda.synchronize()
     assert same_bits(replayed, want)
+
+
+def test_the_fp8_weight_check_names_the_ops_arguments():
+    """fp8_linear's names and its K step (block_k a multiple of 16), the absorbed attention's kv_b_* names (any
+    positive blocks): a wrong dtype, a zero block (refused before the scale shape divides by it), a scale shape or
+    dtype each raise naming the argument; stacked experts' scales have the stack's lead dim."""
+    from dsfuse.kernels.fp8_linear import fp8_linear
+    from dsfuse.kernels.sparse_attention import KV_B_ARGUMENTS
+
+    weight, scale = torch.zeros(48, 40).to(torch.float8_e4m3fn), torch.ones(2, 2)
+    check_fp8_weight("op", weight, scale, 24, 24, KV_B_ARGUMENTS)
+    check_fp8_weight("op", weight[None].expand(3, -1, -1), scale.expand(3, -1, -1), 24, 24, lead=(3,))
+    refusals = [((weight.float(), scale, 24, 24), TypeError, "op: with kv_b_scale, kv_b_weight must be a 2-D"),
+                ((weight, scale, 0, 24), ValueError, r"op: kv_b_block_n and kv_b_block_k must be positive, got \[0, "),
+                ((weight, scale[:1], 24, 24), ValueError, r"op: kv_b_scale must be \[2, 2\] for kv_b_weight \(48, "),
+                ((weight, scale.double(), 24, 24), TypeError, "op: kv_b_scale must be float32 or E8M0")]
+    for args, error, message in refusals:
+        with pytest.raises(error, match=message):
+            check_fp8_weight("op", *args, KV_B_ARGUMENTS)
+    with pytest.raises(ValueError, match="block_k a multiple of 16"):
+        check_fp8_weight("op", weight, scale, 24, 24, block_k_multiple=16)
+    with pytest.raises(ValueError, match=r"fp8_linear: block_n and block_k must be positive .*got \[0, 128\]"):
+        fp8_linear(torch.zeros(2, 40), weight, scale, 0, 128)
