@@ -19,8 +19,10 @@ Ops:
 - `dsfuse::fp8_grouped_linear(x [S, K], weight [E, ...], weight_scale [E, ...], offsets [E], block_n, block_k)
   -> [S, N]`: rows `offsets[e-1]:offsets[e]` through expert e (rows sorted by expert; `offsets` the running total of
   rows per expert, as transformers passes it); rows past `offsets[-1]` are zero.
-- `dsfuse::fp8_linears(x [..., K], weights, weight_scales, block_n, block_k) -> [[..., N_i]]`: exactly
-  `[fp8_linear(x, w, s, block_n, block_k) for w, s in zip(weights, weight_scales)]`, for projections that read the
+- `dsfuse::fp8_linears(x [..., K], weights, weight_scales, block_ns, block_k) -> [[..., N_i]]`: exactly
+  `[fp8_linear(x, w, s, bn, block_k) for w, s, bn in zip(weights, weight_scales, block_ns)]` (a block height per
+  weight: a per-tensor scale is one block of the weight's N rows; the activations' quantisation reads only
+  `block_k`), for projections that read the
   same activations (a layer's q_a / kv_a / indexer wk, q_b / indexer wq_b, an MLP's gate / up): e4m3 weights of one
   K, all with fp32 or all with E8M0 scales, so that one activation quantisation serves every GEMM.
 
@@ -145,18 +147,19 @@ def _check_grouped(x, weight, scale, offsets, block_n, block_k):
     return E, N, K
 
 
-def _check_linears(x, weights, scales, block_n, block_k):
+def _check_linears(x, weights, scales, block_ns, block_k):
     """The widths N of `fp8_linears`' weights, and their common K: e4m3 weights only (FP4 weights quantise their
     activations otherwise), scales all fp32 or all E8M0 (one activation quantisation), one K."""
     op = "fp8_linears"
-    if not isinstance(weights, (list, tuple)) or not isinstance(scales, (list, tuple)):
-        raise TypeError(f"{op}: weights and weight_scales must be lists of tensors")
+    if not all(isinstance(given, (list, tuple)) for given in (weights, scales, block_ns)):
+        raise TypeError(f"{op}: weights, weight_scales and block_ns must be lists")
     if not weights:
         raise ValueError(f"{op}: weights is empty (at least one weight)")
-    if len(scales) != len(weights):
-        raise ValueError(f"{op}: weight_scales has {len(scales)} tensors for {len(weights)} weights")
+    for name, given in (("weight_scales", scales), ("block_ns", block_ns)):
+        if len(given) != len(weights):
+            raise ValueError(f"{op}: {name} has {len(given)} entries for {len(weights)} weights")
     widths, Ks = [], []
-    for i, (weight, scale) in enumerate(zip(weights, scales)):
+    for i, (weight, scale, block_n) in enumerate(zip(weights, scales, block_ns)):
         if _is_fp4(weight):
             raise TypeError(f"{op}: weights[{i}] is FP4 ({weight.dtype}); the op takes float8_e4m3fn weights only "
                             f"(FP4 weights read their activations dequantised, not as e4m3 and scales)")
@@ -218,9 +221,9 @@ def fp8_grouped_linear_reference(x, weight, weight_scale, offsets, block_n, bloc
     return out
 
 
-def fp8_linears_reference(x, weights, weight_scales, block_n, block_k):
-    _check_linears(x, weights, weight_scales, block_n, block_k)
-    return [fp8_linear_reference(x, w, s, block_n, block_k) for w, s in zip(weights, weight_scales)]
+def fp8_linears_reference(x, weights, weight_scales, block_ns, block_k):
+    _check_linears(x, weights, weight_scales, block_ns, block_k)
+    return [fp8_linear_reference(x, w, s, bn, block_k) for w, s, bn in zip(weights, weight_scales, block_ns)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -790,23 +793,24 @@ def fp8_grouped_linear_triton(x, weight, weight_scale, offsets, block_n, block_k
     return out
 
 
-def fp8_linears_triton(x, weights, weight_scales, block_n, block_k):
+def fp8_linears_triton(x, weights, weight_scales, block_ns, block_k):
     """`fp8_linear_triton` through each weight, the activations quantised once: decode-sized calls, whose kernel
     quantises its rows itself, run per weight as they are; larger ones quantise x once, in cuBLAS's padded layout
     when any weight goes there (`_quantize_for_scaled_mm`, whose rows the Triton GEMMs read as well) else as
     `quantize_for_weight` does, and feed every GEMM from that (q, s): the same bits as a call per weight."""
-    widths, K = _check_linears(x, weights, weight_scales, block_n, block_k)
+    widths, K = _check_linears(x, weights, weight_scales, block_ns, block_k)
     x2 = x.reshape(-1, K)
     rows = x2.shape[0]
     if quantizes_in_kernel(rows, weights[0], grouped=False):
-        return [_linear_triton(x, w, s, block_n, block_k, N, K) for w, s, N in zip(weights, weight_scales, widths)]
-    cublas = [_goes_to_cublas(x2, w, block_n, block_k) for w in weights]
+        return [_linear_triton(x, w, s, bn, block_k, N, K) for w, s, bn, N in zip(weights, weight_scales, block_ns,
+                                                                                   widths)]
+    cublas = [_goes_to_cublas(x2, w, bn, block_k) for w, bn in zip(weights, block_ns)]
     if any(cublas):
         q, s = _quantize_for_scaled_mm(x2, weight_scales[0])
     else:
         q, s = quantize_for_weight(x2, weights[0], weight_scales[0], block_k)
     outs = []
-    for weight, scale, N, to_cublas in zip(weights, weight_scales, widths, cublas):
+    for weight, scale, block_n, N, to_cublas in zip(weights, weight_scales, block_ns, widths, cublas):
         if to_cublas:
             out = _scaled_mm_quantized(q, s, weight, scale, rows, x.dtype)
         else:
@@ -865,22 +869,22 @@ def _fp8_grouped_linear_cuda(x, weight, weight_scale, offsets, block_n, block_k)
 
 
 @torch.library.custom_op("dsfuse::fp8_linears", mutates_args=())
-def fp8_linears(x: torch.Tensor, weights: list[torch.Tensor], weight_scales: list[torch.Tensor], block_n: int,
+def fp8_linears(x: torch.Tensor, weights: list[torch.Tensor], weight_scales: list[torch.Tensor], block_ns: list[int],
                 block_k: int) -> list[torch.Tensor]:
-    """`[fp8_linear(x, w, s, block_n, block_k) for w, s in zip(weights, weight_scales)]`, x quantised once (see the
-    module docstring)."""
-    return fp8_linears_reference(x, weights, weight_scales, block_n, block_k)
+    """`[fp8_linear(x, w, s, bn, block_k) for w, s, bn in zip(weights, weight_scales, block_ns)]`, x quantised once
+    (see the module docstring)."""
+    return fp8_linears_reference(x, weights, weight_scales, block_ns, block_k)
 
 
 @fp8_linears.register_fake
-def _fp8_linears_fake(x, weights, weight_scales, block_n, block_k):
-    widths, _ = _check_linears(x, weights, weight_scales, block_n, block_k)
+def _fp8_linears_fake(x, weights, weight_scales, block_ns, block_k):
+    widths, _ = _check_linears(x, weights, weight_scales, block_ns, block_k)
     return [x.new_empty((*x.shape[:-1], N)) for N in widths]
 
 
 @direct_kernel(fp8_linears)
-def _fp8_linears_cuda(x, weights, weight_scales, block_n, block_k):
-    return fp8_linears_triton(x, weights, weight_scales, block_n, block_k)
+def _fp8_linears_cuda(x, weights, weight_scales, block_ns, block_k):
+    return fp8_linears_triton(x, weights, weight_scales, block_ns, block_k)
 
 
 def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:

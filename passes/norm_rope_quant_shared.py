@@ -11,11 +11,11 @@ prefill that is the same [S, hidden] activations quantised two or three times ov
 Binding: a call's input is looked through to the *shared input*: up through ops that keep the row-major order
 of the elements (views, reshapes, squeezes, copies) while the last dim stays the weight's K, so `x` and
 `x.view(-1, K)` are one input. The calls reading one shared input with e4m3 weights (graph inputs or attributes:
-parameters), one block size and one scale kind (fp32 or E8M0: the activations' scales are powers of two for
+parameters), one `block_k` and one scale kind (fp32 or E8M0: the activations' scales are powers of two for
 E8M0) form a group. The group's call reads the shared input; a projection that read a view of it gets its output
 viewed back to its own shape. A group of one is left alone, as are FP4 weights (their activations are
 dequantised to bf16, not quantised as these are). Two FP8 projections of one input that cannot share the call,
-since their block sizes or scale kinds differ, quantise it twice: a reported near-miss naming both (the later
+since their `block_k` or scale kinds differ, quantise it twice: a reported near-miss naming both (the later
 one's group, if it has several projections, is still one call of its own).
 
 Verification: the slice from the shared input through its views to each projection's output is run on probes
@@ -109,7 +109,9 @@ def _readers(root: torch.fx.Node, K: int) -> list[torch.fx.Node]:
 
 
 def _key(p: dict) -> tuple:
-    return p["block_n"], p["block_k"], p["scales"]
+    """What projections sharing one call must agree on: the activations' quantisation (block_k channels, power-of-two
+    scales or not). Block heights may differ (a per-tensor scale is one block of the weight's N rows)."""
+    return p["block_k"], p["scales"]
 
 
 def _describe(node: torch.fx.Node, p: dict) -> str:
@@ -122,8 +124,8 @@ def _mismatch(node: torch.fx.Node, first: torch.fx.Node) -> str:
     if p["scales"] != q["scales"]:
         why = f"its weight scales are {p['scales']}, the other's {q['scales']} (one call takes one scale kind)"
     else:
-        why = (f"its blocks are {p['block_n']} x {p['block_k']}, the other's {q['block_n']} x {q['block_k']} "
-               f"(one call takes one block size)")
+        why = (f"it quantises its activations per {p['block_k']} channels, the other per {q['block_k']} (one call "
+               f"quantises them once)")
     return (f"FP8 projection {_describe(node, p)} reads the same input as {_describe(first, q)}, but {why}: "
             f"the input is quantised once for each")
 
@@ -159,6 +161,7 @@ def _verify(root: torch.fx.Node, members: list[torch.fx.Node]) -> Verdict:
     `fp8_linears_reference` on the shared input, each output viewed as the projection's own: bit for bit."""
     p = _projection(members[0])
     pairs = [(_projection(m)["weight"], _projection(m)["weight_scale"]) for m in members]
+    block_ns = [_projection(m)["block_n"] for m in members]
     params = list(dict.fromkeys(n for pair in pairs for n in pair))  # a tensor read twice is one role
     roles = {"x": root, **{f"param{i}": n for i, n in enumerate(params)}}
     role_of = {n: role for role, n in roles.items()}
@@ -166,10 +169,10 @@ def _verify(root: torch.fx.Node, members: list[torch.fx.Node]) -> Verdict:
 
     def reference(probe):
         return fp8_linears_reference(probe["x"], [probe[w] for w, _ in order], [probe[s] for _, s in order],
-                                     p["block_n"], p["block_k"])
+                                     block_ns, p["block_k"])
 
     family = Family(probes=_probes, reference=reference, compare=_same_bits)
-    return verify(members, roles, family, ("fp8_linears", p["block_n"], p["block_k"], tuple(order)))
+    return verify(members, roles, family, ("fp8_linears", tuple(block_ns), p["block_k"], tuple(order)))
 
 
 def _probes(shapes: dict, dtypes: dict) -> list[tuple[str, dict]]:
@@ -210,7 +213,8 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, found: dict, ctx: PassC
     projections = [_projection(m) for m in members]
     p = projections[0]
     call = insert_call(graph, members[0], OP, (root, [q["weight"] for q in projections],
-                                               [q["weight_scale"] for q in projections], p["block_n"], p["block_k"]))
+                                               [q["weight_scale"] for q in projections],
+                                               [q["block_n"] for q in projections], p["block_k"]))
     for i, (member, q) in enumerate(zip(members, projections)):
         out = insert_call(graph, member, operator.getitem, (call, i))
         if q["x"] is not root:  # the projection read a view of the shared input: its output viewed back
@@ -218,8 +222,9 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, found: dict, ctx: PassC
             out = insert_call(graph, member, aten.reshape.default, (out, [*lead, q["N"]]))
         member.replace_all_uses_with(out)
     widths = ", ".join(str(q["N"]) for q in projections)
+    blocks = ", ".join(dict.fromkeys(f"{q['block_n']} x {q['block_k']}" for q in projections))
     detail = (f"one activation quantisation for {len(members)} FP8 projections (N = {widths}) of [..., {p['K']}] "
-              f"(block {p['block_n']} x {p['block_k']}, {p['scales']} scales)")
+              f"(block {blocks}, {p['scales']} scales)")
     ctx.site(members[0], SITE, [root, *(q["weight"] for q in projections)], detail=detail, call=call)
     if found["mismatch"]:
         ctx.near_miss(members[0], found["mismatch"])

@@ -76,7 +76,7 @@ def linears_inputs(draw):
     specials = draw(st.lists(st.sampled_from(["zero", "tie"]), max_size=1))
     x = restride(values((M, K), DTYPE, seed, scale=3.0, specials=specials), draw(layouts(2))).to(DEVICE)
     pairs = [[t.to(DEVICE) for t in _weight(kind, (), N, K, seed + 1 + i)] for i, N in enumerate(widths)]
-    return x, [w for w, _ in pairs], [s for _, s in pairs], 128, 128
+    return x, [w for w, _ in pairs], [s for _, s in pairs], [128] * len(pairs), 128
 
 
 @fuzzes("dsfuse::fp8_linears")

@@ -371,13 +371,13 @@ def test_linears_are_fp8_linear_per_weight_and_pass_opcheck():
 
     weights, scales = _projections("ue8m0", (48, 33, 129), 320, 30)
     x = _x(6, 320, 31).view(2, 3, 320)
-    got = fp8_linears(x, weights, scales, 128, 128)
+    got = fp8_linears(x, weights, scales, [128] * len(weights), 128)
     assert len(got) == 3
     for out, w, s in zip(got, weights, scales):
         assert out.shape == (2, 3, w.shape[0]) and torch.equal(out, fp8_linear(x, w, s, 128, 128))
-    assert all(torch.equal(a, b) for a, b in zip(got, fp8_linears_reference(x, weights, scales, 128, 128)))
-    torch.library.opcheck(fp8_linears, (x, weights, scales, 128, 128), test_utils=OPCHECK_TESTS)
-    check_outputs_match_fake("dsfuse::fp8_linears", (x, weights, scales, 128, 128), {}, got)
+    assert all(torch.equal(a, b) for a, b in zip(got, fp8_linears_reference(x, weights, scales, [128] * 3, 128)))
+    torch.library.opcheck(fp8_linears, (x, weights, scales, [128] * 3, 128), test_utils=OPCHECK_TESTS)
+    check_outputs_match_fake("dsfuse::fp8_linears", (x, weights, scales, [128] * 3, 128), {}, got)
 
 
 @pytest.mark.parametrize("kind,M,launches", [("ue8m0", 5, 0), ("float", 40, 1), ("ue8m0", ops.DECODE_MAX_ROWS + 6, 1)])
@@ -391,7 +391,7 @@ def test_triton_linears_give_each_linears_bits_from_one_quantisation(kind, M, la
     x = _x(M, 320, M + 1)
     counter = _QuantisationCounter(ops.quantize_activations_triton)
     monkeypatch.setattr(ops, "quantize_activations_triton", counter)
-    got = fp8_linears_triton(x, weights, scales, 128, 128)
+    got = fp8_linears_triton(x, weights, scales, [128] * 3, 128)
     assert counter.calls == launches
     for out, w, s in zip(got, weights, scales):
         assert torch.equal(out, fp8_linear_triton(x, w, s, 128, 128))
@@ -418,7 +418,7 @@ def test_triton_linears_feed_cublas_and_triton_gemms_from_one_padded_quantisatio
     x = _x(ops.DECODE_MAX_ROWS + 7, 256, 51)
     counter = _QuantisationCounter(ops.quantize_activations_triton)
     monkeypatch.setattr(ops, "quantize_activations_triton", counter)
-    got = fp8_linears_triton(x, weights, scales, 128, 128)
+    got = fp8_linears_triton(x, weights, scales, [128] * 3, 128)
     assert counter.calls == 1 and seen == [(72, (1, 72))] * 2
     for out, w, s in zip(got, weights, scales):
         assert torch.equal(out, fp8_linear_triton(x, w, s, 128, 128))
@@ -433,7 +433,7 @@ def test_triton_linears_feed_cublas_and_triton_gemms_from_one_padded_quantisatio
      r"fp8_linears: weight_scales mix float32 \(weight_scales\[0\]\) and E8M0 \(weight_scales\[1\]\)"),
     (lambda ws, ss, x: ([ws[0], ws[1][:, :128]], [ss[0], ss[1][:, :1]], x), ValueError,
      r"fp8_linears: weights\[1\] has K = 128, weights\[0\] K = 256"),
-    (lambda ws, ss, x: (ws, ss[:1], x), ValueError, "fp8_linears: weight_scales has 1 tensors for 2 weights"),
+    (lambda ws, ss, x: (ws, ss[:1], x), ValueError, "fp8_linears: weight_scales has 1 entries for 2 weights"),
     (lambda ws, ss, x: (ws, [ss[0], ss[1][:, :1]], x), ValueError,
      r"fp8_linears: weights\[1\] / weight_scales\[1\]: weight_scale must be \[1, 2\]"),
     (lambda ws, ss, x: (ws, ss, x[:, :100]), ValueError, "fp8_linears: x .* must end in K = 256"),
@@ -444,7 +444,7 @@ def test_linears_refuse_bad_inputs_naming_the_argument(change, error, message):
     weights, scales = _projections("float", (48, 40), 256, 10)
     weights, scales, x = change(weights, scales, _x(2, 256, 11))
     with pytest.raises(error, match=message):
-        fp8_linears(x, weights, scales, 128, 128)
+        fp8_linears(x, weights, scales, [128] * len(weights), 128)
 
 
 def test_weight_quantisation_round_trips_within_the_e4m3_step():
@@ -491,7 +491,7 @@ def test_cuda_linears_give_each_linears_bits(kind, M):
     weights, scales = _projections(kind, (1536, 584, 128), 2048, M)
     weights, scales = [w.cuda() for w in weights], [s.cuda() for s in scales]
     x = _x(M, 2048, M, torch.bfloat16).cuda()
-    for out, w, s in zip(fp8_linears(x, weights, scales, 128, 128), weights, scales):
+    for out, w, s in zip(fp8_linears(x, weights, scales, [128] * 3, 128), weights, scales):
         assert torch.equal(out, fp8_linear(x, w, s, 128, 128))
 
 

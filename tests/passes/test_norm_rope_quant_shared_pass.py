@@ -1,6 +1,6 @@
 """`norm_rope_quant`'s FP8 projections of one input (`passes/norm_rope_quant_shared.py`): `dsfuse::fp8_linear` calls
 that read one tensor, directly or through views, become one `dsfuse::fp8_linears` call (one activation quantisation),
-equal to eager bit for bit; projections that cannot share it (other block sizes or scale kinds) are a reported
+equal to eager bit for bit; projections that cannot share it (other activation blocks or scale kinds) are a reported
 near-miss naming both, FP4 weights and a projection alone are left silently."""
 
 import torch
@@ -131,7 +131,22 @@ def test_a_group_beside_a_projection_of_other_blocks_is_one_call_and_a_near_miss
     gm, ctx, args = _pass_on(module, _x())
     assert len(_calls(gm, FP8_LINEARS)) == 1 and len(_calls(gm, FP8_LINEAR)) == 1 and len(ctx.sites) == 1
     (miss,) = ctx.near_misses
-    assert "its blocks are 64 x 64, the other's 128 x 128 (one call takes one block size)" in miss.reason, miss
+    assert "it quantises its activations per 64 channels, the other per 128 (one call quantises them once)" in \
+        miss.reason, miss
+    with torch.no_grad():
+        assert all(torch.equal(g, w) for g, w in zip(gm(*args), module(args[0])))
+
+
+def test_per_tensor_scales_of_other_heights_share_one_call():
+    """A checkpoint without `weight_block_size`: each weight one block (block_n its N, block_k = K, one fp32 scale).
+    The activations' quantisation reads only block_k: one call, each projection with its own block height."""
+    module = Projections([(*_fp8(48, 1, "float", block=K), (48, K), None),
+                          (*_fp8(40, 2, "float", block=K), (40, K), "flat")])
+    gm, ctx, args = _pass_on(module, _x())
+    (call,) = _calls(gm, FP8_LINEARS)
+    assert call.args[3] == [48, 40] and not ctx.near_misses
+    assert [s.detail for s in ctx.sites] == ["one activation quantisation for 2 FP8 projections (N = 48, 40) of "
+                                             "[..., 256] (block 48 x 256, 40 x 256, fp32 scales)"]
     with torch.no_grad():
         assert all(torch.equal(g, w) for g, w in zip(gm(*args), module(args[0])))
 
