@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch._guards import detect_fake_mode
 
-from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op,
+from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op, is_upcast,
                           node_arg, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, slice_args,
                           tensor_val, val)
 
@@ -499,8 +499,11 @@ def collect_scale(node: torch.fx.Node) -> bool:
 
 def sum_over_count_is_mean(node: torch.fx.Node) -> bool:
     """Record `MEAN = (x, dims, keepdim)` on `sum(x, dims) / n` (or `* (1/n)`) where n is the number of summed
-    elements."""
+    elements, also where the sum runs in a narrower dtype and is upcast before the division (`sum(x, dims,
+    dtype=float16).float() / n`): a mean up to rounding, whose rounding the reading family's verifier judges."""
     total, n = node.args[:2]
+    if is_upcast(total) and is_op(total.args[0], aten.sum.dim_IntList):
+        total = total.args[0]
     n = val(n)  # a constant, or the SymInt of a symbolic size
     if node.target is aten.mul.Tensor:  # `sum / 2^k`, spelled `sum * 2^-k` by `div_by_power_of_two`
         n = 1.0 / n if isinstance(n, float) and n != 0 else None
@@ -647,6 +650,8 @@ def row_mean(square: Any) -> torch.fx.Node | None:
         return mean if dims == [rank - 1] and keepdim else None
     total = users[0]
     scaled = list(total.users) if is_op(total, aten.sum.dim_IntList) else []
+    if len(scaled) == 1 and is_upcast(scaled[0]):  # the sum in a narrower dtype, upcast before the division
+        scaled = list(scaled[0].users)
     marked = scaled[0].meta.get(MEAN) if len(scaled) == 1 else None
     return scaled[0] if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
 

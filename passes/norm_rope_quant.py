@@ -333,6 +333,8 @@ def _row_mean(square: torch.fx.Node) -> torch.fx.Node | None:
         keep = len(mean.args) > 2 and mean.args[2]
         return mean if is_last_dim(square, mean.args[1]) and keep else None
     total = only_user(square, aten.sum.dim_IntList)
+    upcast = only_user(total, CONVERT) if total is not None else None
+    total = upcast if upcast is not None and is_upcast(upcast) else total  # a narrower sum, upcast before dividing
     scaled = only_user(total, aten.div.Tensor, aten.mul.Tensor) if total is not None else None
     marked = scaled.meta.get(MEAN) if scaled is not None else None
     return scaled if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
@@ -1016,8 +1018,20 @@ def _match_projection_norm(square: torch.fx.Node) -> dict:
     if not projected or not shape(part):
         raise NoMatch("input is not a projection output", reported=False)
     norm = _match_weighted_or_unit_norm(part, dtype(part))  # one the call cannot take is reported
-    _check_rms_norm(part, norm, "rmsnorm_rope")
+    try:
+        _check_rms_norm(part, norm, "rmsnorm_rope")
+    except NoMatch as miss:
+        if miss.reported and _read_by_rope_call(norm["norm_out"]):
+            raise NoMatch(f"reported with the RoPE its output feeds: {miss.reason}", reported=False) from None
+        raise
     return {"part": part, **norm}
+
+
+def _read_by_rope_call(out: torch.fx.Node) -> bool:
+    """Whether a `rope_cat` call reads `out` (through views): a V4 row's RoPE rewritten without the norm before it,
+    whose near-miss already names the norm's failing probe."""
+    rows = walk_forward(out, lambda user: is_op(user, *ROW_VIEWS))
+    return any(is_op(user, torch.ops.dsfuse.rope_cat.default) for row in rows for user in row.users)
 
 
 def _moves_unit_dims_only(node: torch.fx.Node) -> bool:

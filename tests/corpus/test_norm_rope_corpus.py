@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
+import dsfuse
 from harness import LEFT_ALONE, NEAR_MISS, REWRITTEN, Entry, check_coverage, run_entry
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
     DeepseekV4UnweightedRMSNorm,
@@ -257,6 +259,27 @@ def residual_stream_norm(x, residual, weight):
 
 
 # --------------------------------------------------------------------------------------- inputs
+def square_sum_in_fp16(x, w_proj, weight):
+    """vLLM's RMSNorm with the squares summed in fp16 and upcast before the division by the width: read as a mean,
+    the fp16 sum overflows on large rows."""
+    h = (x @ w_proj).to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True, dtype=torch.float16).float() / C_NORM + EPS)
+    return h.to(x.dtype) * weight
+
+
+def v4_kv_head_square_sum_in_fp16(x, w_proj, weight32, cos, sin):
+    """`v4_kv_head_written_out` with the norm's squares summed in fp16 (then upcast and divided by the width)."""
+    xf = (x @ w_proj).float()
+    mean_square = xf.pow(2).sum(-1, keepdim=True, dtype=torch.float16).float() / D
+    kv = (weight32 * (xf * torch.rsqrt(mean_square + EPS))).to(x.dtype)
+    kv = kv.view(B, S, 1, D).transpose(1, 2)
+    nope, rope = kv[..., :-C_ROPE], kv[..., -C_ROPE:]
+    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    cos2, sin2 = (t.repeat_interleave(2, dim=-1).unsqueeze(1) for t in (cos, sin))
+    rotated = (rope.float() * cos2 + rotated_half.float() * sin2).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
+
+
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
@@ -416,3 +439,21 @@ def test_corpus_covers_the_family():
     outcome kind appears."""
     check_coverage(CORPUS, ops={"dsfuse.rmsnorm_rope", "dsfuse.rope_cat", "dsfuse.rope_quant_fp8",
                                 "dsfuse.complex_rope"})
+
+
+def test_a_norm_summed_in_fp16_is_one_near_miss_naming_its_probe():
+    """A mean of squares spelled `sum(dtype=float16).float() / C` is read as a mean and refused on probes (the large
+    rows overflow fp16): a projection's norm is one reported near-miss; a V4 row's is left out of its RoPE's call
+    and reported there, once (not again by the projection-norm step, which sees the same norm)."""
+    for fn, make, count, anchor in ((square_sum_in_fp16, _projection(), 0, "pow"),
+                                    (v4_kv_head_square_sum_in_fp16, _v4_kv_head, 1, "cat")):
+        args = make()
+        dsfuse.reset_report()
+        with torch.no_grad():
+            got = torch.compile(fn, backend="dsfuse", options={"enable": ["norm_rope_quant"]})(*args)
+            rep = dsfuse.report()
+            want = fn(*args)
+        misses = [m for m in rep.near_misses if m.pass_name == "norm_rope_quant"]
+        assert rep.counts["norm_rope_quant"] == count and len(misses) == 1, str(rep)
+        assert misses[0].anchor.startswith(anchor) and "large rows probe" in misses[0].reason, str(rep)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
