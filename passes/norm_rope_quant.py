@@ -105,7 +105,7 @@ from dsfuse.kernels.norm_rope_quant import (  # (also registers torch.ops.dsfuse
     RMS_NORMS, layer_norm_reference, rms_norm_reference, rmsnorm_rope_reference)
 from dsfuse.kernels.quant_formats import quantize_activations
 
-from .canonicalize import MEAN, canonical_bmm, canonical_mm
+from .canonicalize import MEAN, canonical_bmm, canonical_mm, row_mean
 from .context import NoMatch, PassContext, rewrite_anchored
 from .graph_utils import (
     CONVERT,
@@ -259,7 +259,7 @@ def _match_rmsnorm(part: torch.fx.Node, x_dtype: torch.dtype, unweighted: bool =
     squares = [u for u in users_of(xf, aten.pow.Tensor_Scalar) if u.args[1] == 2]
     if len(squares) != 1:
         raise NoMatch("no square", reported=False)
-    mean = _row_mean(squares[0])
+    mean = row_mean(squares[0])
     if mean is None:
         raise NoMatch("no mean over the last dim", reported=False)
     add = only_user(mean, aten.add.Tensor)
@@ -322,22 +322,6 @@ def _unit_weight_if_none(graph: torch.fx.Graph, before: torch.fx.Node, m: dict, 
         return m["weight"]
     return insert_call(graph, before, aten.full.default, ([width], 1.0),
                        {"dtype": torch.float32, "device": val(x).device})
-
-
-def _row_mean(square: torch.fx.Node) -> torch.fx.Node | None:
-    """The node that is `mean(square, -1, keepdim=True)`: a `mean`, or a `sum / C` the canonicaliser marked as
-    one (`MEAN`)."""
-    rank = len(shape(square))
-    mean = only_user(square, aten.mean.dim)
-    if mean is not None:
-        keep = len(mean.args) > 2 and mean.args[2]
-        return mean if is_last_dim(square, mean.args[1]) and keep else None
-    total = only_user(square, aten.sum.dim_IntList)
-    upcast = only_user(total, CONVERT) if total is not None else None
-    total = upcast if upcast is not None and is_upcast(upcast) else total  # a narrower sum, upcast before dividing
-    scaled = only_user(total, aten.div.Tensor, aten.mul.Tensor) if total is not None else None
-    marked = scaled.meta.get(MEAN) if scaled is not None else None
-    return scaled if marked is not None and marked[0] is square and marked[1:] == ((rank - 1,), True) else None
 
 
 def _weight_mul(h: torch.fx.Node, c_norm, weight_dtype: torch.dtype) -> tuple[torch.fx.Node, torch.fx.Node]:
