@@ -121,11 +121,16 @@ def v4_kv_head_written_out(x, w_proj, weight32, cos, sin):
     then `rope.float() * cos + rotate_half(rope).float() * sin` with the pair tables repeated, `cat` back."""
     xf = (x @ w_proj).float()
     kv = (weight32 * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))).to(x.dtype)
+    return _kv_head_rope_written_out(kv, cos, sin)
+
+
+def _kv_head_rope_written_out(kv, cos, sin):
+    """The K=V head of `kv` [B, S, D] with V4's RoPE written out on its trailing slice, `cat` back."""
     kv = kv.view(B, S, 1, D).transpose(1, 2)
     nope, rope = kv[..., :-C_ROPE], kv[..., -C_ROPE:]
     rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
     cos2, sin2 = (t.repeat_interleave(2, dim=-1).unsqueeze(1) for t in (cos, sin))
-    rotated = (rope.float() * cos2 + rotated_half.float() * sin2).to(x.dtype)
+    rotated = (rope.float() * cos2 + rotated_half.float() * sin2).to(kv.dtype)
     return torch.cat([nope, rotated], dim=-1)
 
 
@@ -272,12 +277,7 @@ def v4_kv_head_square_sum_in_fp16(x, w_proj, weight32, cos, sin):
     xf = (x @ w_proj).float()
     mean_square = xf.pow(2).sum(-1, keepdim=True, dtype=torch.float16).float() / D
     kv = (weight32 * (xf * torch.rsqrt(mean_square + EPS))).to(x.dtype)
-    kv = kv.view(B, S, 1, D).transpose(1, 2)
-    nope, rope = kv[..., :-C_ROPE], kv[..., -C_ROPE:]
-    rotated_half = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    cos2, sin2 = (t.repeat_interleave(2, dim=-1).unsqueeze(1) for t in (cos, sin))
-    rotated = (rope.float() * cos2 + rotated_half.float() * sin2).to(x.dtype)
-    return torch.cat([nope, rotated], dim=-1)
+    return _kv_head_rope_written_out(kv, cos, sin)
 
 
 def _gen(seed):
