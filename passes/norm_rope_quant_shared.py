@@ -159,9 +159,10 @@ def _match(node: torch.fx.Node) -> dict:
 def _verify(root: torch.fx.Node, members: list[torch.fx.Node]) -> Verdict:
     """Run the slice from the shared input through its views to each projection on `_probes` against
     `fp8_linears_reference` on the shared input, each output viewed as the projection's own: bit for bit."""
-    p = _projection(members[0])
-    pairs = [(_projection(m)["weight"], _projection(m)["weight_scale"]) for m in members]
-    block_ns = [_projection(m)["block_n"] for m in members]
+    projections = [_projection(m) for m in members]
+    p = projections[0]
+    pairs = [(q["weight"], q["weight_scale"]) for q in projections]
+    block_ns = [q["block_n"] for q in projections]
     params = list(dict.fromkeys(n for pair in pairs for n in pair))  # a tensor read twice is one role
     roles = {"x": root, **{f"param{i}": n for i, n in enumerate(params)}}
     role_of = {n: role for role, n in roles.items()}

@@ -862,6 +862,7 @@ def _within_budget(out, want: torch.Tensor, probe: dict) -> str | None:
     return (f"outputs differ by up to {miss.ulps:.3g} ulps of {want.dtype} at the largest key (budget "
             f"{ULPS[want.dtype]})")
 
+
 # ---------------------------------------------------------------------------
 # Rewrite
 # ---------------------------------------------------------------------------
