@@ -1,5 +1,5 @@
-"""Test setup: Triton's interpreter on machines without a GPU, scalar Inductor C++ there, and a clean dsfuse state
-per test."""
+"""Test setup: Triton's interpreter on machines without a GPU, scalar Inductor C++ there, each pytest-xdist worker's
+share of the cores, and a clean dsfuse state per test."""
 
 import os
 
@@ -18,6 +18,13 @@ if not torch.cuda.is_available():
     from interpreter_patching import patch_the_language_once_per_launch
 
     patch_the_language_once_per_launch()
+
+# pytest-xdist workers share the cores: each takes its share of intra-op threads (unless OMP_NUM_THREADS says
+# otherwise). Two workers of two threads each on two cores leave OpenMP waiting for threads the other worker holds:
+# the eager V4 chunked-prefill tests took 6.7 s with two threads beside one busy process, 0.8 s with one.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
 
 import pytest  # noqa: E402
 
