@@ -56,6 +56,9 @@ def quantized_checkpoints(tmp_path_factory):
     return tuple(write_fp8_checkpoint(tmp_path_factory.mktemp(preset), preset) for preset in ("fp8-tp-tiny", "fp8-tiny"))
 
 
+# Both world sizes on one pytest-xdist worker, 2 ranks first: rank 0's compile of the unsharded model (the same graph
+# in both launches) is served to the 4-rank launch by Inductor's caches.
+@pytest.mark.xdist_group("distributed_fp8_unsharded")
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_fp8_model_parity(quantized_checkpoints, tmp_path, world):
     """A released-layout FP8 checkpoint on 2 and 4 ranks, under the tensor-parallel plan and the tensor- and
