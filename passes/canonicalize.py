@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 from torch._guards import detect_fake_mode
 
-from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op, is_upcast,
-                          node_arg, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape, slice_args,
-                          tensor_val, val)
+from .graph_utils import (CONVERT, NOT_OPS, SPLIT_OPS, TRANSPOSE_OPS, VIEW_OPS, aten, dtype, fake_call, is_op,
+                          is_upcast, node_arg, only_user, same_shape, same_size, scalar_arg, scalar_constant, shape,
+                          slice_args, tensor_val, val)
 
 # Keys of the canonical forms recorded by the inexact rules.
 SCALE = "dsfuse_scale"  # (input, factor): the node is `input * factor` up to rounding

@@ -60,8 +60,8 @@ with the reason. Two more site kinds, each into one launch:
   order-keeping views of it) with e4m3 weights of one block size and one scale kind (V3.2 / GLM: q_a, kv_a and the
   indexer's wk; q_b and the indexer's wq_b; an MLP's gate and up; V4: wq_a and wkv, wq_b and the indexer's wq_b,
   the shared experts' w1 and w3), one call that quantises the activations once for all their GEMMs
-  (norm_rope_quant_shared.py). Two FP8 projections of one input whose activation blocks (`block_k`) or scale kinds differ are
-  reported: the input is quantised once for each.
+  (norm_rope_quant_shared.py). Two FP8 projections of one input whose activation blocks (`block_k`) or scale kinds
+  differ are reported: the input is quantised once for each.
 
 Every norm and quantisation the walk matched is then run on probes (`verify.py`) before it is rewritten, against
 the reference of the call that replaces it: the walk reads their ops but not what a reduction's `dtype` argument does
