@@ -19,12 +19,13 @@ if not torch.cuda.is_available():
 
     patch_the_language_once_per_launch()
 
-# pytest-xdist workers share the cores: each takes its share of intra-op threads (unless OMP_NUM_THREADS says
-# otherwise). Two workers of two threads each on two cores leave OpenMP waiting for threads the other worker holds:
-# the eager V4 chunked-prefill tests took 6.7 s with two threads beside one busy process, 0.8 s with one.
+# pytest-xdist workers share the cores: each takes its share of torch's default intra-op threads (unless
+# OMP_NUM_THREADS says otherwise). Two workers of two threads each on two cores leave OpenMP waiting for threads the
+# other worker holds: the eager V4 chunked-prefill tests took 6.7 s with two threads beside one busy process, 0.8 s
+# with one.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 import pytest  # noqa: E402
 
