@@ -278,20 +278,24 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 
 @triton.jit
-def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr, GROUPED: tl.constexpr):
+def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts,
+                  sw_e, sws_e, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr,
+                  GROUPED: tl.constexpr):
     """This program's row tile and column block: (expert, output rows, which are valid, the activation row each
     reads, its pointer, output columns, which are valid, the expert's weight and scale bases). Column blocks are
     program_id(0), the fastest-varying launch index: the programs running at once share a row tile, whose
     activations then come from HBM once and from L2 for its other column blocks (with row tiles first, each column
     block re-read every activation from HBM: ~19 GB a forward for V4-Flash's experts at T=8192). GROUPED: row tile
-    program_id(1) is the tile list's entry; otherwise it is program_id(1)'s BLOCK_M rows of M through expert 0 (no
-    tile list to build or read)."""
+    program_id(1) is the tile list's entry, whose expert reads as num_experts (nothing to do) when its first row is
+    not before its end; otherwise it is program_id(1)'s BLOCK_M rows of M through expert 0 (no tile list to build or
+    read)."""
     tile = tl.program_id(1)
     if GROUPED:
-        expert = tl.load(tile_expert_ptr + tile)
-        rows = tl.load(tile_row_ptr + tile) + tl.arange(0, BLOCK_M)
-        row_ok = rows < tl.load(tile_end_ptr + tile)
+        first_row = tl.load(tile_row_ptr + tile)
+        end = tl.load(tile_end_ptr + tile)
+        expert = tl.where(first_row < end, tl.load(tile_expert_ptr + tile), num_experts)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < end
     else:
         expert = tl.zeros((), tl.int32)
         rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -320,8 +324,8 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, 
     and read it for each of its slots)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED)
+        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts, sw_e, sws_e,
+        BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -384,8 +388,8 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_ex
     K step are loaded one step ahead (`scale_tile`)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED)
+        a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts, sw_e, sws_e,
+        BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     operand = tl.bfloat16 if DECODE_ASM else tl.float32
@@ -421,8 +425,8 @@ def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr
     channels loaded one group ahead as the scales are."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, sw_e, sws_e, BLOCK_M,
-        BLOCK_N, GATHER_A, GROUPED)
+        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts, sw_e, sws_e,
+        BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -653,20 +657,30 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     return buffers[-1]
 
 
+def grouped_block_m(rows: int, weight: torch.Tensor) -> int:
+    """The row tile of a grouped GEMM of `rows` rows through the expert stack `weight` on `_gemm`'s default path:
+    the rows a tile list passed to `_gemm` must be built for."""
+    if rows <= DECODE_MAX_ROWS:
+        return _decode_block_m(rows, grouped=True)
+    return _gemm_config(rows, weight, weight.shape[0])[0]
+
+
 def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None, config=None, decode=None,
-          split=None):
+          split=None, tiles=None):
     """out = `q`, `s` (from `quantize_for_weight`) through `weight`, or with `s` None, `q` the activations x
     themselves, quantised inside the decode kernel (FP8 weights on the decode path) or first; grouped by expert with
-    the running row totals `offsets` [E]; `a_rows` [rows] int32: output row r reads activation row a_rows[r] of q.
-    `decode` (by default: at most DECODE_MAX_ROWS rows) picks the decode path; `config` replaces its tile table's
-    entry (`_decode_config` or `_tile_config`'s tuple: the benchmark's sweeps) and `split` the count of
+    the running row totals `offsets` [E], or by the tile list `tiles` = (expert, first row, end of the expert's
+    rows), int32, built for `grouped_block_m`'s row tile; `a_rows` [rows] int32: output row r reads activation row
+    a_rows[r] of q. `decode` (by default: at most DECODE_MAX_ROWS rows) picks the decode path; `config` replaces its
+    tile table's entry (`_decode_config` or `_tile_config`'s tuple: the benchmark's sweeps) and `split` the count of
     channel-group splits."""
     N, K = weight_dims(weight)
     rows, fp4 = out.shape[0], _is_fp4(weight)
-    experts = 1 if offsets is None else offsets.shape[0]
+    grouped = offsets is not None or tiles is not None
+    experts = weight.shape[0] if grouped else 1
     decode = rows <= DECODE_MAX_ROWS if decode is None else decode
     if decode:
-        BM = _decode_block_m(rows, offsets is not None)
+        BM = _decode_block_m(rows, grouped)
         BN, warps, stages, programs_per_sm, fp4_step = config or _decode_config(fp4, BM)
     else:
         BM, BN, warps, stages, *fp4_step = config or _gemm_config(rows, weight, experts)
@@ -674,7 +688,9 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     quantize_a = s is None and _decode_quantizes(decode, fp4, BM)
     if s is None and not quantize_a:
         q, s = quantize_for_weight(q, weight, scale, block_k)
-    if offsets is None:  # row tiles from the program id: nothing to build on the device
+    if tiles is not None:
+        tile_count = tiles[0].numel()
+    elif offsets is None:  # row tiles from the program id: nothing to build on the device
         tiles, tile_count = (q, q, q), cdiv(rows, BM)
     else:
         tiles, tile_count = _expert_row_tiles(offsets, rows, BM)
@@ -693,7 +709,7 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     counters = _arrival_counters(q.device, tile_count * columns if split > 1 else 1)
     partials_stride = rows * N if split > 1 else 0
     common = dict(BLOCK_M=BM, BLOCK_N=BN, SPLIT_PARTIALS=split > 1, GATHER_A=a_rows is not None,
-                  GROUPED=offsets is not None, num_warps=warps, num_stages=stages)
+                  GROUPED=grouped, num_warps=warps, num_stages=stages)
     a_row_arg = tiles[0] if a_rows is None else a_rows
     grid = (columns, tile_count, split)
     if fp4:  # the tile decode reads bytes and scales along K
@@ -821,12 +837,12 @@ def fp8_linears_triton(x, weights, weight_scales, block_ns, block_k):
     return outs
 
 
-def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, offsets, block_n, block_k, out):
+def grouped_gemm_quantized(q, s, a_rows, weight, weight_scale, tiles, block_n, block_k, out):
     """The grouped GEMM on activations quantised by `quantize_for_weight` (or `q` the activations and `s` None: a
     decode-sized call quantises them in its kernel, a larger one beforehand): out[r] = q[a_rows[r]] (q[r] without
-    `a_rows`) through the weight of r's expert, for the rows up to offsets[-1]; later rows of `out` are not defined
-    afterwards."""
-    _gemm(q, s, weight, weight_scale, out, block_n, block_k, offsets=offsets, a_rows=a_rows)
+    `a_rows`) through the weight of r's expert, for the rows the tile list `tiles` (see `_gemm`; built for
+    `grouped_block_m(out rows, weight)`) covers; other rows of `out` are not defined afterwards."""
+    _gemm(q, s, weight, weight_scale, out, block_n, block_k, a_rows=a_rows, tiles=tiles)
 
 
 # --------------------------------------------------------------------------------------------
@@ -894,5 +910,6 @@ def weight_bytes(weight: torch.Tensor, scale: torch.Tensor) -> int:
 
 __all__ = ["SCALED_MM_MIN_ROWS", "cublas_block_scaled_gemm", "dequantize_weight", "fp8_grouped_linear",
            "fp8_grouped_linear_reference", "fp8_grouped_linear_triton", "fp8_linear", "fp8_linear_reference",
-           "fp8_linear_triton", "fp8_linears", "fp8_linears_reference", "fp8_linears_triton", "grouped_gemm_quantized",
-           "quantize_activations_triton", "quantize_for_weight", "weight_bytes", "weight_dims"]
+           "fp8_linear_triton", "fp8_linears", "fp8_linears_reference", "fp8_linears_triton", "grouped_block_m",
+           "grouped_gemm_quantized", "quantize_activations_triton", "quantize_for_weight", "weight_bytes",
+           "weight_dims"]

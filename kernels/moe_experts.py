@@ -726,9 +726,9 @@ def _routing_keys(ids_ptr, offs, N, LOCAL_LO, NUM_EXPERTS, E_PAD: tl.constexpr):
 
 @triton.jit
 def _routing_kernel(
-    ids_ptr, rank_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr,
-    N, LOCAL_LO, NUM_EXPERTS, MAX_TILES,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    ids_ptr, rank_ptr, sorted_slot_ptr, tile_row_start_ptr, tile_row_end_ptr, tile_expert_ptr, row_token_ptr,
+    row_of_slot_ptr, N, LOCAL_LO, NUM_EXPERTS, MAX_TILES, TOP_K,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, ROW_MAPS: tl.constexpr,
 ):
     """`build_tile_schedule` in one program (one launch instead of ~35 small torch ops): a stable counting sort.
 
@@ -736,6 +736,8 @@ def _routing_kernel(
     cumsum give each slot its rank within its bucket (the bucket counts carry over chunks). Bucket starts are the
     exclusive cumsum of the counts (other ranks' bucket `NUM_EXPERTS` last); pass 2 scatters each slot to
     `start + rank`. The tile list then follows from the per-expert tile counts as in the torch version.
+    ROW_MAPS: pass 2 also writes each sorted row's token (slot // TOP_K) and each slot's row (-1 for another
+    rank's slot), `build_row_routing`'s maps.
     """
     buckets = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
@@ -749,9 +751,13 @@ def _routing_kernel(
     starts = tl.cumsum(counts, axis=0) - counts
     for c0 in range(0, N, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        onehot = (_routing_keys(ids_ptr, offs, N, LOCAL_LO, NUM_EXPERTS, E_PAD)[:, None] == buckets[None, :])
+        keys = _routing_keys(ids_ptr, offs, N, LOCAL_LO, NUM_EXPERTS, E_PAD)
+        onehot = keys[:, None] == buckets[None, :]
         position = tl.sum(onehot.to(tl.int32) * starts[None, :], axis=1) + tl.load(rank_ptr + offs, mask=offs < N)
         tl.store(sorted_slot_ptr + position, offs, mask=offs < N)
+        if ROW_MAPS:
+            tl.store(row_token_ptr + position, offs // TOP_K, mask=offs < N)
+            tl.store(row_of_slot_ptr + offs, tl.where(keys < NUM_EXPERTS, position, -1), mask=offs < N)
     is_expert = buckets < NUM_EXPERTS
     local_counts = tl.where(is_expert, counts, 0)
     tiles = (local_counts + BLOCK_M - 1) // BLOCK_M
@@ -774,19 +780,46 @@ def _routing_kernel(
 def build_tile_schedule_triton(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int,
                                compact: bool = True):
     """Same outputs as `build_tile_schedule` (identical sorted order and used tiles) from one Triton launch."""
+    return _launch_routing(expert_ids, num_experts, local_expert_offset, block_m, compact, row_maps=False)[:4]
+
+
+def _launch_routing(expert_ids, num_experts, local_expert_offset, block_m, compact, row_maps):
+    """`_routing_kernel`'s launch: (sorted_slot, row_start, row_end, tile_expert, row_token, row_of_slot), the last
+    two unwritten without `row_maps`."""
     flat = expert_ids.reshape(-1)
     n = flat.numel()
     max_tiles = num_schedule_tiles(n, num_experts, block_m, compact)
     e_pad = next_power_of_2(num_experts + 1)
-    sorted_slot = torch.empty(n, dtype=torch.int32, device=flat.device)
-    rank = torch.empty(n, dtype=torch.int32, device=flat.device)
+    sorted_slot, rank, row_token, row_of_slot = (torch.empty(n, dtype=torch.int32, device=flat.device)
+                                                 for _ in range(4))
     row_start, row_end, tile_expert = (torch.empty(max_tiles, dtype=torch.int32, device=flat.device)
                                        for _ in range(3))
     # Chunks of 2048 one-hot entries: 16 registers per [CHUNK, E_PAD] tensor with 4 warps (8192 spilled on 3.6).
-    _routing_kernel[(1,)](flat, rank, sorted_slot, row_start, row_end, tile_expert, n, local_expert_offset,
-                          num_experts, max_tiles, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=max(16, 2048 // e_pad),
-                          num_warps=4)
-    return sorted_slot, row_start, row_end, tile_expert
+    _routing_kernel[(1,)](flat, rank, sorted_slot, row_start, row_end, tile_expert, row_token, row_of_slot, n,
+                          local_expert_offset, num_experts, max_tiles, expert_ids.shape[-1], BLOCK_M=block_m,
+                          E_PAD=e_pad, CHUNK=max(16, 2048 // e_pad), ROW_MAPS=row_maps, num_warps=4)
+    return sorted_slot, row_start, row_end, tile_expert, row_token, row_of_slot
+
+
+def build_row_routing(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int):
+    """The routing of GEMMs that gather their activation rows (the block-scaled experts): `(row_token, row_of_slot,
+    (tile_expert, tile_row_start, tile_row_end))`. Row r of the expert-sorted order (`build_tile_schedule`'s,
+    stable, other ranks' slots last) reads token `row_token[r]`; slot s lies at row `row_of_slot[s]`, -1 when its
+    expert is another rank's; the compact tile list of `block_m` rows is `build_tile_schedule`'s. All int32, on the
+    device, no host sync: one Triton launch up to TRITON_ROUTING_MAX_SLOTS slots (~35 torch ops, each a launch,
+    otherwise), torch ops past it."""
+    if expert_ids.numel() <= TRITON_ROUTING_MAX_SLOTS:
+        _, row_start, row_end, tile_expert, row_token, row_of_slot = _launch_routing(
+            expert_ids.contiguous(), num_experts, local_expert_offset, block_m, True, row_maps=True)
+        return row_token, row_of_slot, (tile_expert, row_start, row_end)
+    sorted_slot, row_start, row_end, tile_expert = build_tile_schedule(expert_ids, num_experts, local_expert_offset,
+                                                                       block_m)
+    local = expert_ids.reshape(-1).long() - local_expert_offset
+    is_local = (local >= 0) & (local < num_experts)
+    rows = torch.arange(sorted_slot.numel(), dtype=torch.int32, device=sorted_slot.device)
+    row_of_slot = torch.empty_like(rows).scatter_(0, sorted_slot.long(), rows)
+    row_of_slot = torch.where(is_local, row_of_slot, -1)
+    return (sorted_slot // expert_ids.shape[-1]), row_of_slot, (tile_expert, row_start, row_end)
 
 
 # The inline-PTX bf16 decode for bf16 activations on CUDA (`fp4_decode_bf16_pair`); False falls back to the fp32 decode.

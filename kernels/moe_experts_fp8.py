@@ -16,11 +16,11 @@ gathering the rows first or after changes nothing. Slots whose expert is not loc
 [E, 2I, H / 2] bytes), gate_up_scale, down [E, H, I] (FP4: [E, H, I / 2]), down_scale, block_n, block_k,
 local_expert_offset=0, swiglu_limit=None) -> [T, H]`.
 
-On CUDA the routing is computed on the device (no host sync) and both GEMMs are `fp8_linear`'s grouped Triton GEMM;
-each token is quantised once and read by its slots inside the first GEMM, SwiGLU and the second GEMM's quantisation
-are one pass over the first GEMM's output (except at decode sizes, where that GEMM quantises in its kernel), and the
-combine is one kernel that reads the second GEMM's rows where they lie (instead of a gathered copy of x, a weighted
-fp32 copy of y, its scatter back to slot order and a sum, each a pass over memory).
+On CUDA the routing is computed on the device (no host sync; one launch up to `TRITON_ROUTING_MAX_SLOTS` slots) and
+both GEMMs are `fp8_linear`'s grouped Triton GEMM over the same tile list; each token is quantised once and read by
+its slots inside the first GEMM, SwiGLU and the second GEMM's quantisation are one pass over the first GEMM's output,
+and the combine is one kernel that reads the second GEMM's rows where they lie (instead of a gathered copy of x, a
+weighted fp32 copy of y, its scatter back to slot order and a sum, each a pass over memory).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_gemm_quantized,
-                                       quantize_for_weight, quantizes_in_kernel, weight_dims)
-from dsfuse.kernels.moe_experts import check_ids_non_negative, check_swiglu_limit, swiglu
+from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_block_m,
+                                       grouped_gemm_quantized, quantize_for_weight, weight_dims)
+from dsfuse.kernels.moe_experts import build_row_routing, check_ids_non_negative, check_swiglu_limit, swiglu
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
 
@@ -77,17 +77,17 @@ def _routing(expert_ids, E, local_expert_offset):
     return order, is_local, counts[:E].cumsum(0, dtype=torch.int32)
 
 
-def _combine_reference(y, order, is_local, expert_weights, dtype):
-    """Each token's sum over its k slots, in slot order, of y * router weight (torch's type promotion), other ranks'
-    slots adding zero; accumulated in fp32 and rounded once (to the product's dtype, then `dtype`)."""
+def _combine_reference(y, row_of_slot, expert_weights, dtype):
+    """Each token's sum over its k slots, in slot order, of y[row_of_slot[slot]] * router weight (torch's type
+    promotion), slots of other ranks (row -1) adding zero; accumulated in fp32 and rounded once (to the product's
+    dtype, then `dtype`)."""
     T, top_k = expert_weights.shape
-    weighted = y * expert_weights.reshape(-1)[order].unsqueeze(-1)
-    weighted = torch.where(is_local[order].unsqueeze(-1), weighted, 0)
-    in_slot_order = torch.empty_like(weighted).index_copy_(0, order, weighted).view(T, top_k, -1)
+    in_slot_order = y[row_of_slot.clamp(min=0).long()] * expert_weights.reshape(-1).unsqueeze(-1)
+    in_slot_order = torch.where((row_of_slot >= 0).unsqueeze(-1), in_slot_order, 0).view(T, top_k, -1)
     total = torch.zeros((T, y.shape[-1]), dtype=torch.float32, device=y.device)
     for slot in range(top_k):
         total = total + in_slot_order[:, slot].float()
-    return total.to(weighted.dtype).to(dtype)
+    return total.to(in_slot_order.dtype).to(dtype)
 
 
 def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
@@ -97,7 +97,8 @@ def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, do
     h = fp8_grouped_linear_reference(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
     act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
     y = fp8_grouped_linear_reference(act, down, down_scale, offsets, block_n, block_k)
-    return _combine_reference(y, order, is_local, expert_weights, x.dtype)
+    row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return _combine_reference(y, torch.where(is_local, row_of_slot, -1), expert_weights, x.dtype)
 
 
 @triton.jit
@@ -133,16 +134,13 @@ def _combine_kernel(y_ptr, row_of_slot_ptr, w_ptr, out_ptr, H, sy_m, so_m,
 PRODUCT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _combine_triton(y, order, is_local, expert_weights, dtype):
+def _combine_triton(y, row_of_slot, expert_weights, dtype):
     """`_combine_reference` in one launch: y is read once, in place of the weighted copy, its slot-order scatter and
-    the sum."""
+    the sum. `row_of_slot`: each slot's row of y, -1 for another rank's slot."""
     T, top_k = expert_weights.shape
     product = torch.promote_types(y.dtype, expert_weights.dtype)
     if product not in PRODUCT_CODES:
-        return _combine_reference(y, order, is_local, expert_weights, dtype)
-    rows = torch.arange(order.numel(), device=y.device, dtype=torch.int32)
-    row_of_slot = torch.empty_like(rows).scatter_(0, order, rows)
-    row_of_slot = torch.where(is_local, row_of_slot, -1)
+        return _combine_reference(y, row_of_slot, expert_weights, dtype)
     out = torch.empty((T, y.shape[-1]), dtype=dtype, device=y.device)
     block_h = 1024
     _combine_kernel[(T, cdiv(y.shape[-1], block_h))](
@@ -154,22 +152,21 @@ def _combine_triton(y, order, is_local, expert_weights, dtype):
 def _experts_triton(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
                     local_expert_offset, swiglu_limit):
     """The reference's math with each token quantised once and read by its slots inside the first GEMM, both GEMMs
-    writing only the local experts' rows, and the combine reading the second GEMM's rows where they lie."""
+    writing only the local experts' rows over one tile list, and the combine reading the second GEMM's rows where
+    they lie. Routing, the two GEMMs, SwiGLU with the second GEMM's quantisation, and the combine: five launches
+    at decode sizes."""
     T, top_k = expert_ids.shape
-    order, is_local, offsets = _routing(expert_ids, gate_up.shape[0], local_expert_offset)
     (two_i, H), slots = weight_dims(gate_up), T * top_k
-    # activations passed unquantised: a decode-sized GEMM quantises them in its kernel (one launch less each)
+    row_token, row_of_slot, tiles = build_row_routing(expert_ids, gate_up.shape[0], local_expert_offset,
+                                                      grouped_block_m(slots, gate_up))
     h = torch.empty((slots, two_i), dtype=x.dtype, device=x.device)
-    grouped_gemm_quantized(x, None, (order // top_k).to(torch.int32), gate_up, gate_up_scale, offsets, block_n,
-                           block_k, h)
+    # activations passed unquantised: a decode-sized GEMM quantises them in its kernel (one launch less)
+    grouped_gemm_quantized(x, None, row_token, gate_up, gate_up_scale, tiles, block_n, block_k, h)
+    # SwiGLU and the quantisation in one pass over h: the activation is never written
+    q, s = quantize_for_weight(h, down, down_scale, block_k, swiglu=(swiglu_limit,))
     y = torch.empty((slots, H), dtype=x.dtype, device=x.device)
-    if quantizes_in_kernel(slots, down, grouped=True):
-        grouped_gemm_quantized(swiglu(*h.chunk(2, dim=-1), swiglu_limit), None, None, down, down_scale, offsets,
-                               block_n, block_k, y)
-    else:  # SwiGLU and the quantisation in one pass over h: the activation is never written
-        q, s = quantize_for_weight(h, down, down_scale, block_k, swiglu=(swiglu_limit,))
-        grouped_gemm_quantized(q, s, None, down, down_scale, offsets, block_n, block_k, y)
-    return _combine_triton(y, order, is_local, expert_weights, x.dtype)
+    grouped_gemm_quantized(q, s, None, down, down_scale, tiles, block_n, block_k, y)
+    return _combine_triton(y, row_of_slot, expert_weights, x.dtype)
 
 
 def moe_experts_fp8_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n,

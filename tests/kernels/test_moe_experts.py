@@ -184,6 +184,31 @@ def test_triton_routing_matches_torch_schedule(T, k, num_experts, offset, block_
     assert torch.equal(start.cpu()[used], torch_start[used]) and torch.equal(expert.cpu()[used], torch_expert[used])
 
 
+@pytest.mark.parametrize("T,k,num_experts,offset,block_m", [(37, 6, 8, 0, 16), (300, 8, 16, 8, 64), (1, 1, 1, 0, 16),
+                                                             (90, 8, 200, 3, 16)])
+def test_row_routing_maps_rows_to_tokens_and_slots_to_rows(T, k, num_experts, offset, block_m, monkeypatch):
+    """`build_row_routing`: row r reads the token of the r-th slot in `build_tile_schedule`'s order, each local slot
+    lies at its row and another rank's at -1, the tiles are that schedule's; the one-launch kernel and the torch ops
+    past TRITON_ROUTING_MAX_SLOTS give the same int32 maps."""
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(0, 2 * num_experts + offset, (T, k), generator=g)
+    ids[: T // 2, 0] = offset
+    order, start, end, expert = moe.build_tile_schedule(ids, num_experts, offset, block_m)
+    row_token, row_of_slot, tiles = moe.build_row_routing(ids.to(DEVICE), num_experts, offset, block_m)
+    local = ((ids.view(-1) >= offset) & (ids.view(-1) < offset + num_experts)).nonzero().view(-1)
+    assert torch.equal(row_token.cpu(), order // k)
+    assert torch.equal(order[row_of_slot.cpu()[local].long()], local.to(order.dtype))
+    assert (row_of_slot.cpu() == -1).sum() == ids.numel() - local.numel()
+    used = end > start
+    assert torch.equal(tiles[2].cpu(), end) and torch.equal(tiles[1].cpu()[used], start[used])
+    assert torch.equal(tiles[0].cpu()[used], expert[used])
+    monkeypatch.setattr(moe, "TRITON_ROUTING_MAX_SLOTS", 0)
+    by_torch = moe.build_row_routing(ids, num_experts, offset, block_m)
+    assert all(t.dtype == torch.int32 for t in (*by_torch[:2], *by_torch[2]))
+    assert torch.equal(by_torch[0], row_token.cpu()) and torch.equal(by_torch[1], row_of_slot.cpu())
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(by_torch[2], tiles))
+
+
 def test_op_cpu_is_reference_and_opcheck():
     args = [a.cpu() for a in _inputs(5, 4, dtype=torch.float32)]
     out = torch.ops.dsfuse.moe_experts_fp4(*args, 0)
@@ -800,8 +825,10 @@ for T, name, overrides in ((1, "default", {}), (64, "default", {}), (64, "split2
                            (4096, "default", {})):
     for kernel, case in fp4_gemms(T, overrides).items():
         cases[f"fp4 T{T} {name} {kernel}"] = case
-cases["routing T8"] = (m._routing_kernel, dict(BLOCK_M=16, E_PAD=512, CHUNK=16),
-                       dict(N=48, LOCAL_LO=0, NUM_EXPERTS=E, MAX_TILES=48), dict(num_warps=4), {"ids_ptr": "*i64"})
+for row_maps in (False, True):
+    cases[f"routing T8 row maps {row_maps}"] = (
+        m._routing_kernel, dict(BLOCK_M=16, E_PAD=512, CHUNK=16, ROW_MAPS=row_maps),
+        dict(N=48, LOCAL_LO=0, NUM_EXPERTS=E, MAX_TILES=48, TOP_K=6), dict(num_warps=4), {"ids_ptr": "*i64"})
 seen = {}
 for name, (fn, constexprs, ints, options, pointers) in cases.items():
     key = (fn.__name__, json.dumps(constexprs, sort_keys=True, default=str), json.dumps(ints, sort_keys=True),
@@ -838,7 +865,8 @@ def test_decode_candidates_compile_for_sm90_offline():
     assert all(line["shared"] <= 227 * 1024 for line in lines), {c: v["shared"] for c, v in cases.items()}
     assert cases["T1 default gate_up"]["shared"] == 147456 and cases["T1 default gate_up"]["mma"] == "wgmma"
     assert cases["T1 bn32_s6 gate_up"]["mma"] == "mma.sync" and cases["T1 bn64 down"]["mma"] == "wgmma"
-    assert cases["routing T8"]["ok"] and "T8 split2 combine" in cases
+    assert cases["routing T8 row maps False"]["ok"] and cases["routing T8 row maps True"]["ok"]
+    assert "T8 split2 combine" in cases
     fp4 = [f"fp4 T{T} default {k}" for T in (1, 64, 4096) for k in ("gate_up", "down")] + ["fp4 T64 split2 down"]
     assert all(cases[name]["mma"] == "wgmma" for name in fp4)
     stored_kn = [f"[E, K, N] T{T} {k}" for T in (1, 8, 4096) for k in ("gate_up", "down")]

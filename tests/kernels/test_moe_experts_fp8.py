@@ -61,9 +61,15 @@ def test_reference_is_each_slot_through_its_experts_fp8_linears(kind, limit):
 @pytest.mark.parametrize("kind,x_dtype,weights_dtype", [
     ("ue8m0", torch.float16, torch.float32), ("fp4", torch.float16, torch.float32),
     ("ue8m0", torch.float16, torch.float16)])
-def test_triton_path_gives_the_references_bits(kind, x_dtype, weights_dtype):
-    """The combine rounds each weighted row to the product's dtype (fp16 router weights) as the reference does. (bf16
-    is the GPU test's: the interpreter truncates fp32 to bf16 where the GPU rounds to nearest.)"""
+def test_triton_path_gives_the_references_bits(kind, x_dtype, weights_dtype, monkeypatch):
+    """The combine rounds each weighted row to the product's dtype (fp16 router weights) as the reference does, with
+    silu's exp as the interpreter takes it (see below). (bf16 is the GPU test's: the interpreter truncates fp32 to
+    bf16 where the GPU rounds to nearest.)"""
+    from test_fp8_linear import swiglu_as_the_interpreter
+
+    from dsfuse.kernels import moe_experts_fp8 as module
+
+    monkeypatch.setattr(module, "swiglu", swiglu_as_the_interpreter)
     x, ids, weights = _routing(3, dtype=x_dtype)
     weights = weights.to(weights_dtype)
     stacks = _stacks(kind, 4)
@@ -93,9 +99,13 @@ def test_past_decode_sizes_swiglu_and_its_quantisation_are_one_pass(kind, limit,
     assert torch.equal(got, moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128, 0, limit))
 
 
-def test_expert_parallel_slots_of_other_ranks_add_nothing():
+def test_expert_parallel_slots_of_other_ranks_add_nothing(monkeypatch):
     """Global ids 0..2E-1 on the rank holding experts E..2E-1: the other slots contribute zero, even with NaN
     router weights, on both paths."""
+    from test_fp8_linear import swiglu_as_the_interpreter
+
+    from dsfuse.kernels import moe_experts_fp8 as module
+
     x, ids, weights = _routing(5, experts=2 * E)
     weights = torch.where(ids < E, float("nan"), weights)
     stacks = _stacks("float", 6)
@@ -104,7 +114,49 @@ def test_expert_parallel_slots_of_other_ranks_add_nothing():
     want = _slot_by_slot(x, (ids - E).clamp(min=0), torch.where(local, weights, 0), *stacks)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
-    assert torch.equal(moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128, E), got)
+    monkeypatch.setattr(module, "swiglu", swiglu_as_the_interpreter)
+    assert torch.equal(moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128, E),
+                       moe_experts_fp8_reference(x, ids, weights, *stacks, 128, 128, E))
+
+
+@pytest.mark.parametrize("kind", ["ue8m0", "fp4"])
+def test_decode_sized_call_is_five_launches_and_no_torch_op(kind, monkeypatch):
+    """A decode step's routed experts (one token, top-2 here; any count up to TRITON_ROUTING_MAX_SLOTS slots): the
+    routing, both GEMMs, SwiGLU with the second GEMM's quantisation and the combine, one Triton launch each (FP4: and
+    the first GEMM's activations quantised before it, as FP4 GEMMs read them), and no torch op computing on a tensor
+    between them (on the GPU each would be a launch of its own: the routing in torch ops and a tile list per GEMM
+    took ~65)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime import interpreter
+
+    launches, torch_ops, inside = [], [], []
+    run = interpreter.InterpretedFunction.run
+
+    def counted_run(self, *args, **kwargs):
+        launches.append(self.fn.__name__)
+        inside.append(True)
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    class TorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            allocates = func.overloadpacket in (torch.ops.aten.empty, torch.ops.aten.empty_strided)
+            if not inside and isinstance(out, torch.Tensor) and not func.is_view and not allocates:
+                torch_ops.append(func.__name__)
+            return out
+
+    x, ids, weights = _routing(19, dtype=torch.float16, tokens=1)
+    stacks = _stacks(kind, 20)
+    moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128)  # first call: the GEMMs' arrival counters
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", counted_run)
+    with TorchOps():
+        moe_experts_fp8_triton(x, ids, weights, *stacks, 128, 128)
+    first = ["_act_quant_kernel", "_fp4_gemm_kernel"] if kind == "fp4" else ["_fp8_decode_kernel"]
+    assert launches == ["_routing_kernel", *first, "_act_quant_kernel", first[-1], "_combine_kernel"]
+    assert torch_ops == []
 
 
 def test_op_dispatches_to_the_reference_and_passes_opcheck():
