@@ -969,6 +969,46 @@ def _distinct_allowed_keys(idx: torch.Tensor, attn_mask: Optional[torch.Tensor],
     return keys, no_key
 
 
+@triton.jit
+def _allowed_keys_kernel(idx_ptr, mask_ptr, keys_ptr, no_key_ptr, S, K, T, si_b, si_s, si_k, sm_b, sm_s, sm_t,
+                         HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One query row of `_distinct_allowed_keys` for indices without repeats: each index allowed (in [0, T), by
+    the mask at its nearest key, causally) kept, every other one -1 (int32), and whether the row kept none."""
+    row = tl.program_id(0)
+    b, s = row // S, row % S
+    kept = tl.zeros((BLOCK_K,), tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        in_row = ks < K
+        key = tl.load(idx_ptr + b.to(tl.int64) * si_b + s.to(tl.int64) * si_s + ks * si_k, mask=in_row,
+                      other=-1).to(tl.int64)
+        nearest = tl.minimum(tl.maximum(key, 0), T - 1)
+        if CAUSAL:
+            nearest = tl.minimum(nearest, s + T - S)
+        allowed = (nearest == key) & in_row
+        if HAS_MASK:
+            allowed &= tl.load(mask_ptr + b.to(tl.int64) * sm_b + s.to(tl.int64) * sm_s + nearest * sm_t,
+                               mask=in_row, other=0) != 0
+        tl.store(keys_ptr + row.to(tl.int64) * K + ks, tl.where(allowed, key, -1).to(tl.int32), mask=in_row)
+        kept |= allowed.to(tl.int32)
+    tl.store(no_key_ptr + row, (tl.max(kept, axis=0) == 0).to(tl.int8))
+
+
+def _distinct_allowed_keys_triton(idx, attn_mask, T, causal, indices_distinct=False):
+    """`_distinct_allowed_keys` in one launch where the row holds no repeats (a top-k's indices, int32 keys): the ~9
+    torch ops of a decode step's key selection, each a launch, become one; otherwise the torch ops."""
+    if not indices_distinct or T > torch.iinfo(torch.int32).max or idx.numel() == 0:
+        return _distinct_allowed_keys(idx, attn_mask, T, causal, indices_distinct)
+    B, S, K = idx.shape
+    keys = torch.empty((B, S, K), dtype=torch.int32, device=idx.device)
+    no_key = torch.empty((B, S), dtype=torch.int8, device=idx.device)
+    mask = idx if attn_mask is None else attn_mask.expand(B, 1, S, T)[:, 0].view(torch.uint8)
+    _allowed_keys_kernel[(B * S,)](idx, mask, keys, no_key, S, K, T, *idx.stride(), *mask.stride(),
+                                   HAS_MASK=attn_mask is not None, CAUSAL=causal,
+                                   BLOCK_K=min(1024, next_power_of_2(K)))
+    return keys, no_key.view(torch.bool)
+
+
 def _per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`x[h] @ w[h]` for an [H, B, S, *] view `x`, heads as the batch dim: [H, B, S, N].  cuBLAS takes any batch
     stride and a row- or column-major matrix, so a head slice of `kv_b_proj`'s weight is read in place (no copy,
@@ -978,7 +1018,7 @@ def _per_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal, empty_rows_see_all,
-                        indices_distinct, attend):
+                        indices_distinct, attend, allowed_keys=_distinct_allowed_keys):
     B, H, S, D = q.shape
     T, C = latent.shape[2], latent.shape[3]
     heads = kv_b_weight.view(H, -1, C)
@@ -987,7 +1027,7 @@ def _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nop
     q_latent = _per_head_matmul(q_nope.transpose(0, 1), w_key).permute(1, 2, 0, 3)  # [B,S,H,C] view, unit last stride
     q_rope = q_rope.transpose(1, 2)
     kv, pe = latent.reshape(B, T, C), rope.reshape(B, T, -1)
-    keys, no_key = _distinct_allowed_keys(idx, attn_mask, T, causal, indices_distinct)
+    keys, no_key = allowed_keys(idx, attn_mask, T, causal, indices_distinct)
     out_latent = attend(q_latent, q_rope, kv, pe, keys, scale)
     if empty_rows_see_all:
         every_key = torch.arange(T, device=q.device).expand(B, S, T)  # stride 0 on B and S: no [B,S,T] tensor
@@ -1061,15 +1101,16 @@ def absorbed_mla_attention_math(q, latent, rope, kv_b_weight, idx, attn_mask, sc
 def absorbed_mla_attention_triton(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal=False,
                                   empty_rows_see_all=False, indices_distinct=False, kv_b_scale=None,
                                   kv_b_block_n=128, kv_b_block_k=128):
-    """The CUDA path (or CPU tensors under TRITON_INTERPRET): absorption and key selection in torch ops, the
-    attention in the MLA kernel.  No host sync. An FP8 kv_b_proj is dequantised once while it is unchanged
-    (`dequantized_once`): every decode step reads the whole weight, ~25 us a layer on an H200 (run 140)."""
+    """The CUDA path (or CPU tensors under TRITON_INTERPRET): absorption in torch ops, the key selection of top-k
+    indices in one launch (in torch ops where indices may repeat), the attention in the MLA kernel. No host sync.
+    An FP8 kv_b_proj is dequantised once while it is unchanged (`dequantized_once`): every decode step reads the
+    whole weight, ~25 us a layer on an H200 (run 140)."""
     _check_absorbed_inputs(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, kv_b_scale, kv_b_block_n,
                            kv_b_block_k)
     if kv_b_scale is not None:
         kv_b_weight = dequantized_once(kv_b_weight, kv_b_scale, kv_b_block_n, kv_b_block_k, q.dtype)
     return _absorbed_attention(q, latent, rope, kv_b_weight, idx, attn_mask, scale, nope_dim, causal,
-                               empty_rows_see_all, indices_distinct, _attend_triton)
+                               empty_rows_see_all, indices_distinct, _attend_triton, _distinct_allowed_keys_triton)
 
 
 @torch.library.custom_op("dsfuse::absorbed_mla_attention", mutates_args=())

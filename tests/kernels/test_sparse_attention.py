@@ -660,6 +660,32 @@ def test_absorbed_top_k_indices_skip_the_repeat_search(path):
         assert (direct[1, :, 1:].abs().amax() > 0) == see_all
 
 
+@pytest.mark.parametrize("mask_kind,causal,idx_dtype,K", [
+    ("none", False, torch.int64, 7), ("padding", False, torch.int32, 7), ("per_query", True, torch.int64, 7),
+    ("padding", True, torch.int32, 1500)])
+def test_top_k_key_selection_in_one_launch_is_the_torch_ops(mask_kind, causal, idx_dtype, K):
+    """The key selection of top-k indices (`_distinct_allowed_keys_triton`, one launch a call) keeps what the torch
+    ops keep: indices in [0, T) that the mask (broadcast over batch or queries) and the causal bound allow, the rest
+    -1, and names the rows left without a key; rows longer than one block of the kernel included."""
+    B, S, T = 2, 3, 2000
+    g = torch.Generator().manual_seed(K)
+    idx = torch.stack([torch.stack([torch.randperm(T + 8, generator=g)[:K] - 4 for _ in range(S)]) for _ in range(B)])
+    idx[0, 1] = -1  # a row of no index at all
+    mask = None
+    if mask_kind == "padding":
+        mask = torch.rand(B, 1, 1, T, generator=g) < 0.7
+        mask[1, ..., :] = False
+        mask[1, ..., 5] = True  # row (1, s) keeps index 5 at most
+    if mask_kind == "per_query":
+        mask = torch.rand(1, 1, S, T, generator=g) < 0.5
+    idx, mask = idx.to(DEVICE, idx_dtype), None if mask is None else mask.to(DEVICE)
+    keys, no_key = sa._distinct_allowed_keys_triton(idx, mask, T, causal, indices_distinct=True)
+    want_keys, want_no_key = sa._distinct_allowed_keys(idx, mask, T, causal, indices_distinct=True)
+    assert keys.dtype == want_keys.dtype == torch.int32 and no_key.dtype == torch.bool
+    assert torch.equal(keys, want_keys) and torch.equal(no_key, want_no_key)
+    assert no_key[0, 1] and (keys >= 0).any() and (keys == -1).any()
+
+
 def test_absorbed_bf16_error_is_hf_bf16_error():
     """The absorbed form rounds the absorbed query and the latent output where HF rounds the expanded K
     and V: one rounding each, so its bf16 error against fp32 matches HF's own bf16 error."""
