@@ -278,17 +278,17 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, rows_out, K, sx_m, sx_k, ss_m, ss_
 
 
 @triton.jit
-def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts,
-                  sw_e, sws_e, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr,
+def _program_tile(column_block, a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K,
+                  num_experts, sw_e, sws_e, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GATHER_A: tl.constexpr,
                   GROUPED: tl.constexpr):
     """This program's row tile and column block: (expert, output rows, which are valid, the activation row each
     reads, its pointer, output columns, which are valid, the expert's weight and scale bases). Column blocks are
-    program_id(0), the fastest-varying launch index: the programs running at once share a row tile, whose
-    activations then come from HBM once and from L2 for its other column blocks (with row tiles first, each column
-    block re-read every activation from HBM: ~19 GB a forward for V4-Flash's experts at T=8192). GROUPED: row tile
-    program_id(1) is the tile list's entry, whose expert reads as num_experts (nothing to do) when its first row is
-    not before its end; otherwise it is program_id(1)'s BLOCK_M rows of M through expert 0 (no tile list to build or
-    read)."""
+    program_id(0) (`column_block`: of one weight, where a launch spans several), the fastest-varying launch index:
+    the programs running at once share a row tile, whose activations then come from HBM once and from L2 for its
+    other column blocks (with row tiles first, each column block re-read every activation from HBM: ~19 GB a forward
+    for V4-Flash's experts at T=8192). GROUPED: row tile program_id(1) is the tile list's entry, whose expert reads
+    as num_experts (nothing to do) when its first row is not before its end; otherwise it is program_id(1)'s
+    BLOCK_M rows of M through expert 0 (no tile list to build or read)."""
     tile = tl.program_id(1)
     if GROUPED:
         first_row = tl.load(tile_row_ptr + tile)
@@ -304,7 +304,7 @@ def _program_tile(a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_
         a_row = tl.load(a_row_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     else:
         a_row = rows.to(tl.int64)
-    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ns = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
     return (expert, rows, row_ok, a_row, a_ptr + a_row[:, None] * K, ns, ns < N, w_ptr + expert.to(tl.int64) * sw_e,
             ws_ptr + expert.to(tl.int64) * sws_e)
 
@@ -324,8 +324,8 @@ def _fp8_gemm_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, 
     and read it for each of its slots)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts, sw_e, sws_e,
-        BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
+        tl.program_id(0), q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K,
+        num_experts, sw_e, sws_e, BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     g_first = split * groups_per_split
@@ -388,8 +388,8 @@ def _fp4_gemm_kernel(a_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_ex
     K step are loaded one step ahead (`scale_tile`)."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts, sw_e, sws_e,
-        BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
+        tl.program_id(0), a_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K,
+        num_experts, sw_e, sws_e, BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
     if expert >= num_experts:
         return
     operand = tl.bfloat16 if DECODE_ASM else tl.float32
@@ -416,51 +416,96 @@ def _fp8_decode_kernel(q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr
                        E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr, GATHER_A: tl.constexpr,
                        GROUPED: tl.constexpr, QUANTIZE_A: tl.constexpr, POW2: tl.constexpr,
                        MANUAL_FP8_RNE: tl.constexpr):
-    """`_fp8_gemm_kernel`'s math for decode-sized row tiles, shaped to stream the weight: the weight tile
-    [BLOCK_N, BLOCK_K] is the MMA's first operand (BLOCK_N >= 64 fills its M; the few rows are its N), loaded
-    straight into the dot so that Triton pipelines it, and both scales of the next channel group are loaded one
-    group ahead (a small load Triton does not pipeline would otherwise wait its full latency every group).
-    QUANTIZE_A: q_ptr is x itself (strides sx_m, sx_k), each group quantised in the program as `_act_quant_kernel`
-    does (a few rows: re-reading them from L2 per program costs less than a launch and q's round trip), its
-    channels loaded one group ahead as the scales are."""
+    """`_fp8_gemm_kernel`'s math for decode-sized row tiles, shaped to stream the weight (`_decode_program`)."""
+    _decode_program(tl.program_id(0), q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr,
+                    tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, G, num_experts, groups_per_split, ss_m, ss_g,
+                    sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, splits, sp_k, sx_m, sx_k, block_n_scale,
+                    BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, E8M0_SCALES, SPLIT_PARTIALS, GATHER_A, GROUPED, QUANTIZE_A,
+                    POW2, MANUAL_FP8_RNE)
+
+
+@triton.jit
+def _fp8_decode_weights_kernel(x_ptr, w0_ptr, ws0_ptr, out0_ptr, part0_ptr, w1_ptr, ws1_ptr, out1_ptr, part1_ptr,
+                               w2_ptr, ws2_ptr, out2_ptr, part2_ptr, count_ptr, N0, N1, N2, columns0, columns1,
+                               sw0_n, sw1_n, sw2_n, sws0_n, sws1_n, sws2_n, block_n0, block_n1, block_n2, M, K, G,
+                               groups_per_split, splits, sx_m, sx_k,
+                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               EVEN_K: tl.constexpr, E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr,
+                               POW2: tl.constexpr, MANUAL_FP8_RNE: tl.constexpr):
+    """`_fp8_decode_kernel` through two or three weights of one input in one launch (`fp8_linears` at decode sizes):
+    the launch's column blocks are the first weight's, then the second's, then the third's (unread for two), each
+    program `_decode_program` of its weight's, the rows quantised in the program. Weights and scales K-contiguous,
+    outputs contiguous; x row-major with strides sx_m, sx_k."""
+    column_block = tl.program_id(0)
+    if column_block < columns0:
+        _decode_program(column_block, x_ptr, x_ptr, w0_ptr, ws0_ptr, out0_ptr, part0_ptr, count_ptr, x_ptr, x_ptr,
+                        x_ptr, x_ptr, M, N0, K, G, 1, groups_per_split, 0, 0, 0, sw0_n, 1, 0, sws0_n, 1, N0, 1,
+                        splits, M * N0, sx_m, sx_k, block_n0, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, E8M0_SCALES,
+                        SPLIT_PARTIALS, False, False, True, POW2, MANUAL_FP8_RNE)
+    elif column_block < columns0 + columns1:
+        _decode_program(column_block - columns0, x_ptr, x_ptr, w1_ptr, ws1_ptr, out1_ptr, part1_ptr, count_ptr,
+                        x_ptr, x_ptr, x_ptr, x_ptr, M, N1, K, G, 1, groups_per_split, 0, 0, 0, sw1_n, 1, 0, sws1_n, 1,
+                        N1, 1, splits, M * N1, sx_m, sx_k, block_n1, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                        E8M0_SCALES, SPLIT_PARTIALS, False, False, True, POW2, MANUAL_FP8_RNE)
+    else:
+        _decode_program(column_block - columns0 - columns1, x_ptr, x_ptr, w2_ptr, ws2_ptr, out2_ptr, part2_ptr,
+                        count_ptr, x_ptr, x_ptr, x_ptr, x_ptr, M, N2, K, G, 1, groups_per_split, 0, 0, 0, sw2_n, 1, 0,
+                        sws2_n, 1, N2, 1, splits, M * N2, sx_m, sx_k, block_n2, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K,
+                        E8M0_SCALES, SPLIT_PARTIALS, False, False, True, POW2, MANUAL_FP8_RNE)
+
+
+@triton.jit
+def _decode_program(column_block, q_ptr, s_ptr, w_ptr, ws_ptr, out_ptr, part_ptr, count_ptr, tile_expert_ptr,
+                    tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, G, num_experts, groups_per_split,
+                    ss_m, ss_g, sw_e, sw_n, sw_k, sws_e, sws_n, sws_k, so_m, so_n, splits, sp_k, sx_m, sx_k,
+                    block_n_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, E8M0_SCALES: tl.constexpr, SPLIT_PARTIALS: tl.constexpr,
+                    GATHER_A: tl.constexpr, GROUPED: tl.constexpr, QUANTIZE_A: tl.constexpr, POW2: tl.constexpr,
+                    MANUAL_FP8_RNE: tl.constexpr):
+    """One program of the decode path, column block `column_block` of its weight: the weight tile [BLOCK_N, BLOCK_K]
+    is the MMA's first operand (BLOCK_N >= 64 fills its M; the few rows are its N), loaded straight into the dot so
+    that Triton pipelines it, and both scales of the next channel group are loaded one group ahead (a small load
+    Triton does not pipeline would otherwise wait its full latency every group). QUANTIZE_A: q_ptr is x itself
+    (strides sx_m, sx_k), each group quantised in the program as `_act_quant_kernel` does (a few rows: re-reading
+    them from L2 per program costs less than a launch and q's round trip), its channels loaded one group ahead as
+    the scales are."""
     split = tl.program_id(2)
     expert, rows, row_ok, a_row, a_rows, ns, n_ok, w_base, ws_base = _program_tile(
-        q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K, num_experts, sw_e, sws_e,
-        BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
-    if expert >= num_experts:
-        return
-    g_first = split * groups_per_split
-    g_last = tl.minimum(g_first + groups_per_split, G)
-    w_scale_rows = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n
-    a_scale, w_scale = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_first, ss_m, ss_g, sws_k,
-                                        E8M0_SCALES, not QUANTIZE_A)
-    x = _x_group(q_ptr, a_row, row_ok, g_first, K, sx_m, sx_k, BLOCK_K, QUANTIZE_A)
-    w_rows = w_base + ns[:, None].to(tl.int64) * sw_n
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for g in range(g_first, g_last):
-        ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
-        if QUANTIZE_A:
-            a, a_scale = _quantized_group(x, POW2, MANUAL_FP8_RNE)
-        elif EVEN_K:
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
-        else:
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
-        g_next = tl.minimum(g + 1, G - 1)
-        a_next, w_next = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_next, ss_m, ss_g, sws_k,
-                                          E8M0_SCALES, not QUANTIZE_A)
-        x = _x_group(q_ptr, a_row, row_ok, g_next, K, sx_m, sx_k, BLOCK_K, QUANTIZE_A)
-        if MANUAL_FP8_RNE:  # the interpreter: fp32 operands (rows it quantises are fp32 there), an fp32 product
-            part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-        else:
-            part = tl.dot(w, tl.trans(a))
-        acc += part * (a_scale[None, :] * w_scale[:, None])
-        a_scale, w_scale = a_next, w_next
-    _store_tile(out_ptr, part_ptr, count_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :], so_m,
-                so_n, split, splits, sp_k, SPLIT_PARTIALS)
+        column_block, q_ptr, w_ptr, ws_ptr, tile_expert_ptr, tile_row_ptr, tile_end_ptr, a_row_ptr, M, N, K,
+        num_experts, sw_e, sws_e, BLOCK_M, BLOCK_N, GATHER_A, GROUPED)
+    if expert < num_experts:
+        g_first = split * groups_per_split
+        g_last = tl.minimum(g_first + groups_per_split, G)
+        w_scale_rows = ws_base + (ns // block_n_scale).to(tl.int64) * sws_n
+        a_scale, w_scale = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_first, ss_m, ss_g, sws_k,
+                                            E8M0_SCALES, not QUANTIZE_A)
+        x = _x_group(q_ptr, a_row, row_ok, g_first, K, sx_m, sx_k, BLOCK_K, QUANTIZE_A)
+        w_rows = w_base + ns[:, None].to(tl.int64) * sw_n
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for g in range(g_first, g_last):
+            ks = g * BLOCK_K + tl.arange(0, BLOCK_K)
+            if EVEN_K:
+                w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None], other=0.0)
+            else:
+                w = tl.load(w_rows + ks[None, :] * sw_k, mask=n_ok[:, None] & (ks[None, :] < K), other=0.0)
+            if QUANTIZE_A:
+                a, a_scale = _quantized_group(x, POW2, MANUAL_FP8_RNE)
+            elif EVEN_K:
+                a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None], other=0.0)
+            else:
+                a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+            g_next = tl.minimum(g + 1, G - 1)
+            a_next, w_next = _group_scales_of(s_ptr, a_row, row_ok, w_scale_rows, n_ok, g_next, ss_m, ss_g, sws_k,
+                                              E8M0_SCALES, not QUANTIZE_A)
+            x = _x_group(q_ptr, a_row, row_ok, g_next, K, sx_m, sx_k, BLOCK_K, QUANTIZE_A)
+            if MANUAL_FP8_RNE:  # the interpreter: fp32 operands (rows it quantises are fp32 there), an fp32 product
+                part = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(w, tl.trans(a))
+            acc += part * (a_scale[None, :] * w_scale[:, None])
+            a_scale, w_scale = a_next, w_next
+        _store_tile(out_ptr, part_ptr, count_ptr, acc, rows[None, :], ns[:, None], n_ok[:, None] & row_ok[None, :],
+                    so_m, so_n, split, splits, sp_k, SPLIT_PARTIALS)
 
 
 @triton.jit
@@ -818,6 +863,9 @@ def fp8_linears_triton(x, weights, weight_scales, block_ns, block_k):
     x2 = x.reshape(-1, K)
     rows = x2.shape[0]
     if quantizes_in_kernel(rows, weights[0], grouped=False):
+        if rows and all(w.stride(-1) == 1 and s.stride(-1) == 1 for w, s in zip(weights, weight_scales)):
+            outs = _decode_linears(x2, weights, weight_scales, block_ns, block_k, widths, K)
+            return [out.view(*x.shape[:-1], N) for out, N in zip(outs, widths)]
         return [_linear_triton(x, w, s, bn, block_k, N, K) for w, s, bn, N in zip(weights, weight_scales, block_ns,
                                                                                    widths)]
     cublas = [_goes_to_cublas(x2, w, bn, block_k) for w, bn in zip(weights, block_ns)]
@@ -834,6 +882,45 @@ def fp8_linears_triton(x, weights, weight_scales, block_ns, block_k):
             if out.numel():
                 _gemm(q, s, weight, scale, out, block_n, block_k)
         outs.append(out.view(*x.shape[:-1], N))
+    return outs
+
+
+# Weights one launch of `_fp8_decode_weights_kernel` streams at most.
+DECODE_WEIGHTS_PER_LAUNCH = 3
+
+
+def _decode_linears(x2, weights, scales, block_ns, block_k, widths, K):
+    """Decode-sized `fp8_linears` (rows quantised in the kernel; weights and scales K-contiguous): each run of up to
+    DECODE_WEIGHTS_PER_LAUNCH weights one launch of `_fp8_decode_weights_kernel`, with `_gemm`'s decode tiles and
+    channel-group split over the run's column blocks together, so the narrow projections of one input (q_a, kv_a and
+    the indexer's wk) fill the GPU as one weight would: the bits of a launch per weight."""
+    rows = x2.shape[0]
+    BM = _decode_block_m(rows, grouped=False)
+    BN, warps, stages, programs_per_sm, _ = _decode_config(False, BM)
+    outs = [torch.empty((rows, N), dtype=x2.dtype, device=x2.device) for N in widths]
+    e8m0 = is_e8m0(scales[0])
+    steps, tiles = cdiv(K, block_k), cdiv(rows, BM)
+    for first in range(0, len(weights), DECODE_WEIGHTS_PER_LAUNCH):
+        run = slice(first, first + DECODE_WEIGHTS_PER_LAUNCH)
+        ws, ss, bns, Ns, run_outs = weights[run], scales[run], block_ns[run], widths[run], outs[run]
+        columns = [cdiv(N, BN) for N in Ns]
+        split = cdiv(programs_per_sm * _sm_count(x2.device), tiles * sum(columns))
+        per_split = cdiv(steps, max(1, min(split, steps)))
+        split = cdiv(steps, per_split)
+        parts = [torch.empty((split, rows, N), dtype=torch.float32, device=x2.device) if split > 1 else out
+                 for N, out in zip(Ns, run_outs)]
+        counters = _arrival_counters(x2.device, tiles * sum(columns) if split > 1 else 1)
+        pad = DECODE_WEIGHTS_PER_LAUNCH - len(ws)  # a run of two passes its second weight again, never read
+        ws, Ns, bns, columns = [*ws, *ws[-1:] * pad], [*Ns, *Ns[-1:] * pad], [*bns, *bns[-1:] * pad], columns
+        ss = [s.view(torch.uint8) if e8m0 else s for s in [*ss, *ss[-1:] * pad]]
+        run_outs, parts = [*run_outs, *run_outs[-1:] * pad], [*parts, *parts[-1:] * pad]
+        _fp8_decode_weights_kernel[(sum(columns), tiles, split)](
+            x2, ws[0], ss[0], run_outs[0], parts[0], ws[1], ss[1], run_outs[1], parts[1], ws[2], ss[2], run_outs[2],
+            parts[2], counters, *Ns, columns[0], columns[1] if len(columns) > 1 else 0,
+            *(w.stride(0) for w in ws), *(s.stride(0) for s in ss), *bns, rows, K, steps, per_split, split,
+            x2.stride(0), x2.stride(1), BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+            E8M0_SCALES=e8m0, SPLIT_PARTIALS=split > 1, POW2=e8m0, MANUAL_FP8_RNE=interpreting(), num_warps=warps,
+            num_stages=stages)
     return outs
 
 

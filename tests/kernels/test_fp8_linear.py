@@ -398,6 +398,35 @@ def test_triton_linears_give_each_linears_bits_from_one_quantisation(kind, M, la
     assert counter.calls == launches + (3 if launches else 0)
 
 
+@pytest.mark.parametrize("kind,widths,runs", [("ue8m0", (48, 33, 70), [3]), ("float", (200, 40), [3]),
+                                              ("ue8m0", (48, 33, 70, 130), [3, 2])])
+@pytest.mark.parametrize("sms", [0, 8])
+def test_decode_linears_are_one_launch_for_up_to_three_weights(kind, widths, runs, sms, monkeypatch):
+    """At decode sizes `fp8_linears` streams up to three weights in one launch of `_fp8_decode_weights_kernel` (its
+    column blocks the weights' in turn: `runs` counts them a launch), block heights per weight (64 for the second),
+    K not a multiple of the channel group, and with `sms` 8 the channel groups split as on a GPU (each tile's last
+    program sums the partials): `fp8_linear_triton`'s bits per weight."""
+    from dsfuse.kernels.fp8_linear import fp8_linears_triton
+
+    weights, scales = _projections(kind, widths, 320, 60)
+    scales[1] = scales[1].repeat_interleave(2, dim=0)[:-(-widths[1] // 64)]
+    block_ns = [128, 64] + [128] * (len(widths) - 2)
+    x = _x(3, 320, 61)
+    monkeypatch.setattr(ops, "_sm_count", lambda device: sms)
+    want = [fp8_linear_triton(x, w, s, bn, 128) for w, s, bn in zip(weights, scales, block_ns)]
+    kernel, grids = ops._fp8_decode_weights_kernel, []
+
+    class CountedLaunches:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(ops, "_fp8_decode_weights_kernel", CountedLaunches())
+    got = fp8_linears_triton(x, weights, scales, block_ns, 128)
+    assert [grid[0] for grid in grids] == runs and all(grid[2] == (3 if sms else 1) for grid in grids), grids
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_triton_linears_feed_cublas_and_triton_gemms_from_one_padded_quantisation(monkeypatch):
     """Past SCALED_MM_MIN_ROWS, weights that go to cuBLAS read the quantisation in its padded layout (rows to a
     multiple of 4, column-major scales) and the others' Triton GEMM reads the same one: each output is
@@ -606,7 +635,9 @@ SPLIT_SM90_SCRIPT = sm90_offline.PROBE_PREAMBLE + r"""
 import dsfuse.kernels.fp8_linear as ops
 
 POINTERS = {"q_ptr": "*bf16", "a_ptr": "*bf16", "s_ptr": "*fp32", "ws_ptr": "*u8", "out_ptr": "*bf16",
-            "part_ptr": "*fp32"}
+            "part_ptr": "*fp32", "x_ptr": "*bf16"}
+POINTERS.update({f"{name}{i}_ptr": kind for i in range(3) for name, kind in
+                 (("w", "*fp8e4nv"), ("ws", "*u8"), ("out", "*bf16"), ("part", "*fp32"))})
 N, K, ROWS = 7168, 16384, 16
 BN, warps, stages, _, _ = ops._decode_config(False, 16)
 common = dict(M=ROWS, N=N, K=K, num_experts=1, so_m=N, so_n=1, splits=4, sp_k=ROWS * N, sw_e=N * K, sws_e=8192)
@@ -619,6 +650,12 @@ kernels = {
     "fp4": (ops._fp4_gemm_kernel, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_PARTIALS=True, GATHER_A=True,
                                        DECODE_ASM=True, GROUPED=True),
             dict(k_per_split=K // 4, sw_n=K // 2, sws_n=K // 32), 4, 4, "*u8"),
+    "fp8 weights": (ops._fp8_decode_weights_kernel, dict(BLOCK_M=16, BLOCK_N=BN, BLOCK_K=128, EVEN_K=True,
+                                                         E8M0_SCALES=True, SPLIT_PARTIALS=True, POW2=True,
+                                                         MANUAL_FP8_RNE=False),
+                    dict(N0=1536, N1=576, N2=128, columns0=12, columns1=5, G=K // 128, groups_per_split=K // 512,
+                         sw0_n=K, sw1_n=K, sw2_n=K, sws0_n=K // 128, sws1_n=K // 128, sws2_n=K // 128,
+                         block_n0=128, block_n1=128, block_n2=128, sx_m=K, sx_k=1), warps, stages, "*fp8e4nv"),
 }
 for kind, (fn, constexprs, ints, warps, stages, weight) in kernels.items():
     types = {**POINTERS, "w_ptr": weight}
@@ -631,9 +668,10 @@ for kind, (fn, constexprs, ints, warps, stages, weight) in kernels.items():
 
 
 def test_split_partials_are_summed_by_the_last_program_on_sm90():
-    """The decode kernels with split channel groups compile for sm_90 with the installed Triton: each split counts
-    itself in with an acquire-release atomic, and the last one reads the partials past L1 (no stale lines)."""
+    """The decode kernels with split channel groups (one weight, or a decode step's q_a, kv_a and wk in one launch)
+    compile for sm_90 with the installed Triton: each split counts itself in with an acquire-release atomic, and the
+    last one reads the partials past L1 (no stale lines)."""
     lines = sm90_offline.run_probe(SPLIT_SM90_SCRIPT, timeout=300, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
-    assert {line["kind"] for line in lines} == {"fp8", "fp4"}, lines
+    assert {line["kind"] for line in lines} == {"fp8", "fp4", "fp8 weights"}, lines
     assert all(line["acq_rel"] and line["l2_loads"] and line["atoms"] >= 2 for line in lines), lines
 
