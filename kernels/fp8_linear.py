@@ -893,7 +893,8 @@ def _decode_linears(x2, weights, scales, block_ns, block_k, widths, K):
     """Decode-sized `fp8_linears` (rows quantised in the kernel; weights and scales K-contiguous): each run of up to
     DECODE_WEIGHTS_PER_LAUNCH weights one launch of `_fp8_decode_weights_kernel`, with `_gemm`'s decode tiles and
     channel-group split over the run's column blocks together, so the narrow projections of one input (q_a, kv_a and
-    the indexer's wk) fill the GPU as one weight would: the bits of a launch per weight."""
+    the indexer's wk) fill the GPU as one weight would. Each output is a launch per weight's up to the fp32 order in
+    which split channel groups are summed (the launch splits by all its columns, a launch per weight by its own)."""
     rows = x2.shape[0]
     BM = _decode_block_m(rows, grouped=False)
     BN, warps, stages, programs_per_sm, _ = _decode_config(False, BM)

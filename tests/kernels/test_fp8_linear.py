@@ -512,16 +512,19 @@ def test_cuda_linear_matches_the_reference(kind, M):
 @pytest.mark.parametrize("kind", ["float", "ue8m0"])
 @pytest.mark.parametrize("M", [1, 40, 129, 1024])
 def test_cuda_linears_give_each_linears_bits(kind, M):
-    """On the GPU, `fp8_linears` is `fp8_linear` per weight bit for bit on every path: the decode kernels, and past
-    SCALED_MM_MIN_ROWS one padded quantisation read by cuBLAS (widths multiples of 16) and by the Triton GEMM (576 +
-    8 columns, which cuBLAS's path does not take)."""
+    """On the GPU, `fp8_linears` is `fp8_linear` per weight bit for bit where a call per weight runs the same
+    programs: at 40 rows (the decode kernel on rows quantised once) and past SCALED_MM_MIN_ROWS (one padded
+    quantisation read by cuBLAS, widths multiples of 16, and by the Triton GEMM: 576 + 8 columns, which cuBLAS's path
+    does not take). At one row the three weights are one launch, whose channel groups split by all their columns:
+    the same sums in another fp32 order."""
     from dsfuse.kernels.fp8_linear import fp8_linears
 
     weights, scales = _projections(kind, (1536, 584, 128), 2048, M)
     weights, scales = [w.cuda() for w in weights], [s.cuda() for s in scales]
     x = _x(M, 2048, M, torch.bfloat16).cuda()
     for out, w, s in zip(fp8_linears(x, weights, scales, [128] * 3, 128), weights, scales):
-        assert torch.equal(out, fp8_linear(x, w, s, 128, 128))
+        want = fp8_linear(x, w, s, 128, 128)
+        assert torch.equal(out, want) if M > 1 else _rel(out, want) < 1e-2
 
 
 @pytest.mark.gpu
