@@ -52,7 +52,7 @@ from dsfuse.kernels.quant_formats import (FP4_BLOCK, FP8_AMAX_FLOOR, FP8_DTYPE, 
                                           e8m0_to_float, is_e8m0, power_of_two_ceil, quantize_activations,
                                           round_to_e4m3_grid, scales_to_float32)
 from dsfuse.kernels.moe_experts import scale_tile, swiglu_rounded, weight_tile
-from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting
+from dsfuse.kernels.triton_support import cdiv, direct_kernel, interpreting, next_power_of_2
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # From this many rows up, FP8 weights go to cuBLAS (`torch._scaled_mm` with 1x128 / 128x128 block scales), which
@@ -598,17 +598,64 @@ def _decode_quantizes(decode: bool, fp4: bool, block_m: int) -> bool:
     return decode and not fp4 and block_m <= DECODE_QUANTIZE_MAX_ROW_TILE
 
 
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _offset_tiles_kernel(offsets_ptr, expert_ptr, first_row_ptr, end_ptr, E, rows, count, BLOCK_M: tl.constexpr,
+                         E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """`_expert_row_tiles` in one program: each expert's row range from the running totals (clamped to [0, rows], a
+    running maximum), its tiles of BLOCK_M rows, and each of the `count` tiles' expert (E for the ones left over),
+    first row and end of its expert's rows."""
+    experts = tl.arange(0, E_PAD)
+    valid = experts < E
+    ends = tl.minimum(tl.maximum(tl.load(offsets_ptr + experts, mask=valid, other=0).to(tl.int64), 0), rows)
+    ends = tl.associative_scan(ends, 0, _larger)
+    before = tl.load(offsets_ptr + experts - 1, mask=valid & (experts > 0), other=0).to(tl.int64)
+    starts = tl.associative_scan(tl.minimum(tl.maximum(before, 0), rows), 0, _larger)
+    tiles = tl.where(valid, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_ends = tl.cumsum(tiles, 0)
+    for t0 in range(0, count, CHUNK):
+        index = t0 + tl.arange(0, CHUNK)
+        expert = tl.sum(((tile_ends[None, :] <= index[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+        pick = (experts[None, :] == tl.minimum(expert, E - 1)[:, None]).to(tl.int64)
+        first_row = tl.sum(pick * starts[None, :], axis=1) + (index - tl.sum(pick * (tile_ends - tiles)[None, :],
+                                                                             axis=1)) * BLOCK_M
+        tl.store(expert_ptr + index, expert, mask=index < count)
+        tl.store(first_row_ptr + index, first_row.to(tl.int32), mask=index < count)
+        tl.store(end_ptr + index, tl.sum(pick * ends[None, :], axis=1).to(tl.int32), mask=index < count)
+
+
+def _tile_count(rows: int, experts: int, block_m: int) -> int:
+    """Tiles enough for any split of `rows` rows over `experts` experts: at most cdiv(rows, block_m) + E, and at most
+    one per row (a decode step's few rows launch a few tiles, not one per expert)."""
+    return max(1, min(cdiv(rows, block_m) + experts, rows))
+
+
+def _offset_tiles(offsets: torch.Tensor, rows: int, block_m: int):
+    """`_expert_row_tiles`' tile list from one Triton launch (a decode step's grouped call: ~24 torch ops, each a
+    launch, otherwise)."""
+    E = offsets.shape[0]
+    count = _tile_count(rows, E, block_m)
+    expert, first_row, end = (torch.empty(count, dtype=torch.int32, device=offsets.device) for _ in range(3))
+    e_pad = next_power_of_2(E)
+    _offset_tiles_kernel[(1,)](offsets, expert, first_row, end, E, rows, count, BLOCK_M=block_m, E_PAD=e_pad,
+                               CHUNK=max(16, 2048 // e_pad), num_warps=4)
+    return (expert, first_row, end), count
+
+
 def _expert_row_tiles(offsets: torch.Tensor, rows: int, block_m: int):
     """The row tiles of a grouped GEMM, each within one expert, from the running row totals `offsets` [E], on the
-    device (no host sync): a fixed number of tiles, enough for any split of the rows (at most cdiv(rows, block_m)
-    + E, and at most one per row: a decode step's few rows launch a few tiles, not one per expert); the ones left
-    over get expert E and do nothing. Also the end of the rows they cover [1]."""
+    device (no host sync) with torch ops: ((expert, first row, end of its expert's rows) per tile, int32; the tile
+    count), `_tile_count` tiles, the ones left over with expert E (nothing to do). `_offset_tiles`' reference."""
     E = offsets.shape[0]
     ends = offsets.to(torch.int64).clamp(0, rows).cummax(0).values
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + block_m - 1) // block_m
     tile_ends = tiles.cumsum(0)
-    count = max(1, min(cdiv(rows, block_m) + E, rows))
+    count = _tile_count(rows, E, block_m)
     index = torch.arange(count, device=offsets.device)
     expert = torch.searchsorted(tile_ends, index, right=True)
     safe = expert.clamp(max=E - 1)
@@ -738,7 +785,7 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     elif offsets is None:  # row tiles from the program id: nothing to build on the device
         tiles, tile_count = (q, q, q), cdiv(rows, BM)
     else:
-        tiles, tile_count = _expert_row_tiles(offsets, rows, BM)
+        tiles, tile_count = _offset_tiles(offsets, rows, BM)
     step = fp4_step if fp4 else block_k
     steps, columns = cdiv(K, step), cdiv(N, BN)
     if split is None:

@@ -398,6 +398,21 @@ def test_triton_linears_give_each_linears_bits_from_one_quantisation(kind, M, la
     assert counter.calls == launches + (3 if launches else 0)
 
 
+@pytest.mark.parametrize("E,rows,block_m", [(1, 1, 16), (5, 3, 16), (8, 300, 16), (37, 1000, 64), (256, 64, 16)])
+def test_grouped_tile_list_is_one_launch_with_the_torch_ops_tiles(E, rows, block_m):
+    """A grouped call's tile list from its running row totals (`_offset_tiles`, one Triton launch) is the torch ops'
+    (`_expert_row_tiles`): running totals that fall, go negative or pass the rows included (clamped, a running
+    maximum), tiles left over given expert E."""
+    g = torch.Generator().manual_seed(E + rows)
+    offsets = torch.randint(0, rows + 1, (E,), generator=g).sort().values.to(torch.int32)
+    offsets[E // 2:E // 2 + 1] = -3
+    offsets[-1:] = rows + 5 if E > 2 else offsets[-1:]
+    want, want_count = ops._expert_row_tiles(offsets, rows, block_m)
+    got, count = ops._offset_tiles(offsets, rows, block_m)
+    assert count == want_count and all(a.dtype == torch.int32 for a in got)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+
+
 @pytest.mark.parametrize("kind,widths,runs", [("ue8m0", (48, 33, 70), [3]), ("float", (200, 40), [3]),
                                               ("ue8m0", (48, 33, 70, 130), [3, 2])])
 @pytest.mark.parametrize("sms", [0, 8])
@@ -660,6 +675,9 @@ kernels = {
                          sw0_n=K, sw1_n=K, sw2_n=K, sws0_n=K // 128, sws1_n=K // 128, sws2_n=K // 128,
                          block_n0=128, block_n1=128, block_n2=128, sx_m=K, sx_k=1), warps, stages, "*fp8e4nv"),
 }
+tiles = sm90_offline.compile_sm90(ops._offset_tiles_kernel, dict(BLOCK_M=16, E_PAD=64, CHUNK=32),
+                                  dict(E=64, rows=48, count=48), dict(num_warps=4), lambda name: "*i32")
+print(json.dumps({"kind": "tile list", "shared": tiles.metadata.shared}), flush=True)
 for kind, (fn, constexprs, ints, warps, stages, weight) in kernels.items():
     types = {**POINTERS, "w_ptr": weight}
     kernel = sm90_offline.compile_sm90(fn, constexprs, {**common, **ints}, dict(num_warps=warps, num_stages=stages),
@@ -673,8 +691,9 @@ for kind, (fn, constexprs, ints, warps, stages, weight) in kernels.items():
 def test_split_partials_are_summed_by_the_last_program_on_sm90():
     """The decode kernels with split channel groups (one weight, or a decode step's q_a, kv_a and wk in one launch)
     compile for sm_90 with the installed Triton: each split counts itself in with an acquire-release atomic, and the
-    last one reads the partials past L1 (no stale lines)."""
+    last one reads the partials past L1 (no stale lines). A grouped call's tile list kernel compiles as well."""
     lines = sm90_offline.run_probe(SPLIT_SM90_SCRIPT, timeout=300, env_defaults={"TRITON_DEFAULT_FP_FUSION": "1"})
-    assert {line["kind"] for line in lines} == {"fp8", "fp4", "fp8 weights"}, lines
-    assert all(line["acq_rel"] and line["l2_loads"] and line["atoms"] >= 2 for line in lines), lines
+    assert {line["kind"] for line in lines} == {"fp8", "fp4", "fp8 weights", "tile list"}, lines
+    split = [line for line in lines if line["kind"] != "tile list"]
+    assert all(line["acq_rel"] and line["l2_loads"] and line["atoms"] >= 2 for line in split), lines
 
