@@ -947,22 +947,22 @@ def _decode_linears(x2, weights, scales, block_ns, block_k, widths, K):
     BN, warps, stages, programs_per_sm, _ = _decode_config(False, BM)
     outs = [torch.empty((rows, N), dtype=x2.dtype, device=x2.device) for N in widths]
     e8m0 = is_e8m0(scales[0])
-    steps, tiles = cdiv(K, block_k), cdiv(rows, BM)
+    steps, row_tiles = cdiv(K, block_k), cdiv(rows, BM)
     for first in range(0, len(weights), DECODE_WEIGHTS_PER_LAUNCH):
         run = slice(first, first + DECODE_WEIGHTS_PER_LAUNCH)
         ws, ss, bns, Ns, run_outs = weights[run], scales[run], block_ns[run], widths[run], outs[run]
         columns = [cdiv(N, BN) for N in Ns]
-        split = cdiv(programs_per_sm * _sm_count(x2.device), tiles * sum(columns))
+        split = cdiv(programs_per_sm * _sm_count(x2.device), row_tiles * sum(columns))
         per_split = cdiv(steps, max(1, min(split, steps)))
         split = cdiv(steps, per_split)
         parts = [torch.empty((split, rows, N), dtype=torch.float32, device=x2.device) if split > 1 else out
                  for N, out in zip(Ns, run_outs)]
-        counters = _arrival_counters(x2.device, tiles * sum(columns) if split > 1 else 1)
+        counters = _arrival_counters(x2.device, row_tiles * sum(columns) if split > 1 else 1)
         pad = DECODE_WEIGHTS_PER_LAUNCH - len(ws)  # a run of two passes its second weight again, never read
-        ws, Ns, bns, columns = [*ws, *ws[-1:] * pad], [*Ns, *Ns[-1:] * pad], [*bns, *bns[-1:] * pad], columns
+        ws, Ns, bns = [*ws, *ws[-1:] * pad], [*Ns, *Ns[-1:] * pad], [*bns, *bns[-1:] * pad]
         ss = [s.view(torch.uint8) if e8m0 else s for s in [*ss, *ss[-1:] * pad]]
         run_outs, parts = [*run_outs, *run_outs[-1:] * pad], [*parts, *parts[-1:] * pad]
-        _fp8_decode_weights_kernel[(sum(columns), tiles, split)](
+        _fp8_decode_weights_kernel[(sum(columns), row_tiles, split)](
             x2, ws[0], ss[0], run_outs[0], parts[0], ws[1], ss[1], run_outs[1], parts[1], ws[2], ss[2], run_outs[2],
             parts[2], counters, *Ns, columns[0], columns[1] if len(columns) > 1 else 0,
             *(w.stride(0) for w in ws), *(s.stride(0) for s in ss), *bns, rows, K, steps, per_split, split,

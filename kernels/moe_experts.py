@@ -815,11 +815,16 @@ def build_row_routing(expert_ids: torch.Tensor, num_experts: int, local_expert_o
     sorted_slot, row_start, row_end, tile_expert = build_tile_schedule(expert_ids, num_experts, local_expert_offset,
                                                                        block_m)
     local = expert_ids.reshape(-1).long() - local_expert_offset
-    is_local = (local >= 0) & (local < num_experts)
-    rows = torch.arange(sorted_slot.numel(), dtype=torch.int32, device=sorted_slot.device)
-    row_of_slot = torch.empty_like(rows).scatter_(0, sorted_slot.long(), rows)
-    row_of_slot = torch.where(is_local, row_of_slot, -1)
+    row_of_slot = rows_of_slots(sorted_slot, (local >= 0) & (local < num_experts))
     return (sorted_slot // expert_ids.shape[-1]), row_of_slot, (tile_expert, row_start, row_end)
+
+
+def rows_of_slots(order: torch.Tensor, is_local: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of an expert-sorted slot order (`order[row]` = slot): each slot's row, in order's dtype; -1 for the
+    slots `is_local` marks as another rank's."""
+    rows = torch.arange(order.numel(), dtype=order.dtype, device=order.device)
+    row_of_slot = torch.empty_like(rows).scatter_(0, order.long(), rows)
+    return row_of_slot if is_local is None else torch.where(is_local, row_of_slot, -1)
 
 
 # The inline-PTX bf16 decode for bf16 activations on CUDA (`fp4_decode_bf16_pair`); False falls back to the fp32 decode.
@@ -1003,8 +1008,7 @@ def _moe_experts_grouped_mm(x, expert_ids, router, gate_up, down, local_expert_o
         gate, up_rows, act, rows.shape[0], inter, gate.stride(0), up_rows.stride(0), act.stride(0),
         SWIGLU_LIMIT=None if swiglu_limit is None else float(swiglu_limit), BLOCK_R=block_r, BLOCK_I=block_i)
     slot_out = torch._grouped_mm(act, down.transpose(-2, -1), offs=offs)
-    row_of_slot = torch.empty_like(sorted_slot)
-    row_of_slot.scatter_(0, sorted_slot, torch.arange(sorted_slot.numel(), device=x.device))
+    row_of_slot = rows_of_slots(sorted_slot)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _combine(slot_out, row_of_slot, expert_ids, router, out, local_expert_offset, num_experts, router_dtype,
              product_dtype)

@@ -32,7 +32,8 @@ import triton.language as tl
 
 from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_block_m,
                                        grouped_gemm_quantized, quantize_for_weight, weight_dims)
-from dsfuse.kernels.moe_experts import build_row_routing, check_ids_non_negative, check_swiglu_limit, swiglu
+from dsfuse.kernels.moe_experts import (build_row_routing, check_ids_non_negative, check_swiglu_limit, rows_of_slots,
+                                        swiglu)
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
 
@@ -97,8 +98,7 @@ def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, do
     h = fp8_grouped_linear_reference(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
     act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
     y = fp8_grouped_linear_reference(act, down, down_scale, offsets, block_n, block_k)
-    row_of_slot = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return _combine_reference(y, torch.where(is_local, row_of_slot, -1), expert_weights, x.dtype)
+    return _combine_reference(y, rows_of_slots(order, is_local), expert_weights, x.dtype)
 
 
 @triton.jit
