@@ -212,15 +212,18 @@ def _recorded_dims(described: str) -> list[str]:
     return described[described.rindex("[") + 1:-1].split("x")
 
 
-def _reads_earlier_tokens(site: _report.Site) -> bool:
-    """An attention over a cache: the absorbed MLA form (q [B, H, S, D], latent [B, 1, T, C]) or V4's (q
-    [B, H, S, D], the K=V window [B, 1, T, D]) with T != S: the step attends over tokens from before its own,
-    which only a KV cache holds. A prefill without a cache computes its keys from its own S tokens, so T is S,
-    the same number or the same symbol."""
+def _is_decode_step(site: _report.Site) -> bool:
+    """An attention of a few tokens over a cache: the absorbed MLA form (q [B, H, S, D], latent [B, 1, T, C]) or V4's
+    (q [B, H, S, D], the K=V window [B, 1, T, D]) with T != S and S a number up to DECODE_MAX_TOKENS. T != S: the
+    step attends over tokens from before its own, which only a KV cache holds (a prefill without a cache computes
+    its keys from its own S tokens, so T is S, the same number or the same symbol). Few queries: a prompt chunk
+    attends over the cache too, but it is GPU-bound and dsfuse's decode recipe leaves it without CUDA graphs."""
     if site.op not in DECODE_NOTES or len(site.inputs) < 2:
         return False
     queries, keys = _recorded_dims(site.inputs[0]), _recorded_dims(site.inputs[1])
-    return len(queries) == 4 and len(keys) == 4 and queries[2] != keys[2]
+    if len(queries) != 4 or len(keys) != 4 or not queries[2].isdigit():
+        return False
+    return int(queries[2]) <= DECODE_MAX_TOKENS and queries[2] != keys[2]
 
 
 def _decode_without_graphs(sites: Sequence[_report.Site], example_inputs: Sequence[Any],
@@ -231,7 +234,7 @@ def _decode_without_graphs(sites: Sequence[_report.Site], example_inputs: Sequen
     cudagraphs = patches.get("triton.cudagraphs", torch._inductor.config.triton.cudagraphs)
     if not cuda or cudagraphs:
         return None
-    return next((DECODE_NOTES[site.op] for site in sites if _reads_earlier_tokens(site)), None)
+    return next((DECODE_NOTES[site.op] for site in sites if _is_decode_step(site)), None)
 
 
 def dsfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],

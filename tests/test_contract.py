@@ -241,6 +241,21 @@ def test_a_v4_cuda_decode_graph_says_it_runs_without_cuda_graphs():
     assert _decode_without_graphs([_v4_site("s0", "s0")], on_gpu, {}) is None
 
 
+@pytest.mark.parametrize("queries,keys", [("4096", "8256"), ("65", "8256"), ("s0", "s1")])
+def test_a_prompt_chunk_over_the_cache_is_not_a_decode_step(queries, keys):
+    """generate's prefill chunks attend over the cache's earlier chunks, GPU-bound and left without CUDA graphs by
+    dsfuse's own recipe (`cudagraphs="decode"`): no warning for them, while a step of up to DECODE_MAX_TOKENS
+    tokens over the same cache is flagged."""
+    from dsfuse.backend import V4_DECODE_WITHOUT_GRAPHS_NOTE, _decode_without_graphs
+    from dsfuse.config import DECODE_MAX_TOKENS
+
+    on_gpu = [torch.empty(2).as_subclass(CudaStandIn)]
+    assert _decode_without_graphs([_v4_site(queries, keys)], on_gpu, {}) is None
+    assert _decode_without_graphs([_absorbed_site(queries, keys)], on_gpu, {}) is None
+    step = str(DECODE_MAX_TOKENS)
+    assert _decode_without_graphs([_v4_site(step, keys)], on_gpu, {}) is V4_DECODE_WITHOUT_GRAPHS_NOTE
+
+
 @pytest.mark.parametrize("queries", [str(s) for s in range(1, 10)] + ["64", "s0"])
 def test_a_short_prefill_is_not_a_decode_step(queries):
     """A prefill of up to ABSORB_MAX_QUERIES tokens without a cache is absorbed too, but its keys are its own
