@@ -20,6 +20,7 @@ def test_generate_bench_tiny_cpu(tmp_path):
     rows = {r["config"]: r for r in results["runs"]}
     assert set(rows) == {"eager", "dsfuse"} and all("error" not in r for r in rows.values())
     assert all(r["ttft_ms"] > 0 and r["generate_ms"] > 0 and r["tok_per_s"] > 0 for r in rows.values())
+    assert all(0 < r["step_ms_median"] <= r["step_ms_max"] < r["generate_ms"] for r in rows.values())
     assert rows["dsfuse"]["tokens_equal_eager"] is True and rows["dsfuse"]["matching_prefix"] == 2
     assert rows["dsfuse"]["recompiles_timed"] == 0
     # Three graphs (16-token chunk, one-token tail, decode), each with every family.
@@ -73,4 +74,30 @@ def test_a_decode_time_inside_the_calls_spread_is_reported_as_unresolved():
     table = generate_markdown({"env": {}, "preset": "p", "dtype": "bfloat16", "new_tokens": 16, "padded": False,
                                "prefill_chunk": 4096, "weights_gib": 1.0, "runs": runs}).splitlines()[-2:]
     assert table[0].split(" | ")[4] == "-" and "not resolved" in table[0]
-    assert table[1].split(" | ")[6:8] == ["0.19x", "-"]
+    assert table[1].split(" | ")[5:9] == ["-", "70.7", "0.19x", "-"]
+
+
+def test_step_clock_marks_every_new_token_and_never_stops():
+    """The stopping criterion behind ms/step: one mark per call (HF calls it after each new token), a gap per pair
+    of marks, and an all-False answer of the batch's size so that generation runs its full length."""
+    from dsfuse.bench.generate import StepClock
+
+    clock = StepClock(3, "cpu", cuda=False)
+    answers = [clock(torch.zeros(3, 5), None) for _ in range(4)]
+    assert all(a.shape == (3,) and a.dtype == torch.bool and not a.any() for a in answers)
+    gaps = clock.step_ms()
+    assert len(gaps) == 3 and all(g >= 0 for g in gaps)
+    clock.marks = [1.0, 1.002, 1.005]
+    assert clock.step_ms() == pytest.approx([2.0, 3.0])
+
+
+def test_decode_speedup_compares_step_medians_where_both_have_them():
+    from dsfuse.bench.generate import generate_markdown
+
+    runs = [{"config": "inductor", "batch": 1, "prompt": 8192, "ttft_ms": 60.0, "ms_per_token": 3.0,
+             "step_ms_median": 4.0, "step_ms_max": 5.0, "tok_per_s": 250.0, "padded": False},
+            {"config": "dsfuse", "batch": 1, "prompt": 8192, "ttft_ms": 30.0, "ms_per_token": 2.5,
+             "step_ms_median": 1.6, "step_ms_max": 2.25, "tok_per_s": 500.0, "padded": False}]
+    table = generate_markdown({"env": {}, "preset": "p", "dtype": "bfloat16", "new_tokens": 64, "padded": False,
+                               "prefill_chunk": 4096, "weights_gib": 1.0, "runs": runs}).splitlines()[-1]
+    assert table.split(" | ")[4:9] == ["2.500", "1.600 (2.250)", "500.0", "0.50x", "2.50x"]

@@ -14,7 +14,9 @@ Inductor alone cannot keep them to the decode steps).
 Greedy decoding, end-of-sequence ignored, so every call decodes exactly the asked tokens.
 
 Per configuration, batch and prompt length: time to first token (a `generate` of one new token: the prefill),
-ms per decoded token (the difference of an N-token and a one-token call over N - 1), tokens/s, the peak memory
+ms per decoded token (the difference of an N-token and a one-token call over N - 1), ms per step (the median and
+the longest time from one new token to the next inside the N-token calls, marked by a stopping criterion that never
+stops: the decode speedup compares these where both sides have them), tokens/s, the peak memory
 beyond the weights, and the generated tokens against eager's (equal, or the length of the prefix that matches,
 the shortest over the batch); ms per token is left out, with the reason, where the difference of the two calls is
 within their repeats' spread. `--padded` left-pads row i of a batch by i * prompt / (2 * batch) tokens. Every
@@ -101,8 +103,39 @@ class Recipe:
         return kwargs
 
 
-def _timed_generate(model, recipe: Recipe, ids, mask, new_tokens: int, cuda: bool) -> tuple[float, torch.Tensor]:
+class StepClock:
+    """A stopping criterion that never stops and marks each new token as `generate` produces it: a CUDA event on
+    the current stream, or the host clock on CPU. The gaps between marks are the decode steps' own times, free of
+    the prefill's run-to-run spread that a difference of whole calls carries (`decode_step_ms`)."""
+
+    def __init__(self, batch: int, device: str, cuda: bool):
+        self.cuda = cuda
+        self.never = torch.zeros(batch, dtype=torch.bool, device=device)
+        self.marks: list = []
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        if self.cuda:
+            mark = torch.cuda.Event(enable_timing=True)
+            mark.record()
+            self.marks.append(mark)
+        else:
+            self.marks.append(time.perf_counter())
+        return self.never
+
+    def step_ms(self) -> list[float]:
+        """ms from each token's mark to the next (the first mark ends the prefill); on CUDA after a synchronize."""
+        if self.cuda:
+            return [first.elapsed_time(second) for first, second in zip(self.marks, self.marks[1:])]
+        return [(second - first) * 1e3 for first, second in zip(self.marks, self.marks[1:])]
+
+
+def _timed_generate(model, recipe: Recipe, ids, mask, new_tokens: int, cuda: bool,
+                    clock: StepClock | None = None) -> tuple[float, torch.Tensor]:
     kwargs = recipe.kwargs()
+    if clock is not None:
+        from transformers import StoppingCriteriaList
+
+        kwargs["stopping_criteria"] = StoppingCriteriaList([clock])
     if cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -150,8 +183,9 @@ def bench_generate(args) -> dict:
                         free_device_memory(cuda)
                         torch.cuda.reset_peak_memory_stats()
                     ttft = [_timed_generate(model, recipe, ids, mask, 1, cuda)[0] for _ in range(args.repeats)]
-                    full = [_timed_generate(model, recipe, ids, mask, args.new_tokens, cuda)[0]
-                            for _ in range(args.repeats)]
+                    clocks = [StepClock(batch, args.device, cuda) for _ in range(args.repeats)]
+                    full = [_timed_generate(model, recipe, ids, mask, args.new_tokens, cuda, clock)[0]
+                            for clock in clocks]
                     row["recompiles_timed"] = graph_count() - graphs
                     row["cudagraph_skips"] = _cudagraph_skips() - skips
                     if cuda:
@@ -161,6 +195,10 @@ def bench_generate(args) -> dict:
                     row["ms_per_token"], unresolved = decode_step_ms(ttft, full, args.new_tokens)
                     if unresolved:
                         row["decode_unresolved"] = unresolved
+                    steps = [ms for clock in clocks for ms in clock.step_ms()]
+                    if steps:
+                        row["step_ms_median"] = statistics.median(steps)
+                        row["step_ms_max"] = max(steps)
                     row["tok_per_s"] = batch * args.new_tokens / row["generate_ms"] * 1e3
                     if name == "eager":
                         references[prompt] = out
@@ -211,17 +249,20 @@ def generate_markdown(results: dict) -> str:
              " · ".join(f"{k} {v}" for k, v in env.items()), "",
              f"Prefill chunk {results['prefill_chunk']} for dsfuse; weights {results['weights_gib']} GiB. "
              "ms/token = (N-token call - 1-token call) / (N - 1), medians of the repeats; '-' where that "
-             "difference is within the repeats' spread (see the notes).", "",
-             "| batch | prompt | config | TTFT ms | ms/token | tok/s | TTFT / Inductor | decode speedup vs Inductor "
-             "| peak GiB beyond weights | tokens vs eager | notes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "difference is within the repeats' spread (see the notes). ms/step: the median (and the longest) "
+             "time from one new token to the next inside the N-token calls.", "",
+             "| batch | prompt | config | TTFT ms | ms/token | ms/step median (max) | tok/s | TTFT / Inductor "
+             "| decode speedup vs Inductor | peak GiB beyond weights | tokens vs eager | notes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["batch"], r["prompt"]): r for r in results["runs"] if r["config"] == "inductor" and "ttft_ms" in r}
     for r in results["runs"]:
         ref = base.get((r["batch"], r["prompt"]))
         ttft_ratio = decode_ratio = "-"
         if ref and "ttft_ms" in r:
             ttft_ratio = f"{r['ttft_ms'] / ref['ttft_ms']:.2f}x"
-            if ref.get("ms_per_token") and r.get("ms_per_token"):
+            if ref.get("step_ms_median") and r.get("step_ms_median"):
+                decode_ratio = f"{ref['step_ms_median'] / r['step_ms_median']:.2f}x"
+            elif ref.get("ms_per_token") and r.get("ms_per_token"):
                 decode_ratio = f"{ref['ms_per_token'] / r['ms_per_token']:.2f}x"
         if "tokens_equal_eager" in r:
             check = "equal" if r["tokens_equal_eager"] else f"prefix {r['matching_prefix']}/{results['new_tokens']}"
@@ -234,8 +275,10 @@ def generate_markdown(results: dict) -> str:
             notes += f" {r['cudagraph_skips']} graphs not captured as CUDA graphs"
         if r.get("rewritten"):
             notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items())
+        step = "-" if r.get("step_ms_median") is None else f"{r['step_ms_median']:.3f} ({r['step_ms_max']:.3f})"
         lines.append(f"| {r['batch']} | {r['prompt']} | {r['config']} | {_fmt(r.get('ttft_ms'), '.2f')} | "
-                     f"{_fmt(r.get('ms_per_token'), '.3f')} | {_fmt(r.get('tok_per_s'), '.1f')} | {ttft_ratio} | "
+                     f"{_fmt(r.get('ms_per_token'), '.3f')} | {step} | {_fmt(r.get('tok_per_s'), '.1f')} | "
+                     f"{ttft_ratio} | "
                      f"{decode_ratio} | {r.get('peak_extra_gib', '-')} | {check} | {notes.strip()} |")
     return "\n".join(lines) + "\n"
 
