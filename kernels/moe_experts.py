@@ -814,8 +814,7 @@ def build_row_routing(expert_ids: torch.Tensor, num_experts: int, local_expert_o
         return row_token, row_of_slot, (tile_expert, row_start, row_end)
     sorted_slot, row_start, row_end, tile_expert = build_tile_schedule(expert_ids, num_experts, local_expert_offset,
                                                                        block_m)
-    local = expert_ids.reshape(-1).long() - local_expert_offset
-    row_of_slot = rows_of_slots(sorted_slot, (local >= 0) & (local < num_experts))
+    row_of_slot = rows_of_slots(sorted_slot, local_slots(expert_ids, num_experts, local_expert_offset))
     return (sorted_slot // expert_ids.shape[-1]), row_of_slot, (tile_expert, row_start, row_end)
 
 
@@ -980,10 +979,17 @@ def swiglu_rounded(gate, up, dtype: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, AC
     return (silu.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype)
 
 
-def _expert_sorted_slots(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int):
-    """(slots sorted by local expert, stably, other ranks' last; cumulative local row counts as int32 `offs`)."""
+def local_slots(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int) -> torch.Tensor:
+    """Which slots (flattened `expert_ids`) route to this rank's experts [offset, offset + num_experts)."""
+    local = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
+    return (local >= 0) & (local < num_experts)
+
+
+def expert_sorted_slots(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int):
+    """(slots sorted by local expert, stably, other ranks' last; cumulative local row counts as int32 `offs`):
+    device ops only, no host sync."""
     flat = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
+    key = torch.where(local_slots(expert_ids, num_experts, local_expert_offset), flat, num_experts)
     sorted_slot = torch.sort(key, stable=True).indices
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
@@ -998,7 +1004,7 @@ def _moe_experts_grouped_mm(x, expert_ids, router, gate_up, down, local_expert_o
     T, H = x.shape
     num_experts = gate_up.shape[0]
     inter = down.shape[2]
-    sorted_slot, offs = _expert_sorted_slots(expert_ids, num_experts, local_expert_offset)
+    sorted_slot, offs = expert_sorted_slots(expert_ids, num_experts, local_expert_offset)
     rows = x.index_select(0, sorted_slot // expert_ids.shape[1])
     gate = torch._grouped_mm(rows, gate_up.transpose(-2, -1), offs=offs)
     up_rows = gate[:, inter:] if up is None else torch._grouped_mm(rows, up.transpose(-2, -1), offs=offs)

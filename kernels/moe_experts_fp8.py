@@ -32,8 +32,8 @@ import triton.language as tl
 
 from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_block_m,
                                        grouped_gemm_quantized, quantize_for_weight, weight_dims)
-from dsfuse.kernels.moe_experts import (build_row_routing, check_ids_non_negative, check_swiglu_limit, rows_of_slots,
-                                        swiglu)
+from dsfuse.kernels.moe_experts import (build_row_routing, check_ids_non_negative, check_swiglu_limit,
+                                        expert_sorted_slots, local_slots, rows_of_slots, swiglu)
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
 
@@ -66,18 +66,6 @@ def _check(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_sca
             raise ValueError(f"{op}: all inputs must be on {x.device}, found {t.device}")
 
 
-def _routing(expert_ids, E, local_expert_offset):
-    """(order, is_local, offsets): the slots sorted by local expert (stable; other ranks' slots last), which slots
-    are local, and the running row totals of the local experts [E]. Device ops only: no host sync on CUDA."""
-    local = expert_ids.reshape(-1).long() - local_expert_offset
-    is_local = (local >= 0) & (local < E)
-    key = torch.where(is_local, local, E)
-    _, order = torch.sort(key, stable=True)
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=expert_ids.device).scatter_add_(
-        0, key, torch.ones_like(key, dtype=torch.int32))
-    return order, is_local, counts[:E].cumsum(0, dtype=torch.int32)
-
-
 def _combine_reference(y, row_of_slot, expert_weights, dtype):
     """Each token's sum over its k slots, in slot order, of y[row_of_slot[slot]] * router weight (torch's type
     promotion), slots of other ranks (row -1) adding zero; accumulated in fp32 and rounded once (to the product's
@@ -94,10 +82,11 @@ def _combine_reference(y, row_of_slot, expert_weights, dtype):
 def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, down, down_scale, block_n, block_k,
                        local_expert_offset, swiglu_limit):
     top_k = expert_ids.shape[1]
-    order, is_local, offsets = _routing(expert_ids, gate_up.shape[0], local_expert_offset)
+    order, offsets = expert_sorted_slots(expert_ids, gate_up.shape[0], local_expert_offset)
     h = fp8_grouped_linear_reference(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
     act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
     y = fp8_grouped_linear_reference(act, down, down_scale, offsets, block_n, block_k)
+    is_local = local_slots(expert_ids, gate_up.shape[0], local_expert_offset)
     return _combine_reference(y, rows_of_slots(order, is_local), expert_weights, x.dtype)
 
 
