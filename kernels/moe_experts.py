@@ -688,6 +688,21 @@ def num_schedule_tiles(num_slots: int, num_experts: int, block_m: int, compact: 
     return min(num_slots, bound) if compact else bound
 
 
+def local_expert_keys(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int) -> torch.Tensor:
+    """Each slot's (flattened `expert_ids`) local expert, int64; `num_experts` for a slot of another rank's expert
+    (outside [offset, offset + num_experts)), so that sorting by it puts those slots last."""
+    local = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
+    return torch.where((local >= 0) & (local < num_experts), local, num_experts)
+
+
+def _sort_by_expert(key: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the slots stably sorted by `local_expert_keys`' key, int64; each local expert's slot count [E], int64)."""
+    sorted_slot = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    return sorted_slot, counts[:num_experts]
+
+
 def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int, block_m: int,
                         compact: bool = True):
     """Expert-sorted slot order and a fixed-length tile list, with torch ops only (no `.item()`, static shapes).
@@ -696,18 +711,14 @@ def build_tile_schedule(expert_ids: torch.Tensor, num_experts: int, local_expert
     tile_row_start, tile_row_end, tile_expert)`, each tile list of length `num_schedule_tiles(T*k, E, block_m,
     compact)`; a tile with `start >= end` is idle.
     """
-    flat = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
-    is_local = (flat >= 0) & (flat < num_experts)
-    key = torch.where(is_local, flat, torch.full_like(flat, num_experts))
-    sorted_slot = torch.sort(key, stable=True).indices.to(torch.int32)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]
+    key = local_expert_keys(expert_ids, num_experts, local_expert_offset)
+    sorted_slot, counts = _sort_by_expert(key, num_experts)
+    sorted_slot = sorted_slot.to(torch.int32)
     starts = torch.cumsum(counts, 0) - counts
     tiles_per_expert = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles_per_expert, 0)
-    max_tiles = num_schedule_tiles(flat.numel(), num_experts, block_m, compact)
-    tile = torch.arange(max_tiles, device=flat.device)
+    max_tiles = num_schedule_tiles(key.numel(), num_experts, block_m, compact)
+    tile = torch.arange(max_tiles, device=key.device)
     tile_expert = torch.searchsorted(tile_end, tile, right=True)
     used = tile_expert < num_experts
     expert = tile_expert.clamp(max=num_experts - 1)
@@ -814,7 +825,8 @@ def build_row_routing(expert_ids: torch.Tensor, num_experts: int, local_expert_o
         return row_token, row_of_slot, (tile_expert, row_start, row_end)
     sorted_slot, row_start, row_end, tile_expert = build_tile_schedule(expert_ids, num_experts, local_expert_offset,
                                                                        block_m)
-    row_of_slot = rows_of_slots(sorted_slot, local_slots(expert_ids, num_experts, local_expert_offset))
+    is_local = local_expert_keys(expert_ids, num_experts, local_expert_offset) < num_experts
+    row_of_slot = rows_of_slots(sorted_slot, is_local)
     return (sorted_slot // expert_ids.shape[-1]), row_of_slot, (tile_expert, row_start, row_end)
 
 
@@ -979,21 +991,12 @@ def swiglu_rounded(gate, up, dtype: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, AC
     return (silu.to(dtype).to(tl.float32) * up.to(tl.float32)).to(dtype)
 
 
-def local_slots(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int) -> torch.Tensor:
-    """Which slots (flattened `expert_ids`) route to this rank's experts [offset, offset + num_experts)."""
-    local = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
-    return (local >= 0) & (local < num_experts)
-
-
 def expert_sorted_slots(expert_ids: torch.Tensor, num_experts: int, local_expert_offset: int):
     """(slots sorted by local expert, stably, other ranks' last; cumulative local row counts as int32 `offs`):
     device ops only, no host sync."""
-    flat = expert_ids.reshape(-1).to(torch.int64) - local_expert_offset
-    key = torch.where(local_slots(expert_ids, num_experts, local_expert_offset), flat, num_experts)
-    sorted_slot = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    return sorted_slot, torch.cumsum(counts[:num_experts], 0).to(torch.int32)
+    sorted_slot, counts = _sort_by_expert(local_expert_keys(expert_ids, num_experts, local_expert_offset),
+                                          num_experts)
+    return sorted_slot, torch.cumsum(counts, 0).to(torch.int32)
 
 
 def _moe_experts_grouped_mm(x, expert_ids, router, gate_up, down, local_expert_offset, router_dtype, product_dtype,

@@ -33,7 +33,7 @@ import triton.language as tl
 from dsfuse.kernels.fp8_linear import (OUT_DTYPES, fp8_grouped_linear_reference, grouped_block_m,
                                        grouped_gemm_quantized, quantize_for_weight, weight_dims)
 from dsfuse.kernels.moe_experts import (build_row_routing, check_ids_non_negative, check_swiglu_limit,
-                                        expert_sorted_slots, local_slots, rows_of_slots, swiglu)
+                                        expert_sorted_slots, local_expert_keys, rows_of_slots, swiglu)
 from dsfuse.kernels.triton_support import cdiv, direct_kernel
 
 
@@ -86,7 +86,7 @@ def _experts_reference(x, expert_ids, expert_weights, gate_up, gate_up_scale, do
     h = fp8_grouped_linear_reference(x[order // top_k], gate_up, gate_up_scale, offsets, block_n, block_k)
     act = swiglu(*h.chunk(2, dim=-1), swiglu_limit)
     y = fp8_grouped_linear_reference(act, down, down_scale, offsets, block_n, block_k)
-    is_local = local_slots(expert_ids, gate_up.shape[0], local_expert_offset)
+    is_local = local_expert_keys(expert_ids, gate_up.shape[0], local_expert_offset) < gate_up.shape[0]
     return _combine_reference(y, rows_of_slots(order, is_local), expert_weights, x.dtype)
 
 
