@@ -757,6 +757,13 @@ def grouped_block_m(rows: int, weight: torch.Tensor) -> int:
     return _gemm_config(rows, weight, weight.shape[0])[0]
 
 
+def _channel_group_split(steps: int, wanted: int) -> tuple[int, int]:
+    """(channel groups per split, splits) for about `wanted` splits of `steps` channel groups: whole groups, at
+    least one a split, no split left empty."""
+    per_split = cdiv(steps, max(1, min(wanted, steps)))
+    return per_split, cdiv(steps, per_split)
+
+
 def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None, config=None, decode=None,
           split=None, tiles=None):
     """out = `q`, `s` (from `quantize_for_weight`) through `weight`, or with `s` None, `q` the activations x
@@ -791,8 +798,7 @@ def _gemm(q, s, weight, scale, out, block_n, block_k, offsets=None, a_rows=None,
     if split is None:
         split = cdiv(programs_per_sm * _sm_count(q.device), tile_count * columns)
         split = split if decode else min(split, 16)
-    per_split = cdiv(steps, max(1, min(split, steps)))
-    split = cdiv(steps, per_split)
+    per_split, split = _channel_group_split(steps, split)
     w3 = weight if weight.dim() == 3 else weight.unsqueeze(0)
     s3 = scale if scale.dim() == 3 else scale.unsqueeze(0)
     e8m0 = is_e8m0(s3) or s3.dtype == torch.uint8
@@ -952,9 +958,8 @@ def _decode_linears(x2, weights, scales, block_ns, block_k, widths, K):
         run = slice(first, first + DECODE_WEIGHTS_PER_LAUNCH)
         ws, ss, bns, Ns, run_outs = weights[run], scales[run], block_ns[run], widths[run], outs[run]
         columns = [cdiv(N, BN) for N in Ns]
-        split = cdiv(programs_per_sm * _sm_count(x2.device), row_tiles * sum(columns))
-        per_split = cdiv(steps, max(1, min(split, steps)))
-        split = cdiv(steps, per_split)
+        per_split, split = _channel_group_split(
+            steps, cdiv(programs_per_sm * _sm_count(x2.device), row_tiles * sum(columns)))
         parts = [torch.empty((split, rows, N), dtype=torch.float32, device=x2.device) if split > 1 else out
                  for N, out in zip(Ns, run_outs)]
         counters = _arrival_counters(x2.device, row_tiles * sum(columns) if split > 1 else 1)
