@@ -101,3 +101,18 @@ def test_decode_speedup_compares_step_medians_where_both_have_them():
     table = generate_markdown({"env": {}, "preset": "p", "dtype": "bfloat16", "new_tokens": 64, "padded": False,
                                "prefill_chunk": 4096, "weights_gib": 1.0, "runs": runs}).splitlines()[-1]
     assert table.split(" | ")[4:9] == ["2.500", "1.600 (2.250)", "500.0", "0.50x", "2.50x"]
+
+
+def test_decode_step_profile_is_the_long_call_less_the_prefill_call_per_step(monkeypatch):
+    """Kernels of the 1-token call (the prefill) come off the N-token call's, and what is left is shared over the
+    N - 1 steps; a kernel only the prefill launches is not a decode kernel."""
+    from dsfuse.bench import generate as gen
+
+    profiles = {5: {"attn": (900.0, 9), "gemm": (500.0, 6), "prefill_only": (300.0, 1)},
+                1: {"attn": (100.0, 1), "gemm": (100.0, 2), "prefill_only": (300.0, 1)}}
+    monkeypatch.setattr(gen, "kernel_times", lambda fn: (profiles[fn()], {}))
+    step = gen.decode_step_profile(lambda tokens: tokens, 5)
+    assert step["top_kernels_ms"] == [("attn", 0.2), ("gemm", 0.1)]
+    assert step["launches_by_kernel"] == {"attn": 2, "gemm": 1}
+    assert step["kernel_launches"] == 3
+    assert step["gpu_ms"] == pytest.approx(0.3)

@@ -26,12 +26,14 @@ the prompt plus the new tokens.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
 import torch
 
-from dsfuse.bench.measure import environment, error_text, free_device_memory, graph_count, loaded_with_weight_bytes
+from dsfuse.bench.measure import (environment, error_text, free_device_memory, graph_count, kernel_summary,
+                                  kernel_times, loaded_with_weight_bytes)
 from dsfuse.bench.source import add_source_arguments, load_model, source_label
 
 GENERATE_CONFIGS = ("eager", "inductor", "dsfuse")
@@ -200,6 +202,10 @@ def bench_generate(args) -> dict:
                         row["step_ms_median"] = statistics.median(steps)
                         row["step_ms_max"] = max(steps)
                     row["tok_per_s"] = batch * args.new_tokens / row["generate_ms"] * 1e3
+                    if args.profile and cuda and args.new_tokens > 1:
+                        call = functools.partial(_timed_generate, model, recipe, ids, mask, cuda=cuda)
+                        row["step_profile"] = decode_step_profile(lambda tokens: call(new_tokens=tokens),
+                                                                  args.new_tokens)
                     if name == "eager":
                         references[prompt] = out
                     elif prompt in references:
@@ -212,10 +218,30 @@ def bench_generate(args) -> dict:
                 del recipe
                 free_device_memory(cuda)
                 results["runs"].append(row)
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "step_profile"},
+                      flush=True)
+                if "step_profile" in row:
+                    prof = row["step_profile"]
+                    top = ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in prof["top_kernels_ms"][:8])
+                    print(f"  decode step: {prof['gpu_ms']:.3f} ms GPU in {prof['kernel_launches']} launches; {top}",
+                          flush=True)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     print(generate_markdown(results), flush=True)
     return results
+
+
+def decode_step_profile(generate, new_tokens: int) -> dict:
+    """GPU time of one decode step by kernel: a profiled `new_tokens`-token call less a profiled one-token call (the
+    same prefill), kernel by kernel, over the `new_tokens - 1` steps between them. `generate(tokens)` runs one call."""
+    full, _ = kernel_times(lambda: generate(new_tokens))
+    prefill, _ = kernel_times(lambda: generate(1))
+    steps = new_tokens - 1
+    per_step = {}
+    for key, (us, count) in full.items():
+        base_us, base_count = prefill.get(key, (0.0, 0))
+        if count > base_count:
+            per_step[key] = (max(us - base_us, 0.0) / steps, round((count - base_count) / steps))
+    return kernel_summary(per_step)
 
 
 def _cudagraph_skips() -> int:
@@ -296,6 +322,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true",
+                        help="add one decode step's GPU time by kernel (a profiled N-token call less a 1-token one)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--markdown", default=None, help="write a Markdown table here")
 

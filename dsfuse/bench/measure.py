@@ -99,9 +99,9 @@ def _device_us(event, self_only: bool) -> float:
     return 0.0
 
 
-def profile_stages(fn: Callable[[], object], top: int = 24) -> dict:
-    """GPU time of one call by kernel (with its launch count: a decode step's small kernels add up), and the share
-    of each dsfuse fused op."""
+def kernel_times(fn: Callable[[], object]) -> tuple[dict[str, tuple[float, int]], dict[str, float]]:
+    """One profiled call of `fn` (after an unprofiled one): ({kernel: (GPU us, launches)}, {dsfuse op: GPU us with
+    its kernels})."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -111,17 +111,35 @@ def profile_stages(fn: Callable[[], object], top: int = 24) -> dict:
         torch.cuda.synchronize()
     events = list(prof.key_averages())
     # Only device-side events are kernels: an operator's own self device time repeats its kernels'.
-    device_events = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU and _device_us(e, True) > 0]
-    kernels = [(e.key, _device_us(e, True)) for e in device_events]
-    total = sum(us for _, us in kernels)
+    kernels = {e.key: (_device_us(e, True), e.count) for e in events
+               if e.device_type != torch.autograd.DeviceType.CPU and _device_us(e, True) > 0}
     fused = {e.key: _device_us(e, False) for e in events if e.key.startswith("dsfuse::")}
+    return kernels, fused
+
+
+def kernel_summary(kernels: dict[str, tuple[float, int]], top: int = 24) -> dict:
+    """`profile_stages`' kernel fields from {kernel: (GPU us, launches)}."""
+    total = sum(us for us, _ in kernels.values())
     return {
         "gpu_ms": total / 1e3,
+        "top_kernels_ms": [(k[:80], us / 1e3) for k, (us, _) in
+                           sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
+        "kernel_launches": sum(count for _, count in kernels.values()),
+        "launches_by_kernel": {k[:80]: count for k, (_, count) in kernels.items()},
+    }
+
+
+def profile_stages(fn: Callable[[], object], top: int = 24) -> dict:
+    """GPU time of one call by kernel (with its launch count: a decode step's small kernels add up), and the share
+    of each dsfuse fused op."""
+    kernels, fused = kernel_times(fn)
+    summary = kernel_summary(kernels, top)
+    total = summary["gpu_ms"] * 1e3
+    return {
+        "gpu_ms": summary["gpu_ms"],
         "dsfuse_ops_ms": {k: v / 1e3 for k, v in fused.items()},
         "dsfuse_ops_share": {k: v / total for k, v in fused.items()} if total else {},
-        "top_kernels_ms": [(k[:80], us / 1e3) for k, us in sorted(kernels, key=lambda kv: -kv[1])[:top]],
-        "kernel_launches": sum(e.count for e in device_events),
-        "launches_by_kernel": {e.key[:80]: e.count for e in device_events},
+        **{k: v for k, v in summary.items() if k != "gpu_ms"},
     }
 
 
