@@ -116,3 +116,23 @@ def test_decode_step_profile_is_the_long_call_less_the_prefill_call_per_step(mon
     assert step["launches_by_kernel"] == {"attn": 2, "gemm": 1}
     assert step["kernel_launches"] == 3
     assert step["gpu_ms"] == pytest.approx(0.3)
+
+
+def _decode_step_work():
+    return sum(i * i for i in range(20000))
+
+
+def test_host_step_profile_names_the_work_each_step_repeats():
+    """The function a call runs once per new token leads the per-step host profile; work both calls share (the
+    prefill) cancels."""
+    from dsfuse.bench.generate import host_step_profile
+
+    def generate(tokens):
+        _decode_step_work()  # the prefill: once per call
+        for _ in range(tokens - 1):
+            _decode_step_work()
+
+    top = dict(host_step_profile(generate, 9))
+    work = [ms for name, ms in top.items() if "<genexpr>" in name]
+    assert list(top)[0].endswith("<genexpr>") and work[0] > 0, top
+    assert any(name.endswith("_decode_step_work") for name in top), top

@@ -26,7 +26,9 @@ the prompt plus the new tokens.
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import pstats
 import statistics
 import time
 
@@ -202,10 +204,13 @@ def bench_generate(args) -> dict:
                         row["step_ms_median"] = statistics.median(steps)
                         row["step_ms_max"] = max(steps)
                     row["tok_per_s"] = batch * args.new_tokens / row["generate_ms"] * 1e3
-                    if args.profile and cuda and args.new_tokens > 1:
+                    if args.profile and args.new_tokens > 1:
                         call = functools.partial(_timed_generate, model, recipe, ids, mask, cuda=cuda)
-                        row["step_profile"] = decode_step_profile(lambda tokens: call(new_tokens=tokens),
-                                                                  args.new_tokens)
+                        if cuda:
+                            row["step_profile"] = decode_step_profile(lambda tokens: call(new_tokens=tokens),
+                                                                      args.new_tokens)
+                        row["host_profile"] = host_step_profile(lambda tokens: call(new_tokens=tokens),
+                                                                args.new_tokens)
                     if name == "eager":
                         references[prompt] = out
                     elif prompt in references:
@@ -218,13 +223,16 @@ def bench_generate(args) -> dict:
                 del recipe
                 free_device_memory(cuda)
                 results["runs"].append(row)
-                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "step_profile"},
-                      flush=True)
+                print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+                       if k not in ("step_profile", "host_profile")}, flush=True)
                 if "step_profile" in row:
                     prof = row["step_profile"]
                     top = ", ".join(f"{k[:40]} {ms:.3f}" for k, ms in prof["top_kernels_ms"][:8])
                     print(f"  decode step: {prof['gpu_ms']:.3f} ms GPU in {prof['kernel_launches']} launches; {top}",
                           flush=True)
+                if "host_profile" in row:
+                    top = ", ".join(f"{k} {ms:.3f}" for k, ms in row["host_profile"][:10])
+                    print(f"  decode step host time by function (ms, profiled): {top}", flush=True)
     results["wall_s"] = round(time.perf_counter() - started, 1)
     print(generate_markdown(results), flush=True)
     return results
@@ -242,6 +250,24 @@ def decode_step_profile(generate, new_tokens: int) -> dict:
         if count > base_count:
             per_step[key] = (max(us - base_us, 0.0) / steps, round((count - base_count) / steps))
     return kernel_summary(per_step)
+
+
+def host_step_profile(generate, new_tokens: int, top: int = 16) -> list[tuple[str, float]]:
+    """Where a decode step's host time goes: Python's profiler over a `new_tokens`-token call less a one-token call
+    (the same prefill), the functions with the most time of their own, in ms per step (under the profiler, which
+    slows Python: shares, not times). `generate` synchronises the device at every step, so host time is time the
+    GPU waits."""
+    own = []
+    for tokens in (new_tokens, 1):
+        profiler = cProfile.Profile()
+        profiler.runcall(generate, tokens)
+        stats = pstats.Stats(profiler).stats
+        own.append({f"{'/'.join(path.split('/')[-2:])}:{line} {name}": tottime * 1e3
+                    for (path, line, name), (_, _, tottime, _, _) in stats.items()})
+    full, prefill = own
+    steps = new_tokens - 1
+    per_step = {key: (ms - prefill.get(key, 0.0)) / steps for key, ms in full.items()}
+    return [(key, round(ms, 4)) for key, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:top]]
 
 
 def _cudagraph_skips() -> int:
@@ -323,7 +349,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--profile", action="store_true",
-                        help="add one decode step's GPU time by kernel (a profiled N-token call less a 1-token one)")
+                        help="add one decode step's GPU time by kernel and host time by function (a profiled N-token "
+                        "call less a 1-token one)")
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--markdown", default=None, help="write a Markdown table here")
 
