@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One H200 session: GPU tests, whole-model and family benchmarks with a profile, kernel benchmarks.
 # From the repo root on the device machine: bash benchmarks/gpu_session.sh   (results under $OUT)
-# Steps run in priority order, each under its own time limit, all logging into $OUT/session_log.txt.
-# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm hc fuzz) runs a subset;
+# Steps run in priority order, each under its own time limit (SIGABRT at the limit: a Python run with -X faulthandler
+# prints where it stood), all logging into $OUT/session_log.txt.
+# STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm hc fuzz, and for
+# released-layout checkpoints qlinears qdecode qgenerate) runs a subset;
 # MODEL_CONFIGS / MODEL_SEQ / MODEL_LOGITS, DECODE_CONFIGS / DECODE_CONTEXT / DECODE_LIMIT and ABLATE_LIMIT narrow
 # the model steps.
 set -uo pipefail
@@ -22,7 +24,7 @@ wanted() { [[ " $STEPS " == *" $1 "* ]]; }
 step() {  # step SECONDS TITLE COMMAND...
   local limit=$1 title=$2; shift 2
   echo "=== $title ($(date -u +%H:%M:%S))" | tee -a "$LOG"
-  timeout "$limit" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" | tail -"${TAIL:-40}" | tee -a "$LOG"
+  timeout -s ABRT "$limit" "$@" 2>&1 | grep -v -i -E "warn|^\s*$" | tail -"${TAIL:-40}" | tee -a "$LOG"
 }
 nvidia-smi --query-gpu=name,clocks.sm,memory.used --format=csv,noheader | tee -a "$LOG"
 
@@ -48,6 +50,31 @@ wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/n
 wanted hc && TAIL=14 step 300 "hyper-connection kernels" python3 -P benchmarks/hyper_connections_gpu.py
 # fuzz: the op fuzz suite with the gpu profile, file by file under their own limits (table in $OUT/op_fuzz.md, each
 # file's log in $OUT/op_fuzz_logs), FUZZ_OPS_JOBS files at once; then whole presets at many lengths and batch sizes
+# Released-layout checkpoints (random weights at real dimensions, written here): the FP8 / FP4 linears at decode
+# sizes with their tile sweep; the V3.2 decode step, FP8 against bf16; `generate` ms/step with one decode step's GPU
+# time by kernel and host time by function, V3.2 FP8 and V4-Flash FP4 each beside its bf16 model.
+checkpoint() {  # checkpoint PRESET DIR
+  [[ -d $2 ]] || TAIL=3 step 150 "write $1 in its released layout" python3 -m dsfuse.bench checkpoint --preset $1 --out $2
+}
+wanted qlinears && TAIL=60 DECODE_ONLY=1 DECODE_SWEEP=1 step 240 "FP8 / FP4 linears at decode sizes, tile sweep" \
+  python3 -P benchmarks/fp8_linear_gpu.py
+if wanted qdecode; then
+  checkpoint v32-real-2l /tmp/v32fp8
+  for source in "--checkpoint /tmp/v32fp8" "--preset v32-real-2l"; do
+    TAIL=30 step 150 "decode step B=1 T=8192, CUDA graphs: $source" python3 -m dsfuse.bench model $source --mode decode \
+      --decode-batch 1 --context 8192 --configs dsfuse-cudagraphs --profile --rep-ms 300 \
+      --json "$OUT/qdecode_${source##*[ /]}.json"
+  done
+fi
+if wanted qgenerate; then
+  checkpoint v32-real-2l /tmp/v32fp8
+  checkpoint v4-flash-real-2l /tmp/v4fp4
+  for source in "--checkpoint /tmp/v32fp8" "--preset v32-real-2l" "--checkpoint /tmp/v4fp4" "--preset v4-flash-real-2l"; do
+    TAIL=12 step 200 "generate prompt 8192, 64 tokens: $source" python3 -X faulthandler -m dsfuse.bench generate \
+      $source --prompt 8192 --batch 1 --new-tokens 64 --configs dsfuse --repeats 2 --profile \
+      --json "$OUT/qgenerate_${source##*[ /]}.json"
+  done
+fi
 wanted fuzz && TAIL=15 step ${FUZZ_OPS_LIMIT:-360} "op fuzz (gpu profile)" python3 -P benchmarks/op_fuzz_gpu.py \
   --jobs ${FUZZ_OPS_JOBS:-4} --out "$OUT"
 wanted fuzz && TAIL=40 step ${FUZZ_MODEL_LIMIT:-480} "model fuzz" python3 -P benchmarks/model_fuzz_gpu.py --out "$OUT"
