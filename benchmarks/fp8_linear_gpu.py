@@ -19,7 +19,9 @@ shapes and its and V4-Flash's expert shapes.
    and the row-tiled GEMM with its decode-sized tiles of run 74 (BLOCK_M 16, BLOCK_N 32, 4 warps, 4 stages and its
    split rule; its partials now summed by the same kernel, no tile list built) with the same quantisation: ms,
    weight GB/s and the fraction of the copy bandwidth, timed as CUDA-graph replays (as a decode step runs them; the
-   host's launch time, which eagerly exceeds these kernels', is left out). `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N,
+   host's launch time, which eagerly exceeds these kernels', is left out); then each FP8 launch of a V3.2 decode step
+   as the compiled model makes it (`fp8_linears` groups, the routed experts' grouped GEMMs on 8 experts), as
+   bandwidth. `DECODE_SWEEP=1` adds a sweep of the decode tiles (BLOCK_N,
    warps, stages, programs per SM, FP4 K step) at M = 1, 16, 64; `DECODE_ONLY=1` runs this section alone.
 
 Writes $OUT/fp8_linear.json and prints markdown tables last. ~2 minutes. `ROWS="4096"` limits the linears' row
@@ -161,6 +163,50 @@ def decode_case(name, N, K, fp4, M, copy_gbs):
         except Exception as error:  # noqa: BLE001  (a failing provider is a finding)
             row[provider] = f"{type(error).__name__}: {str(error)[:80]}"
     return row
+
+
+# A V3.2 decode step's FP8 launches at batch 1, as the compiled model makes them (`fp8_linears` groups the
+# projections of one input; the routed experts' two GEMMs read 8 experts' weights): (launch, input width, widths).
+STEP_LINEARS = [("q_a + kv_a + wk", 7168, (1536, 576, 128)), ("q_b + indexer wq_b", 1536, (24576, 8192)),
+                ("o_proj", 16384, (7168,)), ("dense gate + up", 7168, (18432, 18432)), ("dense down", 18432, (7168,)),
+                ("shared gate + up", 7168, (2048, 2048)), ("shared down", 2048, (7168,))]
+# experts held, chosen, hidden, intermediate: the launch reads only the chosen experts' weights, so 16 held of
+# V3.2's 256 read the same bytes (and keep the fp32 weights being quantised small)
+STEP_EXPERTS = (16, 8, 7168, 2048)
+
+
+def step_launches(copy_gbs):
+    """Each FP8 launch of a V3.2 decode step (batch 1, one layer's worth: the dense MLP and the MoE layer's shared
+    expert and routed experts), replayed from a CUDA graph: its weight bytes over its time against the copy
+    bandwidth, so the step's FP8 time (the model's profile) can be laid against each launch's share."""
+    rows = []
+    for name, K, widths in STEP_LINEARS:
+        weights = [_weight(N, K, False, N + K) for N in widths]
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        ws, ss = [w for w, _ in weights], [sc for _, sc in weights]
+        if len(ws) == 1:
+            fn = lambda: torch.ops.dsfuse.fp8_linear(x, ws[0], ss[0], 128, 128)  # noqa: E731
+        else:
+            fn = lambda: torch.ops.dsfuse.fp8_linears(x, ws, ss, [128] * len(ws), 128)  # noqa: E731
+        entry = {"launch": name, "weight_mb": round(sum(ops.weight_bytes(w, sc) for w, sc in weights) / 1e6, 1)}
+        rows.append(_step_bandwidth(entry, sum(ops.weight_bytes(w, sc) for w, sc in weights), fn, copy_gbs))
+    E, chosen, H, inter = STEP_EXPERTS
+    up, down = _weight(2 * inter, H, False, 1, lead=(E,)), _weight(H, inter, False, 2, lead=(E,))
+    picked = torch.randperm(E, device="cuda")[:chosen].sort().values
+    offsets = torch.zeros(E, dtype=torch.long, device="cuda").index_fill_(0, picked, 1).cumsum(0).to(torch.int32)
+    x, mid = (torch.randn(chosen, width, device="cuda", dtype=torch.bfloat16) for width in (H, inter))
+    for name, a, (w, sc) in (("routed experts up", x, up), ("routed experts down", mid, down)):
+        fn = lambda: torch.ops.dsfuse.fp8_grouped_linear(a, w, sc, offsets, 128, 128)  # noqa: E731
+        read = ops.weight_bytes(w, sc) * chosen / E
+        rows.append(_step_bandwidth({"launch": name, "weight_mb": round(read / 1e6, 1)}, read, fn, copy_gbs))
+    return rows
+
+
+def _step_bandwidth(entry, weight_bytes, fn, copy_gbs):
+    ms = bench_replayed(fn)
+    gbs = weight_bytes / ms / 1e6
+    entry.update(ms=round(ms, 4), gbs=round(gbs), copy_frac=round(gbs / copy_gbs, 3))
+    return entry
 
 
 # (BLOCK_N, warps, stages, programs per SM, FP4 K step); `ops._decode_config` picks among them by row tile
@@ -314,6 +360,10 @@ def main():
             RESULTS["decode"].append(decode_case(name, N, K, fp4, M, copy_gbs))
             print(json.dumps(RESULTS["decode"][-1]), flush=True)
         torch.cuda.empty_cache()
+    RESULTS["step_launches"] = step_launches(copy_gbs) if not experts_only else []
+    for entry in RESULTS["step_launches"]:
+        print(json.dumps(entry), flush=True)
+    torch.cuda.empty_cache()
     (open(f"{OUT}/fp8_linear.json", "w")).write(json.dumps(RESULTS, indent=1))
     if os.environ.get("DECODE_SWEEP"):
         RESULTS["decode_sweep"] = []
@@ -358,6 +408,13 @@ def table():
         lines.append(f"| {r['shape']} | {r['M']} | {_cell(d, 'ms')} | {_cell(d, 'gbs')} | {_cell(d, 'copy_frac')} | "
                      f"{_cell(g, 'ms')} | {_cell(g, 'copy_frac')} | {_cell(o, 'ms')} | {_cell(o, 'copy_frac')} | "
                      f"{ratio} | {_cell(d, 'err')} |")
+    launches = RESULTS.get("step_launches", [])
+    if launches:
+        lines += ["", "| V3.2 decode step launch (B=1) | weight MB | ms | GB/s | of copy |", "|" + " --- |" * 5]
+        lines += [f"| {r['launch']} | {r['weight_mb']} | {r['ms']} | {r['gbs']} | {r['copy_frac']} |" for r in launches]
+        total_mb, total_ms = sum(r["weight_mb"] for r in launches), sum(r["ms"] for r in launches)
+        lines.append(f"| all | {total_mb:.1f} | {total_ms:.4f} | {total_mb / total_ms:.0f} | "
+                     f"{total_mb / total_ms / RESULTS['copy_gbs']:.3f} |")
     for r in RESULTS.get("decode_sweep", []):
         best = r.get(r["best"]) if r["best"] else None
         lines.append(f"| sweep {r['shape']} | {r['M']} | best {r['best']}: {_cell(best, 'ms')} ms, "
