@@ -1,11 +1,16 @@
-"""Prefill throughput of a sharded DeepSeek V3.2 model: eager / Inductor / dsfuse, one process per device.
+"""Prefill throughput of a sharded DeepSeek model: eager / Inductor / dsfuse, one process per device.
 
     torchrun --nproc_per_node 4 benchmarks/distributed_prefill.py --preset v32-real-2l --ep --seq 2048 8192
     torchrun --nproc_per_node 2 benchmarks/distributed_prefill.py --preset tiny --seq 16     # CPU, gloo
+    python -m dsfuse.bench checkpoint --preset v32-real-2l --out v32fp8                     # released FP8 layout,
+    torchrun --nproc_per_node 2 benchmarks/distributed_prefill.py --checkpoint v32fp8 --ep    # then sharded
 
 The model is loaded with transformers' tensor-parallel plan (`tp_plan="auto"`) and, with `--ep`, its
-expert-parallel plan across all ranks; a random checkpoint of the preset is written first when
-`--checkpoint` does not exist yet. Rank 0 prints a table and writes `--json`.
+expert-parallel plan across all ranks; a random bf16 checkpoint of the preset is written first when
+`--checkpoint` does not exist yet. A checkpoint in a released quantised layout (its config.json has an fp8
+`quantization_config`: V3.2 / GLM-5 FP8, V4-Flash FP8 + FP4) loads through `load_quantized_model`, its quantised
+layers served by dsfuse's ops, and each dsfuse row says which kernels served them. Rank 0 prints a table and
+writes `--json`.
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends), as the shared GPU hosts require.
 """
 
@@ -39,6 +44,11 @@ def timed_ms(fn, cuda: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
+def quantized_layers_line(summary: str) -> str:
+    """The report summary's line that says which kernels served the quantised layers ("" when it has none)."""
+    return next((line.strip() for line in summary.splitlines() if "quantised layers" in line), "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
@@ -57,11 +67,12 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
 
-    from transformers import DeepseekV32ForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     import dsfuse
     from dsfuse.models.checkpoint import write_random_checkpoint
+    from dsfuse.models.quantized import load_quantized_model
 
     dtype = torch.bfloat16 if cuda else torch.float32
     checkpoint = Path(args.checkpoint or f"/tmp/dsfuse_{args.preset}_checkpoint")
@@ -70,8 +81,9 @@ def main() -> None:
     dist.barrier()
     sharding = ({"distributed_config": DistributedConfig(tp_size=world, tp_plan="auto", ep_size=world)} if args.ep
                 else {"tp_plan": "auto"})
-    model = DeepseekV32ForCausalLM.from_pretrained(checkpoint, dtype=dtype, experts_implementation="grouped_mm",
-                                                   **sharding).eval()
+    quantized = "quantization_config" in json.loads((checkpoint / "config.json").read_text())
+    load = load_quantized_model if quantized else AutoModelForCausalLM.from_pretrained
+    model = load(checkpoint, dtype=dtype, experts_implementation="grouped_mm", **sharding).eval()
     device = model.device
     rows = []
     for seq in args.seq:
@@ -92,6 +104,8 @@ def main() -> None:
                 row["tok_per_s_per_device"] = args.batch * seq / row["ms"] * 1e3 / world
                 if config == "dsfuse":
                     row["rewritten"] = dsfuse.report().counts
+                    if quantized:
+                        row["quantized_layers"] = quantized_layers_line(dsfuse.report().summary())
                 if cuda:
                     row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30  # this config only
             except torch.OutOfMemoryError:
@@ -101,11 +115,13 @@ def main() -> None:
         print(f"{'S':>6} {'config':<9} {'ms':>9} {'tok/s/device':>13}  notes")
         for r in rows:
             ms = r["ms"]
-            notes = r.get("error") or ",".join(f"{k}={v}" for k, v in r.get("rewritten", {}).items() if v)
+            notes = r.get("error") or " ".join(
+                [",".join(f"{k}={v}" for k, v in r.get("rewritten", {}).items() if v), r.get("quantized_layers", "")])
             print(f"{r['seq']:>6} {r['config']:<9} {round(ms, 2) if ms else '-'!s:>9} "
                   f"{round(r['tok_per_s_per_device']) if ms else '-'!s:>13}  {notes}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"preset": args.preset, "device": "cuda" if cuda else "cpu",
+            Path(args.json).write_text(json.dumps({"preset": args.preset, "checkpoint": str(checkpoint),
+                                                   "quantized": quantized, "device": "cuda" if cuda else "cpu",
                                                    "torch": torch.__version__, "rows": rows}, indent=2))
     dist.destroy_process_group()
 

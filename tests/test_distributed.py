@@ -104,3 +104,22 @@ def test_distributed_prefill_benchmark_runs_on_cpu(checkpoint, tmp_path):
     assert set(rows) == {"eager", "dsfuse"} and all(r["ms"] > 0 and r["world"] == 2 and r["ep"] for r in rows.values())
     assert rows["dsfuse"]["rewritten"]["indexer_topk"] == 2 and rows["dsfuse"]["rewritten"]["sparse_attention"] == 2
     assert "tok/s/device" in done.stdout
+
+
+@pytest.mark.xdist_group("distributed_fp8_unsharded")
+def test_distributed_prefill_benchmark_takes_a_released_fp8_checkpoint(quantized_checkpoints, tmp_path):
+    """The benchmark loads a released-layout checkpoint through `load_quantized_model`, sharded under the tensor- and
+    expert-parallel plan, and its dsfuse row says dsfuse's FP8 kernels served the quantised layers."""
+    out = tmp_path / "fp8.json"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "distributed_prefill.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+           "--checkpoint", str(quantized_checkpoints[0]), "--seq", "12", "--ep", "--configs", "dsfuse", "--repeats",
+           "1", "--json", str(out)]
+    done = launch(cmd)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert result["quantized"] and row["config"] == "dsfuse" and row["ms"] > 0, result
+    assert row["rewritten"]["moe_experts"] == 1 and row["rewritten"]["sparse_attention"] == 2, row
+    assert "(dsfuse's FP8 kernels)" in row["quantized_layers"], row
+    assert "dsfuse's FP8 kernels" in done.stdout
