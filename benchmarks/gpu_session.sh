@@ -4,7 +4,7 @@
 # Steps run in priority order, each under its own time limit (SIGABRT at the limit: a Python run with -X faulthandler
 # prints where it stood), all logging into $OUT/session_log.txt.
 # STEPS="tests model" (names: tests model families model32k decode ablate indexer sparse moe norm hc fuzz, and for
-# released-layout checkpoints qlinears qdecode qgenerate) runs a subset;
+# released-layout checkpoints qlinears qdecode qgenerate qdistributed) runs a subset;
 # MODEL_CONFIGS / MODEL_SEQ / MODEL_LOGITS, DECODE_CONFIGS / DECODE_CONTEXT / DECODE_LIMIT and ABLATE_LIMIT narrow
 # the model steps.
 set -uo pipefail
@@ -74,6 +74,11 @@ if wanted qgenerate; then
       $source --prompt 8192 --batch 1 --new-tokens 64 --configs dsfuse --repeats 2 --profile \
       --json "$OUT/qgenerate_${source##*[ /]}.json"
   done
+fi
+if wanted qdistributed; then  # a machine with several GPUs: the released FP8 layout sharded, tensor and expert parallel
+  checkpoint v32-real-2l /tmp/v32fp8
+  TAIL=12 step 300 "sharded FP8 prefill on $(nvidia-smi -L | wc -l) GPUs" torchrun --nproc_per_node $(nvidia-smi -L | wc -l) \
+    benchmarks/distributed_prefill.py --checkpoint /tmp/v32fp8 --ep --seq 2048 8192 --json "$OUT/qdistributed.json"
 fi
 wanted fuzz && TAIL=15 step ${FUZZ_OPS_LIMIT:-360} "op fuzz (gpu profile)" python3 -P benchmarks/op_fuzz_gpu.py \
   --jobs ${FUZZ_OPS_JOBS:-4} --out "$OUT"
