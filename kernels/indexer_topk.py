@@ -882,8 +882,13 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
 
     mask_fill = float("-inf") if fill is None else float(fill)
     ranges = None
-    if mask_kind == MASK_ADDITIVE or (mask_kind == MASK_BOOL and mask_fill == float("-inf")):
-        ranges = torch.zeros((n_rows, 3), dtype=torch.int32, device=dev)  # see _row_range_kernel
+    use_ranges = mask_kind == MASK_ADDITIVE or (mask_kind == MASK_BOOL and mask_fill == float("-inf"))
+    # the buffers the kernels fill with atomics, zeroed by one fill: the rows' key ranges (`_row_range_kernel`) and,
+    # when the score filter is split, its candidate counts
+    zeroed_size = n_rows * (3 * use_ranges + (splits > 1))
+    zeroed = torch.zeros(zeroed_size, dtype=torch.int32, device=dev) if zeroed_size else None
+    if use_ranges:
+        ranges = zeroed[:3 * n_rows].view(n_rows, 3)
         chunks = max(cdiv(T, 8192), min(cdiv(T, 2048), cdiv(4 * _num_sms(dev), n_rows)))
         keys_per_program = cdiv(T, chunks)
         _row_range_kernel[(n_rows, chunks)](mask3, ranges, S, T, smb, sms, smt, keys_per_program,
@@ -929,7 +934,7 @@ def indexer_topk_triton(q, k, weights, k_scale, mask, softmax_scale, topk,
     if splits == 1:
         count = torch.empty((n_rows,), dtype=torch.int32, device=dev)
     else:
-        count = torch.zeros((n_rows,), dtype=torch.int32, device=dev)
+        count = zeroed[3 * n_rows * use_ranges:]
     fail = torch.empty((n_rows,), dtype=torch.int32, device=dev)
     fuse_select = bool(cfg["fuse_select"]) and splits == 1
     filter_args = (q, k, weights, ks_arg, mask_arg, ranges_arg, thr, cand_score, cand_idx, count, out,
