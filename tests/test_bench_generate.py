@@ -136,3 +136,14 @@ def test_host_step_profile_names_the_work_each_step_repeats():
     work = [ms for name, ms in top.items() if "<genexpr>" in name]
     assert list(top)[0].endswith("<genexpr>") and work[0] > 0, top
     assert any(name.endswith("_decode_step_work") for name in top), top
+
+
+def test_markdown_splits_a_profiled_step_into_gpu_work_and_host_wait():
+    from dsfuse.bench.generate import generate_markdown
+
+    run = {"config": "dsfuse", "batch": 1, "prompt": 8192, "ttft_ms": 30.0, "ms_per_token": 2.5,
+           "step_ms_median": 2.25, "step_ms_max": 2.5, "tok_per_s": 400.0, "padded": False,
+           "step_profile": {"gpu_ms": 1.5}, "step_gpu_idle_ms": 0.75}
+    table = generate_markdown({"env": {}, "preset": "p", "dtype": "bfloat16", "new_tokens": 64, "padded": False,
+                               "prefill_chunk": 4096, "weights_gib": 1.0, "runs": [run]}).splitlines()[-1]
+    assert "step: 1.500 ms of GPU work, 0.750 ms waiting for the host" in table, table

@@ -209,6 +209,8 @@ def bench_generate(args) -> dict:
                         if cuda:
                             row["step_profile"] = decode_step_profile(lambda tokens: call(new_tokens=tokens),
                                                                       args.new_tokens)
+                            if "step_ms_median" in row:  # what of a step the GPU spends waiting for the host
+                                row["step_gpu_idle_ms"] = row["step_ms_median"] - row["step_profile"]["gpu_ms"]
                         row["host_profile"] = host_step_profile(lambda tokens: call(new_tokens=tokens),
                                                                 args.new_tokens)
                     if name == "eager":
@@ -325,6 +327,9 @@ def generate_markdown(results: dict) -> str:
             notes += f" {r['recompiles_timed']} recompiles while timed"
         if r.get("cudagraph_skips"):
             notes += f" {r['cudagraph_skips']} graphs not captured as CUDA graphs"
+        if "step_gpu_idle_ms" in r:
+            notes += (f" step: {r['step_profile']['gpu_ms']:.3f} ms of GPU work, "
+                      f"{r['step_gpu_idle_ms']:.3f} ms waiting for the host")
         if r.get("rewritten"):
             notes += " rewritten " + ",".join(f"{k}={v}" for k, v in r["rewritten"].items())
         step = "-" if r.get("step_ms_median") is None else f"{r['step_ms_median']:.3f} ({r['step_ms_max']:.3f})"
