@@ -44,9 +44,10 @@ def timed_ms(fn, cuda: bool, repeats: int) -> float:
     return statistics.median(times)
 
 
-def quantized_layers_line(summary: str) -> str:
-    """The report summary's line that says which kernels served the quantised layers ("" when it has none)."""
-    return next((line.strip() for line in summary.splitlines() if "quantised layers" in line), "")
+def quantized_layers_note(report) -> str:
+    """The graph note in which dsfuse's backend says which kernels served the quantised layers ("" when none has)."""
+    notes = (part for graph in report.graphs for part in graph.note.split("; "))
+    return next((note for note in notes if note.startswith("quantised layers")), "")
 
 
 def main() -> None:
@@ -105,7 +106,7 @@ def main() -> None:
                 if config == "dsfuse":
                     row["rewritten"] = dsfuse.report().counts
                     if quantized:
-                        row["quantized_layers"] = quantized_layers_line(dsfuse.report().summary())
+                        row["quantized_layers"] = quantized_layers_note(dsfuse.report())
                 if cuda:
                     row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30  # this config only
             except torch.OutOfMemoryError:
