@@ -188,8 +188,8 @@ def step_launches(copy_gbs):
             fn = lambda: torch.ops.dsfuse.fp8_linear(x, ws[0], ss[0], 128, 128)  # noqa: E731
         else:
             fn = lambda: torch.ops.dsfuse.fp8_linears(x, ws, ss, [128] * len(ws), 128)  # noqa: E731
-        entry = {"launch": name, "weight_mb": round(sum(ops.weight_bytes(w, sc) for w, sc in weights) / 1e6, 1)}
-        rows.append(_step_bandwidth(entry, sum(ops.weight_bytes(w, sc) for w, sc in weights), fn, copy_gbs))
+        read = sum(ops.weight_bytes(w, sc) for w, sc in weights)
+        rows.append(_step_bandwidth({"launch": name, "weight_mb": round(read / 1e6, 1)}, read, fn, copy_gbs))
     E, chosen, H, inter = STEP_EXPERTS
     up, down = _weight(2 * inter, H, False, 1, lead=(E,)), _weight(H, inter, False, 2, lead=(E,))
     picked = torch.randperm(E, device="cuda")[:chosen].sort().values

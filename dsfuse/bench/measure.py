@@ -135,12 +135,8 @@ def profile_stages(fn: Callable[[], object], top: int = 24) -> dict:
     kernels, fused = kernel_times(fn)
     summary = kernel_summary(kernels, top)
     total = summary["gpu_ms"] * 1e3
-    return {
-        "gpu_ms": summary["gpu_ms"],
-        "dsfuse_ops_ms": {k: v / 1e3 for k, v in fused.items()},
-        "dsfuse_ops_share": {k: v / total for k, v in fused.items()} if total else {},
-        **{k: v for k, v in summary.items() if k != "gpu_ms"},
-    }
+    return {**summary, "dsfuse_ops_ms": {k: v / 1e3 for k, v in fused.items()},
+            "dsfuse_ops_share": {k: v / total for k, v in fused.items()} if total else {}}
 
 
 def compile_with(model, backend: str | None, options: dict | None):
