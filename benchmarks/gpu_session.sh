@@ -48,8 +48,6 @@ wanted sparse && TAIL=16 step 110 "sparse attention kernels" python3 -P benchmar
 wanted moe && TAIL=16 step 120 "moe_experts kernels" python3 -P benchmarks/moe_experts_gpu.py
 wanted norm && TAIL=12 step 60 "norm_rope_quant kernels" python3 -P benchmarks/norm_rope_quant_gpu.py
 wanted hc && TAIL=14 step 300 "hyper-connection kernels" python3 -P benchmarks/hyper_connections_gpu.py
-# fuzz: the op fuzz suite with the gpu profile, file by file under their own limits (table in $OUT/op_fuzz.md, each
-# file's log in $OUT/op_fuzz_logs), FUZZ_OPS_JOBS files at once; then whole presets at many lengths and batch sizes
 # Released-layout checkpoints (random weights at real dimensions, written here): the FP8 / FP4 linears at decode
 # sizes with their tile sweep; the V3.2 decode step, FP8 against bf16; `generate` ms/step with one decode step's GPU
 # time by kernel and host time by function, V3.2 FP8 and V4-Flash FP4 each beside its bf16 model.
@@ -77,9 +75,12 @@ if wanted qgenerate; then
 fi
 if wanted qdistributed; then  # a machine with several GPUs: the released FP8 layout sharded, tensor and expert parallel
   checkpoint v32-real-2l /tmp/v32fp8
-  TAIL=12 step 300 "sharded FP8 prefill on $(nvidia-smi -L | wc -l) GPUs" torchrun --nproc_per_node $(nvidia-smi -L | wc -l) \
+  gpus=$(nvidia-smi -L | wc -l)
+  TAIL=12 step 300 "sharded FP8 prefill on $gpus GPUs" torchrun --nproc_per_node $gpus \
     benchmarks/distributed_prefill.py --checkpoint /tmp/v32fp8 --ep --seq 2048 8192 --json "$OUT/qdistributed.json"
 fi
+# fuzz: the op fuzz suite with the gpu profile, file by file under their own limits (table in $OUT/op_fuzz.md, each
+# file's log in $OUT/op_fuzz_logs), FUZZ_OPS_JOBS files at once; then whole presets at many lengths and batch sizes
 wanted fuzz && TAIL=15 step ${FUZZ_OPS_LIMIT:-360} "op fuzz (gpu profile)" python3 -P benchmarks/op_fuzz_gpu.py \
   --jobs ${FUZZ_OPS_JOBS:-4} --out "$OUT"
 wanted fuzz && TAIL=40 step ${FUZZ_MODEL_LIMIT:-480} "model fuzz" python3 -P benchmarks/model_fuzz_gpu.py --out "$OUT"
